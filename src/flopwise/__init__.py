@@ -1,0 +1,3 @@
+"""flopwise: plan, train and audit compute-optimal dense LLMs."""
+
+__version__ = "0.1.0"

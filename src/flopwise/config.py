@@ -1,0 +1,299 @@
+"""The one config tree: TOML file + dotted `key=value` overrides, validated by pydantic.
+
+Pure Python (no torch) so the planner can use it. Key names are public interface. Errors become a
+one-line `ConfigError` that names the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from flopwise.errors import ConfigError
+from flopwise.model.presets import ARCH_DEFAULTS, PRESETS
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunConfig(Section):
+    name: str = "demo"
+    dir: str = "runs/demo"
+    seed: int = 1337
+
+
+class RopeScaling(Section):
+    """Llama-3 RoPE frequency scaling (Dubey et al. 2024, used from Llama 3.1 on)."""
+
+    factor: float = Field(gt=0)
+    low_freq_factor: float = Field(gt=0)
+    high_freq_factor: float = Field(gt=0)
+    original_max_seq_len: int = Field(gt=0)
+
+
+class ModelConfig(Section):
+    preset: str | None = None
+    arch: str = "llama"
+    n_layers: int = Field(4, ge=1)
+    d_model: int = Field(256, ge=1)
+    n_heads: int = Field(4, ge=1)
+    n_kv_heads: int | None = Field(None, ge=1, description="default: n_heads (1 = multi-query)")
+    head_dim: int | None = Field(None, ge=1, description="default: d_model // n_heads")
+    ffn_dim: int | None = Field(None, ge=1, description="default: 4·d_model, or 8/3·d_model rounded to 256 for swiglu")
+    vocab_size: int = Field(4096, ge=2)
+    max_seq_len: int = Field(256, ge=1)
+    norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
+    norm_eps: float = Field(1e-5, gt=0)
+    mlp: Literal["swiglu", "gelu", "gelu_tanh", "relu"] = "swiglu"
+    pos: Literal["rope", "learned", "alibi", "relative", "none"] = "rope"
+    rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling: RopeScaling | None = None
+    rotary_pct: float = Field(1.0, gt=0, le=1)
+    pos_offset: int = Field(0, ge=0, description="extra learned-position rows before position 0 (OPT: 2)")
+    tie_embeddings: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = Field(None, ge=1)
+    bias: bool = False
+    parallel_block: bool = False
+    embed_norm: bool = False
+    dropout: float = Field(0.0, ge=0, lt=1)
+    init_std: float = Field(0.02, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        """Resolve arch defaults < preset < explicit keys."""
+        if not isinstance(data, dict):
+            return data
+        preset = data.get("preset")
+        base: dict[str, Any] = {}
+        if preset is not None:
+            if preset not in PRESETS:
+                raise ValueError(f"model.preset: unknown preset {preset!r} (see `flopwise presets`)")
+            base = PRESETS[preset].model_fields()
+        arch = data.get("arch", base.get("arch", "llama"))
+        if arch not in ARCH_DEFAULTS:
+            raise ValueError(f"model.arch: unknown arch {arch!r} (allowed: {', '.join(ARCH_DEFAULTS)})")
+        return {**ARCH_DEFAULTS[arch], **base, **data, "arch": arch}
+
+    @model_validator(mode="after")
+    def _derive_and_check(self) -> "ModelConfig":
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}; "
+                                 "choose a divisor or set model.head_dim")
+            self.head_dim = self.d_model // self.n_heads
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}")
+        if self.ffn_dim is None:
+            self.ffn_dim = 4 * self.d_model if self.mlp != "swiglu" else 256 * -(-(8 * self.d_model // 3) // 256)
+        if self.pos == "rope" and int(self.head_dim * self.rotary_pct) % 2:
+            raise ValueError(f"model.rotary_pct={self.rotary_pct} gives an odd number of rotary dims "
+                             f"for head_dim={self.head_dim}; rotary dims must be even")
+        return self
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rotary_pct)
+
+
+class DataConfig(Section):
+    path: str = Field("builtin:shakespeare", description="prepared data dir (with index.json) or raw text input")
+    tokenizer: str = Field("bpe:4096", description="tokenizer.json path, or bpe:VOCAB to train one")
+    seq_len: int = Field(256, ge=1)
+    val_fraction: float = Field(0.05, ge=0, lt=1)
+
+
+class TrainConfig(Section):
+    steps: int = Field(300, ge=1)
+    stop_after: int | None = Field(None, ge=1, description="end this invocation at this step (schedule still "
+                                   "spans train.steps); resume continues, e.g. across job time limits")
+    global_batch: int = Field(16, ge=1, description="sequences per optimizer step")
+    micro_batch: int = Field(16, ge=1, description="sequences per forward/backward on one rank")
+    dtype: Literal["bf16", "fp32"] = Field("bf16", description="bf16 autocast (fp32 master weights) or fp32")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    compile: bool = False
+    eval_every: int = Field(100, ge=0, description="0 = only at the end")
+    eval_batches: int = Field(8, ge=1)
+    sample_tokens: int = Field(120, ge=0, description="tokens of sample text generated at the end")
+    sample_prompt: str = "Romeo.\n"
+
+
+class OptimConfig(Section):
+    lr: float = Field(3e-3, gt=0)
+    min_lr: float = Field(3e-4, ge=0)
+    warmup_steps: int = Field(30, ge=0)
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="WSD: share of steps spent decaying")
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0, description="0 = off")
+
+
+class ParallelConfig(Section):
+    dp: int | None = Field(None, ge=1, description="default: what is left of the world size")
+    dp_replicate: int = Field(1, ge=1)
+    zero: Literal[0, 1, 2, 3] = 0
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1)
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev"] = "1f1b"
+    virtual_stages: int = Field(1, ge=1)
+    sequence_parallel: bool = False
+    recompute: Literal["none", "selective", "full"] = "none"
+
+
+class CheckpointConfig(Section):
+    interval: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
+    keep: int = Field(2, ge=1)
+    resume: str = Field("auto", description="auto (latest complete), none, or a checkpoint path")
+
+
+class LogConfig(Section):
+    every: int = Field(10, ge=1)
+    tensorboard: bool = False
+
+
+class ClusterConfig(Section):
+    hardware: str = "cpu"
+    gpus: int = Field(1, ge=1)
+    gpus_per_node: int = Field(8, ge=1)
+
+
+class Config(Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    optim: OptimConfig = OptimConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+    cluster: ClusterConfig = ClusterConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Config":
+        m, t = self.model, self.train
+        if self.data.seq_len > m.max_seq_len:
+            raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
+                             "lower data.seq_len or raise model.max_seq_len")
+        if t.global_batch % t.micro_batch:
+            raise ValueError(f"train.micro_batch={t.micro_batch} does not divide "
+                             f"train.global_batch={t.global_batch}")
+        if self.optim.min_lr > self.optim.lr:
+            raise ValueError(f"optim.min_lr={self.optim.min_lr} exceeds optim.lr={self.optim.lr}")
+        if self.optim.warmup_steps > t.steps:
+            raise ValueError(f"optim.warmup_steps={self.optim.warmup_steps} exceeds train.steps={t.steps}")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def builtin_config_path(name: str) -> Path:
+    return Path(str(resources.files("flopwise") / "configs" / f"{name}.toml"))
+
+
+def _read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.suffix and not p.exists() and builtin_config_path(str(path)).exists():
+        p = builtin_config_path(str(path))
+    if not p.is_file():
+        raise ConfigError(f"config file {path}: not found (give a .toml path or a built-in name such as 'demo')")
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {p}: not valid TOML ({e})") from None
+
+
+def parse_value(text: str) -> Any:
+    """A TOML literal (1, 2.5, true, "x", [1, 2]) or, failing that, the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(tree: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=200")
+    key, _, value = item.partition("=")
+    parts = key.strip().split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f"override {item!r}: key must be section.name, e.g. model.n_layers=4")
+    node = tree
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {p} is not a section")
+        node = child
+    node[parts[-1]] = parse_value(value.strip())
+
+
+def _format_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        section = _section_model(err["loc"][:-1])
+        allowed = ", ".join(section.model_fields) if section else ""
+        return f"unknown key {loc!r}" + (f" (allowed here: {allowed})" if allowed else "")
+    if err["type"] in ("model_type", "dict_type"):
+        return f"{loc}: expected a section (table), got {err['input']!r}"
+    value = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+    return f"{loc}: {msg}{value}" if loc and not msg.startswith(loc.split(".")[0] + ".") else msg
+
+
+def _section_model(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def validate(tree: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(f"config error: {_format_error(e)}") from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load TOML (a path, a built-in name, or none for defaults), apply overrides, validate."""
+    tree = _read_toml(path) if path is not None else {}
+    for item in overrides:
+        apply_override(tree, item)
+    return validate(tree)
+
+
+def split_cli_args(args: list[str] | None) -> tuple[str | None, list[str]]:
+    """`[CONFIG] [key=value ...]`: the first argument is a config unless it is an override."""
+    args = list(args or [])
+    if args and "=" not in args[0]:
+        return args[0], args[1:]
+    return None, args
+
+
+def to_toml(cfg: Config) -> str:
+    return tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True))
+
+
+def config_hash(cfg: Config) -> str:
+    import hashlib
+
+    return hashlib.sha256(to_toml(cfg).encode()).hexdigest()[:16]

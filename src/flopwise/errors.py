@@ -1,0 +1,18 @@
+"""User-facing errors: one line that names the field and the fix; the CLI prints them without a
+traceback and exits with code 2."""
+
+
+class FlopwiseError(Exception):
+    """A problem the user can fix (bad config, bad data, bad checkpoint)."""
+
+
+class ConfigError(FlopwiseError):
+    pass
+
+
+class DataError(FlopwiseError):
+    pass
+
+
+class CheckpointError(FlopwiseError):
+    pass

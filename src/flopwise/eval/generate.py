@@ -1,0 +1,55 @@
+"""Sampling with a KV cache (or by full recomputation, the reference the cache is tested against)."""
+
+from __future__ import annotations
+
+import torch
+
+from flopwise.model.layers import KVCache
+from flopwise.model.transformer import Transformer
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+                gen: torch.Generator | None) -> torch.Tensor:
+    """logits (b, vocab) -> next ids (b,). temperature 0 is greedy."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest prefix reaching top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.multinomial(logits.softmax(-1), 1, generator=gen).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+             use_cache: bool = True, stop_id: int | None = None) -> list[int]:
+    """Continue `prompt`; stops at max_new_tokens, at `stop_id`, or at the model's max_seq_len."""
+    model.eval()
+    device = model.tok_embeddings.weight.device
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    limit = model.cfg.max_seq_len
+    ids = list(prompt)[-limit:]
+    if not ids:
+        raise ValueError("generate needs a non-empty prompt")
+    n_new = min(max_new_tokens, limit - len(ids)) if use_cache else max_new_tokens
+    cache = KVCache(model.cfg, 1, len(ids) + n_new, device, model.tok_embeddings.weight.dtype) if use_cache else None
+    step_input = torch.tensor([ids], device=device)
+    out = []
+    for _ in range(n_new):
+        if cache is not None:
+            logits = model(step_input, cache)[:, -1]
+        else:
+            logits = model(torch.tensor([(ids + out)[-limit:]], device=device))[:, -1]
+        nxt = int(sample_next(logits, temperature, top_k, top_p, gen))
+        out.append(nxt)
+        if nxt == stop_id:
+            break
+        step_input = torch.tensor([[nxt]], device=device)
+    return out

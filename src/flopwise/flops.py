@@ -1,0 +1,94 @@
+"""THE parameter and FLOP convention, used by the trainer's MFU, the planner and the auditor.
+
+Pure Python. Conventions (stated in every output that uses them):
+- A multiply-accumulate is 2 FLOPs. Training = forward + backward = 3× forward.
+- Matmul FLOPs count every weight matrix a token passes through, the output head included (tied or
+  not); embedding lookups, norms, biases and softmax are not counted (PaLM App. B; Narayanan et al.
+  2021 eq. 3; Korthikanti et al. 2022 eq. 7 count the same things).
+- Attention scores (QKᵀ and AV) cost 2·2·s·h_q·d_head FLOPs per token per layer in the forward
+  over the full context s, not halved for causality: PaLM's 6N + 12·L·H·Q·T convention. A sliding
+  window w caps s at w; Transformer-XL relative positions add one more score matmul.
+- MFU counts model FLOPs only (no recompute); HFU adds what activation recomputation reruns:
+  full recompute reruns every layer's forward (Narayanan's 96·B·s·l·h² form), selective recompute
+  reruns the attention-score forward. Korthikanti eq. 8 books selective recompute at 3× that; we
+  count what is executed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from flopwise.config import ModelConfig
+
+Recompute = Literal["none", "selective", "full"]
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    total: int
+    embedding: int  # token (+ learned position) embeddings, and the output head when untied
+    layer_matmul: int  # weight-matrix entries inside the blocks (per model, all layers)
+    head_matmul: int  # output head entries (counted for FLOPs whether tied or not)
+
+    @property
+    def non_embedding(self) -> int:
+        return self.total - self.embedding
+
+
+def _norm(m: ModelConfig, dim: int) -> int:
+    return dim * (2 if (m.norm == "layernorm" and m.bias) else 1)
+
+
+def count_params(m: ModelConfig) -> ParamCount:
+    """Exact parameter count of the model `flopwise.model.Transformer(m)` builds (tested)."""
+    d, hq, hkv, f = m.d_model, m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.ffn_dim
+    n_ffn_in = 2 if m.mlp == "swiglu" else 1
+    attn_mm = d * hq + 2 * d * hkv + hq * d + (d * hq if m.pos == "relative" else 0)
+    mlp_mm = n_ffn_in * d * f + f * d
+    layer_mm = attn_mm + mlp_mm
+    layer_other = 2 * _norm(m, d)
+    if m.bias:
+        layer_other += hq + 2 * hkv + d + n_ffn_in * f + d
+    if m.qk_norm:
+        layer_other += 2 * m.head_dim
+    if m.pos == "relative":
+        layer_other += 2 * hq  # Transformer-XL's u and v content/position biases
+    tok = m.vocab_size * d
+    pos = (m.max_seq_len + m.pos_offset) * d if m.pos == "learned" else 0
+    head = 0 if m.tie_embeddings else m.vocab_size * d
+    other = _norm(m, d) + (_norm(m, d) if m.embed_norm else 0)
+    total = tok + pos + head + other + m.n_layers * (layer_mm + layer_other)
+    return ParamCount(total=total, embedding=tok + pos + head, layer_matmul=m.n_layers * layer_mm,
+                      head_matmul=m.vocab_size * d)
+
+
+def attention_flops_per_token(m: ModelConfig, seq_len: int) -> int:
+    """Forward FLOPs of the attention scores per token, all layers."""
+    context = min(seq_len, m.sliding_window) if m.sliding_window else seq_len
+    score_matmuls = 3 if m.pos == "relative" else 2
+    return m.n_layers * 2 * score_matmuls * context * m.n_heads * m.head_dim
+
+
+def flops_per_token(m: ModelConfig, seq_len: int, recompute: Recompute = "none") -> int:
+    """Training FLOPs per token (forward + backward), plus the recomputed forward work if asked.
+
+    recompute="none" gives model FLOPs (the MFU numerator); other values give hardware FLOPs.
+    """
+    p = count_params(m)
+    attn = attention_flops_per_token(m, seq_len)
+    model = 6 * (p.layer_matmul + p.head_matmul) + 3 * attn
+    if recompute == "full":
+        return model + 2 * p.layer_matmul + attn
+    if recompute == "selective":
+        return model + attn
+    return model
+
+
+def flops_per_step(m: ModelConfig, seq_len: int, global_batch: int, recompute: Recompute = "none") -> int:
+    return flops_per_token(m, seq_len, recompute) * seq_len * global_batch
+
+
+def mfu(tokens_per_s: float, flops_per_token_: float, peak_flops: float) -> float:
+    """Achieved model FLOP/s over the peak of all devices in use."""
+    return tokens_per_s * flops_per_token_ / peak_flops

@@ -1,0 +1,90 @@
+"""The one hardware catalogue: dense peak FLOP/s per dtype, memory, links. Pure Python.
+
+Bandwidths are per device and per direction. Sources are given per entry; "V" = read in the
+vendor datasheet or the paper that used the number, "V2" = secondary copy, "U" = unverified. The
+`cpu` entry has no fixed peak: the trainer measures a matmul ceiling on the machine it runs on.
+Extend with a TOML file whose tables have the same field names (`load_catalogue`).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flopwise.errors import ConfigError
+
+GB = 1e9
+GiB = 2**30
+TB = 1e12
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: dict[str, float]  # dense (no 2:4 sparsity) FLOP/s by dtype: bf16, fp16, fp32, fp8
+    memory_bytes: float
+    memory_bw: float  # bytes/s
+    intra_node_bw: float  # bytes/s per device per direction (NVLink, ICI)
+    inter_node_bw: float  # bytes/s per device per direction (InfiniBand/RoCE/DCN)
+    devices_per_node: int
+    source: str
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def peak(self, dtype: str) -> float | None:
+        return self.peak_flops.get(dtype)
+
+
+CATALOGUE: dict[str, Hardware] = {h.name: h for h in [
+    Hardware("v100-32gb", {"fp16": 125e12, "fp32": 15.7e12}, 32 * GiB, 900 * GB, 150 * GB, 12.5 * GB, 8,
+             "V2/U: NVIDIA V100 datasheet (125 TFLOP/s tensor); NVLink2 300 GB/s bidirectional; 100 Gb/s IB",
+             notes="no bf16 tensor cores: bf16 runs are not supported at speed"),
+    Hardware("a100-40gb", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, 40 * GiB,
+             1555 * GB, 300 * GB, 25 * GB, 8,
+             "V: 312 TFLOP/s in Narayanan et al. 2021 §5 and PaLM App. B; V2: NVIDIA A100 datasheet; "
+             "8x 200 Gb/s HDR per node (Selene)"),
+    Hardware("a100-80gb", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, 80 * GiB,
+             2039 * GB, 300 * GB, 25 * GB, 8,
+             "V: Narayanan et al. 2021 (312 TFLOP/s, 8x HDR 200 Gb/s per DGX A100); V2: NVIDIA datasheet"),
+    Hardware("h100-sxm", {"bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12, "tf32": 494.7e12, "fp32": 66.9e12},
+             80 * GiB, 3350 * GB, 450 * GB, 50 * GB, 8,
+             "V2: NVIDIA H100 datasheet (989 dense bf16); NVLink4 900 GB/s bidirectional; "
+             "V: Llama 3 paper, 400 Gb/s per GPU RoCE/IB"),
+    Hardware("h200", {"bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12, "tf32": 494.7e12, "fp32": 66.9e12},
+             141 * GB, 4800 * GB, 450 * GB, 50 * GB, 8,
+             "V2: NVIDIA H200 datasheet / MLCommons system description (141 GB HBM3e, 4.8 TB/s)"),
+    Hardware("b200", {"bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12, "fp32": 80e12}, 180 * GB, 8000 * GB,
+             900 * GB, 50 * GB, 8,
+             "U: NVIDIA HGX B200 spec sheet (dense = half the sparse figures); NVLink5 1.8 TB/s bidirectional"),
+    Hardware("tpu-v3", {"bf16": 123e12}, 32 * GiB, 900 * GB, 82 * GB, 82 * GB, 4,
+             "V2: 123 TFLOP/s bf16 per chip (LaMDA); U: memory and ICI", notes="ICI is the only fabric in a pod"),
+    Hardware("tpu-v4", {"bf16": 275e12}, 32 * GiB, 1200 * GB, 135 * GB, 135 * GB, 4,
+             "V: 275 TFLOP/s in PaLM App. B; U: memory and ICI (6 links)", notes="ICI is the only fabric in a pod"),
+    Hardware("tpu-v5p", {"bf16": 459e12, "fp8": 918e12}, 95 * GB, 2765 * GB, 300 * GB, 300 * GB, 4,
+             "U: Google Cloud TPU v5p spec (459 TFLOP/s bf16, 95 GB HBM2e, 4800 Gb/s ICI)"),
+    Hardware("cpu", {}, 0.0, 0.0, 0.0, 0.0, 1,
+             "measured: flopwise times a square matmul in the training dtype on the machine it runs on"),
+]}
+
+
+def get_hardware(name: str, catalogue: dict[str, Hardware] | None = None) -> Hardware:
+    cat = catalogue or CATALOGUE
+    if name not in cat:
+        raise ConfigError(f"cluster.hardware: unknown hardware {name!r} (known: {', '.join(cat)})")
+    return cat[name]
+
+
+def load_catalogue(path: str | Path) -> dict[str, Hardware]:
+    """The built-in catalogue plus the entries of a TOML file (one table per device)."""
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"hardware file {path}: cannot read ({e})") from None
+    cat = dict(CATALOGUE)
+    for name, fields in data.items():
+        try:
+            cat[name] = Hardware(name=name, **fields)
+        except TypeError as e:
+            raise ConfigError(f"hardware file {path}: [{name}] {e}") from None
+    return cat

@@ -1,0 +1,1 @@
+"""Model package. `presets` is pure Python; `transformer`/`layers` import torch (import them directly)."""

@@ -1,0 +1,127 @@
+"""The dense decoder-only Transformer: a plain nn.Module. Parallelism, activation checkpointing
+and compilation are applied from outside (flopwise.parallel.apply).
+
+Initialisation (`init_weights`): every weight matrix and embedding ~ N(0, init_std) (0.02 by
+default, GPT-2), the residual output projections (attention.wo, feed_forward.w2) ~ N(0,
+init_std/√(2·n_layers)) so the residual stream's variance does not grow with depth (GPT-2,
+Megatron); biases 0, norm gains 1, Transformer-XL biases u, v 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from flopwise.config import ModelConfig
+from flopwise.model.layers import AttnContext, Block, KVCache, alibi_slopes, make_norm, rope_cos_sin
+
+
+class Transformer(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.cfg = m
+        self.tok_embeddings = nn.Embedding(m.vocab_size, m.d_model)
+        self.pos_embeddings = nn.Embedding(m.max_seq_len + m.pos_offset, m.d_model) if m.pos == "learned" else None
+        self.embed_norm = make_norm(m, m.d_model) if m.embed_norm else None
+        self.dropout = nn.Dropout(m.dropout)
+        self.layers = nn.ModuleDict({str(i): Block(m, i) for i in range(m.n_layers)})
+        self.norm = make_norm(m, m.d_model)
+        self.output = nn.Linear(m.d_model, m.vocab_size, bias=False)
+        self.tie_weights()
+        self.reset_buffers()
+
+    def tie_weights(self) -> None:
+        """Share the head with the embedding; redo after `to_empty`, which unties parameters."""
+        if self.cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def reset_buffers(self) -> None:
+        m = self.cfg
+        if m.pos == "rope":
+            cos, sin = rope_cos_sin(m, m.max_seq_len)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        if m.pos == "alibi":
+            self.register_buffer("alibi", alibi_slopes(m.n_heads), persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise parameters (and recompute buffers, e.g. after `to_empty` from meta)."""
+        m = self.cfg
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device="cpu").manual_seed(seed)
+        resid_std = m.init_std / math.sqrt(2 * m.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                std = resid_std
+            elif p.dim() >= 2:
+                std = m.init_std
+            else:
+                is_gain = "norm" in name and name.endswith("weight")
+                p.fill_(1.0 if is_gain else 0.0)
+                continue
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))
+        for module in self.modules():
+            if hasattr(module, "reset_buffers"):
+                module.reset_buffers()
+        self.to(self.tok_embeddings.weight.device)
+
+    def context(self, start: int, t: int, device: torch.device) -> AttnContext:
+        m = self.cfg
+        q_pos = torch.arange(start, start + t, device=device)
+        k_pos = torch.arange(0, start + t, device=device)
+        cos = sin = None
+        if m.pos == "rope":
+            cos, sin = self.rope_cos[q_pos], self.rope_sin[q_pos]
+        allowed = None
+        if m.sliding_window or start > 0:
+            allowed = k_pos[None, :] <= q_pos[:, None]
+            if m.sliding_window:
+                allowed = allowed & (q_pos[:, None] - k_pos[None, :] < m.sliding_window)
+        if m.pos == "alibi":
+            dist = (q_pos[:, None] - k_pos[None, :]).float()
+            bias = -self.alibi[:, None, None] * dist
+            keep = allowed if allowed is not None else (k_pos[None, :] <= q_pos[:, None])
+            return AttnContext(q_pos, k_pos, cos, sin, bias.masked_fill(~keep, float("-inf")), False)
+        is_causal = allowed is None and m.pos != "relative"
+        if m.pos == "relative" and allowed is None:
+            allowed = k_pos[None, :] <= q_pos[:, None]
+        return AttnContext(q_pos, k_pos, cos, sin, allowed, is_causal)
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """tokens (b, t) -> logits (b, t, vocab)."""
+        start = cache.pos if cache is not None else 0
+        t = tokens.shape[1]
+        if start + t > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {start + t} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        h = self.tok_embeddings(tokens)
+        if self.pos_embeddings is not None:
+            pos = torch.arange(start, start + t, device=tokens.device) + self.cfg.pos_offset
+            h = h + self.pos_embeddings(pos)
+        if self.embed_norm is not None:
+            h = self.embed_norm(h)
+        h = self.dropout(h)
+        ctx = self.context(start, t, tokens.device)
+        for layer in self.layers.values():
+            h = layer(h, ctx, cache)
+        if cache is not None:
+            cache.pos += t
+        return self.output(self.norm(h))
+
+
+def build_model(m: ModelConfig, device: str | torch.device = "cpu", seed: int | None = None) -> Transformer:
+    """Build on the meta device (no memory), then materialise on `device` and initialise.
+
+    `device="meta"` returns the unmaterialised model, e.g. to count a 405B preset's parameters.
+    """
+    with torch.device("meta"):
+        model = Transformer(m)
+    if str(device) == "meta":
+        return model
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.init_weights(seed)
+    return model

@@ -1,0 +1,182 @@
+"""Checkpoints in torch.distributed.checkpoint (DCP) format, written atomically.
+
+  <run.dir>/checkpoints/step-NNNNNNNN/
+    .metadata, __*_*.distcp   model + optimizer state (DCP: sharded, reshardable on load)
+    state.json                step, loader position, RNG states, config (TOML), data fingerprint
+    tokenizer.json            so the checkpoint is self-contained for eval/generate/export
+    manifest.json             written last: every file with its size and sha256
+
+Everything is written into `step-N.tmp/` and renamed when complete; a folder without a valid
+manifest is never taken as a checkpoint. Nothing here unpickles: DCP tensors, JSON for the rest.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from flopwise.errors import CheckpointError
+
+MANIFEST = "manifest.json"
+STATE = "state.json"
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step-{step:08d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def rng_state() -> dict:
+    state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available():
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    def tensor(b64: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(b64)), dtype=torch.uint8)
+
+    torch.set_rng_state(tensor(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])
+
+
+def save(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         state: dict, files: dict[str, Path] | None = None, keep: int = 2) -> Path:
+    """Write checkpoint `step` atomically and keep the newest `keep` complete ones."""
+    final = step_dir(run_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if _is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    msd, osd = get_state_dict(model, optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming single process" when no process group exists
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+    if _is_main():
+        (tmp / STATE).write_text(json.dumps({**state, "step": step}))
+        for name, src in (files or {}).items():
+            shutil.copyfile(src, tmp / name)
+        entries = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
+        manifest = tmp / MANIFEST
+        manifest.write_text(json.dumps({"step": step, "files": entries}))
+        for p in tmp.iterdir():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        prune(run_dir, keep)
+    _barrier()
+    return final
+
+
+def is_complete(path: Path) -> bool:
+    """A checkpoint is complete when its manifest lists exactly the files present, with their sizes."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+        return all((path / name).is_file() and (path / name).stat().st_size == meta["bytes"]
+                   and Path(name).name == name for name, meta in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def list_complete(run_dir: str | Path) -> list[Path]:
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp")]
+    return sorted((p for p in found if is_complete(p)), key=lambda p: p.name)
+
+
+def latest(run_dir: str | Path) -> Path | None:
+    done = list_complete(run_dir)
+    return done[-1] if done else None
+
+
+def prune(run_dir: str | Path, keep: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints (never the newest one)."""
+    for old in list_complete(run_dir)[:-max(1, keep)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint folder, or a run folder (-> its newest complete checkpoint)."""
+    p = Path(path)
+    if (p / MANIFEST).exists():
+        if not is_complete(p):
+            raise CheckpointError(f"checkpoint {p}: incomplete or damaged (manifest does not match the files)")
+        return p
+    found = latest(p)
+    if found is None:
+        raise CheckpointError(f"{p}: no complete checkpoint here (expected a run dir or a step-N folder)")
+    return found
+
+
+def read_state(path: Path) -> dict:
+    try:
+        return json.loads((path / STATE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: cannot read {STATE} ({e})") from None
+
+
+def _reason(e: Exception) -> str:
+    """The informative line of a (possibly multi-rank, traceback-laden) DCP error."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error:" in ln or "Missing key" in ln or "size mismatch" in ln]
+    return (errors[-1] if errors else lines[0] if lines else type(e).__name__)[:200]
+
+
+def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Load model (and optimizer) state into the given, already built and parallelized objects."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            if optimizer is None:
+                sd = {"model": get_model_state_dict(model)}
+                dcp.load(sd, checkpoint_id=str(path))
+                set_model_state_dict(model, sd["model"], options=StateDictOptions(strict=True))
+            else:
+                msd, osd = get_state_dict(model, optimizer)
+                sd = {"model": msd, "optim": osd}
+                dcp.load(sd, checkpoint_id=str(path))
+                set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
+            raise CheckpointError(f"checkpoint {path}: does not fit this model/layout ({_reason(e)})") from None
+    return read_state(path)

@@ -1,0 +1,57 @@
+"""AdamW with decoupled weight decay on matrices only, and the learning-rate schedules."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from flopwise.config import OptimConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay weight matrices; not norms, biases or embeddings (their scale is not a capacity knob)."""
+    decay, no_decay, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        is_embedding = "embeddings" in name
+        (decay if p.dim() >= 2 and not is_embedding else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
+    """Fused AdamW where this torch build has it for the parameters' device, else foreach."""
+    groups = param_groups(model, o.weight_decay)
+    kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    try:
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+def lr_at(step: int, o: OptimConfig, total_steps: int) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then the schedule.
+
+    cosine: from lr to min_lr over the remaining steps. linear: the same, straight.
+    wsd (warmup-stable-decay, Hu et al. 2024): lr until the last `decay_fraction` of the steps,
+    then linear to min_lr. constant: lr after warmup.
+    """
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    if o.schedule == "constant":
+        return o.lr
+    if o.schedule == "wsd":
+        decay_steps = max(1, round(o.decay_fraction * total_steps))
+        start = total_steps - decay_steps
+        if step < start:
+            return o.lr
+        progress = min(1.0, (step - start + 1) / decay_steps)
+        return o.lr - (o.lr - o.min_lr) * progress
+    span = max(1, total_steps - o.warmup_steps - 1)
+    progress = min(1.0, (step - o.warmup_steps) / span)
+    if o.schedule == "linear":
+        return o.lr - (o.lr - o.min_lr) * progress
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))

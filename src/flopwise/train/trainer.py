@@ -1,0 +1,273 @@
+"""The training loop: data -> step -> optimizer -> metrics -> eval -> checkpoint.
+
+Data flows one way: the config is resolved, data prepared, the model built and parallelized, and
+the loop gets them ready-made. Everything a restart needs (model, optimizer, loader position, RNG,
+step; the LR schedule is a pure function of the step) is saved together and restored together, so
+a resumed run reproduces the uninterrupted one step for step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from flopwise.config import Config, config_hash, to_toml, validate
+from flopwise.data.loader import TokenLoader, eval_batches
+from flopwise.data.shards import prepare, read_index, tokenizer_of
+from flopwise.data.tokenizer import load_tokenizer
+from flopwise.errors import CheckpointError, ConfigError
+from flopwise.eval.generate import generate
+from flopwise.flops import count_params, flops_per_token, mfu
+from flopwise.model.transformer import Transformer, build_model
+from flopwise.parallel.apply import parallelize
+from flopwise.train import checkpoint
+from flopwise.train.metrics import MetricsWriter, device_peak, plot_loss_curve, read_metrics
+from flopwise.train.optim import build_optimizer, lr_at
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    tokens: int
+    train_loss: float
+    val_loss: float | None
+    unigram_entropy: float
+    tokens_per_s: float
+    mfu: float
+    peak_flops: float
+    peak_source: str
+    seconds: float
+    checkpoint: Path | None
+    plot: Path | None = None
+    sample: str = ""
+    losses: list[float] = field(default_factory=list)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda: no CUDA device is visible; use train.device=cpu or auto")
+    return torch.device(name)
+
+
+def ensure_data(cfg: Config, run_dir: Path, console: Console) -> Path:
+    """A prepared data dir as given, or the raw input of data.path prepared under <run.dir>/data."""
+    d = cfg.data
+    given = Path(d.path)
+    if not d.path.startswith("builtin:") and (given / "index.json").exists():
+        return given
+    out = run_dir / "data"
+    recipe = {"inputs": [d.path], "tokenizer": d.tokenizer, "val_fraction": d.val_fraction, "seed": cfg.run.seed}
+    recipe_file = out / "recipe.json"
+    if recipe_file.exists() and json.loads(recipe_file.read_text()) == recipe and (out / "index.json").exists():
+        return out
+    console.print(f"[bold]preparing data[/] {d.path} -> {out} (tokenizer {d.tokenizer})")
+    stats = prepare([d.path], out, tokenizer=d.tokenizer, val_fraction=d.val_fraction, seed=cfg.run.seed)
+    recipe_file.write_text(json.dumps(recipe))
+    console.print(f"  {stats.documents} documents, {stats.tokens:,} tokens ({stats.splits['train']:,} train / "
+                  f"{stats.splits['val']:,} val), {stats.bytes / 1e6:.1f} MB in {stats.seconds:.1f} s "
+                  f"({stats.tokens_per_s / 1e3:.0f}k tokens/s)")
+    return out
+
+
+def autocast(device: torch.device, dtype: str):
+    if dtype == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def lm_loss(model: torch.nn.Module, batch: torch.Tensor, device: torch.device, dtype: str) -> torch.Tensor:
+    """Mean next-token cross-entropy of a (b, s + 1) batch, computed in fp32."""
+    x, y = batch[:, :-1], batch[:, 1:]
+    with autocast(device, dtype):
+        logits = model(x)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data_dir: Path, cfg: Config, device: torch.device) -> float:
+    model.eval()
+    losses = [lm_loss(model, b.to(device), device, cfg.train.dtype).item()
+              for b in eval_batches(data_dir, cfg.data.seq_len, cfg.train.micro_batch, cfg.train.eval_batches)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def _resume_point(cfg: Config, run_dir: Path) -> Path | None:
+    r = cfg.checkpoint.resume
+    if r == "none":
+        return None
+    if r == "auto":
+        return checkpoint.latest(run_dir)
+    return checkpoint.resolve(r)
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=False)
+
+
+def train(cfg: Config, console: Console | None = None) -> TrainResult:
+    console = console or Console()
+    t_start = time.perf_counter()
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.run.seed)
+    device = resolve_device(cfg.train.device)
+    if cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp * (cfg.parallel.dp or 1) * cfg.parallel.dp_replicate != 1:
+        raise ConfigError("parallel.*: degrees above 1 need a launch with torchrun whose world size is their product")
+
+    data_dir = ensure_data(cfg, run_dir, console)
+    meta = read_index(data_dir)
+    if meta["vocab_size"] > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                          f"{meta['vocab_size']}; set model.vocab_size>={meta['vocab_size']}")
+    tokenizer = tokenizer_of(data_dir)
+
+    model: Transformer = build_model(cfg.model, device, seed=cfg.run.seed)
+    model = parallelize(model, cfg)
+    optimizer = build_optimizer(model, cfg.optim)
+    loader = TokenLoader(data_dir, "train", cfg.data.seq_len, cfg.train.global_batch, cfg.run.seed)
+
+    start_step, resumed_from = 0, _resume_point(cfg, run_dir)
+    metrics_path = run_dir / "metrics.jsonl"
+    if resumed_from is not None:
+        state = checkpoint.load(resumed_from, model, optimizer)
+        loader.load_state_dict(state["loader"])
+        checkpoint.set_rng_state(state["rng"])
+        start_step = int(state["step"])
+        kept = [r for r in read_metrics(metrics_path) if r["step"] <= start_step]
+        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        console.print(f"[bold]resumed[/] from {resumed_from} at step {start_step}")
+    else:
+        metrics_path.unlink(missing_ok=True)
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+
+    seq, gb, mb = cfg.data.seq_len, cfg.train.global_batch, cfg.train.micro_batch
+    tokens_per_step = gb * seq
+    fpt = flops_per_token(cfg.model, seq)
+    peak, peak_source = device_peak(cfg.cluster.hardware, cfg.train.dtype, device)
+    n_params = count_params(cfg.model)
+    console.print(f"[bold]model[/] {n_params.total / 1e6:.2f}M params ({n_params.non_embedding / 1e6:.2f}M "
+                  f"non-embedding), {fpt / 1e6:.1f} MFLOP/token (model FLOPs, 6N + attention); "
+                  f"{device.type} {cfg.train.dtype}; MFU vs {peak / 1e9:.0f} GFLOP/s ({peak_source})")
+    writer = MetricsWriter(run_dir, cfg.log.tensorboard)
+    params = [p for p in model.parameters() if p.requires_grad]
+    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+
+    def save(step: int) -> Path:
+        state = {"loader": loader.state_dict(), "rng": checkpoint.rng_state(), "config": to_toml(cfg),
+                 "config_hash": config_hash(cfg), "layout": {"world_size": 1}}
+        return checkpoint.save(run_dir, step, model, optimizer, state,
+                               files={"tokenizer.json": data_dir / meta["tokenizer"]}, keep=cfg.checkpoint.keep)
+
+    losses: list[float] = []
+    window_tokens, window_time, last_tps, last_mfu = 0, 0.0, 0.0, 0.0
+    val_loss, last_ckpt = None, resumed_from
+    model.train()
+    end_step = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+    with _progress(console) as bar:
+        task = bar.add_task("train", total=cfg.train.steps, completed=start_step, info="")
+        for step in range(start_step, end_step):
+            t0 = time.perf_counter()
+            lr = lr_at(step, cfg.optim, cfg.train.steps)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            batch = loader.next_batch().to(device)
+            loss_sum = torch.zeros((), device=device)
+            for micro in batch.split(mb):
+                loss = lm_loss(model, micro, device, cfg.train.dtype) * (micro.shape[0] / gb)
+                loss.backward()
+                loss_sum += loss.detach()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_value = loss_sum.item()
+            dt = time.perf_counter() - t0
+            losses.append(loss_value)
+            done = step + 1
+            window_tokens += tokens_per_step
+            window_time += dt
+            last = done == end_step
+            if done % cfg.log.every == 0 or last:
+                last_tps = window_tokens / window_time
+                last_mfu = mfu(last_tps, fpt, peak)
+                record = {"step": done, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+                          "tokens_per_s": last_tps, "mfu": last_mfu, "tokens": done * tokens_per_step,
+                          "step_time_s": dt}
+                writer.write(record)
+                if not console.is_terminal:  # a log file gets lines, a terminal gets the live bar
+                    console.print(f"step {done}/{cfg.train.steps} loss {loss_value:.4f} lr {lr:.2e} "
+                                  f"grad_norm {float(grad_norm):.3f} {last_tps:,.0f} tok/s MFU {100 * last_mfu:.1f}%",
+                                  highlight=False)
+                window_tokens, window_time = 0, 0.0
+            if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or last:
+                val_loss = evaluate(model, data_dir, cfg, device)
+                writer.write({"step": done, "val_loss": val_loss})
+            if (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0) or last:
+                last_ckpt = save(done)
+            val = f" val {val_loss:.3f}" if val_loss is not None else ""
+            bar.update(task, completed=done, info=f"loss {loss_value:.3f}{val} | {last_tps:,.0f} tok/s | "
+                                                 f"MFU {100 * last_mfu:.1f}%")
+    writer.close()
+
+    plot = None
+    if metrics_path.exists() and read_metrics(metrics_path):
+        plot = plot_loss_curve(metrics_path, run_dir / "loss.png", title=f"{cfg.run.name}: {n_params.total / 1e6:.1f}M params")
+    sample = ""
+    if cfg.train.sample_tokens:
+        base = model
+        prompt = tokenizer.encode(cfg.train.sample_prompt).ids
+        with autocast(device, cfg.train.dtype):
+            ids = generate(base, prompt, cfg.train.sample_tokens, temperature=0.8, top_k=50, seed=cfg.run.seed)
+        sample = tokenizer.decode(prompt + ids)
+    final_loss = losses[-1] if losses else float("nan")
+    if val_loss is None and start_step == end_step:
+        val_loss = evaluate(model, data_dir, cfg, device)
+    return TrainResult(run_dir, end_step, end_step * tokens_per_step, final_loss, val_loss,
+                       meta["unigram_entropy_nats"], last_tps, last_mfu, peak, peak_source,
+                       time.perf_counter() - t_start, last_ckpt, plot, sample, losses)
+
+
+def summary_table(r: TrainResult) -> Table:
+    t = Table(title="run summary", show_header=False)
+    t.add_row("run dir", str(r.run_dir))
+    t.add_row("steps / tokens", f"{r.steps:,} / {r.tokens:,}")
+    t.add_row("final train loss", f"{r.train_loss:.4f}")
+    if r.val_loss is not None:
+        t.add_row("val loss (ppl)", f"{r.val_loss:.4f} ({math.exp(r.val_loss):.1f})")
+    t.add_row("unigram entropy of the data", f"{r.unigram_entropy:.4f} nats/token")
+    t.add_row("throughput", f"{r.tokens_per_s:,.0f} tokens/s")
+    t.add_row("MFU (model FLOPs)", f"{100 * r.mfu:.1f}% of {r.peak_flops / 1e9:,.0f} GFLOP/s ({r.peak_source})")
+    t.add_row("wall time", f"{r.seconds:.1f} s")
+    t.add_row("checkpoint", str(r.checkpoint))
+    if r.plot:
+        t.add_row("loss curve", str(r.plot))
+    return t
+
+
+def load_for_inference(path: str | Path, device: str = "cpu"):
+    """(model, config, tokenizer) from a checkpoint or a run dir: the consolidated inference path."""
+    ckpt = checkpoint.resolve(path)
+    state = checkpoint.read_state(ckpt)
+    try:
+        cfg = validate(tomllib.loads(state["config"]))
+    except (KeyError, tomllib.TOMLDecodeError):
+        raise CheckpointError(f"checkpoint {ckpt}: state.json holds no valid config") from None
+    model = build_model(cfg.model, device)
+    checkpoint.load(ckpt, model)
+    model.eval()
+    return model, cfg, load_tokenizer(ckpt / "tokenizer.json")

@@ -1,0 +1,33 @@
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """Alice in Wonderland split into chapters, tokenized with a 512-token BPE."""
+    from flopwise.data.shards import prepare, resolve_input
+
+    src = resolve_input("builtin:alice").read_text()
+    docs = tmp_path_factory.mktemp("alice_docs")
+    for i, chunk in enumerate(src.split("CHAPTER")):
+        if chunk.strip():
+            (docs / f"part_{i:02d}.txt").write_text(chunk)
+    out = tmp_path_factory.mktemp("data") / "alice"
+    prepare([str(docs)], out, tokenizer="bpe:512", val_fraction=0.1, seed=0)
+    return out
+
+
+def tiny_overrides(run_dir, data_dir, **extra) -> list[str]:
+    base = {
+        "run.dir": f'"{run_dir}"', "data.path": f'"{data_dir}"', "model.preset": '"demo-tiny"',
+        "data.seq_len": 32, "train.global_batch": 8, "train.micro_batch": 4, "train.dtype": '"fp32"',
+        "train.steps": 6, "train.eval_every": 3, "train.eval_batches": 2, "train.sample_tokens": 0,
+        "optim.warmup_steps": 2, "log.every": 1, "checkpoint.interval": 3,
+    }
+    base.update({k: v for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in base.items()]

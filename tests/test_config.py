@@ -1,0 +1,80 @@
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from flopwise.config import Config, load_config, to_toml
+from flopwise.errors import ConfigError
+
+
+def test_defaults_and_overrides():
+    cfg = load_config("demo", ["train.steps=70", "model.n_layers=3", "optim.lr=1e-3", 'run.name="x y"'])
+    assert cfg.train.steps == 70 and cfg.model.n_layers == 3 and cfg.optim.lr == 1e-3 and cfg.run.name == "x y"
+    assert cfg.model.preset == "demo-small" and cfg.model.d_model == 256  # preset fills the rest
+
+
+def test_preset_then_explicit_keys_win():
+    cfg = load_config(None, ["model.preset=llama3-8b", "model.n_layers=2", "data.seq_len=128"])
+    m = cfg.model
+    assert (m.n_layers, m.d_model, m.n_kv_heads, m.head_dim, m.vocab_size) == (2, 4096, 8, 128, 128256)
+    assert m.norm == "rmsnorm" and m.mlp == "swiglu" and m.rope_theta == 500000.0
+
+
+def test_arch_defaults():
+    m = load_config(None, ["model.arch=gpt2", "model.d_model=64", "model.n_heads=4"]).model
+    assert (m.norm, m.mlp, m.pos, m.bias, m.tie_embeddings, m.ffn_dim) == ("layernorm", "gelu_tanh", "learned", True, True, 256)
+    m = load_config(None, ["model.d_model=256", "model.n_heads=4"]).model  # llama: 8/3·d rounded up to 256
+    assert m.ffn_dim == 768
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("train.stepz=5", "unknown key 'train.stepz'"),
+    ("bogus.x=1", "unknown key 'bogus'"),
+    ("train.steps=abc", "train.steps"),
+    ("model.n_heads=5", "model.n_heads=5 does not divide model.d_model=256"),
+    ("model.n_kv_heads=3", "model.n_kv_heads=3 does not divide model.n_heads"),
+    ("data.seq_len=999", "data.seq_len=999 exceeds model.max_seq_len"),
+    ("train.micro_batch=3", "train.micro_batch=3 does not divide train.global_batch=16"),
+    ("train.dtype=fp8", "train.dtype"),
+    ("model.preset=nope", "unknown preset 'nope'"),
+    ("model.arch=nope", "unknown arch 'nope'"),
+    ("parallel.zero=4", "parallel.zero"),
+    ("nodot=1", "key must be section.name"),
+    ("novalue", "expected key=value"),
+])
+def test_errors_name_the_key(override, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config("demo", [override])
+    msg = str(e.value)
+    assert fragment in msg and "\n" not in msg
+
+
+def test_missing_and_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_toml_round_trip():
+    cfg = load_config("demo", ["model.preset=mistral-7b", "data.seq_len=512"])
+    again = Config.model_validate(tomllib.loads(to_toml(cfg)))
+    assert again == cfg
+
+
+def test_cli_error_is_one_line_exit_2():
+    r = subprocess.run([sys.executable, "-m", "flopwise", "config", "show", "demo", "model.n_heads=5"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and "model.n_heads=5" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_cli_config_show_prints_resolved_toml():
+    r = subprocess.run([sys.executable, "-m", "flopwise", "config", "show", "demo", "train.steps=110"],
+                       capture_output=True, text=True, check=True)
+    tree = tomllib.loads(r.stdout)
+    assert tree["train"]["steps"] == 110 and tree["model"]["d_model"] == 256

@@ -1,0 +1,154 @@
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from rich.console import Console
+
+from conftest import tiny_overrides
+from flopwise.config import ModelConfig, OptimConfig, load_config
+from flopwise.errors import CheckpointError, ConfigError
+from flopwise.model.transformer import build_model
+from flopwise.parallel.apply import apply_recompute
+from flopwise.train import checkpoint
+from flopwise.train.optim import lr_at, param_groups
+from flopwise.train.trainer import lm_loss, load_for_inference, train
+
+QUIET = Console(file=open("/dev/null", "w"))
+
+
+def run(tmp, data, **kw):
+    return train(load_config(None, tiny_overrides(tmp, data, **kw)), QUIET)
+
+
+def metric_rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_reproduces_the_uninterrupted_run_bitwise(tiny_data, tmp_path):
+    """2k steps straight == k steps, stop, resume for k more (fp32, CPU): same losses, same weights."""
+    full = run(tmp_path / "full", tiny_data, **{"train.steps": 8, "checkpoint.interval": 4})
+    half = run(tmp_path / "split", tiny_data, **{"train.steps": 8, "train.stop_after": 4, "checkpoint.interval": 4})
+    resumed = run(tmp_path / "split", tiny_data, **{"train.steps": 8, "checkpoint.interval": 4})
+    assert half.losses == full.losses[:4]
+    assert resumed.losses == full.losses[4:]
+    a, _, _ = load_for_inference(tmp_path / "full")
+    b, _, _ = load_for_inference(tmp_path / "split")
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    rows = [r["loss"] for r in metric_rows(tmp_path / "split") if "loss" in r]
+    assert rows == full.losses  # the metrics file of the resumed run is continuous
+
+
+def test_metrics_records_and_artifacts(tiny_data, tmp_path):
+    r = run(tmp_path, tiny_data, **{"train.sample_tokens": 8})
+    rows = metric_rows(tmp_path)
+    train_rows = [x for x in rows if "loss" in x]
+    assert len(train_rows) == 6
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "tokens"} <= set(train_rows[0])
+    assert train_rows[-1]["tokens"] == 6 * 8 * 32
+    assert [x["step"] for x in rows if "val_loss" in x] == [3, 6]
+    assert 0 < r.mfu < 1 and r.tokens_per_s > 0
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert r.sample.startswith("Romeo.")
+    assert [p.name for p in checkpoint.list_complete(tmp_path)] == ["step-00000003", "step-00000006"]
+
+
+def test_loss_decreases(tiny_data, tmp_path):
+    r = run(tmp_path, tiny_data, **{"train.steps": 30, "optim.lr": 3e-3, "checkpoint.interval": 0,
+                                   "train.eval_every": 0})
+    assert sum(r.losses[-5:]) / 5 < r.losses[0] - 0.5
+
+
+def test_recompute_modes_give_the_same_gradients(tiny_data):
+    from flopwise.data.loader import TokenLoader
+
+    batch = TokenLoader(tiny_data, "train", 32, 4, seed=0).next_batch()
+    cfg = load_config(None, ["model.preset=demo-tiny", "data.seq_len=32"]).model
+    grads = {}
+    for mode in ("none", "selective", "full"):
+        model = build_model(cfg, "cpu", seed=0)
+        apply_recompute(model, mode)
+        lm_loss(model, batch, torch.device("cpu"), "fp32").backward()
+        grads[mode] = [p.grad.clone() for p in model.parameters()]
+    for mode in ("selective", "full"):
+        assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(grads["none"], grads[mode]))
+
+
+def test_grad_accumulation_equals_one_big_batch(tiny_data, tmp_path):
+    a = run(tmp_path / "a", tiny_data, **{"train.micro_batch": 8, "train.steps": 3, "checkpoint.interval": 0})
+    b = run(tmp_path / "b", tiny_data, **{"train.micro_batch": 2, "train.steps": 3, "checkpoint.interval": 0})
+    assert a.losses == pytest.approx(b.losses, rel=1e-5)
+
+
+def test_bf16_autocast_trains(tiny_data, tmp_path):
+    r = run(tmp_path, tiny_data, **{"train.dtype": '"bf16"', "train.steps": 3})
+    assert all(math.isfinite(x) for x in r.losses)
+
+
+def test_schedules():
+    o = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10, schedule="cosine")
+    assert lr_at(0, o, 100) == pytest.approx(0.1) and lr_at(9, o, 100) == pytest.approx(1.0)
+    assert lr_at(10, o, 100) == pytest.approx(1.0) and lr_at(99, o, 100) == pytest.approx(0.1)
+    assert lr_at(int(10 + 89 / 2), o, 100) == pytest.approx(0.55, abs=0.02)
+    lin = o.model_copy(update={"schedule": "linear"})
+    assert lr_at(99, lin, 100) == pytest.approx(0.1) and lr_at(54, lin, 100) == pytest.approx(0.555, abs=0.01)
+    wsd = o.model_copy(update={"schedule": "wsd", "decay_fraction": 0.2})
+    assert lr_at(79, wsd, 100) == 1.0 and lr_at(99, wsd, 100) == pytest.approx(0.1)
+    assert lr_at(89, wsd, 100) == pytest.approx(0.55)
+
+
+def test_no_weight_decay_on_norms_biases_embeddings():
+    m = build_model(ModelConfig(arch="gpt2", d_model=32, n_heads=4, vocab_size=100, max_seq_len=16))
+    decay, no_decay = param_groups(m, 0.1)
+    names = {id(p): n for n, p in m.named_parameters()}
+    assert all(p.dim() == 2 and "embeddings" not in names[id(p)] for p in decay["params"])
+    assert any("norm" in names[id(p)] for p in no_decay["params"])
+    assert any("tok_embeddings" in names[id(p)] for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(m.parameters()))
+
+
+def test_incomplete_checkpoints_are_never_resumed(tiny_data, tmp_path):
+    run(tmp_path, tiny_data)
+    done = checkpoint.list_complete(tmp_path)
+    assert [p.name for p in done] == ["step-00000003", "step-00000006"]
+    (tmp_path / "checkpoints" / "step-00000009.tmp").mkdir()  # a crash mid-write
+    broken = tmp_path / "checkpoints" / "step-00000012"
+    shutil.copytree(done[-1], broken)
+    (broken / "__0_0.distcp").write_bytes(b"truncated")  # size no longer matches the manifest
+    assert checkpoint.latest(tmp_path).name == "step-00000006"
+    with pytest.raises(CheckpointError, match="incomplete or damaged"):
+        checkpoint.resolve(broken)
+
+
+def test_keep_prunes_old_checkpoints(tiny_data, tmp_path):
+    run(tmp_path, tiny_data, **{"train.steps": 8, "checkpoint.interval": 2, "checkpoint.keep": 2})
+    assert [p.name for p in checkpoint.list_complete(tmp_path)] == ["step-00000006", "step-00000008"]
+
+
+def test_checkpoint_of_another_shape_is_refused(tiny_data, tmp_path):
+    run(tmp_path, tiny_data)
+    with pytest.raises(CheckpointError, match="does not fit"):
+        run(tmp_path, tiny_data, **{"model.n_layers": 3, "train.steps": 9})
+
+
+def test_vocab_smaller_than_tokenizer_is_a_config_error(tiny_data, tmp_path):
+    with pytest.raises(ConfigError, match="model.vocab_size=100"):
+        run(tmp_path, tiny_data, **{"model.vocab_size": 100})
+
+
+def test_eval_and_generate_cli(tiny_data, tmp_path):
+    run(tmp_path, tiny_data)
+    text = tmp_path / "t.txt"
+    text.write_text("Alice was beginning to get very tired of sitting by her sister on the bank. " * 20)
+    r = subprocess.run([sys.executable, "-m", "flopwise", "eval", str(tmp_path), "--text", str(text), "--json"],
+                       capture_output=True, text=True, check=True)
+    out = json.loads(r.stdout)
+    assert set(out) == {"loss", "ppl", "tokens"} and out["ppl"] == pytest.approx(math.exp(out["loss"]))
+    args = [sys.executable, "-m", "flopwise", "generate", str(tmp_path), "--prompt", "Alice", "--temperature", "0",
+            "--max-new-tokens", "12"]
+    cached = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    full = subprocess.run(args + ["--no-cache"], capture_output=True, text=True, check=True).stdout
+    assert cached == full and cached.startswith("Alice")
