@@ -83,6 +83,11 @@ def test_grad_accumulation_equals_one_big_batch(tiny_data, tmp_path):
     assert a.losses == pytest.approx(b.losses, rel=1e-5)
 
 
+def test_tensorboard_logging(tiny_data, tmp_path):
+    run(tmp_path, tiny_data, **{"log.tensorboard": "true", "train.steps": 2})
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
 def test_bf16_autocast_trains(tiny_data, tmp_path):
     r = run(tmp_path, tiny_data, **{"train.dtype": '"bf16"', "train.steps": 3})
     assert all(math.isfinite(x) for x in r.losses)

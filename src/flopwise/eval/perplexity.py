@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from flopwise.errors import DataError
 from flopwise.model.transformer import Transformer
 
 
@@ -18,15 +19,16 @@ def text_loss(model: Transformer, token_ids: list[int], seq_len: int, batch: int
     model.eval()
     device = model.tok_embeddings.weight.device
     ids = torch.tensor(token_ids, dtype=torch.long)
-    n_windows = max(1, (len(ids) - 1) // seq_len)
     if len(ids) < 2:
-        raise ValueError("text too short to score: need at least 2 tokens")
-    windows = [ids[i * seq_len:(i + 1) * seq_len + 1] for i in range(n_windows)]
+        raise DataError("text too short to score: it tokenizes to fewer than 2 tokens")
+    starts = range(0, len(ids) - 1, seq_len)
+    windows = [ids[s:s + seq_len + 1] for s in starts]  # the last one may be shorter
+    full = [w for w in windows if len(w) == seq_len + 1]
+    batches = [full[b:b + batch] for b in range(0, len(full), batch)]
+    batches += [[w] for w in windows if len(w) < seq_len + 1]
     total, count = 0.0, 0
-    for b in range(0, len(windows), batch):
-        chunk = windows[b:b + batch]
-        width = min(len(w) for w in chunk)
-        x = torch.stack([w[:width] for w in chunk]).to(device)
+    for chunk in batches:
+        x = torch.stack(chunk).to(device)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             logits = model(x[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
