@@ -191,3 +191,14 @@ def test_eval_batches_are_fixed(tiny_data):
     assert len(a) == 3 and all((x == y).all() for x, y in zip(a, b))
     val = open_split(tiny_data, "val")
     assert a[0][0].tolist() == val[:33].tolist()
+
+
+def test_parquet_input(tmp_path, tiny_data):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"text": [f"Row {i}: the Queen of Hearts, she made some tarts." for i in range(8)],
+                             "id": list(range(8))}), f)
+    stats = prepare([str(f)], tmp_path / "pq", tokenizer=str(tiny_data / "tokenizer.json"), val_fraction=0.25)
+    assert stats.documents == 8 and stats.splits["val"] > 0

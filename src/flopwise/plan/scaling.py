@@ -1,0 +1,306 @@
+"""Compute-optimal allocation: published scaling laws, inference-aware and data-constrained
+optima, a concrete shape near N_opt, and the batch size and learning rate to train it with.
+
+Pure Python (math only). Conventions: C = 6·N·D training FLOPs (Kaplan eq. 2.1, Hoffmann §3);
+N counts embeddings for the Chinchilla/Epoch laws (Hoffmann App. F) and excludes them for Kaplan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from flopwise.errors import ConfigError
+
+PF_DAY = 8.64e19  # FLOPs in one petaflop/s-day (Kaplan §2.1)
+
+
+@dataclass(frozen=True)
+class ParametricLaw:
+    """L(N, D) = E + A/N^α + B/D^β (Hoffmann et al. 2022, eq. 2)."""
+
+    name: str
+    E: float
+    A: float
+    B: float
+    alpha: float
+    beta: float
+    source: str = ""
+
+    def loss(self, n: float, d: float) -> float:
+        return self.E + self.A / n**self.alpha + self.B / d**self.beta
+
+    @property
+    def a(self) -> float:
+        """Exponent of N_opt ∝ C^a: β/(α+β)."""
+        return self.beta / (self.alpha + self.beta)
+
+    def frontier(self, flops: float) -> tuple[float, float]:
+        """Closed-form optimum under C = 6ND (Hoffmann eq. 4): N_opt = G·(C/6)^a, D_opt = (C/6)^b / G."""
+        g = (self.alpha * self.A / (self.beta * self.B)) ** (1 / (self.alpha + self.beta))
+        n = g * (flops / 6) ** self.a
+        return n, flops / (6 * n)
+
+
+@dataclass(frozen=True)
+class PowerLawAllocation:
+    """N_opt = k·C^a, D_opt = C/(6·N_opt): Approaches 1 and 2, and Kaplan's compute-efficient frontier."""
+
+    name: str
+    k: float
+    a: float
+    source: str = ""
+    flops_unit: float = 1.0  # Kaplan's fit takes C in PF-days
+
+    def frontier(self, flops: float) -> tuple[float, float]:
+        n = self.k * (flops / self.flops_unit) ** self.a
+        return n, flops / (6 * n)
+
+
+# Hoffmann et al. 2022 Table 3 (Approach 1) and Table A3 (Approach 2): (params, FLOPs).
+CHINCHILLA_TABLE3 = [(400e6, 1.92e19), (1e9, 1.21e20), (10e9, 1.23e22), (67e9, 5.76e23), (175e9, 3.85e24),
+                     (280e9, 9.90e24), (520e9, 3.43e25), (1e12, 1.27e26), (10e12, 1.30e28)]
+CHINCHILLA_TABLE_A3_A2 = [(400e6, 1.84e19), (1e9, 1.20e20), (10e9, 1.32e22), (67e9, 6.88e23), (175e9, 4.54e24),
+                          (280e9, 1.18e25), (520e9, 4.19e25), (1e12, 1.59e26), (10e12, 1.75e28)]
+
+
+def _coefficient(rows: list[tuple[float, float]], a: float) -> float:
+    """k of N = k·C^a, the geometric mean over the paper's table, for the paper's exponent a."""
+    return math.exp(sum(math.log(n) - a * math.log(c) for n, c in rows) / len(rows))
+
+
+# Kaplan et al. 2020 Table 2: L(N, D) = [(N_c/N)^(α_N/α_D) + D_c/D]^α_D (non-embedding N, nats on WebText2).
+KAPLAN_LND = dict(alpha_n=0.076, alpha_d=0.103, n_c=6.4e13, d_c=1.8e13)
+
+
+def kaplan_loss(n: float, d: float) -> float:
+    k = KAPLAN_LND
+    return ((k["n_c"] / n) ** (k["alpha_n"] / k["alpha_d"]) + k["d_c"] / d) ** k["alpha_d"]
+
+
+HOFFMANN = ParametricLaw("chinchilla-3", E=math.exp(0.5267228), A=math.exp(6.0073404), B=math.exp(6.0179186),
+                         alpha=0.33917084, beta=0.2849083,
+                         source="Hoffmann et al. 2022 eq. 10, unrounded constants from the TeX source (as used by Epoch)")
+EPOCH = ParametricLaw("epoch", E=math.exp(0.59711196), A=math.exp(6.17795598), B=math.exp(7.64273236),
+                      alpha=0.34781303, beta=0.36585412,
+                      source="Besiroglu et al. 2024 (Epoch AI) refit of Hoffmann's Figure 4 data, 240 points")
+
+LAWS: dict[str, ParametricLaw | PowerLawAllocation] = {
+    # Training at the critical batch costs C = 2·C_min (Kaplan eq. 5.5, §6): C_min = C/2. This reproduces
+    # the 4.68B that Hoffmann et al. §D.4 quote as Kaplan's optimum for 1e21 FLOPs.
+    "kaplan": PowerLawAllocation("kaplan", k=1.3e9, a=0.73, flops_unit=2 * PF_DAY,
+                                 source="Kaplan et al. 2020 §6: N_opt = 1.3e9·C_min^0.73, C_min = C/2 in PF-days "
+                                        "(non-embedding N)"),
+    "chinchilla-1": PowerLawAllocation("chinchilla-1", k=_coefficient(CHINCHILLA_TABLE3, 0.50), a=0.50,
+                                       source="Hoffmann et al. 2022 Approach 1: a = 0.50 (Table 2), "
+                                              "coefficient from Table 3"),
+    "chinchilla-2": PowerLawAllocation("chinchilla-2", k=_coefficient(CHINCHILLA_TABLE_A3_A2, 0.49), a=0.49,
+                                       source="Hoffmann et al. 2022 Approach 2: a = 0.49 (Table 2), "
+                                              "coefficient from Table A3"),
+    "chinchilla-3": HOFFMANN,
+    "epoch": EPOCH,
+}
+
+
+def get_law(name: str, fitted: ParametricLaw | None = None) -> ParametricLaw | PowerLawAllocation:
+    if name.startswith("fitted:"):
+        if fitted is None:
+            raise ConfigError("--law fitted:FILE needs the fit file (written by `flopwise scale fit --out`)")
+        return fitted
+    if name not in LAWS:
+        raise ConfigError(f"--law {name!r}: unknown (known: {', '.join(LAWS)}, fitted:FILE)")
+    return LAWS[name]
+
+
+def loss_law(law) -> ParametricLaw | None:
+    """The parametric law that predicts loss for an allocation: its own, else Hoffmann's Approach 3.
+    Kaplan's allocation is evaluated with Kaplan's own L(N, D) instead (see `predicted_loss`)."""
+    return law if isinstance(law, ParametricLaw) else (None if law.name == "kaplan" else HOFFMANN)
+
+
+def predicted_loss(law, n: float, d: float) -> tuple[float, str]:
+    if isinstance(law, PowerLawAllocation) and law.name == "kaplan":
+        return kaplan_loss(n, d), "kaplan L(N, D), Table 2 (WebText2 nats)"
+    pl = loss_law(law)
+    return pl.loss(n, d), pl.name
+
+
+# --- inference-aware and data-constrained optima --------------------------------------------
+
+
+def _golden_min(f, lo: float, hi: float, iters: int = 200) -> float:
+    """Minimise a unimodal f on [lo, hi] (log-space arguments are passed in by the callers)."""
+    g = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    c, d = b - g * (b - a), a + g * (b - a)
+    for _ in range(iters):
+        if f(c) < f(d):
+            b = d
+        else:
+            a = c
+        c, d = b - g * (b - a), a + g * (b - a)
+    return (a + b) / 2
+
+
+def inference_aware(law: ParametricLaw, flops: float, inference_tokens: float) -> tuple[float, float]:
+    """Sardana et al. 2023: reach the loss the compute-optimal model reaches with C, minimising
+    training + inference FLOPs 6·N·D + 2·N·T_inf instead of training FLOPs alone."""
+    n0, d0 = law.frontier(flops)
+    target = law.loss(n0, d0)
+
+    def tokens_for(n: float) -> float:
+        gap = target - law.E - law.A / n**law.alpha
+        return (law.B / gap) ** (1 / law.beta) if gap > 0 else math.inf
+
+    def total(log_n: float) -> float:
+        n = math.exp(log_n)
+        d = tokens_for(n)
+        return 6 * n * d + 2 * n * inference_tokens if math.isfinite(d) else math.inf
+
+    # N below n_min cannot reach the target loss with any amount of data
+    n_min = (law.A / (target - law.E)) ** (1 / law.alpha)
+    log_n = _golden_min(total, math.log(n_min) + 1e-9, math.log(n0) + 1e-9)
+    n = math.exp(log_n)
+    return n, tokens_for(n)
+
+
+R_STAR_D = 15.4  # Muennighoff et al. 2023 eq. 5: fitted R*_D, the repetitions after which data is ~worthless
+
+
+def effective_tokens(tokens: float, unique: float) -> float:
+    """Muennighoff et al. 2023: D' = U + U·R*·(1 − exp(−R/R*)), R = D/U − 1 repeated epochs."""
+    if tokens <= unique:
+        return tokens
+    repeats = tokens / unique - 1
+    return unique + unique * R_STAR_D * (1 - math.exp(-repeats / R_STAR_D))
+
+
+def data_constrained(law: ParametricLaw, flops: float, unique_tokens: float) -> tuple[float, float]:
+    """Best N for C when only `unique_tokens` exist: minimise L(N, D'(C/6N)), repeats discounted."""
+    n0, _ = law.frontier(flops)
+
+    def loss(log_n: float) -> float:
+        n = math.exp(log_n)
+        return law.loss(n, effective_tokens(flops / (6 * n), unique_tokens))
+
+    log_n = _golden_min(loss, math.log(n0) - 6, math.log(n0) + 6)
+    n = math.exp(log_n)
+    return n, flops / (6 * n)
+
+
+# --- shape, batch, learning rate -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_layers: int
+    d_model: int
+    n_heads: int
+    ffn_dim: int
+    head_dim: int
+    params: int
+    non_embedding_params: int
+
+
+def choose_shape(target: float, vocab_size: int, count_embeddings: bool, mlp: str = "swiglu",
+                 aspect: tuple[float, float] = (32, 128)) -> Shape:
+    """A Llama-style shape whose parameter count is closest to `target`.
+
+    d_model is a multiple of 128 (of 32 below 512 for tiny CPU models), head_dim 128 (64 below
+    d_model 1024, 32 below 256), ffn 8/3·d rounded up to 256 for SwiGLU (4·d otherwise), and
+    d_model/n_layers inside `aspect`, the range Kaplan §3.1 found flat and Chinchilla's Table A9
+    models use (64-110).
+    """
+    from flopwise.config import ModelConfig
+    from flopwise.flops import count_params
+
+    best = None
+    for n_layers in range(1, 257):
+        for d in range(32, 32769, 32):
+            if d >= 512 and d % 128:
+                continue
+            if not aspect[0] <= d / n_layers <= aspect[1]:
+                continue
+            head_dim = 128 if d >= 1024 else 64 if d >= 256 else 32
+            ffn = 256 * math.ceil(8 * d / 3 / 256) if mlp == "swiglu" else 4 * d
+            approx = n_layers * (4 * d * d + (3 if mlp == "swiglu" else 2) * d * ffn)
+            approx += vocab_size * d * 2 if count_embeddings else 0
+            if approx > 3 * target:
+                break
+            err = abs(math.log(approx / target))
+            if best is None or err < best[0]:
+                best = (err, n_layers, d, head_dim, ffn)
+    if best is None:
+        raise ConfigError(f"no shape near {target:.3g} parameters within aspect ratio {aspect}")
+    _, n_layers, d, head_dim, ffn = best
+    m = ModelConfig(arch="llama", n_layers=n_layers, d_model=d, n_heads=d // head_dim, head_dim=head_dim,
+                    ffn_dim=ffn, vocab_size=vocab_size, max_seq_len=8192, mlp=mlp)
+    c = count_params(m)
+    return Shape(n_layers, d, d // head_dim, ffn, head_dim, c.total, c.non_embedding)
+
+
+def batch_and_lr(flops: float) -> tuple[float, float, str]:
+    """DeepSeek LLM (Bi et al. 2024, eq. 1) power laws fitted over 1e17-2e19 FLOPs:
+    B_opt = 0.2920·C^0.3271 tokens, η_opt = 0.3118·C^-0.1250."""
+    return 0.2920 * flops**0.3271, 0.3118 * flops**-0.1250, "DeepSeek LLM eq. 1 (B and η as power laws of C)"
+
+
+@dataclass
+class Allocation:
+    law: str
+    flops: float
+    params: float
+    tokens: float
+    predicted_loss: float
+    loss_law: str
+    shape: Shape
+    global_batch_tokens: float
+    lr: float
+    batch_rule: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_param(self) -> float:
+        return self.tokens / self.params
+
+    def to_json(self) -> dict:
+        return {"params": self.params, "tokens": self.tokens, "tokens_per_param": self.tokens_per_param,
+                "flops": self.flops, "predicted_loss": self.predicted_loss, "loss_law": self.loss_law,
+                "law": self.law, "shape": {"n_layers": self.shape.n_layers, "d_model": self.shape.d_model,
+                                           "n_heads": self.shape.n_heads, "ffn_dim": self.shape.ffn_dim,
+                                           "head_dim": self.shape.head_dim, "params": self.shape.params},
+                "global_batch_tokens": self.global_batch_tokens, "lr": self.lr, "batch_rule": self.batch_rule,
+                "notes": self.notes}
+
+
+def allocate(flops: float, law_name: str = "chinchilla-3", inference_tokens: float = 0.0,
+             unique_tokens: float | None = None, vocab_size: int = 32000,
+             fitted: ParametricLaw | None = None) -> Allocation:
+    if flops <= 0:
+        raise ConfigError("--flops must be positive")
+    law = get_law(law_name, fitted)
+    notes: list[str] = []
+    n, d = law.frontier(flops)
+    if inference_tokens > 0:
+        pl = loss_law(law)
+        if pl is None:
+            raise ConfigError("--inference-tokens needs a parametric loss law (chinchilla-3, epoch or fitted:FILE)")
+        n, d = inference_aware(pl, flops, inference_tokens)
+        flops = 6 * n * d
+        notes.append(f"inference-aware: same loss as the compute-optimal model, {inference_tokens:.3g} inference "
+                     f"tokens; training FLOPs become {flops:.3g}")
+    if unique_tokens is not None and d > unique_tokens:
+        pl = loss_law(law)
+        if pl is None:
+            raise ConfigError("--unique-tokens needs a parametric loss law (chinchilla-3, epoch or fitted:FILE)")
+        n, d = data_constrained(pl, flops, unique_tokens)
+        epochs = d / unique_tokens
+        notes.append(f"data-constrained: {epochs:.1f} epochs over {unique_tokens:.3g} unique tokens "
+                     f"(repeats discounted as Muennighoff et al. 2023, R*={R_STAR_D})")
+        if epochs > 4:
+            notes.append("over 4 epochs: returns from repeated data fall off quickly; consider more unique data")
+    loss, loss_name = predicted_loss(law, n, effective_tokens(d, unique_tokens) if unique_tokens else d)
+    is_kaplan = isinstance(law, PowerLawAllocation) and law.name == "kaplan"
+    shape = choose_shape(n, vocab_size, count_embeddings=not is_kaplan)
+    batch, lr, rule = batch_and_lr(flops)
+    return Allocation(law.name, flops, n, d, loss, loss_name, shape, batch, lr, rule, notes)
