@@ -17,8 +17,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Plan, train and audit compute-optimal dense LLMs.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect the resolved config.")
 data_app = typer.Typer(no_args_is_help=True, help="Prepare token shards.")
+scale_app = typer.Typer(no_args_is_help=True, help="Compute-optimal allocation, scaling-law fits, IsoFLOP ladders.")
 app.add_typer(config_app, name="config")
 app.add_typer(data_app, name="data")
+app.add_typer(scale_app, name="scale")
 console = Console()
 
 DEFAULT_CONFIG = "demo"
@@ -155,6 +157,130 @@ def generate(
     out = run_generate(model, ids, max_new_tokens, temperature, top_k, top_p, seed, use_cache=not no_cache,
                        stop_id=eos_id(tok))
     typer.echo(tok.decode(ids + out))
+
+
+@scale_app.command("optimal")
+def scale_optimal(
+    flops: Optional[float] = typer.Option(None, "--flops", help="training budget in FLOPs"),
+    gpu_hours: Optional[float] = typer.Option(None, "--gpu-hours", help="budget in device-hours (with --hardware)"),
+    hardware: str = typer.Option("h100-sxm", "--hardware"),
+    mfu: float = typer.Option(0.40, "--mfu", min=0.01, max=1.0, help="model FLOP utilisation for --gpu-hours"),
+    law: list[str] = typer.Option(["chinchilla-3"], "--law", help="kaplan, chinchilla-1/2/3, epoch, fitted:FILE; "
+                                  "repeat to compare"),
+    inference_tokens: float = typer.Option(0.0, "--inference-tokens", help="lifetime inference tokens to serve"),
+    unique_tokens: Optional[float] = typer.Option(None, "--unique-tokens", help="unique training tokens available"),
+    vocab_size: int = typer.Option(32000, "--vocab-size"),
+    seq_len: int = typer.Option(4096, "--seq-len", help="sequence length of the written config"),
+    as_json: bool = typer.Option(False, "--json"),
+    out_config: Optional[Path] = typer.Option(None, "--out-config", help="write a training TOML for the first law"),
+) -> None:
+    """Model size, tokens, shape, batch and LR for a compute budget under a scaling law."""
+    from flopwise.errors import ConfigError
+    from flopwise.hardware import get_hardware
+    from flopwise.plan.fit import load_law
+    from flopwise.plan.scaling import allocate
+
+    if (flops is None) == (gpu_hours is None):
+        raise ConfigError("give exactly one of --flops or --gpu-hours (with --hardware and --mfu)")
+    if flops is None:
+        hw = get_hardware(hardware)
+        flops = gpu_hours * 3600 * hw.peak("bf16") * mfu
+    allocs = []
+    for name in law:
+        fitted = load_law(name.split(":", 1)[1]) if name.startswith("fitted:") else None
+        allocs.append(allocate(flops, name, inference_tokens, unique_tokens, vocab_size, fitted))
+    if out_config:
+        from flopwise.plan.scaling import allocation_config
+
+        out_config.write_text(allocation_config(allocs[0], seq_len))
+    if as_json:
+        rows = [a.to_json() for a in allocs]
+        typer.echo(json.dumps(rows[0] if len(rows) == 1 else rows, indent=1))
+        return
+    table = Table(title=f"compute-optimal allocation for C = {flops:.3g} FLOPs")
+    for col in ("law", "N", "D", "D/N", "pred. loss", "shape L×d (heads, ffn)", "batch tok", "lr"):
+        table.add_column(col, no_wrap=True)
+    for a in allocs:
+        s = a.shape
+        table.add_row(a.law, _human(a.params), _human(a.tokens), f"{a.tokens_per_param:.1f}",
+                      f"{a.predicted_loss:.3f}", f"{s.n_layers}×{s.d_model} ({s.n_heads}, {s.ffn_dim})",
+                      _human(a.global_batch_tokens), f"{a.lr:.2e}")
+    console.print(table)
+    for a in allocs:
+        for note in a.notes:
+            console.print(f"[dim]{a.law}: {note}[/]")
+    console.print(f"[dim]loss predicted by: {', '.join(sorted({a.loss_law for a in allocs}))}; "
+                  f"batch/LR rule: {allocs[0].batch_rule}[/]")
+
+
+@scale_app.command("fit")
+def scale_fit(
+    runs: Path = typer.Argument(..., help="CSV with params,tokens,loss (or params,flops,loss), or a folder of runs"),
+    bootstrap: int = typer.Option(200, "--bootstrap", min=0),
+    drop_highest: int = typer.Option(0, "--drop-highest", min=0, help="drop the N highest-loss points (Epoch: 5)"),
+    plots: Optional[Path] = typer.Option(None, "--plots", help="folder for isoflop.png, fit.png, frontier.png"),
+    out: Optional[Path] = typer.Option(None, "--out", help="write the fitted law (JSON) for --law fitted:FILE"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Fit L(N, D) = E + A/N^α + B/D^β (Approach 3, with bootstrap CIs), IsoFLOP parabolas, Kaplan's form."""
+    import numpy as np
+
+    from flopwise.errors import FlopwiseError
+    from flopwise.plan.fit import fit_approach2, fit_approach3, fit_kaplan, plot_fits, read_points, save_law
+
+    pts = read_points(runs)
+    if drop_highest:
+        pts = pts.subset(np.argsort(pts.loss)[:-drop_highest])
+    fit3 = fit_approach3(pts, bootstrap=bootstrap)
+    try:
+        iso = fit_approach2(pts)
+    except FlopwiseError:
+        iso = None
+    kap = fit_kaplan(pts)
+    if out:
+        save_law(fit3, out)
+    written = plot_fits(pts, fit3, iso, plots) if plots else []
+    result = {**fit3.to_json(), "approach2": iso.to_json() if iso else None, "kaplan": kap.to_json()}
+    if as_json:
+        typer.echo(json.dumps(result, indent=1))
+        return
+    table = Table(title=f"Approach 3 fit on {len(pts)} points ({fit3.bootstrap} bootstrap resamples, 95% CI)")
+    for col in ("param", "estimate", "95% CI"):
+        table.add_column(col)
+    for k in ("E", "A", "B", "alpha", "beta", "a"):
+        value = result[k]
+        ci = fit3.ci.get(k)
+        table.add_row(k, f"{value:.4g}", f"[{ci[0]:.4g}, {ci[1]:.4g}]" if ci else "–")
+    console.print(table)
+    if iso:
+        console.print(f"Approach 2 (IsoFLOP): N_opt ∝ C^{iso.a:.3f} over {len(iso.budgets)} budgets")
+    console.print(f"Kaplan L(N, D): α_N={kap.alpha_n:.3f} α_D={kap.alpha_d:.3f} N_c={kap.n_c:.3g} D_c={kap.d_c:.3g}")
+    for p in written:
+        console.print(f"plot: {p}")
+
+
+@scale_app.command("sweep")
+def scale_sweep(
+    args: Optional[list[str]] = typer.Argument(None, help=ARGS_HELP + " (the base config)"),
+    budgets: str = typer.Option("3e12,1e13,3e13", "--budgets", help="comma-separated FLOP budgets"),
+    sizes: int = typer.Option(5, "--sizes", min=1, help="model sizes per budget"),
+    spread: float = typer.Option(8.0, "--spread", min=1.0, help="largest / smallest size within a budget"),
+    law: str = typer.Option("chinchilla-3", "--law", help="law that centres each budget's sizes"),
+    out: Path = typer.Option(Path("runs/ladder"), "--out"),
+    emit: bool = typer.Option(False, "--emit", help="write configs and print torchrun commands instead of running"),
+    nproc: int = typer.Option(1, "--nproc", min=1, help="processes per run in the emitted commands"),
+) -> None:
+    """An IsoFLOP ladder: configs for K budgets × M sizes, run here (resumable) or emitted for a cluster."""
+    from flopwise.train.sweep import budgets_from, launch_commands, plan_ladder, run_ladder, write_configs
+
+    base = _config(args)
+    runs = plan_ladder(base, budgets_from(budgets), sizes, spread, law, out)
+    if emit:
+        for cmd in launch_commands(write_configs(runs, out), nproc):
+            typer.echo(cmd)
+        return
+    table = run_ladder(base, runs, out, console)
+    console.print(f"collected {table}; fit it with: flopwise scale fit {table}")
 
 
 def main() -> None:

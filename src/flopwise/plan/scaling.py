@@ -64,9 +64,12 @@ CHINCHILLA_TABLE_A3_A2 = [(400e6, 1.84e19), (1e9, 1.20e20), (10e9, 1.32e22), (67
                           (280e9, 1.18e25), (520e9, 4.19e25), (1e12, 1.59e26), (10e12, 1.75e28)]
 
 
-def _coefficient(rows: list[tuple[float, float]], a: float) -> float:
-    """k of N = k·C^a, the geometric mean over the paper's table, for the paper's exponent a."""
-    return math.exp(sum(math.log(n) - a * math.log(c) for n, c in rows) / len(rows))
+def _power_law(rows: list[tuple[float, float]]) -> tuple[float, float]:
+    """(k, a) of N = k·C^a by least squares in log space over a paper's (N, C) table."""
+    xs, ys = [math.log(c) for _, c in rows], [math.log(n) for n, _ in rows]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return math.exp(my - a * mx), a
 
 
 # Kaplan et al. 2020 Table 2: L(N, D) = [(N_c/N)^(α_N/α_D) + D_c/D]^α_D (non-embedding N, nats on WebText2).
@@ -91,12 +94,12 @@ LAWS: dict[str, ParametricLaw | PowerLawAllocation] = {
     "kaplan": PowerLawAllocation("kaplan", k=1.3e9, a=0.73, flops_unit=2 * PF_DAY,
                                  source="Kaplan et al. 2020 §6: N_opt = 1.3e9·C_min^0.73, C_min = C/2 in PF-days "
                                         "(non-embedding N)"),
-    "chinchilla-1": PowerLawAllocation("chinchilla-1", k=_coefficient(CHINCHILLA_TABLE3, 0.50), a=0.50,
-                                       source="Hoffmann et al. 2022 Approach 1: a = 0.50 (Table 2), "
-                                              "coefficient from Table 3"),
-    "chinchilla-2": PowerLawAllocation("chinchilla-2", k=_coefficient(CHINCHILLA_TABLE_A3_A2, 0.49), a=0.49,
-                                       source="Hoffmann et al. 2022 Approach 2: a = 0.49 (Table 2), "
-                                              "coefficient from Table A3"),
+    # The papers give the exponents (Table 2: 0.50 and 0.49) but not the coefficients; both are read
+    # back from the tables of their projections (a = 0.498 and 0.488, inside Table 2's intervals).
+    "chinchilla-1": PowerLawAllocation("chinchilla-1", *_power_law(CHINCHILLA_TABLE3),
+                                       source="Hoffmann et al. 2022 Approach 1, fitted to its Table 3 projections"),
+    "chinchilla-2": PowerLawAllocation("chinchilla-2", *_power_law(CHINCHILLA_TABLE_A3_A2),
+                                       source="Hoffmann et al. 2022 Approach 2, fitted to its Table A3 projections"),
     "chinchilla-3": HOFFMANN,
     "epoch": EPOCH,
 }
@@ -207,7 +210,8 @@ def choose_shape(target: float, vocab_size: int, count_embeddings: bool, mlp: st
     """A Llama-style shape whose parameter count is closest to `target`.
 
     d_model is a multiple of 128 (of 32 below 512 for tiny CPU models), head_dim 128 (64 below
-    d_model 1024, 32 below 256), ffn 8/3·d rounded up to 256 for SwiGLU (4·d otherwise), and
+    d_model 1024, 32 below 256), ffn 8/3·d rounded up to 256 (to 32 below d_model 1024) for
+    SwiGLU (4·d otherwise), and
     d_model/n_layers inside `aspect`, the range Kaplan §3.1 found flat and Chinchilla's Table A9
     models use (64-110).
     """
@@ -222,7 +226,8 @@ def choose_shape(target: float, vocab_size: int, count_embeddings: bool, mlp: st
             if not aspect[0] <= d / n_layers <= aspect[1]:
                 continue
             head_dim = 128 if d >= 1024 else 64 if d >= 256 else 32
-            ffn = 256 * math.ceil(8 * d / 3 / 256) if mlp == "swiglu" else 4 * d
+            unit = 256 if d >= 1024 else 32
+            ffn = unit * math.ceil(8 * d / 3 / unit) if mlp == "swiglu" else 4 * d
             approx = n_layers * (4 * d * d + (3 if mlp == "swiglu" else 2) * d * ffn)
             approx += vocab_size * d * 2 if count_embeddings else 0
             if approx > 3 * target:
@@ -304,3 +309,27 @@ def allocate(flops: float, law_name: str = "chinchilla-3", inference_tokens: flo
     shape = choose_shape(n, vocab_size, count_embeddings=not is_kaplan)
     batch, lr, rule = batch_and_lr(flops)
     return Allocation(law.name, flops, n, d, loss, loss_name, shape, batch, lr, rule, notes)
+
+
+def allocation_config(a: Allocation, seq_len: int, vocab_size: int | None = None) -> str:
+    """A training TOML for the allocation that `flopwise train` (and the planner) accept."""
+    from flopwise.config import to_toml, validate
+
+    global_batch = max(1, round(a.global_batch_tokens / seq_len))
+    steps = max(1, round(a.tokens / (global_batch * seq_len)))
+    micro = next(m for m in (8, 4, 2, 1) if global_batch % m == 0)
+    s = a.shape
+    tree = {
+        "run": {"name": f"{a.law}-{s.params / 1e9:.2f}B", "dir": f"runs/{a.law}-{s.params / 1e9:.2f}B"},
+        "model": {"arch": "llama", "n_layers": s.n_layers, "d_model": s.d_model, "n_heads": s.n_heads,
+                  "head_dim": s.head_dim, "ffn_dim": s.ffn_dim, "vocab_size": vocab_size or 32000,
+                  "max_seq_len": seq_len},
+        "data": {"seq_len": seq_len},
+        "train": {"steps": steps, "global_batch": global_batch, "micro_batch": micro, "eval_every": max(1, steps // 20)},
+        "optim": {"lr": a.lr, "min_lr": 0.1 * a.lr, "warmup_steps": min(2000, max(1, steps // 100)),
+                  "schedule": "cosine"},
+        "checkpoint": {"interval": max(1, steps // 50)},
+    }
+    header = (f"# {a.law}: N = {a.params:.4g} (shape {s.params:.4g}), D = {a.tokens:.4g} tokens, C = {a.flops:.4g} "
+              f"FLOPs, predicted loss {a.predicted_loss:.3f} ({a.loss_law}); batch/LR: {a.batch_rule}\n")
+    return header + to_toml(validate(tree))

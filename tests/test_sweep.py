@@ -1,0 +1,37 @@
+import csv
+import math
+
+from rich.console import Console
+
+from conftest import tiny_overrides
+from flopwise.config import load_config
+from flopwise.plan.fit import read_points
+from flopwise.train.sweep import launch_commands, plan_ladder, run_ladder, write_configs
+
+
+def test_ladder_plans_runs_resumes_and_collects(tiny_data, tmp_path):
+    base = load_config(None, tiny_overrides(tmp_path / "base", tiny_data, **{"train.global_batch": 4,
+                                                                            "train.micro_batch": 4}))
+    out = tmp_path / "ladder"
+    runs = plan_ladder(base, [2e9, 6e9], sizes=3, spread=4.0, out=out)
+    assert len(runs) == 6
+    for r in runs:  # each run's schedule spans exactly its own token budget
+        assert r.config.optim.schedule == "cosine" and r.config.optim.min_lr == 0.1 * base.optim.lr
+        assert abs(6 * r.params * r.tokens / r.budget - 1) < 0.5
+        assert r.config.train.steps * 4 * 32 == r.tokens
+    wide = plan_ladder(base, [1e12, 1e13], sizes=5, spread=8.0, out=out)
+    for k in (0, 5):
+        sizes = [r.params for r in wide[k:k + 5]]
+        assert sizes == sorted(sizes) and sizes[-1] / sizes[0] > 4
+    quiet = Console(file=open("/dev/null", "w"))
+    table = run_ladder(base, runs, out, quiet)
+    rows = list(csv.DictReader(table.open()))
+    assert len(rows) == 6 and all(math.isfinite(float(r["loss"])) for r in rows)
+    mtimes = [(out / r.name / "metrics.jsonl").stat().st_mtime for r in runs]
+    run_ladder(base, runs, out, quiet)  # finished runs are skipped
+    assert mtimes == [(out / r.name / "metrics.jsonl").stat().st_mtime for r in runs]
+    pts = read_points(table)
+    assert len(pts) == 6
+    cmds = launch_commands(write_configs(runs, out), nproc=8)
+    assert cmds[0].startswith("torchrun --standalone --nproc-per-node 8 -m flopwise train ")
+    assert load_config(cmds[0].split()[-1]).train.steps == runs[0].steps
