@@ -34,6 +34,12 @@ def test_chinchilla_1_reproduces_table_3(row, tokens):
     assert 0.488 <= a <= 0.502  # inside Table 2's interval for Approach 1
 
 
+def test_head_to_head_at_1e21():
+    """Hoffmann et al. §D.4: at 1e21 FLOPs Kaplan predicts 4.68B and Approach 1 predicts 2.86B."""
+    assert LAWS["kaplan"].frontier(1e21)[0] == pytest.approx(4.68e9, rel=0.01)
+    assert LAWS["chinchilla-1"].frontier(1e21)[0] == pytest.approx(2.86e9, rel=0.01)
+
+
 def test_approach_3_frontier_and_the_rounding_bias():
     n, d = HOFFMANN.frontier(5.76e23)  # Gopher's budget; Figure 4 caption: ~40B
     assert n == pytest.approx(40.4e9, rel=0.01) and d / n == pytest.approx(58.9, rel=0.01)

@@ -32,6 +32,9 @@ def test_ladder_plans_runs_resumes_and_collects(tiny_data, tmp_path):
     assert mtimes == [(out / r.name / "metrics.jsonl").stat().st_mtime for r in runs]
     pts = read_points(table)
     assert len(pts) == 6
+    from_dirs = read_points(out)  # the same points read straight from the run folders
+    assert sorted(from_dirs.params.tolist()) == sorted(pts.params.tolist())
+    assert sorted(from_dirs.loss.round(6).tolist()) == sorted(pts.loss.round(6).tolist())
     cmds = launch_commands(write_configs(runs, out), nproc=8)
     assert cmds[0].startswith("torchrun --standalone --nproc-per-node 8 -m flopwise train ")
     assert load_config(cmds[0].split()[-1]).train.steps == runs[0].steps

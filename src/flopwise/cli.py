@@ -17,10 +17,12 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Plan, train and audit compute-optimal dense LLMs.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect the resolved config.")
 data_app = typer.Typer(no_args_is_help=True, help="Prepare token shards.")
+convert_app = typer.Typer(no_args_is_help=True, help="Convert checkpoints to and from Hugging Face format.")
 scale_app = typer.Typer(no_args_is_help=True, help="Compute-optimal allocation, scaling-law fits, IsoFLOP ladders.")
 app.add_typer(config_app, name="config")
 app.add_typer(data_app, name="data")
 app.add_typer(scale_app, name="scale")
+app.add_typer(convert_app, name="convert")
 console = Console()
 
 DEFAULT_CONFIG = "demo"
@@ -281,6 +283,27 @@ def scale_sweep(
         return
     table = run_ladder(base, runs, out, console)
     console.print(f"collected {table}; fit it with: flopwise scale fit {table}")
+
+
+@convert_app.command("from-hf")
+def convert_from_hf(hf_dir: Path = typer.Argument(..., help="config.json + model*.safetensors (+ tokenizer)"),
+                    out: Path = typer.Argument(..., help="flopwise run folder to write (checkpoints/step-00000000)")):
+    """Import a Hugging Face model as a flopwise checkpoint (usable by eval, generate, train)."""
+    from flopwise.interop.convert import import_hf
+
+    ckpt = import_hf(hf_dir, out)
+    console.print(f"wrote {ckpt}")
+
+
+@convert_app.command("to-hf")
+def convert_to_hf(ckpt: Path = typer.Argument(..., help="a checkpoint folder or a run folder"),
+                  out_dir: Path = typer.Argument(..., help="Hugging Face folder to write"),
+                  max_shard_gb: float = typer.Option(5.0, "--max-shard-gb", min=0.0001)):
+    """Export a flopwise checkpoint to config.json + safetensors + tokenizer files."""
+    from flopwise.interop.convert import export_hf
+
+    path = export_hf(ckpt, out_dir, int(max_shard_gb * 2**30))
+    console.print(f"wrote {path} (loads with transformers' AutoModelForCausalLM.from_pretrained)")
 
 
 def main() -> None:

@@ -39,6 +39,7 @@ class RopeScaling(Section):
 
 class ModelConfig(Section):
     preset: str | None = None
+    init_from: str | None = Field(None, description='hf:PATH: shape and weights from a Hugging Face folder')
     arch: str = "llama"
     n_layers: int = Field(4, ge=1)
     d_model: int = Field(256, ge=1)
@@ -73,7 +74,14 @@ class ModelConfig(Section):
             return data
         preset = data.get("preset")
         base: dict[str, Any] = {}
-        if preset is not None:
+        init_from = data.get("init_from")
+        if init_from is not None:
+            if not str(init_from).startswith("hf:"):
+                raise ValueError(f"model.init_from={init_from!r}: expected hf:PATH to a Hugging Face folder")
+            from flopwise.interop.hf_config import model_fields_from_hf
+
+            base = model_fields_from_hf(str(init_from)[3:])
+        elif preset is not None:
             if preset not in PRESETS:
                 raise ValueError(f"model.preset: unknown preset {preset!r} (see `flopwise presets`)")
             base = PRESETS[preset].model_fields()
@@ -107,7 +115,8 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     path: str = Field("builtin:shakespeare", description="prepared data dir (with index.json) or raw text input")
-    tokenizer: str = Field("bpe:4096", description="tokenizer.json path, or bpe:VOCAB to train one")
+    tokenizer: str | None = Field(None, description="tokenizer.json path, or bpe:VOCAB to train one; default "
+                                  "bpe:4096, or the tokenizer of model.init_from")
     seq_len: int = Field(256, ge=1)
     val_fraction: float = Field(0.05, ge=0, lt=1)
 
@@ -184,6 +193,9 @@ class Config(Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":
         m, t = self.model, self.train
+        if self.data.tokenizer is None:
+            hf_dir = m.init_from[3:] if m.init_from else None
+            self.data.tokenizer = str(Path(hf_dir) / "tokenizer.json") if hf_dir else "bpe:4096"
         if self.data.seq_len > m.max_seq_len:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
                              "lower data.seq_len or raise model.max_seq_len")

@@ -44,7 +44,7 @@ class Points:
 
 def read_points(path: str | Path) -> Points:
     """A CSV with params,tokens,loss (or params,flops,loss: tokens = flops / 6·params), or a folder
-    of flopwise runs (best validation loss, parameter count and tokens from each run)."""
+    of flopwise runs (best validation loss, non-embedding parameters and tokens of each run)."""
     p = Path(path)
     if p.is_dir():
         return _points_from_runs(p)
@@ -69,9 +69,9 @@ def read_points(path: str | Path) -> Points:
 
 
 def _points_from_runs(root: Path) -> Points:
-    from flopwise.config import ModelConfig
     import tomllib
 
+    from flopwise.config import ModelConfig
     from flopwise.flops import count_params
 
     rows = []
@@ -80,8 +80,8 @@ def _points_from_runs(root: Path) -> Points:
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
         val = [r["val_loss"] for r in records if "val_loss" in r]
         tokens = [r["tokens"] for r in records if "tokens" in r]
-        if val and tokens:
-            rows.append((count_params(ModelConfig(**cfg["model"])).total, max(tokens), min(val)))
+        if val and tokens:  # non-embedding N, the convention of `flopwise scale sweep`
+            rows.append((count_params(ModelConfig(**cfg["model"])).non_embedding, max(tokens), min(val)))
     if len(rows) < 3:
         raise DataError(f"scale fit input {root}: found {len(rows)} finished flopwise runs; need at least 3")
     n, d, loss = (np.array(c, dtype=float) for c in zip(*rows))

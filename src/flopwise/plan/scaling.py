@@ -219,8 +219,8 @@ def choose_shape(target: float, vocab_size: int, count_embeddings: bool, mlp: st
     from flopwise.flops import count_params
 
     best = None
-    for n_layers in range(1, 257):
-        for d in range(32, 32769, 32):
+    for n_layers in range(1, 513):
+        for d in range(32, 131073, 32):
             if d >= 512 and d % 128:
                 continue
             if not aspect[0] <= d / n_layers <= aspect[1]:
@@ -307,6 +307,9 @@ def allocate(flops: float, law_name: str = "chinchilla-3", inference_tokens: flo
     loss, loss_name = predicted_loss(law, n, effective_tokens(d, unique_tokens) if unique_tokens else d)
     is_kaplan = isinstance(law, PowerLawAllocation) and law.name == "kaplan"
     shape = choose_shape(n, vocab_size, count_embeddings=not is_kaplan)
+    shape_n = shape.non_embedding_params if is_kaplan else shape.params
+    if abs(shape_n / n - 1) > 0.1:
+        notes.append(f"nearest allowed shape has {shape_n:.3g} parameters ({100 * (shape_n / n - 1):+.0f}%)")
     batch, lr, rule = batch_and_lr(flops)
     return Allocation(law.name, flops, n, d, loss, loss_name, shape, batch, lr, rule, notes)
 

@@ -75,19 +75,24 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])
 
 
-def save(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def save(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
          state: dict, files: dict[str, Path] | None = None, keep: int = 2) -> Path:
-    """Write checkpoint `step` atomically and keep the newest `keep` complete ones."""
+    """Write checkpoint `step` atomically and keep the newest `keep` complete ones (optimizer=None:
+    weights only, e.g. a model imported from Hugging Face)."""
     final = step_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     if _is_main():
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    msd, osd = get_state_dict(model, optimizer)
+    if optimizer is None:
+        content = {"model": get_model_state_dict(model)}
+    else:
+        msd, osd = get_state_dict(model, optimizer)
+        content = {"model": msd, "optim": osd}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming single process" when no process group exists
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+        dcp.save(content, checkpoint_id=str(tmp))
     if _is_main():
         (tmp / STATE).write_text(json.dumps({**state, "step": step}))
         for name, src in (files or {}).items():

@@ -138,6 +138,10 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
     tokenizer = tokenizer_of(data_dir)
 
     model: Transformer = build_model(cfg.model, device, seed=cfg.run.seed)
+    if cfg.model.init_from:  # continued pretraining: weights from Hugging Face (a resume overrides them)
+        from flopwise.interop.hf import from_hf
+
+        model.load_state_dict(from_hf(cfg.model.init_from[3:], device)[0].state_dict())
     model = parallelize(model, cfg)
     optimizer = build_optimizer(model, cfg.optim)
     loader = TokenLoader(data_dir, "train", cfg.data.seq_len, cfg.train.global_batch, cfg.run.seed)

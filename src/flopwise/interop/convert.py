@@ -1,0 +1,41 @@
+"""Whole-checkpoint conversions between flopwise run folders and Hugging Face folders."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from flopwise.config import to_toml, validate
+from flopwise.data.tokenizer import EOS, eos_id
+from flopwise.interop.hf import from_hf, to_hf
+from flopwise.train import checkpoint
+
+
+def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
+    """HF folder -> <out>/checkpoints/step-00000000 (weights, config, tokenizer.json if present)."""
+    hf_dir = Path(hf_dir)
+    model, m = from_hf(hf_dir)
+    tree = {"run": {"name": hf_dir.name, "dir": str(out)}, "model": m.model_dump(exclude_none=True),
+            "data": {"seq_len": min(m.max_seq_len, 2048), "tokenizer": str(hf_dir / "tokenizer.json")}}
+    cfg = validate(tree)
+    tok = hf_dir / "tokenizer.json"
+    files = {"tokenizer.json": tok} if tok.is_file() else {}
+    return checkpoint.save(out, 0, model, None, {"config": to_toml(cfg), "source": str(hf_dir)}, files=files)
+
+
+def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """flopwise checkpoint -> HF folder that `AutoModelForCausalLM.from_pretrained` loads as is."""
+    from flopwise.train.trainer import load_for_inference
+
+    model, cfg, tok = load_for_inference(ckpt)
+    src = checkpoint.resolve(ckpt)
+    eos = eos_id(tok)
+    out = to_hf(model, cfg.model, out_dir, eos_id=eos, max_shard_bytes=max_shard_bytes)
+    shutil.copyfile(src / "tokenizer.json", out / "tokenizer.json")
+    eos_token = tok.id_to_token(eos) or EOS
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token, "bos_token": eos_token,
+        "model_max_length": cfg.model.max_seq_len, "clean_up_tokenization_spaces": False}, indent=1))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "bos_token_id": eos}, indent=1))
+    return out
