@@ -116,26 +116,54 @@ def data_prepare(
 @app.command("eval")
 def eval_cmd(
     ckpt: Path = typer.Argument(..., help="a checkpoint folder or a run folder (its newest checkpoint)"),
-    text: Path = typer.Option(..., "--text", help="a UTF-8 text file to score"),
+    text: Optional[Path] = typer.Option(None, "--text", help="a UTF-8 text file: loss per token and perplexity"),
+    tasks: Optional[str] = typer.Option(None, "--tasks", help="comma-separated built-in task names or JSONL files"),
+    shots: int = typer.Option(0, "--shots", min=0, help="k-shot: examples with answers before each prompt"),
+    seed: int = typer.Option(0, "--seed", help="seed of the k-shot example choice"),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="first N examples of each task"),
     as_json: bool = typer.Option(False, "--json"),
     batch: int = typer.Option(8, "--batch", min=1),
 ) -> None:
-    """Mean loss per token and perplexity on a text file."""
+    """Perplexity on a text file, or zero/few-shot tasks scored by log-likelihood."""
     from flopwise.data.shards import _read_text
-    from flopwise.errors import DataError
+    from flopwise.errors import ConfigError, DataError
     from flopwise.eval.perplexity import text_loss
+    from flopwise.eval.tasks import builtin_tasks, evaluate_task, load_task
     from flopwise.train.trainer import load_for_inference
 
-    if not text.is_file():
+    if (text is None) == (tasks is None):
+        raise ConfigError(f"give one of --text FILE or --tasks NAMES (built-in: {', '.join(builtin_tasks())})")
+    if text is not None and not text.is_file():
         raise DataError(f"--text {text}: no such file")
+    loaded = [load_task(t.strip()) for t in tasks.split(",") if t.strip()] if tasks else []
     model, cfg, tok = load_for_inference(ckpt)
-    ids = tok.encode(_read_text(text)).ids
-    result = text_loss(model, ids, cfg.data.seq_len, batch)
+    if text is not None:
+        result = text_loss(model, tok.encode(_read_text(text)).ids, cfg.data.seq_len, batch)
+        if as_json:
+            typer.echo(json.dumps(result))
+        else:
+            console.print(f"{text}: loss {result['loss']:.4f} nats/token, ppl {result['ppl']:.2f} over "
+                          f"{result['tokens']:,} tokens")
+        return
+    from rich.progress import Progress
+
+    results = []
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        for name, examples in loaded:
+            n = min(limit or len(examples), len(examples))
+            task = bar.add_task(name, total=sum(len(e.choices or (1,)) for e in examples[:n]))
+            results.append(evaluate_task(model, tok, name, examples, shots, seed, batch, limit,
+                                         progress=lambda k, t=task: bar.advance(t, k)))
     if as_json:
-        typer.echo(json.dumps(result))
-    else:
-        console.print(f"{text}: loss {result['loss']:.4f} nats/token, ppl {result['ppl']:.2f} over "
-                      f"{result['tokens']:,} tokens")
+        typer.echo(json.dumps(results, indent=1))
+        return
+    table = Table(title=f"{shots}-shot evaluation of {ckpt}")
+    for col in ("task", "n", "acc", "acc_norm", "ppl"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(r["task"], str(r["n"]), f"{r['acc']:.3f}", "–" if r["acc_norm"] is None else f"{r['acc_norm']:.3f}",
+                      f"{r['ppl']:.2f}")
+    console.print(table)
 
 
 @app.command()

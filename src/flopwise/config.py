@@ -134,6 +134,8 @@ class TrainConfig(Section):
     eval_batches: int = Field(8, ge=1)
     sample_tokens: int = Field(120, ge=0, description="tokens of sample text generated at the end")
     sample_prompt: str = "Romeo.\n"
+    eval_tasks: list[str] = Field(default_factory=list, description="task names run at every evaluation")
+    eval_task_limit: int = Field(100, ge=1, description="examples per task during training")
 
 
 class OptimConfig(Section):

@@ -58,9 +58,10 @@ class MetricsWriter:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.tb is not None:
+            prefix = f"{record['task']}/" if "task" in record else ""
             for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, record["step"])
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self.tb.add_scalar(prefix + k, v, record["step"])
 
     def close(self) -> None:
         if self.tb is not None:

@@ -28,6 +28,7 @@ from flopwise.data.shards import prepare, read_index, tokenizer_of
 from flopwise.data.tokenizer import load_tokenizer
 from flopwise.errors import CheckpointError, ConfigError
 from flopwise.eval.generate import generate
+from flopwise.eval.tasks import evaluate_task, load_task
 from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.model.transformer import Transformer, build_model
 from flopwise.parallel.apply import parallelize
@@ -169,6 +170,7 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
                   f"non-embedding), {fpt / 1e6:.1f} MFLOP/token (model FLOPs, 6N + attention); "
                   f"{device.type} {cfg.train.dtype}; MFU vs {peak / 1e9:.0f} GFLOP/s ({peak_source})")
     writer = MetricsWriter(run_dir, cfg.log.tensorboard)
+    tasks = [load_task(t) for t in cfg.train.eval_tasks]
     params = [p for p in model.parameters() if p.requires_grad]
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
 
@@ -221,6 +223,11 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
             if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or last:
                 val_loss = evaluate(model, data_dir, cfg, device)
                 writer.write({"step": done, "val_loss": val_loss})
+                for name, examples in tasks:
+                    with autocast(device, cfg.train.dtype):
+                        r = evaluate_task(model, tokenizer, name, examples, limit=cfg.train.eval_task_limit)
+                    model.train()
+                    writer.write({"step": done, **r})
             if (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0) or last:
                 last_ckpt = save(done)
             val = f" val {val_loss:.3f}" if val_loss is not None else ""
