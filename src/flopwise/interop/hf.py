@@ -24,6 +24,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # --- weights ---------------------------------------------------------------------------------
 
 
+def _with_bias(f: str, h: str, table) -> list[tuple[str, str]]:
+    """Weight and bias pairs for modules named `a` here and `b` there, under prefixes f and h."""
+    return [(f + a + suffix, h + b + suffix) for a, b in table for suffix in (".weight", ".bias")]
+
+
 def _names(m: ModelConfig) -> list[tuple[str, str]]:
     """(flopwise name, HF name) for every tensor that maps one to one."""
     pairs = []
@@ -46,39 +51,35 @@ def _names(m: ModelConfig) -> list[tuple[str, str]]:
                 pairs += [(f + "attention.q_norm.weight", h + "self_attn.q_norm.weight"),
                           (f + "attention.k_norm.weight", h + "self_attn.k_norm.weight")]
     elif m.arch == "gpt2":
-        pairs += [("tok_embeddings.weight", "transformer.wte.weight"), ("pos_embeddings.weight", "transformer.wpe.weight"),
-                  ("norm.weight", "transformer.ln_f.weight"), ("norm.bias", "transformer.ln_f.bias")]
+        pairs += [("tok_embeddings.weight", "transformer.wte.weight"), ("pos_embeddings.weight", "transformer.wpe.weight")]
+        pairs += _with_bias("", "transformer.", (("norm", "ln_f"),))
         for i in range(m.n_layers):
             f, h = f"layers.{i}.", f"transformer.h.{i}."
-            for a, b in (("attention_norm", "ln_1"), ("ffn_norm", "ln_2")):
-                pairs += [(f + a + ".weight", h + b + ".weight"), (f + a + ".bias", h + b + ".bias")]
+            pairs += _with_bias(f, h, (("attention_norm", "ln_1"), ("ffn_norm", "ln_2")))
             pairs += [(f + "attention.wo.bias", h + "attn.c_proj.bias"), (f + "feed_forward.w1.bias", h + "mlp.c_fc.bias"),
                       (f + "feed_forward.w2.bias", h + "mlp.c_proj.bias")]
     elif m.arch == "neox":
-        pairs += [("tok_embeddings.weight", "gpt_neox.embed_in.weight"),
-                  ("norm.weight", "gpt_neox.final_layer_norm.weight"), ("norm.bias", "gpt_neox.final_layer_norm.bias")]
+        pairs += [("tok_embeddings.weight", "gpt_neox.embed_in.weight")]
+        pairs += _with_bias("", "gpt_neox.", (("norm", "final_layer_norm"),))
         if not m.tie_embeddings:
             pairs.append(("output.weight", "embed_out.weight"))
         for i in range(m.n_layers):
-            f, h = f"layers.{i}.", f"gpt_neox.layers.{i}."
-            for a, b in (("attention_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
-                         ("attention.wo", "attention.dense"), ("feed_forward.w1", "mlp.dense_h_to_4h"),
-                         ("feed_forward.w2", "mlp.dense_4h_to_h")):
-                pairs += [(f + a + ".weight", h + b + ".weight"), (f + a + ".bias", h + b + ".bias")]
+            pairs += _with_bias(f"layers.{i}.", f"gpt_neox.layers.{i}.", (
+                ("attention_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+                ("attention.wo", "attention.dense"), ("feed_forward.w1", "mlp.dense_h_to_4h"),
+                ("feed_forward.w2", "mlp.dense_4h_to_h")))
     elif m.arch == "opt":
         pairs += [("tok_embeddings.weight", "model.decoder.embed_tokens.weight"),
-                  ("pos_embeddings.weight", "model.decoder.embed_positions.weight"),
-                  ("norm.weight", "model.decoder.final_layer_norm.weight"),
-                  ("norm.bias", "model.decoder.final_layer_norm.bias")]
+                  ("pos_embeddings.weight", "model.decoder.embed_positions.weight")]
+        pairs += _with_bias("", "model.decoder.", (("norm", "final_layer_norm"),))
         if not m.tie_embeddings:
             pairs.append(("output.weight", "lm_head.weight"))
         for i in range(m.n_layers):
-            f, h = f"layers.{i}.", f"model.decoder.layers.{i}."
-            for a, b in (("attention_norm", "self_attn_layer_norm"), ("ffn_norm", "final_layer_norm"),
-                         ("attention.wq", "self_attn.q_proj"), ("attention.wk", "self_attn.k_proj"),
-                         ("attention.wv", "self_attn.v_proj"), ("attention.wo", "self_attn.out_proj"),
-                         ("feed_forward.w1", "fc1"), ("feed_forward.w2", "fc2")):
-                pairs += [(f + a + ".weight", h + b + ".weight"), (f + a + ".bias", h + b + ".bias")]
+            pairs += _with_bias(f"layers.{i}.", f"model.decoder.layers.{i}.", (
+                ("attention_norm", "self_attn_layer_norm"), ("ffn_norm", "final_layer_norm"),
+                ("attention.wq", "self_attn.q_proj"), ("attention.wk", "self_attn.k_proj"),
+                ("attention.wv", "self_attn.v_proj"), ("attention.wo", "self_attn.out_proj"),
+                ("feed_forward.w1", "fc1"), ("feed_forward.w2", "fc2")))
     return pairs
 
 

@@ -230,11 +230,11 @@ def choose_shape(target: float, vocab_size: int, count_embeddings: bool, mlp: st
             ffn = unit * math.ceil(8 * d / 3 / unit) if mlp == "swiglu" else 4 * d
             approx = n_layers * (4 * d * d + (3 if mlp == "swiglu" else 2) * d * ffn)
             approx += vocab_size * d * 2 if count_embeddings else 0
-            if approx > 3 * target:
-                break
             err = abs(math.log(approx / target))
             if best is None or err < best[0]:
                 best = (err, n_layers, d, head_dim, ffn)
+            if approx > 3 * target:
+                break
     if best is None:
         raise ConfigError(f"no shape near {target:.3g} parameters within aspect ratio {aspect}")
     _, n_layers, d, head_dim, ffn = best

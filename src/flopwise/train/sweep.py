@@ -21,6 +21,7 @@ from rich.console import Console
 
 from flopwise.config import Config, to_toml, validate
 from flopwise.errors import ConfigError
+from flopwise.plan.fit import load_law
 from flopwise.plan.scaling import choose_shape, get_law
 
 
@@ -40,7 +41,8 @@ def plan_ladder(base: Config, budgets: list[float], sizes: int, spread: float, l
     (sizes that round to the same shape are kept once)."""
     if sizes < 1 or spread < 1:
         raise ConfigError("--sizes must be >= 1 and --spread >= 1")
-    law = get_law(law_name)
+    fitted = load_law(law_name.split(":", 1)[1]) if law_name.startswith("fitted:") else None
+    law = get_law(law_name, fitted)
     out = Path(out)
     tokens_per_step = base.train.global_batch * base.data.seq_len
     runs = []
