@@ -135,6 +135,14 @@ class Approach3Fit:
     n_points: int
     ci: dict[str, tuple[float, float]] = field(default_factory=dict)
     bootstrap: int = 0
+    samples: list[ParametricLaw] = field(default_factory=list)  # the bootstrap refits
+
+    def predict(self, n: float, d: float) -> tuple[float, tuple[float, float] | None]:
+        """L(N, D) and its 95% bootstrap interval (None without bootstrap)."""
+        if not self.samples:
+            return self.law.loss(n, d), None
+        values = np.array([law.loss(n, d) for law in self.samples])
+        return self.law.loss(n, d), (float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5)))
 
     def to_json(self) -> dict:
         L = self.law
@@ -169,6 +177,7 @@ def fit_approach3(pts: Points, delta: float = 1e-3, bootstrap: int = 0, seed: in
             idx = rng.integers(0, len(pts), len(pts))
             t, _ = _fit_from([theta], pts.subset(idx), delta)
             law = _law(t, "boot")
+            fit.samples.append(law)
             samples.append((law.E, law.A, law.B, law.alpha, law.beta, law.a))
         arr = np.array(samples)
         for k, name in enumerate(("E", "A", "B", "alpha", "beta", "a")):
