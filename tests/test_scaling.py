@@ -16,7 +16,7 @@ from flopwise.plan.scaling import (CHINCHILLA_TABLE3, EPOCH, HOFFMANN, LAWS, Par
                                    allocation_config, batch_and_lr, choose_shape, data_constrained,
                                    effective_tokens, inference_aware)
 
-CHINCHILLA_CSV = Path(__file__).resolve().parents[2] / "shared" / "data" / "chinchilla" / "svg_extracted_data.csv"
+CHINCHILLA_CSV = Path(__file__).parent / "data" / "chinchilla_svg_extracted_data.csv"
 TABLE3_TOKENS = [8.0e9, 20.2e9, 205.1e9, 1.5e12, 3.7e12, 5.9e12, 11.0e12, 21.2e12, 216.2e12]
 
 
@@ -166,11 +166,9 @@ def test_scale_cli(tmp_path):
             "lr"} <= set(out)
     assert set(out["shape"]) >= {"n_layers", "d_model", "n_heads", "ffn_dim"}
     pts = chinchilla_points()
-    f = tmp_path / "pts.csv"
-    f.write_text("params,flops,loss\n" + "\n".join(f"{n},{6 * n * d},{l}" for n, d, l in
-                                                   zip(pts.params, pts.tokens, pts.loss)))
     law_file = tmp_path / "law.json"
-    r = subprocess.run([sys.executable, "-m", "flopwise", "scale", "fit", str(f), "--bootstrap", "20", "--json",
+    r = subprocess.run([sys.executable, "-m", "flopwise", "scale", "fit", str(CHINCHILLA_CSV), "--drop-highest", "5",
+                        "--bootstrap", "20", "--json",
                         "--out", str(law_file), "--plots", str(tmp_path / "plots")], capture_output=True, text=True,
                        check=True)
     fit = json.loads(r.stdout)

@@ -43,7 +43,8 @@ class Points:
 
 
 def read_points(path: str | Path) -> Points:
-    """A CSV with params,tokens,loss (or params,flops,loss: tokens = flops / 6·params), or a folder
+    """A CSV with params,tokens,loss (or params,flops,loss: tokens = flops / 6·params; Epoch AI's
+    `Model Size`/`Training FLOP` column names are accepted), or a folder
     of flopwise runs (best validation loss, non-embedding parameters and tokens of each run)."""
     p = Path(path)
     if p.is_dir():
@@ -54,6 +55,8 @@ def read_points(path: str | Path) -> Points:
         rows = list(csv.DictReader(p.read_text(encoding="utf-8").splitlines()))
     except (UnicodeDecodeError, csv.Error) as e:
         raise DataError(f"scale fit input {p}: not a CSV ({e})") from None
+    aliases = {"Model Size": "params", "Training FLOP": "flops"}  # Epoch AI's Chinchilla extraction
+    rows = [{aliases.get(k, k): v for k, v in r.items()} for r in rows]
     if not rows or "params" not in rows[0] or "loss" not in rows[0] or not ({"tokens", "flops"} & set(rows[0])):
         raise DataError(f"scale fit input {p}: needs columns params,tokens,loss (or params,flops,loss)")
     try:
