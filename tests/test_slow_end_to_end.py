@@ -15,6 +15,7 @@ from flopwise.train.trainer import train
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.timeout(2400)
 def test_default_train_beats_the_unigram_entropy(tmp_path):
     """`flopwise train` with the demo defaults: val loss clearly below the corpus's unigram entropy."""
     r = subprocess.run([sys.executable, "-m", "flopwise", "train", f'run.dir="{tmp_path}"'],
