@@ -240,10 +240,9 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
         plot = plot_loss_curve(metrics_path, run_dir / "loss.png", title=f"{cfg.run.name}: {n_params.total / 1e6:.1f}M params")
     sample = ""
     if cfg.train.sample_tokens:
-        base = model
         prompt = tokenizer.encode(cfg.train.sample_prompt).ids
         with autocast(device, cfg.train.dtype):
-            ids = generate(base, prompt, cfg.train.sample_tokens, temperature=0.8, top_k=50, seed=cfg.run.seed)
+            ids = generate(model, prompt, cfg.train.sample_tokens, temperature=0.8, top_k=50, seed=cfg.run.seed)
         sample = tokenizer.decode(prompt + ids)
     final_loss = losses[-1] if losses else float("nan")
     if val_loss is None and start_step == end_step:
