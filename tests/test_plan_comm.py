@@ -1,0 +1,33 @@
+"""Analytic communication volumes against the papers' statements."""
+
+import pytest
+
+from flopwise.plan.comm import (dp_elements_per_step, pp_boundary_elements, ring_factor, ring_time,
+                                tp_allreduce_elements)
+
+
+def test_zero_volumes():
+    psi = 7.5e9
+    assert [dp_elements_per_step(psi, z) for z in (0, 1, 2, 3)] == [2 * psi, 2 * psi, 2 * psi, 3 * psi]
+    # ZeRO §7: stage 3 is 1.5× baseline data parallelism
+    assert dp_elements_per_step(psi, 3) / dp_elements_per_step(psi, 0) == 1.5
+
+
+def test_ring_factors_and_time():
+    assert ring_factor("all_reduce", 8) == pytest.approx(2 * 7 / 8)
+    assert ring_factor("all_reduce", 8) == ring_factor("reduce_scatter", 8) + ring_factor("all_gather", 8)
+    assert ring_factor("all_gather", 1) == 0
+    t = ring_time("all_reduce", 8, 1e9, 100e9, latency=0.0)
+    assert t == pytest.approx(2 * 7 / 8 * 1e9 / 100e9)
+    with pytest.raises(ValueError):
+        ring_factor("broadcast", 4)
+
+
+def test_megatron_tp_and_pp_volumes():
+    s, b, h, l, t = 2048, 1, 12288, 96, 8
+    # Narayanan et al. 2021: per layer per micro-batch each device moves 8·b·s·h·(t−1)/t elements
+    per_layer_on_wire = tp_allreduce_elements(s, b, h, 1) * ring_factor("all_reduce", t)
+    assert per_layer_on_wire == pytest.approx(8 * b * s * h * (t - 1) / t)
+    assert tp_allreduce_elements(s, b, h, l) == 4 * s * b * h * l
+    assert pp_boundary_elements(s, b, h, t) == s * b * h / t
+    assert pp_boundary_elements(s, b, h, t, scatter_gather=False) == s * b * h
