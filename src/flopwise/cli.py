@@ -334,6 +334,101 @@ def convert_to_hf(ckpt: Path = typer.Argument(..., help="a checkpoint folder or 
     console.print(f"wrote {path} (loads with transformers' AutoModelForCausalLM.from_pretrained)")
 
 
+@app.command("plan")
+def plan_cmd(
+    args: Optional[list[str]] = typer.Argument(None, help="[CONFIG] [key=value ...]: model.*, data.seq_len, "
+                                               "train.global_batch, cluster.*, parallel.* (given = fixed), plan.tokens"),
+    top: int = typer.Option(5, "--top", min=1, help="layouts to show"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    out_config: Optional[Path] = typer.Option(None, "--out-config", help="write a training TOML of the best layout"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="memory-breakdown bar chart (PNG) of the top layouts"),
+) -> None:
+    """Predict memory, step time, MFU, days and GPU-hours of every layout; rank them."""
+    from flopwise.config import load_tree, split_cli_args, to_toml, validate
+    from flopwise.plan.planner import layout_config, plan
+
+    path, overrides = split_cli_args(args)
+    tree = load_tree(path, overrides)
+    report = plan(validate(tree), tree)
+    best = report.best
+    if out_config and best.fits:
+        out_config.write_text(to_toml(layout_config(report.cfg, best.layout)))
+    if plot:
+        from flopwise.plan.plot import plot_memory
+
+        plot_memory(report.result.ranked[:top], plot, f"{report.cfg.model.preset or 'model'} on "
+                    f"{report.cfg.cluster.gpus} × {report.hardware.name}")
+    if as_json:
+        typer.echo(json.dumps(report.to_json(top), indent=1))
+        return
+    _print_plan(report, top)
+    if out_config:
+        console.print(f"wrote {out_config}" if best.fits else "[red]no layout fits: --out-config not written[/]")
+    if plot:
+        console.print(f"plot: {plot}")
+
+
+def _print_plan(report, top: int) -> None:
+    cfg, hw = report.cfg, report.hardware
+    console.print(f"{cfg.model.preset or 'model'}: {_human(report.params)} params, "
+                  f"{report.flops_per_token:.3g} FLOPs/token at seq {cfg.data.seq_len}; batch "
+                  f"{cfg.train.global_batch} seqs; {cfg.cluster.gpus} × {hw.name}; {_human(report.tokens)} tokens; "
+                  f"searched {report.result.evaluated} layouts, {report.result.fitting} fit")
+    table = Table(title="layouts, best first" if report.best.fits else "NOTHING FITS: smallest first")
+    for col in ("dp(rep)", "zero", "tp", "pp", "cp", "schedule", "mb", "recompute", "GiB", "step s", "tok/s",
+                "MFU", "HFU", "days", "GPU-h", "why not first"):
+        table.add_column(col, no_wrap=col != "why not first")
+    for e, why in list(zip(report.result.ranked, report.reasons()))[:top]:
+        lo = e.layout
+        j = e.to_json(report.tokens, cfg.cluster.gpus)
+        sched = (lo.pp_schedule + (f"×{lo.virtual_stages}" if lo.virtual_stages > 1 else "")) if lo.pp > 1 else "–"
+        table.add_row(f"{lo.dp}({lo.dp_replicate})", str(lo.zero), str(lo.tp) + ("sp" if lo.sequence_parallel else ""),
+                      str(lo.pp), str(lo.cp), sched, str(lo.micro_batch), lo.recompute,
+                      f"{e.memory['total'] / 2**30:.1f}", f"{e.step_time:.3g}", _human(e.tokens_per_s),
+                      f"{e.mfu:.1%}", f"{e.hfu:.1%}", f"{j['train_days']:.1f}", _human(j["gpu_hours"]), why)
+    console.print(table)
+    b = report.best
+    console.print("time of the best step: " + ", ".join(f"{k} {v:.3g} s" for k, v in b.time.items() if v))
+    r = report.reliability
+    if r:
+        console.print(f"checkpoint {r.checkpoint_bytes / 1e12:.2f} TB, write {r.write_s:.0f} s; cluster MTBF "
+                      f"{r.cluster_mtbf_h:.2f} h; Young/Daly interval {r.interval_daly_s / 60:.0f} min; expected "
+                      f"goodput {r.goodput:.1%}, {r.failures_expected:.0f} failures over the run")
+        console.print(f"[dim]failure rate: {r.failure_source}[/]")
+    console.print(f"[dim]stack: {cfg.plan.stack}; memory keeps a {0.1:.0%} fit margin and a 1 GiB runtime reserve[/]")
+
+
+@app.command("audit")
+def audit_cmd(
+    claim: Optional[list[str]] = typer.Argument(None, help="key=value claim (preset or params, tokens, hardware, "
+                                                "devices, days | device_hours | tokens_per_s_per_device, seq_len, "
+                                                "batch_tokens); none: the bundled catalogue"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Check published (or your) training claims: FLOPs, implied MFU, planner's best MFU, verdict."""
+    from flopwise.plan.audit import audit, catalogue, parse_claim
+
+    claims = [parse_claim(claim)] if claim else list(catalogue().values())
+    verdicts = audit(claims)
+    if as_json:
+        typer.echo(json.dumps([v.to_json() for v in verdicts], indent=1))
+        return
+    table = Table(title="training claims audited (FLOPs: flopwise convention)")
+    for col in ("run", "params", "tokens", "FLOPs", "implied MFU", "basis", "planner best", "verdict", "status"):
+        table.add_column(col, no_wrap=col not in ("basis", "verdict"))
+    for v in verdicts:
+        table.add_row(v.name, _human(v.params), _human(v.tokens) if v.tokens else "?",
+                      f"{v.flops:.3g}" if v.flops else "?", f"{v.implied_mfu:.1%}" if v.implied_mfu is not None else "?",
+                      v.basis or "–", f"{v.predicted_mfu:.1%}" if v.predicted_mfu else "–",
+                      v.verdict + (f" (missing: {', '.join(v.missing)})" if v.missing else ""), v.status)
+    console.print(table)
+    for v in verdicts:
+        for note in v.notes:
+            console.print(f"[dim]{v.name}: {note}[/]")
+    console.print("[dim]status: V read in the paper, V2 secondary copy, U recalled (re-check). Wall-clock bases "
+                  "include downtime, so implied MFU below the planner's is expected.[/]")
+
+
 def main() -> None:
     try:
         app()

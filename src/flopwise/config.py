@@ -126,7 +126,8 @@ class TrainConfig(Section):
     stop_after: int | None = Field(None, ge=1, description="end this invocation at this step (schedule still "
                                    "spans train.steps); resume continues, e.g. across job time limits")
     global_batch: int = Field(16, ge=1, description="sequences per optimizer step")
-    micro_batch: int = Field(16, ge=1, description="sequences per forward/backward on one rank")
+    micro_batch: int | None = Field(None, ge=1, description="sequences per forward/backward on one rank; "
+                                    "default: the largest divisor of global_batch up to 16")
     dtype: Literal["bf16", "fp32"] = Field("bf16", description="bf16 autocast (fp32 master weights) or fp32")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     compile: bool = False
@@ -162,6 +163,8 @@ class ParallelConfig(Section):
     virtual_stages: int = Field(1, ge=1)
     sequence_parallel: bool = False
     recompute: Literal["none", "selective", "full"] = "none"
+    layout: Literal["manual", "auto"] = Field("manual", description="auto: the planner picks the unset degrees "
+                                              "for cluster.hardware and the world size")
 
 
 class CheckpointConfig(Section):
@@ -177,8 +180,20 @@ class LogConfig(Section):
 
 class ClusterConfig(Section):
     hardware: str = "cpu"
+    hardware_file: str | None = Field(None, description="TOML with extra or replaced hardware entries")
     gpus: int = Field(1, ge=1)
-    gpus_per_node: int = Field(8, ge=1)
+    gpus_per_node: int | None = Field(None, ge=1, description="default: the hardware's devices per node")
+    storage_gbps_per_gpu: float | None = Field(None, gt=0, description="checkpoint write bandwidth per device, "
+                                               "GB/s; default: Llama 3's 2 TB/s over 16,384 GPUs")
+    gpu_mtbf_hours: float | None = Field(None, gt=0, description="mean time between failures of one device; "
+                                         "default: Llama 3's 466 interruptions in 54 days on 16,384 GPUs")
+    restart_minutes: float = Field(10.0, ge=0, description="time to detect a failure, restart and reload")
+
+
+class PlanConfig(Section):
+    tokens: float | None = Field(None, gt=0, description="training token budget; default 20 tokens per parameter")
+    stack: Literal["flopwise", "megatron-2021"] = Field("flopwise", description="software assumptions of the "
+                                                        "step-time model (see flopwise.plan.perf)")
 
 
 class Config(Section):
@@ -191,6 +206,7 @@ class Config(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
     cluster: ClusterConfig = ClusterConfig()
+    plan: PlanConfig = PlanConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":
@@ -201,6 +217,8 @@ class Config(Section):
         if self.data.seq_len > m.max_seq_len:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
                              "lower data.seq_len or raise model.max_seq_len")
+        if t.micro_batch is None:
+            t.micro_batch = max(d for d in range(1, min(16, t.global_batch) + 1) if t.global_batch % d == 0)
         if t.global_batch % t.micro_batch:
             raise ValueError(f"train.micro_batch={t.micro_batch} does not divide "
                              f"train.global_batch={t.global_batch}")
@@ -287,12 +305,17 @@ def validate(tree: dict[str, Any]) -> Config:
         raise ConfigError(f"config error: {_format_error(e)}") from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load TOML (a path, a built-in name, or none for defaults), apply overrides, validate."""
+def load_tree(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """The raw key tree a user gave: TOML (a path, a built-in name, or none) plus overrides."""
     tree = _read_toml(path) if path is not None else {}
     for item in overrides:
         apply_override(tree, item)
-    return validate(tree)
+    return tree
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load TOML (a path, a built-in name, or none for defaults), apply overrides, validate."""
+    return validate(load_tree(path, overrides))
 
 
 def split_cli_args(args: list[str] | None) -> tuple[str | None, list[str]]:

@@ -18,6 +18,14 @@ GB = 1e9
 GiB = 2**30
 TB = 1e12
 
+# Achievable dense-GEMM share of peak. A100: calibrated on the one published per-layer timing on
+# that chip, Korthikanti et al. 2022 Table 4 (a 22B layer, tp 8, micro-batch 4: forward 7.7 ms),
+# which the planner's layer model reproduces at 0.75; a microbenchmark, not one of the end-to-end
+# runs the planner is validated against. Other chips: U, assumed the same until measured
+# (`benchmarks/` measures it when a GPU is lent; put the figure in a catalogue TOML).
+A100_GEMM = 0.75
+
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -30,6 +38,7 @@ class Hardware:
     devices_per_node: int
     source: str
     notes: str = ""
+    matmul_efficiency: float = A100_GEMM  # achievable share of peak for large dense GEMMs (chip + BLAS)
     extra: dict = field(default_factory=dict)
 
     def peak(self, dtype: str) -> float | None:
@@ -43,10 +52,11 @@ CATALOGUE: dict[str, Hardware] = {h.name: h for h in [
     Hardware("a100-40gb", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, 40 * GiB,
              1555 * GB, 300 * GB, 25 * GB, 8,
              "V: 312 TFLOP/s in Narayanan et al. 2021 §5 and PaLM App. B; V2: NVIDIA A100 datasheet; "
-             "8x 200 Gb/s HDR per node (Selene)"),
+             "8x 200 Gb/s HDR per node (Selene)", matmul_efficiency=A100_GEMM),
     Hardware("a100-80gb", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, 80 * GiB,
              2039 * GB, 300 * GB, 25 * GB, 8,
-             "V: Narayanan et al. 2021 (312 TFLOP/s, 8x HDR 200 Gb/s per DGX A100); V2: NVIDIA datasheet"),
+             "V: Narayanan et al. 2021 (312 TFLOP/s, 8x HDR 200 Gb/s per DGX A100); V2: NVIDIA datasheet",
+             matmul_efficiency=A100_GEMM),
     Hardware("h100-sxm", {"bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12, "tf32": 494.7e12, "fp32": 66.9e12},
              80 * GiB, 3350 * GB, 450 * GB, 50 * GB, 8,
              "V2: NVIDIA H100 datasheet (989 dense bf16); NVLink4 900 GB/s bidirectional; "
@@ -57,11 +67,12 @@ CATALOGUE: dict[str, Hardware] = {h.name: h for h in [
     Hardware("b200", {"bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12, "fp32": 80e12}, 180 * GB, 8000 * GB,
              900 * GB, 50 * GB, 8,
              "U: NVIDIA HGX B200 spec sheet (dense = half the sparse figures); NVLink5 1.8 TB/s bidirectional"),
-    Hardware("tpu-v3", {"bf16": 123e12}, 32 * GiB, 900 * GB, 82 * GB, 82 * GB, 4,
-             "V2: 123 TFLOP/s bf16 per chip (LaMDA); U: memory and ICI", notes="ICI is the only fabric in a pod"),
-    Hardware("tpu-v4", {"bf16": 275e12}, 32 * GiB, 1200 * GB, 135 * GB, 135 * GB, 4,
-             "V: 275 TFLOP/s in PaLM App. B; U: memory and ICI (6 links)", notes="ICI is the only fabric in a pod"),
-    Hardware("tpu-v5p", {"bf16": 459e12, "fp8": 918e12}, 95 * GB, 2765 * GB, 300 * GB, 300 * GB, 4,
+    Hardware("tpu-v3", {"bf16": 123e12}, 32 * GiB, 900 * GB, 82 * GB, 82 * GB, 1024,
+             "V2: 123 TFLOP/s bf16 per chip (LaMDA); U: memory and ICI", notes="ICI is the only fabric in a pod: devices_per_node is the pod (1024 chips)"),
+    Hardware("tpu-v4", {"bf16": 275e12}, 32 * GiB, 1200 * GB, 135 * GB, 135 * GB, 3072,
+             "V: 275 TFLOP/s in PaLM App. B; U: memory and ICI (6 links)",
+             notes="devices_per_node is PaLM's 3072-chip pod; pods are joined by DCN (inter_node_bw, U)"),
+    Hardware("tpu-v5p", {"bf16": 459e12, "fp8": 918e12}, 95 * GB, 2765 * GB, 300 * GB, 300 * GB, 8960,
              "U: Google Cloud TPU v5p spec (459 TFLOP/s bf16, 95 GB HBM2e, 4800 Gb/s ICI)"),
     Hardware("cpu", {}, 0.0, 0.0, 0.0, 0.0, 1,
              "measured: flopwise times a square matmul in the training dtype on the machine it runs on"),

@@ -1,0 +1,103 @@
+"""A parallel layout and the rules that make it valid for a model, a batch and a world size.
+
+Pure Python. The same rules are used by the planner's search (to enumerate) and by the engine (to
+refuse a layout before any process group exists). The mesh order is (pp, dp_replicate, dp_shard,
+cp, tp), innermost tp, so tensor-parallel ranks sit next to each other inside a node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+from flopwise.config import ModelConfig
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev")
+# Schedules that place several stages on each rank (torch's ZBV and DualPipeV use exactly two).
+FIXED_VIRTUAL_STAGES = {"zero-bubble": 2, "dualpipev": 2}
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1  # all data-parallel ranks: dp_replicate × dp_shard
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp_replicate: int = 1
+    zero: int = 0
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    micro_batch: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
+
+    def microbatches(self, global_batch: int) -> int:
+        return global_batch // (self.dp * self.micro_batch)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@lru_cache(maxsize=4096)
+def stage_layers(n_layers: int, pp: int, virtual_stages: int = 1) -> tuple[int, ...]:
+    """Layers per pipeline stage (pp·v stages), balanced: the first stages take the remainder."""
+    n = pp * virtual_stages
+    base, rem = divmod(n_layers, n)
+    return tuple(base + (1 if i < rem else 0) for i in range(n))
+
+
+@lru_cache(maxsize=4096)
+def rank_layers(n_layers: int, pp: int, virtual_stages: int = 1) -> tuple[int, ...]:
+    """Layers each pipeline rank holds: rank r runs stages r, r + pp, r + 2·pp, ..."""
+    stages = stage_layers(n_layers, pp, virtual_stages)
+    return tuple(sum(stages[r::pp]) for r in range(pp))
+
+
+def check_layout(layout: Layout, m: ModelConfig, seq_len: int, global_batch: int, world: int | None = None) -> str | None:
+    """None if the layout can run, else a one-line reason naming the keys and the fix."""
+    lo = layout
+    if world is not None and lo.world != world:
+        return (f"parallel degrees pp={lo.pp} × dp={lo.dp} × cp={lo.cp} × tp={lo.tp} = {lo.world} "
+                f"but the world size is {world}; make their product equal the number of processes")
+    if lo.dp % lo.dp_replicate:
+        return f"parallel.dp_replicate={lo.dp_replicate} does not divide parallel.dp={lo.dp}"
+    if m.n_heads % lo.tp:
+        return f"parallel.tp={lo.tp} does not divide model.n_heads={m.n_heads}"
+    if m.n_kv_heads % lo.tp and lo.tp % m.n_kv_heads:
+        return (f"parallel.tp={lo.tp} and model.n_kv_heads={m.n_kv_heads}: one must divide the other "
+                "(kv heads are replicated when tp exceeds them)")
+    if m.ffn_dim % lo.tp:
+        return f"parallel.tp={lo.tp} does not divide model.ffn_dim={m.ffn_dim}"
+    if lo.sequence_parallel and lo.tp == 1:
+        return "parallel.sequence_parallel needs parallel.tp > 1"
+    if seq_len % (2 * lo.cp) and lo.cp > 1:
+        return f"data.seq_len={seq_len} must be divisible by 2·parallel.cp={2 * lo.cp} (head-tail chunks)"
+    if lo.sequence_parallel and (seq_len // lo.cp) % lo.tp:
+        return f"data.seq_len/cp={seq_len // lo.cp} must be divisible by parallel.tp={lo.tp} for sequence parallel"
+    if global_batch % (lo.dp * lo.micro_batch):
+        return (f"train.global_batch={global_batch} is not a multiple of dp·micro_batch="
+                f"{lo.dp}·{lo.micro_batch}; change train.micro_batch or the dp degree")
+    if lo.pp_schedule not in SCHEDULES:
+        return f"parallel.pp_schedule={lo.pp_schedule!r}: choose one of {', '.join(SCHEDULES)}"
+    v_needed = FIXED_VIRTUAL_STAGES.get(lo.pp_schedule)
+    if lo.pp > 1 and v_needed and lo.virtual_stages != v_needed:
+        return f"parallel.pp_schedule={lo.pp_schedule} uses {v_needed} stages per rank; set parallel.virtual_stages={v_needed}"
+    if lo.virtual_stages > 1 and lo.pp_schedule in ("gpipe", "1f1b"):
+        return f"parallel.virtual_stages={lo.virtual_stages} needs pp_schedule interleaved-1f1b, zero-bubble or dualpipev"
+    if lo.pp * lo.virtual_stages > m.n_layers:
+        return f"pp·virtual_stages={lo.pp * lo.virtual_stages} exceeds model.n_layers={m.n_layers}"
+    if lo.pp > 1 and lo.pp_schedule == "interleaved-1f1b" and lo.microbatches(global_batch) % lo.pp:
+        return (f"interleaved-1f1b needs the number of micro-batches ({lo.microbatches(global_batch)}) to be a "
+                f"multiple of pp={lo.pp}")
+    if lo.pp > 1 and lo.microbatches(global_batch) < lo.pp:
+        return (f"{lo.microbatches(global_batch)} micro-batches for pp={lo.pp} stages: lower train.micro_batch "
+                "so there are at least pp micro-batches")
+    return None

@@ -1,0 +1,336 @@
+"""Memory and time of one training step for one layout on one cluster. Pure Python, no torch.
+
+The step is built bottom-up from what each device executes, and every term has a source:
+
+- GEMMs: each weight matmul of a layer on its tensor-parallel shard, timed by a roofline
+  max(FLOPs / (η·peak), bytes / (η_mem·HBM bandwidth)). η is the device's achievable dense-GEMM
+  fraction (`Hardware.matmul_efficiency`, a property of the chip and its BLAS, never of a run);
+  the memory side catches the small, skinny GEMMs of attention scores and narrow tp shards.
+  Backward is two GEMMs of the forward's size (data and weight gradients).
+- Attention core: with flash attention (fused, the default stack) its FLOPs run at η and the
+  backward re-runs the forward's score matmuls; with materialised scores (Megatron 2020-2022)
+  the score GEMMs go through the roofline and the softmax, its mask and dropout stream s² bytes
+  through HBM (Korthikanti et al. 2022 Table 2 lists the same tensors).
+- Element-wise work (norms, residual adds, activation function, dropout, rotary): bytes moved at
+  η_mem·HBM bandwidth. Sequence parallelism divides the norm/dropout part by tp.
+- Tensor parallel: 2 all-reduces (or all-gather + reduce-scatter with sequence parallel) of b·s·h
+  per layer forward, 2 backward, 2 more when full recompute re-runs the forward (Narayanan et al.
+  2021 §3.2); on NVLink when tp fits a node. Not overlapped with compute (stated).
+- Context parallel: K/V all-gather per layer forward and reduce-scatter of their gradients.
+- Pipeline: bubble (p−1)/v of a micro-batch's stage time for 1F1B/GPipe/interleaved (Narayanan
+  et al. 2021 §2.2), a third of 1F1B's for zero-bubble and DualPipeV (Qi et al. 2024: ZB-H1),
+  plus b·s·h/t p2p per micro-batch per direction per chunk.
+- Data parallel: ZeRO volumes of `plan.comm` over the dp ring (inter-node when it leaves a node),
+  with a stated fraction hidden behind the last micro-batch's backward (stages 0-2) or behind every
+  micro-batch (stage 3, FSDP prefetch).
+- Optimizer: bytes streamed per local parameter. Fused AdamW on fp32 parameters reads p, g, m, v
+  and writes p, m, v (28) plus the clipping norm's read of g (4) = 32. Megatron keeps separate
+  16-bit model and fp32 main copies: + grad copy to main (2 + 4) + main-to-model copy (4 + 2) = 44.
+
+Two software stacks are built in because published runs used different kernels: `flopwise`
+(PyTorch SDPA flash attention, FSDP2 with fp32 gradient reduction overlapped) and `megatron-2021`
+(fused-softmax materialised attention, 16-bit gradient all-reduce not overlapped), which is what
+Narayanan 2021 and Korthikanti 2022 ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flopwise.config import ModelConfig
+from flopwise.flops import count_params, flops_per_token
+from flopwise.hardware import Hardware
+from flopwise.plan.comm import ring_time
+from flopwise.plan.layout import Layout, rank_layers
+from flopwise.plan.memory import activation_bytes_per_layer, in_flight_microbatches, model_state_bytes
+
+MEM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for streaming kernels (STREAM-like copies)
+LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth over the nominal per-direction link rate
+FIT_MARGIN = 0.10  # share of device memory left free for fragmentation and allocator slack
+RUNTIME_RESERVE = 1.0 * 2**30  # CUDA context, NCCL and cuBLAS workspaces per device
+ACT_BYTES = 2  # 16-bit activations
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Software assumptions that change step time but not the model's arithmetic."""
+
+    name: str
+    flash_attention: bool
+    grad_reduce_bytes: int  # bytes per gradient element on the dp wire
+    dp_overlap: float  # fraction of the overlap window that hides dp communication
+    optimizer_bytes: int  # HBM bytes the optimizer step streams per local parameter
+    description: str
+
+
+STACKS = {s.name: s for s in [
+    Stack("flopwise", True, 4, 0.9, 32, "PyTorch SDPA flash attention; FSDP2/DDP with fp32 gradient reduction, "
+          "90% of dp traffic hidden behind backward (bucketed/prefetched)"),
+    Stack("megatron-2021", False, 2, 0.0, 44, "Megatron-LM as in Narayanan 2021 / Korthikanti 2022: fused softmax on "
+          "materialised scores, 16-bit gradient all-reduce after the backward, no overlap"),
+]}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The numbers of a ModelConfig the step model needs, extracted once (the search calls this a lot)."""
+
+    n_layers: int
+    d_model: int
+    hq: int
+    hkv: int
+    ffn: int
+    ffn_in: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab: int
+    dropout: bool
+    relative: bool
+    window: int | None
+    params: int
+    layer_params: float
+    embed_params: int  # token (+ position) table, on the first stage
+    head_params: int  # output matrix on the last stage (a copy of the table when tied and pp > 1)
+    model_flops_token: dict  # recompute -> FLOPs per token, at the planned seq_len
+    config: ModelConfig
+
+
+def model_shape(m: ModelConfig, seq_len: int) -> Shape:
+    p = count_params(m)
+    layer = p.non_embedding / m.n_layers  # blocks' share (the final norm's few weights included)
+    tok_pos = p.embedding - (0 if m.tie_embeddings else p.head_matmul)
+    return Shape(
+        n_layers=m.n_layers, d_model=m.d_model, hq=m.n_heads * m.head_dim, hkv=m.n_kv_heads * m.head_dim,
+        ffn=m.ffn_dim, ffn_in=2 if m.mlp == "swiglu" else 1, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+        head_dim=m.head_dim, vocab=m.vocab_size, dropout=m.dropout > 0, relative=m.pos == "relative",
+        window=m.sliding_window, params=p.total, layer_params=layer, embed_params=tok_pos,
+        head_params=p.head_matmul,
+        model_flops_token={r: flops_per_token(m, seq_len, r) for r in ("none", "selective", "full")}, config=m)
+
+
+def gemm_time(mm: float, kk: float, nn: float, hw: Hardware, peak: float, count: float = 1) -> float:
+    """Roofline time of `count` (M×K)·(K×N) 16-bit GEMMs."""
+    flops = 2 * mm * kk * nn
+    nbytes = ACT_BYTES * (mm * kk + kk * nn + mm * nn)
+    return count * max(flops / (hw.matmul_efficiency * peak), nbytes / (MEM_EFFICIENCY * hw.memory_bw))
+
+
+def stream_time(nbytes: float, hw: Hardware) -> float:
+    return nbytes / (MEM_EFFICIENCY * hw.memory_bw)
+
+
+def link_bw(hw: Hardware, group_span: int) -> float:
+    """Per-device bandwidth of a ring whose ranks span `group_span` consecutive devices."""
+    nominal = hw.intra_node_bw if group_span <= hw.devices_per_node else hw.inter_node_bw
+    return LINK_EFFICIENCY * nominal
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    fwd: float  # compute of one layer forward, one micro-batch
+    bwd: float
+    attn_fwd: float  # attention-core forward (what selective recompute re-runs)
+    tp_fwd: float  # tensor-parallel communication of one forward
+    tp_bwd: float
+    cp_fwd: float
+    cp_bwd: float
+
+
+def layer_times(sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: int, cp: int, sp: bool) -> LayerTimes:
+    peak = hw.peak("bf16") or hw.peak("fp16")
+    tokens = mb * seq / cp
+    h, hq, hkv, f = sh.d_model, sh.hq, sh.hkv, sh.ffn
+    kv_local = hkv / tp if sh.n_kv_heads >= tp else sh.head_dim  # replicated kv heads when tp > n_kv
+    gemms = (gemm_time(tokens, h, (hq + 2 * kv_local * tp) / tp, hw, peak)
+             + gemm_time(tokens, hq / tp, h, hw, peak)
+             + gemm_time(tokens, h, sh.ffn_in * f / tp, hw, peak)
+             + gemm_time(tokens, f / tp, h, hw, peak)
+             + (gemm_time(tokens, h, hq / tp, hw, peak) if sh.relative else 0.0))
+    heads = mb * sh.n_heads / tp
+    q_len, context = seq / cp, min(seq, sh.window or seq)
+    score_flops = 2 * 2 * heads * q_len * context * sh.head_dim * (1.5 if sh.relative else 1)
+    if stack.flash_attention:
+        attn_f = score_flops / (hw.matmul_efficiency * peak)
+        attn_b = 2 * attn_f + attn_f  # dQ, dK, dV plus the scores the fused kernel recomputes
+    else:
+        elements = heads * q_len * context
+        softmax_f = (4 + (5 if sh.dropout else 0)) * elements  # scale-mask-softmax r/w, dropout r/w + mask
+        softmax_b = (6 + (5 if sh.dropout else 0)) * elements
+        score_gemms = (gemm_time(q_len, sh.head_dim, context, hw, peak, heads)
+                       + gemm_time(q_len, context, sh.head_dim, hw, peak, heads))
+        attn_f = score_gemms + stream_time(softmax_f, hw)
+        attn_b = 2 * score_gemms + stream_time(softmax_b, hw)
+    # Element-wise traffic in elements per token, forward: 2 norms (r+w), 2 residual adds (2r+w),
+    # 2 dropouts (r+w+½ mask) on the sequence-parallel part; activation (r+w per input) and rotary
+    # on the tensor-parallel part. Backward moves about twice as much.
+    seq_part = 2 * 2 * h + 2 * 3 * h + (2 * 2.5 * h if sh.dropout else 0)
+    tp_part = (sh.ffn_in + 1) * f + 2 * (hq + hkv)
+    ew = ACT_BYTES * tokens * (seq_part / (tp if sp else 1) + tp_part / tp)
+    fwd = gemms + attn_f + stream_time(ew, hw)
+    bwd = 2 * gemms + attn_b + stream_time(2 * ew, hw)
+    act = ACT_BYTES * tokens * h
+    # Two collectives of b·s·h per direction; with SP each all-reduce becomes AG + RS of the same bytes.
+    tp_one = ring_time("all_reduce", tp, act, link_bw(hw, tp))
+    kv_bytes = ACT_BYTES * mb * seq * 2 * kv_local
+    cp_bw = link_bw(hw, tp * cp)
+    return LayerTimes(fwd=fwd, bwd=bwd, attn_fwd=attn_f, tp_fwd=2 * tp_one, tp_bwd=2 * tp_one,
+                      cp_fwd=ring_time("all_gather", cp, kv_bytes, cp_bw),
+                      cp_bwd=ring_time("reduce_scatter", cp, kv_bytes, cp_bw))
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    fits: bool
+    memory: dict  # params, grads, optimizer, activations, other, total (bytes per device, worst stage)
+    time: dict  # compute, tp_comm, dp_comm, pp_bubble, pp_comm, cp_comm, optimizer (seconds per step)
+    step_time: float
+    tokens_per_s: float
+    model_tflops: float  # per device
+    hardware_tflops: float
+    mfu: float
+    hfu: float
+    usable_memory: float
+    reason: str = ""  # why it does not fit
+
+    def to_json(self, tokens: float | None = None, gpus: int | None = None) -> dict:
+        out = {**self.layout.to_json(), "fits": self.fits,
+               "memory_per_gpu_bytes": {k: round(v) for k, v in self.memory.items()},
+               "step_time_s": self.step_time, "time_breakdown_s": self.time, "tokens_per_s": self.tokens_per_s,
+               "model_tflops_per_gpu": self.model_tflops, "hardware_tflops_per_gpu": self.hardware_tflops,
+               "mfu": self.mfu, "hfu": self.hfu}
+        if tokens is not None and gpus is not None:
+            seconds = tokens / self.tokens_per_s
+            out["train_days"] = seconds / 86400
+            out["gpu_hours"] = seconds * gpus / 3600
+        return out
+
+
+def stage_params(sh: Shape, lo: Layout) -> tuple[float, float]:
+    """Parameters held by one device on the first and on the last pipeline stage (tp shard)."""
+    per_rank = rank_layers(sh.n_layers, lo.pp, lo.virtual_stages)
+    first = per_rank[0] * sh.layer_params / lo.tp + sh.embed_params / lo.tp
+    last = per_rank[-1] * sh.layer_params / lo.tp + sh.head_params / lo.tp
+    if lo.pp == 1:
+        first = last = first + (0 if sh.config.tie_embeddings else sh.head_params / lo.tp)
+    elif lo.virtual_stages > 1:
+        # With v chunks per rank the embedding and the head live on different ranks or, for the
+        # V-shaped schedules, on rank 0 together; count both on the first rank to stay safe.
+        first += sh.head_params / lo.tp if lo.pp_schedule in ("zero-bubble", "dualpipev") else 0
+    return first, last
+
+
+def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, stack: Stack,
+             cache: dict | None = None) -> Estimate:
+    """Memory and time of one optimizer step (global_batch sequences of seq tokens).
+
+    `cache` (one dict per search over a fixed model, hardware and stack) memoises per-layer times."""
+    m_cfg = sh.config
+    n_micro = lo.microbatches(global_batch)
+    v = lo.virtual_stages if lo.pp > 1 else 1
+    peak = hw.peak("bf16") or hw.peak("fp16")
+
+    # ---- memory (worst of first and last stage)
+    psi_first, psi_last = stage_params(sh, lo)
+    shard = lo.dp_shard
+    in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, n_micro, v)
+    n_rank_layers = max(rank_layers(sh.n_layers, lo.pp, v))
+    act_layer = activation_bytes_per_layer(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel,
+                                           lo.recompute, flash=stack.flash_attention)
+    activations = act_layer * n_rank_layers * in_flight
+    if lo.recompute == "full":  # one layer's full set is alive while it is recomputed
+        activations += activation_bytes_per_layer(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp,
+                                                  lo.sequence_parallel, "none", flash=stack.flash_attention)
+    tokens_mb = lo.micro_batch * seq / lo.cp
+    logits = tokens_mb * sh.vocab / lo.tp * (2 + 4)  # 16-bit logits kept + fp32 softmax in the loss
+    zero3_live = (2 * (2 + 4) * sh.layer_params / lo.tp) if lo.zero >= 3 else 0  # gathered layer + prefetch
+    best = None
+    for psi, extra in ((psi_first, 0.0), (psi_last, logits)):
+        st = model_state_bytes(psi, lo.zero, shard)
+        other = extra + zero3_live + RUNTIME_RESERVE
+        mem = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": activations,
+               "other": other}
+        mem["total"] = sum(mem.values())
+        if best is None or mem["total"] > best["total"]:
+            best = mem
+    usable = hw.memory_bytes * (1 - FIT_MARGIN)
+    fits = best["total"] <= usable
+
+    # ---- time
+    key = (lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel)
+    lt = cache.get(key) if cache is not None else None
+    if lt is None:
+        lt = layer_times(sh, hw, stack, seq, lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel)
+        if cache is not None:
+            cache[key] = lt
+    recompute_f = {"none": 0.0, "selective": lt.attn_fwd, "full": lt.fwd}[lo.recompute]
+    recompute_tp = lt.tp_fwd if lo.recompute == "full" else 0.0
+    recompute_cp = lt.cp_fwd if lo.recompute == "full" else 0.0
+    logits_t = 3 * gemm_time(tokens_mb, sh.d_model, sh.vocab / lo.tp, hw, peak) \
+        + stream_time(12 * tokens_mb * sh.vocab / lo.tp, hw)  # fwd+bwd GEMMs, fp32 cross-entropy traffic
+    mb_compute = n_rank_layers * (lt.fwd + lt.bwd + recompute_f) + logits_t
+    # + the vocab-parallel embedding's output all-reduce and the head's input-gradient all-reduce
+    mb_tp = n_rank_layers * (lt.tp_fwd + lt.tp_bwd + recompute_tp) + lt.tp_fwd
+    mb_cp = n_rank_layers * (lt.cp_fwd + lt.cp_bwd + recompute_cp)
+    mb_total = mb_compute + mb_tp + mb_cp
+    bubble_share = {"gpipe": 1.0, "1f1b": 1.0, "interleaved-1f1b": 1 / v, "zero-bubble": 1 / 3, "dualpipev": 1 / 3}
+    bubble = (lo.pp - 1) * mb_total * bubble_share[lo.pp_schedule]
+    p2p_bytes = ACT_BYTES * tokens_mb * sh.d_model / lo.tp
+    pp_span = lo.tp * lo.cp * lo.dp  # stage neighbours are this many ranks apart in the mesh
+    pp_comm = (2 * v * n_micro * ring_time("all_gather", 2, 2 * p2p_bytes, link_bw(hw, pp_span + 1))
+               if lo.pp > 1 else 0.0)
+
+    dp_comm = data_parallel_time(sh, hw, lo, stack, max(psi_first, psi_last), n_micro, mb_total, n_rank_layers, lt)
+    opt_psi = max(psi_first, psi_last) / (shard if lo.zero >= 1 else 1)
+    optimizer = stream_time(stack.optimizer_bytes * opt_psi, hw)
+
+    time = {"compute": n_micro * mb_compute, "tp_comm": n_micro * mb_tp, "dp_comm": dp_comm, "pp_bubble": bubble,
+            "pp_comm": pp_comm, "cp_comm": n_micro * mb_cp, "optimizer": optimizer}
+    step = sum(time.values())
+    tokens = global_batch * seq
+    gpus = lo.world
+    model_f = sh.model_flops_token["none"] * tokens
+    hw_f = sh.model_flops_token[lo.recompute] * tokens
+    return Estimate(layout=lo, fits=fits, memory=best, time=time, step_time=step, tokens_per_s=tokens / step,
+                    model_tflops=model_f / step / gpus / 1e12, hardware_tflops=hw_f / step / gpus / 1e12,
+                    mfu=model_f / (step * gpus * peak), hfu=hw_f / (step * gpus * peak), usable_memory=usable,
+                    reason="" if fits else f"needs {best['total'] / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable")
+
+
+def data_parallel_time(sh: Shape, hw: Hardware, lo: Layout, stack: Stack, psi: float, n_micro: int,
+                       mb_total: float, rank_layers: int, lt: LayerTimes) -> float:
+    """Exposed data-parallel communication per step (ZeRO volumes over the dp rings)."""
+    if lo.dp == 1:
+        return 0.0
+    span_shard = lo.tp * lo.cp * lo.dp_shard
+    bw_shard, bw_rep = link_bw(hw, span_shard), link_bw(hw, span_shard * lo.dp_replicate)
+    g = stack.grad_reduce_bytes
+    shard, rep = lo.dp_shard, lo.dp_replicate
+    rep_ar = ring_time("all_reduce", rep, g * psi / shard, bw_rep)  # HSDP: reduce shards across replicas
+    if lo.zero == 0:
+        per_step, per_micro = ring_time("all_reduce", lo.dp, g * psi, link_bw(hw, lo.tp * lo.cp * lo.dp)), 0.0
+    elif lo.zero == 1:
+        per_step = ring_time("reduce_scatter", shard, g * psi, bw_shard) + rep_ar \
+            + ring_time("all_gather", shard, ACT_BYTES * psi, bw_shard)
+        per_micro = 0.0
+    elif lo.zero == 2:
+        per_micro = ring_time("reduce_scatter", shard, g * psi, bw_shard)
+        per_step = rep_ar + ring_time("all_gather", shard, ACT_BYTES * psi, bw_shard)
+    else:
+        per_micro = 2 * ring_time("all_gather", shard, ACT_BYTES * psi, bw_shard) \
+            + ring_time("reduce_scatter", shard, g * psi, bw_shard)
+        per_step = rep_ar
+    # Overlap windows: the last micro-batch's backward for once-per-step traffic; every
+    # micro-batch's compute for per-micro-batch traffic (FSDP prefetching).
+    last_bwd = rank_layers * lt.bwd
+    exposed_step = max(0.0, per_step - stack.dp_overlap * last_bwd)
+    exposed_micro = n_micro * max(0.0, per_micro - stack.dp_overlap * mb_total)
+    return exposed_step + exposed_micro
+
+
+def evaluate(m: ModelConfig, hw: Hardware, lo: Layout, seq: int, global_batch: int,
+             stack: str | Stack = "flopwise") -> Estimate:
+    st = STACKS[stack] if isinstance(stack, str) else stack
+    return estimate(model_shape(m, seq), hw, lo, seq, global_batch, st)
+

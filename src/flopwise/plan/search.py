@@ -1,0 +1,149 @@
+"""Layout search: enumerate every valid layout for a world size, drop what does not fit, rank by
+predicted tokens/s, and say why each runner-up loses. Pure Python.
+
+Given keys are fixed; the rest are enumerated: tp over powers of two that divide the heads (up to
+a node unless tp is given), cp over powers of two that divide the sequence, pp over divisors of
+what is left, zero 0-3, dp_replicate over powers of two (hybrid sharding), every schedule and
+virtual-stage count for pp > 1, micro-batches dividing the per-rank batch, and recompute. Sequence
+parallelism is on whenever tp > 1 (it never costs time, Korthikanti et al. 2022 Table 4) unless
+given. For one (layout minus recompute), recompute is tried none → selective → full and the
+first that fits is kept: a heavier recompute with everything else equal is never faster. ZeRO-0
+is searched only when dp = 1: with dp > 1 stage 1 moves the same bytes (reduce-scatter +
+16-bit all-gather instead of an all-reduce) and shards the optimizer, so it is never slower and
+always smaller. Hybrid sharding is tried with the shard group that fills one node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from flopwise.hardware import Hardware
+from flopwise.plan.layout import FIXED_VIRTUAL_STAGES, SCHEDULES, Layout, check_layout
+from flopwise.plan.perf import Estimate, Shape, Stack, estimate
+
+RECOMPUTE_ORDER = ("none", "selective", "full")
+MAX_MICRO_BATCH = 64
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Estimate]  # fitting layouts, fastest first (or the closest misses if none fits)
+    evaluated: int
+    fitting: int
+
+    @property
+    def best(self) -> Estimate | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, k = [], 1
+    while k <= n:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, fixed: dict):
+    """Yield layouts (recompute left to the caller when not fixed) that pass `check_layout`."""
+    m = sh.config
+    tps = [fixed["tp"]] if "tp" in fixed else [t for t in _pow2_upto(min(hw.devices_per_node, m.n_heads))
+                                               if m.n_heads % t == 0 and m.ffn_dim % t == 0]
+    cps = [fixed["cp"]] if "cp" in fixed else [c for c in _pow2_upto(16) if seq % (2 * c) == 0 or c == 1]
+    for tp in tps:
+        for cp in cps:
+            if world % (tp * cp):
+                continue
+            rest = world // (tp * cp)
+            pps = [fixed["pp"]] if "pp" in fixed else [p for p in _divisors(rest) if p <= m.n_layers]
+            for pp in pps:
+                if rest % pp:
+                    continue
+                dp = rest // pp
+                if "dp" in fixed and fixed["dp"] != dp:
+                    continue
+                if global_batch % dp:
+                    continue
+                per_rank = global_batch // dp
+                mbs = [fixed["micro_batch"]] if "micro_batch" in fixed else \
+                    [b for b in _divisors(per_rank) if b <= MAX_MICRO_BATCH]
+                sps = [fixed["sequence_parallel"]] if "sequence_parallel" in fixed else [tp > 1]
+                zeros = [fixed["zero"]] if "zero" in fixed else ([0] if dp == 1 else [1, 2, 3])
+                reps = [fixed["dp_replicate"]] if "dp_replicate" in fixed else _replicas(dp, tp * cp, hw)
+                for sched, v in _schedules(pp, m.n_layers, fixed):
+                    for zero in zeros:
+                        for rep in reps:
+                            if rep > 1 and zero == 0:
+                                continue  # replicated DP is already "all replicas"
+                            for mb in mbs:
+                                for sp in sps:
+                                    yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, dp_replicate=rep, zero=zero,
+                                                 pp_schedule=sched, virtual_stages=v, micro_batch=mb,
+                                                 sequence_parallel=sp, recompute=fixed.get("recompute", "none"))
+
+
+def _replicas(dp: int, inner: int, hw: Hardware) -> list[int]:
+    """Plain sharding, and the hybrid whose shard group is the smallest that leaves a node."""
+    reps = [1]
+    for r in _pow2_upto(dp):
+        if dp % r == 0 and r > 1 and (dp // r) * inner <= hw.devices_per_node:
+            reps.append(r)
+            break
+    return reps
+
+
+def _schedules(pp: int, n_layers: int, fixed: dict) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [(fixed.get("pp_schedule", "1f1b"), fixed.get("virtual_stages", 1))]
+    out = []
+    for s in ([fixed["pp_schedule"]] if "pp_schedule" in fixed else SCHEDULES):
+        if s in FIXED_VIRTUAL_STAGES:
+            vs = [FIXED_VIRTUAL_STAGES[s]]
+        elif s == "interleaved-1f1b":
+            vs = [v for v in (2, 3, 4, 6, 8) if pp * v <= n_layers]
+        else:
+            vs = [1]
+        if "virtual_stages" in fixed:
+            vs = [v for v in vs if v == fixed["virtual_stages"]]
+        out += [(s, v) for v in vs]
+    return out
+
+
+def search(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, stack: Stack,
+           fixed: dict | None = None, keep: int = 50) -> SearchResult:
+    fixed = dict(fixed or {})
+    cache: dict = {}
+    fits: list[Estimate] = []
+    misses: list[Estimate] = []
+    evaluated = 0
+    recomputes = [fixed["recompute"]] if "recompute" in fixed else list(RECOMPUTE_ORDER)
+    for base in candidates(sh, hw, world, seq, global_batch, fixed):
+        if check_layout(base, sh.config, seq, global_batch) is not None:
+            continue
+        for rc in recomputes:
+            est = estimate(sh, hw, replace(base, recompute=rc), seq, global_batch, stack, cache)
+            evaluated += 1
+            if est.fits:
+                fits.append(est)
+                break
+            if not fits:
+                misses.append(est)
+    fits.sort(key=lambda e: -e.tokens_per_s)
+    if fits:
+        return SearchResult(ranked=fits[:keep], evaluated=evaluated, fitting=len(fits))
+    misses.sort(key=lambda e: e.memory["total"])
+    return SearchResult(ranked=misses[:keep], evaluated=evaluated, fitting=0)
+
+
+def why_slower(e: Estimate, best: Estimate) -> str:
+    """The time-breakdown terms that make `e` slower than `best`, largest first."""
+    if e is best:
+        return "fastest"
+    loss = e.step_time / best.step_time - 1
+    deltas = sorted(((e.time[k] - best.time[k], k) for k in e.time), reverse=True)
+    parts = [f"{k} +{d:.3g} s" for d, k in deltas[:2] if d > 0]
+    return f"{loss:+.1%} step time: " + (", ".join(parts) if parts else "equal terms")
