@@ -161,6 +161,8 @@ class ParallelConfig(Section):
     cp: int = Field(1, ge=1)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev"] = "1f1b"
     virtual_stages: int = Field(1, ge=1)
+    pp_layers: list[int] | None = Field(None, description="layers per pipeline stage (pp·virtual_stages "
+                                        "entries); default: balanced by parameter count")
     sequence_parallel: bool = False
     recompute: Literal["none", "selective", "full"] = "none"
     layout: Literal["manual", "auto"] = Field("manual", description="auto: the planner picks the unset degrees "

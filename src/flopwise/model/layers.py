@@ -7,6 +7,7 @@ ffn_norm) so the parallel plans and checkpoint keys stay stable across features.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,7 @@ class AttnContext:
     sin: torch.Tensor | None
     mask: torch.Tensor | None  # bool (t, k) or float (h, t, k); None with is_causal
     is_causal: bool
+    gather_kv: Callable[[torch.Tensor], torch.Tensor] | None = None  # context parallel: all ranks' K/V
 
 
 class KVCache:
@@ -157,6 +159,8 @@ class Attention(nn.Module):
             q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
+        if ctx.gather_kv is not None:
+            k, v = ctx.gather_kv(k), ctx.gather_kv(v)
         if self.n_rep > 1:
             k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)
         mask, is_causal = ctx.mask, ctx.is_causal

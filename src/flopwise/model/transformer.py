@@ -31,6 +31,10 @@ class Transformer(nn.Module):
         self.output = nn.Linear(m.d_model, m.vocab_size, bias=False)
         self.tie_weights()
         self.reset_buffers()
+        # Set from outside by flopwise.parallel (the model never imports it): a context-parallel
+        # sharder of the sequence, and how many ways sequence parallel splits a stage's input.
+        self.cp = None
+        self.hidden_seq_div = 1
 
     def tie_weights(self) -> None:
         """Share the head with the embedding; redo after `to_empty`, which unties parameters."""
@@ -70,14 +74,22 @@ class Transformer(nn.Module):
         self.to(self.tok_embeddings.weight.device)
 
     def context(self, start: int, t: int, device: torch.device) -> AttnContext:
+        """Positions and mask for `t` new tokens after `start` cached ones (or this rank's tokens of
+        a context-parallel sequence, attending to the all-gathered keys)."""
         m = self.cfg
-        q_pos = torch.arange(start, start + t, device=device)
-        k_pos = torch.arange(0, start + t, device=device)
+        gather = None
+        if self.cp is not None:
+            seq = t * self.cp.size
+            q_pos, k_pos = self.cp.positions(seq).to(device), self.cp.key_positions(seq).to(device)
+            gather = self.cp.gather
+        else:
+            q_pos = torch.arange(start, start + t, device=device)
+            k_pos = torch.arange(0, start + t, device=device)
         cos = sin = None
         if m.pos == "rope":
             cos, sin = self.rope_cos[q_pos], self.rope_sin[q_pos]
         allowed = None
-        if m.sliding_window or start > 0:
+        if m.sliding_window or start > 0 or gather is not None:
             allowed = k_pos[None, :] <= q_pos[:, None]
             if m.sliding_window:
                 allowed = allowed & (q_pos[:, None] - k_pos[None, :] < m.sliding_window)
@@ -85,30 +97,36 @@ class Transformer(nn.Module):
             dist = (q_pos[:, None] - k_pos[None, :]).float()
             bias = -self.alibi[:, None, None] * dist
             keep = allowed if allowed is not None else (k_pos[None, :] <= q_pos[:, None])
-            return AttnContext(q_pos, k_pos, cos, sin, bias.masked_fill(~keep, float("-inf")), False)
+            return AttnContext(q_pos, k_pos, cos, sin, bias.masked_fill(~keep, float("-inf")), False, gather)
         is_causal = allowed is None and m.pos != "relative"
         if m.pos == "relative" and allowed is None:
             allowed = k_pos[None, :] <= q_pos[:, None]
-        return AttnContext(q_pos, k_pos, cos, sin, allowed, is_causal)
+        return AttnContext(q_pos, k_pos, cos, sin, allowed, is_causal, gather)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """tokens (b, t) -> logits (b, t, vocab)."""
+        """tokens (b, t) -> logits (b, t, vocab). A pipeline stage without the embedding takes the
+        previous stage's hidden states (b, t, d) instead, and one without the head returns them."""
         start = cache.pos if cache is not None else 0
-        t = tokens.shape[1]
-        if start + t > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {start + t} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        h = self.tok_embeddings(tokens)
-        if self.pos_embeddings is not None:
-            pos = torch.arange(start, start + t, device=tokens.device) + self.cfg.pos_offset
-            h = h + self.pos_embeddings(pos)
-        if self.embed_norm is not None:
-            h = self.embed_norm(h)
-        h = self.dropout(h)
+        first = self.tok_embeddings is not None
+        t = tokens.shape[1] * (1 if first else self.hidden_seq_div)
+        full = t * (self.cp.size if self.cp is not None else 1)
+        if start + full > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {start + full} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
         ctx = self.context(start, t, tokens.device)
+        h = tokens
+        if first:
+            h = self.tok_embeddings(tokens)
+            if self.pos_embeddings is not None:
+                h = h + self.pos_embeddings(ctx.q_pos + self.cfg.pos_offset)
+            if self.embed_norm is not None:
+                h = self.embed_norm(h)
+            h = self.dropout(h)
         for layer in self.layers.values():
             h = layer(h, ctx, cache)
         if cache is not None:
             cache.pos += t
+        if self.output is None:
+            return h
         return self.output(self.norm(h))
 
 

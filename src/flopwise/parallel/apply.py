@@ -1,8 +1,8 @@
 """`parallelize`: the one step that applies everything that is not the model itself.
 
-Order (as in torchtitan): tensor/sequence parallel -> activation checkpointing -> compile ->
-FSDP. On one process only activation checkpointing and compilation apply; the distributed engine
-adds the mesh-dependent steps here.
+Order (as in torchtitan): tensor/sequence parallel -> context parallel -> activation checkpointing
+-> compile -> data parallel (DDP or FSDP2). Pipeline splitting happens before, in
+flopwise.parallel.pipeline; each stage module goes through this same function.
 """
 
 from __future__ import annotations
@@ -12,6 +12,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from flopwise.config import Config
 from flopwise.model.transformer import Transformer
+from flopwise.parallel.context import ContextParallel
+from flopwise.parallel.data import apply_data_parallel
+from flopwise.parallel.mesh import Parallel
+from flopwise.parallel.tensor import apply_tp
 
 
 def apply_recompute(model: Transformer, mode: str) -> None:
@@ -32,8 +36,14 @@ def apply_compile(model: Transformer) -> None:
         block.compile()
 
 
-def parallelize(model: Transformer, cfg: Config) -> nn.Module:
+def parallelize(model: Transformer, cfg: Config, par: Parallel | None = None) -> nn.Module:
+    if par is not None and par.size("tp") > 1:
+        apply_tp(model, par.mesh["tp"], cfg.parallel.sequence_parallel)
+    if par is not None and par.size("cp") > 1:
+        model.cp = ContextParallel(par.rank("cp"), par.size("cp"), par.group("cp"))
     apply_recompute(model, cfg.parallel.recompute)
     if cfg.train.compile:
         apply_compile(model)
+    if par is not None and par.distributed:
+        return apply_data_parallel(model, par, cfg.train.dtype)
     return model

@@ -54,6 +54,33 @@ def stage_layers(n_layers: int, pp: int, virtual_stages: int = 1) -> tuple[int, 
     return tuple(base + (1 if i < rem else 0) for i in range(n))
 
 
+def balanced_stages(n_layers: int, n_stages: int, block: float, first: float, last: float) -> tuple[int, ...]:
+    """Layers per stage (contiguous, at least one each) minimising the largest stage's parameters,
+    where the first stage also holds `first` (embeddings) and the last `last` (norm + head)."""
+    if not 1 <= n_stages <= n_layers:
+        raise ValueError(f"{n_stages} stages for {n_layers} layers")
+    best: dict[tuple[int, int], tuple[float, tuple[int, ...]]] = {}
+
+    def solve(stage: int, start: int) -> tuple[float, tuple[int, ...]]:
+        """Best split of layers start.. over stages stage..n_stages-1."""
+        if (stage, start) in best:
+            return best[stage, start]
+        left = n_stages - stage
+        result = (float("inf"), ())
+        max_take = n_layers - start - (left - 1)
+        takes = [max_take] if left == 1 else range(1, max_take + 1)
+        for take in takes:
+            cost = take * block + (first if stage == 0 else 0) + (last if stage == n_stages - 1 else 0)
+            rest = solve(stage + 1, start + take) if left > 1 else (0.0, ())
+            worst = max(cost, rest[0])
+            if worst < result[0]:
+                result = (worst, (take, *rest[1]))
+        best[stage, start] = result
+        return result
+
+    return solve(0, 0)[1]
+
+
 @lru_cache(maxsize=4096)
 def rank_layers(n_layers: int, pp: int, virtual_stages: int = 1) -> tuple[int, ...]:
     """Layers each pipeline rank holds: rank r runs stages r, r + pp, r + 2·pp, ..."""

@@ -24,15 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from flopwise.errors import CheckpointError
+from flopwise.parallel.data import local_optimizer
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
@@ -75,21 +71,66 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])
 
 
-def save(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+Modules = nn.Module | list[nn.Module]
+
+
+def _modules(model: Modules) -> list[nn.Module]:
+    return model if isinstance(model, list) else [model]
+
+
+def _fqn(name: str) -> str:
+    """A parameter's name in the unwrapped model (as get_model_state_dict spells it)."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name.removeprefix("module.")
+
+
+def _named_params(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
+    return {_fqn(n): p for m in modules for n, p in m.named_parameters()}
+
+
+def _model_state(modules: list[nn.Module]) -> dict:
+    return {k: v for m in modules for k, v in get_model_state_dict(m).items()}
+
+
+def _optim_state(modules: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict:
+    """{parameter name: {exp_avg, exp_avg_sq, step}} of the parameters this rank's optimizer steps.
+
+    Keyed by parameter name and holding tensors laid out like their parameters (DTensor shards
+    under FSDP/TP, whole tensors under DDP/ZeRO-1), so DCP reshards it across any layout. Why not
+    DCP's get_state_dict: it does not take ZeroRedundancyOptimizer (ZeRO-1). Hyperparameters are
+    not saved: they come from the config, and the learning rate is a function of the step."""
+    opt = local_optimizer(optimizer)
+    owned = {id(p) for g in opt.param_groups for p in g["params"]}
+    if not opt.state:  # before the first step: materialise the state as torch does, a zero-grad step at lr 0
+        params = [p for g in opt.param_groups for p in g["params"]]
+        lrs = [g["lr"] for g in opt.param_groups]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for g in opt.param_groups:
+            g["lr"] = 0.0
+        opt.step()
+        for g, lr in zip(opt.param_groups, lrs):
+            g["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+    return {name: dict(opt.state[p]) for name, p in _named_params(modules).items() if id(p) in owned}
+
+
+def save(run_dir: str | Path, step: int, model: Modules, optimizer: torch.optim.Optimizer | None,
          state: dict, files: dict[str, Path] | None = None, keep: int = 2) -> Path:
     """Write checkpoint `step` atomically and keep the newest `keep` complete ones (optimizer=None:
-    weights only, e.g. a model imported from Hugging Face)."""
+    weights only, e.g. a model imported from Hugging Face). `model` may be a list of pipeline
+    stage modules; every rank calls this with its own shards."""
     final = step_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     if _is_main():
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    if optimizer is None:
-        content = {"model": get_model_state_dict(model)}
-    else:
-        msd, osd = get_state_dict(model, optimizer)
-        content = {"model": msd, "optim": osd}
+    modules = _modules(model)
+    content = {"model": _model_state(modules)}
+    if optimizer is not None:
+        content["optim"] = _optim_state(modules, optimizer)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming single process" when no process group exists
         dcp.save(content, checkpoint_id=str(tmp))
@@ -168,20 +209,20 @@ def _reason(e: Exception) -> str:
     return (errors[-1] if errors else lines[0] if lines else type(e).__name__)[:200]
 
 
-def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """Load model (and optimizer) state into the given, already built and parallelized objects."""
+def load(path: Path, model: Modules, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Load model (and optimizer) state into the given, already built and parallelized objects,
+    whatever layout wrote it."""
+    modules = _modules(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            if optimizer is None:
-                sd = {"model": get_model_state_dict(model)}
-                dcp.load(sd, checkpoint_id=str(path))
-                set_model_state_dict(model, sd["model"], options=StateDictOptions(strict=True))
-            else:
-                msd, osd = get_state_dict(model, optimizer)
-                sd = {"model": msd, "optim": osd}
-                dcp.load(sd, checkpoint_id=str(path))
-                set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            sd = {"model": _model_state(modules)}
+            if optimizer is not None:
+                sd["optim"] = _optim_state(modules, optimizer)
+            dcp.load(sd, checkpoint_id=str(path))
+            for m in modules:
+                set_model_state_dict(m, {k: sd["model"][k] for k in get_model_state_dict(m)},
+                                     options=StateDictOptions(strict=True))
         except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
             raise CheckpointError(f"checkpoint {path}: does not fit this model/layout ({_reason(e)})") from None
     return read_state(path)

@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from flopwise.config import OptimConfig
 
@@ -22,10 +23,16 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
-    """Fused AdamW where this torch build has it for the parameters' device, else foreach."""
+def build_optimizer(model: nn.Module, o: OptimConfig, zero1_group=None) -> torch.optim.Optimizer:
+    """Fused AdamW where this torch build has it for the parameters' device, else foreach.
+
+    zero1_group: shard the optimizer state over this group (ZeRO-1, torch's ZeroRedundancyOptimizer:
+    each rank steps 1/N of the parameters and broadcasts them)."""
     groups = param_groups(model, o.weight_decay)
     kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    if zero1_group is not None:
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group,
+                                       foreach=True, **kwargs)
     try:
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, TypeError):

@@ -8,7 +8,6 @@ a resumed run reproduces the uninterrupted one step for step.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
@@ -17,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -31,7 +30,10 @@ from flopwise.eval.generate import generate
 from flopwise.eval.tasks import evaluate_task, load_task
 from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.model.transformer import Transformer, build_model
-from flopwise.parallel.apply import parallelize
+from flopwise.parallel import mesh
+from flopwise.parallel.data import zero1_group
+from flopwise.plan.planner import resolve_layout
+from flopwise.train.engine import Engine, autocast, token_loss
 from flopwise.train import checkpoint
 from flopwise.train.metrics import MetricsWriter, device_peak, plot_loss_curve, read_metrics
 from flopwise.train.optim import build_optimizer, lr_at
@@ -84,26 +86,17 @@ def ensure_data(cfg: Config, run_dir: Path, console: Console) -> Path:
     return out
 
 
-def autocast(device: torch.device, dtype: str):
-    if dtype == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def lm_loss(model: torch.nn.Module, batch: torch.Tensor, device: torch.device, dtype: str) -> torch.Tensor:
-    """Mean next-token cross-entropy of a (b, s + 1) batch, computed in fp32."""
-    x, y = batch[:, :-1], batch[:, 1:]
+    """Mean next-token cross-entropy of a (b, s + 1) batch, computed in fp32 (one process)."""
     with autocast(device, dtype):
-        logits = model(x)
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        return token_loss(model(batch[:, :-1].to(device)), batch[:, 1:].to(device))
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, data_dir: Path, cfg: Config, device: torch.device) -> float:
-    model.eval()
-    losses = [lm_loss(model, b.to(device), device, cfg.train.dtype).item()
-              for b in eval_batches(data_dir, cfg.data.seq_len, cfg.train.micro_batch, cfg.train.eval_batches)]
-    model.train()
+def evaluate(engine: Engine, data_dir: Path, cfg: Config) -> float:
+    """Mean loss over the first validation windows, in micro-batches (a pipeline evaluates
+    micro_batch × its number of micro-batches at a time)."""
+    rows = cfg.train.micro_batch * (engine.n_micro if engine.schedule is not None else 1)
+    losses = [engine.eval_loss(b) for b in eval_batches(data_dir, cfg.data.seq_len, rows, cfg.train.eval_batches)]
     return sum(losses) / len(losses)
 
 
@@ -122,16 +115,20 @@ def _progress(console: Console) -> Progress:
 
 
 def train(cfg: Config, console: Console | None = None) -> TrainResult:
-    console = console or Console()
+    """Train on this process, or as one rank of a torchrun/srun job (rank 0 writes logs and metrics)."""
     t_start = time.perf_counter()
     run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.run.seed)
-    device = resolve_device(cfg.train.device)
-    if cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp * (cfg.parallel.dp or 1) * cfg.parallel.dp_replicate != 1:
-        raise ConfigError("parallel.*: degrees above 1 need a launch with torchrun whose world size is their product")
-
-    data_dir = ensure_data(cfg, run_dir, console)
+    cfg = resolve_layout(cfg, cfg.model_dump(exclude_unset=True), mesh.world_size())
+    par = mesh.init(cfg, resolve_device(cfg.train.device))
+    device, lo = par.device, par.layout
+    console = (console or Console()) if par.is_main else Console(quiet=True)
+    if par.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        data_dir = ensure_data(cfg, run_dir, console)
+    mesh.barrier()
+    if not par.is_main:
+        data_dir = ensure_data(cfg, run_dir, console)  # prepared by rank 0 by now
     meta = read_index(data_dir)
     if meta["vocab_size"] > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
@@ -143,47 +140,59 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
         from flopwise.interop.hf import from_hf
 
         model.load_state_dict(from_hf(cfg.model.init_from[3:], device)[0].state_dict())
-    model = parallelize(model, cfg)
-    optimizer = build_optimizer(model, cfg.optim)
-    loader = TokenLoader(data_dir, "train", cfg.data.seq_len, cfg.train.global_batch, cfg.run.seed)
+    engine = Engine(cfg, par, model)
+    optimizer = build_optimizer(engine.modules, cfg.optim, zero1_group(par))
+    loader = TokenLoader(data_dir, "train", cfg.data.seq_len, cfg.train.global_batch, cfg.run.seed,
+                         dp_rank=par.rank("dp"), dp_size=lo.dp)
 
     start_step, resumed_from = 0, _resume_point(cfg, run_dir)
     metrics_path = run_dir / "metrics.jsonl"
     if resumed_from is not None:
-        state = checkpoint.load(resumed_from, model, optimizer)
+        state = checkpoint.load(resumed_from, engine.parts, optimizer)
         loader.load_state_dict(state["loader"])
         checkpoint.set_rng_state(state["rng"])
         start_step = int(state["step"])
-        kept = [r for r in read_metrics(metrics_path) if r["step"] <= start_step]
-        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        console.print(f"[bold]resumed[/] from {resumed_from} at step {start_step}")
-    else:
+        if par.is_main:
+            kept = [r for r in read_metrics(metrics_path) if r["step"] <= start_step]
+            metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        console.print(f"[bold]resumed[/] from {resumed_from} at step {start_step} "
+                      f"(written by layout {_layout_name(state.get('layout', {}))})")
+    elif par.is_main:
         metrics_path.unlink(missing_ok=True)
-    (run_dir / "config.toml").write_text(to_toml(cfg))
+    if par.is_main:
+        (run_dir / "config.toml").write_text(to_toml(cfg))
 
-    seq, gb, mb = cfg.data.seq_len, cfg.train.global_batch, cfg.train.micro_batch
+    seq, gb = cfg.data.seq_len, cfg.train.global_batch
     tokens_per_step = gb * seq
     fpt = flops_per_token(cfg.model, seq)
     peak, peak_source = device_peak(cfg.cluster.hardware, cfg.train.dtype, device)
+    peak *= lo.world  # MFU is over every device in the job
     n_params = count_params(cfg.model)
     console.print(f"[bold]model[/] {n_params.total / 1e6:.2f}M params ({n_params.non_embedding / 1e6:.2f}M "
                   f"non-embedding), {fpt / 1e6:.1f} MFLOP/token (model FLOPs, 6N + attention); "
-                  f"{device.type} {cfg.train.dtype}; MFU vs {peak / 1e9:.0f} GFLOP/s ({peak_source})")
-    writer = MetricsWriter(run_dir, cfg.log.tensorboard)
-    tasks = [load_task(t) for t in cfg.train.eval_tasks]
-    params = [p for p in model.parameters() if p.requires_grad]
+                  f"{device.type} {cfg.train.dtype}; MFU vs {peak / 1e9:.0f} GFLOP/s ({peak_source}"
+                  f"{f' × {lo.world}' if lo.world > 1 else ''})")
+    if lo.world > 1:
+        console.print(f"[bold]layout[/] {_layout_name(lo.to_json())} on {lo.world} processes "
+                      f"({dist.get_backend()}), {engine.n_micro} micro-batches of {cfg.train.micro_batch} per rank")
+    writer = MetricsWriter(run_dir, cfg.log.tensorboard) if par.is_main else None
+    single = lo.world == 1  # tasks and samples run a whole model in one process
+    tasks = [load_task(t) for t in cfg.train.eval_tasks] if single else []
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
 
     def save(step: int) -> Path:
         state = {"loader": loader.state_dict(), "rng": checkpoint.rng_state(), "config": to_toml(cfg),
-                 "config_hash": config_hash(cfg), "layout": {"world_size": 1}}
-        return checkpoint.save(run_dir, step, model, optimizer, state,
+                 "config_hash": config_hash(cfg), "layout": {**lo.to_json(), "world_size": lo.world}}
+        return checkpoint.save(run_dir, step, engine.parts, optimizer, state,
                                files={"tokenizer.json": data_dir / meta["tokenizer"]}, keep=cfg.checkpoint.keep)
+
+    def write(record: dict) -> None:
+        if writer is not None:
+            writer.write(record)
 
     losses: list[float] = []
     window_tokens, window_time, last_tps, last_mfu = 0, 0.0, 0.0, 0.0
     val_loss, last_ckpt = None, resumed_from
-    model.train()
     end_step = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
     with _progress(console) as bar:
         task = bar.add_task("train", total=cfg.train.steps, completed=start_step, info="")
@@ -192,16 +201,10 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
             lr = lr_at(step, cfg.optim, cfg.train.steps)
             for g in optimizer.param_groups:
                 g["lr"] = lr
-            batch = loader.next_batch().to(device)
-            loss_sum = torch.zeros((), device=device)
-            for micro in batch.split(mb):
-                loss = lm_loss(model, micro, device, cfg.train.dtype) * (micro.shape[0] / gb)
-                loss.backward()
-                loss_sum += loss.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+            loss_value = float(engine.forward_backward(loader.next_batch()))
+            grad_norm = engine.clip_grad_norm(clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            loss_value = loss_sum.item()
             dt = time.perf_counter() - t0
             losses.append(loss_value)
             done = step + 1
@@ -211,45 +214,53 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
             if done % cfg.log.every == 0 or last:
                 last_tps = window_tokens / window_time
                 last_mfu = mfu(last_tps, fpt, peak)
-                record = {"step": done, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
-                          "tokens_per_s": last_tps, "mfu": last_mfu, "tokens": done * tokens_per_step,
-                          "step_time_s": dt}
-                writer.write(record)
+                write({"step": done, "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": last_tps,
+                       "mfu": last_mfu, "tokens": done * tokens_per_step, "step_time_s": dt})
                 if not console.is_terminal:  # a log file gets lines, a terminal gets the live bar
                     console.print(f"step {done}/{cfg.train.steps} loss {loss_value:.4f} lr {lr:.2e} "
-                                  f"grad_norm {float(grad_norm):.3f} {last_tps:,.0f} tok/s MFU {100 * last_mfu:.1f}%",
+                                  f"grad_norm {grad_norm:.3f} {last_tps:,.0f} tok/s MFU {100 * last_mfu:.1f}%",
                                   highlight=False)
                 window_tokens, window_time = 0, 0.0
             if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or last:
-                val_loss = evaluate(model, data_dir, cfg, device)
-                writer.write({"step": done, "val_loss": val_loss})
+                val_loss = evaluate(engine, data_dir, cfg)
+                write({"step": done, "val_loss": val_loss})
                 for name, examples in tasks:
                     with autocast(device, cfg.train.dtype):
-                        r = evaluate_task(model, tokenizer, name, examples, limit=cfg.train.eval_task_limit)
-                    model.train()
-                    writer.write({"step": done, **r})
+                        r = evaluate_task(engine.parts[0], tokenizer, name, examples, limit=cfg.train.eval_task_limit)
+                    engine.parts[0].train()
+                    write({"step": done, **r})
             if (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0) or last:
                 last_ckpt = save(done)
             val = f" val {val_loss:.3f}" if val_loss is not None else ""
             bar.update(task, completed=done, info=f"loss {loss_value:.3f}{val} | {last_tps:,.0f} tok/s | "
                                                  f"MFU {100 * last_mfu:.1f}%")
-    writer.close()
+    if writer is not None:
+        writer.close()
 
     plot = None
-    if metrics_path.exists() and read_metrics(metrics_path):
+    if par.is_main and metrics_path.exists() and read_metrics(metrics_path):
         plot = plot_loss_curve(metrics_path, run_dir / "loss.png", title=f"{cfg.run.name}: {n_params.total / 1e6:.1f}M params")
     sample = ""
-    if cfg.train.sample_tokens:
+    if cfg.train.sample_tokens and single:
         prompt = tokenizer.encode(cfg.train.sample_prompt).ids
         with autocast(device, cfg.train.dtype):
-            ids = generate(model, prompt, cfg.train.sample_tokens, temperature=0.8, top_k=50, seed=cfg.run.seed)
+            ids = generate(engine.parts[0], prompt, cfg.train.sample_tokens, temperature=0.8, top_k=50, seed=cfg.run.seed)
         sample = tokenizer.decode(prompt + ids)
     final_loss = losses[-1] if losses else float("nan")
     if val_loss is None and start_step == end_step:
-        val_loss = evaluate(model, data_dir, cfg, device)
+        val_loss = evaluate(engine, data_dir, cfg)
     return TrainResult(run_dir, end_step, end_step * tokens_per_step, final_loss, val_loss,
                        meta["unigram_entropy_nats"], last_tps, last_mfu, peak, peak_source,
                        time.perf_counter() - t_start, last_ckpt, plot, sample, losses)
+
+
+def _layout_name(layout: dict) -> str:
+    """"pp2·tp2·dp2 zero3" style: the degrees above 1 (one process: "single")."""
+    dims = [f"{k}{layout[k]}" for k in ("pp", "dp", "cp", "tp") if layout.get(k, 1) > 1]
+    if layout.get("dp_replicate", 1) > 1:
+        dims.append(f"hsdp{layout['dp_replicate']}")
+    name = "·".join(dims) or "single"
+    return name + (f" zero{layout['zero']}" if layout.get("zero") and layout.get("dp", 1) > 1 else "")
 
 
 def summary_table(r: TrainResult) -> Table:

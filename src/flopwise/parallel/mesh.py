@@ -1,0 +1,138 @@
+"""The process group and the one DeviceMesh every parallelism is cut from.
+
+Dims, outermost first: pp, dp_replicate, dp_shard, cp, tp (innermost tp, so tensor-parallel ranks
+are neighbours inside a node). Flattened views the engine uses:
+  dp      = dp_replicate × dp_shard   ranks that see different data
+  dp_cp   = dp × cp                   ranks that hold the same weights (DDP averages over these)
+  shard   = dp_shard × cp             ranks FSDP shards over (HSDP replicates over dp_replicate)
+A single process gets the same object with every degree 1 and no process group.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from flopwise.config import Config
+from flopwise.errors import ConfigError
+from flopwise.plan.layout import Layout, check_layout
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def layout_of(cfg: Config, world: int) -> Layout:
+    """The layout the config asks for on `world` processes; dp defaults to what is left."""
+    p = cfg.parallel
+    others = p.tp * p.pp * p.cp
+    dp = p.dp if p.dp is not None else max(1, world // others)
+    lo = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, dp_replicate=p.dp_replicate, zero=p.zero,
+                pp_schedule=p.pp_schedule, virtual_stages=p.virtual_stages, micro_batch=cfg.train.micro_batch,
+                recompute=p.recompute, sequence_parallel=p.sequence_parallel)
+    reason = check_layout(lo, cfg.model, cfg.data.seq_len, cfg.train.global_batch, world)
+    if reason is None and lo.pp > 1 and cfg.model.tie_embeddings:
+        reason = ("model.tie_embeddings=true puts the embedding and the head on different pipeline stages; "
+                  "set model.tie_embeddings=false or parallel.pp=1")
+    reason = reason or _engine_limits(cfg, lo)
+    if reason and world == 1 and lo.world > 1:
+        reason += f" (launch with: torchrun --nproc-per-node {lo.world} -m flopwise train ...)"
+    if reason:
+        raise ConfigError(reason)
+    return lo
+
+
+def _engine_limits(cfg: Config, lo: Layout) -> str | None:
+    """Layouts the planner may consider but this engine does not run (yet), each with the fix."""
+    m = cfg.model
+    if lo.pp > 1 and m.tie_embeddings:
+        return ("model.tie_embeddings=true puts the embedding and the head on different pipeline stages; "
+                "set model.tie_embeddings=false or parallel.pp=1")
+    if lo.pp > 1 and cfg.parallel.pp_layers is not None and (
+            len(cfg.parallel.pp_layers) != lo.pp * (2 if lo.pp_schedule in ("zero-bubble", "dualpipev") else lo.virtual_stages)
+            or sum(cfg.parallel.pp_layers) != m.n_layers or min(cfg.parallel.pp_layers) < 1):
+        return (f"parallel.pp_layers={cfg.parallel.pp_layers} must give every one of the pp·virtual_stages stages "
+                f"at least one layer and sum to model.n_layers={m.n_layers}")
+    if lo.cp > 1 and m.pos == "relative":
+        return "model.pos=relative (Transformer-XL) has no context-parallel form; set parallel.cp=1"
+    if lo.tp > 1 and m.pos == "relative":
+        return "model.pos=relative (Transformer-XL) has no tensor-parallel plan; set parallel.tp=1"
+    if lo.tp > 1 and m.n_kv_heads % lo.tp:
+        return (f"parallel.tp={lo.tp} exceeds model.n_kv_heads={m.n_kv_heads}: this engine shards kv heads and "
+                "does not replicate them; use parallel.tp <= n_kv_heads")
+    if lo.tp > 1 and lo.sequence_parallel and m.pos == "learned":
+        return "parallel.sequence_parallel with model.pos=learned is not supported; set sequence_parallel=false"
+    if lo.tp > 1 and lo.zero < 2 and lo.dp * lo.cp > 1:
+        return (f"parallel.zero={lo.zero} with parallel.tp={lo.tp}: DDP does not take tensor-parallel (DTensor) "
+                "parameters; use parallel.zero=2 or 3")
+    return None
+
+
+@dataclass
+class Parallel:
+    """Where this process sits: the layout, the mesh (None on one process) and its coordinates."""
+
+    layout: Layout
+    mesh: DeviceMesh | None
+    device: torch.device
+
+    def size(self, dim: str) -> int:
+        return 1 if self.mesh is None else self.mesh[dim].size()
+
+    def rank(self, dim: str) -> int:
+        return 0 if self.mesh is None else self.mesh[dim].get_local_rank()
+
+    def group(self, dim: str):
+        return None if self.mesh is None else self.mesh[dim].get_group()
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def is_main(self) -> bool:
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.rank("pp") == self.layout.pp - 1
+
+
+def init(cfg: Config, device: torch.device, timeout_s: float = 600.0) -> Parallel:
+    """Join the process group torchrun/srun set up (gloo on CPU, NCCL on GPU) and build the mesh."""
+    world = world_size()
+    layout = layout_of(cfg, world)
+    if world == 1:
+        return Parallel(layout, None, device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+    lo = layout
+    mesh = init_device_mesh(device.type, (lo.pp, lo.dp_replicate, lo.dp_shard, lo.cp, lo.tp), mesh_dim_names=DIMS)
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    mesh["dp_shard", "cp"]._flatten("shard")
+    return Parallel(layout, mesh, device)
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_mean(x: torch.Tensor, par: Parallel, dim: str = "dp_cp") -> torch.Tensor:
+    """Average a scalar over a mesh dim (the logged loss over the ranks that saw different data)."""
+    if par.size(dim) > 1:
+        x = x.clone()
+        dist.all_reduce(x, group=par.group(dim))
+        x /= par.size(dim)
+    return x

@@ -1,0 +1,76 @@
+"""Megatron tensor parallelism (and sequence parallelism) as a DTensor plan.
+
+Column-parallel wq/wk/wv/w1/w3, row-parallel wo/w2: one all-reduce in forward and one in backward
+per attention and per MLP (Shoeybi et al. 2019). With sequence parallel the all-reduces become
+reduce-scatter + all-gather pairs and the norms and dropouts run on 1/tp of the sequence
+(Korthikanti et al. 2022). The head is column-parallel over the vocabulary and the loss is computed
+on the vocab shards with `loss_parallel` (no full logits are ever gathered).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.distributed.tensor import DTensor
+
+from flopwise.model.transformer import Transformer
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters replicated as DTensors, inputs and outputs local: a norm outside sequence parallel.
+    (So every parameter is a DTensor on the tp mesh and FSDP/clipping see one kind of tensor.)"""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        def to_dtensor(_, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, (Replicate(),), run_check=False) for x in inputs)
+
+        return distribute_module(module, mesh, input_fn=to_dtensor, output_fn=lambda _, out, mesh: out.to_local())
+
+
+def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    sp = sequence_parallel
+    seq = Shard(1) if sp else Replicate()
+    norm = SequenceParallel() if sp else ReplicateParallel()
+    plan: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        if model.embed_norm is not None:
+            plan["embed_norm"] = norm
+        if model.pos_embeddings is not None:
+            plan["pos_embeddings"] = ReplicateParallel()
+    if model.output is not None:
+        plan["norm"] = norm
+        plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, mesh, plan)
+    for block in model.layers.values():
+        a = block.attention
+        bplan: dict[str, ParallelStyle] = {
+            "attention_norm": norm, "ffn_norm": norm,
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if block.feed_forward.w3 is not None:
+            bplan["feed_forward.w3"] = ColwiseParallel()
+        if sp:
+            bplan["attention"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                    desired_input_layouts=(Replicate(), None, None))
+            bplan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        if a.q_norm is not None:  # per-head norms see local heads: shard them on the head dim
+            bplan["attention.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+            bplan["attention.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+        parallelize_module(block, mesh, bplan)
+    if sp:
+        model.hidden_seq_div = mesh.size()
+    if getattr(model, "alibi", None) is not None:  # each rank attends with its own heads' slopes
+        h = model.alibi.shape[0] // mesh.size()
+        model.alibi = model.alibi[mesh.get_local_rank() * h:(mesh.get_local_rank() + 1) * h].clone()

@@ -1,0 +1,141 @@
+"""One training step's forward and backward for any layout: plain micro-batch accumulation, or a
+pipeline schedule; context-parallel token sharding; tensor-parallel vocab-sharded loss.
+
+The loss each rank backpropagates is the mean over its own tokens; DDP/FSDP average gradients over
+the data- and context-parallel ranks, so the update equals one process on the whole global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.parallel import DistributedDataParallel
+
+from flopwise.config import Config
+from flopwise.model.transformer import Transformer
+from flopwise.parallel.apply import parallelize
+from flopwise.parallel.context import ContextParallel
+from flopwise.parallel.mesh import Parallel, all_mean
+from flopwise.parallel.pipeline import build_schedule, split_stages
+
+
+def autocast(device: torch.device, dtype: str):
+    if dtype == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, in fp32 (on vocab shards under tensor parallel)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+class Engine:
+    """The parallelized model parts of this rank and how to run a step through them.
+
+    Every rank builds the whole model from the same seed (identical initial weights, so a parallel
+    run starts where a single process would) and hands it here to keep its parts and shards."""
+
+    def __init__(self, cfg: Config, par: Parallel, model: Transformer):
+        self.cfg, self.par, self.device = cfg, par, par.device
+        lo = par.layout
+        self.local_batch = cfg.train.global_batch // lo.dp
+        self.n_micro = self.local_batch // cfg.train.micro_batch
+        self.cp = ContextParallel(par.rank("cp"), lo.cp, par.group("cp")) if lo.cp > 1 else None
+        self.schedule = None
+        if lo.pp > 1:
+            staged = split_stages(model, cfg, par)
+            self.parts = [parallelize(m, cfg, par) for _, m in staged]
+            self.schedule = build_schedule(list(zip([s for s, _ in staged], self.parts)), par, self.n_micro,
+                                           self._loss_fn)
+            n_stages = lo.pp * len(staged)
+            ids = [s for s, _ in staged]
+            self.first, self.last = 0 in ids, n_stages - 1 in ids
+        else:
+            self.parts = [parallelize(model, cfg, par)]
+            self.first = self.last = True
+
+    @property
+    def modules(self) -> nn.ModuleList:
+        return nn.ModuleList(self.parts)
+
+    def _loss_ctx(self):
+        return loss_parallel() if self.par.size("tp") > 1 else contextlib.nullcontext()
+
+    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_loss(logits, targets)
+
+    def _inputs(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch[:, :-1], batch[:, 1:]
+        if self.cp is not None:
+            x, y = self.cp.shard(x), self.cp.shard(y)
+        return x.to(self.device), y.to(self.device)
+
+    def forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
+        """Backpropagate this rank's share of a global batch; returns the global mean loss."""
+        x, y = self._inputs(batch)
+        dtype = self.cfg.train.dtype
+        with self._loss_ctx(), autocast(self.device, dtype):
+            if self.schedule is not None:
+                local = self._pipeline(x, y, train=True)
+            else:
+                local = torch.zeros((), device=self.device)
+                model = self.parts[0]
+                micros = list(zip(x.split(self.cfg.train.micro_batch), y.split(self.cfg.train.micro_batch)))
+                for i, (xm, ym) in enumerate(micros):
+                    sync = i == len(micros) - 1 or not isinstance(model, DistributedDataParallel)
+                    with contextlib.nullcontext() if sync else model.no_sync():
+                        loss = token_loss(model(xm), ym) * (xm.shape[0] / self.local_batch)
+                        loss.backward()
+                    local += _local(loss.detach())
+        return all_mean(local, self.par)
+
+    def _pipeline(self, x: torch.Tensor, y: torch.Tensor, train: bool) -> torch.Tensor:
+        """Run the schedule; the mean micro-batch loss, shared from the last stage to every pp rank."""
+        losses: list[torch.Tensor] = []
+        run = self.schedule.step if train else self.schedule.eval
+        args = (x,) if self.first else ()
+        kwargs = {"target": y, "losses": losses} if self.last else {}
+        run(*args, **kwargs)
+        local = torch.stack([_local(v.detach()) for v in losses]).mean() if self.last else torch.zeros((), device=self.device)
+        dist.all_reduce(local, group=self.par.group("pp"))
+        return local
+
+    @torch.no_grad()
+    def eval_loss(self, batch: torch.Tensor) -> float:
+        x, y = self._inputs(batch)
+        for m in self.parts:
+            m.eval()
+        with self._loss_ctx(), autocast(self.device, self.cfg.train.dtype):
+            if self.schedule is not None:
+                local = self._pipeline(x, y, train=False)
+            else:
+                local = _local(token_loss(self.parts[0](x), y))
+        for m in self.parts:
+            m.train()
+        return float(all_mean(local, self.par, "cp"))
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip by the norm over all of the model's gradients, across tensor/pipeline shards."""
+        params = [p for m in self.parts for p in m.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norm = _local(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        if self.par.size("pp") > 1:
+            sq = norm.pow(2)
+            dist.all_reduce(sq, group=self.par.group("pp"))
+            norm = sq.sqrt()
+        if math.isfinite(max_norm):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        return float(norm)
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor scalar (loss under loss_parallel) as a plain tensor."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
