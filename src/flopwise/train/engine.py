@@ -23,7 +23,7 @@ from flopwise.model.transformer import Transformer
 from flopwise.parallel.apply import parallelize
 from flopwise.parallel.context import ContextParallel
 from flopwise.parallel.mesh import Parallel, all_mean
-from flopwise.parallel.pipeline import build_schedule, split_stages
+from flopwise.parallel.pipeline import V_SHAPED, build_schedule, split_stages
 
 
 def autocast(device: torch.device, dtype: str):
@@ -61,6 +61,13 @@ class Engine:
         else:
             self.parts = [parallelize(model, cfg, par)]
             self.first = self.last = True
+
+    @property
+    def can_eval(self) -> bool:
+        """torch 2.13's ZB-V and DualPipeV runtime schedules still run their backward actions under
+        `schedule.eval()` and deadlock (seen on gloo), so those layouts skip validation: export the
+        checkpoint and run `flopwise eval`."""
+        return self.schedule is None or self.par.layout.pp_schedule not in V_SHAPED
 
     @property
     def modules(self) -> nn.ModuleList:

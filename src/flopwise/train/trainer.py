@@ -221,7 +221,7 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
                                   f"grad_norm {grad_norm:.3f} {last_tps:,.0f} tok/s MFU {100 * last_mfu:.1f}%",
                                   highlight=False)
                 window_tokens, window_time = 0, 0.0
-            if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or last:
+            if engine.can_eval and ((cfg.train.eval_every and done % cfg.train.eval_every == 0) or last):
                 val_loss = evaluate(engine, data_dir, cfg)
                 write({"step": done, "val_loss": val_loss})
                 for name, examples in tasks:
@@ -247,7 +247,7 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
             ids = generate(engine.parts[0], prompt, cfg.train.sample_tokens, temperature=0.8, top_k=50, seed=cfg.run.seed)
         sample = tokenizer.decode(prompt + ids)
     final_loss = losses[-1] if losses else float("nan")
-    if val_loss is None and start_step == end_step:
+    if val_loss is None and start_step == end_step and engine.can_eval:
         val_loss = evaluate(engine, data_dir, cfg)
     return TrainResult(run_dir, end_step, end_step * tokens_per_step, final_loss, val_loss,
                        meta["unigram_entropy_nats"], last_tps, last_mfu, peak, peak_source,
