@@ -23,6 +23,8 @@ app.add_typer(config_app, name="config")
 app.add_typer(data_app, name="data")
 app.add_typer(scale_app, name="scale")
 app.add_typer(convert_app, name="convert")
+checkpoint_app = typer.Typer(no_args_is_help=True, help="Consolidate sharded checkpoints.")
+app.add_typer(checkpoint_app, name="checkpoint")
 console = Console()
 
 DEFAULT_CONFIG = "demo"
@@ -313,6 +315,16 @@ def scale_sweep(
     console.print(f"collected {table}; fit it with: flopwise scale fit {table}")
 
 
+@checkpoint_app.command("export")
+def checkpoint_export(path: str = typer.Argument(..., help="a run dir (its newest complete checkpoint) or a step-N folder"),
+                      out: Path = typer.Option(..., "--out", help="folder to write <out>/checkpoints/step-N into")) -> None:
+    """Consolidate a checkpoint written by any parallel layout into a one-process checkpoint."""
+    from flopwise.train.trainer import export_checkpoint
+
+    dest = export_checkpoint(path, out)
+    console.print(f"exported {path} -> {dest} (one process; resume with run.dir={out})")
+
+
 @convert_app.command("from-hf")
 def convert_from_hf(hf_dir: Path = typer.Argument(..., help="config.json + model*.safetensors (+ tokenizer)"),
                     out: Path = typer.Argument(..., help="flopwise run folder to write (checkpoints/step-00000000)")):
@@ -437,3 +449,7 @@ def main() -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+    finally:
+        dist = sys.modules.get("torch.distributed")  # never import torch just for this (plan stays fast)
+        if dist is not None and dist.is_initialized():  # a torchrun rank: leave the group cleanly
+            dist.destroy_process_group()

@@ -39,7 +39,8 @@ def apply_fsdp(model: Transformer, par: Parallel, dtype: str) -> nn.Module:
 
 
 def apply_ddp(model: nn.Module, par: Parallel) -> nn.Module:
-    return DistributedDataParallel(model, process_group=par.group("dp_cp"),
+    # broadcast_buffers=False: the buffers (rope tables, ALiBi slopes) are computed, identical everywhere.
+    return DistributedDataParallel(model, process_group=par.group("dp_cp"), broadcast_buffers=False,
                                    device_ids=[par.device.index] if par.device.type == "cuda" else None)
 
 

@@ -32,7 +32,8 @@ from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.model.transformer import Transformer, build_model
 from flopwise.parallel import mesh
 from flopwise.parallel.data import zero1_group
-from flopwise.plan.planner import resolve_layout
+from flopwise.plan.layout import Layout
+from flopwise.plan.planner import layout_config, resolve_layout
 from flopwise.train.engine import Engine, autocast, token_loss
 from flopwise.train import checkpoint
 from flopwise.train.metrics import MetricsWriter, device_peak, plot_loss_curve, read_metrics
@@ -114,6 +115,21 @@ def _progress(console: Console) -> Progress:
                     TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=False)
 
 
+def build(cfg: Config, par: mesh.Parallel, data_dir: Path | None) -> tuple[Engine, torch.optim.Optimizer, TokenLoader | None]:
+    """This rank's parallelized model parts, optimizer and data loader."""
+    model: Transformer = build_model(cfg.model, par.device, seed=cfg.run.seed)
+    if cfg.model.init_from:  # continued pretraining: weights from Hugging Face (a resume overrides them)
+        from flopwise.interop.hf import from_hf
+
+        model.load_state_dict(from_hf(cfg.model.init_from[3:], par.device)[0].state_dict())
+    engine = Engine(cfg, par, model)
+    optimizer = build_optimizer(engine.modules, cfg.optim, zero1_group(par))
+    loader = None if data_dir is None else TokenLoader(
+        data_dir, "train", cfg.data.seq_len, cfg.train.global_batch, cfg.run.seed,
+        dp_rank=par.rank("dp"), dp_size=par.layout.dp)
+    return engine, optimizer, loader
+
+
 def train(cfg: Config, console: Console | None = None) -> TrainResult:
     """Train on this process, or as one rank of a torchrun/srun job (rank 0 writes logs and metrics)."""
     t_start = time.perf_counter()
@@ -135,15 +151,7 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
                           f"{meta['vocab_size']}; set model.vocab_size>={meta['vocab_size']}")
     tokenizer = tokenizer_of(data_dir)
 
-    model: Transformer = build_model(cfg.model, device, seed=cfg.run.seed)
-    if cfg.model.init_from:  # continued pretraining: weights from Hugging Face (a resume overrides them)
-        from flopwise.interop.hf import from_hf
-
-        model.load_state_dict(from_hf(cfg.model.init_from[3:], device)[0].state_dict())
-    engine = Engine(cfg, par, model)
-    optimizer = build_optimizer(engine.modules, cfg.optim, zero1_group(par))
-    loader = TokenLoader(data_dir, "train", cfg.data.seq_len, cfg.train.global_batch, cfg.run.seed,
-                         dp_rank=par.rank("dp"), dp_size=lo.dp)
+    engine, optimizer, loader = build(cfg, par, data_dir)
 
     start_step, resumed_from = 0, _resume_point(cfg, run_dir)
     metrics_path = run_dir / "metrics.jsonl"
@@ -280,15 +288,33 @@ def summary_table(r: TrainResult) -> Table:
     return t
 
 
+def _checkpoint_config(ckpt: Path, state: dict) -> Config:
+    try:
+        return validate(tomllib.loads(state["config"]))
+    except (KeyError, tomllib.TOMLDecodeError):
+        raise CheckpointError(f"checkpoint {ckpt}: state.json holds no valid config") from None
+
+
 def load_for_inference(path: str | Path, device: str = "cpu"):
     """(model, config, tokenizer) from a checkpoint or a run dir: the consolidated inference path."""
     ckpt = checkpoint.resolve(path)
-    state = checkpoint.read_state(ckpt)
-    try:
-        cfg = validate(tomllib.loads(state["config"]))
-    except (KeyError, tomllib.TOMLDecodeError):
-        raise CheckpointError(f"checkpoint {ckpt}: state.json holds no valid config") from None
+    cfg = _checkpoint_config(ckpt, checkpoint.read_state(ckpt))
     model = build_model(cfg.model, device)
     checkpoint.load(ckpt, model)
     model.eval()
     return model, cfg, load_tokenizer(ckpt / "tokenizer.json")
+
+
+def export_checkpoint(path: str | Path, out: str | Path) -> Path:
+    """Consolidate a checkpoint of any layout into a one-process one under <out>/checkpoints/
+    (model, optimizer, loader position, RNG: training resumes from it with `run.dir=<out>`)."""
+    ckpt = checkpoint.resolve(path)
+    state = checkpoint.read_state(ckpt)
+    cfg = layout_config(_checkpoint_config(ckpt, state), Layout(micro_batch=1))
+    par = mesh.Parallel(Layout(micro_batch=1), None, torch.device("cpu"))
+    engine, optimizer, _ = build(cfg, par, None)
+    checkpoint.load(ckpt, engine.parts, optimizer)
+    step = int(state.pop("step"))
+    state.update(config=to_toml(cfg), config_hash=config_hash(cfg), layout={**par.layout.to_json(), "world_size": 1},
+                 exported_from=str(ckpt))
+    return checkpoint.save(out, step, engine.parts, optimizer, state, files={"tokenizer.json": ckpt / "tokenizer.json"})

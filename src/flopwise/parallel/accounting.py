@@ -1,0 +1,87 @@
+"""Measure what a layout really holds and sends, to check against plan/memory.py and plan/comm.py.
+
+`model_state_bytes_on_rank`: bytes of parameters (as the rank computes with them, i.e. after
+forward: gathered under ZeRO ≤ 2, shards under ZeRO-3), gradients and optimizer state on this rank.
+`CommCounter`: every collective and point-to-point op that passes through the dispatcher
+(c10d and functional collectives: DDP's reducer, FSDP2, DTensor, pipelining all do), with bytes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+def param_bytes(modules) -> int:
+    return sum(local_bytes(p) for m in modules for p in m.parameters())
+
+
+def grad_bytes(modules) -> int:
+    return sum(local_bytes(p.grad) for m in modules for p in m.parameters() if p.grad is not None)
+
+
+def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Moments only (the per-parameter step counters are scalars)."""
+    return sum(local_bytes(v) for s in optimizer.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+class CommCounter(TorchDispatchMode):
+    """Counts collectives by kind: calls and elements of the full (unsharded) buffer each moves.
+
+    all_reduce: the buffer; all_gather: the gathered output; reduce_scatter: the input; broadcast,
+    send, recv: the tensor."""
+
+    KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv", "all_to_all")
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, int] = defaultdict(int)
+        self.elements: dict[str, int] = defaultdict(int)
+        self.sizes: dict[str, list[int]] = defaultdict(list)
+
+    def _kind(self, name: str) -> str | None:
+        for k in self.KINDS:
+            if k.replace("_", "") in name.replace("_", ""):
+                return k
+        return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        ns = func.namespace
+        if ns in ("c10d", "_c10d_functional", "c10d_functional"):
+            name = func._schema.name.split("::")[-1]
+            kind = self._kind(name)
+            if kind is not None and "wait" not in name:
+                n = _elements(kind, args, out, inplace=ns == "c10d" and name.startswith("_reduce_scatter_base"))
+                self.calls[kind] += 1
+                self.elements[kind] += n
+                self.sizes[kind].append(n)
+        return out
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensors(y)]
+    return []
+
+
+def _elements(kind: str, args, out, inplace: bool = False) -> int:
+    if kind == "reduce_scatter" and inplace:  # c10d::_reduce_scatter_base_(output, input)
+        return sum(t.numel() for t in _tensors(args[1]))
+    if kind == "all_gather":  # output is the gathered buffer (the first tensor argument for in-place ops)
+        ts = _tensors(out)[:1] or _tensors(args)[:1]
+        return ts[0].numel() if ts else 0
+    ts = _tensors(args[0]) if args else []
+    return sum(t.numel() for t in ts)
