@@ -70,3 +70,33 @@ def reshard(overrides: list[str]) -> dict:
     step = state.pop("step")
     checkpoint.save(cfg.run.dir, step, engine.parts, opt, state)
     return {"step": step}
+
+
+def bench(overrides: list[str]) -> dict:
+    """Median step time over 5 steps after 2 warm-up steps, per-rank peak RSS and model-state bytes."""
+    import resource
+    import statistics
+    import time
+
+    from flopwise.flops import count_params
+    from flopwise.parallel import accounting as acc
+    from flopwise.parallel.data import local_optimizer
+
+    cfg, par, engine, opt, loader = _setup(overrides)
+    times, states = [], {}
+    for i in range(7):
+        t0 = time.perf_counter()
+        engine.forward_backward(loader.next_batch())
+        states = {"params": acc.param_bytes(engine.parts), "grads": acc.grad_bytes(engine.parts)}
+        engine.clip_grad_norm(1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    states["optimizer"] = acc.optimizer_bytes(local_optimizer(opt))
+    mine = {**states, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, mine)
+    return {"step_s": statistics.median(times), "psi": count_params(cfg.model).total, "ranks": per_rank,
+            "tokens_per_step": cfg.train.global_batch * cfg.data.seq_len}

@@ -61,10 +61,11 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> N
         }
         if block.feed_forward.w3 is not None:
             bplan["feed_forward.w3"] = ColwiseParallel()
-        if sp:
-            bplan["attention"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                    desired_input_layouts=(Replicate(), None, None))
-            bplan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        # Enter attention and the MLP as one DTensor: the input gradients of wq/wk/wv (and w1/w3) then
+        # sum as partials and cost one all-reduce (reduce-scatter under SP), Megatron's "f" operator,
+        # instead of one per projection.
+        bplan["attention"] = PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None))
+        bplan["feed_forward"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
         if a.q_norm is not None:  # per-head norms see local heads: shard them on the head dim
             bplan["attention.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
             bplan["attention.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
