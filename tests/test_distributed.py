@@ -60,6 +60,10 @@ LAYOUTS = {
         "pp2-zero-bubble": {"parallel.pp": 2, "parallel.pp_schedule": '"zero-bubble"', "parallel.virtual_stages": 2},
         "pp2-dualpipev": {"parallel.pp": 2, "parallel.pp_schedule": '"dualpipev"', "parallel.virtual_stages": 2},
         "cp2": {"parallel.cp": 2},
+        "dp2-zero3-recompute-full": {"parallel.zero": 3, "parallel.recompute": '"full"'},
+        "tp2-sp-recompute-selective": {"parallel.tp": 2, "parallel.sequence_parallel": "true",
+                                       "parallel.recompute": '"selective"'},
+        "pp2-1f1b-recompute-full": {"parallel.pp": 2, "parallel.recompute": '"full"'},
     },
     4: {
         "hsdp2x2": {"parallel.zero": 3, "parallel.dp_replicate": 2},
@@ -70,6 +74,9 @@ LAYOUTS = {
 }
 
 
+# bf16: FSDP2's policy (bf16 parameters, fp32 reduce and master weights) and DDP under autocast
+# against one process under autocast; the stated tolerance is 1e-3 relative (measured: ≤ 4e-5).
+BF16 = {"dp2-zero0-bf16": {"parallel.zero": 0}, "dp2-zero3-bf16": {"parallel.zero": 3}}
 MEMORY_MODEL = {"model.n_layers": 8, "model.ffn_dim": 768}  # no tensor a large share, so ZeRO-1's per-tensor split balances
 COMM = {"comm-zero0": {"parallel.zero": 0}, "comm-zero1": {"parallel.zero": 1}, "comm-zero2": {"parallel.zero": 2},
         "comm-zero3": {"parallel.zero": 3}, "comm-tp2": {"parallel.tp": 2}, "comm-tp2-sp": {"parallel.tp": 2,
@@ -96,6 +103,7 @@ def runs(tiny_data, tmp_path_factory) -> dict:
 
     launches = {
         2: [job(n, "losses", **x) for n, x in LAYOUTS[2].items()]
+        + [job(n, "losses", **x, **{"train.dtype": '"bf16"'}) for n, x in BF16.items()]
         + [job(f"memory-zero{z}", "memory", **MEMORY_MODEL, **{"parallel.zero": z, "train.micro_batch": 4}) for z in range(4)]
         + [job(n, "comm", **x, **{"train.micro_batch": 4 if "pp" not in n else 2, "train.global_batch": 8 if "tp" not in n else 4})
            for n, x in COMM.items()],
@@ -131,6 +139,12 @@ def reference(tiny_data, tmp_path_factory) -> list[float]:
 def test_layout_matches_single_process(name, runs, reference):
     """fp32: the per-step losses of every layout equal one process's within 1e-5 relative."""
     assert ok(runs[name])["losses"] == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", list(BF16))
+def test_bf16_layout_matches_single_process(name, runs, tiny_data, tmp_path):
+    ref = single(tmp_path, tiny_data, **{"train.dtype": '"bf16"'}).losses
+    assert ok(runs[name])["losses"] == pytest.approx(ref, rel=1e-3)
 
 
 @pytest.mark.parametrize("zero", range(4))

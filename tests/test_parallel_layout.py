@@ -1,0 +1,55 @@
+"""The engine's layout checks and pure helpers (no process group needed)."""
+
+import pytest
+import torch
+
+from flopwise.config import load_config
+from flopwise.errors import ConfigError
+from flopwise.parallel.context import ContextParallel
+from flopwise.parallel.mesh import layout_of
+from flopwise.plan.layout import balanced_stages
+
+
+def cfg(**kw):
+    base = {"model.preset": '"demo-tiny"', "model.n_layers": 4, "model.tie_embeddings": "false", "data.seq_len": 32,
+            "train.global_batch": 8, "train.micro_batch": 2}
+    base.update(kw)
+    return load_config(None, [f"{k}={v}" for k, v in base.items()])
+
+
+def test_dp_defaults_to_what_is_left():
+    lo = layout_of(cfg(**{"parallel.tp": 2, "parallel.zero": 3}), 8)
+    assert (lo.dp, lo.tp, lo.world) == (4, 2, 8)
+
+
+@pytest.mark.parametrize("kw, world, match", [
+    ({"parallel.tp": 2}, 1, r"= 2 but the world size is 1.*torchrun --nproc-per-node 2"),
+    ({"parallel.dp": 2, "parallel.tp": 2}, 8, r"pp=1 × dp=2 × cp=1 × tp=2 = 4 but the world size is 8"),
+    ({"parallel.pp": 2, "model.tie_embeddings": "true"}, 2, "tie_embeddings"),
+    ({"parallel.tp": 4}, 4, "exceeds model.n_kv_heads=2"),
+    ({"parallel.tp": 2, "parallel.zero": 0}, 4, "use parallel.zero=2 or 3"),
+    ({"parallel.pp": 2, "parallel.pp_layers": "[1, 2]"}, 2, "pp_layers"),
+])
+def test_unrunnable_layouts_get_one_line_errors(kw, world, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        layout_of(cfg(**kw), world)
+    assert "\n" not in str(e.value)
+
+
+def test_stages_balance_parameters_not_layers():
+    assert balanced_stages(4, 2, 10, 0, 0) == (2, 2)
+    assert balanced_stages(8, 4, 10, 25, 5) == (1, 2, 3, 2)  # the embedding's stage takes fewer layers
+    assert balanced_stages(4, 4, 1, 100, 100) == (1, 1, 1, 1)
+
+
+def test_context_parallel_chunks_pair_head_and_tail():
+    """cp=2, 16 tokens -> 4 chunks of 4: rank 0 keeps chunks 0 and 3, rank 1 chunks 1 and 2; together
+    they cover the sequence once, and each rank has the same number of causal (query, key) pairs."""
+    ranks = [ContextParallel(r, 2, None) for r in range(2)]
+    pos = [cp.positions(16) for cp in ranks]
+    assert pos[0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15] and pos[1].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert sorted(torch.cat(pos).tolist()) == list(range(16))
+    assert [int((p + 1).sum()) for p in pos] == [68, 68]
+    assert ranks[0].key_positions(16).tolist() == torch.cat(pos).tolist()
+    x = torch.arange(32).view(2, 16)
+    assert ranks[1].shard(x).tolist() == [list(range(4, 12)), list(range(20, 28))]
