@@ -64,6 +64,7 @@ LAYOUTS = {
         "tp2-sp-recompute-selective": {"parallel.tp": 2, "parallel.sequence_parallel": "true",
                                        "parallel.recompute": '"selective"'},
         "pp2-1f1b-recompute-full": {"parallel.pp": 2, "parallel.recompute": '"full"'},
+        "dp2-zero3-compile": {"parallel.zero": 3, "train.compile": "true"},  # per-block compile under FSDP2
     },
     4: {
         "hsdp2x2": {"parallel.zero": 3, "parallel.dp_replicate": 2},
