@@ -246,3 +246,14 @@ def test_export_consolidates_and_refuses_a_mismatched_model(runs, tiny_data, tmp
     engine, opt, _ = build(cfg, Parallel(Layout(micro_batch=2), None, torch.device("cpu")), None)
     with pytest.raises(CheckpointError, match="does not fit this model/layout"):
         checkpoint.load(ckpt, engine.parts, opt)
+
+
+def test_flopwise_train_under_torchrun(tiny_data, tmp_path):
+    """The CLI itself as a 2-rank job: rank 0 alone reports, each rank writes its own shard."""
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+                        "-m", "flopwise", "train", *base(tmp_path, tiny_data, **{"parallel.zero": 3})],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("run summary") == 1 and "layout dp2 zero3 on 2 processes (gloo)" in r.stdout
+    ckpt = checkpoint.latest(tmp_path)
+    assert ckpt.name == f"step-{STEPS:08d}" and len(list(ckpt.glob("*.distcp"))) == 2

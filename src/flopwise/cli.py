@@ -44,6 +44,8 @@ def train(args: Optional[list[str]] = typer.Argument(None, help=ARGS_HELP)) -> N
     from flopwise.train.trainer import summary_table, train as run_training
 
     result = run_training(_config(args), console)
+    if not result.is_main:
+        return
     console.print(summary_table(result))
     if result.sample:
         console.rule("sample")

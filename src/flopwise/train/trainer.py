@@ -57,6 +57,7 @@ class TrainResult:
     plot: Path | None = None
     sample: str = ""
     losses: list[float] = field(default_factory=list)
+    is_main: bool = True  # rank 0 of a torchrun job (the one that reports)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -259,7 +260,7 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
         val_loss = evaluate(engine, data_dir, cfg)
     return TrainResult(run_dir, end_step, end_step * tokens_per_step, final_loss, val_loss,
                        meta["unigram_entropy_nats"], last_tps, last_mfu, peak, peak_source,
-                       time.perf_counter() - t_start, last_ckpt, plot, sample, losses)
+                       time.perf_counter() - t_start, last_ckpt, plot, sample, losses, par.is_main)
 
 
 def _layout_name(layout: dict) -> str:
