@@ -47,6 +47,9 @@ def train(args: Optional[list[str]] = typer.Argument(None, help=ARGS_HELP)) -> N
     if not result.is_main:
         return
     console.print(summary_table(result))
+    if result.preempted is not None:
+        console.print(f"[bold]preempted[/] by {result.signal} at step {result.preempted}: checkpoint "
+                      f"{result.checkpoint} written; run the same command again to continue")
     if result.sample:
         console.rule("sample")
         console.print(result.sample, markup=False, highlight=False)

@@ -170,9 +170,46 @@ class ParallelConfig(Section):
 
 
 class CheckpointConfig(Section):
-    interval: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    interval: int | Literal["auto"] = Field(0, description="steps between checkpoints; 0 = only at the end; "
+                                            "auto = Young/Daly interval from the measured write time and "
+                                            "cluster.gpu_mtbf_hours")
     keep: int = Field(2, ge=1)
     resume: str = Field("auto", description="auto (latest complete), none, or a checkpoint path")
+    async_save: bool = Field(False, alias="async", description="write with DCP's async save while training "
+                             "goes on (at most one in flight)")
+    on_error: Literal["stop", "continue"] = Field("stop", description="a failed write (disk full, unwritable "
+                                                  "dir): stop cleanly, or warn and keep training")
+    verify: Literal["sha256", "size"] = Field("sha256", description="what resume checks before trusting a "
+                                              "checkpoint: every file's checksum, or only sizes (fast)")
+
+    @model_validator(mode="after")
+    def _interval(self) -> "CheckpointConfig":
+        if isinstance(self.interval, int) and self.interval < 0:
+            raise ValueError(f"checkpoint.interval={self.interval}: use a step count >= 0 or \"auto\"")
+        return self
+
+
+class GuardConfig(Section):
+    """Loss-spike and NaN guard (PaLM's recipe: roll back, skip the offending data)."""
+
+    enabled: bool = True
+    spike_zscore: float = Field(6.0, gt=0, description="a loss this many running std above the running mean "
+                                "is a spike")
+    window: int = Field(50, ge=2, description="steps in the running loss window")
+    min_window: int = Field(10, ge=2, description="steps of history before spikes are judged")
+    max_skips: int = Field(3, ge=1, description="consecutive non-finite steps that trigger a rollback")
+    skip_batches: int = Field(200, ge=0, description="batches skipped after a rollback (at least up to the bad one)")
+    max_rollbacks: int = Field(3, ge=0, description="rollbacks in one invocation before stopping")
+
+
+class WatchdogConfig(Section):
+    collective_timeout_s: float = Field(600.0, gt=0, description="a collective waiting longer fails the job "
+                                        "(torchrun then restarts it)")
+    hang_factor: float = Field(10.0, gt=1, description="dump every thread's stack when a step runs this many "
+                               "times the median step time")
+    min_s: float = Field(300.0, gt=0, description="never dump before a step has run this long")
 
 
 class LogConfig(Section):
@@ -206,6 +243,8 @@ class Config(Section):
     optim: OptimConfig = OptimConfig()
     parallel: ParallelConfig = ParallelConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    guard: GuardConfig = GuardConfig()
+    watchdog: WatchdogConfig = WatchdogConfig()
     log: LogConfig = LogConfig()
     cluster: ClusterConfig = ClusterConfig()
     plan: PlanConfig = PlanConfig()
@@ -226,6 +265,8 @@ class Config(Section):
                              f"train.global_batch={t.global_batch}")
         if self.optim.min_lr > self.optim.lr:
             raise ValueError(f"optim.min_lr={self.optim.min_lr} exceeds optim.lr={self.optim.lr}")
+        if self.guard.min_window > self.guard.window:
+            raise ValueError(f"guard.min_window={self.guard.min_window} exceeds guard.window={self.guard.window}")
         if self.optim.warmup_steps > t.steps:
             raise ValueError(f"optim.warmup_steps={self.optim.warmup_steps} exceeds train.steps={t.steps}")
         return self
@@ -329,7 +370,7 @@ def split_cli_args(args: list[str] | None) -> tuple[str | None, list[str]]:
 
 
 def to_toml(cfg: Config) -> str:
-    return tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True))
+    return tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True, by_alias=True))
 
 
 def config_hash(cfg: Config) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flopwise.data.shards import open_split
+from flopwise.data.shards import open_split, read_index
 from flopwise.errors import DataError
 
 
@@ -26,6 +26,7 @@ class TokenLoader:
         if global_batch % dp_size:
             raise DataError(f"train.global_batch={global_batch} is not divisible by the data-parallel size {dp_size}")
         self.tokens = open_split(data_dir, split)
+        self.index_documents = read_index(data_dir)["splits"][split].get("documents", [])
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.n_windows = (len(self.tokens) - 1) // seq_len
@@ -62,6 +63,19 @@ class TokenLoader:
         ids = self._take_global()
         local = self.global_batch // self.dp_size
         return self.windows(ids[self.dp_rank * local:(self.dp_rank + 1) * local])
+
+    def skip(self, n_batches: int) -> np.ndarray:
+        """Advance past `n_batches` global batches without reading them; their window ids."""
+        return np.concatenate([self._take_global() for _ in range(n_batches)]) if n_batches else np.empty(0, np.int64)
+
+    def documents(self, ids: np.ndarray) -> list[int]:
+        """Indices (in the split's index.json order) of the documents the given windows touch."""
+        starts = np.asarray([d[0] for d in self.index_documents], dtype=np.int64)
+        if not len(starts) or not len(ids):
+            return []
+        first = np.searchsorted(starts, ids * self.seq_len, side="right") - 1
+        last = np.searchsorted(starts, (ids + 1) * self.seq_len, side="right") - 1
+        return sorted({int(d) for a, b in zip(first, last) for d in range(max(a, 0), b + 1)})
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len,

@@ -105,8 +105,9 @@ class Parallel:
         return self.rank("pp") == self.layout.pp - 1
 
 
-def init(cfg: Config, device: torch.device, timeout_s: float = 600.0) -> Parallel:
-    """Join the process group torchrun/srun set up (gloo on CPU, NCCL on GPU) and build the mesh."""
+def init(cfg: Config, device: torch.device) -> Parallel:
+    """Join the process group torchrun/srun set up (gloo on CPU, NCCL on GPU) and build the mesh.
+    A collective that waits longer than watchdog.collective_timeout_s fails instead of hanging."""
     world = world_size()
     layout = layout_of(cfg, world)
     if world == 1:
@@ -115,7 +116,7 @@ def init(cfg: Config, device: torch.device, timeout_s: float = 600.0) -> Paralle
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=cfg.watchdog.collective_timeout_s))
     lo = layout
     mesh = init_device_mesh(device.type, (lo.pp, lo.dp_replicate, lo.dp_shard, lo.cp, lo.tp), mesh_dim_names=DIMS)
     mesh["dp_replicate", "dp_shard"]._flatten("dp")

@@ -4,10 +4,15 @@
     .metadata, __*_*.distcp   model + optimizer state (DCP: sharded, reshardable on load)
     state.json                step, loader position, RNG states, config (TOML), data fingerprint
     tokenizer.json            so the checkpoint is self-contained for eval/generate/export
-    manifest.json             written last: every file with its size and sha256
+    manifest.json             written last: format, step, config hash, layout, every file's size and sha256
 
-Everything is written into `step-N.tmp/` and renamed when complete; a folder without a valid
-manifest is never taken as a checkpoint. Nothing here unpickles: DCP tensors, JSON for the rest.
+Everything is written into `step-N.tmp/`, fsynced, and renamed when complete; a folder whose
+manifest does not match its files (missing, truncated, corrupted, or naming paths outside the
+folder) is never taken as a checkpoint, and the newest one that does match is used instead.
+
+Nothing user-supplied is unpickled. DCP's own reader `pickle.load`s `.metadata`, so `SafeReader`
+replaces that one call with an unpickler that only builds DCP's metadata classes (a planted
+pickle that names anything else is refused); tensors load with `weights_only=True`.
 """
 
 from __future__ import annotations
@@ -16,15 +21,19 @@ import base64
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from flopwise.errors import CheckpointError
@@ -32,6 +41,8 @@ from flopwise.parallel.data import local_optimizer
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
+DCP_METADATA = ".metadata"
+FORMAT = 2  # 1: manifest without format/config hash/layout (still readable)
 
 
 def _is_main() -> bool:
@@ -116,78 +127,255 @@ def _optim_state(modules: list[nn.Module], optimizer: torch.optim.Optimizer) -> 
     return {name: dict(opt.state[p]) for name, p in _named_params(modules).items() if id(p) in owned}
 
 
-def save(run_dir: str | Path, step: int, model: Modules, optimizer: torch.optim.Optimizer | None,
-         state: dict, files: dict[str, Path] | None = None, keep: int = 2) -> Path:
-    """Write checkpoint `step` atomically and keep the newest `keep` complete ones (optimizer=None:
-    weights only, e.g. a model imported from Hugging Face). `model` may be a list of pipeline
-    stage modules; every rank calls this with its own shards."""
-    final = step_dir(run_dir, step)
-    tmp = final.with_name(final.name + ".tmp")
+def _run_on_main(fn: Callable[[], None]) -> str | None:
+    """Run a rank-0-only file operation; every rank gets its error (or None), so all ranks agree
+    on whether the checkpoint was written instead of rank 0 failing alone and the rest hanging."""
+    reason = None
     if _is_main():
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
+        try:
+            fn()
+        except OSError as e:
+            reason = f"{e.strerror or e} ({e.filename})" if e.filename else str(e)
+    if dist.is_initialized():
+        box = [reason]
+        dist.broadcast_object_list(box, src=0)
+        reason = box[0]
+    return reason
+
+
+def _fresh(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+
+def _content(model: Modules, optimizer: torch.optim.Optimizer | None) -> dict:
     modules = _modules(model)
     content = {"model": _model_state(modules)}
     if optimizer is not None:
         content["optim"] = _optim_state(modules, optimizer)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "assuming single process" when no process group exists
-        dcp.save(content, checkpoint_id=str(tmp))
-    if _is_main():
+    return content
+
+
+def begin(run_dir: str | Path, step: int, model: Modules, optimizer: torch.optim.Optimizer | None,
+          writer: Callable[[Path], FileSystemWriter] = FileSystemWriter, async_group=None):
+    """Start writing checkpoint `step` into step-N.tmp: the DCP tensors of every rank. Returns
+    (tmp, future): the future is None for a synchronous write (done on return) or DCP's async
+    future (tensors staged to host memory on return, written by a background thread)."""
+    final = step_dir(run_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if err := _run_on_main(lambda: _fresh(tmp)):
+        raise not_written(run_dir, step, err)
+    content = _content(model, optimizer)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming single process" when no process group exists
+            if async_group is not None:
+                from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+                return tmp, dcp.async_save(content, storage_writer=writer(tmp), process_group=async_group,
+                                           async_checkpointer_type=AsyncCheckpointerType.THREAD)
+            dcp.save(content, storage_writer=writer(tmp))
+    except (CheckpointException, OSError, RuntimeError) as e:
+        abandon(tmp)
+        raise not_written(run_dir, step, reason(e)) from None
+    return tmp, None
+
+
+def finish(run_dir: str | Path, step: int, tmp: Path, state: dict, files: dict[str, Path] | None = None,
+           keep: int = 2, collective: bool = True) -> Path:
+    """Complete a checkpoint whose tensors are written: state.json, extra files, then the manifest
+    (last, so it vouches for everything), fsync, atomic rename, retention. `collective=False`:
+    called by rank 0 alone (finalizing an async save, whose tensors every rank has written)."""
+    final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+
+    def complete() -> None:
         (tmp / STATE).write_text(json.dumps({**state, "step": step}))
         for name, src in (files or {}).items():
             shutil.copyfile(src, tmp / name)
         entries = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
-        manifest = tmp / MANIFEST
-        manifest.write_text(json.dumps({"step": step, "files": entries}))
-        for p in tmp.iterdir():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
+        manifest = {"format": FORMAT, "step": step, "config_hash": state.get("config_hash"),
+                    "layout": state.get("layout"), "files": entries}
+        (tmp / MANIFEST).write_text(json.dumps(manifest))
+        for p in [*tmp.iterdir(), tmp]:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         prune(run_dir, keep)
-    _barrier()
+
+    if collective:
+        err = _run_on_main(complete)
+    else:
+        try:
+            complete()
+            err = None
+        except OSError as e:
+            err = str(e)
+    if err:
+        abandon(tmp)
+        raise not_written(run_dir, step, err)
     return final
 
 
-def is_complete(path: Path) -> bool:
-    """A checkpoint is complete when its manifest lists exactly the files present, with their sizes."""
+def abandon(tmp: Path) -> None:
+    """Remove a failed write's partial folder (rank 0)."""
+    if _is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def not_written(run_dir: str | Path, step: int, reason: str) -> CheckpointError:
+    prev = latest(run_dir, verify_checksums=False)
+    kept = f"the latest complete checkpoint is still {prev.name}" if prev else "there is no earlier checkpoint"
+    return CheckpointError(f"checkpoint step-{step:08d} not written ({reason}); {kept}. Free space or fix "
+                           "permissions under checkpoints/, or set checkpoint.on_error=continue")
+
+
+def save(run_dir: str | Path, step: int, model: Modules, optimizer: torch.optim.Optimizer | None,
+         state: dict, files: dict[str, Path] | None = None, keep: int = 2,
+         writer: Callable[[Path], FileSystemWriter] = FileSystemWriter) -> Path:
+    """Write checkpoint `step` atomically and keep the newest `keep` complete ones (optimizer=None:
+    weights only, e.g. a model imported from Hugging Face). `model` may be a list of pipeline
+    stage modules; every rank calls this with its own shards. A failed write raises
+    CheckpointError on every rank and leaves the previous checkpoints as they were."""
+    tmp, _ = begin(run_dir, step, model, optimizer, writer)
+    return finish(run_dir, step, tmp, state, files, keep)
+
+
+def _bare(name: object) -> bool:
+    """A plain file name inside the folder: no directories, no `..`, no absolute path."""
+    return isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name and "\\" not in name
+
+
+def verify(path: Path, checksums: bool = True) -> str | None:
+    """Why `path` is not a usable checkpoint (None when it is): the manifest must parse, name only
+    plain files, match every file's size (and sha256), and DCP's metadata must only point at
+    files of this folder."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
         files = manifest["files"]
-        return all((path / name).is_file() and (path / name).stat().st_size == meta["bytes"]
-                   and Path(name).name == name for name, meta in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
+        if not isinstance(files, dict) or not isinstance(manifest.get("step"), int):
+            return "manifest malformed"
+    except FileNotFoundError:
+        return "no manifest (write interrupted)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"manifest unreadable ({type(e).__name__})"
+    for name, meta in files.items():
+        if not _bare(name):
+            return f"manifest names {name!r}, outside the checkpoint folder"
+        f = path / name
+        try:
+            size = f.stat().st_size
+            if not isinstance(meta, dict) or size != meta.get("bytes"):
+                return f"{name} is {size} bytes, manifest says {meta.get('bytes') if isinstance(meta, dict) else '?'}"
+            if checksums and _sha256(f) != meta.get("sha256"):
+                return f"{name} fails its sha256 checksum"
+        except OSError:
+            return f"{name} missing"
+    if DCP_METADATA in files:
+        try:
+            read_dcp_metadata(path)
+        except CheckpointError as e:
+            return str(e).split(": ", 1)[-1]
+    return None
 
 
-def list_complete(run_dir: str | Path) -> list[Path]:
+def is_complete(path: Path) -> bool:
+    """Cheap completeness (sizes, not checksums): for listing and retention."""
+    return verify(path, checksums=False) is None
+
+
+def _candidates(run_dir: str | Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp")]
-    return sorted((p for p in found if is_complete(p)), key=lambda p: p.name)
+    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")
+                   and not p.name.endswith(".tmp")), key=lambda p: p.name)
 
 
-def latest(run_dir: str | Path) -> Path | None:
-    done = list_complete(run_dir)
-    return done[-1] if done else None
+def list_complete(run_dir: str | Path) -> list[Path]:
+    return [p for p in _candidates(run_dir) if is_complete(p)]
+
+
+def latest(run_dir: str | Path, verify_checksums: bool = True, report: Callable[[str], None] | None = None) -> Path | None:
+    """The newest checkpoint that verifies; each damaged newer one is reported in one line and skipped."""
+    skipped = []
+    for p in reversed(_candidates(run_dir)):
+        reason = verify(p, verify_checksums)
+        if reason is None:
+            if report is not None:
+                for name, why in skipped:
+                    report(f"skipping damaged checkpoint {name} ({why}); using {p.name}")
+            return p
+        skipped.append((p.name, reason))
+    if report is not None and skipped:
+        report(f"no usable checkpoint: {'; '.join(f'{n} ({w})' for n, w in skipped)}; starting from scratch")
+    return None
 
 
 def prune(run_dir: str | Path, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints (never the newest one)."""
+    """Delete all but the newest `keep` complete checkpoints (never the newest one) and leftover
+    .tmp folders of interrupted writes (no write is in flight when this runs)."""
     for old in list_complete(run_dir)[:-max(1, keep)]:
         shutil.rmtree(old, ignore_errors=True)
+    for stale in (Path(run_dir) / "checkpoints").glob("step-*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only what DCP's `.metadata` holds: its dataclasses, torch.Size, dtypes, layouts."""
+
+    DCP = {("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+        ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+        ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.DCP or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+def read_dcp_metadata(path: Path) -> Metadata:
+    """DCP's metadata of a checkpoint folder, unpickled safely and checked to name only its own files."""
+    try:
+        with open(path / DCP_METADATA, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError) as e:
+        raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} refused ({e})") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} is not DCP metadata")
+    for info in (metadata.storage_data or {}).values():
+        if not _bare(getattr(info, "relative_path", None)):
+            raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} points at "
+                                  f"{getattr(info, 'relative_path', None)!r}, outside the checkpoint folder")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with its `pickle.load` of `.metadata` replaced by `read_dcp_metadata`."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        if kwargs.get("rank") is not None:  # per-rank metadata files: not written by flopwise
+            raise CheckpointError(f"checkpoint {self.path}: per-rank metadata is not supported")
+        metadata = read_dcp_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def resolve(path: str | Path) -> Path:
     """A checkpoint folder, or a run folder (-> its newest complete checkpoint)."""
     p = Path(path)
     if (p / MANIFEST).exists():
-        if not is_complete(p):
-            raise CheckpointError(f"checkpoint {p}: incomplete or damaged (manifest does not match the files)")
+        if reason := verify(p):
+            raise CheckpointError(f"checkpoint {p}: damaged ({reason})")
         return p
     found = latest(p)
     if found is None:
@@ -202,7 +390,7 @@ def read_state(path: Path) -> dict:
         raise CheckpointError(f"checkpoint {path}: cannot read {STATE} ({e})") from None
 
 
-def _reason(e: Exception) -> str:
+def reason(e: Exception) -> str:
     """The informative line of a (possibly multi-rank, traceback-laden) DCP error."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     errors = [ln for ln in lines if "Error:" in ln or "Missing key" in ln or "size mismatch" in ln]
@@ -219,10 +407,10 @@ def load(path: Path, model: Modules, optimizer: torch.optim.Optimizer | None = N
             sd = {"model": _model_state(modules)}
             if optimizer is not None:
                 sd["optim"] = _optim_state(modules, optimizer)
-            dcp.load(sd, checkpoint_id=str(path))
+            dcp.load(sd, storage_reader=SafeReader(str(path)))
             for m in modules:
                 set_model_state_dict(m, {k: sd["model"][k] for k in get_model_state_dict(m)},
                                      options=StateDictOptions(strict=True))
         except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
-            raise CheckpointError(f"checkpoint {path}: does not fit this model/layout ({_reason(e)})") from None
+            raise CheckpointError(f"checkpoint {path}: does not fit this model/layout ({reason(e)})") from None
     return read_state(path)

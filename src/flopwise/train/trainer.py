@@ -36,6 +36,10 @@ from flopwise.plan.layout import Layout
 from flopwise.plan.planner import layout_config, resolve_layout
 from flopwise.train.engine import Engine, autocast, token_loss
 from flopwise.train import checkpoint
+from flopwise.train.faults import Faults, nan_grad, poison
+from flopwise.train.guard import Guard, TrainingStopped, Verdict
+from flopwise.train.saver import Saver
+from flopwise.train.watch import Watch, is_timeout
 from flopwise.train.metrics import MetricsWriter, device_peak, plot_loss_curve, read_metrics
 from flopwise.train.optim import build_optimizer, lr_at
 
@@ -58,6 +62,8 @@ class TrainResult:
     sample: str = ""
     losses: list[float] = field(default_factory=list)
     is_main: bool = True  # rank 0 of a torchrun job (the one that reports)
+    preempted: int | None = None  # the step a SIGTERM/SIGUSR1 stopped the run at (checkpoint written)
+    signal: str | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -102,13 +108,29 @@ def evaluate(engine: Engine, data_dir: Path, cfg: Config) -> float:
     return sum(losses) / len(losses)
 
 
-def _resume_point(cfg: Config, run_dir: Path) -> Path | None:
+def _resume_point(cfg: Config, run_dir: Path, console: Console) -> Path | None:
+    """The checkpoint to resume from: rank 0 verifies (checksums read every byte once) and tells
+    the others, reporting any damaged newer checkpoint it skips."""
     r = cfg.checkpoint.resume
     if r == "none":
         return None
-    if r == "auto":
-        return checkpoint.latest(run_dir)
-    return checkpoint.resolve(r)
+    if r != "auto":
+        return checkpoint.resolve(r)
+    found = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        report = lambda msg: console.print(f"[yellow]checkpoint[/]: {msg}", highlight=False)  # noqa: E731
+        found = [checkpoint.latest(run_dir, cfg.checkpoint.verify == "sha256", report)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(found, src=0)
+    return found[0]
+
+
+def _restore(ckpt: Path, engine: Engine, optimizer: torch.optim.Optimizer, loader: TokenLoader) -> tuple[int, dict]:
+    """Model, optimizer, data position and RNG from a checkpoint; (its step, its state)."""
+    state = checkpoint.load(ckpt, engine.parts, optimizer)
+    loader.load_state_dict(state["loader"])
+    checkpoint.set_rng_state(state["rng"])
+    return int(state["step"]), state
 
 
 def _progress(console: Console) -> Progress:
@@ -154,13 +176,10 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
 
     engine, optimizer, loader = build(cfg, par, data_dir)
 
-    start_step, resumed_from = 0, _resume_point(cfg, run_dir)
+    start_step, resumed_from = 0, _resume_point(cfg, run_dir, console)
     metrics_path = run_dir / "metrics.jsonl"
     if resumed_from is not None:
-        state = checkpoint.load(resumed_from, engine.parts, optimizer)
-        loader.load_state_dict(state["loader"])
-        checkpoint.set_rng_state(state["rng"])
-        start_step = int(state["step"])
+        start_step, state = _restore(resumed_from, engine, optimizer, loader)
         if par.is_main:
             kept = [r for r in read_metrics(metrics_path) if r["step"] <= start_step]
             metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
@@ -188,61 +207,126 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
     single = lo.world == 1  # tasks and samples run a whole model in one process
     tasks = [load_task(t) for t in cfg.train.eval_tasks] if single else []
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    faults = Faults.from_env(rank)
+    guard = Guard(cfg.guard)
 
-    def save(step: int) -> Path:
-        state = {"loader": loader.state_dict(), "rng": checkpoint.rng_state(), "config": to_toml(cfg),
-                 "config_hash": config_hash(cfg), "layout": {**lo.to_json(), "world_size": lo.world}}
-        return checkpoint.save(run_dir, step, engine.parts, optimizer, state,
-                               files={"tokenizer.json": data_dir / meta["tokenizer"]}, keep=cfg.checkpoint.keep)
+    def snapshot() -> dict:
+        return {"loader": loader.state_dict(), "rng": checkpoint.rng_state(), "config": to_toml(cfg),
+                "config_hash": config_hash(cfg), "layout": {**lo.to_json(), "world_size": lo.world}}
+
+    saver = Saver(cfg, run_dir, engine.parts, optimizer, snapshot, {"tokenizer.json": data_dir / meta["tokenizer"]},
+                  faults, console, lo.world)
+    saver.last = resumed_from
 
     def write(record: dict) -> None:
         if writer is not None:
             writer.write(record)
 
+    def rollback(step: int, reason: str) -> int:
+        """Back to the last complete checkpoint, past the bad data; the step to go on from."""
+        guard.rolled_back(reason, step + 1)
+        saver.wait()
+        ckpt = checkpoint.latest(run_dir, verify_checksums=False)
+        if ckpt is None:
+            console.print(f"[yellow]guard[/]: step {step + 1}: {reason}; no checkpoint to roll back to, update skipped")
+            return step + 1
+        back, _ = _restore(ckpt, engine, optimizer, loader)
+        n = max(cfg.guard.skip_batches, step + 1 - back)
+        ids = loader.skip(n)
+        record = {"step": step + 1, "rolled_back_to": back, "reason": reason, "batches": n,
+                  "windows": ids.tolist(), "documents": loader.documents(ids)}
+        if par.is_main:
+            with open(run_dir / "skipped.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+        write({"step": step + 1, "event": "rollback", "rolled_back_to": back, "skipped_batches": n})
+        console.print(f"[yellow]guard[/]: step {step + 1}: {reason}; rolled back to step {back} and skipped {n} "
+                      f"batches ({len(record['documents'])} documents, listed in {run_dir / 'skipped.jsonl'})")
+        return back
+
     losses: list[float] = []
     window_tokens, window_time, last_tps, last_mfu = 0, 0.0, 0.0, 0.0
-    val_loss, last_ckpt = None, resumed_from
+    val_loss, preempted = None, None
     end_step = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
-    with _progress(console) as bar:
-        task = bar.add_task("train", total=cfg.train.steps, completed=start_step, info="")
-        for step in range(start_step, end_step):
-            t0 = time.perf_counter()
-            lr = lr_at(step, cfg.optim, cfg.train.steps)
-            for g in optimizer.param_groups:
-                g["lr"] = lr
-            loss_value = float(engine.forward_backward(loader.next_batch()))
-            grad_norm = engine.clip_grad_norm(clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            dt = time.perf_counter() - t0
-            losses.append(loss_value)
-            done = step + 1
-            window_tokens += tokens_per_step
-            window_time += dt
-            last = done == end_step
-            if done % cfg.log.every == 0 or last:
-                last_tps = window_tokens / window_time
-                last_mfu = mfu(last_tps, fpt, peak)
-                write({"step": done, "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": last_tps,
-                       "mfu": last_mfu, "tokens": done * tokens_per_step, "step_time_s": dt})
-                if not console.is_terminal:  # a log file gets lines, a terminal gets the live bar
-                    console.print(f"step {done}/{cfg.train.steps} loss {loss_value:.4f} lr {lr:.2e} "
-                                  f"grad_norm {grad_norm:.3f} {last_tps:,.0f} tok/s MFU {100 * last_mfu:.1f}%",
-                                  highlight=False)
-                window_tokens, window_time = 0, 0.0
-            if engine.can_eval and ((cfg.train.eval_every and done % cfg.train.eval_every == 0) or last):
-                val_loss = evaluate(engine, data_dir, cfg)
-                write({"step": done, "val_loss": val_loss})
-                for name, examples in tasks:
-                    with autocast(device, cfg.train.dtype):
-                        r = evaluate_task(engine.parts[0], tokenizer, name, examples, limit=cfg.train.eval_task_limit)
-                    engine.parts[0].train()
-                    write({"step": done, **r})
-            if (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0) or last:
-                last_ckpt = save(done)
-            val = f" val {val_loss:.3f}" if val_loss is not None else ""
-            bar.update(task, completed=done, info=f"loss {loss_value:.3f}{val} | {last_tps:,.0f} tok/s | "
-                                                 f"MFU {100 * last_mfu:.1f}%")
+    watch = Watch(cfg.watchdog, run_dir, rank, device, report=lambda m: console.print(m, highlight=False))
+    try:
+        with watch, _progress(console) as bar:
+            task = bar.add_task("train", total=cfg.train.steps, completed=start_step, info="")
+            step = start_step
+            while step < end_step:
+                done = step + 1
+                watch.beat(done)
+                t0 = time.perf_counter()
+                lr = lr_at(step, cfg.optim, cfg.train.steps)
+                for g in optimizer.param_groups:
+                    g["lr"] = lr
+                batch = loader.next_batch()
+                if faults.at("poison", done):
+                    batch = poison(batch, cfg.model.vocab_size, done)
+                loss_value = float(engine.forward_backward(batch))
+                if faults.at("nan_grad", done):
+                    nan_grad(engine.parts)
+                faults.fire(done)
+                grad_norm = engine.clip_grad_norm(clip)
+                sync = watch.sync(nonfinite=not (math.isfinite(loss_value) and math.isfinite(grad_norm)),
+                                  spike=guard.is_spike(loss_value), save_failed=saver.poll())
+                if sync.save_failed:
+                    saver.failed()
+                verdict, reason = guard.decide(loss_value, sync.nonfinite, sync.spike)
+                if verdict is Verdict.ROLLBACK:
+                    optimizer.zero_grad(set_to_none=True)
+                    step = rollback(step, reason)
+                    bar.update(task, completed=step)
+                    continue
+                if verdict is Verdict.APPLY:
+                    optimizer.step()
+                else:
+                    console.print(f"[yellow]guard[/]: step {done}: {reason} (loss {loss_value}, grad norm "
+                                  f"{grad_norm}); update skipped", highlight=False)
+                    write({"step": done, "event": "skipped_update", "reason": reason})
+                optimizer.zero_grad(set_to_none=True)
+                dt = time.perf_counter() - t0
+                losses.append(loss_value)
+                step = done
+                window_tokens += tokens_per_step
+                window_time += dt
+                last = done == end_step
+                if done % cfg.log.every == 0 or last:
+                    last_tps = window_tokens / window_time
+                    last_mfu = mfu(last_tps, fpt, peak)
+                    ranks = {"rank_step_s": sync.rank_s, "slowest_rank": sync.slowest} if lo.world > 1 else {}
+                    write({"step": done, "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": last_tps,
+                           "mfu": last_mfu, "tokens": done * tokens_per_step, "step_time_s": dt, **ranks})
+                    if not console.is_terminal:  # a log file gets lines, a terminal gets the live bar
+                        console.print(f"step {done}/{cfg.train.steps} loss {loss_value:.4f} lr {lr:.2e} "
+                                      f"grad_norm {grad_norm:.3f} {last_tps:,.0f} tok/s MFU {100 * last_mfu:.1f}%",
+                                      highlight=False)
+                    window_tokens, window_time = 0, 0.0
+                if engine.can_eval and ((cfg.train.eval_every and done % cfg.train.eval_every == 0) or last):
+                    val_loss = evaluate(engine, data_dir, cfg)
+                    write({"step": done, "val_loss": val_loss})
+                    for name, examples in tasks:
+                        with autocast(device, cfg.train.dtype):
+                            r = evaluate_task(engine.parts[0], tokenizer, name, examples, limit=cfg.train.eval_task_limit)
+                        engine.parts[0].train()
+                        write({"step": done, **r})
+                if sync.stop or saver.due(done, last):
+                    saver.save(done, list(watch.durations))
+                val = f" val {val_loss:.3f}" if val_loss is not None else ""
+                bar.update(task, completed=done, info=f"loss {loss_value:.3f}{val} | {last_tps:,.0f} tok/s | "
+                                                     f"MFU {100 * last_mfu:.1f}%")
+                if sync.stop:
+                    preempted = done
+                    break
+            saver.wait()
+    except RuntimeError as e:
+        if not is_timeout(e):
+            raise
+        raise TrainingStopped(f"rank {rank}: a collective timed out at step {watch._step} after "
+                              f"watchdog.collective_timeout_s={cfg.watchdog.collective_timeout_s:g} s (a rank hung "
+                              f"or died; see {run_dir}/hang-rank*.txt); restart resumes from the last complete "
+                              "checkpoint") from None
+    last_ckpt = saver.last
     if writer is not None:
         writer.close()
 
@@ -260,7 +344,8 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
         val_loss = evaluate(engine, data_dir, cfg)
     return TrainResult(run_dir, end_step, end_step * tokens_per_step, final_loss, val_loss,
                        meta["unigram_entropy_nats"], last_tps, last_mfu, peak, peak_source,
-                       time.perf_counter() - t_start, last_ckpt, plot, sample, losses, par.is_main)
+                       time.perf_counter() - t_start, last_ckpt, plot, sample, losses, par.is_main, preempted,
+                       watch.signal)
 
 
 def _layout_name(layout: dict) -> str:

@@ -1,0 +1,131 @@
+"""What every rank watches while it trains: preemption signals, hung steps, and each other.
+
+- SIGTERM / SIGUSR1 (SLURM's warning signal, `--signal=USR1@120`) only set a flag: the step in
+  progress finishes, then every rank learns of it at the step sync and the job checkpoints and
+  exits 0.
+- A watchdog thread dumps every thread's Python stack (faulthandler) to stderr and to
+  `<run.dir>/hang-rank{R}.txt` when a step has run `watchdog.hang_factor` × the median step time
+  (and at least `watchdog.min_s`). A hung collective then fails after
+  `watchdog.collective_timeout_s` (the process group timeout) and torchrun restarts the job.
+- The step sync: one small all-gather per step of each rank's flags (non-finite, spike, preempt,
+  failed async save), so all ranks take the same decision, and of its time since the previous
+  sync. Collectives inside a step make ranks wait for each other, so these times differ by what
+  a rank does outside collectives (data loading, host stalls, the optimizer step); the slowest
+  rank is named in the metrics.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import signal
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from flopwise.config import WatchdogConfig
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@dataclass
+class Sync:
+    """What all ranks agreed on at the end of a step's backward."""
+
+    nonfinite: bool
+    spike: bool
+    stop: bool
+    save_failed: bool
+    rank_s: list[float]
+
+    @property
+    def slowest(self) -> int:
+        return max(range(len(self.rank_s)), key=self.rank_s.__getitem__)
+
+
+class Watch:
+    def __init__(self, cfg: WatchdogConfig, run_dir: Path, rank: int, device: torch.device, report=print):
+        self.cfg, self.rank, self.device, self.report = cfg, rank, device, report
+        self.dump_path = run_dir / f"hang-rank{rank}.txt"
+        self.signal: str | None = None
+        self.durations: deque[float] = deque(maxlen=100)
+        self._step, self._t, self._dumped = 0, time.monotonic(), -1
+        self._since_sync = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flopwise-watchdog", daemon=True)
+        self._previous: dict = {}
+
+    def __enter__(self) -> "Watch":
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                self._previous[s] = signal.signal(s, self._on_signal)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signal = signal.Signals(signum).name
+
+    def beat(self, step: int) -> None:
+        """Step `step` starts now (the previous one ended)."""
+        now = time.monotonic()
+        if self._step:
+            self.durations.append(now - self._t)
+        self._step, self._t = step, now
+
+    def median_step_s(self) -> float | None:
+        return statistics.median(self.durations) if self.durations else None
+
+    def limit_s(self) -> float:
+        median = self.median_step_s()
+        return max(self.cfg.min_s, self.cfg.hang_factor * median) if median is not None else self.cfg.min_s
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            step, elapsed = self._step, time.monotonic() - self._t
+            if step and step != self._dumped and elapsed > self.limit_s():
+                self._dumped = step
+                self._dump(step, elapsed)
+
+    def _dump(self, step: int, elapsed: float) -> None:
+        median = self.median_step_s()
+        why = f"step {step} has run {elapsed:.1f} s" + (f" (median step {median:.2f} s)" if median else "")
+        with open(self.dump_path, "w") as f:
+            f.write(f"rank {self.rank}: {why}\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        self.report(f"watchdog: rank {self.rank}: {why}; every thread's stack is in {self.dump_path}")
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+    def sync(self, nonfinite: bool, spike: bool, save_failed: bool) -> Sync:
+        """The step sync (every rank calls it once per step, at the same point)."""
+        busy = time.perf_counter() - self._since_sync
+        mine = torch.tensor([busy, nonfinite, spike, self.signal is not None, save_failed],
+                            dtype=torch.float64, device=self.device)
+        if dist.is_initialized():
+            parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, mine)
+            rows = torch.stack(parts)
+        else:
+            rows = mine[None]
+        self._since_sync = time.perf_counter()
+        rows = rows.cpu()
+        flags = rows[:, 1:].amax(0).tolist()
+        return Sync(bool(flags[0]), bool(flags[1]), bool(flags[2]), bool(flags[3]), rows[:, 0].tolist())
+
+
+def is_timeout(e: BaseException) -> bool:
+    """A collective that gave up waiting (a rank hung or died), as gloo and NCCL report it."""
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text)
