@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from flopwise.errors import FlopwiseError
@@ -450,7 +451,7 @@ def main() -> None:
     try:
         app()
     except FlopwiseError as e:
-        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {e}", markup=True, highlight=False)
+        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {escape(str(e))}", markup=True, highlight=False)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -116,13 +116,29 @@ def init(cfg: Config, device: torch.device) -> Parallel:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=cfg.watchdog.collective_timeout_s))
+        timeout = timedelta(seconds=cfg.watchdog.collective_timeout_s)
+        store, rank, size = _attempt_store(timeout)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=size, timeout=timeout)
     lo = layout
     mesh = init_device_mesh(device.type, (lo.pp, lo.dp_replicate, lo.dp_shard, lo.cp, lo.tp), mesh_dim_names=DIMS)
     mesh["dp_replicate", "dp_shard"]._flatten("dp")
     mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
     mesh["dp_shard", "cp"]._flatten("shard")
     return Parallel(layout, mesh, device)
+
+
+def _attempt_store(timeout: timedelta) -> tuple[dist.Store, int, int]:
+    """torchrun's (or MASTER_ADDR's) store, namespaced by restart attempt.
+
+    Why not plain env:// init: in torch 2.13 the workers of a restarted torchrun attempt share the
+    agent's store with the dead attempt, so gloo reads the old ranks' addresses, fails to connect
+    and hangs until the timeout. A per-attempt prefix gives each attempt its own keys."""
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, size = next(rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"flopwise/attempt-{attempt}", store), rank, size
 
 
 def barrier() -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 from rich.console import Console
+from rich.markup import escape
 
 from flopwise.config import Config
 from flopwise.errors import CheckpointError
@@ -126,4 +127,4 @@ class Saver:
         message, self.failure = message or self.failure or "an async checkpoint write failed on another rank", None
         if self.cfg.checkpoint.on_error == "stop":
             raise CheckpointError(message)
-        self.console.print(f"[yellow]warning[/]: {message}; training goes on (checkpoint.on_error=continue)")
+        self.console.print(f"[yellow]warning[/]: {escape(message)}; training goes on (checkpoint.on_error=continue)")

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -118,7 +119,7 @@ def _resume_point(cfg: Config, run_dir: Path, console: Console) -> Path | None:
         return checkpoint.resolve(r)
     found = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        report = lambda msg: console.print(f"[yellow]checkpoint[/]: {msg}", highlight=False)  # noqa: E731
+        report = lambda msg: console.print(f"[yellow]checkpoint[/]: {escape(msg)}", highlight=False)  # noqa: E731
         found = [checkpoint.latest(run_dir, cfg.checkpoint.verify == "sha256", report)]
     if dist.is_initialized():
         dist.broadcast_object_list(found, src=0)
@@ -229,7 +230,7 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
         saver.wait()
         ckpt = checkpoint.latest(run_dir, verify_checksums=False)
         if ckpt is None:
-            console.print(f"[yellow]guard[/]: step {step + 1}: {reason}; no checkpoint to roll back to, update skipped")
+            console.print(f"[yellow]guard[/]: step {step + 1}: {escape(reason)}; no checkpoint to roll back to, update skipped")
             return step + 1
         back, _ = _restore(ckpt, engine, optimizer, loader)
         n = max(cfg.guard.skip_batches, step + 1 - back)
@@ -240,7 +241,7 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
             with open(run_dir / "skipped.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
         write({"step": step + 1, "event": "rollback", "rolled_back_to": back, "skipped_batches": n})
-        console.print(f"[yellow]guard[/]: step {step + 1}: {reason}; rolled back to step {back} and skipped {n} "
+        console.print(f"[yellow]guard[/]: step {step + 1}: {escape(reason)}; rolled back to step {back} and skipped {n} "
                       f"batches ({len(record['documents'])} documents, listed in {run_dir / 'skipped.jsonl'})")
         return back
 
