@@ -211,6 +211,7 @@ def test_sigterm_checkpoints_exits_and_resumes_exactly(tiny_data, tmp_path, monk
     assert "step-00000005 at step 5" in out
     ref, _ = run(tmp_path / "ref", tiny_data, "", monkeypatch, **kw)
     assert distcp_hashes(resumed.checkpoint) == distcp_hashes(ref.checkpoint)
+    assert checkpoint.read_state(resumed.checkpoint)["rng"] == checkpoint.read_state(ref.checkpoint)["rng"]
 
 
 def test_async_checkpoints_resume_bitwise(tiny_data, tmp_path, monkeypatch):

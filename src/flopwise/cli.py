@@ -49,7 +49,7 @@ def train(args: Optional[list[str]] = typer.Argument(None, help=ARGS_HELP)) -> N
         return
     console.print(summary_table(result))
     if result.preempted is not None:
-        console.print(f"[bold]preempted[/] by {result.signal} at step {result.preempted}: checkpoint "
+        console.print(f"[bold]preempted[/] by {result.signal or 'a signal to another rank'} at step {result.preempted}: checkpoint "
                       f"{result.checkpoint} written; run the same command again to continue")
     if result.sample:
         console.rule("sample")

@@ -194,6 +194,8 @@ def read_index(data_dir: str | Path) -> dict:
         meta["splits"]["train"], meta["splits"]["val"]
     except (KeyError, TypeError, ValueError):
         raise DataError(f"data index {p}: missing or malformed fields (vocab_size, dtype, splits)") from None
+    if vocab < 1:
+        raise DataError(f"data index {p}: vocab_size {vocab} must be at least 1")
     if dtype not in (np.dtype(np.uint16), np.dtype(np.uint32)) or vocab > np.iinfo(dtype).max + 1:
         raise DataError(f"data index {p}: vocab_size {vocab} does not fit dtype {dtype.name}")
     return meta

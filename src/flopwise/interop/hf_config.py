@@ -25,17 +25,28 @@ def read_hf_config(path: str | Path) -> dict:
     if not p.is_file():
         _fail(Path(path), "no config.json")
     try:
-        return json.loads(p.read_text(encoding="utf-8"))
+        cfg = json.loads(p.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError):
         _fail(Path(path), "config.json is not valid JSON")
+    if not isinstance(cfg, dict):
+        _fail(Path(path), "config.json is not a JSON object")
+    return cfg
 
 
 def model_fields_from_hf(path: str | Path) -> dict:
     """The flopwise `model.*` keys that reproduce the HF model in `path`."""
+    from pydantic import ValidationError
+
     try:
         return model_config_from_hf(read_hf_config(path), path).model_dump(exclude_none=True)
     except KeyError as e:
         _fail(Path(path), f"config.json lacks {e}")
+    except ValidationError as e:
+        err = e.errors()[0]
+        _fail(Path(path), f"config.json gives model.{'.'.join(map(str, err['loc']))}: "
+                          f"{err['msg'].removeprefix('Value error, ')}")
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+        _fail(Path(path), f"config.json has a malformed field ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
 
 
 # --- config ----------------------------------------------------------------------------------

@@ -16,9 +16,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def measure_matmul_peak(dtype: str, device: torch.device, sizes=(1024, 2048), repeats: int = 5) -> float:
     """Best FLOP/s of square matmuls on this device: the 'measured ceiling' MFU is reported against."""
     best = 0.0
-    for n in sizes:
-        a = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
-        b = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
+    for n in sizes:  # constant operands, not randn: the global RNG is training state (restored on resume)
+        a = torch.full((n, n), 0.5, device=device, dtype=DTYPES[dtype])
+        b = torch.full((n, n), 0.25, device=device, dtype=DTYPES[dtype])
         a @ b  # warm-up
         for _ in range(repeats):
             if device.type == "cuda":
