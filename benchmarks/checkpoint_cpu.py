@@ -2,10 +2,12 @@
 
     python benchmarks/checkpoint_cpu.py     -> benchmarks/results/checkpoint_cpu.json + a table
 
-1. Save cost, one process: the same run (a ~10M-parameter Llama, fp32, checkpoint every 5 steps)
-   without checkpoints, with sync saves and with async saves, side by side; the cost per save is
-   (training time - training time without saves) / saves. Async saves still pay the staging copy
-   and, on 2 cores, the background writer competes with training for the CPU.
+1. Save cost, one process: the same run (a ~40M-parameter Llama, fp32, checkpoint every 5 steps)
+   without checkpoints, with sync saves and with async saves, side by side: how long each save
+   blocked the loop (sync: the whole write; async: staging to host memory plus any wait for the
+   previous write), how long an async write took to complete, and the cost per save from the run
+   times, (training time - training time without saves) / saves, which also catches the
+   background writer competing with training for the 2 cores.
 2. Recovery after a kill: 2 ranks under `torchrun --max-restarts 1`, rank 1 SIGKILLed at step 8 of
    12 (checkpoints every 3 steps) vs the same job uninterrupted; the difference is detection +
    restart + reload + the 2 redone steps.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,19 +33,19 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from flopwise.config import load_config  # noqa: E402
-from flopwise.data.shards import prepare, resolve_input  # noqa: E402
+from flopwise.data.shards import prepare  # noqa: E402
 from flopwise.train import checkpoint  # noqa: E402
 from flopwise.train.trainer import train  # noqa: E402
 
-MODEL = {"model.preset": '"demo-tiny"', "model.n_layers": 6, "model.d_model": 384, "model.n_heads": 6,
+MODEL = {"model.preset": '"demo-tiny"', "model.n_layers": 12, "model.d_model": 512, "model.n_heads": 8,
          "model.tie_embeddings": "false", "data.seq_len": 64, "train.global_batch": 8, "train.micro_batch": 8,
          "train.eval_every": 0, "log.every": 1000}
 STEPS, EVERY = 30, 5
 
 
 def data(tmp: Path) -> Path:
-    out = tmp / "alice"
-    prepare([str(resolve_input("builtin:alice"))], out, tokenizer="bpe:512", val_fraction=0.1, seed=0)
+    out = tmp / "shakespeare"
+    prepare(["builtin:shakespeare"], out, tokenizer="bpe:512", val_fraction=0.1, seed=0)
     return out
 
 
@@ -54,11 +57,12 @@ def one_process(tmp: Path, d: Path, mode: str) -> dict:
     wall = time.perf_counter() - t0
     ckpt = checkpoint.latest(tmp / mode)
     size = sum(p.stat().st_size for p in ckpt.iterdir())
-    return {"wall_s": wall, "train_s": r.seconds, "checkpoint_mb": size / 1e6}
+    return {"wall_s": wall, "train_s": r.seconds, "checkpoint_mb": size / 1e6, "save_blocking_s": r.save_s,
+            "async_complete_s": r.async_save_s}
 
 
 def torchrun(tmp: Path, d: Path, name: str, faults: str) -> float:
-    kw = {**MODEL, "train.steps": 12, "checkpoint.interval": 3, "model.n_layers": 2, "model.d_model": 128,
+    kw = {**MODEL, "train.steps": 12, "checkpoint.interval": 3, "train.micro_batch": 4, "model.n_layers": 2, "model.d_model": 128,
           "model.n_heads": 4}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FLOPWISE_FAULTS": faults}
     t0 = time.perf_counter()
@@ -82,10 +86,12 @@ def main() -> None:
     out = ROOT / "benchmarks" / "results" / "checkpoint_cpu.json"
     out.write_text(json.dumps(result, indent=1))
     table = Table(title=f"checkpoint cost, {STEPS} steps, a save every {EVERY} ({runs['sync']['checkpoint_mb']:.0f} MB each)")
-    for col in ("mode", "train s", "cost per save s"):
+    for col in ("mode", "train s", "cost per save s", "median blocking s", "median async complete s"):
         table.add_column(col)
+    med = lambda xs: f"{statistics.median(xs):.3f}" if xs else "–"  # noqa: E731
     for mode, r in runs.items():
-        table.add_row(mode, f"{r['train_s']:.2f}", f"{r.get('cost_per_save_s', 0):.3f}")
+        table.add_row(mode, f"{r['train_s']:.2f}", f"{r.get('cost_per_save_s', 0):.3f}", med(r["save_blocking_s"]),
+                      med(r["async_complete_s"]))
     Console().print(table)
     k = result["kill"]
     print(f"kill + restart: {k['killed_and_restarted_s']:.1f} s vs {k['uninterrupted_s']:.1f} s uninterrupted "

@@ -220,6 +220,7 @@ def test_async_checkpoints_resume_bitwise(tiny_data, tmp_path, monkeypatch):
     assert [p.name for p in checkpoint.list_complete(tmp_path / "split")] == ["step-00000004", "step-00000005"]
     resumed, out = run(tmp_path / "split", tiny_data, **kw)
     assert "step-00000005 at step 5" in out
+    assert len(resumed.async_save_s) == len(resumed.save_s) == 2  # steps 6 and 8, both written in the background
     ref, _ = run(tmp_path / "ref", tiny_data, **{**kw, "checkpoint.async": "false"})
     assert distcp_hashes(resumed.checkpoint) == distcp_hashes(ref.checkpoint)
 

@@ -157,7 +157,8 @@ def _content(model: Modules, optimizer: torch.optim.Optimizer | None) -> dict:
 
 
 def begin(run_dir: str | Path, step: int, model: Modules, optimizer: torch.optim.Optimizer | None,
-          writer: Callable[[Path], FileSystemWriter] = FileSystemWriter, async_group=None):
+          writer: Callable[[Path], FileSystemWriter] = FileSystemWriter, asynchronous: bool = False,
+          async_group=None):
     """Start writing checkpoint `step` into step-N.tmp: the DCP tensors of every rank. Returns
     (tmp, future): the future is None for a synchronous write (done on return) or DCP's async
     future (tensors staged to host memory on return, written by a background thread)."""
@@ -169,7 +170,7 @@ def begin(run_dir: str | Path, step: int, model: Modules, optimizer: torch.optim
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming single process" when no process group exists
-            if async_group is not None:
+            if asynchronous:
                 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
                 return tmp, dcp.async_save(content, storage_writer=writer(tmp), process_group=async_group,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from rich.console import Console
 from rich.markup import escape
 
@@ -48,7 +49,8 @@ class Saver:
         self.pending: _Pending | None = None
         self.failure: str | None = None  # of a finished async write, until reported
         self.last: Path | None = None
-        self.write_s: list[float] = []   # what each save cost the training loop
+        self.write_s: list[float] = []   # what each save blocked the training loop
+        self.async_s: list[float] = []   # async saves: from the call until written and complete
         self.async_group = None
         if c.async_save:
             self.async_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
@@ -67,7 +69,7 @@ class Saver:
         t0 = time.perf_counter()
         try:
             tmp, future = checkpoint.begin(self.run_dir, done, self.parts, self.optimizer, self.faults.writer,
-                                           async_group=self.async_group if self.cfg.checkpoint.async_save else None)
+                                           self.cfg.checkpoint.async_save, self.async_group)
             if future is None:
                 self.last = checkpoint.finish(self.run_dir, done, tmp, self.snapshot(), self.files, self.cfg.checkpoint.keep)
             else:
@@ -105,7 +107,8 @@ class Saver:
             if self.is_main:
                 self.last = checkpoint.finish(self.run_dir, p.step, p.tmp, p.state, self.files,
                                               self.cfg.checkpoint.keep, collective=False)
-        except Exception as e:  # the background write's error, whatever DCP wraps it in
+            self.async_s.append(time.perf_counter() - p.t0)
+        except (Exception, CheckpointException) as e:  # the background write's error (DCP's is a BaseException)
             checkpoint.abandon(p.tmp)
             self.failure = str(e) if isinstance(e, CheckpointError) else \
                 str(checkpoint.not_written(self.run_dir, p.step, checkpoint.reason(e)))

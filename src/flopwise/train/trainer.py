@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 import tomllib
 from dataclasses import dataclass, field
@@ -65,6 +66,8 @@ class TrainResult:
     is_main: bool = True  # rank 0 of a torchrun job (the one that reports)
     preempted: int | None = None  # the step a SIGTERM/SIGUSR1 stopped the run at (checkpoint written)
     signal: str | None = None
+    save_s: list[float] = field(default_factory=list)   # how long each checkpoint save blocked training
+    async_save_s: list[float] = field(default_factory=list)  # async: call to complete, in the background
 
 
 def resolve_device(name: str) -> torch.device:
@@ -346,7 +349,7 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
     return TrainResult(run_dir, end_step, end_step * tokens_per_step, final_loss, val_loss,
                        meta["unigram_entropy_nats"], last_tps, last_mfu, peak, peak_source,
                        time.perf_counter() - t_start, last_ckpt, plot, sample, losses, par.is_main, preempted,
-                       watch.signal)
+                       watch.signal, saver.write_s, saver.async_s)
 
 
 def _layout_name(layout: dict) -> str:
@@ -370,6 +373,9 @@ def summary_table(r: TrainResult) -> Table:
     t.add_row("MFU (model FLOPs)", f"{100 * r.mfu:.1f}% of {r.peak_flops / 1e9:,.0f} GFLOP/s ({r.peak_source})")
     t.add_row("wall time", f"{r.seconds:.1f} s")
     t.add_row("checkpoint", str(r.checkpoint))
+    if r.save_s:
+        t.add_row("checkpoint saves", f"{len(r.save_s)}, median {statistics.median(r.save_s):.3f} s blocking training"
+                  + (f" ({statistics.median(r.async_save_s):.3f} s to complete in the background)" if r.async_save_s else ""))
     if r.plot:
         t.add_row("loss curve", str(r.plot))
     return t
