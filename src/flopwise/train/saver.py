@@ -89,7 +89,7 @@ class Saver:
         tau = daly_interval(write, mtbf_h * 3600)
         self.every = max(1, round(tau / step_s))
         source = f"cluster.gpu_mtbf_hours={c.gpu_mtbf_hours:g}" if c.gpu_mtbf_hours else "Llama 3's failure rate"
-        self.console.print(f"[bold]checkpoint.interval=auto[/]: write {write:.3g} s, job MTBF {mtbf_h:,.4g} h "
+        self.console.print(f"[bold]checkpoint.interval=auto[/]: write {write:.3g} s, job MTBF {mtbf_h:,.3g} h "
                            f"({source} over {self.world} device(s)) -> Daly interval {tau:,.4g} s = "
                            f"every {self.every:,} steps of {step_s:.3g} s")
 
