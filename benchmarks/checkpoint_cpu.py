@@ -2,7 +2,7 @@
 
     python benchmarks/checkpoint_cpu.py     -> benchmarks/results/checkpoint_cpu.json + a table
 
-1. Save cost, one process: the same run (a ~40M-parameter Llama, fp32, checkpoint every 5 steps)
+1. Save cost, one process: the same run (a 11.9M-parameter Llama, fp32, checkpoint every 5 steps)
    without checkpoints, with sync saves and with async saves, side by side: how long each save
    blocked the loop (sync: the whole write; async: staging to host memory plus any wait for the
    previous write), how long an async write took to complete, and the cost per save from the run
