@@ -326,7 +326,7 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
     except RuntimeError as e:
         if not is_timeout(e):
             raise
-        raise TrainingStopped(f"rank {rank}: a collective timed out at step {watch._step} after "
+        raise TrainingStopped(f"rank {rank}: a collective timed out at step {watch.step} after "
                               f"watchdog.collective_timeout_s={cfg.watchdog.collective_timeout_s:g} s (a rank hung "
                               f"or died; see {run_dir}/hang-rank*.txt); restart resumes from the last complete "
                               "checkpoint") from None

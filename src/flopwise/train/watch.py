@@ -84,6 +84,11 @@ class Watch:
             self.durations.append(now - self._t)
         self._step, self._t = step, now
 
+    @property
+    def step(self) -> int:
+        """The step in progress."""
+        return self._step
+
     def median_step_s(self) -> float | None:
         return statistics.median(self.durations) if self.durations else None
 
