@@ -19,10 +19,10 @@ pytestmark = pytest.mark.slow
 STEPS = 8
 
 
-def launch(run_dir, data, faults="", restarts=1, port=29700, timeout=300, **extra) -> subprocess.CompletedProcess:
+def launch(run_dir, data, faults="", restarts=1, port=29700, timeout=300, nproc=2, **extra) -> subprocess.CompletedProcess:
     kw = {"train.steps": STEPS, "train.eval_every": 0, "train.eval_batches": 1, "checkpoint.interval": 3, **extra}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FLOPWISE_FAULTS": faults, "COLUMNS": "400"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", str(restarts),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts", str(restarts),
            "--master-port", str(port), "-m", "flopwise", "train", *tiny_overrides(run_dir, data, **kw)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -61,6 +61,18 @@ def test_sigkill_restarts_from_the_last_checkpoint_and_matches_bitwise(tiny_data
     assert hashes(final) == hashes(reference) and loader_and_rng(final) == loader_and_rng(reference)
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))
     print(f"{faults}: killed, restarted and finished in {time.perf_counter() - t0:.1f} s")
+
+
+def test_sigkill_on_4_ranks_under_fsdp_matches_bitwise(tiny_data, tmp_path):
+    """FSDP2 (ZeRO-3) on 4 ranks: sharded DTensor state written by every rank, one rank killed."""
+    kw = {"parallel.zero": 3, "train.micro_batch": 2}
+    ref = launch(tmp_path / "ref", tiny_data, restarts=0, port=29760, nproc=4, **kw)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    r = launch(tmp_path / "killed", tiny_data, "kill:step=5:rank=3", port=29761, nproc=4, **kw)
+    assert r.returncode == 0 and "exitcode: -9" in r.stderr, r.stderr[-3000:]
+    assert "step-00000003 at step 3" in r.stdout
+    a, b = checkpoint.latest(tmp_path / "ref"), checkpoint.latest(tmp_path / "killed")
+    assert len(hashes(a)) == 4 and hashes(a) == hashes(b) and loader_and_rng(a) == loader_and_rng(b)
 
 
 def test_sigterm_checkpoints_exits_zero_and_resume_matches(tiny_data, tmp_path, reference):

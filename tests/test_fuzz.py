@@ -1,5 +1,6 @@
 """Property tests: every reader of user-supplied input, fed random bytes and random values, either
-works or raises its one-line flopwise error, and writes nothing outside where it was pointed."""
+works or raises its one-line flopwise error, and writes nothing outside where it was pointed.
+FLOPWISE_FUZZ_EXAMPLES=5000 digs deeper than the 150 examples per property CI runs."""
 
 import json
 import os
@@ -17,7 +18,7 @@ from flopwise.errors import CheckpointError, ConfigError, DataError, FlopwiseErr
 from flopwise.interop.hf_config import model_fields_from_hf
 from flopwise.train import checkpoint
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(max_examples=int(os.environ.get("FLOPWISE_FUZZ_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 KEYS = ["train.steps", "train.global_batch", "model.n_layers", "model.d_model", "model.n_heads", "data.seq_len",
         "optim.lr", "parallel.tp", "checkpoint.interval", "checkpoint.async", "guard.window", "watchdog.min_s",
         "model.preset", "model.arch", "model.pos", "run.dir", "data.tokenizer", "cluster.gpus", "bogus.key", "train"]

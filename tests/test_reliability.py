@@ -15,10 +15,10 @@ from rich.console import Console
 
 from conftest import tiny_overrides
 from flopwise.config import GuardConfig, WatchdogConfig, load_config
-from flopwise.errors import CheckpointError, ConfigError
+from flopwise.errors import CheckpointError, ConfigError, TrainingStopped
 from flopwise.train import checkpoint
 from flopwise.train.faults import parse
-from flopwise.train.guard import Guard, TrainingStopped, Verdict
+from flopwise.train.guard import Guard, Verdict
 from flopwise.train.trainer import load_for_inference, train
 from flopwise.train.watch import Watch
 
@@ -150,6 +150,13 @@ def test_disk_full_stops_cleanly_and_keeps_the_previous_checkpoint(tiny_data, tm
     assert "\n" not in msg
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000003"]  # no partial folder
     assert checkpoint.verify(tmp_path / "checkpoints" / "step-00000003") is None
+
+
+def test_unwritable_checkpoint_dir_stops_cleanly(tiny_data, tmp_path):
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "checkpoints").write_text("a file where the checkpoint folder should be")
+    with pytest.raises(CheckpointError, match="step-00000003 not written .*; there is no earlier checkpoint"):
+        run(tmp_path, tiny_data)
 
 
 def test_disk_full_with_on_error_continue_trains_on(tiny_data, tmp_path, monkeypatch):

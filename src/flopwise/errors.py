@@ -16,3 +16,7 @@ class DataError(FlopwiseError):
 
 class CheckpointError(FlopwiseError):
     pass
+
+
+class TrainingStopped(FlopwiseError):
+    """Training cannot usefully go on (rollback cap, hung collective); the message says what to do."""

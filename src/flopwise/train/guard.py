@@ -15,11 +15,7 @@ from collections import deque
 from enum import Enum
 
 from flopwise.config import GuardConfig
-from flopwise.errors import FlopwiseError
-
-
-class TrainingStopped(FlopwiseError):
-    """Training cannot usefully go on (rollback cap, hung collective); the message says what to do."""
+from flopwise.errors import TrainingStopped
 
 
 class Verdict(Enum):

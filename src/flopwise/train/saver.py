@@ -3,8 +3,9 @@ write time), sync or async writes with at most one in flight, and what a failed 
 
 An async save (`checkpoint.async=true`) stages the tensors to host memory, returns, and lets DCP's
 background thread write them over a dedicated gloo group (so its collectives never interleave with
-training's); rank 0 completes it (state, manifest, rename, retention) once the write is done,
-checked every step. The next save and the end of the run wait for it.
+training's); rank 0 completes it (state, checksums, manifest, rename, retention) in a second
+background thread once the write is done; the loop checks for it every step. The next save and
+the end of the run wait for it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +35,7 @@ AUTO_PROBE_STEP = 5  # interval=auto: the first save, after enough steps for a m
 class _Pending:
     step: int
     tmp: Path
-    future: Future
-    state: dict
+    future: Future  # of _finish_async
     t0: float
 
 
@@ -51,9 +51,10 @@ class Saver:
         self.last: Path | None = None
         self.write_s: list[float] = []   # what each save blocked the training loop
         self.async_s: list[float] = []   # async saves: from the call until written and complete
-        self.async_group = None
+        self.async_group, self._pool = None, None
         if c.async_save:
             self.async_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="flopwise-checkpoint")
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
 
     def due(self, done: int, last: bool) -> bool:
@@ -73,7 +74,8 @@ class Saver:
             if future is None:
                 self.last = checkpoint.finish(self.run_dir, done, tmp, self.snapshot(), self.files, self.cfg.checkpoint.keep)
             else:
-                self.pending = _Pending(done, tmp, future, self.snapshot(), t0)
+                self.pending = _Pending(done, tmp, self._pool.submit(self._finish_async, done, tmp, future,
+                                                                     self.snapshot()), t0)
         except CheckpointError as e:
             self.failed(str(e))
         self.write_s.append(time.perf_counter() - t0)
@@ -94,19 +96,23 @@ class Saver:
                            f"every {self.every:,} steps of {step_s:.3g} s")
 
     def poll(self) -> bool:
-        """Complete a finished async write (rank 0); True when one failed since the last poll."""
+        """Take in a finished async save; True when one failed (the step sync tells every rank)."""
         p = self.pending
         if p is not None and p.future.done():
             self.pending = None
             self._complete(p)
         return self.failure is not None
 
+    def _finish_async(self, step: int, tmp: Path, written: Future, state: dict) -> Path | None:
+        """In the background: wait for DCP's write, then (rank 0) checksum, manifest, rename, prune."""
+        written.result()
+        if not self.is_main:
+            return None
+        return checkpoint.finish(self.run_dir, step, tmp, state, self.files, self.cfg.checkpoint.keep, collective=False)
+
     def _complete(self, p: _Pending) -> None:
         try:
-            p.future.result()
-            if self.is_main:
-                self.last = checkpoint.finish(self.run_dir, p.step, p.tmp, p.state, self.files,
-                                              self.cfg.checkpoint.keep, collective=False)
+            self.last = p.future.result() or self.last
             self.async_s.append(time.perf_counter() - p.t0)
         except (Exception, CheckpointException) as e:  # the background write's error (DCP's is a BaseException)
             checkpoint.abandon(p.tmp)
@@ -114,7 +120,8 @@ class Saver:
                 str(checkpoint.not_written(self.run_dir, p.step, checkpoint.reason(e)))
 
     def wait(self) -> None:
-        """Block until the async write in flight (if any) is complete (every rank, collectively)."""
+        """Block until the async write in flight (if any) is complete (every rank, collectively);
+        act on a failed one."""
         p, self.pending = self.pending, None
         if p is not None:
             self._complete(p)

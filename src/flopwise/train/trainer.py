@@ -27,7 +27,7 @@ from flopwise.config import Config, config_hash, to_toml, validate
 from flopwise.data.loader import TokenLoader, eval_batches
 from flopwise.data.shards import prepare, read_index, tokenizer_of
 from flopwise.data.tokenizer import load_tokenizer
-from flopwise.errors import CheckpointError, ConfigError
+from flopwise.errors import CheckpointError, ConfigError, TrainingStopped
 from flopwise.eval.generate import generate
 from flopwise.eval.tasks import evaluate_task, load_task
 from flopwise.flops import count_params, flops_per_token, mfu
@@ -39,7 +39,7 @@ from flopwise.plan.planner import layout_config, resolve_layout
 from flopwise.train.engine import Engine, autocast, token_loss
 from flopwise.train import checkpoint
 from flopwise.train.faults import Faults, nan_grad, poison
-from flopwise.train.guard import Guard, TrainingStopped, Verdict
+from flopwise.train.guard import Guard, Verdict
 from flopwise.train.saver import Saver
 from flopwise.train.watch import Watch, is_timeout
 from flopwise.train.metrics import MetricsWriter, device_peak, plot_loss_curve, read_metrics
