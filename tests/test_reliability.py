@@ -204,6 +204,10 @@ def test_guard_verdicts():
     assert g.decide(float("nan"), True, False) == (Verdict.ROLLBACK, "2 consecutive non-finite steps")
     assert g.decide(5.0, False, True)[0] is Verdict.ROLLBACK
     assert list(g.losses) == [3.0, 2.9, 3.1]  # skipped and spiking losses never enter the window
+    g.rolled_back("loss spike", 7)
+    h = Guard(GuardConfig(window=5, min_window=3))
+    h.load_state_dict(g.state_dict())
+    assert h.state_dict() == g.state_dict() == {"losses": [3.0, 2.9, 3.1], "skips": 0, "rollbacks": 1}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -218,7 +222,8 @@ def test_sigterm_checkpoints_exits_and_resumes_exactly(tiny_data, tmp_path, monk
     assert "step-00000005 at step 5" in out
     ref, _ = run(tmp_path / "ref", tiny_data, "", monkeypatch, **kw)
     assert distcp_hashes(resumed.checkpoint) == distcp_hashes(ref.checkpoint)
-    assert checkpoint.read_state(resumed.checkpoint)["rng"] == checkpoint.read_state(ref.checkpoint)["rng"]
+    a, b = checkpoint.read_state(resumed.checkpoint), checkpoint.read_state(ref.checkpoint)
+    assert a["rng"] == b["rng"] and a["guard"] == b["guard"] and len(a["guard"]["losses"]) == 8
 
 
 def test_async_checkpoints_resume_bitwise(tiny_data, tmp_path, monkeypatch):
@@ -262,3 +267,15 @@ def test_fault_spec_errors_are_config_errors():
                       ("kill:step=x", "must be a number"), ("kill:when=3", "expected step=N")]:
         with pytest.raises(ConfigError, match=frag):
             parse(bad)
+
+
+def test_sigusr1_sets_the_stop_flag_and_handlers_are_restored(tmp_path):
+    import signal
+
+    before = signal.getsignal(signal.SIGUSR1)
+    with Watch(WatchdogConfig(), tmp_path, 0, torch.device("cpu")) as w:
+        assert not w.sync(False, False, False).stop
+        os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's warning signal: the process must not die
+        sync = w.sync(False, False, False)
+        assert sync.stop and w.signal == "SIGUSR1" and sync.rank_s[0] >= 0
+    assert signal.getsignal(signal.SIGUSR1) is before

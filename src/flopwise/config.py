@@ -201,7 +201,7 @@ class GuardConfig(Section):
     min_window: int = Field(10, ge=2, description="steps of history before spikes are judged")
     max_skips: int = Field(3, ge=1, description="consecutive non-finite steps that trigger a rollback")
     skip_batches: int = Field(200, ge=0, description="batches skipped after a rollback (at least up to the bad one)")
-    max_rollbacks: int = Field(3, ge=0, description="rollbacks in one invocation before stopping")
+    max_rollbacks: int = Field(3, ge=0, description="rollbacks before stopping (counted across resumes)")
 
 
 class WatchdogConfig(Section):

@@ -4,7 +4,8 @@ A non-finite loss or gradient norm skips the update (the weights and optimizer s
 `guard.max_skips` such steps in a row, or a loss spike (one-sided z-score of the loss against the
 running window of accepted losses, above `guard.spike_zscore`), rolls back to the last checkpoint
 and skips data past the bad batch, PaLM's recipe (Chowdhery et al. 2022 §5.1: restart ~100 steps
-before the spike, skip 200-500 batches). The rollbacks per invocation are capped.
+before the spike, skip 200-500 batches). The rollbacks are capped. The window and counters are
+saved in every checkpoint, so a resumed run judges spikes as the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -57,6 +58,17 @@ class Guard:
         self.skips = 0
         self.losses.append(loss)
         return Verdict.APPLY, ""
+
+    def state_dict(self) -> dict:
+        return {"losses": list(self.losses), "skips": self.skips, "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: dict | None, counters: bool = True) -> None:
+        """Restore the loss window (and, on a resume, the counters; a rollback keeps counting)."""
+        if not state:
+            return
+        self.losses = deque(state.get("losses", []), maxlen=self.cfg.window)
+        if counters:
+            self.skips, self.rollbacks = int(state.get("skips", 0)), int(state.get("rollbacks", 0))
 
     def rolled_back(self, reason: str, step: int) -> None:
         """Count a rollback; past the cap, stop with what to do about it."""

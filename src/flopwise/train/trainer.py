@@ -180,10 +180,12 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
 
     engine, optimizer, loader = build(cfg, par, data_dir)
 
+    guard = Guard(cfg.guard)
     start_step, resumed_from = 0, _resume_point(cfg, run_dir, console)
     metrics_path = run_dir / "metrics.jsonl"
     if resumed_from is not None:
         start_step, state = _restore(resumed_from, engine, optimizer, loader)
+        guard.load_state_dict(state.get("guard"))
         if par.is_main:
             kept = [r for r in read_metrics(metrics_path) if r["step"] <= start_step]
             metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
@@ -213,11 +215,11 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
     rank = dist.get_rank() if dist.is_initialized() else 0
     faults = Faults.from_env(rank)
-    guard = Guard(cfg.guard)
 
     def snapshot() -> dict:
-        return {"loader": loader.state_dict(), "rng": checkpoint.rng_state(), "config": to_toml(cfg),
-                "config_hash": config_hash(cfg), "layout": {**lo.to_json(), "world_size": lo.world}}
+        return {"loader": loader.state_dict(), "rng": checkpoint.rng_state(), "guard": guard.state_dict(),
+                "config": to_toml(cfg), "config_hash": config_hash(cfg),
+                "layout": {**lo.to_json(), "world_size": lo.world}}
 
     saver = Saver(cfg, run_dir, engine.parts, optimizer, snapshot, {"tokenizer.json": data_dir / meta["tokenizer"]},
                   faults, console, lo.world)
@@ -235,7 +237,8 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
         if ckpt is None:
             console.print(f"[yellow]guard[/]: step {step + 1}: {escape(reason)}; no checkpoint to roll back to, update skipped")
             return step + 1
-        back, _ = _restore(ckpt, engine, optimizer, loader)
+        back, state = _restore(ckpt, engine, optimizer, loader)
+        guard.load_state_dict(state.get("guard"), counters=False)
         n = max(cfg.guard.skip_batches, step + 1 - back)
         ids = loader.skip(n)
         record = {"step": step + 1, "rolled_back_to": back, "reason": reason, "batches": n,
