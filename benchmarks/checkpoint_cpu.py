@@ -6,8 +6,8 @@
    without checkpoints, with sync saves and with async saves, side by side: how long each save
    blocked the loop (sync: the whole write; async: staging to host memory plus any wait for the
    previous write), how long an async write took to complete, and the cost per save from the run
-   times, (training time - training time without saves) / saves, which also catches the
-   background writer competing with training for the 2 cores.
+   times, (median training time - median without saves) / saves over 3 runs each, which also
+   catches the background writer competing with training for the 2 cores.
 2. Recovery after a kill: 2 ranks under `torchrun --max-restarts 1`, rank 1 SIGKILLed at step 8 of
    12 (checkpoints every 3 steps) vs the same job uninterrupted; the difference is detection +
    restart + reload + the 2 redone steps.
@@ -40,7 +40,7 @@ from flopwise.train.trainer import train  # noqa: E402
 MODEL = {"model.preset": '"demo-tiny"', "model.n_layers": 12, "model.d_model": 512, "model.n_heads": 8,
          "model.tie_embeddings": "false", "data.seq_len": 64, "train.global_batch": 8, "train.micro_batch": 8,
          "train.eval_every": 0, "log.every": 1000}
-STEPS, EVERY = 30, 5
+STEPS, EVERY, REPEATS = 30, 5, 3
 
 
 def data(tmp: Path) -> Path:
@@ -51,14 +51,21 @@ def data(tmp: Path) -> Path:
 
 def one_process(tmp: Path, d: Path, mode: str) -> dict:
     kw = {**MODEL, "train.steps": STEPS, "checkpoint.interval": EVERY if mode != "none" else 0,
-          "checkpoint.async": "true" if mode == "async" else "false", "checkpoint.keep": 1}
-    t0 = time.perf_counter()
+          "checkpoint.async": "true" if mode == "async" else "false", "checkpoint.keep": 1,
+          "checkpoint.resume": '"none"'}
     r = train(load_config(None, tiny_overrides(tmp / mode, d, **kw)), Console(file=io.StringIO()))
-    wall = time.perf_counter() - t0
-    ckpt = checkpoint.latest(tmp / mode)
-    size = sum(p.stat().st_size for p in ckpt.iterdir())
-    return {"wall_s": wall, "train_s": r.seconds, "checkpoint_mb": size / 1e6, "save_blocking_s": r.save_s,
+    size = sum(p.stat().st_size for p in checkpoint.latest(tmp / mode).iterdir())
+    return {"train_s": r.seconds, "checkpoint_mb": size / 1e6, "save_blocking_s": r.save_s,
             "async_complete_s": r.async_save_s}
+
+
+def median_run(tmp: Path, d: Path, mode: str) -> dict:
+    """REPEATS runs of one mode: the median training time, every save's times."""
+    runs = [one_process(tmp, d, mode) for _ in range(REPEATS)]
+    return {"train_s": statistics.median(r["train_s"] for r in runs), "train_s_all": [r["train_s"] for r in runs],
+            "checkpoint_mb": runs[0]["checkpoint_mb"],
+            "save_blocking_s": [x for r in runs for x in r["save_blocking_s"]],
+            "async_complete_s": [x for r in runs for x in r["async_complete_s"]]}
 
 
 def torchrun(tmp: Path, d: Path, name: str, faults: str) -> float:
@@ -76,7 +83,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         d = data(tmp)
-        runs = {mode: one_process(tmp, d, mode) for mode in ("none", "sync", "async")}
+        runs = {mode: median_run(tmp, d, mode) for mode in ("none", "sync", "async")}
         saves = STEPS // EVERY
         for mode in ("sync", "async"):
             runs[mode]["cost_per_save_s"] = (runs[mode]["train_s"] - runs["none"]["train_s"]) / saves
