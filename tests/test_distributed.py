@@ -23,7 +23,8 @@ from flopwise.plan.comm import dp_elements_per_step, pp_boundary_elements, tp_al
 from flopwise.plan.layout import Layout
 from flopwise.plan.memory import model_state_bytes
 from flopwise.train import checkpoint
-from flopwise.train.trainer import build, train
+from flopwise.build import build_engine
+from flopwise.train.trainer import train
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).parent / "dist" / "worker.py"
@@ -203,7 +204,7 @@ def test_pipeline_traffic_is_one_activation_per_microbatch(runs, tiny_data):
 def _state(ckpt, data) -> dict[str, torch.Tensor]:
     """Model and optimizer tensors of a checkpoint, loaded into one process."""
     cfg = load_config(None, base("/tmp", data))
-    engine, opt, _ = build(cfg, Parallel(Layout(micro_batch=2), None, torch.device("cpu")), None)
+    engine, opt = build_engine(cfg, Parallel(Layout(micro_batch=2), None, torch.device("cpu")))
     checkpoint.load(checkpoint.resolve(ckpt), engine.parts, opt)
     out = {f"model.{k}": v for k, v in engine.parts[0].state_dict().items()}
     for name, p in engine.parts[0].named_parameters():
@@ -243,7 +244,7 @@ def test_export_consolidates_and_refuses_a_mismatched_model(runs, tiny_data, tmp
     state = checkpoint.read_state(checkpoint.resolve(tmp_path / "x"))
     assert state["layout"]["world_size"] == 1 and state["step"] == 2
     cfg = load_config(None, base("/tmp", tiny_data, **{"model.d_model": 32}))
-    engine, opt, _ = build(cfg, Parallel(Layout(micro_batch=2), None, torch.device("cpu")), None)
+    engine, opt = build_engine(cfg, Parallel(Layout(micro_batch=2), None, torch.device("cpu")))
     with pytest.raises(CheckpointError, match="does not fit this model/layout"):
         checkpoint.load(ckpt, engine.parts, opt)
 

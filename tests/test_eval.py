@@ -3,7 +3,7 @@ import torch
 from flopwise.config import ModelConfig
 from flopwise.eval.perplexity import text_loss
 from flopwise.model.transformer import build_model
-from flopwise.train.trainer import lm_loss
+from flopwise.train.engine import lm_loss
 
 
 def test_text_loss_scores_every_token_once_and_matches_the_training_loss():

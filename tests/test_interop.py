@@ -16,7 +16,8 @@ from flopwise.errors import CheckpointError  # noqa: E402
 from flopwise.eval.generate import generate  # noqa: E402
 from flopwise.interop.convert import export_hf, import_hf  # noqa: E402
 from flopwise.interop.hf import from_hf, to_hf  # noqa: E402
-from flopwise.train.trainer import load_for_inference, train  # noqa: E402
+from flopwise.eval.load import load_for_inference  # noqa: E402
+from flopwise.train.trainer import train  # noqa: E402
 
 V, S = 128, 40
 LLAMA = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

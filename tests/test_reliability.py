@@ -19,7 +19,8 @@ from flopwise.errors import CheckpointError, ConfigError, TrainingStopped
 from flopwise.train import checkpoint
 from flopwise.train.faults import parse
 from flopwise.train.guard import Guard, Verdict
-from flopwise.train.trainer import load_for_inference, train
+from flopwise.eval.load import load_for_inference
+from flopwise.train.trainer import train
 from flopwise.train.watch import Watch
 
 
@@ -115,9 +116,9 @@ def test_a_planted_pickle_is_refused_and_never_run(tiny_data, tmp_path, monkeypa
 
 def load_for_inference_unverified(ckpt):
     from flopwise.model.transformer import build_model
-    from flopwise.train.trainer import _checkpoint_config
+    from flopwise.train.export import checkpoint_config
 
-    model = build_model(_checkpoint_config(ckpt, checkpoint.read_state(ckpt)).model, "cpu")
+    model = build_model(checkpoint_config(ckpt, checkpoint.read_state(ckpt)).model, "cpu")
     checkpoint.load(ckpt, model)
 
 
@@ -274,8 +275,8 @@ def test_sigusr1_sets_the_stop_flag_and_handlers_are_restored(tmp_path):
 
     before = signal.getsignal(signal.SIGUSR1)
     with Watch(WatchdogConfig(), tmp_path, 0, torch.device("cpu")) as w:
-        assert not w.sync(False, False, False).stop
+        assert not w.sync(False, torch.zeros(0))[0].stop
         os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's warning signal: the process must not die
-        sync = w.sync(False, False, False)
+        sync = w.sync(False, torch.zeros(0))[0]
         assert sync.stop and w.signal == "SIGUSR1" and sync.rank_s[0] >= 0
     assert signal.getsignal(signal.SIGUSR1) is before

@@ -15,7 +15,9 @@ from flopwise.model.transformer import build_model
 from flopwise.parallel.apply import apply_recompute
 from flopwise.train import checkpoint
 from flopwise.train.optim import lr_at, param_groups
-from flopwise.train.trainer import lm_loss, load_for_inference, train
+from flopwise.eval.load import load_for_inference
+from flopwise.train.engine import lm_loss
+from flopwise.train.trainer import train
 
 QUIET = Console(file=open("/dev/null", "w"))
 

@@ -137,7 +137,7 @@ def eval_cmd(
     from flopwise.errors import ConfigError, DataError
     from flopwise.eval.perplexity import text_loss
     from flopwise.eval.tasks import builtin_tasks, evaluate_task, load_task
-    from flopwise.train.trainer import load_for_inference
+    from flopwise.eval.load import load_for_inference
 
     if (text is None) == (tasks is None):
         raise ConfigError(f"give one of --text FILE or --tasks NAMES (built-in: {', '.join(builtin_tasks())})")
@@ -188,7 +188,7 @@ def generate(
     """Sample a continuation of a prompt with a KV cache."""
     from flopwise.data.tokenizer import eos_id
     from flopwise.eval.generate import generate as run_generate
-    from flopwise.train.trainer import load_for_inference
+    from flopwise.eval.load import load_for_inference
 
     model, cfg, tok = load_for_inference(ckpt)
     ids = tok.encode(prompt).ids
@@ -325,7 +325,7 @@ def scale_sweep(
 def checkpoint_export(path: str = typer.Argument(..., help="a run dir (its newest complete checkpoint) or a step-N folder"),
                       out: Path = typer.Option(..., "--out", help="folder to write <out>/checkpoints/step-N into")) -> None:
     """Consolidate a checkpoint written by any parallel layout into a one-process checkpoint."""
-    from flopwise.train.trainer import export_checkpoint
+    from flopwise.train.export import export_checkpoint
 
     dest = export_checkpoint(path, out)
     console.print(f"exported {path} -> {dest} (one process; resume with run.dir={out})")

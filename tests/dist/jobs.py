@@ -16,13 +16,10 @@ def losses(overrides: list[str]) -> dict:
 
 
 def _setup(overrides: list[str]):
-    from flopwise.parallel import mesh
-    from flopwise.train.trainer import build, ensure_data
+    from flopwise.build import build_run
 
-    cfg = load_config(None, overrides)
-    par = mesh.init(cfg, torch.device("cpu"))
-    data_dir = ensure_data(cfg, Path(cfg.run.dir), Console(quiet=True))
-    return (cfg, par, *build(cfg, par, data_dir))
+    run = build_run(load_config(None, overrides), Console(quiet=True))
+    return run.cfg, run.par, run.engine, run.optimizer, run.loader
 
 
 def memory(overrides: list[str]) -> dict:
@@ -100,3 +97,80 @@ def bench(overrides: list[str]) -> dict:
     dist.all_gather_object(per_rank, mine)
     return {"step_s": statistics.median(times), "psi": count_params(cfg.model).total, "ranks": per_rank,
             "tokens_per_step": cfg.train.global_batch * cfg.data.seq_len}
+
+
+def shards(overrides: list[str]) -> dict:
+    """Build this rank's model shards (no step) and save each parameter's (global offset, local
+    values) to <run.dir>/shards-rank{R}.pt; with model.init_from, also record the bytes read from
+    the HF safetensors and the loss of the first validation batch."""
+    from flopwise.interop import hf
+    from flopwise.model.init import canonical_name, global_box
+    from flopwise.data.loader import eval_batches
+
+    read = [0]
+    real_open = hf.safe_open
+
+    class CountingSlice:
+        def __init__(self, sl):
+            self.sl = sl
+
+        def get_shape(self):
+            return self.sl.get_shape()
+
+        def __getitem__(self, idx):
+            t = self.sl[idx]
+            read[0] += t.numel() * t.element_size()
+            return t
+
+    class CountingFile:
+        def __init__(self, *a, **k):
+            self.f = real_open(*a, **k)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_slice(self, name):
+            return CountingSlice(self.f.get_slice(name))
+
+    hf.safe_open = CountingFile
+    try:
+        cfg, par, engine, opt, loader = _setup(overrides)
+    finally:
+        hf.safe_open = real_open
+    out = {}
+    for m in engine.parts:
+        for raw, p in m.named_parameters():
+            offset, _ = global_box(p)
+            local = p.to_local() if hasattr(p, "to_local") else p
+            out[canonical_name(raw)] = (offset, local.detach().clone())
+    torch.save(out, Path(cfg.run.dir) / f"shards-rank{dist.get_rank()}.pt")
+    batch = next(iter(eval_batches(Path(cfg.data.path), cfg.data.seq_len, cfg.train.micro_batch * engine.n_micro, 1)))
+    loss = engine.eval_loss(batch)
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, read[0])
+    return {"hf_bytes_read": per_rank, "loss": loss}
+
+
+def build_memory(overrides: list[str]) -> dict:
+    """Peak resident memory each rank adds while building its model shards and optimizer
+    (getrusage's high-water mark after the build minus before it)."""
+    import resource
+
+    from flopwise.build import build_engine
+    from flopwise.parallel import mesh
+
+    cfg = load_config(None, overrides)
+    par = mesh.init(cfg, torch.device("cpu"))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    build_engine(cfg, par)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, (after - before) * 1024)
+    return {"peak_added_bytes": per_rank}

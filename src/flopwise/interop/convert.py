@@ -7,9 +7,10 @@ import shutil
 from pathlib import Path
 
 from flopwise.config import to_toml, validate
-from flopwise.data.tokenizer import EOS, eos_id
-from flopwise.interop.hf import from_hf, to_hf
+from flopwise.data.tokenizer import EOS, eos_id, load_tokenizer
+from flopwise.interop.hf import from_hf, write_hf
 from flopwise.train import checkpoint
+from flopwise.train.export import CheckpointTensors, checkpoint_config
 
 
 def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
@@ -25,13 +26,20 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
 
 
 def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
-    """flopwise checkpoint -> HF folder that `AutoModelForCausalLM.from_pretrained` loads as is."""
-    from flopwise.train.trainer import load_for_inference
-
-    model, cfg, tok = load_for_inference(ckpt)
+    """flopwise checkpoint (any layout) -> HF folder that `AutoModelForCausalLM.from_pretrained`
+    loads as is, streamed: one safetensors shard in memory at a time (or the largest tensor)."""
     src = checkpoint.resolve(ckpt)
+    cfg = checkpoint_config(src, checkpoint.read_state(src))
+    tok = load_tokenizer(src / "tokenizer.json")
+    tensors = CheckpointTensors(src)
+    shapes = {k.removeprefix("model."): tuple(v.size) for k, v in tensors.specs.items() if k.startswith("model.")}
+
+    def fetch(names: list[str]) -> dict:
+        got = tensors.read([f"model.{n}" for n in names])
+        return {n: got[f"model.{n}"] for n in names}
+
     eos = eos_id(tok)
-    out = to_hf(model, cfg.model, out_dir, eos_id=eos, max_shard_bytes=max_shard_bytes)
+    out = write_hf(cfg.model, shapes, fetch, out_dir, eos_id=eos, max_shard_bytes=max_shard_bytes)
     shutil.copyfile(src / "tokenizer.json", out / "tokenizer.json")
     eos_token = tok.id_to_token(eos) or EOS
     (out / "tokenizer_config.json").write_text(json.dumps({

@@ -2,21 +2,31 @@
 tokenizer files, both ways, for the Llama (1/2/3, rope scaling), Mistral, Qwen3, GPT-2, GPT-NeoX
 and OPT families. Needs no `transformers` import: the formats are read and written directly
 (the config mapping is in hf_config.py).
+
+Loading reads, for each parameter a rank holds (or its shard), only that box of the HF tensor
+(safetensors' lazy slices), so a sharded run never holds the whole checkpoint; writing goes shard
+by shard from any tensor source (a model in memory, or a DCP checkpoint read tensor by tensor).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from flopwise.config import ModelConfig
-from flopwise.errors import CheckpointError
+from flopwise.model.init import canonical_name, global_box
 from flopwise.interop.hf_config import LLAMA_LIKE, _fail, hf_config_from_model, model_config_from_hf, read_hf_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -83,72 +93,152 @@ def _names(m: ModelConfig) -> list[tuple[str, str]]:
     return pairs
 
 
-def _fused_to_flopwise(m: ModelConfig, hf: dict[str, torch.Tensor], sd: dict[str, torch.Tensor]) -> None:
-    """Split HF's fused attention tensors (GPT-2 c_attn, NeoX query_key_value) and transpose Conv1D."""
+@dataclass(frozen=True)
+class Source:
+    """Where one flopwise tensor lives in an HF folder: a tensor, maybe transposed (GPT-2's Conv1D
+    stores (in, out)), maybe one of `fused` tensors stacked along its rows (GPT-2's q|k|v at
+    row offset k·d; NeoX's per-head [q k v] interleave, `heads` = (n_heads, head_dim, k))."""
+
+    name: str
+    transpose: bool = False
+    fused: int = 1
+    row_offset: int = 0
+    heads: tuple[int, int, int] | None = None
+
+    def runs(self, r0: int, r1: int) -> list[tuple[int, int]]:
+        """Our rows [r0, r1) as contiguous row ranges of the HF tensor."""
+        if self.heads is None:
+            return [(r0 + self.row_offset, r1 + self.row_offset)]
+        _, hd, k = self.heads
+        out, r = [], r0
+        while r < r1:
+            h, end = r // hd, min(r1, (r // hd + 1) * hd)
+            base = h * 3 * hd + k * hd - h * hd
+            out.append((base + r, base + end))
+            r = end
+        return out
+
+    def hf_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
+        rows = (ours[0] * self.fused,) + tuple(ours[1:])
+        return tuple(reversed(rows)) if self.transpose else rows
+
+    def read(self, sl, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """Our box [offset, offset + shape) from a safetensors slice, reading only its bytes."""
+        parts = []
+        for a, b in self.runs(offset[0], offset[0] + shape[0]):
+            if len(shape) == 1:
+                parts.append(sl[a:b])
+            elif self.transpose:
+                parts.append(sl[offset[1]:offset[1] + shape[1], a:b].t())
+            else:
+                parts.append(sl[a:b, offset[1]:offset[1] + shape[1]])
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _sources(m: ModelConfig) -> dict[str, Source]:
+    """flopwise tensor name -> its Source, for every parameter of the model."""
+    out = {ours: Source(theirs) for ours, theirs in _names(m)}
     d, hd, nh = m.d_model, m.head_dim, m.n_heads
     for i in range(m.n_layers):
         f = f"layers.{i}."
         if m.arch == "gpt2":
             h = f"transformer.h.{i}."
-            w, b = hf[h + "attn.c_attn.weight"].t(), hf[h + "attn.c_attn.bias"]  # Conv1D stores (in, out)
-            for name, wi, bi in zip(("wq", "wk", "wv"), w.split(d, 0), b.split(d, 0)):
-                sd[f + f"attention.{name}.weight"], sd[f + f"attention.{name}.bias"] = wi, bi
-            sd[f + "attention.wo.weight"] = hf[h + "attn.c_proj.weight"].t()
-            sd[f + "feed_forward.w1.weight"] = hf[h + "mlp.c_fc.weight"].t()
-            sd[f + "feed_forward.w2.weight"] = hf[h + "mlp.c_proj.weight"].t()
-        elif m.arch == "neox":
-            h = f"gpt_neox.layers.{i}."
-            w = hf[h + "attention.query_key_value.weight"].view(nh, 3, hd, d)  # per head: q, k, v
-            b = hf[h + "attention.query_key_value.bias"].view(nh, 3, hd)
             for k, name in enumerate(("wq", "wk", "wv")):
-                sd[f + f"attention.{name}.weight"] = w[:, k].reshape(nh * hd, d)
-                sd[f + f"attention.{name}.bias"] = b[:, k].reshape(nh * hd)
+                out[f + f"attention.{name}.weight"] = Source(h + "attn.c_attn.weight", True, 3, k * d)
+                out[f + f"attention.{name}.bias"] = Source(h + "attn.c_attn.bias", False, 3, k * d)
+            out[f + "attention.wo.weight"] = Source(h + "attn.c_proj.weight", True)
+            out[f + "feed_forward.w1.weight"] = Source(h + "mlp.c_fc.weight", True)
+            out[f + "feed_forward.w2.weight"] = Source(h + "mlp.c_proj.weight", True)
+        elif m.arch == "neox":
+            h = f"gpt_neox.layers.{i}.attention.query_key_value."
+            for k, name in enumerate(("wq", "wk", "wv")):
+                out[f + f"attention.{name}.weight"] = Source(h + "weight", fused=3, heads=(nh, hd, k))
+                out[f + f"attention.{name}.bias"] = Source(h + "bias", fused=3, heads=(nh, hd, k))
+    return out
 
 
-def _flopwise_to_fused(m: ModelConfig, sd: dict[str, torch.Tensor], hf: dict[str, torch.Tensor]) -> None:
+def _recipes(m: ModelConfig) -> list[tuple[str, list[str], Callable[..., torch.Tensor]]]:
+    """(HF name, flopwise names, how to make the HF tensor from them), in the order they are written."""
+    same = lambda t: t  # noqa: E731
+    out = [(theirs, [ours], same) for ours, theirs in _names(m)]
     d, hd, nh = m.d_model, m.head_dim, m.n_heads
     for i in range(m.n_layers):
         f = f"layers.{i}."
-        q, k, v = (sd[f + f"attention.{n}.weight"] for n in ("wq", "wk", "wv"))
-        qb, kb, vb = (sd[f + f"attention.{n}.bias"] for n in ("wq", "wk", "wv"))
+        qkv_w = [f + f"attention.{n}.weight" for n in ("wq", "wk", "wv")]
+        qkv_b = [f + f"attention.{n}.bias" for n in ("wq", "wk", "wv")]
         if m.arch == "gpt2":
             h = f"transformer.h.{i}."
-            hf[h + "attn.c_attn.weight"] = torch.cat([q, k, v], 0).t()
-            hf[h + "attn.c_attn.bias"] = torch.cat([qb, kb, vb])
-            hf[h + "attn.c_proj.weight"] = sd[f + "attention.wo.weight"].t()
-            hf[h + "mlp.c_fc.weight"] = sd[f + "feed_forward.w1.weight"].t()
-            hf[h + "mlp.c_proj.weight"] = sd[f + "feed_forward.w2.weight"].t()
+            out += [(h + "attn.c_attn.weight", qkv_w, lambda q, k, v: torch.cat([q, k, v], 0).t()),
+                    (h + "attn.c_attn.bias", qkv_b, lambda q, k, v: torch.cat([q, k, v])),
+                    (h + "attn.c_proj.weight", [f + "attention.wo.weight"], torch.t),
+                    (h + "mlp.c_fc.weight", [f + "feed_forward.w1.weight"], torch.t),
+                    (h + "mlp.c_proj.weight", [f + "feed_forward.w2.weight"], torch.t)]
         elif m.arch == "neox":
-            h = f"gpt_neox.layers.{i}."
-            hf[h + "attention.query_key_value.weight"] = torch.stack(
-                [t.view(nh, hd, d) for t in (q, k, v)], 1).reshape(3 * nh * hd, d)
-            hf[h + "attention.query_key_value.bias"] = torch.stack(
-                [t.view(nh, hd) for t in (qb, kb, vb)], 1).reshape(3 * nh * hd)
+            h = f"gpt_neox.layers.{i}.attention.query_key_value."
+            out += [(h + "weight", qkv_w, lambda *t: torch.stack([x.view(nh, hd, d) for x in t], 1).reshape(3 * nh * hd, d)),
+                    (h + "bias", qkv_b, lambda *t: torch.stack([x.view(nh, hd) for x in t], 1).reshape(3 * nh * hd))]
+    return out
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def _weight_files(path: Path) -> dict[str, str]:
+    """HF tensor name -> the safetensors file (in `path`) that holds it."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError):
-            _fail(path, "model.safetensors.index.json has no weight_map")
-        files = sorted(set(weight_map.values()))
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            _fail(path, "model.safetensors.index.json has no weight_map of tensor -> file")
+        for name in set(weight_map.values()):
+            if Path(name).name != name:
+                _fail(path, f"index names a file outside the folder: {name!r}")
+        return weight_map
+    if not (path / "model.safetensors").is_file():
         _fail(path, "no model.safetensors or model.safetensors.index.json (pickled .bin weights are refused)")
-    tensors = {}
-    for name in files:
-        if Path(name).name != name:
-            _fail(path, f"index names a file outside the folder: {name!r}")
-        try:
-            with safe_open(str(path / name), framework="pt") as f:
-                for key in f.keys():
-                    tensors[key] = f.get_tensor(key)
-        except Exception as e:  # safetensors raises its own error types for damaged files
-            _fail(path, f"{name} is not a readable safetensors file ({str(e).splitlines()[0][:100]})")
-    return tensors
+    with _open(path, "model.safetensors") as f:
+        return {k: "model.safetensors" for k in f.keys()}
+
+
+def _open(path: Path, name: str):
+    try:
+        return safe_open(str(path / name), framework="pt")
+    except Exception as e:  # safetensors raises its own error types for damaged files
+        _fail(path, f"{name} is not a readable safetensors file ({str(e).splitlines()[0][:100]})")
+
+
+@torch.no_grad()
+def load_hf_weights(modules: list[nn.Module], path: str | Path) -> None:
+    """Overwrite the parameters these modules hold (whole tensors, or this rank's DTensor shards
+    under any layout) with their values in an HF folder, reading only the slices held."""
+    path = Path(path)
+    files = _weight_files(path)
+    plain = modules[0].module if hasattr(modules[0], "module") else modules[0]
+    m = plain.cfg
+    sources = _sources(m)
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, Any] = {}
+        for module in modules:
+            for raw, p in module.named_parameters():
+                name = canonical_name(raw)
+                src = sources.get(name)
+                if src is None or src.name not in files:
+                    _fail(path, f"missing tensor {src.name if src else name}")
+                fname = files[src.name]
+                if fname not in handles:
+                    handles[fname] = stack.enter_context(_open(path, fname))
+                try:
+                    sl = handles[fname].get_slice(src.name)
+                    shape = tuple(sl.get_shape())
+                except Exception as e:
+                    _fail(path, f"{fname}: cannot read {src.name} ({str(e).splitlines()[0][:100]})")
+                if shape != src.hf_shape(tuple(p.shape)):
+                    _fail(path, f"tensor {src.name} has shape {list(shape)}, config.json implies "
+                                f"{list(src.hf_shape(tuple(p.shape)))}")
+                local = p.to_local() if isinstance(p, DTensor) else p
+                if local.numel():
+                    offset, box = global_box(p)
+                    local.copy_(src.read(sl, offset, box))
 
 
 def from_hf(path: str | Path, device: str = "cpu"):
@@ -161,68 +251,56 @@ def from_hf(path: str | Path, device: str = "cpu"):
         m = model_config_from_hf(hf_cfg, path)
     except KeyError as e:
         _fail(path, f"config.json lacks {e}")
-    hf = read_safetensors(path)
-    sd: dict[str, torch.Tensor] = {}
-    for ours, theirs in _names(m):
-        if theirs not in hf:
-            _fail(path, f"missing tensor {theirs}")
-        sd[ours] = hf[theirs]
-    if m.arch in ("gpt2", "neox"):
-        try:
-            _fused_to_flopwise(m, hf, sd)
-        except KeyError as e:
-            _fail(path, f"missing tensor {e}")
     model = build_model(m, device="meta")
-    expected = set(model.state_dict())
-    if m.tie_embeddings:
-        expected.discard("output.weight")
-    if set(sd) != expected:
-        _fail(path, f"tensors do not match the architecture (missing {sorted(expected - set(sd))[:3]}, "
-                    f"unexpected {sorted(set(sd) - expected)[:3]})")
     model.to_empty(device=device)
     model.tie_weights()
-    model.reset_buffers()
-    model.to(device)
-    try:
-        model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False, assign=False)
-    except RuntimeError as e:
-        _fail(path, f"tensor shapes do not match config.json ({str(e).splitlines()[-1][:150]})")
+    model.reset_buffers(device)
+    load_hf_weights([model], path)
     return model, m
 
 
 def to_hf(model: torch.nn.Module, m: ModelConfig, path: str | Path, tokenizer_dir: str | Path | None = None,
           eos_id: int | None = None, max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype = torch.float32) -> Path:
-    """Write config.json + safetensors (sharded with an index above `max_shard_bytes`) + tokenizer."""
+    """Write a model in memory as config.json + safetensors + tokenizer (see `write_hf`)."""
+    sd = model.state_dict()
+    return write_hf(m, {k: tuple(v.shape) for k, v in sd.items()}, lambda names: {n: sd[n] for n in names}, path,
+                    tokenizer_dir, eos_id, max_shard_bytes, dtype)
+
+
+def write_hf(m: ModelConfig, shapes: dict[str, tuple[int, ...]], fetch: Callable[[list[str]], dict[str, torch.Tensor]],
+             path: str | Path, tokenizer_dir: str | Path | None = None, eos_id: int | None = None,
+             max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype = torch.float32) -> Path:
+    """Write config.json + safetensors (sharded with an index above `max_shard_bytes`) + tokenizer,
+    one shard at a time: `fetch(names)` supplies the flopwise tensors a shard needs, so peak
+    memory is one shard (or the largest tensor, if larger), not the model."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = hf_config_from_model(m, eos_id)
-    sd = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
-    hf: dict[str, torch.Tensor] = {}
-    for ours, theirs in _names(m):
-        hf[theirs] = sd[ours]
-    if m.arch in ("gpt2", "neox"):
-        _flopwise_to_fused(m, sd, hf)
-    hf = {k: v.contiguous().clone() for k, v in hf.items()}
-    shards, current, size = [], {}, 0
-    for k, v in hf.items():
-        nbytes = v.numel() * v.element_size()
+    recipes = _recipes(m)
+    item = torch.empty((), dtype=dtype).element_size()
+    shards, current, size = [], [], 0
+    for recipe in recipes:
+        nbytes = sum(math.prod(shapes[n]) for n in recipe[1]) * item
         if current and size + nbytes > max_shard_bytes:
             shards.append(current)
-            current, size = {}, 0
-        current[k] = v
+            current, size = [], 0
+        current.append(recipe)
         size += nbytes
     shards.append(current)
     for old in path.glob("model*.safetensors*"):
         old.unlink()
-    if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(path / name), metadata={"format": "pt"})
-            weight_map.update({k: name for k in shard})
-        total = sum(v.numel() * v.element_size() for v in hf.values())
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    weight_map, total = {}, 0
+    for name, shard in zip(names, shards):
+        ours = fetch(sorted({n for _, inputs, _ in shard for n in inputs}))
+        tensors = {theirs: make(*(ours[n].detach().to("cpu", dtype) for n in inputs)).contiguous().clone()
+                   for theirs, inputs, make in shard}
+        del ours
+        save_file(tensors, str(path / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in tensors})
+        total += sum(v.numel() * v.element_size() for v in tensors.values())
+    if len(shards) > 1:
         (path / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     (path / "config.json").write_text(json.dumps(cfg, indent=1))

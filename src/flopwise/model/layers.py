@@ -112,7 +112,9 @@ class KVCache:
 
 
 class CoreAttention(nn.Module):
-    """softmax(QKᵀ/√d + mask)·V via SDPA. A module of its own so selective recompute can wrap it."""
+    """softmax(QKᵀ/√d + mask)·V via SDPA. A module of its own so selective recompute can wrap it.
+    Grouped-query K/V go in at their own width (SDPA's `enable_gqa`): no expanded copies, and
+    autograd saves them at n_kv_heads, not n_heads."""
 
     def __init__(self, dropout: float):
         super().__init__()
@@ -120,14 +122,15 @@ class CoreAttention(nn.Module):
 
     def forward(self, q, k, v, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal,
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(nn.Module):
     def __init__(self, m: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.head_dim, self.n_rep = m.head_dim, m.n_heads // m.n_kv_heads
+        self.head_dim = m.head_dim
         hq, hkv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
         self.wq = nn.Linear(m.d_model, hq, bias=m.bias)
         self.wk = nn.Linear(m.d_model, hkv, bias=m.bias)
@@ -144,9 +147,9 @@ class Attention(nn.Module):
         self.reset_buffers()
         self.core = CoreAttention(m.dropout)
 
-    def reset_buffers(self) -> None:
+    def reset_buffers(self, device: torch.device | str | None = None) -> None:
         if self.relative:
-            self.register_buffer("distances", sinusoids(self.max_seq_len, self.d_model), persistent=False)
+            self.register_buffer("distances", sinusoids(self.max_seq_len, self.d_model).to(device), persistent=False)
 
     def forward(self, x: torch.Tensor, ctx: AttnContext, cache: KVCache | None = None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -161,8 +164,6 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer_idx, k, v)
         if ctx.gather_kv is not None:
             k, v = ctx.gather_kv(k), ctx.gather_kv(v)
-        if self.n_rep > 1:
-            k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)
         mask, is_causal = ctx.mask, ctx.is_causal
         if self.relative:
             q, mask, is_causal = self._relative(q, ctx)

@@ -4,7 +4,8 @@ and compilation are applied from outside (flopwise.parallel.apply).
 Initialisation (`init_weights`): every weight matrix and embedding ~ N(0, init_std) (0.02 by
 default, GPT-2), the residual output projections (attention.wo, feed_forward.w2) ~ N(0,
 init_std/√(2·n_layers)) so the residual stream's variance does not grow with depth (GPT-2,
-Megatron); biases 0, norm gains 1, Transformer-XL biases u, v 0.
+Megatron); biases 0, norm gains 1. The draws are layout-invariant (flopwise.model.init): a rank
+that holds a shard initialises only that shard, with the values the one-process model has there.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from flopwise.config import ModelConfig
+from flopwise.model.init import canonical_name, fill_constant, fill_normal
 from flopwise.model.layers import AttnContext, Block, KVCache, alibi_slopes, make_norm, rope_cos_sin
 
 
@@ -30,48 +32,49 @@ class Transformer(nn.Module):
         self.norm = make_norm(m, m.d_model)
         self.output = nn.Linear(m.d_model, m.vocab_size, bias=False)
         self.tie_weights()
-        self.reset_buffers()
         # Set from outside by flopwise.parallel (the model never imports it): a context-parallel
-        # sharder of the sequence, and how many ways sequence parallel splits a stage's input.
+        # sharder of the sequence, how many ways sequence parallel splits a stage's input, and
+        # which of the heads this rank computes under tensor parallel (rank, ways).
         self.cp = None
         self.hidden_seq_div = 1
+        self.tp_heads = (0, 1)
+        self.reset_buffers()
 
     def tie_weights(self) -> None:
         """Share the head with the embedding; redo after `to_empty`, which unties parameters."""
         if self.cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def reset_buffers(self) -> None:
+    def reset_buffers(self, device: torch.device | str | None = None) -> None:
+        """The computed (non-persistent) buffers: RoPE tables, this rank's ALiBi slopes."""
         m = self.cfg
         if m.pos == "rope":
             cos, sin = rope_cos_sin(m, m.max_seq_len)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            self.register_buffer("rope_cos", cos.to(device), persistent=False)
+            self.register_buffer("rope_sin", sin.to(device), persistent=False)
         if m.pos == "alibi":
-            self.register_buffer("alibi", alibi_slopes(m.n_heads), persistent=False)
+            rank, ways = self.tp_heads
+            h = m.n_heads // ways
+            self.register_buffer("alibi", alibi_slopes(m.n_heads)[rank * h:(rank + 1) * h].to(device), persistent=False)
 
     @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
-        """Initialise parameters (and recompute buffers, e.g. after `to_empty` from meta)."""
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise the parameters this module (or rank) holds, and recompute the buffers (after
+        `to_empty` from meta). Values depend on (seed, name, position) only, not on the layout."""
         m = self.cfg
-        gen = None
-        if seed is not None:
-            gen = torch.Generator(device="cpu").manual_seed(seed)
         resid_std = m.init_std / math.sqrt(2 * m.n_layers)
-        for name, p in self.named_parameters():
+        device = None
+        for raw, p in self.named_parameters():
+            name, device = canonical_name(raw), p.device
             if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-                std = resid_std
+                fill_normal(p, name, seed, resid_std)
             elif p.dim() >= 2:
-                std = m.init_std
+                fill_normal(p, name, seed, m.init_std)
             else:
-                is_gain = "norm" in name and name.endswith("weight")
-                p.fill_(1.0 if is_gain else 0.0)
-                continue
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))
+                fill_constant(p, 1.0 if "norm" in name and name.endswith("weight") else 0.0)
         for module in self.modules():
             if hasattr(module, "reset_buffers"):
-                module.reset_buffers()
-        self.to(self.tok_embeddings.weight.device)
+                module.reset_buffers(device)
 
     def context(self, start: int, t: int, device: torch.device) -> AttnContext:
         """Positions and mask for `t` new tokens after `start` cached ones (or this rank's tokens of
@@ -130,16 +133,24 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
-def build_model(m: ModelConfig, device: str | torch.device = "cpu", seed: int | None = None) -> Transformer:
+def build_model(m: ModelConfig, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
     """Build on the meta device (no memory), then materialise on `device` and initialise.
 
-    `device="meta"` returns the unmaterialised model, e.g. to count a 405B preset's parameters.
+    `device="meta"` returns the unmaterialised model, e.g. to count a 405B preset's parameters, or
+    to split and shard before anything is allocated (flopwise.build).
     """
     with torch.device("meta"):
         model = Transformer(m)
-    if str(device) == "meta":
-        return model
-    model.to_empty(device=device)
-    model.tie_weights()
-    model.init_weights(seed)
+    if str(device) != "meta":
+        materialise(model, device, seed)
     return model
+
+
+def materialise(model: nn.Module, device: str | torch.device, seed: int) -> None:
+    """Allocate what this rank holds of a meta-device model (whole tensors, or DTensor shards once
+    it is sharded) and initialise it."""
+    model.to_empty(device=device)
+    plain = model.module if hasattr(model, "module") else model
+    if isinstance(plain, Transformer):
+        plain.tie_weights()
+    plain.init_weights(seed)

@@ -85,3 +85,51 @@ def _elements(kind: str, args, out, inplace: bool = False) -> int:
         return ts[0].numel() if ts else 0
     ts = _tensors(args[0]) if args else []
     return sum(t.numel() for t in ts)
+
+
+class HostSyncCounter(TorchDispatchMode):
+    """Counts the points where the host waits for a tensor's value: `.item()`/`float()`/`bool()`
+    (aten::_local_scalar_dense), data-dependent shapes (nonzero, masked_select, unique), copies of a
+    device tensor to the CPU, and `.tolist()`/`.numpy()` (not dispatched ops: wrapped while counting).
+    On CPU nothing actually waits, but the same points are where a GPU's host would stall."""
+
+    DATA_DEPENDENT = ("_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "is_nonzero", "equal")
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.ops: dict[str, int] = defaultdict(int)
+        self._saved: dict[str, object] = {}
+
+    def _hit(self, name: str) -> None:
+        self.count += 1
+        self.ops[name] += 1
+
+    def __enter__(self):
+        for method in ("tolist", "numpy"):
+            original = getattr(torch.Tensor, method)
+            self._saved[method] = original
+
+            def counted(t, *a, _original=original, _name=method, **k):
+                self._hit(_name)
+                return _original(t, *a, **k)
+
+            setattr(torch.Tensor, method, counted)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for method, original in self._saved.items():
+            setattr(torch.Tensor, method, original)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name.split("::")[-1]
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name in self.DATA_DEPENDENT:
+            self._hit(name)
+        elif name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
+            self._hit("boolean index")
+        elif name == "_to_copy" and first is not None and first.device.type != "cpu" and str(kwargs.get("device")) == "cpu":
+            self._hit("to_cpu")
+        return func(*args, **kwargs)

@@ -1,7 +1,9 @@
 """`parallelize`: the one step that applies everything that is not the model itself.
 
 Order (as in torchtitan): tensor/sequence parallel -> context parallel -> activation checkpointing
--> compile -> data parallel (DDP or FSDP2). Pipeline splitting happens before, in
+-> compile -> FSDP2, all on the meta device; then each rank allocates and initialises only what it
+holds (flopwise.model.init: the values do not depend on the layout); DDP, which needs real tensors
+and keeps whole replicas anyway, wraps last. Pipeline splitting happens before, in
 flopwise.parallel.pipeline; each stage module goes through this same function.
 """
 
@@ -11,9 +13,9 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 from flopwise.config import Config
-from flopwise.model.transformer import Transformer
+from flopwise.model.transformer import Transformer, materialise
 from flopwise.parallel.context import ContextParallel
-from flopwise.parallel.data import apply_data_parallel
+from flopwise.parallel.data import apply_ddp, apply_fsdp, uses_ddp
 from flopwise.parallel.mesh import Parallel
 from flopwise.parallel.tensor import apply_tp
 
@@ -36,14 +38,16 @@ def apply_compile(model: Transformer) -> None:
         block.compile()
 
 
-def parallelize(model: Transformer, cfg: Config, par: Parallel | None = None) -> nn.Module:
-    if par is not None and par.size("tp") > 1:
+def parallelize(model: Transformer, cfg: Config, par: Parallel) -> nn.Module:
+    """A meta-device model (or pipeline stage) -> this rank's parallelized, initialised module."""
+    if par.size("tp") > 1:
         apply_tp(model, par.mesh["tp"], cfg.parallel.sequence_parallel)
-    if par is not None and par.size("cp") > 1:
+    if par.size("cp") > 1:
         model.cp = ContextParallel(par.rank("cp"), par.size("cp"), par.group("cp"))
     apply_recompute(model, cfg.parallel.recompute)
     if cfg.train.compile:
         apply_compile(model)
-    if par is not None and par.distributed:
-        return apply_data_parallel(model, par, cfg.train.dtype)
-    return model
+    if par.distributed and par.layout.zero >= 2:
+        apply_fsdp(model, par, cfg.train.dtype)
+    materialise(model, par.device, cfg.run.seed)
+    return apply_ddp(model, par) if uses_ddp(par) else model

@@ -24,8 +24,9 @@ from flopwise.parallel.mesh import Parallel
 
 
 def apply_fsdp(model: Transformer, par: Parallel, dtype: str) -> nn.Module:
-    """Shard block by block, then the root (embedding, norm, head). Under pipelining the stage
-    keeps its gathered parameters across micro-batches (resharding per micro-batch would re-gather)."""
+    """Shard block by block, then the root (embedding, norm, head); on a meta-device model, before
+    anything is allocated. Under pipelining the stage keeps its gathered parameters across
+    micro-batches (resharding per micro-batch would re-gather)."""
     lo = par.layout
     mesh = par.mesh["dp_replicate", "shard"] if lo.dp_replicate > 1 else par.mesh["shard"]
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" else None
@@ -44,12 +45,9 @@ def apply_ddp(model: nn.Module, par: Parallel) -> nn.Module:
                                    device_ids=[par.device.index] if par.device.type == "cuda" else None)
 
 
-def apply_data_parallel(model: Transformer, par: Parallel, dtype: str) -> nn.Module:
-    if par.size("dp_cp") == 1 and par.layout.zero < 2:
-        return model
-    if par.layout.zero >= 2:
-        return apply_fsdp(model, par, dtype)
-    return apply_ddp(model, par)
+def uses_ddp(par: Parallel) -> bool:
+    """ZeRO 0/1 with more than one rank holding the same weights: gradients all-reduced by DDP."""
+    return par.distributed and par.layout.zero < 2 and par.size("dp_cp") > 1
 
 
 def zero1_group(par: Parallel):

@@ -1,15 +1,15 @@
 """Pipeline parallelism with torch.distributed.pipelining.
 
 The model is cut by layers into pp·v stages (embedding with the first, final norm + head with the
-last). Each stage module is a copy of the whole model with the other layers deleted, so parameter
-names (and checkpoint keys) are those of the unsplit model and a checkpoint reshards across pp.
+last). Each stage module is a meta-device model with the other layers deleted (nothing allocated:
+it is sharded and materialised later), so parameter names (and checkpoint keys) are those of the
+unsplit model and a checkpoint reshards across pp.
 Rank r runs stages r, r+pp, ... (looped: GPipe, 1F1B, interleaved 1F1B) or r and 2·pp−1−r
 (V-shape: zero-bubble ZB-V and DualPipeV).
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import torch
@@ -25,7 +25,7 @@ from torch.distributed.pipelining.schedules import (
 
 from flopwise.config import Config
 from flopwise.flops import count_params
-from flopwise.model.transformer import Transformer
+from flopwise.model.transformer import Transformer, build_model
 from flopwise.parallel.mesh import Parallel
 from flopwise.plan.layout import balanced_stages
 
@@ -53,15 +53,15 @@ def layers_per_stage(cfg: Config) -> list[int]:
     return list(balanced_stages(m.n_layers, n, block, c.embedding - head, head))
 
 
-def split_stages(model: Transformer, cfg: Config, par: Parallel) -> list[tuple[int, Transformer]]:
-    """(stage id, stage module) for each stage this rank runs."""
+def split_stages(cfg: Config, par: Parallel) -> list[tuple[int, Transformer]]:
+    """(stage id, meta-device stage module) for each stage this rank runs."""
     lo = par.layout
     sizes = layers_per_stage(cfg)
     n = len(sizes)
     starts = [sum(sizes[:i]) for i in range(n)]
     out = []
     for sid in stage_ids(par.rank("pp"), lo.pp, lo.virtual_stages, lo.pp_schedule):
-        part = copy.deepcopy(model)
+        part = build_model(cfg.model, "meta")
         keep = {str(i) for i in range(starts[sid], starts[sid] + sizes[sid])}
         for key in list(part.layers.keys()):
             if key not in keep:

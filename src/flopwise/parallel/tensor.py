@@ -72,6 +72,4 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> N
         parallelize_module(block, mesh, bplan)
     if sp:
         model.hidden_seq_div = mesh.size()
-    if getattr(model, "alibi", None) is not None:  # each rank attends with its own heads' slopes
-        h = model.alibi.shape[0] // mesh.size()
-        model.alibi = model.alibi[mesh.get_local_rank() * h:(mesh.get_local_rank() + 1) * h].clone()
+    model.tp_heads = (mesh.get_local_rank(), mesh.size())  # each rank attends with its own heads' ALiBi slopes

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from flopwise.errors import CheckpointError
+from flopwise.model.init import canonical_name
 from flopwise.parallel.data import local_optimizer
 
 MANIFEST = "manifest.json"
@@ -89,15 +90,8 @@ def _modules(model: Modules) -> list[nn.Module]:
     return model if isinstance(model, list) else [model]
 
 
-def _fqn(name: str) -> str:
-    """A parameter's name in the unwrapped model (as get_model_state_dict spells it)."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name.removeprefix("module.")
-
-
 def _named_params(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
-    return {_fqn(n): p for m in modules for n, p in m.named_parameters()}
+    return {canonical_name(n): p for m in modules for n, p in m.named_parameters()}
 
 
 def _model_state(modules: list[nn.Module]) -> dict:

@@ -19,11 +19,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
 from flopwise.config import Config
-from flopwise.model.transformer import Transformer
-from flopwise.parallel.apply import parallelize
 from flopwise.parallel.context import ContextParallel
 from flopwise.parallel.mesh import Parallel, all_mean
-from flopwise.parallel.pipeline import V_SHAPED, build_schedule, split_stages
+from flopwise.parallel.pipeline import V_SHAPED, build_schedule
 
 
 def autocast(device: torch.device, dtype: str):
@@ -37,30 +35,31 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+def lm_loss(model: nn.Module, batch: torch.Tensor, device: torch.device, dtype: str) -> torch.Tensor:
+    """Mean next-token cross-entropy of a (b, s + 1) batch through a whole model (one process)."""
+    with autocast(device, dtype):
+        return token_loss(model(batch[:, :-1].to(device)), batch[:, 1:].to(device))
+
+
 class Engine:
     """The parallelized model parts of this rank and how to run a step through them.
 
-    Every rank builds the whole model from the same seed (identical initial weights, so a parallel
-    run starts where a single process would) and hands it here to keep its parts and shards."""
+    `parts` are (stage id, parallelized module) pairs, one (0, model) without pipelining; each
+    rank holds only its stages and shards of them (flopwise.build)."""
 
-    def __init__(self, cfg: Config, par: Parallel, model: Transformer):
+    def __init__(self, cfg: Config, par: Parallel, parts: list[tuple[int, nn.Module]]):
         self.cfg, self.par, self.device = cfg, par, par.device
         lo = par.layout
         self.local_batch = cfg.train.global_batch // lo.dp
         self.n_micro = self.local_batch // cfg.train.micro_batch
         self.cp = ContextParallel(par.rank("cp"), lo.cp, par.group("cp")) if lo.cp > 1 else None
+        self.parts = [m for _, m in parts]
         self.schedule = None
+        self.first = self.last = True
         if lo.pp > 1:
-            staged = split_stages(model, cfg, par)
-            self.parts = [parallelize(m, cfg, par) for _, m in staged]
-            self.schedule = build_schedule(list(zip([s for s, _ in staged], self.parts)), par, self.n_micro,
-                                           self._loss_fn)
-            n_stages = lo.pp * len(staged)
-            ids = [s for s, _ in staged]
-            self.first, self.last = 0 in ids, n_stages - 1 in ids
-        else:
-            self.parts = [parallelize(model, cfg, par)]
-            self.first = self.last = True
+            self.schedule = build_schedule(parts, par, self.n_micro, self._loss_fn)
+            ids = [s for s, _ in parts]
+            self.first, self.last = 0 in ids, lo.pp * len(parts) - 1 in ids
 
     @property
     def can_eval(self) -> bool:
@@ -129,8 +128,9 @@ class Engine:
             m.train()
         return float(all_mean(local, self.par, "cp"))
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Clip by the norm over all of the model's gradients, across tensor/pipeline shards."""
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm over all of the model's gradients, across tensor/pipeline shards; the
+        norm stays on the device (no host sync)."""
         params = [p for m in self.parts for p in m.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         norm = _local(norm.full_tensor() if isinstance(norm, DTensor) else norm)
@@ -140,7 +140,7 @@ class Engine:
             norm = sq.sqrt()
         if math.isfinite(max_norm):
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-        return float(norm)
+        return norm
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from flopwise.config import OptimConfig
+from flopwise.parallel.data import local_optimizer
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -30,13 +31,31 @@ def build_optimizer(model: nn.Module, o: OptimConfig, zero1_group=None) -> torch
     each rank steps 1/N of the parameters and broadcasts them)."""
     groups = param_groups(model, o.weight_decay)
     kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    if zero1_group is not None:
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group,
-                                       foreach=True, **kwargs)
-    try:
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
-    except (RuntimeError, TypeError):
-        return torch.optim.AdamW(groups, foreach=True, **kwargs)
+    for fused in ({"fused": True}, {"foreach": True}):
+        try:
+            if zero1_group is not None:
+                return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group,
+                                               **fused, **kwargs)
+            return torch.optim.AdamW(groups, **fused, **kwargs)
+        except (RuntimeError, TypeError):
+            continue
+    raise AssertionError("unreachable: foreach AdamW always builds")
+
+
+def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """optimizer.step(), skipped on the device when `skip` (a 0-d bool tensor) is true: fused AdamW
+    takes a `found_inf` flag (the one GradScaler uses) and leaves weights, moments and step count
+    untouched, so the host never waits for the flag. Without a fused kernel the flag is read on
+    the host (one sync)."""
+    opt = local_optimizer(optimizer)
+    if opt.defaults.get("fused"):
+        opt.found_inf = skip.to(torch.float32)
+        try:
+            optimizer.step()
+        finally:
+            del opt.found_inf
+    elif not bool(skip):
+        optimizer.step()
 
 
 def lr_at(step: int, o: OptimConfig, total_steps: int) -> float:

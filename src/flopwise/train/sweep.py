@@ -117,7 +117,8 @@ def collect(runs: list[LadderRun], out: Path) -> Path:
 
 def run_ladder(base: Config, runs: list[LadderRun], out: Path, console: Console) -> Path:
     """Train every unfinished run in order (a killed sweep resumes where it stopped), then collect."""
-    from flopwise.train.trainer import ensure_data, train
+    from flopwise.build import ensure_data
+    from flopwise.train.trainer import train
 
     ensure_data(base, out, console)
     write_configs(runs, out)

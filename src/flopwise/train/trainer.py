@@ -1,18 +1,23 @@
-"""The training loop: data -> step -> optimizer -> metrics -> eval -> checkpoint.
+"""The training loop: step -> (every log/eval/save step) sync -> guard -> metrics -> eval -> checkpoint.
 
-Data flows one way: the config is resolved, data prepared, the model built and parallelized, and
-the loop gets them ready-made. Everything a restart needs (model, optimizer, loader position, RNG,
-step; the LR schedule is a pure function of the step) is saved together and restored together, so
-a resumed run reproduces the uninterrupted one step for step.
+`flopwise.build.build_run` hands this loop a ready run (this rank's shards, optimizer, loader,
+restored state). A step runs entirely on the device: the loss, the gradient norm and the
+non-finite flag stay there, and a non-finite step is skipped there too (fused AdamW's found_inf).
+The host reads them once per sync point (a log, eval or checkpoint step), which is what lets a
+GPU's host run ahead; the guard then replays the steps since the last sync in order, so a spike
+is acted on exactly as if it had been seen at once: the rollback goes to a checkpoint written
+before it (every checkpoint step is a sync point) and skips past its batch. The cost: the steps
+after a spike up to the sync point are computed and thrown away (at most log.every - 1), and a
+preemption signal is acted on at the next sync point.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,27 +28,21 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from flopwise.config import Config, config_hash, to_toml, validate
-from flopwise.data.loader import TokenLoader, eval_batches
-from flopwise.data.shards import prepare, read_index, tokenizer_of
-from flopwise.data.tokenizer import load_tokenizer
-from flopwise.errors import CheckpointError, ConfigError, TrainingStopped
+from flopwise.build import Run, build_run, restore
+from flopwise.config import Config, config_hash, to_toml
+from flopwise.data.loader import eval_batches
+from flopwise.errors import TrainingStopped
 from flopwise.eval.generate import generate
 from flopwise.eval.tasks import evaluate_task, load_task
 from flopwise.flops import count_params, flops_per_token, mfu
-from flopwise.model.transformer import Transformer, build_model
-from flopwise.parallel import mesh
-from flopwise.parallel.data import zero1_group
-from flopwise.plan.layout import Layout
-from flopwise.plan.planner import layout_config, resolve_layout
-from flopwise.train.engine import Engine, autocast, token_loss
 from flopwise.train import checkpoint
+from flopwise.train.engine import Engine, autocast
 from flopwise.train.faults import Faults, nan_grad, poison
-from flopwise.train.guard import Guard, Verdict
+from flopwise.train.guard import Verdict
+from flopwise.train.metrics import MetricsWriter, device_peak, plot_loss_curve, read_metrics
+from flopwise.train.optim import lr_at, step_unless
 from flopwise.train.saver import Saver
 from flopwise.train.watch import Watch, is_timeout
-from flopwise.train.metrics import MetricsWriter, device_peak, plot_loss_curve, read_metrics
-from flopwise.train.optim import build_optimizer, lr_at
 
 
 @dataclass
@@ -70,40 +69,6 @@ class TrainResult:
     async_save_s: list[float] = field(default_factory=list)  # async: call to complete, in the background
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda: no CUDA device is visible; use train.device=cpu or auto")
-    return torch.device(name)
-
-
-def ensure_data(cfg: Config, run_dir: Path, console: Console) -> Path:
-    """A prepared data dir as given, or the raw input of data.path prepared under <run.dir>/data."""
-    d = cfg.data
-    given = Path(d.path)
-    if not d.path.startswith("builtin:") and (given / "index.json").exists():
-        return given
-    out = run_dir / "data"
-    recipe = {"inputs": [d.path], "tokenizer": d.tokenizer, "val_fraction": d.val_fraction, "seed": cfg.run.seed}
-    recipe_file = out / "recipe.json"
-    if recipe_file.exists() and json.loads(recipe_file.read_text()) == recipe and (out / "index.json").exists():
-        return out
-    console.print(f"[bold]preparing data[/] {d.path} -> {out} (tokenizer {d.tokenizer})")
-    stats = prepare([d.path], out, tokenizer=d.tokenizer, val_fraction=d.val_fraction, seed=cfg.run.seed)
-    recipe_file.write_text(json.dumps(recipe))
-    console.print(f"  {stats.documents} documents, {stats.tokens:,} tokens ({stats.splits['train']:,} train / "
-                  f"{stats.splits['val']:,} val), {stats.bytes / 1e6:.1f} MB in {stats.seconds:.1f} s "
-                  f"({stats.tokens_per_s / 1e3:.0f}k tokens/s)")
-    return out
-
-
-def lm_loss(model: torch.nn.Module, batch: torch.Tensor, device: torch.device, dtype: str) -> torch.Tensor:
-    """Mean next-token cross-entropy of a (b, s + 1) batch, computed in fp32 (one process)."""
-    with autocast(device, dtype):
-        return token_loss(model(batch[:, :-1].to(device)), batch[:, 1:].to(device))
-
-
 def evaluate(engine: Engine, data_dir: Path, cfg: Config) -> float:
     """Mean loss over the first validation windows, in micro-batches (a pipeline evaluates
     micro_batch × its number of micro-batches at a time)."""
@@ -112,29 +77,27 @@ def evaluate(engine: Engine, data_dir: Path, cfg: Config) -> float:
     return sum(losses) / len(losses)
 
 
-def _resume_point(cfg: Config, run_dir: Path, console: Console) -> Path | None:
-    """The checkpoint to resume from: rank 0 verifies (checksums read every byte once) and tells
-    the others, reporting any damaged newer checkpoint it skips."""
-    r = cfg.checkpoint.resume
-    if r == "none":
-        return None
-    if r != "auto":
-        return checkpoint.resolve(r)
-    found = [None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        report = lambda msg: console.print(f"[yellow]checkpoint[/]: {escape(msg)}", highlight=False)  # noqa: E731
-        found = [checkpoint.latest(run_dir, cfg.checkpoint.verify == "sha256", report)]
-    if dist.is_initialized():
-        dist.broadcast_object_list(found, src=0)
-    return found[0]
-
-
-def _restore(ckpt: Path, engine: Engine, optimizer: torch.optim.Optimizer, loader: TokenLoader) -> tuple[int, dict]:
-    """Model, optimizer, data position and RNG from a checkpoint; (its step, its state)."""
-    state = checkpoint.load(ckpt, engine.parts, optimizer)
-    loader.load_state_dict(state["loader"])
-    checkpoint.set_rng_state(state["rng"])
-    return int(state["step"]), state
+def train_step(run: Run, step: int, faults: Faults) -> tuple[torch.Tensor, float]:
+    """Optimizer step `step` (0-based), with no host sync: returns the device tensor [loss, grad
+    norm, non-finite flag] (the flag agreed by every rank) and the learning rate used."""
+    cfg, engine, done = run.cfg, run.engine, step + 1
+    lr = lr_at(step, cfg.optim, cfg.train.steps)
+    for g in run.optimizer.param_groups:
+        g["lr"] = lr
+    batch = run.loader.next_batch()
+    if faults.at("poison", done):
+        batch = poison(batch, cfg.model.vocab_size, done)
+    loss = engine.forward_backward(batch)
+    if faults.at("nan_grad", done):
+        nan_grad(engine.parts)
+    faults.fire(done)
+    norm = engine.clip_grad_norm(cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf)
+    bad = (~(torch.isfinite(loss) & torch.isfinite(norm))).float() if cfg.guard.enabled else torch.zeros((), device=loss.device)
+    if dist.is_initialized():  # a NaN on one rank's gradients skips the step on every rank
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    step_unless(run.optimizer, bad > 0)
+    run.optimizer.zero_grad(set_to_none=True)
+    return torch.stack([loss.detach().float(), norm.detach().float(), bad]), lr
 
 
 def _progress(console: Console) -> Progress:
@@ -142,217 +105,219 @@ def _progress(console: Console) -> Progress:
                     TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=False)
 
 
-def build(cfg: Config, par: mesh.Parallel, data_dir: Path | None) -> tuple[Engine, torch.optim.Optimizer, TokenLoader | None]:
-    """This rank's parallelized model parts, optimizer and data loader."""
-    model: Transformer = build_model(cfg.model, par.device, seed=cfg.run.seed)
-    if cfg.model.init_from:  # continued pretraining: weights from Hugging Face (a resume overrides them)
-        from flopwise.interop.hf import from_hf
+class _Loop:
+    """The loop's state between sync points, and what it does at one."""
 
-        model.load_state_dict(from_hf(cfg.model.init_from[3:], par.device)[0].state_dict())
-    engine = Engine(cfg, par, model)
-    optimizer = build_optimizer(engine.modules, cfg.optim, zero1_group(par))
-    loader = None if data_dir is None else TokenLoader(
-        data_dir, "train", cfg.data.seq_len, cfg.train.global_batch, cfg.run.seed,
-        dp_rank=par.rank("dp"), dp_size=par.layout.dp)
-    return engine, optimizer, loader
+    def __init__(self, run: Run, console: Console):
+        cfg, par = run.cfg, run.par
+        self.run, self.cfg, self.console = run, cfg, console
+        self.run_dir = Path(cfg.run.dir)
+        self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+        self.fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+        peak, self.peak_source = device_peak(cfg.cluster.hardware, cfg.train.dtype, par.device)
+        self.peak = peak * par.layout.world  # MFU is over every device in the job
+        self.end = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.faults = Faults.from_env(self.rank)
+        self.writer = MetricsWriter(self.run_dir, cfg.log.tensorboard) if par.is_main else None
+        self.tasks = [load_task(t) for t in cfg.train.eval_tasks] if par.layout.world == 1 else []
+        self.saver = Saver(cfg, self.run_dir, run.engine.parts, run.optimizer, self.snapshot,
+                           {"tokenizer.json": run.data_dir / run.index["tokenizer"]}, self.faults, console, par.layout.world)
+        self.saver.last = run.resumed_from
+        self.watch = Watch(cfg.watchdog, self.run_dir, self.rank, par.device,
+                           report=lambda m: console.print(m, highlight=False))
+        self.losses: list[float] = []
+        self.val_loss: float | None = None
+        self.tps = self.mfu = 0.0
+        self.ranks: dict = {}  # per-rank busy times of the last sync, logged with the metrics
+        self.window = (run.start_step, time.perf_counter())  # (step, time) of the last log record
+
+    def snapshot(self) -> dict:
+        run = self.run
+        return {"loader": run.loader.state_dict(), "rng": checkpoint.rng_state(), "guard": run.guard.state_dict(),
+                "config": to_toml(self.cfg), "config_hash": config_hash(self.cfg),
+                "layout": {**run.par.layout.to_json(), "world_size": run.par.layout.world}}
+
+    def write(self, record: dict) -> None:
+        if self.writer is not None:
+            self.writer.write(record)
+
+    def due(self, done: int) -> tuple[bool, bool]:
+        """(evaluate, checkpoint) at step `done`; either, or a log step, is a sync point."""
+        last, every = done == self.end, self.cfg.train.eval_every
+        return (self.run.engine.can_eval and (bool(every and done % every == 0) or last),
+                self.saver.due(done, last))
+
+    def settle(self, steps: list[tuple[int, float, list[float]]]) -> int | None:
+        """At a sync point: let the guard judge the steps since the last one in order ((step, lr,
+        [loss, grad norm, non-finite flag]) each), and log; the step to go on from after a
+        rollback, else None."""
+        for done, lr, (loss, norm, bad) in steps:
+            guard = self.run.guard
+            verdict, reason = guard.decide(loss, bad > 0, guard.is_spike(loss))
+            if verdict is Verdict.ROLLBACK:
+                back = self.rollback(done, reason)
+                if back is not None:
+                    return back
+                continue
+            if verdict is Verdict.SKIP:
+                self.console.print(f"[yellow]guard[/]: step {done}: {reason} (loss {loss}, grad norm {norm}); "
+                                   "update skipped", highlight=False)
+                self.write({"step": done, "event": "skipped_update", "reason": reason})
+            self.losses.append(loss)
+            if done % self.cfg.log.every == 0 or done == self.end:
+                self.log(done, loss, lr, norm)
+        return None
+
+    def log(self, done: int, loss: float, lr: float, norm: float) -> None:
+        (step0, t0), now = self.window, time.perf_counter()
+        self.window = (done, now)
+        steps = max(1, done - step0)
+        self.tps = steps * self.tokens_per_step / max(now - t0, 1e-9)
+        self.mfu = mfu(self.tps, self.fpt, self.peak)
+        self.write({"step": done, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": self.tps, "mfu": self.mfu,
+                    "tokens": done * self.tokens_per_step, "step_time_s": (now - t0) / steps, **self.ranks})
+        if not self.console.is_terminal:  # a log file gets lines, a terminal gets the live bar
+            self.console.print(f"step {done}/{self.cfg.train.steps} loss {loss:.4f} lr {lr:.2e} grad_norm {norm:.3f} "
+                               f"{self.tps:,.0f} tok/s MFU {100 * self.mfu:.1f}%", highlight=False)
+
+    def rollback(self, bad_step: int, reason: str) -> int | None:
+        """Back to the last complete checkpoint, past the bad data; the step to go on from (None:
+        no checkpoint to go back to, training goes on)."""
+        run, cfg = self.run, self.cfg
+        run.guard.rolled_back(reason, bad_step)
+        self.saver.wait()
+        ckpt = checkpoint.latest(self.run_dir, verify_checksums=False)
+        if ckpt is None:  # nothing to go back to: the update already applied stays
+            self.console.print(f"[yellow]guard[/]: step {bad_step}: {escape(reason)}; no checkpoint to roll back to, "
+                               "training goes on")
+            return None
+        back = int(restore(run, ckpt, counters=False)["step"])
+        n = max(cfg.guard.skip_batches, bad_step - back)
+        ids = run.loader.skip(n)
+        record = {"step": bad_step, "rolled_back_to": back, "reason": reason, "batches": n,
+                  "windows": ids.tolist(), "documents": run.loader.documents(ids)}
+        if run.par.is_main:
+            with open(self.run_dir / "skipped.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+        self.write({"step": bad_step, "event": "rollback", "rolled_back_to": back, "skipped_batches": n})
+        self.console.print(f"[yellow]guard[/]: step {bad_step}: {escape(reason)}; rolled back to step {back} and "
+                           f"skipped {n} batches ({len(record['documents'])} documents, listed in "
+                           f"{self.run_dir / 'skipped.jsonl'})")
+        self.window = (back, time.perf_counter())
+        return back
+
+    def evaluate(self, done: int) -> None:
+        run = self.run
+        self.val_loss = evaluate(run.engine, run.data_dir, self.cfg)
+        self.write({"step": done, "val_loss": self.val_loss})
+        for name, examples in self.tasks:
+            with autocast(run.par.device, self.cfg.train.dtype):
+                r = evaluate_task(run.engine.parts[0], run.tokenizer, name, examples, limit=self.cfg.train.eval_task_limit)
+            run.engine.parts[0].train()
+            self.write({"step": done, **r})
+
+    def __call__(self, bar: Progress) -> int | None:
+        """Train from the run's start step to the end; the step a signal stopped at, if one did."""
+        task = bar.add_task("train", total=self.cfg.train.steps, completed=self.run.start_step, info="")
+        pending: list[tuple[int, float, torch.Tensor]] = []
+        step = self.run.start_step
+        while step < self.end:
+            done = step + 1
+            self.watch.beat(done)
+            values, lr = train_step(self.run, step, self.faults)
+            pending.append((done, lr, values))
+            step = done
+            do_eval, do_save = self.due(done)
+            if not (do_eval or do_save or done % self.cfg.log.every == 0 or done == self.end):
+                continue
+            sync, host = self.watch.sync(self.saver.poll(), torch.stack([v for _, _, v in pending]))
+            self.ranks = {"rank_step_s": sync.rank_s, "slowest_rank": sync.slowest} if len(sync.rank_s) > 1 else {}
+            if sync.save_failed:
+                self.saver.failed()
+            back = self.settle([(done, lr, host[3 * i:3 * i + 3]) for i, (done, lr, _) in enumerate(pending)])
+            pending = []
+            if back is not None:
+                step = back
+                bar.update(task, completed=step)
+                continue
+            if do_eval:
+                self.evaluate(done)
+            if sync.stop or do_save:
+                self.saver.save(done, list(self.watch.durations))
+            val = f" val {self.val_loss:.3f}" if self.val_loss is not None else ""
+            bar.update(task, completed=done, info=f"loss {self.losses[-1]:.3f}{val} | {self.tps:,.0f} tok/s | "
+                                                 f"MFU {100 * self.mfu:.1f}%")
+            if sync.stop:
+                self.saver.wait()
+                return done
+        self.saver.wait()
+        return None
 
 
 def train(cfg: Config, console: Console | None = None) -> TrainResult:
     """Train on this process, or as one rank of a torchrun/srun job (rank 0 writes logs and metrics)."""
     t_start = time.perf_counter()
-    run_dir = Path(cfg.run.dir)
-    torch.manual_seed(cfg.run.seed)
-    cfg = resolve_layout(cfg, cfg.model_dump(exclude_unset=True), mesh.world_size())
-    par = mesh.init(cfg, resolve_device(cfg.train.device))
-    device, lo = par.device, par.layout
-    console = (console or Console()) if par.is_main else Console(quiet=True)
-    if par.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        data_dir = ensure_data(cfg, run_dir, console)
-    mesh.barrier()
-    if not par.is_main:
-        data_dir = ensure_data(cfg, run_dir, console)  # prepared by rank 0 by now
-    meta = read_index(data_dir)
-    if meta["vocab_size"] > cfg.model.vocab_size:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                          f"{meta['vocab_size']}; set model.vocab_size>={meta['vocab_size']}")
-    tokenizer = tokenizer_of(data_dir)
-
-    engine, optimizer, loader = build(cfg, par, data_dir)
-
-    guard = Guard(cfg.guard)
-    start_step, resumed_from = 0, _resume_point(cfg, run_dir, console)
+    is_main = os.environ.get("RANK", "0") == "0"
+    console = (console or Console()) if is_main else Console(quiet=True)
+    run = build_run(cfg, console)
+    cfg, par, run_dir = run.cfg, run.par, Path(run.cfg.run.dir)
     metrics_path = run_dir / "metrics.jsonl"
-    if resumed_from is not None:
-        start_step, state = _restore(resumed_from, engine, optimizer, loader)
-        guard.load_state_dict(state.get("guard"))
+    if run.resumed_from is not None:
         if par.is_main:
-            kept = [r for r in read_metrics(metrics_path) if r["step"] <= start_step]
+            kept = [r for r in read_metrics(metrics_path) if r["step"] <= run.start_step]
             metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        console.print(f"[bold]resumed[/] from {resumed_from} at step {start_step} "
-                      f"(written by layout {_layout_name(state.get('layout', {}))})")
+        console.print(f"[bold]resumed[/] from {run.resumed_from} at step {run.start_step} "
+                      f"(written by layout {_layout_name(run.resumed_layout or {})})")
     elif par.is_main:
         metrics_path.unlink(missing_ok=True)
     if par.is_main:
         (run_dir / "config.toml").write_text(to_toml(cfg))
-
-    seq, gb = cfg.data.seq_len, cfg.train.global_batch
-    tokens_per_step = gb * seq
-    fpt = flops_per_token(cfg.model, seq)
-    peak, peak_source = device_peak(cfg.cluster.hardware, cfg.train.dtype, device)
-    peak *= lo.world  # MFU is over every device in the job
-    n_params = count_params(cfg.model)
+    loop = _Loop(run, console)
+    n_params, lo = count_params(cfg.model), par.layout
     console.print(f"[bold]model[/] {n_params.total / 1e6:.2f}M params ({n_params.non_embedding / 1e6:.2f}M "
-                  f"non-embedding), {fpt / 1e6:.1f} MFLOP/token (model FLOPs, 6N + attention); "
-                  f"{device.type} {cfg.train.dtype}; MFU vs {peak / 1e9:.0f} GFLOP/s ({peak_source}"
+                  f"non-embedding), {loop.fpt / 1e6:.1f} MFLOP/token (model FLOPs, 6N + attention); "
+                  f"{par.device.type} {cfg.train.dtype}; MFU vs {loop.peak / 1e9:.0f} GFLOP/s ({loop.peak_source}"
                   f"{f' × {lo.world}' if lo.world > 1 else ''})")
     if lo.world > 1:
         console.print(f"[bold]layout[/] {_layout_name(lo.to_json())} on {lo.world} processes "
-                      f"({dist.get_backend()}), {engine.n_micro} micro-batches of {cfg.train.micro_batch} per rank")
-    writer = MetricsWriter(run_dir, cfg.log.tensorboard) if par.is_main else None
-    single = lo.world == 1  # tasks and samples run a whole model in one process
-    tasks = [load_task(t) for t in cfg.train.eval_tasks] if single else []
-    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    faults = Faults.from_env(rank)
-
-    def snapshot() -> dict:
-        return {"loader": loader.state_dict(), "rng": checkpoint.rng_state(), "guard": guard.state_dict(),
-                "config": to_toml(cfg), "config_hash": config_hash(cfg),
-                "layout": {**lo.to_json(), "world_size": lo.world}}
-
-    saver = Saver(cfg, run_dir, engine.parts, optimizer, snapshot, {"tokenizer.json": data_dir / meta["tokenizer"]},
-                  faults, console, lo.world)
-    saver.last = resumed_from
-
-    def write(record: dict) -> None:
-        if writer is not None:
-            writer.write(record)
-
-    def rollback(step: int, reason: str) -> int:
-        """Back to the last complete checkpoint, past the bad data; the step to go on from."""
-        guard.rolled_back(reason, step + 1)
-        saver.wait()
-        ckpt = checkpoint.latest(run_dir, verify_checksums=False)
-        if ckpt is None:
-            console.print(f"[yellow]guard[/]: step {step + 1}: {escape(reason)}; no checkpoint to roll back to, update skipped")
-            return step + 1
-        back, state = _restore(ckpt, engine, optimizer, loader)
-        guard.load_state_dict(state.get("guard"), counters=False)
-        n = max(cfg.guard.skip_batches, step + 1 - back)
-        ids = loader.skip(n)
-        record = {"step": step + 1, "rolled_back_to": back, "reason": reason, "batches": n,
-                  "windows": ids.tolist(), "documents": loader.documents(ids)}
-        if par.is_main:
-            with open(run_dir / "skipped.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
-        write({"step": step + 1, "event": "rollback", "rolled_back_to": back, "skipped_batches": n})
-        console.print(f"[yellow]guard[/]: step {step + 1}: {escape(reason)}; rolled back to step {back} and skipped {n} "
-                      f"batches ({len(record['documents'])} documents, listed in {run_dir / 'skipped.jsonl'})")
-        return back
-
-    losses: list[float] = []
-    window_tokens, window_time, last_tps, last_mfu = 0, 0.0, 0.0, 0.0
-    val_loss, preempted = None, None
-    end_step = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
-    watch = Watch(cfg.watchdog, run_dir, rank, device, report=lambda m: console.print(m, highlight=False))
+                      f"({dist.get_backend()}), {run.engine.n_micro} micro-batches of {cfg.train.micro_batch} per rank")
     try:
-        with watch, _progress(console) as bar:
-            task = bar.add_task("train", total=cfg.train.steps, completed=start_step, info="")
-            step = start_step
-            while step < end_step:
-                done = step + 1
-                watch.beat(done)
-                t0 = time.perf_counter()
-                lr = lr_at(step, cfg.optim, cfg.train.steps)
-                for g in optimizer.param_groups:
-                    g["lr"] = lr
-                batch = loader.next_batch()
-                if faults.at("poison", done):
-                    batch = poison(batch, cfg.model.vocab_size, done)
-                loss_value = float(engine.forward_backward(batch))
-                if faults.at("nan_grad", done):
-                    nan_grad(engine.parts)
-                faults.fire(done)
-                grad_norm = engine.clip_grad_norm(clip)
-                sync = watch.sync(nonfinite=not (math.isfinite(loss_value) and math.isfinite(grad_norm)),
-                                  spike=guard.is_spike(loss_value), save_failed=saver.poll())
-                if sync.save_failed:
-                    saver.failed()
-                verdict, reason = guard.decide(loss_value, sync.nonfinite, sync.spike)
-                if verdict is Verdict.ROLLBACK:
-                    optimizer.zero_grad(set_to_none=True)
-                    step = rollback(step, reason)
-                    bar.update(task, completed=step)
-                    continue
-                if verdict is Verdict.APPLY:
-                    optimizer.step()
-                else:
-                    console.print(f"[yellow]guard[/]: step {done}: {reason} (loss {loss_value}, grad norm "
-                                  f"{grad_norm}); update skipped", highlight=False)
-                    write({"step": done, "event": "skipped_update", "reason": reason})
-                optimizer.zero_grad(set_to_none=True)
-                dt = time.perf_counter() - t0
-                losses.append(loss_value)
-                step = done
-                window_tokens += tokens_per_step
-                window_time += dt
-                last = done == end_step
-                if done % cfg.log.every == 0 or last:
-                    last_tps = window_tokens / window_time
-                    last_mfu = mfu(last_tps, fpt, peak)
-                    ranks = {"rank_step_s": sync.rank_s, "slowest_rank": sync.slowest} if lo.world > 1 else {}
-                    write({"step": done, "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": last_tps,
-                           "mfu": last_mfu, "tokens": done * tokens_per_step, "step_time_s": dt, **ranks})
-                    if not console.is_terminal:  # a log file gets lines, a terminal gets the live bar
-                        console.print(f"step {done}/{cfg.train.steps} loss {loss_value:.4f} lr {lr:.2e} "
-                                      f"grad_norm {grad_norm:.3f} {last_tps:,.0f} tok/s MFU {100 * last_mfu:.1f}%",
-                                      highlight=False)
-                    window_tokens, window_time = 0, 0.0
-                if engine.can_eval and ((cfg.train.eval_every and done % cfg.train.eval_every == 0) or last):
-                    val_loss = evaluate(engine, data_dir, cfg)
-                    write({"step": done, "val_loss": val_loss})
-                    for name, examples in tasks:
-                        with autocast(device, cfg.train.dtype):
-                            r = evaluate_task(engine.parts[0], tokenizer, name, examples, limit=cfg.train.eval_task_limit)
-                        engine.parts[0].train()
-                        write({"step": done, **r})
-                if sync.stop or saver.due(done, last):
-                    saver.save(done, list(watch.durations))
-                val = f" val {val_loss:.3f}" if val_loss is not None else ""
-                bar.update(task, completed=done, info=f"loss {loss_value:.3f}{val} | {last_tps:,.0f} tok/s | "
-                                                     f"MFU {100 * last_mfu:.1f}%")
-                if sync.stop:
-                    preempted = done
-                    break
-            saver.wait()
+        with loop.watch, _progress(console) as bar:
+            preempted = loop(bar)
     except RuntimeError as e:
         if not is_timeout(e):
             raise
-        raise TrainingStopped(f"rank {rank}: a collective timed out at step {watch.step} after "
+        raise TrainingStopped(f"rank {loop.rank}: a collective timed out at step {loop.watch.step} after "
                               f"watchdog.collective_timeout_s={cfg.watchdog.collective_timeout_s:g} s (a rank hung "
                               f"or died; see {run_dir}/hang-rank*.txt); restart resumes from the last complete "
                               "checkpoint") from None
-    last_ckpt = saver.last
-    if writer is not None:
-        writer.close()
+    if loop.writer is not None:
+        loop.writer.close()
+    return _result(run, loop, preempted, time.perf_counter() - t_start)
 
+
+def _result(run: Run, loop: _Loop, preempted: int | None, seconds: float) -> TrainResult:
+    """The run's summary, with the end-of-run plot and sample (one process)."""
+    cfg, par, run_dir = run.cfg, run.par, Path(run.cfg.run.dir)
+    metrics_path = run_dir / "metrics.jsonl"
     plot = None
     if par.is_main and metrics_path.exists() and read_metrics(metrics_path):
-        plot = plot_loss_curve(metrics_path, run_dir / "loss.png", title=f"{cfg.run.name}: {n_params.total / 1e6:.1f}M params")
+        plot = plot_loss_curve(metrics_path, run_dir / "loss.png",
+                               title=f"{cfg.run.name}: {count_params(cfg.model).total / 1e6:.1f}M params")
     sample = ""
-    if cfg.train.sample_tokens and single:
-        prompt = tokenizer.encode(cfg.train.sample_prompt).ids
-        with autocast(device, cfg.train.dtype):
-            ids = generate(engine.parts[0], prompt, cfg.train.sample_tokens, temperature=0.8, top_k=50, seed=cfg.run.seed)
-        sample = tokenizer.decode(prompt + ids)
-    final_loss = losses[-1] if losses else float("nan")
-    if val_loss is None and start_step == end_step and engine.can_eval:
-        val_loss = evaluate(engine, data_dir, cfg)
-    return TrainResult(run_dir, end_step, end_step * tokens_per_step, final_loss, val_loss,
-                       meta["unigram_entropy_nats"], last_tps, last_mfu, peak, peak_source,
-                       time.perf_counter() - t_start, last_ckpt, plot, sample, losses, par.is_main, preempted,
-                       watch.signal, saver.write_s, saver.async_s)
+    if cfg.train.sample_tokens and par.layout.world == 1:
+        prompt = run.tokenizer.encode(cfg.train.sample_prompt).ids
+        with autocast(par.device, cfg.train.dtype):
+            ids = generate(run.engine.parts[0], prompt, cfg.train.sample_tokens, temperature=0.8, top_k=50, seed=cfg.run.seed)
+        sample = run.tokenizer.decode(prompt + ids)
+    if loop.val_loss is None and run.start_step == loop.end and run.engine.can_eval:
+        loop.val_loss = evaluate(run.engine, run.data_dir, cfg)
+    final_loss = loop.losses[-1] if loop.losses else float("nan")
+    return TrainResult(run_dir, loop.end, loop.end * loop.tokens_per_step, final_loss, loop.val_loss,
+                       run.index["unigram_entropy_nats"], loop.tps, loop.mfu, loop.peak, loop.peak_source, seconds,
+                       loop.saver.last, plot, sample, loop.losses, par.is_main, preempted, loop.watch.signal,
+                       loop.saver.write_s, loop.saver.async_s)
 
 
 def _layout_name(layout: dict) -> str:
@@ -382,35 +347,3 @@ def summary_table(r: TrainResult) -> Table:
     if r.plot:
         t.add_row("loss curve", str(r.plot))
     return t
-
-
-def _checkpoint_config(ckpt: Path, state: dict) -> Config:
-    try:
-        return validate(tomllib.loads(state["config"]))
-    except (KeyError, tomllib.TOMLDecodeError):
-        raise CheckpointError(f"checkpoint {ckpt}: state.json holds no valid config") from None
-
-
-def load_for_inference(path: str | Path, device: str = "cpu"):
-    """(model, config, tokenizer) from a checkpoint or a run dir: the consolidated inference path."""
-    ckpt = checkpoint.resolve(path)
-    cfg = _checkpoint_config(ckpt, checkpoint.read_state(ckpt))
-    model = build_model(cfg.model, device)
-    checkpoint.load(ckpt, model)
-    model.eval()
-    return model, cfg, load_tokenizer(ckpt / "tokenizer.json")
-
-
-def export_checkpoint(path: str | Path, out: str | Path) -> Path:
-    """Consolidate a checkpoint of any layout into a one-process one under <out>/checkpoints/
-    (model, optimizer, loader position, RNG: training resumes from it with `run.dir=<out>`)."""
-    ckpt = checkpoint.resolve(path)
-    state = checkpoint.read_state(ckpt)
-    cfg = layout_config(_checkpoint_config(ckpt, state), Layout(micro_batch=1))
-    par = mesh.Parallel(Layout(micro_batch=1), None, torch.device("cpu"))
-    engine, optimizer, _ = build(cfg, par, None)
-    checkpoint.load(ckpt, engine.parts, optimizer)
-    step = int(state.pop("step"))
-    state.update(config=to_toml(cfg), config_hash=config_hash(cfg), layout={**par.layout.to_json(), "world_size": 1},
-                 exported_from=str(ckpt))
-    return checkpoint.save(out, step, engine.parts, optimizer, state, files={"tokenizer.json": ckpt / "tokenizer.json"})

@@ -1,15 +1,16 @@
 """What every rank watches while it trains: preemption signals, hung steps, and each other.
 
-- SIGTERM / SIGUSR1 (SLURM's warning signal, `--signal=USR1@120`) only set a flag: the step in
-  progress finishes, then every rank learns of it at the step sync and the job checkpoints and
-  exits 0.
+- SIGTERM / SIGUSR1 (SLURM's warning signal, `--signal=USR1@120`) only set a flag: training goes
+  on to the next sync point (a log, eval or checkpoint step), where every rank learns of it and
+  the job checkpoints and exits 0.
 - A watchdog thread dumps every thread's Python stack (faulthandler) to stderr and to
   `<run.dir>/hang-rank{R}.txt` when a step has run `watchdog.hang_factor` × the median step time
   (and at least `watchdog.min_s`). A hung collective then fails after
   `watchdog.collective_timeout_s` (the process group timeout) and torchrun restarts the job.
-- The step sync: one small all-gather per step of each rank's flags (non-finite, spike, preempt,
-  failed async save), so all ranks take the same decision, and of its time since the previous
-  sync. Collectives inside a step make ranks wait for each other, so these times differ by what
+- The sync point (each log, eval and checkpoint step): one small all-gather of each rank's flags
+  (preempt, failed async save), so all ranks take the same decision, and of its time since the
+  previous sync. (Non-finite steps need no exchange: the step's loss and gradient norm are already
+  reduced across ranks, and the skip flag is all-reduced on the device.) Collectives inside a step make ranks wait for each other, so these times differ by what
   a rank does outside collectives (data loading, host stalls, the optimizer step); the slowest
   rank is named in the metrics.
 """
@@ -36,10 +37,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 @dataclass
 class Sync:
-    """What all ranks agreed on at the end of a step's backward."""
+    """What all ranks agreed on at a sync point."""
 
-    nonfinite: bool
-    spike: bool
     stop: bool
     save_failed: bool
     rank_s: list[float]
@@ -113,21 +112,23 @@ class Watch:
         self.report(f"watchdog: rank {self.rank}: {why}; every thread's stack is in {self.dump_path}")
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
-    def sync(self, nonfinite: bool, spike: bool, save_failed: bool) -> Sync:
-        """The step sync (every rank calls it once per step, at the same point)."""
+    def sync(self, save_failed: bool, values: torch.Tensor) -> tuple[Sync, list[float]]:
+        """The sync point (every rank calls it at the same steps): preemption and failed saves
+        seen by any rank, each rank's time since the previous sync, and `values` (a device tensor
+        of the steps since) read on the host, all in one device-to-host transfer."""
         busy = time.perf_counter() - self._since_sync
-        mine = torch.tensor([busy, nonfinite, spike, self.signal is not None, save_failed],
-                            dtype=torch.float64, device=self.device)
+        mine = [busy, float(self.signal is not None), float(save_failed)]
+        n = values.numel()
         if dist.is_initialized():
-            parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-            dist.all_gather(parts, mine)
-            rows = torch.stack(parts)
+            parts = [torch.empty(3, dtype=torch.float64, device=self.device) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, torch.tensor(mine, dtype=torch.float64, device=self.device))
+            host = torch.cat([values.flatten().double(), *parts]).tolist()
+            rows = [host[n + 3 * r:n + 3 * r + 3] for r in range(len(parts))]
         else:
-            rows = mine[None]
+            host, rows = values.flatten().double().tolist(), [mine]
         self._since_sync = time.perf_counter()
-        rows = rows.cpu()
-        flags = rows[:, 1:].amax(0).tolist()
-        return Sync(bool(flags[0]), bool(flags[1]), bool(flags[2]), bool(flags[3]), rows[:, 0].tolist())
+        sync = Sync(any(r[1] for r in rows), any(r[2] for r in rows), [r[0] for r in rows])
+        return sync, host[:n]
 
 
 def is_timeout(e: BaseException) -> bool:

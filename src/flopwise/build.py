@@ -1,0 +1,159 @@
+"""Build a run: everything the training loop needs, ready-made, in the order that lets a model
+bigger than one device start.
+
+    config -> layout -> process group and mesh -> data
+      -> meta-device model -> pipeline stages (still meta) -> parallelize (TP, CP, recompute,
+         compile, FSDP; still meta) -> allocate and initialise this rank's shards only
+      -> or load this rank's slices (Hugging Face safetensors, a DCP checkpoint)
+      -> optimizer -> loader -> state to resume
+
+No step allocates a full-size parameter on a rank that owns only a shard of it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.markup import escape
+from tokenizers import Tokenizer
+from torch import nn
+
+from flopwise.config import Config
+from flopwise.data.loader import TokenLoader
+from flopwise.data.shards import prepare, read_index, tokenizer_of
+from flopwise.errors import ConfigError
+from flopwise.model.transformer import build_model
+from flopwise.parallel import mesh
+from flopwise.parallel.apply import parallelize
+from flopwise.parallel.data import zero1_group
+from flopwise.parallel.pipeline import split_stages
+from flopwise.plan.planner import resolve_layout
+from flopwise.train import checkpoint
+from flopwise.train.engine import Engine
+from flopwise.train.guard import Guard
+from flopwise.train.optim import build_optimizer
+
+
+@dataclass
+class Run:
+    """One rank's share of a run, built and (if a checkpoint was found) restored."""
+
+    cfg: Config
+    par: mesh.Parallel
+    engine: Engine
+    optimizer: torch.optim.Optimizer
+    loader: TokenLoader
+    data_dir: Path
+    index: dict  # the data folder's index.json
+    tokenizer: Tokenizer
+    guard: Guard
+    start_step: int = 0
+    resumed_from: Path | None = None
+    resumed_layout: dict | None = None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda: no CUDA device is visible; use train.device=cpu or auto")
+    return torch.device(name)
+
+
+def ensure_data(cfg: Config, run_dir: Path, console: Console) -> Path:
+    """A prepared data dir as given, or the raw input of data.path prepared under <run.dir>/data."""
+    d = cfg.data
+    given = Path(d.path)
+    if not d.path.startswith("builtin:") and (given / "index.json").exists():
+        return given
+    out = run_dir / "data"
+    recipe = {"inputs": [d.path], "tokenizer": d.tokenizer, "val_fraction": d.val_fraction, "seed": cfg.run.seed}
+    recipe_file = out / "recipe.json"
+    if recipe_file.exists() and json.loads(recipe_file.read_text()) == recipe and (out / "index.json").exists():
+        return out
+    console.print(f"[bold]preparing data[/] {d.path} -> {out} (tokenizer {d.tokenizer})")
+    stats = prepare([d.path], out, tokenizer=d.tokenizer, val_fraction=d.val_fraction, seed=cfg.run.seed)
+    recipe_file.write_text(json.dumps(recipe))
+    console.print(f"  {stats.documents} documents, {stats.tokens:,} tokens ({stats.splits['train']:,} train / "
+                  f"{stats.splits['val']:,} val), {stats.bytes / 1e6:.1f} MB in {stats.seconds:.1f} s "
+                  f"({stats.tokens_per_s / 1e3:.0f}k tokens/s)")
+    return out
+
+
+def build_parts(cfg: Config, par: mesh.Parallel) -> list[tuple[int, nn.Module]]:
+    """(stage id, parallelized module) for each pipeline stage this rank runs ((0, model) without
+    pipelining): split and sharded on the meta device, then only this rank's shards allocated,
+    initialised, and (model.init_from=hf:PATH) overwritten with their slices of the HF weights."""
+    stages = split_stages(cfg, par) if par.layout.pp > 1 else [(0, build_model(cfg.model, "meta"))]
+    parts = [(sid, parallelize(m, cfg, par)) for sid, m in stages]
+    if cfg.model.init_from:  # continued pretraining (a resume then overrides these weights)
+        from flopwise.interop.hf import load_hf_weights
+
+        load_hf_weights([m for _, m in parts], cfg.model.init_from[3:])
+    return parts
+
+
+def build_engine(cfg: Config, par: mesh.Parallel) -> tuple[Engine, torch.optim.Optimizer]:
+    """This rank's parallelized model parts and their optimizer."""
+    engine = Engine(cfg, par, build_parts(cfg, par))
+    return engine, build_optimizer(engine.modules, cfg.optim, zero1_group(par))
+
+
+def _resume_point(cfg: Config, run_dir: Path, console: Console) -> Path | None:
+    """The checkpoint to resume from: rank 0 verifies (checksums read every byte once) and tells
+    the others, reporting any damaged newer checkpoint it skips."""
+    r = cfg.checkpoint.resume
+    if r == "none":
+        return None
+    if r != "auto":
+        return checkpoint.resolve(r)
+    found = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        report = lambda msg: console.print(f"[yellow]checkpoint[/]: {escape(msg)}", highlight=False)  # noqa: E731
+        found = [checkpoint.latest(run_dir, cfg.checkpoint.verify == "sha256", report)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(found, src=0)
+    return found[0]
+
+
+def restore(run: Run, ckpt: Path, counters: bool = True) -> dict:
+    """Model, optimizer, data position, RNG and guard window from a checkpoint into `run`; its
+    state (counters=False: a rollback, whose guard keeps counting)."""
+    state = checkpoint.load(ckpt, run.engine.parts, run.optimizer)
+    run.loader.load_state_dict(state["loader"])
+    checkpoint.set_rng_state(state["rng"])
+    run.guard.load_state_dict(state.get("guard"), counters=counters)
+    return state
+
+
+def build_run(cfg: Config, console: Console) -> Run:
+    """Resolve the layout, join the job, prepare data, build this rank's shards, and restore the
+    newest checkpoint (checkpoint.resume)."""
+    run_dir = Path(cfg.run.dir)
+    torch.manual_seed(cfg.run.seed)
+    cfg = resolve_layout(cfg, cfg.model_dump(exclude_unset=True), mesh.world_size())
+    par = mesh.init(cfg, resolve_device(cfg.train.device))
+    if par.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        data_dir = ensure_data(cfg, run_dir, console)
+    mesh.barrier()
+    if not par.is_main:
+        data_dir = ensure_data(cfg, run_dir, console)  # prepared by rank 0 by now
+    index = read_index(data_dir)
+    if index["vocab_size"] > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                          f"{index['vocab_size']}; set model.vocab_size>={index['vocab_size']}")
+    engine, optimizer = build_engine(cfg, par)
+    loader = TokenLoader(data_dir, "train", cfg.data.seq_len, cfg.train.global_batch, cfg.run.seed,
+                         dp_rank=par.rank("dp"), dp_size=par.layout.dp)
+    run = Run(cfg, par, engine, optimizer, loader, data_dir, index, tokenizer_of(data_dir), Guard(cfg.guard))
+    run.resumed_from = _resume_point(cfg, run_dir, console)
+    if run.resumed_from is not None:
+        state = restore(run, run.resumed_from)
+        run.start_step, run.resumed_layout = int(state["step"]), state.get("layout", {})
+    return run

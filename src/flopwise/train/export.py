@@ -1,0 +1,117 @@
+"""A checkpoint read and rewritten tensor by tensor: consolidation of any layout into a one-process
+checkpoint with peak memory about one tensor, never the whole model (a 405B checkpoint exports on
+a host with a few GB free).
+
+DCP's own machinery does the work: `read_tensors` loads the named tensors through the safe reader
+(its metadata read and checked once), and the export is a `dcp.save` of a meta-device state dict
+whose planner fetches each tensor from the source only when the writer reaches it. The
+consolidated `.distcp` file holds the same bytes a save from one process holding the whole model
+would write.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from flopwise.config import config_hash, to_toml, validate
+from flopwise.errors import CheckpointError
+from flopwise.plan.layout import Layout
+from flopwise.plan.planner import layout_config
+from flopwise.train import checkpoint
+
+
+class CheckpointTensors(checkpoint.SafeReader):
+    """A checkpoint's tensors by flattened key ("model.layers.0.attention.wq.weight",
+    "optim.<name>.exp_avg"), read on demand."""
+
+    def __init__(self, path: Path):
+        super().__init__(str(path))
+        self.dir = Path(path)
+        self._metadata: Metadata | None = None
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+    @property
+    def specs(self) -> dict[str, TensorStorageMetadata]:
+        md = self.read_metadata()
+        for key, spec in md.state_dict_metadata.items():
+            if not isinstance(spec, TensorStorageMetadata):
+                raise CheckpointError(f"checkpoint {self.dir}: entry {key!r} is not a tensor (flopwise writes only tensors)")
+        return md.state_dict_metadata
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        specs = self.specs
+        missing = [k for k in keys if k not in specs]
+        if missing:
+            raise CheckpointError(f"checkpoint {self.dir}: no tensor {missing[0]!r}")
+        out = {k: torch.empty(specs[k].size, dtype=specs[k].properties.dtype) for k in keys}
+        try:
+            dcp.load(out, storage_reader=self)
+        except Exception as e:  # DCP wraps every rank's failure in its own exception type
+            raise CheckpointError(f"checkpoint {self.dir}: cannot read {keys[0]!r} ({checkpoint.reason(e)})") from None
+        return out
+
+
+class _FetchingPlanner(DefaultSavePlanner):
+    """Writes a meta-device state dict, fetching each tensor from the source when it is written."""
+
+    def __init__(self, source: CheckpointTensors):
+        super().__init__()
+        self.source = source
+
+    def resolve_data(self, write_item):
+        return self.source.read([write_item.index.fqn])[write_item.index.fqn]
+
+
+def _meta_state(source: CheckpointTensors) -> dict:
+    """The nested state dict the source was saved from ({"model": {...}, "optim": {...}}), on meta."""
+    nested: dict = {}
+    paths = source.read_metadata().planner_data or {}
+    for key, spec in source.specs.items():
+        path = paths.get(key, (key,))
+        node = nested
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = torch.empty(spec.size, dtype=spec.properties.dtype, device="meta")
+    return nested
+
+
+def export_checkpoint(path: str | Path, out: str | Path) -> Path:
+    """Consolidate a checkpoint of any layout into a one-process one under <out>/checkpoints/
+    (model, optimizer, loader position, RNG: training resumes from it with `run.dir=<out>`),
+    one tensor in memory at a time."""
+    ckpt = checkpoint.resolve(path)
+    state = checkpoint.read_state(ckpt)
+    cfg = layout_config(checkpoint_config(ckpt, state), Layout(micro_batch=1))
+    source = CheckpointTensors(ckpt)
+    step = int(state.pop("step"))
+    state.update(config=to_toml(cfg), config_hash=config_hash(cfg), layout={**Layout(micro_batch=1).to_json(), "world_size": 1},
+                 exported_from=str(ckpt))
+    tmp = checkpoint.step_dir(out, step).with_suffix(".tmp")
+    checkpoint.abandon(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        dcp.save(_meta_state(source), storage_writer=FileSystemWriter(str(tmp)), planner=_FetchingPlanner(source))
+    except Exception as e:
+        checkpoint.abandon(tmp)
+        raise CheckpointError(f"export of {ckpt} failed ({checkpoint.reason(e)})") from None
+    return checkpoint.finish(out, step, tmp, state, files={"tokenizer.json": ckpt / "tokenizer.json"})
+
+
+def checkpoint_config(ckpt: Path, state: dict):
+    """The config a checkpoint was written with (from its state.json)."""
+    import tomllib
+
+    try:
+        return validate(tomllib.loads(state["config"]))
+    except (KeyError, TypeError, tomllib.TOMLDecodeError):
+        raise CheckpointError(f"checkpoint {ckpt}: state.json holds no valid config") from None
