@@ -151,26 +151,27 @@ def shards(overrides: list[str]) -> dict:
             local = p.to_local() if hasattr(p, "to_local") else p
             out[canonical_name(raw)] = (offset, local.detach().clone())
     torch.save(out, Path(cfg.run.dir) / f"shards-rank{dist.get_rank()}.pt")
-    batch = next(iter(eval_batches(Path(cfg.data.path), cfg.data.seq_len, cfg.train.micro_batch * engine.n_micro, 1)))
-    loss = engine.eval_loss(batch)
+    rows = cfg.train.micro_batch * engine.n_micro
+    loss = engine.eval_loss(next(iter(eval_batches(Path(cfg.data.path), cfg.data.seq_len, rows, 1))))
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, read[0])
-    return {"hf_bytes_read": per_rank, "loss": loss}
+    return {"hf_bytes_read": per_rank, "loss": loss, "rows": rows}
 
 
 def build_memory(overrides: list[str]) -> dict:
-    """Peak resident memory each rank adds while building its model shards and optimizer
-    (getrusage's high-water mark after the build minus before it)."""
-    import resource
-
+    """Peak resident memory each rank adds while building its model shards and optimizer (the
+    process's high-water mark, VmHWM, after the build minus before it)."""
     from flopwise.build import build_engine
     from flopwise.parallel import mesh
 
     cfg = load_config(None, overrides)
     par = mesh.init(cfg, torch.device("cpu"))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    def hwm() -> int:
+        return int(next(ln for ln in open("/proc/self/status") if ln.startswith("VmHWM")).split()[1]) * 1024
+
+    before = hwm()
     build_engine(cfg, par)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    added = hwm() - before
     per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, (after - before) * 1024)
+    dist.all_gather_object(per_rank, added)
     return {"peak_added_bytes": per_rank}

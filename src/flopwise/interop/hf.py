@@ -294,7 +294,7 @@ def write_hf(m: ModelConfig, shapes: dict[str, tuple[int, ...]], fetch: Callable
     weight_map, total = {}, 0
     for name, shard in zip(names, shards):
         ours = fetch(sorted({n for _, inputs, _ in shard for n in inputs}))
-        tensors = {theirs: make(*(ours[n].detach().to("cpu", dtype) for n in inputs)).contiguous().clone()
+        tensors = {theirs: make(*(ours[n].detach().to("cpu", dtype) for n in inputs)).contiguous()
                    for theirs, inputs, make in shard}
         del ours
         save_file(tensors, str(path / name), metadata={"format": "pt"})
