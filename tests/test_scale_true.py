@@ -264,3 +264,17 @@ def test_building_a_half_billion_model_on_four_ranks_holds_a_quarter_each(tmp_pa
     r = torchrun(4, [{"name": "mem", "kind": "build_memory", "overrides": ov}], tmp_path, 29613)["mem"]
     for added in r["peak_added_bytes"]:
         assert added < full / 4 + 200 * 2**20, (added, full)
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_script_runs_its_path_on_cpu(tmp_path):
+    """benchmarks/gpu/llama1b.py (FSDP2 on a one-rank mesh, the engine's own step) on a tiny
+    shape: it trains (finite loss) and reports every figure the GPU run records."""
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu" / "llama1b.py"
+    out = tmp_path / "gpu.json"
+    r = subprocess.run([sys.executable, str(script), "--tiny", "--steps", "2", "--warmup", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert math.isfinite(got["final_loss"]) and got["tokens_per_s"] > 0 and 0 < got["mfu_vs_measured_matmul"] < 1
+    assert got["layout"].startswith("fsdp2")

@@ -120,12 +120,17 @@ def init(cfg: Config, device: torch.device) -> Parallel:
         store, rank, size = _attempt_store(timeout)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
                                 world_size=size, timeout=timeout)
-    lo = layout
+    return Parallel(layout, make_mesh(layout, device), device)
+
+
+def make_mesh(lo: Layout, device: torch.device) -> DeviceMesh:
+    """The job's mesh over the initialised process group, with the flattened views of DIMS' doc
+    (also for a one-rank group, e.g. FSDP2 on one GPU)."""
     mesh = init_device_mesh(device.type, (lo.pp, lo.dp_replicate, lo.dp_shard, lo.cp, lo.tp), mesh_dim_names=DIMS)
     mesh["dp_replicate", "dp_shard"]._flatten("dp")
     mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
     mesh["dp_shard", "cp"]._flatten("shard")
-    return Parallel(layout, mesh, device)
+    return mesh
 
 
 def _attempt_store(timeout: timedelta) -> tuple[dist.Store, int, int]:

@@ -235,7 +235,7 @@ class _Loop:
             self.ranks = {"rank_step_s": sync.rank_s, "slowest_rank": sync.slowest} if len(sync.rank_s) > 1 else {}
             if sync.save_failed:
                 self.saver.failed()
-            back = self.settle([(done, lr, host[3 * i:3 * i + 3]) for i, (done, lr, _) in enumerate(pending)])
+            back = self.settle([(d, r, host[3 * i:3 * i + 3]) for i, (d, r, _) in enumerate(pending)])
             pending = []
             if back is not None:
                 step = back
@@ -245,9 +245,9 @@ class _Loop:
                 self.evaluate(done)
             if sync.stop or do_save:
                 self.saver.save(done, list(self.watch.durations))
+            loss = f"loss {self.losses[-1]:.3f}" if self.losses else ""
             val = f" val {self.val_loss:.3f}" if self.val_loss is not None else ""
-            bar.update(task, completed=done, info=f"loss {self.losses[-1]:.3f}{val} | {self.tps:,.0f} tok/s | "
-                                                 f"MFU {100 * self.mfu:.1f}%")
+            bar.update(task, completed=done, info=f"{loss}{val} | {self.tps:,.0f} tok/s | MFU {100 * self.mfu:.1f}%")
             if sync.stop:
                 self.saver.wait()
                 return done
