@@ -42,7 +42,8 @@ def base(run_dir, data, **extra) -> list[str]:
 def torchrun(n: int, jobs: list[dict], tmp: Path, timeout: int = 600) -> dict:
     spec, out = tmp / f"jobs{n}.json", tmp / f"out{n}.json"
     spec.write_text(json.dumps(jobs))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
                         "--master-port", str(29500 + n), str(WORKER), str(spec), str(out)],
                        capture_output=True, text=True, timeout=timeout, env=env)

@@ -70,3 +70,15 @@ def test_recompute_ordering_and_window():
     mha = ModelConfig(preset="llama3-8b", n_kv_heads=32)
     assert attention_flops_per_token(mha, 4096) == attention_flops_per_token(m, 4096)
     assert flops_per_token(mha, 4096) > flops_per_token(m, 4096)
+
+
+@pytest.mark.parametrize("kw", [{}, {"arch": "gpt2"}, {"arch": "qwen3", "n_kv_heads": 2}, {"arch": "gopher", "pos": "relative"},
+                                {"arch": "bloom"}, {"arch": "opt"}, {"arch": "neox"}, {"tie_embeddings": True}],
+                         ids=lambda kw: "-".join(f"{v}" for v in kw.values()) or "llama")
+def test_param_shapes_are_the_modules(kw):
+    """The planner's parameter inventory is the built module's, name for name, in order."""
+    from flopwise.flops import param_shapes
+    from flopwise.model.transformer import build_model
+
+    m = ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, max_seq_len=16, **kw)
+    assert param_shapes(m) == [(n, tuple(p.shape)) for n, p in build_model(m, "meta").named_parameters()]

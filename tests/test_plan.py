@@ -14,7 +14,7 @@ from flopwise.hardware import get_hardware
 from flopwise.plan.audit import audit_claim, catalogue, parse_claim
 from flopwise.plan.layout import Layout, check_layout
 from flopwise.plan.memory import model_state_bytes
-from flopwise.plan.perf import STACKS, estimate, evaluate, model_shape, stage_params
+from flopwise.plan.perf import STACKS, estimate, evaluate, model_shape, rank_loads
 from flopwise.plan.planner import plan, resolve_layout
 from flopwise.plan.reliability import DEFAULT_GPU_MTBF_HOURS, daly_interval, goodput, reliability
 from flopwise.plan.search import search, why_slower
@@ -58,7 +58,7 @@ def test_korthikanti_table5_mfu_within_4_points(shape, layout, batch, published)
 
     lo = replace(layout, recompute="selective", sequence_parallel=True)
     m = megatron_gpt(*shape)
-    assert check_layout(lo, m, 2048, batch) is None
+    assert check_layout(lo, m, 2048, batch, engine=False) is None  # a Megatron layout
     est = evaluate(m, A100, lo, 2048, batch, MEGATRON)
     assert est.fits
     assert abs(100 * est.mfu - published) <= 4, est.mfu
@@ -66,16 +66,29 @@ def test_korthikanti_table5_mfu_within_4_points(shape, layout, batch, published)
     assert est.hfu / est.mfu == pytest.approx(flops_per_token(m, 2048, "selective") / flops_per_token(m, 2048))
 
 
-def test_model_state_memory_is_the_zero_formula_on_the_stage_share():
-    m = ModelConfig(preset="llama2-70b")
-    sh = model_shape(m, 4096)
-    lo = Layout(dp=16, tp=8, pp=4, zero=2, micro_batch=1, pp_schedule="1f1b")
-    est = estimate(sh, get_hardware("h100-sxm"), lo, 4096, 256, STACKS["flopwise"])
-    first, last = stage_params(sh, lo)
-    expected = model_state_bytes(max(first, last), 2, 16)
-    assert est.memory["params"] == expected.params and est.memory["optimizer"] == expected.optimizer
-    # every parameter is on exactly one tp shard of one stage
-    assert first * 8 + last * 8 + 2 * 20 * sh.layer_params == pytest.approx(sh.params, rel=1e-6)
+@pytest.mark.parametrize("lo", [Layout(dp=2, pp=4, zero=2, micro_batch=1),
+                                Layout(dp=1, pp=2, pp_schedule="interleaved-1f1b", virtual_stages=2, micro_batch=1),
+                                Layout(dp=1, pp=2, pp_schedule="zero-bubble", virtual_stages=2, micro_batch=1)],
+                         ids=["1f1b", "interleaved", "zbv"])
+def test_planner_stage_split_is_the_engines(lo):
+    """The parameters the planner puts on each pipeline rank are those of the stage modules the
+    engine builds for that rank (counted on the meta device), for looped and V-shaped schedules."""
+    import torch
+
+    from flopwise.config import load_config
+    from flopwise.parallel.mesh import Parallel
+    from flopwise.parallel.pipeline import split_stages
+
+    cfg = load_config(None, ["model.preset=\"llama2-7b\"", "model.n_layers=8", "data.seq_len=256"])
+    sh = model_shape(cfg.model, 256)
+    planned = [load.params for load in rank_loads(sh, lo, balanced=True)]
+    built = []
+    for r in range(lo.pp):
+        par = Parallel(lo, None, torch.device("cpu"))
+        par.rank = lambda dim, r=r: r if dim == "pp" else 0  # this rank's coordinates, without a process group
+        built.append(sum(p.numel() for _, m in split_stages(cfg, par) for p in m.parameters()))
+    assert planned == pytest.approx(built, rel=1e-6)
+    assert sum(planned) == pytest.approx(sh.params, rel=1e-9)
 
 
 def test_megatron_1t_search_finds_a_layout_at_least_as_fast_as_published():
@@ -103,13 +116,13 @@ def test_405b_on_16k_search_is_bounded():
 def test_fixed_keys_evaluate_exactly_that_layout():
     tree = load_tree(None, ["model.preset=llama3-70b", "data.seq_len=8192", "train.global_batch=512",
                             "train.micro_batch=1", "cluster.hardware=h100-sxm", "cluster.gpus=1024",
-                            "parallel.dp=32", "parallel.tp=8", "parallel.pp=4", "parallel.cp=1", "parallel.zero=1",
+                            "parallel.dp=32", "parallel.tp=8", "parallel.pp=4", "parallel.cp=1", "parallel.zero=2",
                             "parallel.dp_replicate=1", "parallel.pp_schedule=1f1b", "parallel.recompute=selective",
                             "parallel.sequence_parallel=true"])
     report = plan(validate(tree), tree)
     assert len(report.result.ranked) == 1
     lo = report.best.layout
-    assert (lo.dp, lo.tp, lo.pp, lo.zero, lo.recompute, lo.micro_batch) == (32, 8, 4, 1, "selective", 1)
+    assert (lo.dp, lo.tp, lo.pp, lo.zero, lo.recompute, lo.micro_batch) == (32, 8, 4, 2, "selective", 1)
 
 
 def test_bad_layouts_are_refused_with_the_key():

@@ -39,7 +39,8 @@ WORKER = Path(__file__).parent / "dist" / "worker.py"
 def torchrun(n: int, jobs: list[dict], tmp: Path, port: int, timeout: int = 600) -> dict:
     spec, out = tmp / f"jobs{port}.json", tmp / f"out{port}.json"
     spec.write_text(json.dumps(jobs))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
                         "--master-port", str(port), str(WORKER), str(spec), str(out)],
                        capture_output=True, text=True, timeout=timeout, env=env)

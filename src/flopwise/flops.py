@@ -30,6 +30,9 @@ class ParamCount:
     embedding: int  # token (+ learned position) embeddings, and the output head when untied
     layer_matmul: int  # weight-matrix entries inside the blocks (per model, all layers)
     head_matmul: int  # output head entries (counted for FLOPs whether tied or not)
+    per_layer: int = 0  # every parameter of one block
+    embed_side: int = 0  # what sits before the first block: token (+ position) table, embedding norm
+    head_side: int = 0  # what sits after the last block: final norm, and the head matrix when untied
 
     @property
     def non_embedding(self) -> int:
@@ -59,8 +62,48 @@ def count_params(m: ModelConfig) -> ParamCount:
     head = 0 if m.tie_embeddings else m.vocab_size * d
     other = _norm(m, d) + (_norm(m, d) if m.embed_norm else 0)
     total = tok + pos + head + other + m.n_layers * (layer_mm + layer_other)
+    final_norm = _norm(m, d)
     return ParamCount(total=total, embedding=tok + pos + head, layer_matmul=m.n_layers * layer_mm,
-                      head_matmul=m.vocab_size * d)
+                      head_matmul=m.vocab_size * d, per_layer=layer_mm + layer_other,
+                      embed_side=tok + pos + other - final_norm, head_side=final_norm + head)
+
+
+def param_shapes(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """Every parameter of `flopwise.model.Transformer(m)` as (name, shape), in the module's
+    registration order (the order optimizers and ZeRO-1's partition see them; tested against the
+    module). A tied head is the embedding's parameter, listed once."""
+    d, hq, hkv, f = m.d_model, m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.ffn_dim
+
+    def linear(name: str, n_in: int, n_out: int) -> list:
+        return [(f"{name}.weight", (n_out, n_in))] + ([(f"{name}.bias", (n_out,))] if m.bias else [])
+
+    def norm(name: str) -> list:
+        return [(f"{name}.weight", (d,))] + ([(f"{name}.bias", (d,))] if m.norm == "layernorm" and m.bias else [])
+
+    out = [("tok_embeddings.weight", (m.vocab_size, d))]
+    if m.pos == "learned":
+        out.append(("pos_embeddings.weight", (m.max_seq_len + m.pos_offset, d)))
+    if m.embed_norm:
+        out += norm("embed_norm")
+    for i in range(m.n_layers):
+        p = f"layers.{i}."
+        out += norm(p + "attention_norm")
+        if m.pos == "relative":  # a module's own parameters come before its submodules'
+            out += [(p + "attention.pos_bias_u", (m.n_heads, m.head_dim)), (p + "attention.pos_bias_v", (m.n_heads, m.head_dim))]
+        out += linear(p + "attention.wq", d, hq) + linear(p + "attention.wk", d, hkv) + linear(p + "attention.wv", d, hkv)
+        out += linear(p + "attention.wo", hq, d)
+        if m.qk_norm:
+            out += [(p + "attention.q_norm.weight", (m.head_dim,)), (p + "attention.k_norm.weight", (m.head_dim,))]
+        if m.pos == "relative":
+            out.append((p + "attention.pos_proj.weight", (hq, d)))
+        out += norm(p + "ffn_norm")
+        out += linear(p + "feed_forward.w1", d, f) + linear(p + "feed_forward.w2", f, d)
+        if m.mlp == "swiglu":
+            out += linear(p + "feed_forward.w3", d, f)
+    out += norm("norm")
+    if not m.tie_embeddings:
+        out.append(("output.weight", (m.vocab_size, d)))
+    return out
 
 
 def attention_flops_per_token(m: ModelConfig, seq_len: int) -> int:

@@ -175,3 +175,25 @@ def build_memory(overrides: list[str]) -> dict:
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, added)
     return {"peak_added_bytes": per_rank}
+
+
+def states(overrides: list[str]) -> dict:
+    """What each rank holds: its mesh coordinates, the layers of its stages, and the bytes of its
+    parameters at rest (after the build), gradients (after one backward) and AdamW moments (after
+    the step)."""
+    from flopwise.parallel import accounting as acc
+    from flopwise.parallel.data import local_optimizer
+
+    cfg, par, engine, opt, loader = _setup(overrides)
+    plain = [getattr(m, "module", m) for m in engine.parts]
+    mine = {"pp_rank": par.rank("pp"), "shard_rank": par.rank("shard"), "dp_rank": par.rank("dp_cp"),
+            "layers": sorted(int(k) for m in plain for k in m.layers.keys()),
+            "embedding": any(m.tok_embeddings is not None for m in plain),
+            "head": any(m.output is not None for m in plain), "params": acc.param_bytes(engine.parts)}
+    engine.forward_backward(loader.next_batch())
+    mine["grads"] = acc.grad_bytes(engine.parts)
+    opt.step()
+    mine["optimizer"] = acc.optimizer_bytes(local_optimizer(opt))
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, mine)
+    return {"ranks": per_rank}

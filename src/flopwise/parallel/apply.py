@@ -17,7 +17,7 @@ from flopwise.model.transformer import Transformer, materialise
 from flopwise.parallel.context import ContextParallel
 from flopwise.parallel.data import apply_ddp, apply_fsdp, uses_ddp
 from flopwise.parallel.mesh import Parallel
-from flopwise.parallel.tensor import apply_tp
+from flopwise.parallel.tensor import apply_tp, keep_embedding_grad_sharded
 
 
 def apply_recompute(model: Transformer, mode: str) -> None:
@@ -47,7 +47,10 @@ def parallelize(model: Transformer, cfg: Config, par: Parallel) -> nn.Module:
     apply_recompute(model, cfg.parallel.recompute)
     if cfg.train.compile:
         apply_compile(model)
-    if par.distributed and par.layout.zero >= 2:
+    fsdp = par.distributed and par.layout.zero >= 2
+    if fsdp:
         apply_fsdp(model, par, cfg.train.dtype)
     materialise(model, par.device, cfg.run.seed)
+    if par.size("tp") > 1 and not fsdp:
+        keep_embedding_grad_sharded(model)
     return apply_ddp(model, par) if uses_ddp(par) else model

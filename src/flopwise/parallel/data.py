@@ -30,7 +30,7 @@ def apply_fsdp(model: Transformer, par: Parallel, dtype: str) -> nn.Module:
     lo = par.layout
     mesh = par.mesh["dp_replicate", "shard"] if lo.dp_replicate > 1 else par.mesh["shard"]
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" else None
-    kw = {"mesh": mesh, "reshard_after_forward": lo.zero >= 3 and lo.pp == 1}
+    kw = {"mesh": mesh, "reshard_after_forward": lo.reshards_params}
     if mp is not None:
         kw["mp_policy"] = mp
     for block in model.layers.values():

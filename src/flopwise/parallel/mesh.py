@@ -37,42 +37,13 @@ def layout_of(cfg: Config, world: int) -> Layout:
     lo = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, dp_replicate=p.dp_replicate, zero=p.zero,
                 pp_schedule=p.pp_schedule, virtual_stages=p.virtual_stages, micro_batch=cfg.train.micro_batch,
                 recompute=p.recompute, sequence_parallel=p.sequence_parallel)
-    reason = check_layout(lo, cfg.model, cfg.data.seq_len, cfg.train.global_batch, world)
-    if reason is None and lo.pp > 1 and cfg.model.tie_embeddings:
-        reason = ("model.tie_embeddings=true puts the embedding and the head on different pipeline stages; "
-                  "set model.tie_embeddings=false or parallel.pp=1")
-    reason = reason or _engine_limits(cfg, lo)
+    reason = check_layout(lo, cfg.model, cfg.data.seq_len, cfg.train.global_batch, world,
+                          pp_layers=cfg.parallel.pp_layers)
     if reason and world == 1 and lo.world > 1:
         reason += f" (launch with: torchrun --nproc-per-node {lo.world} -m flopwise train ...)"
     if reason:
         raise ConfigError(reason)
     return lo
-
-
-def _engine_limits(cfg: Config, lo: Layout) -> str | None:
-    """Layouts the planner may consider but this engine does not run (yet), each with the fix."""
-    m = cfg.model
-    if lo.pp > 1 and m.tie_embeddings:
-        return ("model.tie_embeddings=true puts the embedding and the head on different pipeline stages; "
-                "set model.tie_embeddings=false or parallel.pp=1")
-    if lo.pp > 1 and cfg.parallel.pp_layers is not None and (
-            len(cfg.parallel.pp_layers) != lo.pp * (2 if lo.pp_schedule in ("zero-bubble", "dualpipev") else lo.virtual_stages)
-            or sum(cfg.parallel.pp_layers) != m.n_layers or min(cfg.parallel.pp_layers) < 1):
-        return (f"parallel.pp_layers={cfg.parallel.pp_layers} must give every one of the pp·virtual_stages stages "
-                f"at least one layer and sum to model.n_layers={m.n_layers}")
-    if lo.cp > 1 and m.pos == "relative":
-        return "model.pos=relative (Transformer-XL) has no context-parallel form; set parallel.cp=1"
-    if lo.tp > 1 and m.pos == "relative":
-        return "model.pos=relative (Transformer-XL) has no tensor-parallel plan; set parallel.tp=1"
-    if lo.tp > 1 and m.n_kv_heads % lo.tp:
-        return (f"parallel.tp={lo.tp} exceeds model.n_kv_heads={m.n_kv_heads}: this engine shards kv heads and "
-                "does not replicate them; use parallel.tp <= n_kv_heads")
-    if lo.tp > 1 and lo.sequence_parallel and m.pos == "learned":
-        return "parallel.sequence_parallel with model.pos=learned is not supported; set sequence_parallel=false"
-    if lo.tp > 1 and lo.zero < 2 and lo.dp * lo.cp > 1:
-        return (f"parallel.zero={lo.zero} with parallel.tp={lo.tp}: DDP does not take tensor-parallel (DTensor) "
-                "parameters; use parallel.zero=2 or 3")
-    return None
 
 
 @dataclass

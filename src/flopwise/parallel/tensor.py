@@ -73,3 +73,18 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> N
     if sp:
         model.hidden_seq_div = mesh.size()
     model.tp_heads = (mesh.get_local_rank(), mesh.size())  # each rank attends with its own heads' ALiBi slopes
+
+
+def keep_embedding_grad_sharded(model: Transformer) -> None:
+    """DTensor's embedding backward returns the vocab-parallel table's gradient replicated (the
+    whole vocab × d on every tp rank); slice it back to the parameter's shard as it arrives.
+    Registered on the materialised parameter (a hook on the meta one would not survive to_empty);
+    FSDP2 reduce-scatters that gradient itself, so this is for tensor parallel without FSDP."""
+    weight = model.tok_embeddings.weight if model.tok_embeddings is not None else None
+    if isinstance(weight, DTensor):
+        weight.register_post_accumulate_grad_hook(_to_param_placement)
+
+
+def _to_param_placement(p: DTensor) -> None:
+    if p.grad is not None and p.grad.placements != p.placements:
+        p.grad = p.grad.redistribute(p.device_mesh, p.placements)

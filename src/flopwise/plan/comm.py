@@ -15,6 +15,8 @@ all-gather, 2(n−1)/n for all-reduce; its time is α·steps + bytes / bandwidth
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 def ring_factor(kind: str, n: int) -> float:
     """Bytes on the wire per device, as a multiple of the full buffer's bytes."""
@@ -48,3 +50,43 @@ def tp_allreduce_elements(seq: int, micro_batch: int, d_model: int, n_layers: in
 def pp_boundary_elements(seq: int, micro_batch: int, d_model: int, tp: int = 1, scatter_gather: bool = True) -> float:
     """Elements sent across one stage boundary per micro-batch, one direction."""
     return seq * micro_batch * d_model / (tp if scatter_gather else 1)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One data-parallel collective: its kind, the elements of its full buffer, how often it runs
+    ("step" or "micro": every micro-batch), over which ranks ("shard": the ZeRO shard group,
+    "replicate": across HSDP replicas, "all": every rank holding the same weights), and whether it
+    carries gradients (else parameters)."""
+
+    kind: str
+    elements: float
+    when: str
+    group: str
+    gradients: bool
+
+
+def dp_collectives(psi: float, zero: int, *, zero1_broadcast: bool = False, gather_per_micro: bool = False,
+                   pipelined: bool = False, hsdp: bool = False) -> list[Collective]:
+    """What a data-parallel rank runs per step for `psi` parameters by ZeRO stage.
+
+    zero 0: one all-reduce of the gradients per step. zero 1: the paper's reduce-scatter of the
+    gradients and all-gather of the updated parameters (Megatron's distributed optimizer), or with
+    `zero1_broadcast` torch's ZeroRedundancyOptimizer: DDP's all-reduce, then every rank
+    broadcasts the parameters it stepped (Ψ more). zero 2/3: gradients reduce-scattered after every
+    micro-batch's backward; parameters gathered once per step (the paper), or for every
+    micro-batch (`gather_per_micro`: FSDP2 frees them after each backward), and under zero 3 again
+    for the backward. A pipeline stage keeps both across its micro-batches: once per step.
+    HSDP adds an all-reduce of the gradient shards across replicas with each reduce-scatter."""
+    if zero == 0:
+        return [Collective("all_reduce", psi, "step", "all", True)]
+    if zero == 1 and zero1_broadcast:
+        return [Collective("all_reduce", psi, "step", "all", True), Collective("all_gather", psi, "step", "all", False)]
+    micro = "step" if zero == 1 or pipelined else "micro"
+    out = [Collective("reduce_scatter", psi, micro, "shard", True),
+           Collective("all_gather", psi, micro if zero >= 3 or gather_per_micro else "step", "shard", False)]
+    if zero >= 3 and not pipelined:
+        out.append(Collective("all_gather", psi, "micro", "shard", False))
+    if hsdp:
+        out.append(Collective("all_reduce", psi, micro, "replicate", True))
+    return out

@@ -1,8 +1,11 @@
 """A parallel layout and the rules that make it valid for a model, a batch and a world size.
 
 Pure Python. The same rules are used by the planner's search (to enumerate) and by the engine (to
-refuse a layout before any process group exists). The mesh order is (pp, dp_replicate, dp_shard,
-cp, tp), innermost tp, so tensor-parallel ranks sit next to each other inside a node.
+refuse a layout before any process group exists): `check_layout` holds the rules of any layout, and,
+with engine=True (the `flopwise` stack), the limits of this engine too, so the search never offers a
+layout the engine refuses and the engine never meets one the planner did not foresee. The mesh
+order is (pp, dp_replicate, dp_shard, cp, tp), innermost tp, so tensor-parallel ranks sit next to
+each other inside a node.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from flopwise.config import ModelConfig
+from flopwise.flops import count_params
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev")
 # Schedules that place several stages on each rank (torch's ZBV and DualPipeV use exactly two).
@@ -42,18 +46,23 @@ class Layout:
     def microbatches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.micro_batch)
 
+    @property
+    def n_stages(self) -> int:
+        """Pipeline stages in all: pp × stages per rank (two for the V-shaped schedules)."""
+        return self.pp * (FIXED_VIRTUAL_STAGES.get(self.pp_schedule, self.virtual_stages) if self.pp > 1 else 1)
+
+    @property
+    def reshards_params(self) -> bool:
+        """Whether this engine frees gathered parameters after each forward (ZeRO-3). Under
+        pipelining a stage keeps them across its micro-batches (re-gathering per micro-batch would
+        multiply the traffic), so there zero 3 holds parameters as zero 2 does."""
+        return self.zero >= 3 and self.pp == 1
+
     def to_json(self) -> dict:
         return asdict(self)
 
 
 @lru_cache(maxsize=4096)
-def stage_layers(n_layers: int, pp: int, virtual_stages: int = 1) -> tuple[int, ...]:
-    """Layers per pipeline stage (pp·v stages), balanced: the first stages take the remainder."""
-    n = pp * virtual_stages
-    base, rem = divmod(n_layers, n)
-    return tuple(base + (1 if i < rem else 0) for i in range(n))
-
-
 def balanced_stages(n_layers: int, n_stages: int, block: float, first: float, last: float) -> tuple[int, ...]:
     """Layers per stage (contiguous, at least one each) minimising the largest stage's parameters,
     where the first stage also holds `first` (embeddings) and the last `last` (norm + head)."""
@@ -81,15 +90,33 @@ def balanced_stages(n_layers: int, n_stages: int, block: float, first: float, la
     return solve(0, 0)[1]
 
 
-@lru_cache(maxsize=4096)
-def rank_layers(n_layers: int, pp: int, virtual_stages: int = 1) -> tuple[int, ...]:
-    """Layers each pipeline rank holds: rank r runs stages r, r + pp, r + 2·pp, ..."""
-    stages = stage_layers(n_layers, pp, virtual_stages)
-    return tuple(sum(stages[r::pp]) for r in range(pp))
+def stage_sizes(m: ModelConfig, lo: Layout, balanced: bool = True,
+                pp_layers: tuple[int, ...] | list[int] | None = None) -> tuple[int, ...]:
+    """Layers per pipeline stage: `pp_layers` as given, else balanced by parameter count with the
+    embedding on the first stage and norm + head on the last (this engine), else even with the
+    remainder on the first stages (Megatron-LM, the published runs)."""
+    n = lo.n_stages
+    if pp_layers is not None:
+        return tuple(pp_layers)
+    if not balanced or n == 1:
+        base, rem = divmod(m.n_layers, n)
+        return tuple(base + (1 if i < rem else 0) for i in range(n))
+    c = count_params(m)
+    return balanced_stages(m.n_layers, n, c.per_layer, c.embed_side, c.head_side)
 
 
-def check_layout(layout: Layout, m: ModelConfig, seq_len: int, global_batch: int, world: int | None = None) -> str | None:
-    """None if the layout can run, else a one-line reason naming the keys and the fix."""
+def stage_ids(rank: int, lo: Layout) -> list[int]:
+    """The stages pipeline rank `rank` runs: r, r + pp, ... (looped schedules) or r and 2·pp−1−r
+    (V-shaped: zero-bubble ZB-V and DualPipeV)."""
+    if lo.pp > 1 and lo.pp_schedule in FIXED_VIRTUAL_STAGES:
+        return [rank, 2 * lo.pp - 1 - rank]
+    return [rank + i * lo.pp for i in range(lo.n_stages // lo.pp)]
+
+
+def check_layout(layout: Layout, m: ModelConfig, seq_len: int, global_batch: int, world: int | None = None,
+                 engine: bool = True, pp_layers: tuple[int, ...] | list[int] | None = None) -> str | None:
+    """None if the layout can run (on this engine, unless engine=False: a published stack's layout),
+    else a one-line reason naming the keys and the fix."""
     lo = layout
     if world is not None and lo.world != world:
         return (f"parallel degrees pp={lo.pp} × dp={lo.dp} × cp={lo.cp} × tp={lo.tp} = {lo.world} "
@@ -127,4 +154,28 @@ def check_layout(layout: Layout, m: ModelConfig, seq_len: int, global_batch: int
     if lo.pp > 1 and lo.microbatches(global_batch) < lo.pp:
         return (f"{lo.microbatches(global_batch)} micro-batches for pp={lo.pp} stages: lower train.micro_batch "
                 "so there are at least pp micro-batches")
+    return engine_limits(lo, m, pp_layers) if engine else None
+
+
+def engine_limits(lo: Layout, m: ModelConfig, pp_layers: tuple[int, ...] | list[int] | None = None) -> str | None:
+    """Layouts valid in general that flopwise's engine does not run, each with the fix."""
+    if lo.pp > 1 and m.tie_embeddings:
+        return ("model.tie_embeddings=true puts the embedding and the head on different pipeline stages; "
+                "set model.tie_embeddings=false or parallel.pp=1")
+    if lo.pp > 1 and pp_layers is not None and (
+            len(pp_layers) != lo.n_stages or sum(pp_layers) != m.n_layers or min(pp_layers) < 1):
+        return (f"parallel.pp_layers={list(pp_layers)} must give every one of the pp·virtual_stages stages "
+                f"at least one layer and sum to model.n_layers={m.n_layers}")
+    if lo.cp > 1 and m.pos == "relative":
+        return "model.pos=relative (Transformer-XL) has no context-parallel form; set parallel.cp=1"
+    if lo.tp > 1 and m.pos == "relative":
+        return "model.pos=relative (Transformer-XL) has no tensor-parallel plan; set parallel.tp=1"
+    if lo.tp > 1 and m.n_kv_heads % lo.tp:
+        return (f"parallel.tp={lo.tp} exceeds model.n_kv_heads={m.n_kv_heads}: this engine shards kv heads and "
+                "does not replicate them; use parallel.tp <= n_kv_heads")
+    if lo.tp > 1 and lo.sequence_parallel and m.pos == "learned":
+        return "parallel.sequence_parallel with model.pos=learned is not supported; set sequence_parallel=false"
+    if lo.tp > 1 and lo.zero < 2 and lo.dp * lo.cp > 1:
+        return (f"parallel.zero={lo.zero} with parallel.tp={lo.tp}: DDP does not take tensor-parallel (DTensor) "
+                "parameters; use parallel.zero=2 or 3")
     return None

@@ -13,6 +13,7 @@ their s·b·h·(34 + 5·a·s/h) and its tensor/sequence-parallel and recompute v
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from flopwise.config import ModelConfig
@@ -32,10 +33,12 @@ class ModelStates:
 
 
 def model_state_bytes(psi: float, zero: int, shard: int, k: float = OPTIMIZER_BYTES_PER_PARAM,
-                      param_bytes: float = 2, grad_bytes: float = 2) -> ModelStates:
+                      param_bytes: float = 2, grad_bytes: float = 2, params_sharded: bool | None = None) -> ModelStates:
     """Bytes of parameters, gradients and optimizer state on one device holding `psi` parameters
-    (its tensor/pipeline share), sharded `shard` ways by ZeRO stage `zero`."""
-    return ModelStates(params=param_bytes * psi / (shard if zero >= 3 else 1),
+    (its tensor/pipeline share), sharded `shard` ways by ZeRO stage `zero` (params_sharded: whether
+    the parameters stay sharded through the step; by default from zero >= 3)."""
+    sharded = zero >= 3 if params_sharded is None else params_sharded
+    return ModelStates(params=param_bytes * psi / (shard if sharded else 1),
                        grads=grad_bytes * psi / (shard if zero >= 2 else 1),
                        optimizer=k * psi / (shard if zero >= 1 else 1))
 
@@ -86,3 +89,74 @@ def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_st
     if schedule == "dualpipev":
         return min(microbatches, pp + 1)
     return min(microbatches, pp)
+
+
+# Tensor-parallel split of each parameter in this engine's Megatron plan (parallel/tensor.py):
+# column-parallel weights and biases split dim 0, row-parallel weights dim 1 (their biases and
+# every norm are replicated), the vocab-parallel embedding and head split the vocabulary.
+_TP_DIM0 = ("attention.wq.", "attention.wk.", "attention.wv.", "feed_forward.w1.", "feed_forward.w3.",
+            "tok_embeddings.weight", "output.weight")
+_TP_DIM1 = ("attention.wo.weight", "feed_forward.w2.weight")
+
+
+def _tp_local(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    if tp > 1 and any(k in name for k in _TP_DIM0):
+        return (shape[0] // tp, *shape[1:])
+    if tp > 1 and name.endswith(_TP_DIM1):
+        return (shape[0], shape[1] // tp)
+    return shape
+
+
+def _chunk_rows(rows: int, n: int, rank: int) -> int:
+    """Rows FSDP2 gives `rank` of n when it shards dim 0 (torch.chunk: ceil-sized chunks, the
+    last ranks may get fewer or none)."""
+    size = -(-rows // n)
+    return max(0, min(rows, (rank + 1) * size) - rank * size)
+
+
+def _zero1_owned(sizes: list[tuple[int, bool]], n: int, rank: int) -> int:
+    """Elements ZeroRedundancyOptimizer assigns to `rank`: per param group (decay, then no decay),
+    largest tensor first, each to the least-loaded rank so far (torch's greedy partition)."""
+    load, mine = [0] * n, 0
+    for decay in (True, False):
+        for numel in sorted((k for k, d in sizes if d == decay), reverse=True):
+            r = load.index(min(load))
+            load[r] += numel
+            mine += numel if r == rank else 0
+    return mine
+
+
+def rank_model_states(m: ModelConfig, lo, stage_layers: list[int], has_embedding: bool, has_head: bool,
+                      shard_rank: int = 0, dp_rank: int = 0, param_bytes: int = 4, grad_bytes: int = 4,
+                      k: int = 8) -> ModelStates:
+    """Exactly what one rank of this engine holds (fp32 master weights, fp32 gradients after the
+    backward, AdamW moments after the step), tensor by tensor: the rank's pipeline stages
+    (`stage_layers`: their layer indices), its tensor-parallel slice, and its data-parallel share:
+    DDP replicates; ZeRO-1 partitions whole tensors over the dp·cp ranks (`dp_rank` among them);
+    FSDP2 (zero 2/3) shards dim 0 over the dp_shard·cp ranks (`shard_rank`), at rest. `lo` is a
+    plan.layout.Layout."""
+    from flopwise.flops import param_shapes
+
+    layers = {f"layers.{i}." for i in stage_layers}
+    head_names = ("norm.weight", "norm.bias", "output.weight")
+    mine = []
+    for name, shape in param_shapes(m):
+        if name.startswith("layers."):
+            keep = name[:name.index(".", 7) + 1] in layers
+        elif name in head_names:
+            keep = has_head
+        else:
+            keep = has_embedding
+        if keep:
+            local = _tp_local(name, shape, lo.tp)
+            decay = len(shape) >= 2 and "embeddings" not in name
+            mine.append((local, decay))
+    whole = sum(math.prod(s) for s, _ in mine)
+    n_shard = lo.dp_shard * lo.cp
+    sharded = sum(_chunk_rows(s[0], n_shard, shard_rank) * math.prod(s[1:]) for s, _ in mine)
+    if lo.zero >= 2 and lo.world > 1:  # FSDP2 (any process group)
+        return ModelStates(param_bytes * sharded, grad_bytes * sharded, k * sharded)
+    if lo.zero == 1 and lo.dp * lo.cp > 1:
+        owned = _zero1_owned([(math.prod(s), d) for s, d in mine], lo.dp * lo.cp, dp_rank)
+        return ModelStates(param_bytes * whole, grad_bytes * whole, k * owned)
+    return ModelStates(param_bytes * whole, grad_bytes * whole, k * whole)

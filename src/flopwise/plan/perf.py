@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from flopwise.config import ModelConfig
 from flopwise.flops import count_params, flops_per_token
 from flopwise.hardware import Hardware
-from flopwise.plan.comm import ring_time
-from flopwise.plan.layout import Layout, rank_layers
+from flopwise.plan.comm import dp_collectives, ring_time
+from flopwise.plan.layout import Layout, stage_ids, stage_sizes
 from flopwise.plan.memory import activation_bytes_per_layer, in_flight_microbatches, model_state_bytes
 
 MEM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for streaming kernels (STREAM-like copies)
@@ -60,14 +60,25 @@ class Stack:
     grad_reduce_bytes: int  # bytes per gradient element on the dp wire
     dp_overlap: float  # fraction of the overlap window that hides dp communication
     optimizer_bytes: int  # HBM bytes the optimizer step streams per local parameter
+    balanced_stages: bool  # pipeline stages balanced by parameters (else even layers)
+    param_bytes: int  # bytes per parameter held (master copy)
+    grad_bytes: int  # bytes per gradient element held
+    optimizer_state_bytes: int  # K: bytes of optimizer state per parameter
+    zero1_broadcast: bool  # ZeRO-1 as torch's ZeroRedundancyOptimizer (all-reduce + broadcast)
+    fsdp2: bool  # ZeRO-2/3 parameters re-gathered for every micro-batch (FSDP2 frees them after backward)
     description: str
 
 
 STACKS = {s.name: s for s in [
-    Stack("flopwise", True, 4, 0.9, 32, "PyTorch SDPA flash attention; FSDP2/DDP with fp32 gradient reduction, "
-          "90% of dp traffic hidden behind backward (bucketed/prefetched)"),
-    Stack("megatron-2021", False, 2, 0.0, 44, "Megatron-LM as in Narayanan 2021 / Korthikanti 2022: fused softmax on "
-          "materialised scores, 16-bit gradient all-reduce after the backward, no overlap"),
+    Stack("flopwise", True, 4, 0.9, 32, True, 4, 4, 8, True, True,
+          "this engine: PyTorch SDPA flash attention; fp32 master weights and gradients (4 + 4 bytes) and AdamW "
+          "moments (8) under bf16 compute; FSDP2/DDP with fp32 gradient reduction, 90% of dp traffic hidden behind "
+          "backward; ZeRO-1 is DDP's all-reduce plus a broadcast of the updated parameters "
+          "(ZeroRedundancyOptimizer); pipeline stages balanced by parameters"),
+    Stack("megatron-2021", False, 2, 0.0, 44, False, 2, 2, 12, False, False,
+          "Megatron-LM as in Narayanan 2021 / Korthikanti 2022: fused softmax on materialised scores; 16-bit "
+          "parameters and gradients with an fp32 master copy in the optimizer state (2 + 2 + 12 bytes); 16-bit "
+          "gradient all-reduce after the backward, no overlap; distributed optimizer; even stages"),
 ]}
 
 
@@ -89,23 +100,21 @@ class Shape:
     relative: bool
     window: int | None
     params: int
-    layer_params: float
-    embed_params: int  # token (+ position) table, on the first stage
-    head_params: int  # output matrix on the last stage (a copy of the table when tied and pp > 1)
+    layer_params: float  # one block's parameters
+    embed_params: int  # token (+ position) table and embedding norm, on the first stage
+    final_norm_params: int  # on the last stage, with the output matrix (a copy of the table when tied and pp > 1)
     model_flops_token: dict  # recompute -> FLOPs per token, at the planned seq_len
     config: ModelConfig
 
 
 def model_shape(m: ModelConfig, seq_len: int) -> Shape:
     p = count_params(m)
-    layer = p.non_embedding / m.n_layers  # blocks' share (the final norm's few weights included)
-    tok_pos = p.embedding - (0 if m.tie_embeddings else p.head_matmul)
     return Shape(
         n_layers=m.n_layers, d_model=m.d_model, hq=m.n_heads * m.head_dim, hkv=m.n_kv_heads * m.head_dim,
         ffn=m.ffn_dim, ffn_in=2 if m.mlp == "swiglu" else 1, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
         head_dim=m.head_dim, vocab=m.vocab_size, dropout=m.dropout > 0, relative=m.pos == "relative",
-        window=m.sliding_window, params=p.total, layer_params=layer, embed_params=tok_pos,
-        head_params=p.head_matmul,
+        window=m.sliding_window, params=p.total, layer_params=p.per_layer, embed_params=p.embed_side,
+        final_norm_params=p.head_side - (0 if m.tie_embeddings else p.head_matmul),
         model_flops_token={r: flops_per_token(m, seq_len, r) for r in ("none", "selective", "full")}, config=m)
 
 
@@ -207,18 +216,29 @@ class Estimate:
         return out
 
 
-def stage_params(sh: Shape, lo: Layout) -> tuple[float, float]:
-    """Parameters held by one device on the first and on the last pipeline stage (tp shard)."""
-    per_rank = rank_layers(sh.n_layers, lo.pp, lo.virtual_stages)
-    first = per_rank[0] * sh.layer_params / lo.tp + sh.embed_params / lo.tp
-    last = per_rank[-1] * sh.layer_params / lo.tp + sh.head_params / lo.tp
-    if lo.pp == 1:
-        first = last = first + (0 if sh.config.tie_embeddings else sh.head_params / lo.tp)
-    elif lo.virtual_stages > 1:
-        # With v chunks per rank the embedding and the head live on different ranks or, for the
-        # V-shaped schedules, on rank 0 together; count both on the first rank to stay safe.
-        first += sh.head_params / lo.tp if lo.pp_schedule in ("zero-bubble", "dualpipev") else 0
-    return first, last
+@dataclass(frozen=True)
+class RankLoad:
+    """What one pipeline rank holds: layers, parameters (its tensor-parallel shard), the head."""
+
+    layers: int
+    params: float
+    head: bool
+
+
+def rank_loads(sh: Shape, lo: Layout, balanced: bool) -> list[RankLoad]:
+    """Per pipeline rank, with the engine's (or Megatron's) stage split (`plan.layout`)."""
+    sizes = stage_sizes(sh.config, lo, balanced)
+    last = lo.n_stages - 1
+    tied_whole = lo.pp == 1 and sh.config.tie_embeddings  # one table serves both ends
+    head_side = sh.final_norm_params if tied_whole else sh.final_norm_params + sh.vocab * sh.d_model
+    out = []
+    for r in range(lo.pp):
+        ids = stage_ids(r, lo)
+        head = last in ids
+        psi = (sum(sizes[i] for i in ids) * sh.layer_params + (sh.embed_params if 0 in ids else 0)
+               + (head_side if head else 0))
+        out.append(RankLoad(sum(sizes[i] for i in ids), psi / lo.tp, head))
+    return out
 
 
 def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, stack: Stack,
@@ -231,33 +251,31 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     v = lo.virtual_stages if lo.pp > 1 else 1
     peak = hw.peak("bf16") or hw.peak("fp16")
 
-    # ---- memory (worst of first and last stage)
-    psi_first, psi_last = stage_params(sh, lo)
+    # ---- memory (the worst pipeline rank)
+    loads = rank_loads(sh, lo, stack.balanced_stages)
     shard = lo.dp_shard
     in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, n_micro, v)
-    n_rank_layers = max(rank_layers(sh.n_layers, lo.pp, v))
     act_layer = activation_bytes_per_layer(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel,
                                            lo.recompute, flash=stack.flash_attention)
-    activations = act_layer * n_rank_layers * in_flight
-    if lo.recompute == "full":  # one layer's full set is alive while it is recomputed
-        activations += activation_bytes_per_layer(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp,
-                                                  lo.sequence_parallel, "none", flash=stack.flash_attention)
+    full_layer = activation_bytes_per_layer(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel,
+                                            "none", flash=stack.flash_attention)
     tokens_mb = lo.micro_batch * seq / lo.cp
     logits = tokens_mb * sh.vocab / lo.tp * (2 + 4)  # 16-bit logits kept + fp32 softmax in the loss
-    zero3_live = (2 * (2 + 4) * sh.layer_params / lo.tp) if lo.zero >= 3 else 0  # gathered layer + prefetch
+    zero3_live = (2 * (2 + 4) * sh.layer_params / lo.tp) if lo.reshards_params else 0  # gathered layer + prefetch
     best = None
-    for psi, extra in ((psi_first, 0.0), (psi_last, logits)):
-        st = model_state_bytes(psi, lo.zero, shard)
-        other = extra + zero3_live + RUNTIME_RESERVE
+    for load in loads:
+        st = model_state_bytes(load.params, lo.zero, shard, stack.optimizer_state_bytes, stack.param_bytes,
+                               stack.grad_bytes, params_sharded=lo.reshards_params)
+        activations = act_layer * load.layers * in_flight + (full_layer if lo.recompute == "full" else 0.0)
         mem = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": activations,
-               "other": other}
+               "other": (logits if load.head else 0.0) + zero3_live + RUNTIME_RESERVE}
         mem["total"] = sum(mem.values())
         if best is None or mem["total"] > best["total"]:
             best = mem
     usable = hw.memory_bytes * (1 - FIT_MARGIN)
     fits = best["total"] <= usable
 
-    # ---- time
+    # ---- time (the slowest pipeline rank sets the pace)
     key = (lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel)
     lt = cache.get(key) if cache is not None else None
     if lt is None:
@@ -269,10 +287,15 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     recompute_cp = lt.cp_fwd if lo.recompute == "full" else 0.0
     logits_t = 3 * gemm_time(tokens_mb, sh.d_model, sh.vocab / lo.tp, hw, peak) \
         + stream_time(12 * tokens_mb * sh.vocab / lo.tp, hw)  # fwd+bwd GEMMs, fp32 cross-entropy traffic
-    mb_compute = n_rank_layers * (lt.fwd + lt.bwd + recompute_f) + logits_t
-    # + the vocab-parallel embedding's output all-reduce and the head's input-gradient all-reduce
-    mb_tp = n_rank_layers * (lt.tp_fwd + lt.tp_bwd + recompute_tp) + lt.tp_fwd
-    mb_cp = n_rank_layers * (lt.cp_fwd + lt.cp_bwd + recompute_cp)
+
+    def micro_batch_times(load: RankLoad) -> tuple[float, float, float]:
+        compute = load.layers * (lt.fwd + lt.bwd + recompute_f) + (logits_t if load.head else 0.0)
+        # + the vocab-parallel embedding's output all-reduce and the head's input-gradient all-reduce
+        tp = load.layers * (lt.tp_fwd + lt.tp_bwd + recompute_tp) + lt.tp_fwd
+        return compute, tp, load.layers * (lt.cp_fwd + lt.cp_bwd + recompute_cp)
+
+    slowest = max(loads, key=lambda load: sum(micro_batch_times(load)))
+    mb_compute, mb_tp, mb_cp = micro_batch_times(slowest)
     mb_total = mb_compute + mb_tp + mb_cp
     bubble_share = {"gpipe": 1.0, "1f1b": 1.0, "interleaved-1f1b": 1 / v, "zero-bubble": 1 / 3, "dualpipev": 1 / 3}
     bubble = (lo.pp - 1) * mb_total * bubble_share[lo.pp_schedule]
@@ -281,9 +304,9 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     pp_comm = (2 * v * n_micro * ring_time("all_gather", 2, 2 * p2p_bytes, link_bw(hw, pp_span + 1))
                if lo.pp > 1 else 0.0)
 
-    dp_comm = data_parallel_time(sh, hw, lo, stack, max(psi_first, psi_last), n_micro, mb_total, n_rank_layers, lt)
-    opt_psi = max(psi_first, psi_last) / (shard if lo.zero >= 1 else 1)
-    optimizer = stream_time(stack.optimizer_bytes * opt_psi, hw)
+    psi = max(load.params for load in loads)
+    dp_comm = data_parallel_time(hw, lo, stack, psi, n_micro, mb_total, slowest.layers, lt)
+    optimizer = stream_time(stack.optimizer_bytes * psi / (shard if lo.zero >= 1 else 1), hw)
 
     time = {"compute": n_micro * mb_compute, "tp_comm": n_micro * mb_tp, "dp_comm": dp_comm, "pp_bubble": bubble,
             "pp_comm": pp_comm, "cp_comm": n_micro * mb_cp, "optimizer": optimizer}
@@ -298,34 +321,25 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
                     reason="" if fits else f"needs {best['total'] / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable")
 
 
-def data_parallel_time(sh: Shape, hw: Hardware, lo: Layout, stack: Stack, psi: float, n_micro: int,
+def data_parallel_time(hw: Hardware, lo: Layout, stack: Stack, psi: float, n_micro: int,
                        mb_total: float, rank_layers: int, lt: LayerTimes) -> float:
-    """Exposed data-parallel communication per step (ZeRO volumes over the dp rings)."""
+    """Exposed data-parallel communication per step: the stack's collectives (`plan.comm`) over
+    the dp rings, less what hides behind compute."""
     if lo.dp == 1:
         return 0.0
     span_shard = lo.tp * lo.cp * lo.dp_shard
-    bw_shard, bw_rep = link_bw(hw, span_shard), link_bw(hw, span_shard * lo.dp_replicate)
-    g = stack.grad_reduce_bytes
-    shard, rep = lo.dp_shard, lo.dp_replicate
-    rep_ar = ring_time("all_reduce", rep, g * psi / shard, bw_rep)  # HSDP: reduce shards across replicas
-    if lo.zero == 0:
-        per_step, per_micro = ring_time("all_reduce", lo.dp, g * psi, link_bw(hw, lo.tp * lo.cp * lo.dp)), 0.0
-    elif lo.zero == 1:
-        per_step = ring_time("reduce_scatter", shard, g * psi, bw_shard) + rep_ar \
-            + ring_time("all_gather", shard, ACT_BYTES * psi, bw_shard)
-        per_micro = 0.0
-    elif lo.zero == 2:
-        per_micro = ring_time("reduce_scatter", shard, g * psi, bw_shard)
-        per_step = rep_ar + ring_time("all_gather", shard, ACT_BYTES * psi, bw_shard)
-    else:
-        per_micro = 2 * ring_time("all_gather", shard, ACT_BYTES * psi, bw_shard) \
-            + ring_time("reduce_scatter", shard, g * psi, bw_shard)
-        per_step = rep_ar
+    bw = {"shard": link_bw(hw, span_shard), "replicate": link_bw(hw, span_shard * lo.dp_replicate),
+          "all": link_bw(hw, lo.tp * lo.cp * lo.dp)}
+    sizes = {"shard": lo.dp_shard, "replicate": lo.dp_replicate, "all": lo.dp}
+    per = {"step": 0.0, "micro": 0.0}
+    for c in dp_collectives(psi, lo.zero, zero1_broadcast=stack.zero1_broadcast, gather_per_micro=stack.fsdp2,
+                            pipelined=lo.pp > 1, hsdp=lo.dp_replicate > 1):
+        nbytes = c.elements * (stack.grad_reduce_bytes if c.gradients else ACT_BYTES)
+        per[c.when] += ring_time(c.kind, sizes[c.group], nbytes, bw[c.group])
     # Overlap windows: the last micro-batch's backward for once-per-step traffic; every
     # micro-batch's compute for per-micro-batch traffic (FSDP prefetching).
-    last_bwd = rank_layers * lt.bwd
-    exposed_step = max(0.0, per_step - stack.dp_overlap * last_bwd)
-    exposed_micro = n_micro * max(0.0, per_micro - stack.dp_overlap * mb_total)
+    exposed_step = max(0.0, per["step"] - stack.dp_overlap * rank_layers * lt.bwd)
+    exposed_micro = n_micro * max(0.0, per["micro"] - stack.dp_overlap * mb_total)
     return exposed_step + exposed_micro
 
 

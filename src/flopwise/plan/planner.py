@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from flopwise.flops import count_params
 from flopwise.config import Config, validate
 from flopwise.errors import ConfigError
 from flopwise.hardware import Hardware, get_hardware, load_catalogue
@@ -101,8 +102,8 @@ def plan(cfg: Config, tree: dict[str, Any] | None = None, keep: int = 50) -> Pla
     fixed = fixed_keys(tree or {})
     result = search(sh, hw, cfg.cluster.gpus, seq, batch, STACKS[cfg.plan.stack], fixed, keep)
     if not result.ranked:
-        raise ConfigError(f"no valid layout for {cfg.cluster.gpus} devices with {fixed or 'nothing fixed'}: "
-                          "check that the degrees multiply to cluster.gpus and divide train.global_batch")
+        why = result.refused or "check that the degrees multiply to cluster.gpus and divide train.global_batch"
+        raise ConfigError(f"no valid layout for {cfg.cluster.gpus} devices with {fixed or 'nothing fixed'}: {why}")
     tokens = cfg.plan.tokens or DEFAULT_TOKENS_PER_PARAM * sh.params
     best = result.best
     rel = None
@@ -111,7 +112,7 @@ def plan(cfg: Config, tree: dict[str, Any] | None = None, keep: int = 50) -> Pla
         rel = reliability(sh.params, c.gpus, tokens / best.tokens_per_s, c.storage_gbps_per_gpu, c.gpu_mtbf_hours,
                           c.restart_minutes)
     return PlanReport(cfg=cfg, hardware=hw, result=result, tokens=tokens, params=sh.params,
-                      non_embedding=sh.params - sh.embed_params - (0 if cfg.model.tie_embeddings else sh.head_params),
+                      non_embedding=count_params(cfg.model).non_embedding,
                       flops_per_token=sh.model_flops_token["none"], reliability=rel, fixed=fixed)
 
 

@@ -30,6 +30,7 @@ class SearchResult:
     ranked: list[Estimate]  # fitting layouts, fastest first (or the closest misses if none fits)
     evaluated: int
     fitting: int
+    refused: str | None = None  # why the last layout `check_layout` refused was refused
 
     @property
     def best(self) -> Estimate | None:
@@ -121,8 +122,10 @@ def search(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, sta
     misses: list[Estimate] = []
     evaluated = 0
     recomputes = [fixed["recompute"]] if "recompute" in fixed else list(RECOMPUTE_ORDER)
+    refused = None
     for base in candidates(sh, hw, world, seq, global_batch, fixed):
-        if check_layout(base, sh.config, seq, global_batch) is not None:
+        if (reason := check_layout(base, sh.config, seq, global_batch, engine=stack.name == "flopwise")) is not None:
+            refused = reason
             continue
         for rc in recomputes:
             est = estimate(sh, hw, replace(base, recompute=rc), seq, global_batch, stack, cache)
@@ -134,9 +137,9 @@ def search(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, sta
                 misses.append(est)
     fits.sort(key=lambda e: -e.tokens_per_s)
     if fits:
-        return SearchResult(ranked=fits[:keep], evaluated=evaluated, fitting=len(fits))
+        return SearchResult(ranked=fits[:keep], evaluated=evaluated, fitting=len(fits), refused=refused)
     misses.sort(key=lambda e: e.memory["total"])
-    return SearchResult(ranked=misses[:keep], evaluated=evaluated, fitting=0)
+    return SearchResult(ranked=misses[:keep], evaluated=evaluated, fitting=0, refused=refused)
 
 
 def why_slower(e: Estimate, best: Estimate) -> str:

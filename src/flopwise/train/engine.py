@@ -59,7 +59,7 @@ class Engine:
         if lo.pp > 1:
             self.schedule = build_schedule(parts, par, self.n_micro, self._loss_fn)
             ids = [s for s, _ in parts]
-            self.first, self.last = 0 in ids, lo.pp * len(parts) - 1 in ids
+            self.first, self.last = 0 in ids, lo.n_stages - 1 in ids
 
     @property
     def can_eval(self) -> bool:
