@@ -77,7 +77,7 @@ def evaluate(engine: Engine, data_dir: Path, cfg: Config) -> float:
     return sum(losses) / len(losses)
 
 
-def train_step(run: Run, step: int, faults: Faults) -> tuple[torch.Tensor, float]:
+def train_step(run: Run, step: int, faults: Faults, watch: Watch | None = None) -> tuple[torch.Tensor, float]:
     """Optimizer step `step` (0-based), with no host sync: returns the device tensor [loss, grad
     norm, non-finite flag] (the flag agreed by every rank) and the learning rate used."""
     cfg, engine, done = run.cfg, run.engine, step + 1
@@ -93,6 +93,8 @@ def train_step(run: Run, step: int, faults: Faults) -> tuple[torch.Tensor, float
     faults.fire(done)
     norm = engine.clip_grad_norm(cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf)
     bad = (~(torch.isfinite(loss) & torch.isfinite(norm))).float() if cfg.guard.enabled else torch.zeros((), device=loss.device)
+    if watch is not None:
+        watch.arrived()
     if dist.is_initialized():  # a NaN on one rank's gradients skips the step on every rank
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     step_unless(run.optimizer, bad > 0)
@@ -225,7 +227,7 @@ class _Loop:
         while step < self.end:
             done = step + 1
             self.watch.beat(done)
-            values, lr = train_step(self.run, step, self.faults)
+            values, lr = train_step(self.run, step, self.faults, self.watch)
             pending.append((done, lr, values))
             step = done
             do_eval, do_save = self.due(done)

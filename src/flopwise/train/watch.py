@@ -8,11 +8,12 @@
   (and at least `watchdog.min_s`). A hung collective then fails after
   `watchdog.collective_timeout_s` (the process group timeout) and torchrun restarts the job.
 - The sync point (each log, eval and checkpoint step): one small all-gather of each rank's flags
-  (preempt, failed async save), so all ranks take the same decision, and of its time since the
-  previous sync. (Non-finite steps need no exchange: the step's loss and gradient norm are already
-  reduced across ranks, and the skip flag is all-reduced on the device.) Collectives inside a step make ranks wait for each other, so these times differ by what
-  a rank does outside collectives (data loading, host stalls, the optimizer step); the slowest
-  rank is named in the metrics.
+  (preempt, failed async save), so all ranks take the same decision, and of its own work time
+  since the previous sync: each step's time until it reaches the step's last collective (the
+  non-finite flag's all-reduce), not the waiting for the others there. Collectives earlier in a
+  step make ranks wait for each other too, so these times separate ranks that are slow after the
+  gradient reduction (data loading, host stalls, clipping); the slowest rank is named in the
+  metrics.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Watch:
         self.signal: str | None = None
         self.durations: deque[float] = deque(maxlen=100)
         self._step, self._t, self._dumped = 0, time.monotonic(), -1
-        self._since_sync = time.perf_counter()
+        self._busy, self._step_start = 0.0, time.perf_counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="flopwise-watchdog", daemon=True)
         self._previous: dict = {}
@@ -78,6 +79,7 @@ class Watch:
 
     def beat(self, step: int) -> None:
         """Step `step` starts now (the previous one ended)."""
+        self._step_start = time.perf_counter()
         now = time.monotonic()
         if self._step:
             self.durations.append(now - self._t)
@@ -112,12 +114,16 @@ class Watch:
         self.report(f"watchdog: rank {self.rank}: {why}; every thread's stack is in {self.dump_path}")
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
+    def arrived(self) -> None:
+        """This rank reached the step's last collective: the time since the step began is its
+        own work (what follows is waiting for the others), the figure that names a straggler."""
+        self._busy += time.perf_counter() - self._step_start
+
     def sync(self, save_failed: bool, values: torch.Tensor) -> tuple[Sync, list[float]]:
         """The sync point (every rank calls it at the same steps): preemption and failed saves
-        seen by any rank, each rank's time since the previous sync, and `values` (a device tensor
+        seen by any rank, each rank's own work time since the previous sync (`arrived`), and `values` (a device tensor
         of the steps since) read on the host, all in one device-to-host transfer."""
-        busy = time.perf_counter() - self._since_sync
-        mine = [busy, float(self.signal is not None), float(save_failed)]
+        mine = [self._busy, float(self.signal is not None), float(save_failed)]
         n = values.numel()
         if dist.is_initialized():
             parts = [torch.empty(3, dtype=torch.float64, device=self.device) for _ in range(dist.get_world_size())]
@@ -126,7 +132,7 @@ class Watch:
             rows = [host[n + 3 * r:n + 3 * r + 3] for r in range(len(parts))]
         else:
             host, rows = values.flatten().double().tolist(), [mine]
-        self._since_sync = time.perf_counter()
+        self._busy = 0.0
         sync = Sync(any(r[1] for r in rows), any(r[2] for r in rows), [r[0] for r in rows])
         return sync, host[:n]
 
