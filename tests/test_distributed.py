@@ -84,6 +84,11 @@ MEMORY_MODEL = {"model.n_layers": 8, "model.ffn_dim": 768}  # no tensor a large 
 COMM = {"comm-zero0": {"parallel.zero": 0}, "comm-zero1": {"parallel.zero": 1}, "comm-zero2": {"parallel.zero": 2},
         "comm-zero3": {"parallel.zero": 3}, "comm-tp2": {"parallel.tp": 2}, "comm-tp2-sp": {"parallel.tp": 2,
         "parallel.sequence_parallel": "true"}, "comm-pp2": {"parallel.pp": 2}}
+# parallel.layout=auto: the planner picks the layout for the world size (planning for H100s), the
+# engine runs it, and the losses are one process's. Two families: GQA Llama and MHA GPT-2.
+MHA = {"model.preset": '"gpt2-124m"', "model.n_layers": 4, "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 4,
+       "model.ffn_dim": 256, "model.vocab_size": 512, "model.max_seq_len": 128, "model.tie_embeddings": "false"}
+AUTO = {"parallel.layout": '"auto"', "cluster.hardware": '"h100-sxm"'}
 CHAIN_STEPS = 5  # zero3·dp4 steps 1-2 -> tp2·dp2 step 3 -> pp2·tp2·dp2 step 4 -> one process step 5
 
 
@@ -111,10 +116,12 @@ def runs(tiny_data, tmp_path_factory) -> dict:
         + [job(n, "comm", **x, **{"train.micro_batch": 4 if "pp" not in n else 2, "train.global_batch": 8 if "tp" not in n else 4})
            for n, x in COMM.items()],
         4: [job(n, "losses", **x) for n, x in LAYOUTS[4].items()]
+        + [job("auto4-gqa", "losses", **AUTO), job("auto4-mha", "losses", **AUTO, **MHA)]
         + [chain_job("chain-zero3-dp4", 2, **{"parallel.zero": 3}),
            chain_job("chain-tp2-dp2", 3, **{"parallel.tp": 2, "parallel.zero": 3}),
            reshard_job("reshard-tp2-dp2", **{"parallel.tp": 2, "parallel.zero": 3})],
         8: [job(n, "losses", **x) for n, x in LAYOUTS[8].items()]
+        + [job("auto8-gqa", "losses", **AUTO), job("auto8-mha", "losses", **AUTO, **MHA)]
         + [chain_job("chain-pp2-tp2-dp2", 4, **{"parallel.pp": 2, "parallel.tp": 2, "parallel.zero": 3}),
            reshard_job("reshard-pp2-tp2-dp2", **{"parallel.pp": 2, "parallel.tp": 2, "parallel.zero": 3})],
     }
@@ -142,6 +149,15 @@ def reference(tiny_data, tmp_path_factory) -> list[float]:
 def test_layout_matches_single_process(name, runs, reference):
     """fp32: the per-step losses of every layout equal one process's within 1e-5 relative."""
     assert ok(runs[name])["losses"] == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_auto_layout_trains_and_matches_single_process(world, runs, reference, tiny_data, tmp_path):
+    """parallel.layout=auto on 4 and 8 ranks, for a GQA and an MHA model: the planner's choice
+    passes the engine's checks, trains, and reproduces one process's losses."""
+    assert ok(runs[f"auto{world}-gqa"])["losses"] == pytest.approx(reference, rel=1e-5)
+    mha = single(tmp_path, tiny_data, **MHA).losses
+    assert ok(runs[f"auto{world}-mha"])["losses"] == pytest.approx(mha, rel=1e-5)
 
 
 @pytest.mark.parametrize("name", list(BF16))

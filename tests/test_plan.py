@@ -214,3 +214,24 @@ def test_audit_cli_catalogue_json():
     assert {"gpt3-175b", "palm-540b", "llama3-405b", "opt-175b", "bloom-176b"} <= set(rows)
     assert all(v["verdict"] in ("plausible", "optimistic", "impossible", "underdetermined") for v in rows.values())
     assert rows["chinchilla-70b"]["verdict"] == "underdetermined"
+
+
+@pytest.mark.parametrize("case", ["llama3-405b/16384", "llama3-70b/1024", "megatron-1t/3072"])
+def test_every_layout_the_search_returns_passes_the_engines_validation(case):
+    """The README's worked searches under the `flopwise` stack: every fitting layout they return
+    is accepted by the engine's own check (`parallel.mesh.layout_of`, what `flopwise train` runs
+    before building anything), called on the config the planner would write."""
+    from flopwise.config import load_config
+    from flopwise.parallel.mesh import layout_of
+    from flopwise.plan.planner import layout_config
+
+    preset, gpus = case.split("/")
+    seq, batch, hw = {"llama3-405b": (8192, 2048, "h100-sxm"), "llama3-70b": (8192, 512, "h100-sxm"),
+                      "megatron-1t": (2048, 3072, "a100-80gb")}[preset]
+    model = (["model.arch=\"gpt2\"", "model.n_layers=128", "model.d_model=25600", "model.n_heads=160",
+              "model.vocab_size=51200", "model.max_seq_len=2048", "model.tie_embeddings=false"] if preset == "megatron-1t" else [f'model.preset="{preset}"'])
+    cfg = load_config(None, [*model, f"data.seq_len={seq}", f"train.global_batch={batch}"])
+    res = search(model_shape(cfg.model, seq), get_hardware(hw), int(gpus), seq, batch, STACKS["flopwise"], keep=10**6)
+    assert res.fitting > 0 and res.best.fits
+    for est in res.ranked[::max(1, len(res.ranked) // 700)]:
+        assert layout_of(layout_config(cfg, est.layout), int(gpus)) == est.layout

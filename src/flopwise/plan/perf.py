@@ -252,7 +252,12 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     peak = hw.peak("bf16") or hw.peak("fp16")
 
     # ---- memory (the worst pipeline rank)
-    loads = rank_loads(sh, lo, stack.balanced_stages)
+    loads_key = ("loads", lo.pp, lo.pp_schedule, lo.virtual_stages, lo.tp)
+    loads = cache.get(loads_key) if cache is not None else None
+    if loads is None:
+        loads = list(dict.fromkeys(rank_loads(sh, lo, stack.balanced_stages)))  # ranks alike count once
+        if cache is not None:
+            cache[loads_key] = loads
     shard = lo.dp_shard
     in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, n_micro, v)
     act_layer = activation_bytes_per_layer(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel,
