@@ -12,7 +12,9 @@ folder) is never taken as a checkpoint, and the newest one that does match is us
 
 Nothing user-supplied is unpickled. DCP's own reader `pickle.load`s `.metadata`, so `SafeReader`
 replaces that one call with an unpickler that only builds DCP's metadata classes (a planted
-pickle that names anything else is refused); tensors load with `weights_only=True`.
+pickle that names anything else is refused); tensors load with `weights_only=True`. DCP would
+load a "bytes" entry with `torch.load(weights_only=False)`: flopwise writes none, so metadata
+that declares one is refused, and every file the metadata reads must be in the manifest.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from flopwise.errors import CheckpointError
@@ -272,9 +274,12 @@ def verify(path: Path, checksums: bool = True) -> str | None:
             return f"{name} missing"
     if DCP_METADATA in files:
         try:
-            read_dcp_metadata(path)
+            md = read_dcp_metadata(path)
         except CheckpointError as e:
             return str(e).split(": ", 1)[-1]
+        unlisted = sorted({info.relative_path for info in (md.storage_data or {}).values()} - set(files))
+        if unlisted:
+            return f"{DCP_METADATA} reads {unlisted[0]!r}, which the manifest does not list"
     return None
 
 
@@ -323,8 +328,10 @@ def prune(run_dir: str | Path, keep: int) -> None:
 class _MetadataUnpickler(pickle.Unpickler):
     """Builds only what DCP's `.metadata` holds: its dataclasses, torch.Size, dtypes, layouts."""
 
+    # Not BytesStorageMetadata: DCP loads such an entry with torch.load(weights_only=False), i.e.
+    # unpickles bytes from the folder. flopwise writes tensors only, so a bytes entry is an attack.
     DCP = {("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
         "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
         ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
@@ -345,6 +352,10 @@ def read_dcp_metadata(path: Path) -> Metadata:
         raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} refused ({' '.join(str(e).split())[:200]})") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} is not DCP metadata")
+    for key, entry in (metadata.state_dict_metadata or {}).items():
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} stores {key!r} as {type(entry).__name__}, "
+                                  "which flopwise never writes (it would be unpickled); refused")
     for info in (metadata.storage_data or {}).values():
         if not _bare(getattr(info, "relative_path", None)):
             raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} points at "
@@ -396,6 +407,7 @@ def load(path: Path, model: Modules, optimizer: torch.optim.Optimizer | None = N
     """Load model (and optimizer) state into the given, already built and parallelized objects,
     whatever layout wrote it."""
     modules = _modules(model)
+    read_dcp_metadata(path)  # refused metadata says why, not "does not fit"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
