@@ -115,3 +115,26 @@ def test_the_cli_prints_one_line_and_exits_2(evil, tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout
     assert len((r.stderr + r.stdout).strip().splitlines()) == 1 and not marker.exists()
+
+
+def test_data_prepare_never_deletes_a_folder_that_is_not_its_own(tmp_path):
+    """`flopwise data prepare --out DIR` on a folder of someone's files refuses in one line and
+    leaves it as it was; --force replaces it; re-preparing its own output is allowed."""
+    src = tmp_path / "in.txt"
+    src.write_text("Some words to tokenize. " * 200)
+    precious = tmp_path / "thesis"
+    precious.mkdir()
+    (precious / "chapter1.tex").write_text("irreplaceable")
+    def cmd(out, *extra):
+        return [sys.executable, "-m", "flopwise", "data", "prepare", str(src), "--out", str(out), "--train-tokenizer", "300", *extra]
+
+    r = subprocess.run(cmd(precious), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--force" in r.stderr + r.stdout and "Traceback" not in r.stderr
+    assert (precious / "chapter1.tex").read_text() == "irreplaceable"
+    out = tmp_path / "prepared"
+    for _ in range(2):  # its own folder may be prepared again
+        r = subprocess.run(cmd(out), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert (out / "index.json").is_file()
+    r = subprocess.run(cmd(precious, "--force"), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and (precious / "index.json").is_file() and not (precious / "chapter1.tex").exists()

@@ -105,6 +105,7 @@ def data_prepare(
     train_tokenizer: int = typer.Option(4096, "--train-tokenizer", help="train a byte-level BPE of this vocab size"),
     val_fraction: float = typer.Option(0.05, "--val-fraction", min=0.0, max=0.99),
     seed: int = typer.Option(0, "--seed"),
+    force: bool = typer.Option(False, "--force", help="replace --out even if it is not a flopwise data folder"),
 ) -> None:
     """Tokenize text into token shards with an index and a train/val split by document."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
@@ -114,7 +115,7 @@ def data_prepare(
     spec = str(tokenizer) if tokenizer else f"bpe:{train_tokenizer}"
     with Progress(BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=console) as bar:
         task = bar.add_task("tokenize", total=None)
-        stats = prepare(inputs, out, tokenizer=spec, val_fraction=val_fraction, seed=seed,
+        stats = prepare(inputs, out, tokenizer=spec, val_fraction=val_fraction, seed=seed, force=force,
                         progress=lambda done, total: bar.update(task, completed=done, total=total))
     console.print(f"{stats.documents} documents, {stats.tokens:,} tokens (train {stats.splits['train']:,}, "
                   f"val {stats.splits['val']:,}), {stats.bytes:,} bytes in {stats.seconds:.1f} s "

@@ -115,10 +115,23 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
+def _replaceable(out: Path) -> bool:
+    """A folder prepare may replace: absent, empty, or a flopwise data folder (its index.json)."""
+    if not out.exists():
+        return True
+    if not out.is_dir():
+        return False
+    return not any(out.iterdir()) or (out / "index.json").is_file() and (out / "tokenizer.json").is_file()
+
+
 def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val_fraction: float = 0.05,
-            seed: int = 0, progress: Callable[[int, int], None] | None = None) -> PrepareStats:
-    """Tokenize `inputs` into `out`. Written to a temporary folder and renamed when complete."""
+            seed: int = 0, progress: Callable[[int, int], None] | None = None, force: bool = False) -> PrepareStats:
+    """Tokenize `inputs` into `out`. Written to a temporary folder and renamed when complete; an
+    existing `out` is replaced only if it is a flopwise data folder (or empty), unless `force`."""
     t0 = time.perf_counter()
+    if not force and not _replaceable(Path(out)):
+        raise DataError(f"--out {out}: exists and is not a flopwise data folder (no index.json + tokenizer.json); "
+                        "choose another folder or pass --force to replace it")
     docs = list(iter_documents(inputs))
     if not docs:
         raise DataError(f"data input {', '.join(inputs)}: contains no text")
@@ -171,8 +184,10 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
         "unigram_entropy_nats": float(-(probs * np.log(probs)).sum()),
     }
     (tmp / "index.json").write_text(json.dumps(meta))
-    if out.exists():
+    if out.is_dir():
         shutil.rmtree(out)
+    elif out.exists():
+        out.unlink()
     os.replace(tmp, out)
     return PrepareStats(len(docs), meta["counts"]["tokens"], total_bytes, time.perf_counter() - t0,
                         {s: e["tokens"] for s, e in index.items()})
