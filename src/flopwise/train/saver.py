@@ -89,7 +89,10 @@ class Saver:
         mtbf_h = (c.gpu_mtbf_hours or DEFAULT_GPU_MTBF_HOURS) / self.world
         step_s = statistics.median(step_times) if step_times else 1.0
         tau = daly_interval(write, mtbf_h * 3600)
-        self.every = max(1, round(tau / step_s))
+        every = [max(1, round(tau / step_s))]
+        if dist.is_initialized():  # every rank's own timings differ a little: rank 0's choice is everyone's
+            dist.broadcast_object_list(every, src=0)
+        self.every = every[0]
         source = f"cluster.gpu_mtbf_hours={c.gpu_mtbf_hours:g}" if c.gpu_mtbf_hours else "Llama 3's failure rate"
         self.console.print(f"[bold]checkpoint.interval=auto[/]: write {write:.3g} s, job MTBF {mtbf_h:,.3g} h "
                            f"({source} over {self.world} device(s)) -> Daly interval {tau:,.4g} s = "
