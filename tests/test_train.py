@@ -136,9 +136,21 @@ def test_keep_prunes_old_checkpoints(tiny_data, tmp_path):
 
 
 def test_checkpoint_of_another_shape_is_refused(tiny_data, tmp_path):
+    """Resuming another model is refused before anything loads, naming the key; so is a checkpoint
+    of other data. Keys that may change (steps, layout, LR) are reported, not refused."""
     run(tmp_path, tiny_data)
-    with pytest.raises(CheckpointError, match="does not fit"):
+    with pytest.raises(CheckpointError, match=r"another run \(model.n_layers=2 there, 3 here\)"):
         run(tmp_path, tiny_data, **{"model.n_layers": 3, "train.steps": 9})
+    with pytest.raises(CheckpointError, match=r"train.global_batch=8 there, 4 here"):
+        run(tmp_path, tiny_data, **{"train.global_batch": 4, "train.steps": 9})
+    other = tmp_path.parent / (tmp_path.name + "-other-data")
+    from flopwise.data.shards import prepare
+
+    prepare(["builtin:alice"], other, tokenizer=str(tiny_data / "tokenizer.json"))  # same tokenizer, other split
+    with pytest.raises(CheckpointError, match="other data"):
+        run(tmp_path, other, **{"train.steps": 9})
+    r = run(tmp_path, tiny_data, **{"train.steps": 9, "optim.min_lr": 1e-5})
+    assert r.steps == 9
 
 
 def test_vocab_smaller_than_tokenizer_is_a_config_error(tiny_data, tmp_path):

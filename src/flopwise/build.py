@@ -25,8 +25,8 @@ from torch import nn
 
 from flopwise.config import Config
 from flopwise.data.loader import TokenLoader
-from flopwise.data.shards import prepare, read_index, tokenizer_of
-from flopwise.errors import ConfigError
+from flopwise.data.shards import fingerprint, prepare, read_index, tokenizer_of
+from flopwise.errors import CheckpointError, ConfigError
 from flopwise.model.transformer import build_model
 from flopwise.parallel import mesh
 from flopwise.parallel.apply import parallelize
@@ -35,6 +35,7 @@ from flopwise.parallel.pipeline import split_stages
 from flopwise.plan.planner import resolve_layout
 from flopwise.train import checkpoint
 from flopwise.train.engine import Engine
+from flopwise.train.export import checkpoint_config
 from flopwise.train.guard import Guard
 from flopwise.train.optim import build_optimizer
 
@@ -52,6 +53,7 @@ class Run:
     index: dict  # the data folder's index.json
     tokenizer: Tokenizer
     guard: Guard
+    data_fingerprint: str = ""
     start_step: int = 0
     resumed_from: Path | None = None
     resumed_layout: dict | None = None
@@ -121,6 +123,36 @@ def _resume_point(cfg: Config, run_dir: Path, console: Console) -> Path | None:
     return found[0]
 
 
+# What a resumed run must share with the checkpoint: the model, the order and shape of its data.
+# Anything else (layout, steps, LR schedule tail, dtype, logging, ...) may change and is reported.
+FIXED_ON_RESUME = ("model.", "data.seq_len", "train.global_batch", "run.seed")
+NOT_COMPARED = ("model.preset", "model.init_from", "run.dir", "checkpoint.resume", "data.path")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def check_resumable(ckpt: Path, state: dict, cfg: Config, data_fp: str) -> list[str]:
+    """Refuse (one line naming the keys) a checkpoint of another model, data order or data; the
+    keys that changed but may, to report."""
+    saved = _flat(checkpoint_config(ckpt, state).model_dump(mode="json"))
+    now = _flat(cfg.model_dump(mode="json"))
+    changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k) and not k.startswith(NOT_COMPARED))
+    fixed = [k for k in changed if k.startswith(FIXED_ON_RESUME)]
+    if fixed:
+        diff = ", ".join(f"{k}={saved.get(k)!r} there, {now.get(k)!r} here" for k in fixed[:4])
+        raise CheckpointError(f"checkpoint {ckpt} is of another run ({diff}); resume with the same values, or start "
+                              "fresh with checkpoint.resume=none or another run.dir")
+    if state.get("data_fingerprint") not in (None, data_fp):
+        raise CheckpointError(f"checkpoint {ckpt} was trained on other data (data fingerprint differs from "
+                              "index.json here); point data.path at its data, or checkpoint.resume=none")
+    return changed
+
+
 def restore(run: Run, ckpt: Path, counters: bool = True) -> dict:
     """Model, optimizer, data position, RNG and guard window from a checkpoint into `run`; its
     state (counters=False: a rollback, whose guard keeps counting)."""
@@ -151,9 +183,13 @@ def build_run(cfg: Config, console: Console) -> Run:
     engine, optimizer = build_engine(cfg, par)
     loader = TokenLoader(data_dir, "train", cfg.data.seq_len, cfg.train.global_batch, cfg.run.seed,
                          dp_rank=par.rank("dp"), dp_size=par.layout.dp)
-    run = Run(cfg, par, engine, optimizer, loader, data_dir, index, tokenizer_of(data_dir), Guard(cfg.guard))
+    run = Run(cfg, par, engine, optimizer, loader, data_dir, index, tokenizer_of(data_dir), Guard(cfg.guard),
+              fingerprint(data_dir))
     run.resumed_from = _resume_point(cfg, run_dir, console)
     if run.resumed_from is not None:
+        changed = check_resumable(run.resumed_from, checkpoint.read_state(run.resumed_from), cfg, run.data_fingerprint)
+        if changed:
+            console.print(f"[bold]resume[/]: changed since the checkpoint: {escape(', '.join(changed))}", highlight=False)
         state = restore(run, run.resumed_from)
         run.start_step, run.resumed_layout = int(state["step"]), state.get("layout", {})
     return run

@@ -11,6 +11,7 @@ is in both. Readers check that every file agrees with the index before anything 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -113,6 +114,12 @@ class PrepareStats:
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def fingerprint(data_dir: str | Path) -> str:
+    """What identifies a prepared data folder's content (its index: documents, splits, counts and
+    the tokenizer's vocabulary size): the sha256 of index.json."""
+    return hashlib.sha256((Path(data_dir) / "index.json").read_bytes()).hexdigest()
 
 
 def _replaceable(out: Path) -> bool:

@@ -137,7 +137,7 @@ class _Loop:
     def snapshot(self) -> dict:
         run = self.run
         return {"loader": run.loader.state_dict(), "rng": checkpoint.rng_state(), "guard": run.guard.state_dict(),
-                "config": to_toml(self.cfg), "config_hash": config_hash(self.cfg),
+                "config": to_toml(self.cfg), "config_hash": config_hash(self.cfg), "data_fingerprint": run.data_fingerprint,
                 "layout": {**run.par.layout.to_json(), "world_size": run.par.layout.world}}
 
     def write(self, record: dict) -> None:
