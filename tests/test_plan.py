@@ -235,3 +235,13 @@ def test_every_layout_the_search_returns_passes_the_engines_validation(case):
     assert res.fitting > 0 and res.best.fits
     for est in res.ranked[::max(1, len(res.ranked) // 700)]:
         assert layout_of(layout_config(cfg, est.layout), int(gpus)) == est.layout
+
+
+def test_audit_calls_a_model_that_fits_no_layout_impossible():
+    """405B on 8 H100s cannot hold its weights and optimizer state in any layout (6.5 TB of model
+    state over 8 × 80 GB): impossible, with the memory figure, whatever time is claimed."""
+    v = audit_claim({"name": "claim", "preset": "llama3-405b", "hardware": "h100-sxm", "devices": 8, "days": 5000})
+    assert v.verdict == "impossible" and any("does not fit" in n and "GiB" in n for n in v.notes)
+    ok = audit_claim({"name": "claim", "preset": "llama3-8b", "hardware": "h100-sxm", "devices": 64, "days": 30,
+                      "tokens": 1e12})
+    assert ok.verdict == "plausible"

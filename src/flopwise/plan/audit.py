@@ -118,17 +118,22 @@ def audit_claim(claim: dict, predict: bool = True) -> Verdict:
     if predict and m is not None and hw is not None and n_dev:
         if not devices:
             notes.append(f"device count not published: the planner assumed {n_dev}")
-        predicted, layout = _predict(claim, n_dev, seq)
+        predicted, layout, why = _predict(claim, n_dev, seq)
+        if why:
+            notes.append(why)
     elif predict and hw is not None and not n_dev:
         missing.append("devices")
-    if implied is None:
+    no_fit = predict and layout is None and any(n.startswith("does not fit") for n in notes)
+    if no_fit:
+        verdict = "impossible"
+    elif implied is None:
         verdict = "underdetermined"
     elif implied > 1:
         verdict = "impossible"
     elif predicted is not None and implied > predicted * (1 + PLANNER_BAND):
         verdict = "optimistic"
-    elif predicted is None:
-        verdict = "underdetermined" if "devices" in missing else "plausible"
+    elif predicted is None:  # no planner figure to compare with (no devices, or the planner could not plan)
+        verdict = "underdetermined"
     else:
         verdict = "plausible"
     if flops and claim.get("stated_flops"):
@@ -137,7 +142,8 @@ def audit_claim(claim: dict, predict: bool = True) -> Verdict:
                    predicted, layout, verdict, missing, notes, claim.get("source", ""), claim.get("status", ""))
 
 
-def _predict(claim: dict, devices: int, seq: int) -> tuple[float | None, dict | None]:
+def _predict(claim: dict, devices: int, seq: int) -> tuple[float | None, dict | None, str]:
+    """(the planner's best MFU, its layout, why there is none)."""
     from flopwise.plan.planner import plan
 
     batch = claim.get("batch_tokens", seq * devices) / seq
@@ -148,10 +154,13 @@ def _predict(claim: dict, devices: int, seq: int) -> tuple[float | None, dict | 
     cfg = validate(tree)
     try:
         report = plan(cfg, {}, keep=1)
-    except ConfigError:
-        return None, None
+    except ConfigError as e:
+        return None, None, f"planner: {e}"
     best = report.best
-    return (best.mfu, best.layout.to_json()) if best.fits else (None, None)
+    if not best.fits:
+        return None, None, (f"does not fit: {int(devices)} × {claim['hardware']} cannot hold it in any layout "
+                            f"(closest: {best.reason})")
+    return best.mfu, best.layout.to_json(), ""
 
 
 def audit(claims: list[dict], predict: bool = True) -> list[Verdict]:
