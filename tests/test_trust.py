@@ -138,3 +138,34 @@ def test_data_prepare_never_deletes_a_folder_that_is_not_its_own(tmp_path):
     assert (out / "index.json").is_file()
     r = subprocess.run(cmd(precious, "--force"), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and (precious / "index.json").is_file() and not (precious / "chapter1.tex").exists()
+
+
+def test_retention_says_what_it_could_not_delete(tiny_data, tmp_path, monkeypatch):
+    cfg = load_config(None, tiny_overrides(tmp_path, tiny_data))
+    model = build_model(cfg.model, "cpu")
+    for step in (1, 2):
+        checkpoint.save(tmp_path, step, model, None, {"config": to_toml(cfg)})
+    real = checkpoint.shutil.rmtree
+
+    def rmtree(path, onerror=None, **kw):  # retention's deletions fail; other removals work
+        if onerror is None:
+            return real(path, **kw)
+        onerror(None, str(path), (PermissionError, PermissionError(13, "Permission denied"), None))
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
+    with pytest.warns(UserWarning, match="could not delete .*step-00000001.*Permission denied"):
+        checkpoint.save(tmp_path, 3, model, None, {"config": to_toml(cfg)}, keep=1)
+
+
+def test_hf_tensors_the_model_does_not_use_are_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from flopwise.config import ModelConfig
+    from flopwise.interop.hf import from_hf, to_hf
+
+    m = ModelConfig(n_layers=1, d_model=32, n_heads=4, vocab_size=64, max_seq_len=16)
+    to_hf(build_model(m, "cpu"), m, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({**tensors, "model.extra_adapter.weight": torch.zeros(2)}, tmp_path / "model.safetensors")
+    with pytest.warns(UserWarning, match="1 tensor.*ignored: model.extra_adapter.weight"):
+        from_hf(tmp_path)

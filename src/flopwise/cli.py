@@ -223,7 +223,10 @@ def scale_optimal(
         raise ConfigError("give exactly one of --flops or --gpu-hours (with --hardware and --mfu)")
     if flops is None:
         hw = get_hardware(hardware)
-        flops = gpu_hours * 3600 * hw.peak("bf16") * mfu
+        if not hw.peak_16bit:
+            raise ConfigError(f"--hardware {hw.name}: no 16-bit dense peak in the catalogue to turn --gpu-hours into "
+                              "FLOPs; choose an accelerator (e.g. h100-sxm) or give --flops")
+        flops = gpu_hours * 3600 * hw.peak_16bit * mfu
     allocs = []
     for name in law:
         fitted = load_law(name.split(":", 1)[1]) if name.startswith("fitted:") else None

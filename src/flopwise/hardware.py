@@ -44,6 +44,11 @@ class Hardware:
     def peak(self, dtype: str) -> float | None:
         return self.peak_flops.get(dtype)
 
+    @property
+    def peak_16bit(self) -> float | None:
+        """The dense 16-bit peak that planning and MFU are stated against: bf16, else fp16 (V100)."""
+        return self.peak("bf16") or self.peak("fp16")
+
 
 CATALOGUE: dict[str, Hardware] = {h.name: h for h in [
     Hardware("v100-32gb", {"fp16": 125e12, "fp32": 15.7e12}, 32 * GiB, 900 * GB, 150 * GB, 12.5 * GB, 8,

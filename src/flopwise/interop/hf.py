@@ -14,6 +14,7 @@ import contextlib
 import json
 import math
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,6 +217,10 @@ def load_hf_weights(modules: list[nn.Module], path: str | Path) -> None:
     plain = modules[0].module if hasattr(modules[0], "module") else modules[0]
     m = plain.cfg
     sources = _sources(m)
+    ignored = sorted(set(files) - {src.name for src in sources.values()})
+    if ignored:  # buffers (GPT-2's attention masks, rotary tables) or tensors of another architecture
+        warnings.warn(f"{path}: {len(ignored)} tensor(s) not used by a {m.arch} model are ignored: "
+                      f"{', '.join(ignored[:4])}{', ...' if len(ignored) > 4 else ''}", stacklevel=2)
     with contextlib.ExitStack() as stack:
         handles: dict[str, Any] = {}
         for module in modules:

@@ -95,7 +95,7 @@ def audit_claim(claim: dict, predict: bool = True) -> Verdict:
     flops = fpt * tokens if tokens else None
     missing = [] if tokens else ["tokens"]
     hw = get_hardware(claim["hardware"]) if "hardware" in claim else None
-    peak = (hw.peak("bf16") or hw.peak("fp16")) if hw else None
+    peak = hw.peak_16bit if hw else None
     if hw is None:
         missing.append("hardware")
     devices = claim.get("devices")

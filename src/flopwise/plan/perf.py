@@ -147,7 +147,7 @@ class LayerTimes:
 
 
 def layer_times(sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: int, cp: int, sp: bool) -> LayerTimes:
-    peak = hw.peak("bf16") or hw.peak("fp16")
+    peak = hw.peak_16bit
     tokens = mb * seq / cp
     h, hq, hkv, f = sh.d_model, sh.hq, sh.hkv, sh.ffn
     kv_local = hkv / tp if sh.n_kv_heads >= tp else sh.head_dim  # replicated kv heads when tp > n_kv
@@ -249,7 +249,7 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     m_cfg = sh.config
     n_micro = lo.microbatches(global_batch)
     v = lo.virtual_stages if lo.pp > 1 else 1
-    peak = hw.peak("bf16") or hw.peak("fp16")
+    peak = hw.peak_16bit
 
     # ---- memory (the worst pipeline rank)
     loads_key = ("loads", lo.pp, lo.pp_schedule, lo.virtual_stages, lo.tp)

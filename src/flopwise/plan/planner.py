@@ -27,7 +27,7 @@ DEFAULT_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022's rule of thumb, when plan
 def plan_hardware(cfg: Config) -> Hardware:
     cat = load_catalogue(cfg.cluster.hardware_file) if cfg.cluster.hardware_file else None
     hw = get_hardware(cfg.cluster.hardware, cat)
-    if not (hw.peak("bf16") or hw.peak("fp16")) or not hw.memory_bytes:
+    if not hw.peak_16bit or not hw.memory_bytes:
         raise ConfigError(f"cluster.hardware={hw.name}: no catalogue peak or memory to plan against; choose an "
                           "accelerator (e.g. cluster.hardware=h100-sxm) or add one with cluster.hardware_file")
     if cfg.cluster.gpus_per_node:
@@ -76,7 +76,7 @@ class PlanReport:
                       "flops_per_token": self.flops_per_token, "seq_len": self.cfg.data.seq_len,
                       "global_batch": self.cfg.train.global_batch},
             "hardware": {"name": hw.name, "gpus": gpus, "devices_per_node": hw.devices_per_node,
-                         "peak_bf16_flops": hw.peak("bf16") or hw.peak("fp16"), "memory_bytes": hw.memory_bytes,
+                         "peak_bf16_flops": hw.peak_16bit, "memory_bytes": hw.memory_bytes,
                          "memory_bw": hw.memory_bw, "intra_node_bw": hw.intra_node_bw,
                          "inter_node_bw": hw.inter_node_bw, "matmul_efficiency": hw.matmul_efficiency,
                          "source": hw.source},

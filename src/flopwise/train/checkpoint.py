@@ -319,10 +319,12 @@ def latest(run_dir: str | Path, verify_checksums: bool = True, report: Callable[
 def prune(run_dir: str | Path, keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints (never the newest one) and leftover
     .tmp folders of interrupted writes (no write is in flight when this runs)."""
-    for old in list_complete(run_dir)[:-max(1, keep)]:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in (Path(run_dir) / "checkpoints").glob("step-*.tmp"):
-        shutil.rmtree(stale, ignore_errors=True)
+    failed: list[str] = []
+    for old in [*list_complete(run_dir)[:-max(1, keep)], *(Path(run_dir) / "checkpoints").glob("step-*.tmp")]:
+        shutil.rmtree(old, onerror=lambda _fn, path, info: failed.append(f"{path} ({info[1]})"))
+    if failed:  # the new checkpoint is complete; say what could not be cleared, and go on
+        warnings.warn(f"checkpoint retention could not delete {failed[0]}" + (f" and {len(failed) - 1} more"
+                      if len(failed) > 1 else "") + "; free the space by hand", stacklevel=2)
 
 
 class _MetadataUnpickler(pickle.Unpickler):

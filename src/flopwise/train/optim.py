@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -31,15 +32,18 @@ def build_optimizer(model: nn.Module, o: OptimConfig, zero1_group=None) -> torch
     each rank steps 1/N of the parameters and broadcasts them)."""
     groups = param_groups(model, o.weight_decay)
     kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    for fused in ({"fused": True}, {"foreach": True}):
-        try:
-            if zero1_group is not None:
-                return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group,
-                                               **fused, **kwargs)
-            return torch.optim.AdamW(groups, **fused, **kwargs)
-        except (RuntimeError, TypeError):
-            continue
-    raise AssertionError("unreachable: foreach AdamW always builds")
+    try:
+        if zero1_group is not None:
+            return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group,
+                                           fused=True, **kwargs)
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    except (RuntimeError, TypeError) as e:
+        warnings.warn(f"fused AdamW is not available here ({str(e).splitlines()[0][:120]}); using foreach AdamW, "
+                      "whose non-finite skip reads the flag on the host (one sync per step)", stacklevel=2)
+    if zero1_group is not None:
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group,
+                                       foreach=True, **kwargs)
+    return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 
 def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:

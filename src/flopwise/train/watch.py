@@ -138,6 +138,12 @@ class Watch:
 
 
 def is_timeout(e: BaseException) -> bool:
-    """A collective that gave up waiting (a rank hung or died), as gloo and NCCL report it."""
+    """A collective that gave up waiting (a rank hung or died), as gloo and NCCL report it: their
+    distributed error types, or gloo's "Timed out waiting" / NCCL watchdog wording. Any other
+    error that merely mentions a timeout is not one."""
     text = str(e).lower()
-    return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text)
+    if isinstance(e, getattr(torch.distributed, "DistBackendError", ())):
+        return True
+    return isinstance(e, RuntimeError) and any(p in text for p in (
+        "timed out waiting", "collective operation timeout", "gloo timeout", "wait timeout", "connection closed by peer",
+        "connection reset by peer"))
