@@ -174,6 +174,18 @@ def eval_cmd(
     console.print(table)
 
 
+@app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             add_help_option=False)
+def lm_eval_cmd(ctx: typer.Context) -> None:
+    """lm-evaluation-harness with `--model flopwise` registered and the built-in tasks as flopwise_NAME."""
+    try:
+        from flopwise.eval.harness import main as harness_main
+    except ImportError:
+        from flopwise.errors import ConfigError
+        raise ConfigError("flopwise lm-eval needs lm-eval: pip install 'flopwise[lm-eval]'") from None
+    harness_main(list(ctx.args))
+
+
 @app.command()
 def generate(
     ckpt: Path = typer.Argument(..., help="a checkpoint folder or a run folder"),
