@@ -141,7 +141,7 @@ def evaluate_task(model, tokenizer, name: str, examples: list[Example], shots: i
     for (k, j), s, (_, cont) in zip(owners, scores, requests):
         per_example.setdefault(k, []).append((j, s, len(cont)))
     correct = correct_norm = 0
-    nll, ntok = 0.0, 0
+    nll, ntok, brier = 0.0, 0, 0.0
     for k, e in enumerate(examples):
         rows = per_example[k]
         if e.choices:
@@ -151,14 +151,18 @@ def evaluate_task(model, tokenizer, name: str, examples: list[Example], shots: i
             correct_norm += best_norm == e.gold
             gold = next(r for r in rows if r[0] == e.gold)
             nll, ntok = nll - gold[1][0], ntok + gold[2]
+            # Brier score of the choice distribution (softmax of the summed log-probabilities)
+            probs = torch.tensor([r[1][0] for r in sorted(rows)], dtype=torch.float64).softmax(0)
+            brier += float(((probs - torch.nn.functional.one_hot(torch.tensor(e.gold), len(rows))) ** 2).sum())
         else:
             (_, (lp, greedy), n), = rows
             correct += greedy
             nll, ntok = nll - lp, ntok + n
     n = len(examples)
     is_mc = examples[0].choices is not None
+    # nll: the correct answer's negative log-likelihood per example (Llama 3's continuous task metric)
     return {"task": name, "n": n, "acc": correct / n, "acc_norm": correct_norm / n if is_mc else None,
-            "ppl": math.exp(nll / ntok), "shots": shots}
+            "ppl": math.exp(nll / ntok), "nll": nll / n, "brier": brier / n if is_mc else None, "shots": shots}
 
 
 # --- building the shipped tasks from held-out text ---------------------------------------------
