@@ -56,3 +56,21 @@ def test_table_io_and_plot(tmp_path):
     (tmp_path / "bad.csv").write_text("name,flops\nx,1\n")
     with pytest.raises(DataError, match="needs columns"):
         read_task_table(tmp_path / "bad.csv")
+
+
+def test_cli_predict_task(tmp_path):
+    from typer.testing import CliRunner
+
+    from flopwise.cli import app
+
+    p = synthetic()
+    rows = ["name,flops,task,acc,nll,chance"] + [f"r{i},{c},t,{a},{n},0.25" for i, (c, a, n)
+                                                   in enumerate(zip(p.flops, p.acc, p.nll))]
+    (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
+    res = CliRunner().invoke(app, ["scale", "predict-task", str(tmp_path / "t.csv"), "--flops", "1e15",
+                                   "--out", str(tmp_path / "o"), "--bootstrap", "50"])
+    assert res.exit_code == 0, res.output
+    import json
+    rec = json.loads((tmp_path / "o" / "prediction.json").read_text())["tasks"]["t"]
+    assert rec["nll_interval_95"][0] <= np.exp(3.0) * 1e15 ** -0.08 <= rec["nll_interval_95"][1]
+    assert (tmp_path / "o" / "tasks.png").is_file()

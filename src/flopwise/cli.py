@@ -309,6 +309,34 @@ def scale_fit(
         console.print(f"plot: {p}")
 
 
+@scale_app.command("predict-task")
+def scale_predict_task(
+    table: Path = typer.Argument(..., help="CSV, one row per (run, task): name,flops,task,acc,nll[,chance]"),
+    flops: float = typer.Option(..., "--flops", help="training FLOPs of the run to predict"),
+    out: Path = typer.Option(Path("runs/predict-task"), "--out", help="folder for prediction.json and tasks.png"),
+    bootstrap: int = typer.Option(1000, "--bootstrap", min=10),
+) -> None:
+    """Llama 3's two-step task prediction (compute -> correct-answer NLL -> accuracy) and jaggedness flags."""
+    from flopwise.plan.taskfit import jaggedness, plot_tasks, predict_task, read_task_table
+
+    tasks = read_task_table(table)
+    preds = {name: predict_task(p, flops, bootstrap) for name, p in tasks.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"flops": flops, "table": str(table),
+              "tasks": {n: {**preds[n].to_json(), **jaggedness(tasks[n])} for n in tasks}}
+    (out / "prediction.json").write_text(json.dumps(record, indent=1))
+    png = plot_tasks(tasks, {n: p.law for n, p in preds.items()}, out)
+    t = Table(title=f"task prediction at {flops:.3g} FLOPs (both steps fitted on the ladder's own runs)")
+    for col in ("task", "NLL", "95% interval", "accuracy", "95% interval", "flags"):
+        t.add_column(col)
+    for n, p in preds.items():
+        flags = ",".join(k for k in ("jump", "inverse") if record["tasks"][n][k]) or "–"
+        t.add_row(n, f"{p.nll:.3f}", f"[{p.nll_interval[0]:.3f}, {p.nll_interval[1]:.3f}]", f"{p.acc:.3f}",
+                  f"[{p.acc_interval[0]:.3f}, {p.acc_interval[1]:.3f}]", flags)
+    console.print(t)
+    console.print(f"wrote {out / 'prediction.json'} and {png}")
+
+
 @scale_app.command("sweep")
 def scale_sweep(
     args: Optional[list[str]] = typer.Argument(None, help=ARGS_HELP + " (the base config)"),
