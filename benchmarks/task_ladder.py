@@ -3,8 +3,8 @@ larger held-out run's task scores (commit the prediction first), then train and 
 
     flopwise scale sweep demo 'data.tokenizer="bpe:512"' model.vocab_size=512 data.seq_len=128 \\
         model.max_seq_len=128 train.global_batch=16 train.micro_batch=16 train.eval_batches=32 \\
-        --budgets 1e11,2e11,4e11,8e11 --sizes 1 --spread 1 --law chinchilla-1 --out runs/task-ladder
-    python benchmarks/task_ladder.py predict --flops 1.6e12   # tasks.csv, prediction.json, tasks.png: commit
+        --budgets 1e11,2e11,4e11 --sizes 1 --spread 1 --law chinchilla-1 --out runs/task-ladder
+    python benchmarks/task_ladder.py predict --flops 8e11     # tasks.csv, prediction.json, tasks.png: commit
     python benchmarks/task_ladder.py holdout                  # trains it, writes outcome.json
 """
 
@@ -54,7 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("step", choices=["predict", "holdout"])
     ap.add_argument("--runs", default="runs/task-ladder")
-    ap.add_argument("--flops", type=float, default=1.6e12)
+    ap.add_argument("--flops", type=float, default=8e11)
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     base = load_config("demo", BASE)
