@@ -98,7 +98,8 @@ def test_k_shot_prompts_are_seeded_and_exclude_the_example():
 
 def test_shipped_tasks_are_what_the_builder_makes():
     shipped = builtin_tasks()
-    assert set(shipped) == {"alice-lastword", "enwiki-lastword", "alice-nextsent"}
+    assert set(shipped) == {"alice-lastword", "enwiki-lastword", "alice-nextsent", "shakespeare-cloze",
+                            "shakespeare-nextline", "shakespeare-speaker"}
     for name, records in shipped_task_records().items():
         lines = [json.loads(x) for x in shipped[name].read_text().splitlines()]
         assert lines == records and len(lines) >= 150
@@ -131,3 +132,18 @@ def test_tasks_cli_and_during_training(tiny_data, tmp_path):
     assert [o["task"] for o in out] == ["alice-lastword", "alice-nextsent"]
     assert all({"task", "n", "acc", "acc_norm", "ppl"} <= set(o) and o["n"] == 12 for o in out)
     assert out[0]["acc_norm"] is None and 0 <= out[1]["acc_norm"] <= 1
+
+
+def test_shakespeare_tasks_come_from_held_out_plays_only():
+    from flopwise.data.shards import iter_documents
+    from flopwise.eval.tasks import heldout_plays
+
+    plays = heldout_plays()
+    names = [src for src, text in iter_documents(["builtin:shakespeare"]) if text in plays]
+    assert [n.rsplit("/", 1)[-1] for n in names] == ["cymbeline_gut.txt", "julius_caesar_gut.txt", "winters_tale_gut.txt"]
+    held = "\n".join(plays)
+    for name in ("shakespeare-cloze", "shakespeare-nextline", "shakespeare-speaker"):
+        _, ex = load_task(name)
+        assert len(ex) == 300
+        for e in ex[:50]:  # the prompt's last line is verbatim held-out text
+            assert e.context.rstrip().rsplit("\n", 1)[-1] in held

@@ -175,6 +175,18 @@ def eval_cmd(
     console.print(table)
 
 
+@app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             add_help_option=False)
+def lm_eval_cmd(ctx: typer.Context) -> None:
+    """lm-evaluation-harness with `--model flopwise` registered and the built-in tasks as flopwise_NAME."""
+    try:
+        from flopwise.eval.harness import main as harness_main
+    except ImportError:
+        from flopwise.errors import ConfigError
+        raise ConfigError("flopwise lm-eval needs lm-eval: pip install 'flopwise[lm-eval]'") from None
+    harness_main(list(ctx.args))
+
+
 @app.command()
 def generate(
     ckpt: Path = typer.Argument(..., help="a checkpoint folder or a run folder"),
@@ -299,6 +311,34 @@ def scale_fit(
     console.print(f"Kaplan L(N, D): α_N={kap.alpha_n:.3f} α_D={kap.alpha_d:.3f} N_c={kap.n_c:.3g} D_c={kap.d_c:.3g}")
     for p in written:
         console.print(f"plot: {p}")
+
+
+@scale_app.command("predict-task")
+def scale_predict_task(
+    table: Path = typer.Argument(..., help="CSV, one row per (run, task): name,flops,task,acc,nll[,chance]"),
+    flops: float = typer.Option(..., "--flops", help="training FLOPs of the run to predict"),
+    out: Path = typer.Option(Path("runs/predict-task"), "--out", help="folder for prediction.json and tasks.png"),
+    bootstrap: int = typer.Option(1000, "--bootstrap", min=10),
+) -> None:
+    """Llama 3's two-step task prediction (compute -> correct-answer NLL -> accuracy) and jaggedness flags."""
+    from flopwise.plan.taskfit import jaggedness, plot_tasks, predict_task, read_task_table
+
+    tasks = read_task_table(table)
+    preds = {name: predict_task(p, flops, bootstrap) for name, p in tasks.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"flops": flops, "table": str(table),
+              "tasks": {n: {**preds[n].to_json(), **jaggedness(tasks[n])} for n in tasks}}
+    (out / "prediction.json").write_text(json.dumps(record, indent=1))
+    png = plot_tasks(tasks, {n: p.law for n, p in preds.items()}, out)
+    t = Table(title=f"task prediction at {flops:.3g} FLOPs (both steps fitted on the ladder's own runs)")
+    for col in ("task", "NLL", "95% interval", "accuracy", "95% interval", "flags"):
+        t.add_column(col)
+    for n, p in preds.items():
+        flags = ",".join(k for k in ("jump", "inverse") if record["tasks"][n][k]) or "–"
+        t.add_row(n, f"{p.nll:.3f}", f"[{p.nll_interval[0]:.3f}, {p.nll_interval[1]:.3f}]", f"{p.acc:.3f}",
+                  f"[{p.acc_interval[0]:.3f}, {p.acc_interval[1]:.3f}]", flags)
+    console.print(t)
+    console.print(f"wrote {out / 'prediction.json'} and {png}")
 
 
 @scale_app.command("sweep")

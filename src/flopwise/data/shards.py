@@ -131,6 +131,13 @@ def _replaceable(out: Path) -> bool:
     return not any(out.iterdir()) or (out / "index.json").is_file() and (out / "tokenizer.json").is_file()
 
 
+def val_documents(n_docs: int, val_fraction: float, seed: int) -> set[int]:
+    """Indices of the documents `prepare` puts in the val split (tasks built from held-out text use it)."""
+    order = np.random.default_rng(seed).permutation(n_docs)
+    n_val = math.ceil(val_fraction * n_docs) if val_fraction > 0 and n_docs > 1 else 0
+    return {int(i) for i in order[:min(n_val, n_docs - 1)]}
+
+
 def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val_fraction: float = 0.05,
             seed: int = 0, progress: Callable[[int, int], None] | None = None, force: bool = False) -> PrepareStats:
     """Tokenize `inputs` into `out`. Written to a temporary folder and renamed when complete; an
@@ -147,11 +154,8 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
     eos, vocab = eos_id(tok), tok.get_vocab_size()
     dtype = dtype_for_vocab(vocab)
 
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(len(docs))
-    n_val = math.ceil(val_fraction * len(docs)) if val_fraction > 0 and len(docs) > 1 else 0
-    n_val = min(n_val, len(docs) - 1)
-    split_of = {int(i): ("val" if k < n_val else "train") for k, i in enumerate(order)}
+    val = val_documents(len(docs), val_fraction, seed)
+    split_of = {i: ("val" if i in val else "train") for i in range(len(docs))}
 
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")

@@ -141,7 +141,7 @@ def evaluate_task(model, tokenizer, name: str, examples: list[Example], shots: i
     for (k, j), s, (_, cont) in zip(owners, scores, requests):
         per_example.setdefault(k, []).append((j, s, len(cont)))
     correct = correct_norm = 0
-    nll, ntok = 0.0, 0
+    nll, ntok, brier = 0.0, 0, 0.0
     for k, e in enumerate(examples):
         rows = per_example[k]
         if e.choices:
@@ -151,14 +151,18 @@ def evaluate_task(model, tokenizer, name: str, examples: list[Example], shots: i
             correct_norm += best_norm == e.gold
             gold = next(r for r in rows if r[0] == e.gold)
             nll, ntok = nll - gold[1][0], ntok + gold[2]
+            # Brier score of the choice distribution (softmax of the summed log-probabilities)
+            probs = torch.tensor([r[1][0] for r in sorted(rows)], dtype=torch.float64).softmax(0)
+            brier += float(((probs - torch.nn.functional.one_hot(torch.tensor(e.gold), len(rows))) ** 2).sum())
         else:
             (_, (lp, greedy), n), = rows
             correct += greedy
             nll, ntok = nll - lp, ntok + n
     n = len(examples)
     is_mc = examples[0].choices is not None
+    # nll: the correct answer's negative log-likelihood per example (Llama 3's continuous task metric)
     return {"task": name, "n": n, "acc": correct / n, "acc_norm": correct_norm / n if is_mc else None,
-            "ppl": math.exp(nll / ntok), "shots": shots}
+            "ppl": math.exp(nll / ntok), "nll": nll / n, "brier": brier / n if is_mc else None, "shots": shots}
 
 
 # --- building the shipped tasks from held-out text ---------------------------------------------
@@ -198,14 +202,92 @@ def build_next_sentence(text: str, n: int, seed: int, n_choices: int = 4) -> lis
     return items
 
 
+# In-domain tasks for the embedded corpus, from the plays the demo's train/val split holds out.
+
+_SPEAKER = re.compile(r"^[A-Z][A-Z ,'&-]*[A-Z]\.$")
+
+
+def speeches(text: str) -> list[tuple[str, list[str]]]:
+    """(speaker, verse lines) for each speech of a Gutenberg play: a block opened by 'NAME.'."""
+    out = []
+    for block in re.split(r"\n\s*\n", text.replace("\r", "")):
+        lines = [ln.strip() for ln in block.strip().split("\n")]
+        if len(lines) >= 2 and _SPEAKER.match(lines[0]):
+            verse = [ln for ln in lines[1:] if ln and not ln.startswith("[")]
+            if verse:
+                out.append((lines[0][:-1], verse))
+    return out
+
+
+def heldout_plays() -> list[str]:
+    """The Shakespeare documents in the val split of the embedded default (demo.toml's seed and fraction)."""
+    from flopwise.config import load_config
+    from flopwise.data.shards import iter_documents, val_documents
+
+    cfg = load_config("demo")
+    docs = list(iter_documents([cfg.data.path]))
+    return [docs[i][1] for i in sorted(val_documents(len(docs), cfg.data.val_fraction, cfg.run.seed))]
+
+
+def build_line_cloze(plays: list[str], n: int, seed: int) -> list[dict]:
+    """Cloze: a speech's speaker and first lines, and the last word of its last line held out."""
+    pool = [(who, verse) for play in plays for who, verse in speeches(play)
+            if len(verse[-1].split()) >= 4 and re.sub(r"[^\w'-]", "", verse[-1].split()[-1])]
+    items = []
+    for who, verse in sorted(random.Random(seed).sample(pool, min(n, len(pool)))):
+        words = verse[-1].split()
+        last = re.sub(r"[^\w'-]", "", words[-1])
+        items.append({"context": "\n".join([f"{who}.", *verse[-3:-1], " ".join(words[:-1])]),
+                      "target": " " + last})
+    return items
+
+
+def build_next_line(plays: list[str], n: int, seed: int, n_choices: int = 4) -> list[dict]:
+    """Multiple choice: the line that really follows within a speech, against lines of other speeches."""
+    lines = [(k, who, verse, i) for k, (who, verse) in enumerate(sp for play in plays for sp in speeches(play))
+             for i in range(len(verse) - 1)]
+    everyone = [verse[i] for _, _, verse, i in lines]
+    rng = random.Random(seed)
+    items = []
+    for k, who, verse, i in sorted(rng.sample(lines, min(n, len(lines)))):
+        wrong = rng.sample([x for x in everyone if x != verse[i + 1]], n_choices - 1)
+        gold = rng.randrange(n_choices)
+        choices = wrong[:gold] + [verse[i + 1]] + wrong[gold:]
+        items.append({"context": f"{who}.\n" + "\n".join(verse[max(0, i - 1):i + 1]),
+                      "choices": ["\n" + c for c in choices], "gold": gold})
+    return items
+
+
+def build_speaker(plays: list[str], n: int, seed: int, n_choices: int = 4) -> list[dict]:
+    """Multiple choice: who speaks next, given the two speeches before (choices: that play's speakers)."""
+    rng = random.Random(seed)
+    cases = []
+    for play in plays:
+        sp = speeches(play)
+        names = sorted({who for who, _ in sp})
+        cases += [(sp[i - 2:i], sp[i][0], names) for i in range(2, len(sp)) if len(names) >= n_choices]
+    items = []
+    for before, who, names in rng.sample(cases, min(n, len(cases))):
+        wrong = rng.sample([x for x in names if x != who], n_choices - 1)
+        gold = rng.randrange(n_choices)
+        choices = wrong[:gold] + [who] + wrong[gold:]
+        context = "".join(f"{w}.\n" + "\n".join(v[-2:]) + "\n\n" for w, v in before)
+        items.append({"context": context, "choices": [c + "." for c in choices], "gold": gold})
+    return items
+
+
 def shipped_task_records() -> dict[str, list[dict]]:
     """The built-in tasks exactly as shipped in corpus/tasks/ (a test regenerates and compares)."""
     root = Path(str(resources.files("flopwise") / "corpus" / "eval"))
     alice = (root / "alice29.txt").read_text(encoding="utf-8")
     wiki = (root / "enwiki-105-articles.txt").read_text(encoding="utf-8")
+    plays = heldout_plays()
     return {"alice-lastword": build_lastword(alice, 200, seed=1),
             "enwiki-lastword": build_lastword(wiki, 200, seed=2),
-            "alice-nextsent": build_next_sentence(alice, 200, seed=3)}
+            "alice-nextsent": build_next_sentence(alice, 200, seed=3),
+            "shakespeare-cloze": build_line_cloze(plays, 300, seed=4),
+            "shakespeare-nextline": build_next_line(plays, 300, seed=5),
+            "shakespeare-speaker": build_speaker(plays, 300, seed=6)}
 
 
 def write_shipped_tasks(out: Path) -> None:
