@@ -24,7 +24,7 @@ from flopwise.config import load_config
 from flopwise.eval.tasks import evaluate_task, load_task
 from flopwise.plan.taskfit import jaggedness, plot_tasks, predict_task, read_task_table
 from flopwise.train.sweep import plan_ladder, run_ladder
-from flopwise.train.trainer import load_for_inference
+from flopwise.eval.load import load_for_inference
 
 OUT = Path("benchmarks/scaling/tasks")
 TASKS = ["shakespeare-cloze", "shakespeare-nextline", "shakespeare-speaker"]

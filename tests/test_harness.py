@@ -16,7 +16,8 @@ from flopwise.config import load_config  # noqa: E402
 from flopwise.eval.harness import TASK_PREFIX, FlopwiseLM, write_task_yamls  # noqa: E402
 from flopwise.eval.tasks import evaluate_task, load_task  # noqa: E402
 from flopwise.interop.convert import export_hf  # noqa: E402
-from flopwise.train.trainer import load_for_inference, train  # noqa: E402
+from flopwise.eval.load import load_for_inference  # noqa: E402
+from flopwise.train.trainer import train  # noqa: E402
 
 from conftest import tiny_overrides  # noqa: E402
 

@@ -35,7 +35,7 @@ class FlopwiseLM(LM):
                  **_unused) -> None:
         super().__init__()
         from flopwise.data.tokenizer import eos_id
-        from flopwise.train.trainer import load_for_inference
+        from flopwise.eval.load import load_for_inference
 
         import torch
 
