@@ -359,6 +359,9 @@ def read_dcp_metadata(path: Path) -> Metadata:
             raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} stores {key!r} as {type(entry).__name__}, "
                                   "which flopwise never writes (it would be unpickled); refused")
     for info in (metadata.storage_data or {}).values():
+        if getattr(info, "transform_descriptors", None):  # DCP's stream transforms: flopwise writes none
+            raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} asks for stream transforms "
+                                  f"{info.transform_descriptors!r}, which flopwise never writes; refused")
         if not _bare(getattr(info, "relative_path", None)):
             raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} points at "
                                   f"{getattr(info, 'relative_path', None)!r}, outside the checkpoint folder")
