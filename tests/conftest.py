@@ -31,3 +31,18 @@ def tiny_overrides(run_dir, data_dir, **extra) -> list[str]:
     }
     base.update({k: v for k, v in extra.items()})
     return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture(scope="session")
+def tiny_mix(tiny_data, tmp_path_factory) -> str:
+    """A two-source mixture for data.sources: Alice (weight 0.7) and three Shakespeare plays
+    tokenized with Alice's tokenizer (0.3)."""
+    from flopwise.data.shards import prepare, resolve_input
+
+    plays = tmp_path_factory.mktemp("plays")
+    for f in sorted(resolve_input("builtin:shakespeare").iterdir())[:3]:
+        (plays / f.name).write_text(f.read_text()[:60_000])
+    out = tmp_path_factory.mktemp("data") / "plays"
+    prepare([str(plays)], out, tokenizer=str(tiny_data / "tokenizer.json"), val_fraction=0.34, seed=0)
+    return (f'[{{path="{tiny_data}", weight=0.7, name="alice"}}, '
+            f'{{path="{out}", weight=0.3, name="plays"}}]')

@@ -135,20 +135,22 @@ def test_loader_order_is_a_function_of_seed_and_epoch(tiny_data):
     assert (xa == xb).all() and not (xa == xc).all()
     # targets are inputs shifted by one inside the packed stream
     tokens = open_split(tiny_data, "train")
-    first = int(np.random.default_rng([1, 0]).permutation(a.n_windows)[0])
+    first = int(np.random.default_rng([1, 0]).permutation(a.streams[0].n_windows)[0])
     assert xa[0].tolist() == tokens[first * 32:first * 32 + 33].tolist()
 
 
 def test_loader_epochs_cover_every_window_once(tiny_data):
     loader = TokenLoader(tiny_data, "train", 32, 8, seed=0)
-    n = loader.n_windows
+    stream = loader.streams[0]
+    n = stream.n_windows
     seen = []
-    while loader.epoch == 0:
-        ids = loader._take_global()
-        seen.extend(ids.tolist())
+    while stream.epoch == 0:
+        pairs = loader._take_global()
+        assert (pairs[:, 0] == 0).all()
+        seen.extend(pairs[:, 1].tolist())
     first_epoch = seen[:n]
     assert sorted(first_epoch) == list(range(n))
-    assert loader.epoch == 1 and loader.cursor == (len(seen) - n)
+    assert stream.epoch == 1 and stream.cursor == (len(seen) - n)
 
 
 def test_dp_ranks_read_disjoint_slices_of_the_global_batch(tiny_data):

@@ -92,8 +92,11 @@ AUTO = {"parallel.layout": '"auto"', "cluster.hardware": '"h100-sxm"'}
 CHAIN_STEPS = 5  # zero3·dp4 steps 1-2 -> tp2·dp2 step 3 -> pp2·tp2·dp2 step 4 -> one process step 5
 
 
+MIX_LAYOUTS = {"dp2-zero3": {"parallel.zero": 3}, "pp2": {"parallel.pp": 2}}
+
+
 @pytest.fixture(scope="module")
-def runs(tiny_data, tmp_path_factory) -> dict:
+def runs(tiny_data, tiny_mix, tmp_path_factory) -> dict:
     """All launches, in order (the resharding chain runs through them); results by job name."""
     tmp = tmp_path_factory.mktemp("dist")
     chain = tmp / "chain"
@@ -109,8 +112,17 @@ def runs(tiny_data, tmp_path_factory) -> dict:
         return {"name": name, "kind": "reshard", "overrides": base(tmp / name, tiny_data, **{
             "checkpoint.resume": f'"{chain / "checkpoints" / "step-00000002"}"', **extra})}
 
+    def mix_jobs(name, **extra):
+        """A data mixture run whole, and the same run stopped after step 2 and resumed."""
+        kw = {"data.sources": tiny_mix, "train.steps": 4, "checkpoint.interval": 1, **extra}
+        return [job(f"mix-{name}-full", "losses", **kw),
+                {"name": f"mix-{name}-part", "kind": "losses", "overrides": base(tmp / f"mix-{name}-cut", tiny_data, **{
+                    **kw, "train.stop_after": 2})},
+                {"name": f"mix-{name}-rest", "kind": "losses", "overrides": base(tmp / f"mix-{name}-cut", tiny_data, **kw)}]
+
     launches = {
         2: [job(n, "losses", **x) for n, x in LAYOUTS[2].items()]
+        + [j for n, x in MIX_LAYOUTS.items() for j in mix_jobs(n, **x)]
         + [job(n, "losses", **x, **{"train.dtype": '"bf16"'}) for n, x in BF16.items()]
         + [job(f"memory-zero{z}", "memory", **MEMORY_MODEL, **{"parallel.zero": z, "train.micro_batch": 4}) for z in range(4)]
         + [job(n, "comm", **x, **{"train.micro_batch": 4 if "pp" not in n else 2, "train.global_batch": 8 if "tp" not in n else 4})
@@ -238,6 +250,16 @@ def test_resharding_chain_continues_the_run(runs, reference, tiny_data, tmp_path
     got = ok(runs["chain-zero3-dp4"])["losses"] + ok(runs["chain-tp2-dp2"])["losses"] + ok(runs["chain-pp2-tp2-dp2"])["losses"]
     last = single(chain, tiny_data, **{"train.steps": CHAIN_STEPS, "checkpoint.keep": 10}).losses
     assert got + last == pytest.approx(full, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", MIX_LAYOUTS)
+def test_mixture_resume_is_bitwise_under_the_layout(name, runs, tiny_data, tiny_mix, tmp_path):
+    """A two-source mixture stopped after step 2 and resumed gives the uninterrupted run's losses
+    bit for bit, and both equal one process's."""
+    full = ok(runs[f"mix-{name}-full"])["losses"]
+    assert ok(runs[f"mix-{name}-part"])["losses"] + ok(runs[f"mix-{name}-rest"])["losses"] == full
+    one = single(tmp_path, tiny_data, **{"data.sources": tiny_mix, "train.steps": 4}).losses
+    assert full == pytest.approx(one, rel=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["tp2-dp2", "pp2-tp2-dp2"])

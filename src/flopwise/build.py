@@ -24,8 +24,9 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from flopwise.config import Config
-from flopwise.data.loader import TokenLoader
-from flopwise.data.shards import fingerprint, prepare, read_index, tokenizer_of
+from flopwise.data.loader import Source, TokenLoader
+from flopwise.data.mixture import check_tokenizers, fingerprint
+from flopwise.data.shards import prepare, read_index, tokenizer_of
 from flopwise.errors import CheckpointError, ConfigError
 from flopwise.model.transformer import build_model
 from flopwise.parallel import mesh
@@ -49,8 +50,8 @@ class Run:
     engine: Engine
     optimizer: torch.optim.Optimizer
     loader: TokenLoader
-    data_dir: Path
-    index: dict  # the data folder's index.json
+    sources: list[Source]
+    index: dict  # the first source's index.json (its tokenizer is every source's)
     tokenizer: Tokenizer
     guard: Guard
     data_fingerprint: str = ""
@@ -67,24 +68,40 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def ensure_data(cfg: Config, run_dir: Path, console: Console) -> Path:
-    """A prepared data dir as given, or the raw input of data.path prepared under <run.dir>/data."""
-    d = cfg.data
-    given = Path(d.path)
-    if not d.path.startswith("builtin:") and (given / "index.json").exists():
+def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, console: Console) -> Path:
+    """A prepared data dir as given, or the raw input `path` prepared under `out` (kept while its
+    recipe is unchanged)."""
+    given = Path(path)
+    if not path.startswith("builtin:") and (given / "index.json").exists():
         return given
-    out = run_dir / "data"
-    recipe = {"inputs": [d.path], "tokenizer": d.tokenizer, "val_fraction": d.val_fraction, "seed": cfg.run.seed}
+    recipe = {"inputs": [path], "tokenizer": tokenizer, "val_fraction": cfg.data.val_fraction, "seed": cfg.run.seed}
     recipe_file = out / "recipe.json"
     if recipe_file.exists() and json.loads(recipe_file.read_text()) == recipe and (out / "index.json").exists():
         return out
-    console.print(f"[bold]preparing data[/] {d.path} -> {out} (tokenizer {d.tokenizer})")
-    stats = prepare([d.path], out, tokenizer=d.tokenizer, val_fraction=d.val_fraction, seed=cfg.run.seed)
+    console.print(f"[bold]preparing data[/] {path} -> {out} (tokenizer {tokenizer})")
+    stats = prepare([path], out, tokenizer=tokenizer, val_fraction=cfg.data.val_fraction, seed=cfg.run.seed)
     recipe_file.write_text(json.dumps(recipe))
     console.print(f"  {stats.documents} documents, {stats.tokens:,} tokens ({stats.splits['train']:,} train / "
                   f"{stats.splits['val']:,} val), {stats.bytes / 1e6:.1f} MB in {stats.seconds:.1f} s "
                   f"({stats.tokens_per_s / 1e3:.0f}k tokens/s)")
     return out
+
+
+def ensure_data(cfg: Config, run_dir: Path, console: Console) -> list[Source]:
+    """The mixture's sources as prepared data dirs. Raw inputs are prepared under <run.dir>/data
+    (one source) or <run.dir>/data-NAME; the first fixes the tokenizer (bpe:VOCAB is trained on it)
+    and every later raw source is tokenized with it."""
+    mixture = cfg.data.mixture
+    tokenizer = cfg.data.tokenizer
+    sources = []
+    for s in mixture:
+        out = run_dir / ("data" if len(mixture) == 1 else f"data-{s.label}")
+        d = _prepared(s.path, out, tokenizer, cfg, console)
+        if not sources:
+            tokenizer = str((d / read_index(d)["tokenizer"]).resolve())
+        sources.append(Source(s.label, d, s.weight))
+    check_tokenizers(sources)
+    return sources
 
 
 def build_parts(cfg: Config, par: mesh.Parallel) -> list[tuple[int, nn.Module]]:
@@ -172,19 +189,19 @@ def build_run(cfg: Config, console: Console) -> Run:
     par = mesh.init(cfg, resolve_device(cfg.train.device))
     if par.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        data_dir = ensure_data(cfg, run_dir, console)
+        sources = ensure_data(cfg, run_dir, console)
     mesh.barrier()
     if not par.is_main:
-        data_dir = ensure_data(cfg, run_dir, console)  # prepared by rank 0 by now
-    index = read_index(data_dir)
+        sources = ensure_data(cfg, run_dir, console)  # prepared by rank 0 by now
+    index = read_index(sources[0].data_dir)
     if index["vocab_size"] > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"{index['vocab_size']}; set model.vocab_size>={index['vocab_size']}")
     engine, optimizer = build_engine(cfg, par)
-    loader = TokenLoader(data_dir, "train", cfg.data.seq_len, cfg.train.global_batch, cfg.run.seed,
+    loader = TokenLoader(sources, "train", cfg.data.seq_len, cfg.train.global_batch, cfg.run.seed,
                          dp_rank=par.rank("dp"), dp_size=par.layout.dp)
-    run = Run(cfg, par, engine, optimizer, loader, data_dir, index, tokenizer_of(data_dir), Guard(cfg.guard),
-              fingerprint(data_dir))
+    run = Run(cfg, par, engine, optimizer, loader, sources, index, tokenizer_of(sources[0].data_dir),
+              Guard(cfg.guard), fingerprint(sources))
     run.resumed_from = _resume_point(cfg, run_dir, console)
     if run.resumed_from is not None:
         changed = check_resumable(run.resumed_from, checkpoint.read_state(run.resumed_from), cfg, run.data_fingerprint)

@@ -122,6 +122,38 @@ def data_prepare(
                   f"= {stats.tokens_per_s:,.0f} tokens/s -> {out}")
 
 
+@data_app.command("mix")
+def data_mix(
+    args: Optional[list[str]] = typer.Argument(None, help=ARGS_HELP),
+    tokens: Optional[float] = typer.Option(None, "--tokens", help="planned training tokens (default: the config's "
+                                           "train.steps × global_batch × seq_len)"),
+    as_json: bool = typer.Option(False, "--json", help="print a JSON list"),
+) -> None:
+    """A config's data mixture: tokens per source, and the epochs a planned run takes of each."""
+    from flopwise.build import ensure_data
+    from flopwise.data.mixture import EPOCH_WARNING, draws
+
+    cfg = _config(args)
+    planned = tokens if tokens is not None else cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len
+    rows = draws(ensure_data(cfg, Path(cfg.run.dir), Console(stderr=True)), planned)
+    if as_json:
+        typer.echo(json.dumps([r.__dict__ for r in rows], indent=1))
+        return
+    table = Table(title=f"data mixture for {_human(planned)} training tokens")
+    for col in ("source", "weight", "unique tokens", "documents", "drawn", "epochs", "effective tokens"):
+        table.add_column(col, justify="left" if col == "source" else "right", no_wrap=True)
+    for r in rows:
+        table.add_row(r.name, f"{r.share:.3f}", _human(r.unique_tokens), str(r.documents), _human(r.drawn_tokens),
+                      f"{r.epochs:.2f}", _human(r.effective_tokens))
+    console.print(table)
+    console.print(f"effective tokens {_human(sum(r.effective_tokens for r in rows))} of {_human(planned)} drawn "
+                  "(repeats discounted per source, Muennighoff et al. 2023)")
+    for r in rows:
+        if r.over_repeated:
+            console.print(f"[yellow]warning[/]: source {r.name!r} is seen {r.epochs:.1f} times (over {EPOCH_WARNING:g} "
+                          "epochs, repeats add little); lower its weight or add unique data")
+
+
 @app.command("eval")
 def eval_cmd(
     ckpt: Path = typer.Argument(..., help="a checkpoint folder or a run folder (its newest checkpoint)"),
@@ -219,7 +251,8 @@ def scale_optimal(
     law: list[str] = typer.Option(["chinchilla-3"], "--law", help="kaplan, chinchilla-1/2/3, epoch, fitted:FILE; "
                                   "repeat to compare"),
     inference_tokens: float = typer.Option(0.0, "--inference-tokens", help="lifetime inference tokens to serve"),
-    unique_tokens: Optional[float] = typer.Option(None, "--unique-tokens", help="unique training tokens available"),
+    unique_tokens: Optional[str] = typer.Option(None, "--unique-tokens", help="unique training tokens available: a "
+                                                "number, or prepared data dirs (comma-separated) to count"),
     vocab_size: int = typer.Option(32000, "--vocab-size"),
     seq_len: int = typer.Option(4096, "--seq-len", help="sequence length of the written config"),
     as_json: bool = typer.Option(False, "--json"),
@@ -239,10 +272,15 @@ def scale_optimal(
             raise ConfigError(f"--hardware {hw.name}: no 16-bit dense peak in the catalogue to turn --gpu-hours into "
                               "FLOPs; choose an accelerator (e.g. h100-sxm) or give --flops")
         flops = gpu_hours * 3600 * hw.peak_16bit * mfu
+    unique = None
+    if unique_tokens is not None:
+        from flopwise.data.mixture import parse_unique_tokens
+
+        unique = parse_unique_tokens(unique_tokens)
     allocs = []
     for name in law:
         fitted = load_law(name.split(":", 1)[1]) if name.startswith("fitted:") else None
-        allocs.append(allocate(flops, name, inference_tokens, unique_tokens, vocab_size, fitted))
+        allocs.append(allocate(flops, name, inference_tokens, unique, vocab_size, fitted))
     if out_config:
         from flopwise.plan.scaling import allocation_config
 

@@ -113,12 +113,44 @@ class ModelConfig(Section):
         return int(self.head_dim * self.rotary_pct)
 
 
+class SourceConfig(Section):
+    """One source of a weighted mixture (Llama 3, Gopher's MassiveText): its share of every batch."""
+
+    path: str = Field(..., description="prepared data dir (with index.json) or raw text input")
+    weight: float = Field(1.0, gt=0, description="relative share of sampled sequences (normalised over sources)")
+    name: str | None = Field(None, description="label in metrics and reports; default: the path's last part")
+
+    @property
+    def label(self) -> str:
+        return self.name or self.path.rstrip("/").split("/")[-1].split(":")[-1] or "data"
+
+
 class DataConfig(Section):
     path: str = Field("builtin:shakespeare", description="prepared data dir (with index.json) or raw text input")
+    sources: list[SourceConfig] = Field(default_factory=list, description="weighted mixture "
+                                        "[{path, weight, name}, ...]; empty: data.path alone, weight 1")
     tokenizer: str | None = Field(None, description="tokenizer.json path, or bpe:VOCAB to train one; default "
                                   "bpe:4096, or the tokenizer of model.init_from")
     seq_len: int = Field(256, ge=1)
     val_fraction: float = Field(0.05, ge=0, lt=1)
+    document_mask: bool = Field(False, description="attention stays inside each document of a packed window "
+                                "(Llama 3); documents end at EOS")
+    reset_positions: bool = Field(False, description="with document_mask: positions restart at 0 in every document")
+
+    @property
+    def mixture(self) -> list[SourceConfig]:
+        """The sources to sample from: data.sources, or data.path as the only one."""
+        return self.sources or [SourceConfig(path=self.path)]
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> "DataConfig":
+        labels = [s.label for s in self.sources]
+        dup = sorted({n for n in labels if labels.count(n) > 1})
+        if dup:
+            raise ValueError(f"data.sources: name {dup[0]!r} used twice; give each source its own name")
+        if self.reset_positions and not self.document_mask:
+            raise ValueError("data.reset_positions=true needs data.document_mask=true")
+        return self
 
 
 class TrainConfig(Section):

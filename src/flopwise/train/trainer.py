@@ -30,8 +30,9 @@ from rich.table import Table
 
 from flopwise.build import Run, build_run, restore
 from flopwise.config import Config, config_hash, to_toml
-from flopwise.data.loader import eval_batches
-from flopwise.errors import TrainingStopped
+from flopwise.data.loader import Source, eval_batches
+from flopwise.data.shards import read_index
+from flopwise.errors import DataError, TrainingStopped
 from flopwise.eval.generate import generate
 from flopwise.eval.tasks import evaluate_task, load_task
 from flopwise.flops import count_params, flops_per_token, mfu
@@ -69,12 +70,22 @@ class TrainResult:
     async_save_s: list[float] = field(default_factory=list)  # async: call to complete, in the background
 
 
-def evaluate(engine: Engine, data_dir: Path, cfg: Config) -> float:
-    """Mean loss over the first validation windows, in micro-batches (a pipeline evaluates
-    micro_batch × its number of micro-batches at a time)."""
+def evaluate(engine: Engine, sources: list[Source], cfg: Config) -> tuple[float, dict[str, float]]:
+    """Mean loss over the first validation windows of each source, in micro-batches (a pipeline
+    evaluates micro_batch × its number of micro-batches at a time); the mixture's loss is the
+    weight-averaged mean of the sources' that have a validation split (of one sequence or more)."""
     rows = cfg.train.micro_batch * (engine.n_micro if engine.schedule is not None else 1)
-    losses = [engine.eval_loss(b) for b in eval_batches(data_dir, cfg.data.seq_len, rows, cfg.train.eval_batches)]
-    return sum(losses) / len(losses)
+    if len(sources) > 1:
+        sources = [s for s in sources if read_index(s.data_dir)["splits"]["val"]["tokens"] > cfg.data.seq_len]
+        if not sources:
+            raise DataError(f"data.sources: no source has a validation split of one data.seq_len={cfg.data.seq_len} "
+                            "sequence; raise data.val_fraction (or give a source with more documents)")
+    by_source = {}
+    for s in sources:
+        losses = [engine.eval_loss(b) for b in eval_batches(s.data_dir, cfg.data.seq_len, rows, cfg.train.eval_batches)]
+        by_source[s.name] = sum(losses) / len(losses)
+    total = sum(s.weight for s in sources)
+    return sum(by_source[s.name] * s.weight / total for s in sources), by_source
 
 
 def train_step(run: Run, step: int, faults: Faults, watch: Watch | None = None) -> tuple[torch.Tensor, float]:
@@ -124,7 +135,7 @@ class _Loop:
         self.writer = MetricsWriter(self.run_dir, cfg.log.tensorboard) if par.is_main else None
         self.tasks = [load_task(t) for t in cfg.train.eval_tasks] if par.layout.world == 1 else []
         self.saver = Saver(cfg, self.run_dir, run.engine.parts, run.optimizer, self.snapshot,
-                           {"tokenizer.json": run.data_dir / run.index["tokenizer"]}, self.faults, console, par.layout.world)
+                           {"tokenizer.json": run.sources[0].data_dir / run.index["tokenizer"]}, self.faults, console, par.layout.world)
         self.saver.last = run.resumed_from
         self.watch = Watch(cfg.watchdog, self.run_dir, self.rank, par.device,
                            report=lambda m: console.print(m, highlight=False))
@@ -141,8 +152,9 @@ class _Loop:
                 "layout": {**run.par.layout.to_json(), "world_size": run.par.layout.world}}
 
     def write(self, record: dict) -> None:
+        """A metrics row; every row carries the tokens drawn from each source so far."""
         if self.writer is not None:
-            self.writer.write(record)
+            self.writer.write({**record, "tokens_by_source": self.run.loader.tokens_by_source()})
 
     def due(self, done: int) -> tuple[bool, bool]:
         """(evaluate, checkpoint) at step `done`; either, or a log step, is a sync point."""
@@ -178,7 +190,8 @@ class _Loop:
         self.tps = steps * self.tokens_per_step / max(now - t0, 1e-9)
         self.mfu = mfu(self.tps, self.fpt, self.peak)
         self.write({"step": done, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": self.tps, "mfu": self.mfu,
-                    "tokens": done * self.tokens_per_step, "step_time_s": (now - t0) / steps, **self.ranks})
+                    "tokens": done * self.tokens_per_step, "step_time_s": (now - t0) / steps,
+                    "epochs_by_source": self.run.loader.epochs_by_source(), **self.ranks})
         if not self.console.is_terminal:  # a log file gets lines, a terminal gets the live bar
             self.console.print(f"step {done}/{self.cfg.train.steps} loss {loss:.4f} lr {lr:.2e} grad_norm {norm:.3f} "
                                f"{self.tps:,.0f} tok/s MFU {100 * self.mfu:.1f}%", highlight=False)
@@ -198,21 +211,23 @@ class _Loop:
         n = max(cfg.guard.skip_batches, bad_step - back)
         ids = run.loader.skip(n)
         record = {"step": bad_step, "rolled_back_to": back, "reason": reason, "batches": n,
-                  "windows": ids.tolist(), "documents": run.loader.documents(ids)}
+                  "windows": {k: v.tolist() for k, v in run.loader.by_source(ids).items()},
+                  "documents": run.loader.documents(ids)}
         if run.par.is_main:
             with open(self.run_dir / "skipped.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
         self.write({"step": bad_step, "event": "rollback", "rolled_back_to": back, "skipped_batches": n})
         self.console.print(f"[yellow]guard[/]: step {bad_step}: {escape(reason)}; rolled back to step {back} and "
-                           f"skipped {n} batches ({len(record['documents'])} documents, listed in "
+                           f"skipped {n} batches ({sum(map(len, record['documents'].values()))} documents, listed in "
                            f"{self.run_dir / 'skipped.jsonl'})")
         self.window = (back, time.perf_counter())
         return back
 
     def evaluate(self, done: int) -> None:
         run = self.run
-        self.val_loss = evaluate(run.engine, run.data_dir, self.cfg)
-        self.write({"step": done, "val_loss": self.val_loss})
+        self.val_loss, by_source = evaluate(run.engine, run.sources, self.cfg)
+        self.write({"step": done, "val_loss": self.val_loss,
+                    **({"val_loss_by_source": by_source} if len(by_source) > 1 else {})})
         for name, examples in self.tasks:
             with autocast(run.par.device, self.cfg.train.dtype):
                 r = evaluate_task(run.engine.parts[0], run.tokenizer, name, examples, limit=self.cfg.train.eval_task_limit)
@@ -314,7 +329,7 @@ def _result(run: Run, loop: _Loop, preempted: int | None, seconds: float) -> Tra
             ids = generate(run.engine.parts[0], prompt, cfg.train.sample_tokens, temperature=0.8, top_k=50, seed=cfg.run.seed)
         sample = run.tokenizer.decode(prompt + ids)
     if loop.val_loss is None and run.start_step == loop.end and run.engine.can_eval:
-        loop.val_loss = evaluate(run.engine, run.data_dir, cfg)
+        loop.val_loss = evaluate(run.engine, run.sources, cfg)[0]
     final_loss = loop.losses[-1] if loop.losses else float("nan")
     return TrainResult(run_dir, loop.end, loop.end * loop.tokens_per_step, final_loss, loop.val_loss,
                        run.index["unigram_entropy_nats"], loop.tps, loop.mfu, loop.peak, loop.peak_source, seconds,
