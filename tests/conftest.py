@@ -46,3 +46,19 @@ def tiny_mix(tiny_data, tmp_path_factory) -> str:
     prepare([str(plays)], out, tokenizer=str(tiny_data / "tokenizer.json"), val_fraction=0.34, seed=0)
     return (f'[{{path="{tiny_data}", weight=0.7, name="alice"}}, '
             f'{{path="{out}", weight=0.3, name="plays"}}]')
+
+
+@pytest.fixture(scope="session")
+def tiny_docs(tiny_data, tmp_path_factory) -> Path:
+    """Alice cut into paragraphs (~1,000 short documents, most 32-token windows hold a boundary),
+    tokenized with Alice's tokenizer."""
+    import json
+
+    from flopwise.data.shards import prepare, resolve_input
+
+    paragraphs = [p for p in resolve_input("builtin:alice").read_text().split("\n\n") if p.strip()]
+    src = tmp_path_factory.mktemp("paragraphs") / "alice.jsonl"
+    src.write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
+    out = tmp_path_factory.mktemp("data") / "paragraphs"
+    prepare([str(src)], out, tokenizer=str(tiny_data / "tokenizer.json"), val_fraction=0.1, seed=0)
+    return out

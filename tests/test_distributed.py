@@ -93,10 +93,17 @@ CHAIN_STEPS = 5  # zero3·dp4 steps 1-2 -> tp2·dp2 step 3 -> pp2·tp2·dp2 step
 
 
 MIX_LAYOUTS = {"dp2-zero3": {"parallel.zero": 3}, "pp2": {"parallel.pp": 2}}
+# data.document_mask under every kind of split: documents ids travel to each pipeline stage and
+# are indexed by each context-parallel rank's true positions
+MASK = {"data.document_mask": "true", "data.reset_positions": "true"}
+MASK_LAYOUTS = {"dp2-zero3": {"parallel.zero": 3}, "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": "true"},
+                "cp2": {"parallel.cp": 2}, "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": '"1f1b"'},
+                "pp2-interleaved": {"parallel.pp": 2, "parallel.pp_schedule": '"interleaved-1f1b"',
+                                    "parallel.virtual_stages": 2}}
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_data, tiny_mix, tmp_path_factory) -> dict:
+def runs(tiny_data, tiny_mix, tiny_docs, tmp_path_factory) -> dict:
     """All launches, in order (the resharding chain runs through them); results by job name."""
     tmp = tmp_path_factory.mktemp("dist")
     chain = tmp / "chain"
@@ -123,6 +130,8 @@ def runs(tiny_data, tiny_mix, tmp_path_factory) -> dict:
     launches = {
         2: [job(n, "losses", **x) for n, x in LAYOUTS[2].items()]
         + [j for n, x in MIX_LAYOUTS.items() for j in mix_jobs(n, **x)]
+        + [{"name": f"mask-{n}", "kind": "losses", "overrides": base(tmp / f"mask-{n}", tiny_docs, **x, **MASK)}
+           for n, x in MASK_LAYOUTS.items()]
         + [job(n, "losses", **x, **{"train.dtype": '"bf16"'}) for n, x in BF16.items()]
         + [job(f"memory-zero{z}", "memory", **MEMORY_MODEL, **{"parallel.zero": z, "train.micro_batch": 4}) for z in range(4)]
         + [job(n, "comm", **x, **{"train.micro_batch": 4 if "pp" not in n else 2, "train.global_batch": 8 if "tp" not in n else 4})
@@ -260,6 +269,18 @@ def test_mixture_resume_is_bitwise_under_the_layout(name, runs, tiny_data, tiny_
     assert ok(runs[f"mix-{name}-part"])["losses"] + ok(runs[f"mix-{name}-rest"])["losses"] == full
     one = single(tmp_path, tiny_data, **{"data.sources": tiny_mix, "train.steps": 4}).losses
     assert full == pytest.approx(one, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def masked_reference(tiny_docs, tmp_path_factory) -> list[float]:
+    return single(tmp_path_factory.mktemp("masked"), tiny_docs, **MASK).losses
+
+
+@pytest.mark.parametrize("name", MASK_LAYOUTS)
+def test_document_mask_layout_matches_single_process(name, runs, masked_reference, tiny_docs, tmp_path):
+    assert ok(runs[f"mask-{name}"])["losses"] == pytest.approx(masked_reference, rel=1e-5)
+    unmasked = single(tmp_path, tiny_docs).losses  # the data has boundaries in its windows: the mask matters
+    assert unmasked != pytest.approx(masked_reference, rel=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["tp2-dp2", "pp2-tp2-dp2"])

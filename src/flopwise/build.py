@@ -117,9 +117,10 @@ def build_parts(cfg: Config, par: mesh.Parallel) -> list[tuple[int, nn.Module]]:
     return parts
 
 
-def build_engine(cfg: Config, par: mesh.Parallel) -> tuple[Engine, torch.optim.Optimizer]:
-    """This rank's parallelized model parts and their optimizer."""
-    engine = Engine(cfg, par, build_parts(cfg, par))
+def build_engine(cfg: Config, par: mesh.Parallel, eos_id: int | None = None) -> tuple[Engine, torch.optim.Optimizer]:
+    """This rank's parallelized model parts and their optimizer (`eos_id`: where documents end,
+    for data.document_mask)."""
+    engine = Engine(cfg, par, build_parts(cfg, par), eos_id)
     return engine, build_optimizer(engine.modules, cfg.optim, zero1_group(par))
 
 
@@ -197,7 +198,7 @@ def build_run(cfg: Config, console: Console) -> Run:
     if index["vocab_size"] > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"{index['vocab_size']}; set model.vocab_size>={index['vocab_size']}")
-    engine, optimizer = build_engine(cfg, par)
+    engine, optimizer = build_engine(cfg, par, index["eos_id"])
     loader = TokenLoader(sources, "train", cfg.data.seq_len, cfg.train.global_batch, cfg.run.seed,
                          dp_rank=par.rank("dp"), dp_size=par.layout.dp)
     run = Run(cfg, par, engine, optimizer, loader, sources, index, tokenizer_of(sources[0].data_dir),

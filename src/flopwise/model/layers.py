@@ -89,9 +89,10 @@ class AttnContext:
     k_pos: torch.Tensor  # (k,) absolute positions of the keys
     cos: torch.Tensor | None
     sin: torch.Tensor | None
-    mask: torch.Tensor | None  # bool (t, k) or float (h, t, k); None with is_causal
+    mask: torch.Tensor | None  # bool (t, k) / (b, 1, t, k), or float (h, t, k) / (b, h, t, k); None with is_causal
     is_causal: bool
     gather_kv: Callable[[torch.Tensor], torch.Tensor] | None = None  # context parallel: all ranks' K/V
+    pos_ids: torch.Tensor | None = None  # (t,) or (b, t): the positions RoPE and learned embeddings see
 
 
 class KVCache:

@@ -76,9 +76,13 @@ class Transformer(nn.Module):
             if hasattr(module, "reset_buffers"):
                 module.reset_buffers(device)
 
-    def context(self, start: int, t: int, device: torch.device) -> AttnContext:
+    def context(self, start: int, t: int, device: torch.device, documents: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> AttnContext:
         """Positions and mask for `t` new tokens after `start` cached ones (or this rank's tokens of
-        a context-parallel sequence, attending to the all-gathered keys)."""
+        a context-parallel sequence, attending to the all-gathered keys). `documents` (b, s) numbers
+        the document of every token of the whole sequence: attention then stays inside documents.
+        `positions` (b, s) replaces the absolute positions the embeddings see (e.g. restarting in
+        every document); masks and relative terms keep using the absolute ones."""
         m = self.cfg
         gather = None
         if self.cp is not None:
@@ -88,39 +92,48 @@ class Transformer(nn.Module):
         else:
             q_pos = torch.arange(start, start + t, device=device)
             k_pos = torch.arange(0, start + t, device=device)
+        pos_ids = q_pos if positions is None else positions[:, q_pos]
         cos = sin = None
         if m.pos == "rope":
-            cos, sin = self.rope_cos[q_pos], self.rope_sin[q_pos]
+            cos, sin = self.rope_cos[pos_ids], self.rope_sin[pos_ids]
+            if pos_ids.dim() == 2:  # per sequence: (b, t, r) -> (b, 1, t, r) against (b, h, t, d)
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         allowed = None
-        if m.sliding_window or start > 0 or gather is not None:
+        if m.sliding_window or start > 0 or gather is not None or documents is not None:
             allowed = k_pos[None, :] <= q_pos[:, None]
             if m.sliding_window:
                 allowed = allowed & (q_pos[:, None] - k_pos[None, :] < m.sliding_window)
+            if documents is not None:  # (b, 1, t, k): one mask per sequence, shared by the heads
+                same = documents[:, q_pos, None] == documents[:, None, k_pos]
+                allowed = (allowed & same).unsqueeze(1)
         if m.pos == "alibi":
             dist = (q_pos[:, None] - k_pos[None, :]).float()
             bias = -self.alibi[:, None, None] * dist
             keep = allowed if allowed is not None else (k_pos[None, :] <= q_pos[:, None])
-            return AttnContext(q_pos, k_pos, cos, sin, bias.masked_fill(~keep, float("-inf")), False, gather)
+            return AttnContext(q_pos, k_pos, cos, sin, torch.where(keep, bias, float("-inf")), False, gather, pos_ids)
         is_causal = allowed is None and m.pos != "relative"
         if m.pos == "relative" and allowed is None:
             allowed = k_pos[None, :] <= q_pos[:, None]
-        return AttnContext(q_pos, k_pos, cos, sin, allowed, is_causal, gather)
+        return AttnContext(q_pos, k_pos, cos, sin, allowed, is_causal, gather, pos_ids)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, documents: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (b, t) -> logits (b, t, vocab). A pipeline stage without the embedding takes the
-        previous stage's hidden states (b, t, d) instead, and one without the head returns them."""
+        previous stage's hidden states (b, t, d) instead, and one without the head returns them.
+        `documents` and `positions` (b, s), over the whole (not context-sharded) sequence: see
+        `context`; `document_ids` and `document_positions` make them from the tokens."""
         start = cache.pos if cache is not None else 0
         first = self.tok_embeddings is not None
         t = tokens.shape[1] * (1 if first else self.hidden_seq_div)
         full = t * (self.cp.size if self.cp is not None else 1)
         if start + full > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start + full} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        ctx = self.context(start, t, tokens.device)
+        ctx = self.context(start, t, tokens.device, documents, positions)
         h = tokens
         if first:
             h = self.tok_embeddings(tokens)
             if self.pos_embeddings is not None:
-                h = h + self.pos_embeddings(ctx.q_pos + self.cfg.pos_offset)
+                h = h + self.pos_embeddings(ctx.pos_ids + self.cfg.pos_offset)
             if self.embed_norm is not None:
                 h = self.embed_norm(h)
             h = self.dropout(h)
@@ -131,6 +144,20 @@ class Transformer(nn.Module):
         if self.output is None:
             return h
         return self.output(self.norm(h))
+
+
+def document_ids(tokens: torch.Tensor, eos: int) -> torch.Tensor:
+    """(b, s) tokens -> (b, s) index of each token's document in its window. EOS opens the document
+    after it (it plays BOS), so a packed document [EOS, x1, ..., xn] is seen as it would be alone."""
+    return (tokens == eos).cumsum(1)
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """(b, s) document ids -> each token's position inside its document (0 at its first token)."""
+    idx = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return idx - torch.where(starts, idx, 0).cummax(1).values
 
 
 def build_model(m: ModelConfig, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:

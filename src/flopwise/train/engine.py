@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
 from flopwise.config import Config
+from flopwise.model.transformer import document_ids, document_positions
 from flopwise.parallel.context import ContextParallel
 from flopwise.parallel.mesh import Parallel, all_mean
 from flopwise.parallel.pipeline import V_SHAPED, build_schedule
@@ -47,8 +48,11 @@ class Engine:
     `parts` are (stage id, parallelized module) pairs, one (0, model) without pipelining; each
     rank holds only its stages and shards of them (flopwise.build)."""
 
-    def __init__(self, cfg: Config, par: Parallel, parts: list[tuple[int, nn.Module]]):
+    def __init__(self, cfg: Config, par: Parallel, parts: list[tuple[int, nn.Module]], eos_id: int | None = None):
         self.cfg, self.par, self.device = cfg, par, par.device
+        if cfg.data.document_mask and eos_id is None:
+            raise ValueError("data.document_mask needs the data's EOS id to find document boundaries")
+        self.eos = eos_id if cfg.data.document_mask else None
         lo = par.layout
         self.local_batch = cfg.train.global_batch // lo.dp
         self.n_micro = self.local_batch // cfg.train.micro_batch
@@ -78,52 +82,63 @@ class Engine:
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return token_loss(logits, targets)
 
-    def _inputs(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _inputs(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Inputs and targets (this rank's context shard), and the model's keyword inputs: document
+        ids and positions over the whole sequence, with data.document_mask."""
         x, y = batch[:, :-1], batch[:, 1:]
+        extra = {}
+        if self.eos is not None:
+            docs = document_ids(x, self.eos)
+            extra["documents"] = docs.to(self.device)
+            if self.cfg.data.reset_positions:
+                extra["positions"] = document_positions(docs).to(self.device)
         if self.cp is not None:
             x, y = self.cp.shard(x), self.cp.shard(y)
-        return x.to(self.device), y.to(self.device)
+        return x.to(self.device), y.to(self.device), extra
 
     def forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
         """Backpropagate this rank's share of a global batch; returns the global mean loss."""
-        x, y = self._inputs(batch)
+        x, y, extra = self._inputs(batch)
         dtype = self.cfg.train.dtype
         with self._loss_ctx(), autocast(self.device, dtype):
             if self.schedule is not None:
-                local = self._pipeline(x, y, train=True)
+                local = self._pipeline(x, y, extra, train=True)
             else:
                 local = torch.zeros((), device=self.device)
                 model = self.parts[0]
-                micros = list(zip(x.split(self.cfg.train.micro_batch), y.split(self.cfg.train.micro_batch)))
-                for i, (xm, ym) in enumerate(micros):
-                    sync = i == len(micros) - 1 or not isinstance(model, DistributedDataParallel)
+                mb = self.cfg.train.micro_batch
+                for i in range(0, x.shape[0], mb):
+                    xm, ym = x[i:i + mb], y[i:i + mb]
+                    sync = i + mb >= x.shape[0] or not isinstance(model, DistributedDataParallel)
                     with contextlib.nullcontext() if sync else model.no_sync():
-                        loss = token_loss(model(xm), ym) * (xm.shape[0] / self.local_batch)
+                        logits = model(xm, **{k: v[i:i + mb] for k, v in extra.items()})
+                        loss = token_loss(logits, ym) * (xm.shape[0] / self.local_batch)
                         loss.backward()
                     local += _local(loss.detach())
         return all_mean(local, self.par)
 
-    def _pipeline(self, x: torch.Tensor, y: torch.Tensor, train: bool) -> torch.Tensor:
-        """Run the schedule; the mean micro-batch loss, shared from the last stage to every pp rank."""
+    def _pipeline(self, x: torch.Tensor, y: torch.Tensor, extra: dict[str, torch.Tensor], train: bool) -> torch.Tensor:
+        """Run the schedule; the mean micro-batch loss, shared from the last stage to every pp rank.
+        `extra` (document ids, positions) goes to every stage, cut into micro-batches like x."""
         losses: list[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
         args = (x,) if self.first else ()
         kwargs = {"target": y, "losses": losses} if self.last else {}
-        run(*args, **kwargs)
+        run(*args, **kwargs, **extra)
         local = torch.stack([_local(v.detach()) for v in losses]).mean() if self.last else torch.zeros((), device=self.device)
         dist.all_reduce(local, group=self.par.group("pp"))
         return local
 
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> float:
-        x, y = self._inputs(batch)
+        x, y, extra = self._inputs(batch)
         for m in self.parts:
             m.eval()
         with self._loss_ctx(), autocast(self.device, self.cfg.train.dtype):
             if self.schedule is not None:
-                local = self._pipeline(x, y, train=False)
+                local = self._pipeline(x, y, extra, train=False)
             else:
-                local = _local(token_loss(self.parts[0](x), y))
+                local = _local(token_loss(self.parts[0](x, **extra), y))
         for m in self.parts:
             m.train()
         return float(all_mean(local, self.par, "cp"))
