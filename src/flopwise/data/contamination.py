@@ -57,14 +57,20 @@ def _word_value(word: str) -> int:
     return int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "little") or 1
 
 
-def _window_hashes(values: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
-    """(hash of every m-word window, whether all its words are known) for one document's word values."""
-    count = len(values) - m + 1
-    h = np.zeros(count, dtype=np.uint64)
-    for i in range(m):
-        h += _MULTIPLIERS[i] * values[i:i + count]
+def _window_hashes(values: np.ndarray, lengths: Iterable[int]) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """(m, hash of every m-word window, whether all its words are known) for each length m of a
+    document's word values; the sums grow one word at a time, so all lengths cost as much as the longest."""
     unknown = np.concatenate(([0], np.cumsum(values == 0)))
-    return h, unknown[m:] == unknown[:count]
+    h = np.zeros(len(values), dtype=np.uint64)
+    done = 0
+    for m in sorted(lengths):
+        if m > len(values):
+            return
+        count = len(values) - m + 1
+        for i in range(done, m):
+            h = h[:count] + _MULTIPLIERS[i] * values[i:i + count]
+        done = m
+        yield m, h, unknown[m:] == unknown[:count]
 
 
 @dataclass
@@ -94,7 +100,7 @@ class TaskGrams:
             for w in ws:
                 self.values.setdefault(w, _word_value(w))
             m = min(n, len(ws))
-            h, _ = _window_hashes(self._values(ws), m)
+            (_, h, _), = _window_hashes(self._values(ws), [m])
             hashes, owners = pairs.setdefault(m, ([], []))
             hashes += h.tolist()
             owners += [k] * len(h)
@@ -110,12 +116,9 @@ class TaskGrams:
     def hits(self, ws: list[str]) -> dict[int, np.ndarray]:
         """For each gram length, the indices of the keys that occur in a document's normalized words
         (possibly repeated)."""
-        values = self._values(ws)
         out = {}
-        for m, g in self.grams.items():
-            if len(values) < m:
-                continue
-            h, known = _window_hashes(values, m)
+        for m, h, known in _window_hashes(self._values(ws), self.grams):
+            g = self.grams[m]
             h = h[known]
             pos = np.minimum(np.searchsorted(g.keys, h), len(g.keys) - 1)
             found = pos[g.keys[pos] == h]
