@@ -122,6 +122,8 @@ def test_short_n_and_bad_inputs(tmp_path):
         measure(str(tmp_path / "missing"), [load_task(str(task))])
     with pytest.raises(DataError, match="--n 0"):
         measure(str(tmp_path / "doc.txt"), [load_task(str(task))], n=0)
+    with pytest.raises(DataError, match="--tasks"):
+        measure(str(tmp_path / "doc.txt"), [])
 
 
 def test_datatrove_filter_drops_exactly_the_planted_documents(planted):

@@ -40,6 +40,7 @@ from flopwise.errors import DataError
 
 GPT3_N = 13
 _WORD = re.compile(r"[^\W_]+")  # \w minus the underscore: exactly the str.isalnum characters
+# one fixed odd 64-bit multiplier per word position of a gram (seeded: the same hashes in every process)
 _MULTIPLIERS = np.random.default_rng(2020).integers(0, 2**63, size=4096, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
 
 
@@ -54,6 +55,7 @@ def example_text(example) -> str:
 
 
 def _word_value(word: str) -> int:
+    """A word's 64-bit value, never 0: 0 marks training words that no example has."""
     return int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "little") or 1
 
 
@@ -87,6 +89,8 @@ class TaskGrams:
     def __init__(self, tasks: list[tuple[str, list[str]]], n: int = GPT3_N):
         if not 1 <= n <= len(_MULTIPLIERS):
             raise DataError(f"--n {n}: the n-gram length must be between 1 and {len(_MULTIPLIERS)} (GPT-3: 13)")
+        if not tasks:
+            raise DataError("--tasks: no task given; name built-in tasks or JSONL files, comma-separated")
         self.n = n
         self.names = [name for name, _ in tasks]
         self.sizes = [len(texts) for _, texts in tasks]
