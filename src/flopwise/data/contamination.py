@@ -91,7 +91,6 @@ class TaskGrams:
             raise DataError(f"--n {n}: the n-gram length must be between 1 and {len(_MULTIPLIERS)} (GPT-3: 13)")
         if not tasks:
             raise DataError("--tasks: no task given; name built-in tasks or JSONL files, comma-separated")
-        self.n = n
         self.names = [name for name, _ in tasks]
         self.sizes = [len(texts) for _, texts in tasks]
         self.values: dict[str, int] = {}
