@@ -154,6 +154,35 @@ def data_mix(
                           "epochs, repeats add little); lower its weight or add unique data")
 
 
+@data_app.command("contamination")
+def data_contamination(
+    data: str = typer.Argument(..., help="a prepared data folder (its train split) or raw inputs: a text file, "
+                               "folder, .jsonl, .parquet or builtin:NAME"),
+    tasks: str = typer.Option(..., "--tasks", help="comma-separated built-in task names or JSONL files"),
+    n: int = typer.Option(13, "--n", min=1, help="n-gram length in normalized words (GPT-3: 13)"),
+    as_json: bool = typer.Option(False, "--json", help='print [{"task", "examples", "contaminated", "share"}, ...]'),
+    ids_out: Optional[Path] = typer.Option(None, "--ids-out", help="write the contaminated example indices per task (JSON)"),
+) -> None:
+    """Which evaluation examples share an n-gram with the training data (GPT-3's 13-gram rule)."""
+    from flopwise.data.contamination import measure
+    from flopwise.eval.tasks import load_task
+
+    report = measure(data, [load_task(t.strip()) for t in tasks.split(",") if t.strip()], n)
+    if ids_out:
+        ids_out.write_text(json.dumps(dict(zip(report.tasks, report.contaminated)), indent=1))
+    if as_json:
+        typer.echo(json.dumps(report.rows(), indent=1))
+        return
+    table = Table(title=f"contamination of tasks by {data} ({n}-grams of normalized words)")
+    for col in ("task", "examples", "contaminated", "share"):
+        table.add_column(col, justify="left" if col == "task" else "right")
+    for r in report.rows():
+        table.add_row(r["task"], str(r["examples"]), str(r["contaminated"]), f"{r['share']:.1%}")
+    console.print(table)
+    console.print(f"{len(report.touched):,} of {report.documents:,} training documents contain a task n-gram; "
+                  f"{report.words:,} words ({report.bytes / 1e6:.1f} MB) scanned in {report.seconds:.1f} s")
+
+
 @app.command("eval")
 def eval_cmd(
     ckpt: Path = typer.Argument(..., help="a checkpoint folder or a run folder (its newest checkpoint)"),
@@ -164,6 +193,8 @@ def eval_cmd(
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="first N examples of each task"),
     as_json: bool = typer.Option(False, "--json"),
     batch: int = typer.Option(8, "--batch", min=1),
+    clean_against: Optional[str] = typer.Option(None, "--clean-against", help="training data (a prepared folder or "
+                                                "raw inputs): also score the examples without a 13-gram in it"),
 ) -> None:
     """Perplexity on a text file, or zero/few-shot tasks scored by log-likelihood."""
     from flopwise.data.shards import _read_text
@@ -176,7 +207,15 @@ def eval_cmd(
         raise ConfigError(f"give one of --text FILE or --tasks NAMES (built-in: {', '.join(builtin_tasks())})")
     if text is not None and not text.is_file():
         raise DataError(f"--text {text}: no such file")
+    if clean_against is not None and tasks is None:
+        raise ConfigError("--clean-against needs --tasks: it splits task examples into clean and contaminated")
     loaded = [load_task(t.strip()) for t in tasks.split(",") if t.strip()] if tasks else []
+    clean = [None] * len(loaded)
+    if clean_against is not None:
+        from flopwise.data.contamination import measure
+
+        dirty = measure(clean_against, loaded).contaminated
+        clean = [set(range(len(ex))) - set(d) for (_, ex), d in zip(loaded, dirty)]
     model, cfg, tok = load_for_inference(ckpt)
     if text is not None:
         result = text_loss(model, tok.encode(_read_text(text)).ids, cfg.data.seq_len, batch)
@@ -190,21 +229,25 @@ def eval_cmd(
 
     results = []
     with Progress(console=Console(stderr=True), transient=True) as bar:
-        for name, examples in loaded:
+        for (name, examples), keep in zip(loaded, clean):
             n = min(limit or len(examples), len(examples))
             task = bar.add_task(name, total=sum(len(e.choices or (1,)) for e in examples[:n]))
             results.append(evaluate_task(model, tok, name, examples, shots, seed, batch, limit,
-                                         progress=lambda k, t=task: bar.advance(t, k)))
+                                         progress=lambda k, t=task: bar.advance(t, k), clean=keep))
     if as_json:
         typer.echo(json.dumps(results, indent=1))
         return
     table = Table(title=f"{shots}-shot evaluation of {ckpt}")
-    for col in ("task", "n", "acc", "acc_norm", "ppl"):
+    extra = ("clean n", "clean acc", "clean acc_norm") if clean_against is not None else ()
+    for col in ("task", "n", "acc", "acc_norm", "ppl", *extra):
         table.add_column(col)
+    num = lambda x: "–" if x is None else f"{x:.3f}"  # noqa: E731
     for r in results:
-        table.add_row(r["task"], str(r["n"]), f"{r['acc']:.3f}", "–" if r["acc_norm"] is None else f"{r['acc_norm']:.3f}",
-                      f"{r['ppl']:.2f}")
+        cells = (str(r["clean_n"]), num(r["clean_acc"]), num(r["clean_acc_norm"])) if extra else ()
+        table.add_row(r["task"], str(r["n"]), num(r["acc"]), num(r["acc_norm"]), f"{r['ppl']:.2f}", *cells)
     console.print(table)
+    if extra:
+        console.print(f"[dim]clean: examples sharing no 13-gram of normalized words with {clean_against}[/]")
 
 
 @app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},

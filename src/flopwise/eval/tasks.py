@@ -17,7 +17,7 @@ import json
 import math
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -126,7 +126,10 @@ def score(model, requests: list[tuple[list[int], list[int]]], batch: int = 16,
 
 
 def evaluate_task(model, tokenizer, name: str, examples: list[Example], shots: int = 0, seed: int = 0,
-                  batch: int = 16, limit: int | None = None, progress=None) -> dict:
+                  batch: int = 16, limit: int | None = None, progress=None,
+                  clean: Collection[int] | None = None) -> dict:
+    """Scores of a task; with `clean` (indices of uncontaminated examples) also the clean subset's
+    `clean_n`, `clean_acc`, `clean_acc_norm`, from the same per-example results (GPT-3, Llama 2)."""
     examples = examples[:limit] if limit else examples
     contexts = with_shots(examples, shots, seed)
     enc = lambda text: tokenizer.encode(text).ids  # noqa: E731
@@ -140,29 +143,37 @@ def evaluate_task(model, tokenizer, name: str, examples: list[Example], shots: i
     per_example: dict[int, list] = {}
     for (k, j), s, (_, cont) in zip(owners, scores, requests):
         per_example.setdefault(k, []).append((j, s, len(cont)))
-    correct = correct_norm = 0
-    nll, ntok, brier = 0.0, 0, 0.0
+    outcomes = []  # per example: (correct, correct by acc_norm, gold NLL, gold tokens, Brier score)
     for k, e in enumerate(examples):
         rows = per_example[k]
         if e.choices:
             best = max(rows, key=lambda r: r[1][0])[0]
             best_norm = max(rows, key=lambda r: r[1][0] / max(1, len(e.choices[r[0]].encode())))[0]
-            correct += best == e.gold
-            correct_norm += best_norm == e.gold
             gold = next(r for r in rows if r[0] == e.gold)
-            nll, ntok = nll - gold[1][0], ntok + gold[2]
             # Brier score of the choice distribution (softmax of the summed log-probabilities)
             probs = torch.tensor([r[1][0] for r in sorted(rows)], dtype=torch.float64).softmax(0)
-            brier += float(((probs - torch.nn.functional.one_hot(torch.tensor(e.gold), len(rows))) ** 2).sum())
+            brier = float(((probs - torch.nn.functional.one_hot(torch.tensor(e.gold), len(rows))) ** 2).sum())
+            outcomes.append((best == e.gold, best_norm == e.gold, -gold[1][0], gold[2], brier))
         else:
             (_, (lp, greedy), n), = rows
-            correct += greedy
-            nll, ntok = nll - lp, ntok + n
-    n = len(examples)
+            outcomes.append((greedy, None, -lp, n, None))
     is_mc = examples[0].choices is not None
+    result = {"task": name, **_summary(outcomes, is_mc), "shots": shots}
+    if clean is not None:
+        kept = [o for k, o in enumerate(outcomes) if k in clean]
+        sub = _summary(kept, is_mc) if kept else {"acc": None, "acc_norm": None}
+        result.update(clean_n=len(kept), clean_acc=sub["acc"], clean_acc_norm=sub["acc_norm"])
+    return result
+
+
+def _summary(outcomes: list[tuple], is_mc: bool) -> dict:
+    n = len(outcomes)
+    nll = sum(o[2] for o in outcomes)
+    ntok = sum(o[3] for o in outcomes)
     # nll: the correct answer's negative log-likelihood per example (Llama 3's continuous task metric)
-    return {"task": name, "n": n, "acc": correct / n, "acc_norm": correct_norm / n if is_mc else None,
-            "ppl": math.exp(nll / ntok), "nll": nll / n, "brier": brier / n if is_mc else None, "shots": shots}
+    return {"n": n, "acc": sum(o[0] for o in outcomes) / n,
+            "acc_norm": sum(o[1] for o in outcomes) / n if is_mc else None, "ppl": math.exp(nll / ntok),
+            "nll": nll / n, "brier": sum(o[4] for o in outcomes) / n if is_mc else None}
 
 
 # --- building the shipped tasks from held-out text ---------------------------------------------
