@@ -64,3 +64,29 @@ def test_document_ids_and_positions():
     docs = document_ids(t, EOS)
     assert docs.tolist() == [[0, 0, 1, 1, 1, 1, 2, 2]]
     assert document_positions(docs).tolist() == [[0, 1, 0, 1, 2, 3, 0, 1]]
+
+
+def saved_bytes(model, x, **kw) -> int:
+    """Bytes autograd keeps for backward (distinct storages), measured with saved-tensor hooks."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x, **kw).float().sum()
+    return sum(seen.values())
+
+
+def test_planner_books_the_mask_the_engine_keeps():
+    """The planner's document-mask term (plan.memory) against the saved bytes the model adds."""
+    from flopwise.plan.memory import activation_bytes_per_layer
+
+    m = small("llama").model_copy(update={"n_layers": 3})
+    model = build_model(m, seed=0)
+    x = torch.randint(1, 97, (2, 48))
+    x[:, ::11] = EOS
+    added = saved_bytes(model, x, documents=document_ids(x, EOS)) - saved_bytes(model, x)
+    per_layer = activation_bytes_per_layer(m, 48, 2, mask_keys=48) - activation_bytes_per_layer(m, 48, 2)
+    assert added == m.n_layers * per_layer > 0

@@ -45,7 +45,7 @@ def model_state_bytes(psi: float, zero: int, shard: int, k: float = OPTIMIZER_BY
 
 def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: int = 1,
                                sequence_parallel: bool = False, recompute: str = "none",
-                               flash: bool = True, dropout: bool | None = None) -> float:
+                               flash: bool = True, dropout: bool | None = None, mask_keys: int = 0) -> float:
     """Bytes one transformer layer keeps for backward, for one micro-batch, on one device.
 
     Items (16-bit activations, 1-byte dropout masks):
@@ -54,8 +54,11 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
       split over tp: Q, K, V (2sb·(h_q + 2·h_kv)), the output projection's input (2sb·h_q), the MLP
         (GeLU/ReLU: 2 tensors of 2sbf; SwiGLU: 4 of 2sbf);
       attention scores (not with flash attention): softmax output 2·a·s²·b, plus its dropout mask
-        and output (a·s²·b + 2·a·s²·b) when dropout is on.
-    Selective recompute drops the score terms; full recompute keeps only the layer input 2sbh.
+        and output (a·s²·b + 2·a·s²·b) when dropout is on;
+      a document mask (data.document_mask, `mask_keys` = the keys each query sees, the whole
+        sequence under context parallel): SDPA keeps its own 16-bit copy of the (b, 1, s, keys)
+        mask per layer, 2·s·b·keys, not split over tp (one mask serves every head).
+    Selective recompute drops the score and mask terms; full recompute keeps only the layer input 2sbh.
     """
     s, b, h = seq, micro_batch, m.d_model
     sbh = s * b * h
@@ -70,7 +73,8 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
     scores = 0.0
     if not flash and recompute != "selective":
         scores = (2 + (3 if drop else 0)) * m.n_heads * s * s * b
-    return replicated / rep_div + (split + scores) / tp
+    mask = 2 * s * b * mask_keys if recompute == "none" else 0
+    return replicated / rep_div + (split + scores) / tp + mask
 
 
 def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:

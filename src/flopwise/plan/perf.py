@@ -105,9 +105,13 @@ class Shape:
     final_norm_params: int  # on the last stage, with the output matrix (a copy of the table when tied and pp > 1)
     model_flops_token: dict  # recompute -> FLOPs per token, at the planned seq_len
     config: ModelConfig
+    document_mask: bool = False  # data.document_mask: a (b, 1, s, s) mask instead of is_causal
 
 
-def model_shape(m: ModelConfig, seq_len: int) -> Shape:
+def model_shape(m: ModelConfig, seq_len: int, document_mask: bool = False) -> Shape:
+    """The step model's view of a model. A document mask changes no FLOP (the dense SDPA kernel
+    computes every score and the convention counts the full context anyway) but adds the mask to
+    each layer's saved activations (`activation_bytes_per_layer`)."""
     p = count_params(m)
     return Shape(
         n_layers=m.n_layers, d_model=m.d_model, hq=m.n_heads * m.head_dim, hkv=m.n_kv_heads * m.head_dim,
@@ -115,7 +119,8 @@ def model_shape(m: ModelConfig, seq_len: int) -> Shape:
         head_dim=m.head_dim, vocab=m.vocab_size, dropout=m.dropout > 0, relative=m.pos == "relative",
         window=m.sliding_window, params=p.total, layer_params=p.per_layer, embed_params=p.embed_side,
         final_norm_params=p.head_side - (0 if m.tie_embeddings else p.head_matmul),
-        model_flops_token={r: flops_per_token(m, seq_len, r) for r in ("none", "selective", "full")}, config=m)
+        model_flops_token={r: flops_per_token(m, seq_len, r) for r in ("none", "selective", "full")}, config=m,
+        document_mask=document_mask)
 
 
 def gemm_time(mm: float, kk: float, nn: float, hw: Hardware, peak: float, count: float = 1) -> float:
@@ -260,10 +265,11 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
             cache[loads_key] = loads
     shard = lo.dp_shard
     in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, n_micro, v)
+    keys = seq if sh.document_mask else 0
     act_layer = activation_bytes_per_layer(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel,
-                                           lo.recompute, flash=stack.flash_attention)
+                                           lo.recompute, flash=stack.flash_attention, mask_keys=keys)
     full_layer = activation_bytes_per_layer(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel,
-                                            "none", flash=stack.flash_attention)
+                                            "none", flash=stack.flash_attention, mask_keys=keys)
     tokens_mb = lo.micro_batch * seq / lo.cp
     logits = tokens_mb * sh.vocab / lo.tp * (2 + 4)  # 16-bit logits kept + fp32 softmax in the loss
     zero3_live = (2 * (2 + 4) * sh.layer_params / lo.tp) if lo.reshards_params else 0  # gathered layer + prefetch

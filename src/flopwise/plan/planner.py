@@ -98,7 +98,7 @@ def plan(cfg: Config, tree: dict[str, Any] | None = None, keep: int = 50) -> Pla
     """Search layouts for `cfg` on cluster.gpus devices of cluster.hardware."""
     hw = plan_hardware(cfg)
     seq, batch = cfg.data.seq_len, cfg.train.global_batch
-    sh = model_shape(cfg.model, seq)
+    sh = model_shape(cfg.model, seq, cfg.data.document_mask)
     fixed = fixed_keys(tree or {})
     result = search(sh, hw, cfg.cluster.gpus, seq, batch, STACKS[cfg.plan.stack], fixed, keep)
     if not result.ranked:
