@@ -24,8 +24,8 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from flopwise.config import Config
-from flopwise.data.loader import Source, TokenLoader
-from flopwise.data.mixture import check_tokenizers, fingerprint
+from flopwise.data.loader import TokenLoader
+from flopwise.data.mixture import Source, check_tokenizers, fingerprint
 from flopwise.data.shards import prepare, read_index, tokenizer_of
 from flopwise.errors import CheckpointError, ConfigError
 from flopwise.model.transformer import build_model

@@ -538,6 +538,10 @@ def _print_plan(report, top: int) -> None:
                       f"{r.cluster_mtbf_h:.2f} h; Young/Daly interval {r.interval_daly_s / 60:.0f} min; expected "
                       f"goodput {r.goodput:.1%}, {r.failures_expected:.0f} failures over the run")
         console.print(f"[dim]failure rate: {r.failure_source}[/]")
+    for d in report.data or []:
+        warn = " [yellow](over 4 epochs: repeats add little)[/]" if d.over_repeated else ""
+        console.print(f"data {d.name}: {_human(d.unique_tokens)} unique tokens, {d.share:.0%} of the run = "
+                      f"{d.epochs:.2f} epochs, {_human(d.effective_tokens)} effective{warn}")
     console.print(f"[dim]stack: {cfg.plan.stack}; memory keeps a {0.1:.0%} fit margin and a 1 GiB runtime reserve[/]")
 
 

@@ -13,25 +13,16 @@ degree continues the same stream with no sequence seen twice or skipped.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from flopwise.data.mixture import Source
 from flopwise.data.shards import open_split, read_index
 from flopwise.errors import DataError
 
 MIX_KEY = 0x6D6978  # "mix": keeps the batch-composition stream apart from the window orders
-
-
-@dataclass(frozen=True)
-class Source:
-    """One prepared data folder and its share of the sampled sequences."""
-
-    name: str
-    data_dir: Path
-    weight: float = 1.0
 
 
 class WindowStream:

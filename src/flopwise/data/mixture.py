@@ -13,13 +13,30 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from flopwise.data.loader import Source
 from flopwise.data.shards import fingerprint as folder_fingerprint
 from flopwise.data.shards import read_index
 from flopwise.errors import DataError
 from flopwise.plan.scaling import effective_tokens
 
 EPOCH_WARNING = 4.0  # Muennighoff et al. 2023: up to ~4 epochs of repeats are almost as good as new data
+
+
+@dataclass(frozen=True)
+class Source:
+    """One prepared data folder and its share of the sampled sequences."""
+
+    name: str
+    data_dir: Path
+    weight: float = 1.0
+
+
+def prepared_sources(cfg) -> list[Source] | None:
+    """The config's sources when every one is a prepared folder (raw inputs are counted only once
+    `flopwise data mix` or a run has prepared them); else None."""
+    dirs = [Path(s.path) for s in cfg.data.mixture]
+    if not all((d / "index.json").is_file() for d in dirs):
+        return None
+    return [Source(s.label, d, s.weight) for s, d in zip(cfg.data.mixture, dirs)]
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ class PlanReport:
     flops_per_token: int
     reliability: Reliability | None
     fixed: dict
+    data: list | None = None  # SourceDraw per source, when data.path / data.sources are prepared folders
 
     @property
     def best(self) -> Estimate | None:
@@ -85,6 +86,7 @@ class PlanReport:
             "layouts": layouts,
             "reliability": self.reliability.to_json() if self.reliability else None,
             "assumptions": assumptions(self.cfg.plan.stack),
+            "data": [d.__dict__ for d in self.data] if self.data else None,
         }
 
 
@@ -111,9 +113,13 @@ def plan(cfg: Config, tree: dict[str, Any] | None = None, keep: int = 50) -> Pla
         c = cfg.cluster
         rel = reliability(sh.params, c.gpus, tokens / best.tokens_per_s, c.storage_gbps_per_gpu, c.gpu_mtbf_hours,
                           c.restart_minutes)
+    from flopwise.data.mixture import draws, prepared_sources
+
+    sources = prepared_sources(cfg)
     return PlanReport(cfg=cfg, hardware=hw, result=result, tokens=tokens, params=sh.params,
                       non_embedding=count_params(cfg.model).non_embedding,
-                      flops_per_token=sh.model_flops_token["none"], reliability=rel, fixed=fixed)
+                      flops_per_token=sh.model_flops_token["none"], reliability=rel, fixed=fixed,
+                      data=draws(sources, tokens) if sources else None)
 
 
 def layout_config(cfg: Config, lo: Layout) -> Config:

@@ -30,7 +30,8 @@ from rich.table import Table
 
 from flopwise.build import Run, build_run, restore
 from flopwise.config import Config, config_hash, to_toml
-from flopwise.data.loader import Source, eval_batches
+from flopwise.data.loader import eval_batches
+from flopwise.data.mixture import Source
 from flopwise.data.shards import read_index
 from flopwise.errors import DataError, TrainingStopped
 from flopwise.eval.generate import generate
