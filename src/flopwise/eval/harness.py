@@ -22,7 +22,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from flopwise.eval.tasks import builtin_tasks, load_task, score
+from flopwise.eval.tasks import builtin_tasks, encode_pair, load_task, score
 
 TASK_PREFIX = "flopwise_"
 
@@ -51,7 +51,8 @@ class FlopwiseLM(LM):
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         # An empty context is conditioned on EOS, the document separator the model was trained with.
-        pairs = [(self._enc(ctx) or [self.eos], self._enc(cont)) for ctx, cont in (r.args for r in requests)]
+        pairs = [encode_pair(self.tok, ctx, cont) if ctx else ([self.eos], self._enc(cont))
+                 for ctx, cont in (r.args for r in requests)]
         return score(self.model, pairs, self.batch)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:

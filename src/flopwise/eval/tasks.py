@@ -125,6 +125,19 @@ def score(model, requests: list[tuple[list[int], list[int]]], batch: int = 16,
     return out
 
 
+def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """Token ids of a context and its continuation, split as lm-evaluation-harness splits them for
+    a causal model: the context's trailing whitespace moves to the continuation, the joined text is
+    encoded whole and cut after the context's tokens, so BPE pre-tokens at the boundary are those
+    of the joined text. flopwise eval, the `flopwise` lm-eval model and lm-eval's `hf` model on an
+    exported folder then score the same token sequences."""
+    n = len(context) - len(context.rstrip())
+    if n:
+        context, continuation = context[:-n], context[-n:] + continuation
+    ctx = tokenizer.encode(context).ids
+    return ctx, tokenizer.encode(context + continuation).ids[len(ctx):]
+
+
 def evaluate_task(model, tokenizer, name: str, examples: list[Example], shots: int = 0, seed: int = 0,
                   batch: int = 16, limit: int | None = None, progress=None,
                   clean: Collection[int] | None = None) -> dict:
@@ -132,12 +145,10 @@ def evaluate_task(model, tokenizer, name: str, examples: list[Example], shots: i
     `clean_n`, `clean_acc`, `clean_acc_norm`, from the same per-example results (GPT-3, Llama 2)."""
     examples = examples[:limit] if limit else examples
     contexts = with_shots(examples, shots, seed)
-    enc = lambda text: tokenizer.encode(text).ids  # noqa: E731
     requests, owners = [], []
     for k, (e, ctx) in enumerate(zip(examples, contexts)):
-        c = enc(ctx)
         for j, cont in enumerate(e.choices or (e.target,)):
-            requests.append((c, enc(cont)))
+            requests.append(encode_pair(tokenizer, ctx, cont))
             owners.append((k, j))
     scores = score(model, requests, batch, progress)
     per_example: dict[int, list] = {}
