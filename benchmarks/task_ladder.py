@@ -22,6 +22,7 @@ from rich.console import Console
 
 from flopwise.config import load_config
 from flopwise.eval.tasks import evaluate_task, load_task
+from flopwise.flops import scaling_flops
 from flopwise.plan.taskfit import jaggedness, plot_tasks, predict_task, read_task_table
 from flopwise.train.sweep import plan_ladder, run_ladder
 from flopwise.eval.load import load_for_inference
@@ -74,8 +75,8 @@ def main() -> None:
         runs = plan_ladder(base, [pred["flops"]], 1, 1.0, "chinchilla-1", "runs/task-ladder-holdout")
         run_ladder(base, runs, Path("runs/task-ladder-holdout"), Console())
         run = runs[0]
-        observed = evaluate_run(Path(run.config.run.dir), 6 * run.params * run.tokens)
-        outcome = {"run": run.name, "flops": 6 * run.params * run.tokens, "tasks": {}}
+        observed = evaluate_run(Path(run.config.run.dir), scaling_flops(run.params, run.tokens))
+        outcome = {"run": run.name, "flops": scaling_flops(run.params, run.tokens), "tasks": {}}
         for o in observed:
             p = pred["tasks"][o["task"]]
             outcome["tasks"][o["task"]] = {

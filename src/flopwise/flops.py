@@ -106,6 +106,17 @@ def param_shapes(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+def scaling_flops(params, tokens):
+    """Training compute as scaling laws count it, C = 6·N·D (Kaplan et al. 2020 §2.1, Hoffmann et al.
+    2022): the law's own N, no attention term. Numbers or numpy arrays."""
+    return 6 * params * tokens
+
+
+def scaling_tokens(flops, params):
+    """The D of C = 6·N·D: tokens a compute budget buys at N parameters."""
+    return flops / (6 * params)
+
+
 def attention_flops_per_token(m: ModelConfig, seq_len: int) -> int:
     """Forward FLOPs of the attention scores per token, all layers."""
     context = min(seq_len, m.sliding_window) if m.sliding_window else seq_len
@@ -132,6 +143,8 @@ def flops_per_step(m: ModelConfig, seq_len: int, global_batch: int, recompute: R
     return flops_per_token(m, seq_len, recompute) * seq_len * global_batch
 
 
-def mfu(tokens_per_s: float, flops_per_token_: float, peak_flops: float) -> float:
-    """Achieved model FLOP/s over the peak of all devices in use."""
-    return tokens_per_s * flops_per_token_ / peak_flops
+def mfu(tokens_per_s: float, flops_per_token_: float, peak_flops: float, devices: int = 1) -> float:
+    """THE utilisation: achieved FLOP/s (tokens/s × FLOPs per token) over the dense peak of the
+    `devices` in use (`peak_flops` per device). Model FLOPs per token give MFU; FLOPs with
+    recompute give HFU. The trainer, the planner and the auditor all call this."""
+    return tokens_per_s * flops_per_token_ / (devices * peak_flops)

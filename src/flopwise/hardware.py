@@ -9,7 +9,7 @@ Extend with a TOML file whose tables have the same field names (`load_catalogue`
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from flopwise.errors import ConfigError
@@ -89,6 +89,14 @@ def get_hardware(name: str, catalogue: dict[str, Hardware] | None = None) -> Har
     if name not in cat:
         raise ConfigError(f"cluster.hardware: unknown hardware {name!r} (known: {', '.join(cat)})")
     return cat[name]
+
+
+def cluster_hardware(cluster) -> Hardware:
+    """The accelerator a config's `cluster` section names: from cluster.hardware_file when given,
+    with cluster.gpus_per_node applied. The planner and the trainer's MFU both read it here."""
+    cat = load_catalogue(cluster.hardware_file) if cluster.hardware_file else None
+    hw = get_hardware(cluster.hardware, cat)
+    return replace(hw, devices_per_node=cluster.gpus_per_node) if cluster.gpus_per_node else hw
 
 
 def load_catalogue(path: str | Path) -> dict[str, Hardware]:

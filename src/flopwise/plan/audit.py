@@ -21,7 +21,7 @@ from typing import Any
 
 from flopwise.config import ModelConfig, parse_value, validate
 from flopwise.errors import ConfigError
-from flopwise.flops import count_params, flops_per_token
+from flopwise.flops import count_params, flops_per_token, mfu, scaling_flops
 from flopwise.hardware import get_hardware
 
 PLANNER_BAND = 0.10  # the planner's validated error on published throughput (tests/test_plan_validation.py)
@@ -86,7 +86,7 @@ def audit_claim(claim: dict, predict: bool = True) -> Verdict:
         params = count_params(m).total
         fpt = flops_per_token(m, seq)
     elif params is not None:
-        fpt = 6 * params
+        fpt = scaling_flops(params, 1)
         notes.append("no shape given (preset=...): FLOPs are 6·N per token, attention not counted")
     else:
         return Verdict(claim["name"], 0, None, None, None, None, "", None, None, "underdetermined",
@@ -102,11 +102,11 @@ def audit_claim(claim: dict, predict: bool = True) -> Verdict:
     implied, basis = None, ""
     if peak:
         if "tokens_per_s_per_device" in claim:
-            implied, basis = fpt * claim["tokens_per_s_per_device"] / peak, "tokens/s per device"
+            implied, basis = mfu(claim["tokens_per_s_per_device"], fpt, peak), "tokens/s per device"
         elif flops and "device_hours" in claim:
-            implied, basis = flops / (claim["device_hours"] * 3600 * peak), "device-hours"
+            implied, basis = mfu(tokens / (claim["device_hours"] * 3600), fpt, peak), "device-hours"
         elif flops and devices and "days" in claim:
-            implied, basis = flops / (devices * claim["days"] * 86400 * peak), "devices × days"
+            implied, basis = mfu(tokens / (claim["days"] * 86400), fpt, peak, devices), "devices × days"
         elif "stated_mfu" in claim:
             implied, basis = claim["stated_mfu"], "stated MFU"
         elif "tflops_per_device" in claim:
@@ -138,7 +138,7 @@ def audit_claim(claim: dict, predict: bool = True) -> Verdict:
         verdict = "plausible"
     if flops and claim.get("stated_flops"):
         notes.append(f"stated {claim['stated_flops']:.3g} FLOPs vs {flops:.3g} by the convention")
-    return Verdict(claim["name"], params, tokens, flops, 6 * params * tokens if tokens else None, implied, basis,
+    return Verdict(claim["name"], params, tokens, flops, scaling_flops(params, tokens) if tokens else None, implied, basis,
                    predicted, layout, verdict, missing, notes, claim.get("source", ""), claim.get("status", ""))
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from scipy.optimize import minimize
 
 from flopwise.errors import DataError
+from flopwise.flops import scaling_flops, scaling_tokens
 from flopwise.plan.scaling import ParametricLaw
 
 GRID = dict(alpha=np.arange(0, 2.01, 0.5), beta=np.arange(0, 2.01, 0.5), e=np.arange(-1, 1.01, 0.5),
@@ -36,7 +37,7 @@ class Points:
 
     @property
     def flops(self) -> np.ndarray:
-        return 6 * self.params * self.tokens
+        return scaling_flops(self.params, self.tokens)
 
     def subset(self, idx: np.ndarray) -> "Points":
         return Points(self.params[idx], self.tokens[idx], self.loss[idx])
@@ -63,7 +64,7 @@ def read_points(path: str | Path) -> Points:
         n = np.array([float(r["params"]) for r in rows])
         loss = np.array([float(r["loss"]) for r in rows])
         d = (np.array([float(r["tokens"]) for r in rows]) if "tokens" in rows[0]
-             else np.array([float(r["flops"]) for r in rows]) / (6 * n))
+             else scaling_tokens(np.array([float(r["flops"]) for r in rows]), n))
     except (TypeError, ValueError) as e:
         raise DataError(f"scale fit input {p}: non-numeric value ({e})") from None
     if (n <= 0).any() or (d <= 0).any() or (loss <= 0).any():

@@ -61,6 +61,25 @@ class Layout:
     def to_json(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_json(cls, d: dict) -> "Layout":
+        """From `to_json` output (a checkpoint's record may carry extra keys, e.g. world_size)."""
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+    def name(self, detail: bool = False) -> str:
+        """"pp2·dp2·tp2 zero3": the degrees above 1 ("single" for one process); with `detail` a
+        second line: sequence parallel, the schedule, the micro-batch and recompute (plot labels)."""
+        dims = [f"{k}{getattr(self, k)}" for k in ("pp", "dp", "cp", "tp") if getattr(self, k) > 1]
+        if self.dp_replicate > 1:
+            dims.append(f"hsdp{self.dp_replicate}")
+        out = ("·".join(dims) or "single") + (f" zero{self.zero}" if self.zero and self.dp > 1 else "")
+        if not detail:
+            return out
+        more = (["sp"] if self.sequence_parallel else [])
+        if self.pp > 1:
+            more.append(self.pp_schedule + (f"×{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        return out + "\n" + " ".join(more + [f"mb{self.micro_batch}", self.recompute])
+
 
 @lru_cache(maxsize=4096)
 def balanced_stages(n_layers: int, n_stages: int, block: float, first: float, last: float) -> tuple[int, ...]:

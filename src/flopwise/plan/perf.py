@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flopwise.config import ModelConfig
-from flopwise.flops import count_params, flops_per_token
+from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import Hardware
 from flopwise.plan.comm import dp_collectives, ring_time
 from flopwise.plan.layout import Layout, stage_ids, stage_sizes
@@ -328,7 +328,8 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     hw_f = sh.model_flops_token[lo.recompute] * tokens
     return Estimate(layout=lo, fits=fits, memory=best, time=time, step_time=step, tokens_per_s=tokens / step,
                     model_tflops=model_f / step / gpus / 1e12, hardware_tflops=hw_f / step / gpus / 1e12,
-                    mfu=model_f / (step * gpus * peak), hfu=hw_f / (step * gpus * peak), usable_memory=usable,
+                    mfu=mfu(tokens / step, sh.model_flops_token["none"], peak, gpus),
+                    hfu=mfu(tokens / step, sh.model_flops_token[lo.recompute], peak, gpus), usable_memory=usable,
                     reason="" if fits else f"needs {best['total'] / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable")
 
 

@@ -7,13 +7,13 @@ of them given, exactly that layout is evaluated.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from flopwise.flops import count_params
 from flopwise.config import Config, validate
 from flopwise.errors import ConfigError
-from flopwise.hardware import Hardware, get_hardware, load_catalogue
+from flopwise.hardware import Hardware, cluster_hardware
 from flopwise.plan.layout import Layout
 from flopwise.plan.perf import FIT_MARGIN, LINK_EFFICIENCY, MEM_EFFICIENCY, RUNTIME_RESERVE, STACKS, Estimate, model_shape
 from flopwise.plan.reliability import Reliability, reliability
@@ -25,13 +25,10 @@ DEFAULT_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022's rule of thumb, when plan
 
 
 def plan_hardware(cfg: Config) -> Hardware:
-    cat = load_catalogue(cfg.cluster.hardware_file) if cfg.cluster.hardware_file else None
-    hw = get_hardware(cfg.cluster.hardware, cat)
+    hw = cluster_hardware(cfg.cluster)
     if not hw.peak_16bit or not hw.memory_bytes:
         raise ConfigError(f"cluster.hardware={hw.name}: no catalogue peak or memory to plan against; choose an "
                           "accelerator (e.g. cluster.hardware=h100-sxm) or add one with cluster.hardware_file")
-    if cfg.cluster.gpus_per_node:
-        hw = replace(hw, devices_per_node=cfg.cluster.gpus_per_node)
     return hw
 
 

@@ -9,12 +9,6 @@ from flopwise.plan.perf import Estimate
 PARTS = ("params", "grads", "optimizer", "activations", "other")
 
 
-def layout_label(e: Estimate) -> str:
-    lo = e.layout
-    sched = f" {lo.pp_schedule}" + (f"×{lo.virtual_stages}" if lo.virtual_stages > 1 else "") if lo.pp > 1 else ""
-    return f"dp{lo.dp} tp{lo.tp} pp{lo.pp} cp{lo.cp}\nzero{lo.zero} mb{lo.micro_batch} {lo.recompute}{sched}"
-
-
 def plot_memory(estimates: list[Estimate], out: Path, title: str) -> Path:
     import matplotlib
 
@@ -29,7 +23,7 @@ def plot_memory(estimates: list[Estimate], out: Path, title: str) -> Path:
         ax.bar(xs, vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.axhline(estimates[0].usable_memory / 2**30, color="k", ls="--", lw=1, label="usable (after fit margin)")
-    ax.set_xticks(list(xs), [layout_label(e) for e in estimates], fontsize=7)
+    ax.set_xticks(list(xs), [e.layout.name(detail=True) for e in estimates], fontsize=7)
     ax.set_ylabel("GiB per device (worst pipeline stage)")
     ax.set_title(title)
     ax.legend(fontsize=8)

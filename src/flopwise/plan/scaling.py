@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from flopwise.errors import ConfigError
+from flopwise.flops import scaling_flops, scaling_tokens
 
 PF_DAY = 8.64e19  # FLOPs in one petaflop/s-day (Kaplan §2.1)
 
@@ -39,7 +40,7 @@ class ParametricLaw:
         """Closed-form optimum under C = 6ND (Hoffmann eq. 4): N_opt = G·(C/6)^a, D_opt = (C/6)^b / G."""
         g = (self.alpha * self.A / (self.beta * self.B)) ** (1 / (self.alpha + self.beta))
         n = g * (flops / 6) ** self.a
-        return n, flops / (6 * n)
+        return n, scaling_tokens(flops, n)
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class PowerLawAllocation:
 
     def frontier(self, flops: float) -> tuple[float, float]:
         n = self.k * (flops / self.flops_unit) ** self.a
-        return n, flops / (6 * n)
+        return n, scaling_tokens(flops, n)
 
 
 # Hoffmann et al. 2022 Table 3 (Approach 1) and Table A3 (Approach 2): (params, FLOPs).
@@ -158,7 +159,7 @@ def inference_aware(law: ParametricLaw, flops: float, inference_tokens: float) -
     def total(log_n: float) -> float:
         n = math.exp(log_n)
         d = tokens_for(n)
-        return 6 * n * d + 2 * n * inference_tokens if math.isfinite(d) else math.inf
+        return scaling_flops(n, d) + 2 * n * inference_tokens if math.isfinite(d) else math.inf
 
     # N below n_min cannot reach the target loss with any amount of data
     n_min = (law.A / (target - law.E)) ** (1 / law.alpha)
@@ -184,11 +185,11 @@ def data_constrained(law: ParametricLaw, flops: float, unique_tokens: float) -> 
 
     def loss(log_n: float) -> float:
         n = math.exp(log_n)
-        return law.loss(n, effective_tokens(flops / (6 * n), unique_tokens))
+        return law.loss(n, effective_tokens(scaling_tokens(flops, n), unique_tokens))
 
     log_n = _golden_min(loss, math.log(n0) - 6, math.log(n0) + 6)
     n = math.exp(log_n)
-    return n, flops / (6 * n)
+    return n, scaling_tokens(flops, n)
 
 
 # --- shape, batch, learning rate -------------------------------------------------------------
@@ -291,7 +292,7 @@ def allocate(flops: float, law_name: str = "chinchilla-3", inference_tokens: flo
         if pl is None:
             raise ConfigError("--inference-tokens needs a parametric loss law (chinchilla-3, epoch or fitted:FILE)")
         n, d = inference_aware(pl, flops, inference_tokens)
-        flops = 6 * n * d
+        flops = scaling_flops(n, d)
         notes.append(f"inference-aware: same loss as the compute-optimal model, {inference_tokens:.3g} inference "
                      f"tokens; training FLOPs become {flops:.3g}")
     if unique_tokens is not None and d > unique_tokens:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from flopwise.hardware import get_hardware
+from flopwise.hardware import Hardware
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -31,9 +31,8 @@ def measure_matmul_peak(dtype: str, device: torch.device, sizes=(1024, 2048), re
     return best
 
 
-def device_peak(hardware: str, dtype: str, device: torch.device) -> tuple[float, str]:
+def device_peak(hw: Hardware, dtype: str, device: torch.device) -> tuple[float, str]:
     """(peak FLOP/s, where it came from): the catalogue for a named accelerator, else measured."""
-    hw = get_hardware(hardware)
     peak = hw.peak(dtype)
     if peak and device.type != "cpu":
         return peak, f"{hw.name} {dtype} dense peak (catalogue)"

@@ -21,6 +21,7 @@ from rich.console import Console
 
 from flopwise.config import Config, to_toml, validate
 from flopwise.errors import ConfigError
+from flopwise.flops import scaling_flops, scaling_tokens
 from flopwise.plan.fit import load_law
 from flopwise.plan.scaling import choose_shape, get_law
 
@@ -55,7 +56,7 @@ def plan_ladder(base: Config, budgets: list[float], sizes: int, spread: float, l
             n = shape.non_embedding_params
             if any(r.budget == budget and r.params == n for r in runs):
                 continue  # tiny targets can round to the same shape
-            steps = max(1, round(budget / (6 * n) / tokens_per_step))
+            steps = max(1, round(scaling_tokens(budget, n) / tokens_per_step))
             name = f"C{budget:.0e}-N{n / 1e6:.3f}M".replace("+", "")
             tree = json.loads(base.model_dump_json(exclude_none=True))
             tree["run"].update(name=name, dir=str(out / name))
@@ -110,7 +111,7 @@ def collect(runs: list[LadderRun], out: Path) -> Path:
         w.writerow(["name", "budget", "params", "tokens", "flops", "loss"])
         for r in runs:
             if is_finished(r):
-                w.writerow([r.name, f"{r.budget:.6g}", r.params, r.tokens, 6 * r.params * r.tokens,
+                w.writerow([r.name, f"{r.budget:.6g}", r.params, r.tokens, scaling_flops(r.params, r.tokens),
                             f"{final_val_loss(r):.6f}"])
     return table
 

@@ -37,6 +37,8 @@ from flopwise.errors import DataError, TrainingStopped
 from flopwise.eval.generate import generate
 from flopwise.eval.tasks import evaluate_task, load_task
 from flopwise.flops import count_params, flops_per_token, mfu
+from flopwise.hardware import cluster_hardware
+from flopwise.plan.layout import Layout
 from flopwise.train import checkpoint
 from flopwise.train.engine import Engine, autocast
 from flopwise.train.faults import Faults, nan_grad, poison
@@ -128,7 +130,7 @@ class _Loop:
         self.run_dir = Path(cfg.run.dir)
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.fpt = flops_per_token(cfg.model, cfg.data.seq_len)
-        peak, self.peak_source = device_peak(cfg.cluster.hardware, cfg.train.dtype, par.device)
+        peak, self.peak_source = device_peak(cluster_hardware(cfg.cluster), cfg.train.dtype, par.device)
         self.peak = peak * par.layout.world  # MFU is over every device in the job
         self.end = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -286,7 +288,7 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
             kept = [r for r in read_metrics(metrics_path) if r["step"] <= run.start_step]
             metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         console.print(f"[bold]resumed[/] from {run.resumed_from} at step {run.start_step} "
-                      f"(written by layout {_layout_name(run.resumed_layout or {})})")
+                      f"(written by layout {Layout.from_json(run.resumed_layout or {}).name()})")
     elif par.is_main:
         metrics_path.unlink(missing_ok=True)
     if par.is_main:
@@ -298,7 +300,7 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
                   f"{par.device.type} {cfg.train.dtype}; MFU vs {loop.peak / 1e9:.0f} GFLOP/s ({loop.peak_source}"
                   f"{f' × {lo.world}' if lo.world > 1 else ''})")
     if lo.world > 1:
-        console.print(f"[bold]layout[/] {_layout_name(lo.to_json())} on {lo.world} processes "
+        console.print(f"[bold]layout[/] {lo.name()} on {lo.world} processes "
                       f"({dist.get_backend()}), {run.engine.n_micro} micro-batches of {cfg.train.micro_batch} per rank")
     try:
         with loop.watch, _progress(console) as bar:
@@ -336,15 +338,6 @@ def _result(run: Run, loop: _Loop, preempted: int | None, seconds: float) -> Tra
                        run.index["unigram_entropy_nats"], loop.tps, loop.mfu, loop.peak, loop.peak_source, seconds,
                        loop.saver.last, plot, sample, loop.losses, par.is_main, preempted, loop.watch.signal,
                        loop.saver.write_s, loop.saver.async_s)
-
-
-def _layout_name(layout: dict) -> str:
-    """"pp2·tp2·dp2 zero3" style: the degrees above 1 (one process: "single")."""
-    dims = [f"{k}{layout[k]}" for k in ("pp", "dp", "cp", "tp") if layout.get(k, 1) > 1]
-    if layout.get("dp_replicate", 1) > 1:
-        dims.append(f"hsdp{layout['dp_replicate']}")
-    name = "·".join(dims) or "single"
-    return name + (f" zero{layout['zero']}" if layout.get("zero") and layout.get("dp", 1) > 1 else "")
 
 
 def summary_table(r: TrainResult) -> Table:
