@@ -114,3 +114,18 @@ def test_hung_rank_dumps_stacks_times_out_and_the_restart_finishes(tiny_data, tm
     assert "step 5 has run" in (tmp_path / "hang-rank0.txt").read_text()
     assert "step-00000003 at step 3" in r.stdout
     assert hashes(checkpoint.latest(tmp_path)) == hashes(reference)
+
+
+def test_auto_interval_is_rank_0s_choice_when_ranks_time_differently(tiny_data, tmp_path):
+    """checkpoint.interval=auto from each rank's own timings: rank 1 is a straggler for the first
+    steps, so its median step time (and its Daly interval) differs from rank 0's. Rank 0 decides and
+    broadcasts: every rank saves at the same steps (a disagreement would be a collective mismatch)."""
+    slow = ",".join(f"slow:step={s}:rank=1:seconds=0.4" for s in range(1, 6))
+    r = launch(tmp_path, tiny_data, slow, restarts=0, port=29780, **{
+        "train.steps": 14, "checkpoint.interval": '"auto"', "checkpoint.keep": 20, "cluster.gpu_mtbf_hours": 0.002})
+    assert r.returncode == 0, r.stderr[-3000:]
+    [line] = [x for x in r.stdout.splitlines() if "checkpoint.interval=auto" in x]
+    every = int(line.split("every ")[1].split(" steps")[0].replace(",", ""))
+    saved = sorted(int(p.name[5:]) for p in (tmp_path / "checkpoints").iterdir())
+    assert saved == sorted({5, 14} | {s for s in range(6, 15) if s % every == 0})
+    assert all(checkpoint.verify(tmp_path / "checkpoints" / f"step-{s:08d}") is None for s in saved)
