@@ -37,7 +37,7 @@ Quality filters (`filters`), with the papers' thresholds:
 Deduplication (`dedup`):
   exact    hash (xxhash64) of the normalized text (lower case, no punctuation, normalized whitespace
            and digits); one copy of each cluster kept.
-  minhash  MinHash LSH over word 5-grams of the normalized text, 112 hashes = 14 bands x 8 rows:
+  minhash  MinHash LSH over word 5-grams of the normalized text (sha1-64 shingle hashes), 112 hashes = 14 bands x 8 rows:
            pairs are candidates with probability 1 - (1 - s^8)^14 at Jaccard s, the S-curve's
            threshold (1/14)^(1/8) ~= 0.72 (s = 0.9: 0.9996, s = 0.8: 0.92, s = 0.5: 0.054); clusters
            are connected components of candidate pairs, one document kept per cluster.
@@ -134,18 +134,24 @@ def _input_key(files: list[Path]) -> list:
 
 @contextmanager
 def _quiet(log: Path):
-    """datatrove's loguru logger writes every task's progress to stderr (fd 2, inherited by its
-    worker processes): sent to a log file while the executor runs."""
+    """datatrove's loguru logger writes every task's progress to stderr: to a log file instead while
+    the executor runs (fd 2 for its worker processes, sys.stderr and loguru's sinks in this one)."""
+    from loguru import logger
+
     sys.stderr.flush()
-    saved = os.dup(2)
-    with open(log, "ab") as f:
+    saved_fd, saved_stderr = os.dup(2), sys.stderr
+    with open(log, "a") as f:
         os.dup2(f.fileno(), 2)
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
+        sys.stderr = f
+        logger.remove()
+        logger.add(f, level="INFO")
+        try:
+            yield
+        finally:
+            logger.remove()  # the task loggers datatrove added, and ours
+            sys.stderr = saved_stderr
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
 
 
 def _run(stage: str, pipeline: list, tasks: int, workers: int, work: Path):
@@ -163,14 +169,19 @@ def _run(stage: str, pipeline: list, tasks: int, workers: int, work: Path):
                         f"see {work / 'datatrove.log'}, then rerun to resume") from None
 
 
-def _stage_stats(work: Path, stage: str):
-    """The sum over all tasks of one stage (including tasks finished by an earlier, killed run)."""
-    from datatrove.utils.stats import PipelineStats
-
-    total = PipelineStats()
+def _stage_stats(work: Path, stage: str) -> list[tuple[str, dict[str, int]]]:
+    """Per pipeline step, (name, {metric: total}) summed over all tasks of one stage, including
+    tasks finished by an earlier, killed run (datatrove's stats/RANK.json files)."""
+    steps: list[tuple[str, dict[str, int]]] = []
     for f in sorted((work / "logs" / stage / "stats").glob("*.json")):
-        total += PipelineStats.from_json(json.loads(f.read_text()))
-    return total
+        for k, step in enumerate(json.loads(f.read_text())):
+            if k == len(steps):
+                steps.append((step["name"], {}))
+            totals = steps[k][1]
+            for label, metric in step.get("stats", {}).items():
+                value = metric["total"] if isinstance(metric, dict) else metric
+                totals[label] = totals.get(label, 0) + int(value)
+    return steps
 
 
 def _filter_steps(filters: list[str], words) -> list:
@@ -263,12 +274,14 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
                                           MinhashDedupSignature)
     from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig
     from datatrove.pipeline.dedup.minhash import MinhashConfig
+    from datatrove.utils.hashing import HashConfig
 
     from flopwise.data.steps import OrdinalReader, ShardWriter, Tally, Whitespace, normalized_text
 
     words = Whitespace()
     exact_cfg = ExactDedupConfig(content_getter=normalized_text)
-    minhash_cfg = MinhashConfig(**MINHASH)
+    # sha1, not the default xxhash: datatrove hashes str shingles, which xxhash >= 3.5 refuses
+    minhash_cfg = MinhashConfig(**MINHASH, hash_config=HashConfig(precision=64, hash_fc="sha1"))
 
     def head(stage: str) -> list:
         """Reader, tally and quality filters (each followed by a tally): the same stream in every pass."""
@@ -351,12 +364,12 @@ def _report(work: Path, plan: dict, filters: list[str], filter_names: list[str],
     """Documents and bytes in, what each stage removed (with datatrove's per-rule drop reasons for
     the filters, clusters for the dedup stages), and what was kept: from the tokenize stage's
     stats summed over all tasks (the tallies sit after the reader and after every stage)."""
-    stats = _stage_stats(work, "tokenize").stats
-    tallies = [st for st in stats if "tally" in st.name]
-    stages = [st for st in stats if "tally" not in st.name][1:-1]  # without reader and writer
+    stats = _stage_stats(work, "tokenize")
+    tallies = [totals for name, totals in stats if "tally" in name]
+    stages = [totals for name, totals in stats if "tally" not in name][1:-1]  # without reader and writer
 
-    def count(st, label: str) -> int:
-        return int(st.stats[label].total) if label in st.stats else 0
+    def count(totals: dict[str, int], label: str) -> int:
+        return totals.get(label, 0)
 
     rows = []
     for k, (name, st) in enumerate(zip(filter_names + dedup_names, stages)):
@@ -365,15 +378,17 @@ def _report(work: Path, plan: dict, filters: list[str], filter_names: list[str],
                "documents_removed": count(before, "documents") - count(after, "documents"),
                "bytes_removed": count(before, "bytes") - count(after, "bytes")}
         if name in filter_names:
-            row["rules"] = {label.removeprefix("dropped_"): int(m.total) for label, m in sorted(st.stats.items())
+            row["rules"] = {label.removeprefix("dropped_"): n for label, n in sorted(st.items())
                             if label.startswith("dropped_")}
-            if name == "c4":
+            if name == "c4":  # C4 also drops lines from the documents it keeps
                 row["bytes_removed_with_lines"] = row.pop("bytes_removed")
+                row["lines"] = {label.removeprefix("line-"): n for label, n in sorted(st.items())
+                                if label.startswith("line-")}
         elif name == "exact":
             row["clusters"] = count(after, "clusters")
         else:
-            cluster = _stage_stats(work, "minhash-cluster").stats
-            row["clusters"] = count(cluster[0], "clusters") if cluster else 0
+            cluster = _stage_stats(work, "minhash-cluster")
+            row["clusters"] = count(cluster[0][1], "clusters") if cluster else 0
         rows.append(row)
     first, last = tallies[0], tallies[-1]
     return {"documents_in": count(first, "documents"), "bytes_in": count(first, "bytes"), "stages": rows,

@@ -6,8 +6,8 @@ These run inside datatrove's worker processes, so they hold only picklable setti
 and open their files in `run`.
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: datatrove picks exact dedup's hash function from the
+# content getter's return annotation, which must be a type, not a string
 import json
 import os
 import re
@@ -160,7 +160,8 @@ class Whitespace(WordTokenizer):
         return [text[a:b].strip() for a, b in self.span_tokenize(text)]
 
 
-def normalized_text(doc: Document) -> str:
+def normalized_text(doc: Document) -> bytes:
     """What exact deduplication hashes: the text lower-cased, punctuation removed, whitespace and
-    digits normalized (datatrove's simplify_text), so copies that differ only in those collide."""
-    return simplify_text(doc.text)
+    digits normalized (datatrove's simplify_text), so copies that differ only in those collide.
+    Bytes, because datatrove hands str to xxhash, which xxhash >= 3.5 refuses."""
+    return simplify_text(doc.text).encode()
