@@ -23,7 +23,7 @@ Unfinished tasks are rerun from their start, and every task is deterministic, so
 byte-identical to an uninterrupted run.
 
 Quality filters (`filters`), with the papers' thresholds:
-  gopher  GopherRepetitionFilter then GopherQualityFilter at datatrove's defaults, which are Rae et
+  gopher  GopherQualityFilter then GopherRepetitionFilter at datatrove's defaults, which are Rae et
           al. 2021 App. A / Table A1: duplicate line, paragraph fractions 0.30, their character
           fractions 0.20; top 2/3/4-gram character fractions 0.20/0.18/0.16; duplicate 5..10-gram
           fractions 0.15..0.10; 50..100,000 words; mean word length 3..10; # or ellipsis to word
@@ -190,8 +190,9 @@ def _filter_steps(filters: list[str], words) -> list:
     steps = []
     for name in filters:
         if name == "gopher":
-            steps += [("gopher_repetition", GopherRepetitionFilter(language=words)),
-                      ("gopher_quality", GopherQualityFilter(language=words))]
+            # MassiveText's order (Rae et al. 2021 Fig. A1): quality filters, then repetition removal
+            steps += [("gopher_quality", GopherQualityFilter(language=words)),
+                      ("gopher_repetition", GopherRepetitionFilter(language=words))]
         else:
             steps.append(("c4", C4QualityFilter(min_num_sentences=3, min_words_per_line=5, language=words)))
     return steps
