@@ -100,7 +100,18 @@ class ShardWriter(PipelineStep):
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> None:
         """Consumes the stream (the last step: returns nothing for the executor to drain)."""
         # one task = one core: tokenizers' own thread pool would oversubscribe the workers' cores
+        # (restored after: with workers=1 the task runs in the caller's process)
+        saved = os.environ.get("TOKENIZERS_PARALLELISM")
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        try:
+            self._write(data, rank)
+        finally:
+            if saved is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM")
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = saved
+
+    def _write(self, data: DocumentsPipeline, rank: int) -> None:
         from flopwise.data.tokenizer import eos_id, load_tokenizer
 
         out, work = Path(self.out), Path(self.work)
