@@ -58,15 +58,18 @@ def generate(path: Path, target: int, seed: int = 0) -> tuple[int, int]:
 
 
 def digest(d: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if p.is_file()}
+    """sha256 of every output file but report.json (it holds the run's timings)."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())
+            if p.is_file() and p.name != "report.json"}
 
 
-def run_prepare(corpus: Path, out: Path, workers: int, kill_at: float | None = None) -> dict:
+def run_prepare(corpus: Path, out: Path, workers: int, kill_at: float | None = None,
+                tokenizer: str = "bpe:4096") -> dict:
     """One prepare in a child process (so its RSS and its workers' are the children's): seconds,
     peak RSS of the process tree; with kill_at, SIGKILL once that share of tokenize tasks finished."""
     code = (f"import sys, json; from flopwise.data.shards import prepare\n"
             f"if __name__ == '__main__':\n"
-            f"    s = prepare([{str(corpus)!r}], {str(out)!r}, tokenizer='bpe:4096', workers={workers})\n"
+            f"    s = prepare([{str(corpus)!r}], {str(out)!r}, tokenizer={tokenizer!r}, workers={workers})\n"
             f"    print(json.dumps({{'documents': s.documents, 'tokens': s.tokens, 'bytes': s.bytes}}))\n")
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(SRC)},
@@ -140,12 +143,17 @@ def main() -> None:
     for v in base.values():
         v["tokens_per_s"] = round(v["tokens"] / v["seconds"])
     print("baseline", base, flush=True)
+    one = args.tmp / "one-worker"
+    subprocess.run(["rm", "-rf", str(one)], check=True)
+    single = run_prepare(corpus, one, 1, tokenizer=str(clean / "tokenizer.json"))
+    single["tokenize_stage_tokens_per_s"] = round(single["tokens"] / (single["seconds"] - single["tokenize_started_s"]))
+    print("one worker, given tokenizer", single, flush=True)
     kill = run_prepare(corpus, killed, args.workers, kill_at=0.5)
     resume = run_prepare(corpus, killed, args.workers)
     identical = digest(clean) == digest(killed)
     print("killed", kill, "resumed", resume, "identical", identical, flush=True)
     result = {"mb": args.mb, "text_bytes": text_bytes, "documents": docs, "workers": args.workers,
-              "cores": os.cpu_count(), "prepare": res, "baseline": base, "killed": kill, "resumed": resume,
+              "cores": os.cpu_count(), "prepare": res, "prepare_1_worker_given_tokenizer": single, "baseline": base, "killed": kill, "resumed": resume,
               "byte_identical_after_resume": identical}
     (ROOT / "benchmarks" / "results").mkdir(exist_ok=True)
     (ROOT / "benchmarks" / "results" / "prepare.json").write_text(json.dumps(result, indent=1))

@@ -159,9 +159,12 @@ def _run(stage: str, pipeline: list, tasks: int, workers: int, work: Path):
 
     executor = LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(workers, tasks),
                                      logging_dir=str(work / "logs" / stage), start_method="spawn")
+    t0 = time.perf_counter()
     try:
         with _quiet(work / "datatrove.log"):
             executor.run()
+        with open(work / "wall.jsonl", "a") as f:  # this invocation's share; a resume adds its own
+            f.write(json.dumps({"stage": stage, "seconds": round(time.perf_counter() - t0, 2)}) + "\n")
     except DataError:
         raise
     except Exception as e:
@@ -169,7 +172,7 @@ def _run(stage: str, pipeline: list, tasks: int, workers: int, work: Path):
                         f"see {work / 'datatrove.log'}, then rerun to resume") from None
 
 
-def _stage_stats(work: Path, stage: str) -> list[tuple[str, dict[str, int]]]:
+def _stage_stats(work: Path, stage: str) -> list[tuple[str, dict[str, float]]]:
     """Per pipeline step, (name, {metric: total}) summed over all tasks of one stage, including
     tasks finished by an earlier, killed run (datatrove's stats/RANK.json files)."""
     steps: list[tuple[str, dict[str, int]]] = []
@@ -178,10 +181,12 @@ def _stage_stats(work: Path, stage: str) -> list[tuple[str, dict[str, int]]]:
             if k == len(steps):
                 steps.append((step["name"], {}))
             totals = steps[k][1]
+            timing = step.get("time_stats", 0)
+            totals["_seconds"] = totals.get("_seconds", 0) + (timing.get("total", 0) if isinstance(timing, dict) else timing)
             for label, metric in step.get("stats", {}).items():
                 value = metric["total"] if isinstance(metric, dict) else metric
                 totals[label] = totals.get(label, 0) + int(value)
-    return steps
+    return steps  # "_seconds": the step's own time (datatrove's time_stats), summed over tasks
 
 
 def _filter_steps(filters: list[str], words) -> list:
@@ -363,21 +368,23 @@ def _index(out: Path, work: Path, plan: dict, tok, dtype: np.dtype, seed: int, v
 
 def _report(work: Path, plan: dict, filters: list[str], filter_names: list[str], dedup_names: list[str]) -> dict:
     """Documents and bytes in, what each stage removed (with datatrove's per-rule drop reasons for
-    the filters, clusters for the dedup stages), and what was kept: from the tokenize stage's
-    stats summed over all tasks (the tallies sit after the reader and after every stage)."""
+    the filters, clusters for the dedup stages) and its own CPU time in the tokenize pass, what was
+    kept, and the wall time of every executor stage: from the stages' stats summed over all tasks
+    (the tallies sit after the reader and after every filter/dedup step)."""
     stats = _stage_stats(work, "tokenize")
     tallies = [totals for name, totals in stats if "tally" in name]
     stages = [totals for name, totals in stats if "tally" not in name][1:-1]  # without reader and writer
 
-    def count(totals: dict[str, int], label: str) -> int:
-        return totals.get(label, 0)
+    def count(totals: dict[str, float], label: str) -> int:
+        return int(totals.get(label, 0))
 
     rows = []
     for k, (name, st) in enumerate(zip(filter_names + dedup_names, stages)):
         before, after = tallies[k], tallies[k + 1]
         row = {"stage": name, "documents_in": count(before, "documents"),
                "documents_removed": count(before, "documents") - count(after, "documents"),
-               "bytes_removed": count(before, "bytes") - count(after, "bytes")}
+               "bytes_removed": count(before, "bytes") - count(after, "bytes"),
+               "cpu_seconds": round(st.get("_seconds", 0), 2)}
         if name in filter_names:
             row["rules"] = {label.removeprefix("dropped_"): n for label, n in sorted(st.items())
                             if label.startswith("dropped_")}
@@ -392,7 +399,12 @@ def _report(work: Path, plan: dict, filters: list[str], filter_names: list[str],
             row["clusters"] = count(cluster[0][1], "clusters") if cluster else 0
         rows.append(row)
     first, last = tallies[0], tallies[-1]
+    wall: dict[str, float] = {}
+    for line in (work / "wall.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        wall[entry["stage"]] = round(wall.get(entry["stage"], 0) + entry["seconds"], 2)
     return {"documents_in": count(first, "documents"), "bytes_in": count(first, "bytes"), "stages": rows,
+            "wall_seconds": wall,
             "documents_kept": count(last, "documents"), "bytes_kept": count(last, "bytes"),
             "settings": {"filters": filters, "dedup": dedup_names,
                          "minhash": MINHASH | {"threshold": round((1 / MINHASH["num_buckets"])

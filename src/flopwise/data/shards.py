@@ -266,7 +266,9 @@ def open_split(data_dir: str | Path, split: str) -> ShardedTokens:
         path = _member(d, shard.get("file") if isinstance(shard, dict) else None)
         if not path.is_file():
             raise DataError(f"data shard {path}: missing")
-        expected = int(shard["tokens"]) * dtype.itemsize
+        if not isinstance(shard.get("tokens"), int) or shard["tokens"] < 0:
+            raise DataError(f"data index {d / 'index.json'}: shard {path.name} needs a token count >= 0")
+        expected = shard["tokens"] * dtype.itemsize
         if path.stat().st_size != expected:
             raise DataError(f"data shard {path}: {path.stat().st_size} bytes, but the index says "
                             f"{shard['tokens']} tokens of {dtype.name} ({expected} bytes); re-run data prepare")
