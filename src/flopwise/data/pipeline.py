@@ -59,8 +59,8 @@ from pathlib import Path
 
 import numpy as np
 
-from flopwise.data.shards import (FORMAT, WORK, PrepareStats, _replaceable, dtype_for_vocab, input_files,
-                                  read_documents, val_documents)
+from flopwise.data.shards import (FORMAT, MARKER, WORK, PrepareStats, _replaceable, dtype_for_vocab,
+                                  input_files, read_documents, val_documents)
 from flopwise.data.tokenizer import EOS, eos_id, load_tokenizer, parse_tokenizer_spec, train_bpe
 from flopwise.errors import DataError
 
@@ -254,8 +254,11 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
            "tokenizer_file": _input_key([spec]) if given else None, "val_fraction": val_fraction, "seed": seed,
            "filters": filters, "dedup": dedup}
     work = out / WORK
-    plan = json.loads((work / "plan.json").read_text()) if (work / "plan.json").is_file() else None
-    if plan is None or plan["key"] != key or not (out / "tokenizer.json").is_file():
+    try:
+        plan = json.loads((work / "plan.json").read_text())
+    except (OSError, ValueError):  # none, or not readable: start afresh
+        plan = None
+    if plan is None or plan.get("key") != key or not (out / "tokenizer.json").is_file():
         s = survey(inputs)
         tok = given or train_bpe(sample_texts(s.files), spec)
         if out.is_dir():
@@ -263,13 +266,15 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
         elif out.exists():
             out.unlink()
         (work / "tasks").mkdir(parents=True)
+        (work / MARKER).touch()  # first: from here on the folder is a flopwise prepare in progress
         (work / "progress").mkdir()
         tok.save(str(out / "tokenizer.json"))
         n_tasks = tasks or max(workers, math.ceil(s.bytes / TASK_BYTES))
         np.save(work / "val.npy", np.asarray(sorted(val_documents(s.documents, val_fraction, seed)), dtype=np.int64))
         plan = {"key": key, "files": s.files, "sources": s.sources, "documents": s.documents, "bytes": s.bytes,
                 "tasks": plan_tasks(s, n_tasks)}
-        (work / "plan.json").write_text(json.dumps(plan))
+        (work / "plan.json.tmp").write_text(json.dumps(plan))
+        os.replace(work / "plan.json.tmp", work / "plan.json")  # last: the plan means "resumable"
     tok = load_tokenizer(out / "tokenizer.json")
     vocab = tok.get_vocab_size()
     dtype = dtype_for_vocab(vocab)

@@ -32,6 +32,7 @@ BUILTIN = {"shakespeare": "corpus/shakespeare", "alice": "corpus/eval/alice29.tx
            "enwiki": "corpus/eval/enwiki-105-articles.txt"}
 TEXT_SUFFIXES = {".txt", ".md", ".text", ""}
 WORK = "work"  # the unfinished-prepare folder inside --out: plan, logs, dedup intermediates
+MARKER = "flopwise-prepare"  # in WORK: what makes a folder without index.json flopwise's
 
 
 def resolve_input(spec: str) -> Path:
@@ -167,13 +168,13 @@ def fingerprint(data_dir: str | Path) -> str:
 
 def _replaceable(out: Path) -> bool:
     """A folder prepare may replace: absent, empty, a flopwise data folder (its index.json and
-    tokenizer.json) or an unfinished prepare (its work folder's plan)."""
+    tokenizer.json) or an unfinished prepare (its work folder's marker)."""
     if not out.exists():
         return True
     if not out.is_dir():
         return False
     return (not any(out.iterdir()) or (out / "index.json").is_file() and (out / "tokenizer.json").is_file()
-            or (out / WORK / "plan.json").is_file())
+            or (out / WORK / MARKER).is_file())
 
 
 def val_documents(n_docs: int, val_fraction: float, seed: int) -> set[int]:
