@@ -230,3 +230,18 @@ def test_unknown_filter_and_dedup_names_are_one_line_errors(tmp_path):
         prepare(["builtin:alice"], tmp_path / "o", filters="gopher,fineweb")
     with pytest.raises(DataError, match="--dedup bloom: unknown"):
         prepare(["builtin:alice"], tmp_path / "o", dedup="bloom")
+
+
+def test_unfinished_prepare_folder_is_flopwise_s_own(tmp_path):
+    """A folder with prepare's work marker (a run killed before index.json) may be resumed or
+    replaced; a folder that merely has a `work/` subfolder is someone else's and is refused."""
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    (ours / "work").mkdir(parents=True)
+    (ours / "work" / "flopwise-prepare").touch()
+    (theirs / "work").mkdir(parents=True)
+    (theirs / "work" / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match="no such file"):
+        prepare([str(tmp_path / "missing.txt")], ours)
+    with pytest.raises(DataError, match="--force"):
+        prepare([str(tmp_path / "missing.txt")], theirs)
+    assert (theirs / "work" / "notes.txt").read_text() == "mine"
