@@ -4,6 +4,7 @@ and resumed must be byte-identical to the clean run.
 
     python benchmarks/prepare.py --mb 1000 --workers 2     # the issue's 1 GB run
     python benchmarks/prepare.py --mb 200 --workers 2      # what RESULTS.md records
+    python benchmarks/prepare.py --interleaved 30          # 1 worker vs a bare loop, same process
 
 The corpus is generated, deterministically, from the shipped corpora (Shakespeare, Alice, the
 Wikipedia articles): paragraphs grouped into ~3 KB documents, reshuffled (seeded) on every pass
@@ -115,14 +116,59 @@ def run_encode_batch(corpus: Path, tokenizer: Path, threads: int | None) -> dict
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def interleaved(corpus: Path, tokenizer: Path, mb: int, rounds: int = 2) -> list[dict]:
+    """Per-core overhead without the machine's load drifting between measurements: on the first
+    `mb` MB of the corpus, alternate a bare serial encode_batch loop and `prepare --workers 1`
+    in this process."""
+    sys.path.insert(0, str(SRC))
+    from tokenizers import Tokenizer
+
+    from flopwise.data.shards import prepare
+
+    part = corpus.with_name(f"first-{mb}mb.jsonl")
+    with open(corpus) as src, open(part, "w") as dst:
+        size = 0
+        for line in src:
+            if size >= mb * 10**6:
+                break
+            dst.write(line)
+            size += len(line.encode())
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tok = Tokenizer.from_file(str(tokenizer))
+    rows = []
+    for _ in range(rounds):
+        t0, n, batch = time.perf_counter(), 0, []
+        for line in open(part):
+            batch.append(json.loads(line)["text"])
+            if len(batch) == 256:
+                n += sum(len(e.ids) + 1 for e in tok.encode_batch(batch, add_special_tokens=False))
+                batch = []
+        n += sum(len(e.ids) + 1 for e in tok.encode_batch(batch, add_special_tokens=False))
+        loop = n / (time.perf_counter() - t0)
+        out = corpus.with_name("interleaved-out")
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+        t0 = time.perf_counter()
+        stats = prepare([str(part)], out, tokenizer=str(tokenizer), workers=1)
+        rows.append({"encode_batch_serial_tokens_per_s": round(loop),
+                     "prepare_1_worker_tokens_per_s": round(stats.tokens / (time.perf_counter() - t0))})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=200, help="text to generate, in MB (the issue asks for 1000)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--tmp", type=Path, default=Path("/tmp/flopwise-prepare-bench"))
+    ap.add_argument("--interleaved", type=int, default=0, metavar="MB",
+                    help="only compare 1 worker with a bare loop on the first MB of an earlier run's corpus")
     args = ap.parse_args()
     args.tmp.mkdir(parents=True, exist_ok=True)
     corpus = args.tmp / "corpus.jsonl"
+    if args.interleaved:
+        rows = interleaved(corpus, args.tmp / "clean" / "tokenizer.json", args.interleaved)
+        (ROOT / "benchmarks" / "results" / "prepare_interleaved.json").write_text(json.dumps(rows, indent=1))
+        return
     t0 = time.perf_counter()
     docs, text_bytes = generate(corpus, args.mb * 10**6)
     print(f"generated {docs:,} documents, {text_bytes / 1e6:.0f} MB in {time.perf_counter() - t0:.0f} s", flush=True)
