@@ -157,6 +157,8 @@ def _quiet(log: Path):
 def _run(stage: str, pipeline: list, tasks: int, workers: int, work: Path):
     from datatrove.executor import LocalPipelineExecutor
 
+    # spawn, not fork: this process has run tokenizers' thread pool (BPE training) and a progress
+    # thread, and forking a threaded process can deadlock the child
     executor = LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(workers, tasks),
                                      logging_dir=str(work / "logs" / stage), start_method="spawn")
     t0 = time.perf_counter()
@@ -237,7 +239,9 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
     (default: one per TASK_BYTES of input, at least `workers`); filters: subset of FILTERS; dedup:
     subset of DEDUPS; progress(stage, input bytes done, input bytes total, tokens written).
     An unfinished prepare in `out` with the same inputs and settings is resumed; any other
-    flopwise folder in `out` is replaced; anything else is refused unless `force`."""
+    flopwise folder in `out` is replaced; anything else is refused unless `force`.
+    With workers > 1 the worker processes are spawned and import the caller's main module: call
+    this from a script under `if __name__ == "__main__":` (the CLI and `flopwise train` do)."""
     t0 = time.perf_counter()
     out = Path(out)
     if not force and not _replaceable(out):
