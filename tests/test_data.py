@@ -22,7 +22,7 @@ def test_prepare_counts_and_split_by_document(tiny_data):
     assert meta["counts"]["documents"] == len(train["documents"]) + len(val["documents"]) == 13
     assert len(val["documents"]) == 2  # ceil(0.1 · 13)
     assert meta["counts"]["tokens"] == train["tokens"] + val["tokens"]
-    tokens = open_split(tiny_data, "train")
+    tokens = np.asarray(open_split(tiny_data, "train"))
     eos = meta["eos_id"]
     assert len(tokens) == train["tokens"] and int((tokens == eos).sum()) == len(train["documents"])
     for start, length in train["documents"]:
@@ -85,9 +85,13 @@ def _copy(src, dst):
     return dst
 
 
+def _first_shard(d, split="train"):
+    return d / json.loads((d / "index.json").read_text())["splits"][split]["files"][0]["file"]
+
+
 def test_shard_that_disagrees_with_index(tiny_data, tmp_path):
     d = _copy(tiny_data, tmp_path / "d")
-    with open(d / "train.bin", "ab") as f:
+    with open(_first_shard(d), "ab") as f:
         f.write(b"\x01\x00\x02")
     with pytest.raises(DataError, match="but the index says"):
         open_split(d, "train")
@@ -95,9 +99,10 @@ def test_shard_that_disagrees_with_index(tiny_data, tmp_path):
 
 def test_token_ids_beyond_vocab_and_vocab_beyond_dtype(tiny_data, tmp_path):
     d = _copy(tiny_data, tmp_path / "d")
-    tokens = np.fromfile(d / "train.bin", dtype=np.uint16)
+    shard = _first_shard(d)
+    tokens = np.fromfile(shard, dtype=np.uint16)
     tokens[5] = 9999
-    tokens.tofile(d / "train.bin")
+    tokens.tofile(shard)
     with pytest.raises(DataError, match="token id 9999 >= vocab_size 512"):
         open_split(d, "train")
     meta = json.loads((d / "index.json").read_text())
@@ -110,7 +115,7 @@ def test_token_ids_beyond_vocab_and_vocab_beyond_dtype(tiny_data, tmp_path):
 def test_index_cannot_point_outside_the_data_dir(tiny_data, tmp_path):
     d = _copy(tiny_data, tmp_path / "d")
     meta = json.loads((d / "index.json").read_text())
-    meta["splits"]["train"]["file"] = "../../etc/passwd"
+    meta["splits"]["train"]["files"][0]["file"] = "../../etc/passwd"
     meta["tokenizer"] = "../tokenizer.json"
     (d / "index.json").write_text(json.dumps(meta))
     with pytest.raises(DataError, match="must be a plain name"):

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -68,12 +69,15 @@ def test_data_index_and_shards(tmp_path, index, raw):
 
 
 @FUZZ
-@given(good=st.fixed_dictionaries({"format": st.just("flopwise-shards/1"), "vocab_size": st.integers(-5, 70000),
+@given(good=st.fixed_dictionaries({"format": st.just("flopwise-shards/2"), "vocab_size": st.integers(-5, 70000),
                                     "dtype": st.sampled_from(["uint16", "uint32", "float64", "bogus"]),
                                     "splits": st.fixed_dictionaries({
-                                        "train": st.fixed_dictionaries({"file": st.sampled_from(["train.bin", "../x", "", 3]),
-                                                                        "tokens": st.integers(-3, 40)}),
-                                        "val": st.just({"file": "val.bin", "tokens": 0})})}),
+                                        "train": st.fixed_dictionaries({
+                                            "files": st.lists(st.fixed_dictionaries({
+                                                "file": st.sampled_from(["train.bin", "../x", "", 3]),
+                                                "tokens": st.integers(-3, 40)}), max_size=2),
+                                            "tokens": st.integers(-3, 80)}),
+                                        "val": st.just({"files": [], "tokens": 0})})}),
        raw=st.binary(max_size=80))
 def test_nearly_valid_indexes(tmp_path, good, raw):
     d = tmp_path / "data"
@@ -81,7 +85,7 @@ def test_nearly_valid_indexes(tmp_path, good, raw):
     (d / "index.json").write_text(json.dumps(good))
     (d / "train.bin").write_bytes(raw)
     try:
-        tokens = open_split(d, "train")
+        tokens = np.asarray(open_split(d, "train"))
         assert int(tokens.max(initial=0)) < good["vocab_size"]
     except DataError as e:
         assert one_line(e)

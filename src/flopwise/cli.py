@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -100,26 +101,49 @@ def _human(n: float) -> str:
 @data_app.command("prepare")
 def data_prepare(
     inputs: list[str] = typer.Argument(..., help="text files, folders, .jsonl (text field), .parquet, or builtin:NAME"),
-    out: Path = typer.Option(..., "--out", help="output folder"),
+    out: Path = typer.Option(..., "--out", help="output folder (an unfinished prepare there is resumed)"),
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="an existing tokenizer.json"),
-    train_tokenizer: int = typer.Option(4096, "--train-tokenizer", help="train a byte-level BPE of this vocab size"),
+    train_tokenizer: int = typer.Option(4096, "--train-tokenizer",
+                                        help="train a byte-level BPE of this vocab size (on the first 200 MB)"),
     val_fraction: float = typer.Option(0.05, "--val-fraction", min=0.0, max=0.99),
     seed: int = typer.Option(0, "--seed"),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="processes (default: all cores)"),
+    filters: str = typer.Option("", "--filter", help="quality filters: gopher,c4"),
+    dedup: str = typer.Option("", "--dedup", help="deduplication: exact,minhash"),
     force: bool = typer.Option(False, "--force", help="replace --out even if it is not a flopwise data folder"),
 ) -> None:
-    """Tokenize text into token shards with an index and a train/val split by document."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+    """Tokenize text into numbered token shards with an index and a train/val split by document,
+    in parallel (datatrove), optionally quality-filtered and deduplicated, with a report."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from flopwise.data.shards import prepare
 
     spec = str(tokenizer) if tokenizer else f"bpe:{train_tokenizer}"
-    with Progress(BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=console) as bar:
-        task = bar.add_task("tokenize", total=None)
+    started = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[rate]}"),
+                  TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("tokenize", total=None, rate="")
+
+        def show(stage: str, done: int, total: int, tokens: int) -> None:
+            rate = tokens / max(time.perf_counter() - started, 1e-9)
+            bar.update(task, description=stage, completed=done, total=total,
+                       rate=f"{tokens:,} tokens, {rate:,.0f} tokens/s")
+
         stats = prepare(inputs, out, tokenizer=spec, val_fraction=val_fraction, seed=seed, force=force,
-                        progress=lambda done, total: bar.update(task, completed=done, total=total))
+                        workers=workers, filters=filters, dedup=dedup, progress=show)
+    report = stats.report
+    if report["stages"]:
+        table = Table("stage", "documents in", "removed", "bytes removed", "rules / clusters")
+        for row in report["stages"]:
+            detail = ", ".join(f"{k} {v}" for k, v in row.get("rules", {}).items()) or (
+                f"{row['clusters']} clusters" if "clusters" in row else "")
+            removed = row.get("bytes_removed", row.get("bytes_removed_with_lines", 0))
+            table.add_row(row["stage"], f"{row['documents_in']:,}", f"{row['documents_removed']:,}",
+                          f"{removed:,}", detail)
+        console.print(table)
     console.print(f"{stats.documents} documents, {stats.tokens:,} tokens (train {stats.splits['train']:,}, "
                   f"val {stats.splits['val']:,}), {stats.bytes:,} bytes in {stats.seconds:.1f} s "
-                  f"= {stats.tokens_per_s:,.0f} tokens/s -> {out}")
+                  f"= {stats.tokens_per_s:,.0f} tokens/s -> {out} (report.json)")
 
 
 @data_app.command("mix")

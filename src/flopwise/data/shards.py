@@ -1,12 +1,15 @@
-"""Text -> token shards: one flat token file per split (uint16/uint32 memmap) plus a JSON index.
+"""Text -> token shards: numbered flat token files per split (uint16/uint32 memmaps) plus one JSON index.
 
 Layout of a prepared data dir:
-  index.json      format, dtype, vocab, eos id, per split: file, token count, documents
-                  ([start, length] in tokens), and counts (documents, tokens, bytes)
-  train.bin, val.bin
+  index.json      format, dtype, vocab, eos id, per split: files (name, tokens) in order, token
+                  count, documents ([start, length] in tokens over the split's concatenated files),
+                  and counts (documents, tokens, bytes)
+  train-00000.bin, train-00001.bin, ..., val-00000.bin, ...   one of each per pipeline task
   tokenizer.json  the tokenizer that made them
-Documents are separated by EOS; the train/val split is by document (a seeded shuffle), so no text
-is in both. Readers check that every file agrees with the index before anything trains on it.
+  report.json     what each filter and deduplication stage removed (data/pipeline.py)
+Documents are separated by EOS; the train/val split is by document (a seeded shuffle of document
+ordinals), so no text is in both. Readers check that every file agrees with the index before
+anything trains on it. index.json is written last: a folder without it is a prepare in progress.
 """
 
 from __future__ import annotations
@@ -14,23 +17,22 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
-from flopwise.data.tokenizer import EOS, eos_id, load_tokenizer, parse_tokenizer_spec, train_bpe
+from flopwise.data.tokenizer import load_tokenizer
 from flopwise.errors import DataError
 
-FORMAT = "flopwise-shards/1"
+FORMAT = "flopwise-shards/2"
 BUILTIN = {"shakespeare": "corpus/shakespeare", "alice": "corpus/eval/alice29.txt",
            "enwiki": "corpus/eval/enwiki-105-articles.txt"}
 TEXT_SUFFIXES = {".txt", ".md", ".text", ""}
+WORK = "work"  # the unfinished-prepare folder inside --out: plan, logs, dedup intermediates
+MARKER = "flopwise-prepare"  # in WORK: what makes a folder without index.json flopwise's
 
 
 def resolve_input(spec: str) -> Path:
@@ -57,46 +59,87 @@ def _read_text(path: Path) -> str:
         raise DataError(f"data file {path}: not UTF-8 text (bad byte at offset {e.start})") from None
 
 
-def _documents_in_file(path: Path) -> Iterator[str]:
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        for n, line in enumerate(_read_text(path).splitlines(), 1):
-            if not line.strip():
+def _jsonl_documents(path: Path, start: int, line: int) -> Iterator[tuple[int, int, str]]:
+    with open(path, "rb") as f:
+        if start == 0 and b"\x00" in f.read(65536):
+            raise DataError(f"data file {path}: looks binary (NUL bytes); give UTF-8 text, JSONL or Parquet")
+        f.seek(start)
+        pos = start
+        for n, raw in enumerate(f, line):
+            here, pos = pos, pos + len(raw)
+            if not raw.strip():
                 continue
             try:
-                rec = json.loads(line)
+                rec = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise DataError(f"data file {path}: not UTF-8 text (bad byte at offset {here + e.start})") from None
             except json.JSONDecodeError:
                 raise DataError(f"data file {path}: line {n} is not JSON") from None
             if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
                 raise DataError(f"data file {path}: line {n} has no string field 'text'")
-            yield rec["text"]
+            if rec["text"].strip():
+                yield here, n, rec["text"]
+
+
+def _parquet_documents(path: Path, start: int) -> Iterator[tuple[int, int, str]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"data file {path}: reading Parquet needs pyarrow (pip install 'flopwise[parquet]')") from None
+    try:
+        pf = pq.ParquetFile(path)
+        if "text" not in pf.schema_arrow.names:
+            raise KeyError("no column 'text'")
+    except Exception as e:
+        raise DataError(f"data file {path}: cannot read a 'text' column ({str(e).splitlines()[0][:100]})") from None
+    # start at the row group holding row `start` instead of decoding the rows before it
+    row, groups = 0, []
+    for g in range(pf.num_row_groups):
+        n = pf.metadata.row_group(g).num_rows
+        if row + n > start or groups:
+            groups.append(g)
+        else:
+            row += n
+    for batch in pf.iter_batches(columns=["text"], row_groups=groups, batch_size=4096):
+        for text in batch.column(0).to_pylist():
+            if row >= start and isinstance(text, str) and text.strip():
+                yield row, row + 1, text
+            row += 1
+
+
+def read_documents(path: Path, start: int = 0, line: int = 1) -> Iterator[tuple[int, int, str]]:
+    """(position, line, text) of every non-empty document of one file from position `start` on: a
+    JSONL line (its byte offset and line number), a Parquet row (its index), or a whole text file
+    (position 0). Streamed: one document in memory at a time."""
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        yield from _jsonl_documents(path, start, line)
     elif suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise DataError(f"data file {path}: reading Parquet needs pyarrow (pip install 'flopwise[parquet]')") from None
-        try:
-            table = pq.read_table(path, columns=["text"])
-        except Exception as e:
-            raise DataError(f"data file {path}: cannot read a 'text' column ({str(e).splitlines()[0][:100]})") from None
-        yield from (t for t in table.column("text").to_pylist() if isinstance(t, str))
-    else:
-        yield _read_text(path)
+        yield from _parquet_documents(path, start)
+    elif start == 0:
+        text = _read_text(path)
+        if text.strip():
+            yield 0, 1, text
+
+
+def input_files(spec: str) -> list[Path]:
+    """The files of one input, in the order documents are numbered: folders are walked sorted."""
+    root = resolve_input(spec)
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+    files = [f for f in files if f.suffix.lower() in TEXT_SUFFIXES | {".jsonl", ".parquet"}]
+    if not files:
+        raise DataError(f"data input {spec}: no .txt, .jsonl or .parquet files found")
+    return files
 
 
 def iter_documents(inputs: list[str]) -> Iterator[tuple[str, str]]:
     """(source, text) for every non-empty document: a text file is one document, a JSONL line or
-    a Parquet row is one, folders are walked in sorted order."""
+    a Parquet row is one, folders are walked in sorted order. Their order defines the document
+    ordinals that the train/val split is drawn over."""
     for spec in inputs:
-        root = resolve_input(spec)
-        files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
-        files = [f for f in files if f.suffix.lower() in TEXT_SUFFIXES | {".jsonl", ".parquet"}]
-        if not files:
-            raise DataError(f"data input {spec}: no .txt, .jsonl or .parquet files found")
-        for f in files:
-            for doc in _documents_in_file(f):
-                if doc.strip():
-                    yield str(f), doc
+        for f in input_files(spec):
+            for _, _, text in read_documents(f):
+                yield str(f), text
 
 
 @dataclass
@@ -106,6 +149,7 @@ class PrepareStats:
     bytes: int
     seconds: float
     splits: dict[str, int]
+    report: dict = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -123,12 +167,14 @@ def fingerprint(data_dir: str | Path) -> str:
 
 
 def _replaceable(out: Path) -> bool:
-    """A folder prepare may replace: absent, empty, or a flopwise data folder (its index.json)."""
+    """A folder prepare may replace: absent, empty, a flopwise data folder (its index.json and
+    tokenizer.json) or an unfinished prepare (its work folder's marker)."""
     if not out.exists():
         return True
     if not out.is_dir():
         return False
-    return not any(out.iterdir()) or (out / "index.json").is_file() and (out / "tokenizer.json").is_file()
+    return (not any(out.iterdir()) or (out / "index.json").is_file() and (out / "tokenizer.json").is_file()
+            or (out / WORK / MARKER).is_file())
 
 
 def val_documents(n_docs: int, val_fraction: float, seed: int) -> set[int]:
@@ -139,69 +185,15 @@ def val_documents(n_docs: int, val_fraction: float, seed: int) -> set[int]:
 
 
 def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val_fraction: float = 0.05,
-            seed: int = 0, progress: Callable[[int, int], None] | None = None, force: bool = False) -> PrepareStats:
-    """Tokenize `inputs` into `out`. Written to a temporary folder and renamed when complete; an
-    existing `out` is replaced only if it is a flopwise data folder (or empty), unless `force`."""
-    t0 = time.perf_counter()
-    if not force and not _replaceable(Path(out)):
-        raise DataError(f"--out {out}: exists and is not a flopwise data folder (no index.json + tokenizer.json); "
-                        "choose another folder or pass --force to replace it")
-    docs = list(iter_documents(inputs))
-    if not docs:
-        raise DataError(f"data input {', '.join(inputs)}: contains no text")
-    spec = parse_tokenizer_spec(tokenizer)
-    tok = train_bpe((d for _, d in docs), spec) if isinstance(spec, int) else load_tokenizer(spec)
-    eos, vocab = eos_id(tok), tok.get_vocab_size()
-    dtype = dtype_for_vocab(vocab)
+            seed: int = 0, progress: Callable[[str, int, int, int], None] | None = None, force: bool = False,
+            workers: int | None = None, tasks: int | None = None, filters: list[str] | tuple = (),
+            dedup: list[str] | tuple = ()) -> PrepareStats:
+    """Tokenize `inputs` into `out` with the parallel, resumable datatrove pipeline
+    (flopwise.data.pipeline.prepare, which documents the arguments)."""
+    from flopwise.data.pipeline import prepare as run_pipeline
 
-    val = val_documents(len(docs), val_fraction, seed)
-    split_of = {i: ("val" if i in val else "train") for i in range(len(docs))}
-
-    out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    files = {s: open(tmp / f"{s}.bin", "wb") for s in ("train", "val")}
-    index = {s: {"file": f"{s}.bin", "tokens": 0, "documents": []} for s in ("train", "val")}
-    counts = np.zeros(vocab, dtype=np.int64)
-    total_bytes = sum(len(d.encode()) for _, d in docs)
-    done_bytes = 0
-    batch = 64
-    for b in range(0, len(docs), batch):
-        chunk = docs[b:b + batch]
-        encodings = tok.encode_batch([d for _, d in chunk], add_special_tokens=False)
-        for k, enc in enumerate(encodings):
-            split = split_of[b + k]
-            ids = np.asarray(enc.ids + [eos], dtype=dtype)
-            entry = index[split]
-            entry["documents"].append([entry["tokens"], len(ids)])
-            entry["tokens"] += len(ids)
-            files[split].write(ids.tobytes())
-            if split == "train":
-                counts += np.bincount(ids, minlength=vocab)
-            done_bytes += len(chunk[k][1].encode())
-        if progress:
-            progress(done_bytes, total_bytes)
-    for f in files.values():
-        f.close()
-    tok.save(str(tmp / "tokenizer.json"))
-    probs = counts[counts > 0] / counts.sum()
-    meta = {
-        "format": FORMAT, "dtype": dtype.name, "vocab_size": vocab, "eos_id": eos, "eos": EOS,
-        "tokenizer": "tokenizer.json", "seed": seed, "val_fraction": val_fraction,
-        "sources": sorted({s for s, _ in docs}),
-        "splits": index,
-        "counts": {"documents": len(docs), "tokens": sum(e["tokens"] for e in index.values()), "bytes": total_bytes},
-        "unigram_entropy_nats": float(-(probs * np.log(probs)).sum()),
-    }
-    (tmp / "index.json").write_text(json.dumps(meta))
-    if out.is_dir():
-        shutil.rmtree(out)
-    elif out.exists():
-        out.unlink()
-    os.replace(tmp, out)
-    return PrepareStats(len(docs), meta["counts"]["tokens"], total_bytes, time.perf_counter() - t0,
-                        {s: e["tokens"] for s, e in index.items()})
+    return run_pipeline(inputs, out, tokenizer=tokenizer, val_fraction=val_fraction, seed=seed, progress=progress,
+                        force=force, workers=workers, tasks=tasks, filters=filters, dedup=dedup)
 
 
 def read_index(data_dir: str | Path) -> dict:
@@ -217,7 +209,8 @@ def read_index(data_dir: str | Path) -> dict:
         raise DataError(f"data index {p}: not a {FORMAT} index")
     try:
         vocab, dtype = int(meta["vocab_size"]), np.dtype(meta["dtype"])
-        meta["splits"]["train"], meta["splits"]["val"]
+        for split in ("train", "val"):
+            list(meta["splits"][split]["files"]), int(meta["splits"][split]["tokens"])
     except (KeyError, TypeError, ValueError):
         raise DataError(f"data index {p}: missing or malformed fields (vocab_size, dtype, splits)") from None
     if vocab < 1:
@@ -227,28 +220,73 @@ def read_index(data_dir: str | Path) -> dict:
     return meta
 
 
-def open_split(data_dir: str | Path, split: str) -> np.ndarray:
-    """Memory-map one split's tokens after checking them against the index."""
+class ShardedTokens:
+    """One split's tokens over its shard files, read as one array: `len()` and `tokens[a:b]` (which
+    may cross shard boundaries; a copy only then). `np.asarray(tokens)` reads the whole split."""
+
+    def __init__(self, parts: list[np.ndarray], dtype: np.dtype):
+        self.parts = [p for p in parts if len(p)]
+        self.dtype = dtype
+        self.starts = np.cumsum([0] + [len(p) for p in self.parts])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            a, b, step = key.indices(len(self))
+            if step != 1:
+                raise IndexError("ShardedTokens supports contiguous slices only")
+            if b <= a:
+                return np.zeros(0, dtype=self.dtype)
+            first = int(np.searchsorted(self.starts, a, side="right")) - 1
+            last = int(np.searchsorted(self.starts, b - 1, side="right")) - 1
+            pieces = [self.parts[k][max(a - self.starts[k], 0):min(b - self.starts[k], len(self.parts[k]))]
+                      for k in range(first, last + 1)]
+            return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        i = int(key) + (len(self) if int(key) < 0 else 0)
+        if not 0 <= i < len(self):
+            raise IndexError(f"token {key} out of range for {len(self)} tokens")
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.parts[k][i - self.starts[k]]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = self[0:len(self)] if len(self) else np.zeros(0, dtype=self.dtype)
+        return np.asarray(whole, dtype=dtype)
+
+
+def open_split(data_dir: str | Path, split: str) -> ShardedTokens:
+    """Memory-map one split's shard files after checking each against the index (size, token ids
+    below vocab_size, plain file names inside the data dir)."""
     d = Path(data_dir)
     meta = read_index(d)
     entry = meta["splits"][split]
     dtype = np.dtype(meta["dtype"])
-    path = _member(d, entry.get("file"))
-    if not path.is_file():
-        raise DataError(f"data shard {path}: missing")
-    expected = int(entry["tokens"]) * dtype.itemsize
-    if path.stat().st_size != expected:
-        raise DataError(f"data shard {path}: {path.stat().st_size} bytes, but the index says "
-                        f"{entry['tokens']} tokens of {dtype.name} ({expected} bytes); re-run data prepare")
-    if entry["tokens"] == 0:
-        return np.zeros(0, dtype=dtype)
-    tokens = np.memmap(path, dtype=dtype, mode="r")
-    step = 1 << 24
-    top = max(int(tokens[i:i + step].max()) for i in range(0, len(tokens), step))
-    if top >= meta["vocab_size"]:
-        raise DataError(f"data shard {path}: token id {top} >= vocab_size {meta['vocab_size']}; "
-                        "the shard does not belong to this index")
-    return tokens
+    parts = []
+    for shard in entry["files"]:
+        path = _member(d, shard.get("file") if isinstance(shard, dict) else None)
+        if not path.is_file():
+            raise DataError(f"data shard {path}: missing")
+        if not isinstance(shard.get("tokens"), int) or shard["tokens"] < 0:
+            raise DataError(f"data index {d / 'index.json'}: shard {path.name} needs a token count >= 0")
+        expected = shard["tokens"] * dtype.itemsize
+        if path.stat().st_size != expected:
+            raise DataError(f"data shard {path}: {path.stat().st_size} bytes, but the index says "
+                            f"{shard['tokens']} tokens of {dtype.name} ({expected} bytes); re-run data prepare")
+        if not expected:
+            continue
+        tokens = np.memmap(path, dtype=dtype, mode="r")
+        step = 1 << 24
+        top = max(int(tokens[i:i + step].max()) for i in range(0, len(tokens), step))
+        if top >= meta["vocab_size"]:
+            raise DataError(f"data shard {path}: token id {top} >= vocab_size {meta['vocab_size']}; "
+                            "the shard does not belong to this index")
+        parts.append(tokens)
+    result = ShardedTokens(parts, dtype)
+    if len(result) != int(entry["tokens"]):
+        raise DataError(f"data index {d / 'index.json'}: split {split} says {entry['tokens']} tokens but its "
+                        f"files hold {len(result)}; re-run data prepare")
+    return result
 
 
 def _member(d: Path, name) -> Path:

@@ -1,0 +1,420 @@
+"""`flopwise data prepare` as a parallel, streaming, resumable pipeline on Hugging Face datatrove.
+
+Flow (each stage one datatrove LocalPipelineExecutor, N tasks run by `workers` processes):
+  survey     one streaming pass in this process: count the non-empty documents of every input file
+             (a text file is one, a JSONL line with non-empty "text" is one, a Parquet row is one),
+             giving each a global ordinal, and record file positions every CHUNK_BYTES so tasks can
+             start mid-file. The val split is `val_documents(n, val_fraction, seed)` over those
+             ordinals: the same documents the single-process prepare chose.
+  tokenizer  bpe:VOCAB trains on the first SAMPLE_BYTES of documents in order (whole documents,
+             while fewer than SAMPLE_BYTES have been taken), in this process; a bounded,
+             deterministic sample. The shipped corpora are far below it, so their tokenizer is the
+             one trained on everything.
+  dedup      optional, across all inputs, before tokenizing (each a signature pass over all tasks,
+             then datatrove's finder/cluster stages); intermediates in <out>/work.
+  tokenize   per task: read its ordinals -> quality filters -> dedup filters -> ShardWriter
+             (train-RANK.bin, val-RANK.bin). Task order = ordinal order, so the concatenated shards
+             are byte-identical to the single-process stream of the same documents.
+  index      written last, atomically, from the tasks' tables; then the work folder is removed.
+
+Resume: datatrove marks each finished task (<out>/work/logs/STAGE/completions/); a rerun with the
+same inputs and settings keeps the plan and the finished tasks' outputs and runs only the rest.
+Unfinished tasks are rerun from their start, and every task is deterministic, so the result is
+byte-identical to an uninterrupted run.
+
+Quality filters (`filters`), with the papers' thresholds:
+  gopher  GopherQualityFilter then GopherRepetitionFilter at datatrove's defaults, which are Rae et
+          al. 2021 App. A / Table A1: duplicate line, paragraph fractions 0.30, their character
+          fractions 0.20; top 2/3/4-gram character fractions 0.20/0.18/0.16; duplicate 5..10-gram
+          fractions 0.15..0.10; 50..100,000 words; mean word length 3..10; # or ellipsis to word
+          ratio 0.1; > 90 % bullet lines; > 30 % ellipsis-ending lines; 80 % of words with a letter;
+          at least 2 of the stop words the, be, to, of, and, that, have, with.
+  c4      C4QualityFilter with Raffel et al. 2020 Sec. 2.2 (and TFDS c4_utils): keep lines ending in
+          terminal punctuation with at least 5 words, drop pages with fewer than 3 sentences, with
+          "lorem ipsum" or a curly bracket, drop lines with "javascript" or a policy phrase.
+          datatrove's defaults swap the two numbers (min_num_sentences=5, min_words_per_line=3), so
+          they are passed explicitly. C4 rewrites the kept documents (drops lines), as the paper did.
+Deduplication (`dedup`):
+  exact    hash (xxhash64) of the normalized text (lower case, no punctuation, normalized whitespace
+           and digits); one copy of each cluster kept.
+  minhash  MinHash LSH over word 5-grams of the normalized text (sha1-64 shingle hashes), 112 hashes = 14 bands x 8 rows:
+           pairs are candidates with probability 1 - (1 - s^8)^14 at Jaccard s, the S-curve's
+           threshold (1/14)^(1/8) ~= 0.72 (s = 0.9: 0.9996, s = 0.8: 0.92, s = 0.5: 0.054); clusters
+           are connected components of candidate pairs, one document kept per cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from flopwise.data.shards import (FORMAT, MARKER, WORK, PrepareStats, _replaceable, dtype_for_vocab,
+                                  input_files, read_documents, val_documents)
+from flopwise.data.tokenizer import EOS, eos_id, load_tokenizer, parse_tokenizer_spec, train_bpe
+from flopwise.errors import DataError
+
+SAMPLE_BYTES = 200 * 10**6  # tokenizer training sample: the first 200 MB of documents, in order
+CHUNK_BYTES = 1 << 20  # a task may start at a file's first document or every ~1 MiB inside a file
+TASK_BYTES = 64 << 20  # target input per task (more tasks than workers: finer resume, balance)
+FILTERS = ("gopher", "c4")
+DEDUPS = ("exact", "minhash")
+MINHASH = {"n_grams": 5, "num_buckets": 14, "hashes_per_bucket": 8}
+
+
+@dataclass
+class Survey:
+    """The counting pass: files, documents, bytes, and where tasks may start."""
+    files: list[str]
+    sources: list[str]
+    documents: int
+    bytes: int
+    chunks: list[list[int]]  # [ordinal, file index, position, line, bytes before]
+
+
+def survey(inputs: list[str]) -> Survey:
+    """Counts every input's documents in one streaming pass (and validates them: a bad line is a
+    DataError here, before any worker starts)."""
+    files = [f for spec in inputs for f in input_files(spec)]
+    s = Survey([str(f) for f in files], [], 0, 0, [])
+    last = -CHUNK_BYTES
+    for fi, path in enumerate(files):
+        first = True
+        for pos, line, text in read_documents(path):
+            if first or s.bytes - last >= CHUNK_BYTES:
+                s.chunks.append([s.documents, fi, pos, line, s.bytes])
+                last = s.bytes
+            if first:
+                s.sources.append(str(path))
+                first = False
+            s.documents += 1
+            s.bytes += len(text.encode())
+    if not s.documents:
+        raise DataError(f"data input {', '.join(inputs)}: contains no text")
+    return s
+
+
+def plan_tasks(s: Survey, n_tasks: int) -> list[dict]:
+    """Contiguous runs of ordinals with about equal bytes, cut at recorded chunk starts."""
+    cuts = [0]
+    for k in range(1, n_tasks):
+        target = k * s.bytes / n_tasks
+        c = next((i for i, ch in enumerate(s.chunks) if ch[4] >= target), len(s.chunks))
+        if cuts[-1] < c < len(s.chunks):
+            cuts.append(c)
+    ends = [s.chunks[c][0] for c in cuts[1:]] + [s.documents]
+    return [{"first": s.chunks[c][0], "end": end, "file": s.chunks[c][1], "pos": s.chunks[c][2],
+             "line": s.chunks[c][3]} for c, end in zip(cuts, ends)]
+
+
+def sample_texts(files: list[str], limit: int = SAMPLE_BYTES) -> Iterator[str]:
+    """The tokenizer's training sample: documents in order while fewer than `limit` bytes are taken."""
+    taken = 0
+    for f in files:
+        for _, _, text in read_documents(Path(f)):
+            if taken >= limit:
+                return
+            taken += len(text.encode())
+            yield text
+
+
+def _input_key(files: list[Path]) -> list:
+    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+@contextmanager
+def _quiet(log: Path):
+    """datatrove's loguru logger writes every task's progress to stderr: to a log file instead while
+    the executor runs (fd 2 for its worker processes, sys.stderr and loguru's sinks in this one)."""
+    from loguru import logger
+
+    sys.stderr.flush()
+    saved_fd, saved_stderr = os.dup(2), sys.stderr
+    with open(log, "a") as f:
+        os.dup2(f.fileno(), 2)
+        sys.stderr = f
+        logger.remove()
+        logger.add(f, level="INFO")
+        try:
+            yield
+        finally:
+            logger.remove()  # the task loggers datatrove added, and ours
+            sys.stderr = saved_stderr
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+
+
+def _run(stage: str, pipeline: list, tasks: int, workers: int, work: Path):
+    from datatrove.executor import LocalPipelineExecutor
+
+    # spawn, not fork: this process has run tokenizers' thread pool (BPE training) and a progress
+    # thread, and forking a threaded process can deadlock the child
+    executor = LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(workers, tasks),
+                                     logging_dir=str(work / "logs" / stage), start_method="spawn")
+    t0 = time.perf_counter()
+    try:
+        with _quiet(work / "datatrove.log"):
+            executor.run()
+        with open(work / "wall.jsonl", "a") as f:  # this invocation's share; a resume adds its own
+            f.write(json.dumps({"stage": stage, "seconds": round(time.perf_counter() - t0, 2)}) + "\n")
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"data prepare: stage {stage} failed ({type(e).__name__}: {str(e)[:200]}); "
+                        f"see {work / 'datatrove.log'}, then rerun to resume") from None
+
+
+def _stage_stats(work: Path, stage: str) -> list[tuple[str, dict[str, float]]]:
+    """Per pipeline step, (name, {metric: total}) summed over all tasks of one stage, including
+    tasks finished by an earlier, killed run (datatrove's stats/RANK.json files)."""
+    steps: list[tuple[str, dict[str, int]]] = []
+    for f in sorted((work / "logs" / stage / "stats").glob("*.json")):
+        for k, step in enumerate(json.loads(f.read_text())):
+            if k == len(steps):
+                steps.append((step["name"], {}))
+            totals = steps[k][1]
+            timing = step.get("time_stats", 0)
+            totals["_seconds"] = totals.get("_seconds", 0) + (timing.get("total", 0) if isinstance(timing, dict) else timing)
+            for label, metric in step.get("stats", {}).items():
+                value = metric["total"] if isinstance(metric, dict) else metric
+                totals[label] = totals.get(label, 0) + int(value)
+    return steps  # "_seconds": the step's own time (datatrove's time_stats), summed over tasks
+
+
+def _filter_steps(filters: list[str], words) -> list:
+    from datatrove.pipeline.filters import C4QualityFilter, GopherQualityFilter, GopherRepetitionFilter
+
+    steps = []
+    for name in filters:
+        if name == "gopher":
+            # MassiveText's order (Rae et al. 2021 Fig. A1): quality filters, then repetition removal
+            steps += [("gopher_quality", GopherQualityFilter(language=words)),
+                      ("gopher_repetition", GopherRepetitionFilter(language=words))]
+        else:
+            steps.append(("c4", C4QualityFilter(min_num_sentences=3, min_words_per_line=5, language=words)))
+    return steps
+
+
+def _parse(option: str, given, known: tuple[str, ...]) -> list[str]:
+    names = [n.strip() for n in (given.split(",") if isinstance(given, str) else given) if n.strip()]
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise DataError(f"{option} {','.join(bad)}: unknown (choose from {','.join(known)}, comma-separated)")
+    return [n for n in known if n in names]
+
+
+def _progress_loop(work: Path, total: int, progress: Callable, stop: threading.Event) -> None:
+    folder = work / "progress"
+    while not stop.wait(0.5):
+        done = tokens = 0
+        for f in folder.glob("*"):
+            try:
+                value = int(f.read_text() or 0)
+            except (OSError, ValueError):  # a file being replaced
+                continue
+            if f.name.startswith("tokens-"):
+                tokens += value
+            elif f.name.startswith("tokenize-"):
+                done += value
+        progress("tokenize", done, total, tokens)
+
+
+def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val_fraction: float = 0.05,
+            seed: int = 0, progress: Callable[[str, int, int, int], None] | None = None, force: bool = False,
+            workers: int | None = None, tasks: int | None = None, filters: list[str] | str = (),
+            dedup: list[str] | str = ()) -> PrepareStats:
+    """Tokenize `inputs` into numbered shards in `out` (see the module docstring for the stages).
+
+    workers: processes (default: all cores); tasks: pipeline tasks = shard files per split
+    (default: one per TASK_BYTES of input, at least `workers`); filters: subset of FILTERS; dedup:
+    subset of DEDUPS; progress(stage, input bytes done, input bytes total, tokens written).
+    An unfinished prepare in `out` with the same inputs and settings is resumed; any other
+    flopwise folder in `out` is replaced; anything else is refused unless `force`.
+    With workers > 1 the worker processes are spawned and import the caller's main module: call
+    this from a script under `if __name__ == "__main__":` (the CLI and `flopwise train` do)."""
+    t0 = time.perf_counter()
+    out = Path(out)
+    if not force and not _replaceable(out):
+        raise DataError(f"--out {out}: exists and is not a flopwise data folder (no index.json + tokenizer.json); "
+                        "choose another folder or pass --force to replace it")
+    filters, dedup = _parse("--filter", filters, FILTERS), _parse("--dedup", dedup, DEDUPS)
+    workers = workers or os.cpu_count() or 1
+    if workers < 1:
+        raise DataError(f"--workers {workers}: must be at least 1")
+    spec = parse_tokenizer_spec(tokenizer)
+    given = load_tokenizer(spec) if not isinstance(spec, int) else None
+    files = [f for s in inputs for f in input_files(s)]
+    key = {"format": FORMAT, "inputs": _input_key(files), "tokenizer": str(spec),
+           "tokenizer_file": _input_key([spec]) if given else None, "val_fraction": val_fraction, "seed": seed,
+           "filters": filters, "dedup": dedup}
+    work = out / WORK
+    try:
+        plan = json.loads((work / "plan.json").read_text())
+    except (OSError, ValueError):  # none, or not readable: start afresh
+        plan = None
+    if plan is None or plan.get("key") != key or not (out / "tokenizer.json").is_file():
+        s = survey(inputs)
+        tok = given or train_bpe(sample_texts(s.files), spec)
+        if out.is_dir():
+            shutil.rmtree(out)
+        elif out.exists():
+            out.unlink()
+        (work / "tasks").mkdir(parents=True)
+        (work / MARKER).touch()  # first: from here on the folder is a flopwise prepare in progress
+        (work / "progress").mkdir()
+        tok.save(str(out / "tokenizer.json"))
+        n_tasks = tasks or max(workers, math.ceil(s.bytes / TASK_BYTES))
+        np.save(work / "val.npy", np.asarray(sorted(val_documents(s.documents, val_fraction, seed)), dtype=np.int64))
+        plan = {"key": key, "files": s.files, "sources": s.sources, "documents": s.documents, "bytes": s.bytes,
+                "tasks": plan_tasks(s, n_tasks)}
+        (work / "plan.json.tmp").write_text(json.dumps(plan))
+        os.replace(work / "plan.json.tmp", work / "plan.json")  # last: the plan means "resumable"
+    tok = load_tokenizer(out / "tokenizer.json")
+    vocab = tok.get_vocab_size()
+    dtype = dtype_for_vocab(vocab)
+    n_tasks = len(plan["tasks"])
+
+    from datatrove.pipeline.dedup import (ExactDedupFilter, ExactDedupSignature, ExactFindDedups,
+                                          MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter,
+                                          MinhashDedupSignature)
+    from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig
+    from datatrove.pipeline.dedup.minhash import MinhashConfig
+    from datatrove.utils.hashing import HashConfig
+
+    from flopwise.data.steps import OrdinalReader, ShardWriter, Tally, Whitespace, normalized_text
+
+    words = Whitespace()
+    exact_cfg = ExactDedupConfig(content_getter=normalized_text)
+    # sha1, not the default xxhash: datatrove hashes str shingles, which xxhash >= 3.5 refuses
+    minhash_cfg = MinhashConfig(**MINHASH, hash_config=HashConfig(precision=64, hash_fc="sha1"))
+
+    def head(stage: str) -> list:
+        """Reader, tally and quality filters (each followed by a tally): the same stream in every pass."""
+        steps = [OrdinalReader(plan["files"], plan["tasks"], str(work / "progress" / stage)), Tally()]
+        for _, f in _filter_steps(filters, words):
+            steps += [f, Tally()]
+        return steps
+
+    dedup_steps = []
+    if "exact" in dedup:
+        _run("exact-signature", head("exact-signature") + [ExactDedupSignature(str(work / "exact" / "sigs"), exact_cfg)],
+             n_tasks, workers, work)
+        _run("exact-find", [ExactFindDedups(str(work / "exact" / "sigs"), str(work / "exact" / "dups"), exact_cfg)],
+             1, workers, work)
+        dedup_steps.append(("exact", ExactDedupFilter(str(work / "exact" / "dups"), exact_cfg)))
+    if "minhash" in dedup:
+        before = [s for _, f in dedup_steps for s in (f, Tally())]
+        sig = MinhashDedupSignature(str(work / "minhash" / "sigs"), minhash_cfg, language=words)
+        _run("minhash-signature", head("minhash-signature") + before + [sig], n_tasks, workers, work)
+        _run("minhash-buckets", [MinhashDedupBuckets(str(work / "minhash" / "sigs"), str(work / "minhash" / "buckets"),
+                                                     config=minhash_cfg)], MINHASH["num_buckets"], workers, work)
+        _run("minhash-cluster", [MinhashDedupCluster(str(work / "minhash" / "buckets"), str(work / "minhash" / "remove"),
+                                                     config=minhash_cfg, save_cluster_id=True)], 1, workers, work)
+        dedup_steps.append(("minhash", MinhashDedupFilter(str(work / "minhash" / "remove"))))
+
+    pipeline = head("tokenize") + [s for _, f in dedup_steps for s in (f, Tally())]
+    pipeline.append(ShardWriter(str(out), str(work), dtype.name))
+    stop = threading.Event()
+    poller = threading.Thread(target=_progress_loop, args=(work, plan["bytes"], progress, stop), daemon=True)
+    if progress:
+        poller.start()
+    try:
+        _run("tokenize", pipeline, n_tasks, workers, work)
+    finally:
+        stop.set()
+        if progress:
+            poller.join()
+
+    report = _report(work, plan, filters, [n for n, _ in _filter_steps(filters, words)], [n for n, _ in dedup_steps])
+    meta = _index(out, work, plan, tok, dtype, seed, val_fraction)
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    tmp = out / "index.json.tmp"
+    tmp.write_text(json.dumps(meta))
+    os.replace(tmp, out / "index.json")
+    shutil.rmtree(work)
+    if progress:
+        progress("tokenize", plan["bytes"], plan["bytes"], meta["counts"]["tokens"])
+    return PrepareStats(meta["counts"]["documents"], meta["counts"]["tokens"], meta["counts"]["bytes"],
+                        time.perf_counter() - t0, {s: e["tokens"] for s, e in meta["splits"].items()}, report)
+
+
+def _index(out: Path, work: Path, plan: dict, tok, dtype: np.dtype, seed: int, val_fraction: float) -> dict:
+    """The index from the tasks' tables, in task order: document starts offset by the tokens of
+    the split's earlier shards."""
+    vocab = tok.get_vocab_size()
+    splits = {s: {"files": [], "tokens": 0, "documents": []} for s in ("train", "val")}
+    counts = np.zeros(vocab, dtype=np.int64)
+    documents = kept_bytes = 0
+    for rank in range(len(plan["tasks"])):
+        task = json.loads((work / "tasks" / f"{rank:05d}.json").read_text())
+        for s, e in task["splits"].items():
+            base = splits[s]["tokens"]
+            splits[s]["files"].append({"file": e["file"], "tokens": e["tokens"]})
+            splits[s]["documents"].extend([base + a, n] for a, n in e["documents"])
+            splits[s]["tokens"] += e["tokens"]
+        counts += np.load(work / "tasks" / f"{rank:05d}-counts.npy")
+        documents += task["documents"]
+        kept_bytes += task["bytes"]
+    probs = counts[counts > 0] / max(counts.sum(), 1)
+    return {
+        "format": FORMAT, "dtype": dtype.name, "vocab_size": vocab, "eos_id": eos_id(tok), "eos": EOS,
+        "tokenizer": "tokenizer.json", "seed": seed, "val_fraction": val_fraction, "sources": plan["sources"],
+        "splits": splits,
+        "counts": {"documents": documents, "tokens": sum(e["tokens"] for e in splits.values()), "bytes": kept_bytes},
+        "unigram_entropy_nats": float(-(probs * np.log(probs)).sum()),
+    }
+
+
+def _report(work: Path, plan: dict, filters: list[str], filter_names: list[str], dedup_names: list[str]) -> dict:
+    """Documents and bytes in, what each stage removed (with datatrove's per-rule drop reasons for
+    the filters, clusters for the dedup stages) and its own CPU time in the tokenize pass, what was
+    kept, and the wall time of every executor stage: from the stages' stats summed over all tasks
+    (the tallies sit after the reader and after every filter/dedup step)."""
+    stats = _stage_stats(work, "tokenize")
+    tallies = [totals for name, totals in stats if "tally" in name]
+    stages = [totals for name, totals in stats if "tally" not in name][1:-1]  # without reader and writer
+
+    def count(totals: dict[str, float], label: str) -> int:
+        return int(totals.get(label, 0))
+
+    rows = []
+    for k, (name, st) in enumerate(zip(filter_names + dedup_names, stages)):
+        before, after = tallies[k], tallies[k + 1]
+        row = {"stage": name, "documents_in": count(before, "documents"),
+               "documents_removed": count(before, "documents") - count(after, "documents"),
+               "bytes_removed": count(before, "bytes") - count(after, "bytes"),
+               "cpu_seconds": round(st.get("_seconds", 0), 2)}
+        if name in filter_names:
+            row["rules"] = {label.removeprefix("dropped_"): n for label, n in sorted(st.items())
+                            if label.startswith("dropped_")}
+            if name == "c4":  # C4 also drops lines from the documents it keeps
+                row["bytes_removed_with_lines"] = row.pop("bytes_removed")
+                row["lines"] = {label.removeprefix("line-"): n for label, n in sorted(st.items())
+                                if label.startswith("line-")}
+        elif name == "exact":
+            row["clusters"] = count(after, "clusters")
+        else:
+            cluster = _stage_stats(work, "minhash-cluster")
+            row["clusters"] = count(cluster[0][1], "clusters") if cluster else 0
+        rows.append(row)
+    first, last = tallies[0], tallies[-1]
+    wall: dict[str, float] = {}
+    for line in (work / "wall.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        wall[entry["stage"]] = round(wall.get(entry["stage"], 0) + entry["seconds"], 2)
+    return {"documents_in": count(first, "documents"), "bytes_in": count(first, "bytes"), "stages": rows,
+            "wall_seconds": wall,
+            "documents_kept": count(last, "documents"), "bytes_kept": count(last, "bytes"),
+            "settings": {"filters": filters, "dedup": dedup_names,
+                         "minhash": MINHASH | {"threshold": round((1 / MINHASH["num_buckets"])
+                                                                 ** (1 / MINHASH["hashes_per_bucket"]), 3)}}}
