@@ -133,10 +133,11 @@ def main() -> None:
             r2 = launch(args, run_dir, data, "", f["segment_end"], 0)
             launches += 1
             assert r2.returncode == 0, r2.stderr[-3000:]
-            recomputed += fail_at - int(re.findall(r"step-(\d{8}) at step", r2.stdout)[0])
+            resumed += [int(re.findall(r"step-(\d{8}) at step", r2.stdout)[0])]
+            recomputed += fail_at - resumed[-1]
             outcome = (f"exit {r.returncode}" if r.returncode else "stopped") + " + relaunch"
-        log.append({**f, "outcome": outcome})
-        print(f"{spec(f):34s} segment to {f['segment_end']:4d}: {outcome}", flush=True)
+        log.append({**f, "failed_at": fail_at, "resumed_from": resumed, "outcome": outcome})
+        print(f"{spec(f):34s} segment to {f['segment_end']:4d}: {outcome}, resumed from {resumed}", flush=True)
     soak_s = time.perf_counter() - t0
 
     # the same launches without faults: what the segmentation itself costs
