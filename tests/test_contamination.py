@@ -182,3 +182,16 @@ def test_shipped_in_domain_tasks_are_clean_against_the_demo_train_split(tmp_path
     truth, touched = brute_force(tasks, [plays[i] for i in sorted(held)])
     assert dict(zip(val.tasks, val.contaminated)) == truth and val.touched == touched == [0, 1, 2]
     assert [r["contaminated"] for r in val.rows()] == [300, 300, 289]  # 11 speaker prompts span cut speeches
+
+
+def test_prepare_step_drops_the_planted_documents_and_reports_them(planted, tmp_path):
+    """`data prepare --decontaminate TASKS` (2 workers): the folder holds every document but the
+    brute-force-contaminated ones, the report counts them, and the result measures clean."""
+    path, docs, tasks, _, where = planted
+    _, touched = brute_force({t: tasks[t] for t in FOREIGN}, docs)
+    data = tmp_path / "data"
+    stats = prepare([str(path)], data, tokenizer="bpe:300", val_fraction=0.0, workers=2, decontaminate=FOREIGN)
+    [row] = [r for r in stats.report["stages"] if r["stage"] == "decontaminate"]
+    assert row["documents_removed"] == len(touched) == len(where) and row["rules"] == {"contaminated": len(where)}
+    assert stats.documents == len(docs) - len(where)
+    assert measure(str(data), [(t, tasks[t]) for t in FOREIGN]).contaminated == [[] for _ in FOREIGN]

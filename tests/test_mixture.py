@@ -29,7 +29,8 @@ def window_owner(sources, seq_len):
     owner = {}
     for s in sources:
         meta = json.loads((s.data_dir / "index.json").read_text())
-        tokens = np.fromfile(s.data_dir / meta["splits"]["train"]["file"], dtype=meta["dtype"]).astype(np.int64)
+        tokens = np.concatenate([np.fromfile(s.data_dir / f["file"], dtype=meta["dtype"])
+                                 for f in meta["splits"]["train"]["files"]]).astype(np.int64)
         for i in range((len(tokens) - 1) // seq_len):
             owner.setdefault(tokens[i * seq_len:(i + 1) * seq_len + 1].tobytes(), set()).add(s.name)
     return owner

@@ -26,7 +26,7 @@ from torch import nn
 from flopwise.config import Config
 from flopwise.data.loader import TokenLoader
 from flopwise.data.mixture import Source, check_tokenizers, fingerprint
-from flopwise.data.shards import prepare, read_index, tokenizer_of
+from flopwise.data.shards import FORMAT, prepare, read_index, tokenizer_of
 from flopwise.errors import CheckpointError, ConfigError
 from flopwise.model.transformer import build_model
 from flopwise.parallel import mesh
@@ -74,7 +74,8 @@ def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, console: Consol
     given = Path(path)
     if not path.startswith("builtin:") and (given / "index.json").exists():
         return given
-    recipe = {"inputs": [path], "tokenizer": tokenizer, "val_fraction": cfg.data.val_fraction, "seed": cfg.run.seed}
+    recipe = {"inputs": [path], "tokenizer": tokenizer, "val_fraction": cfg.data.val_fraction, "seed": cfg.run.seed,
+              "format": FORMAT}  # a folder of an older format is prepared again
     recipe_file = out / "recipe.json"
     if recipe_file.exists() and json.loads(recipe_file.read_text()) == recipe and (out / "index.json").exists():
         return out

@@ -110,6 +110,8 @@ def data_prepare(
     workers: Optional[int] = typer.Option(None, "--workers", min=1, help="processes (default: all cores)"),
     filters: str = typer.Option("", "--filter", help="quality filters: gopher,c4"),
     dedup: str = typer.Option("", "--dedup", help="deduplication: exact,minhash"),
+    decontaminate: str = typer.Option("", "--decontaminate", help="evaluation tasks (comma-separated) whose "
+                                      "13-grams drop a training document"),
     force: bool = typer.Option(False, "--force", help="replace --out even if it is not a flopwise data folder"),
 ) -> None:
     """Tokenize text into numbered token shards with an index and a train/val split by document,
@@ -130,7 +132,7 @@ def data_prepare(
                        rate=f"{tokens:,} tokens, {rate:,.0f} tokens/s")
 
         stats = prepare(inputs, out, tokenizer=spec, val_fraction=val_fraction, seed=seed, force=force,
-                        workers=workers, filters=filters, dedup=dedup, progress=show)
+                        workers=workers, filters=filters, dedup=dedup, decontaminate=decontaminate, progress=show)
     report = stats.report
     if report["stages"]:
         table = Table("stage", "documents in", "removed", "bytes removed", "rules / clusters")

@@ -191,8 +191,10 @@ def _stage_stats(work: Path, stage: str) -> list[tuple[str, dict[str, float]]]:
     return steps  # "_seconds": the step's own time (datatrove's time_stats), summed over tasks
 
 
-def _filter_steps(filters: list[str], words) -> list:
+def _filter_steps(filters: list[str], words, decontaminate: list[str] = ()) -> list:
     from datatrove.pipeline.filters import C4QualityFilter, GopherQualityFilter, GopherRepetitionFilter
+
+    from flopwise.data.contamination import DecontaminationFilter
 
     steps = []
     for name in filters:
@@ -202,6 +204,8 @@ def _filter_steps(filters: list[str], words) -> list:
                       ("gopher_repetition", GopherRepetitionFilter(language=words))]
         else:
             steps.append(("c4", C4QualityFilter(min_num_sentences=3, min_words_per_line=5, language=words)))
+    if decontaminate:  # GPT-3's 13-gram rule against the named evaluation tasks (data/contamination.py)
+        steps.append(("decontaminate", DecontaminationFilter(list(decontaminate))))
     return steps
 
 
@@ -232,12 +236,13 @@ def _progress_loop(work: Path, total: int, progress: Callable, stop: threading.E
 def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val_fraction: float = 0.05,
             seed: int = 0, progress: Callable[[str, int, int, int], None] | None = None, force: bool = False,
             workers: int | None = None, tasks: int | None = None, filters: list[str] | str = (),
-            dedup: list[str] | str = ()) -> PrepareStats:
+            dedup: list[str] | str = (), decontaminate: list[str] | str = ()) -> PrepareStats:
     """Tokenize `inputs` into numbered shards in `out` (see the module docstring for the stages).
 
     workers: processes (default: all cores); tasks: pipeline tasks = shard files per split
     (default: one per TASK_BYTES of input, at least `workers`); filters: subset of FILTERS; dedup:
-    subset of DEDUPS; progress(stage, input bytes done, input bytes total, tokens written).
+    subset of DEDUPS; decontaminate: evaluation task names whose 13-grams drop a training document;
+    progress(stage, input bytes done, input bytes total, tokens written).
     An unfinished prepare in `out` with the same inputs and settings is resumed; any other
     flopwise folder in `out` is replaced; anything else is refused unless `force`.
     With workers > 1 the worker processes are spawned and import the caller's main module: call
@@ -248,6 +253,8 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
         raise DataError(f"--out {out}: exists and is not a flopwise data folder (no index.json + tokenizer.json); "
                         "choose another folder or pass --force to replace it")
     filters, dedup = _parse("--filter", filters, FILTERS), _parse("--dedup", dedup, DEDUPS)
+    decontaminate = [t.strip() for t in (decontaminate.split(",") if isinstance(decontaminate, str) else decontaminate)
+                     if t.strip()]
     workers = workers or os.cpu_count() or 1
     if workers < 1:
         raise DataError(f"--workers {workers}: must be at least 1")
@@ -256,7 +263,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
     files = [f for s in inputs for f in input_files(s)]
     key = {"format": FORMAT, "inputs": _input_key(files), "tokenizer": str(spec),
            "tokenizer_file": _input_key([spec]) if given else None, "val_fraction": val_fraction, "seed": seed,
-           "filters": filters, "dedup": dedup}
+           "filters": filters, "dedup": dedup, "decontaminate": decontaminate}
     work = out / WORK
     try:
         plan = json.loads((work / "plan.json").read_text())
@@ -294,6 +301,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
     from flopwise.data.steps import OrdinalReader, ShardWriter, Tally, Whitespace, normalized_text
 
     words = Whitespace()
+    quality = _filter_steps(filters, words, decontaminate)  # built once: the task grams load here
     exact_cfg = ExactDedupConfig(content_getter=normalized_text)
     # sha1, not the default xxhash: datatrove hashes str shingles, which xxhash >= 3.5 refuses
     minhash_cfg = MinhashConfig(**MINHASH, hash_config=HashConfig(precision=64, hash_fc="sha1"))
@@ -301,7 +309,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
     def head(stage: str) -> list:
         """Reader, tally and quality filters (each followed by a tally): the same stream in every pass."""
         steps = [OrdinalReader(plan["files"], plan["tasks"], str(work / "progress" / stage)), Tally()]
-        for _, f in _filter_steps(filters, words):
+        for _, f in quality:
             steps += [f, Tally()]
         return steps
 
@@ -335,7 +343,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
         if progress:
             poller.join()
 
-    report = _report(work, plan, filters, [n for n, _ in _filter_steps(filters, words)], [n for n, _ in dedup_steps])
+    report = _report(work, plan, filters, [n for n, _ in quality], [n for n, _ in dedup_steps], decontaminate)
     meta = _index(out, work, plan, tok, dtype, seed, val_fraction)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     tmp = out / "index.json.tmp"
@@ -375,7 +383,8 @@ def _index(out: Path, work: Path, plan: dict, tok, dtype: np.dtype, seed: int, v
     }
 
 
-def _report(work: Path, plan: dict, filters: list[str], filter_names: list[str], dedup_names: list[str]) -> dict:
+def _report(work: Path, plan: dict, filters: list[str], filter_names: list[str], dedup_names: list[str],
+            decontaminate: list[str]) -> dict:
     """Documents and bytes in, what each stage removed (with datatrove's per-rule drop reasons for
     the filters, clusters for the dedup stages) and its own CPU time in the tokenize pass, what was
     kept, and the wall time of every executor stage: from the stages' stats summed over all tasks
@@ -415,6 +424,6 @@ def _report(work: Path, plan: dict, filters: list[str], filter_names: list[str],
     return {"documents_in": count(first, "documents"), "bytes_in": count(first, "bytes"), "stages": rows,
             "wall_seconds": wall,
             "documents_kept": count(last, "documents"), "bytes_kept": count(last, "bytes"),
-            "settings": {"filters": filters, "dedup": dedup_names,
+            "settings": {"filters": filters, "dedup": dedup_names, "decontaminate": decontaminate,
                          "minhash": MINHASH | {"threshold": round((1 / MINHASH["num_buckets"])
                                                                  ** (1 / MINHASH["hashes_per_bucket"]), 3)}}}

@@ -187,13 +187,14 @@ def val_documents(n_docs: int, val_fraction: float, seed: int) -> set[int]:
 def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val_fraction: float = 0.05,
             seed: int = 0, progress: Callable[[str, int, int, int], None] | None = None, force: bool = False,
             workers: int | None = None, tasks: int | None = None, filters: list[str] | tuple = (),
-            dedup: list[str] | tuple = ()) -> PrepareStats:
+            dedup: list[str] | tuple = (), decontaminate: list[str] | tuple = ()) -> PrepareStats:
     """Tokenize `inputs` into `out` with the parallel, resumable datatrove pipeline
     (flopwise.data.pipeline.prepare, which documents the arguments)."""
     from flopwise.data.pipeline import prepare as run_pipeline
 
     return run_pipeline(inputs, out, tokenizer=tokenizer, val_fraction=val_fraction, seed=seed, progress=progress,
-                        force=force, workers=workers, tasks=tasks, filters=filters, dedup=dedup)
+                        force=force, workers=workers, tasks=tasks, filters=filters, dedup=dedup,
+                        decontaminate=decontaminate)
 
 
 def read_index(data_dir: str | Path) -> dict:
