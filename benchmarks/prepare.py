@@ -9,7 +9,7 @@ and resumed must be byte-identical to the clean run.
 The corpus is generated, deterministically, from the shipped corpora (Shakespeare, Alice, the
 Wikipedia articles): paragraphs grouped into ~3 KB documents, reshuffled (seeded) on every pass
 until the target size, written as JSONL under --tmp. Nothing is downloaded.
-Writes benchmarks/results/prepare.json.
+Writes benchmarks/results/prepare-MBmb.json.
 """
 
 from __future__ import annotations
@@ -160,6 +160,8 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=200, help="text to generate, in MB (the issue asks for 1000)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--tmp", type=Path, default=Path("/tmp/flopwise-prepare-bench"))
+    ap.add_argument("--no-baselines", action="store_true",
+                    help="skip the encode_batch and one-worker comparisons (per-core ratios; 200 MB suffices)")
     ap.add_argument("--interleaved", type=int, default=0, metavar="MB",
                     help="only compare 1 worker with a bare loop on the first MB of an earlier run's corpus")
     args = ap.parse_args()
@@ -184,16 +186,18 @@ def main() -> None:
             "tokenize_stage_tokens_per_s_per_core": round(res["tokens"] / tokenize_s / args.workers),
             "peak_rss_mb_largest_process": round(rss)}
     print("prepare", res, flush=True)
-    base = {f"encode_batch_rayon_{k or 'default'}": run_encode_batch(corpus, clean / "tokenizer.json", k)
-            for k in (1, None)}
-    for v in base.values():
-        v["tokens_per_s"] = round(v["tokens"] / v["seconds"])
-    print("baseline", base, flush=True)
-    one = args.tmp / "one-worker"
-    subprocess.run(["rm", "-rf", str(one)], check=True)
-    single = run_prepare(corpus, one, 1, tokenizer=str(clean / "tokenizer.json"))
-    single["tokenize_stage_tokens_per_s"] = round(single["tokens"] / (single["seconds"] - single["tokenize_started_s"]))
-    print("one worker, given tokenizer", single, flush=True)
+    base, single = {}, {}
+    if not args.no_baselines:
+        base = {f"encode_batch_rayon_{k or 'default'}": run_encode_batch(corpus, clean / "tokenizer.json", k)
+                for k in (1, None)}
+        for v in base.values():
+            v["tokens_per_s"] = round(v["tokens"] / v["seconds"])
+        print("baseline", base, flush=True)
+        one = args.tmp / "one-worker"
+        subprocess.run(["rm", "-rf", str(one)], check=True)
+        single = run_prepare(corpus, one, 1, tokenizer=str(clean / "tokenizer.json"))
+        single["tokenize_stage_tokens_per_s"] = round(single["tokens"] / (single["seconds"] - single["tokenize_started_s"]))
+        print("one worker, given tokenizer", single, flush=True)
     kill = run_prepare(corpus, killed, args.workers, kill_at=0.5)
     resume = run_prepare(corpus, killed, args.workers)
     identical = digest(clean) == digest(killed)
@@ -202,7 +206,7 @@ def main() -> None:
               "cores": os.cpu_count(), "prepare": res, "prepare_1_worker_given_tokenizer": single, "baseline": base, "killed": kill, "resumed": resume,
               "byte_identical_after_resume": identical}
     (ROOT / "benchmarks" / "results").mkdir(exist_ok=True)
-    (ROOT / "benchmarks" / "results" / "prepare.json").write_text(json.dumps(result, indent=1))
+    (ROOT / "benchmarks" / "results" / f"prepare-{args.mb}mb.json").write_text(json.dumps(result, indent=1))
     if not identical:
         raise SystemExit("resumed output differs from the clean run")
 
