@@ -287,9 +287,30 @@ def _cases_task(real, work):
     return fuzzing.jsonl_mutants(real["task"].read_bytes()), run
 
 
+def _cases_state_resume(real, work):
+    """state.json as a resume reads it (loader position, RNG, guard, step, layout) into a run
+    built once: build.resume is what build_run calls."""
+    from rich.console import Console
+
+    from flopwise.build import build_run, resume
+
+    cfg = load_config(None, tiny_overrides(work / "resumer", real["data"], **{
+        "train.steps": 2, "checkpoint.interval": 2, "train.eval_every": 2, "optim.warmup_steps": 1,
+        "checkpoint.resume": '"none"'}))
+    target = build_run(cfg, Console(quiet=True))
+    def run(raw):
+        _, ckpt = _ckpt_copy(real, work)
+        (ckpt / "state.json").write_bytes(raw)
+        _resign(ckpt, "state.json")
+        resume(target, ckpt, Console(quiet=True))
+        target.loader.next_batch()
+    return fuzzing.json_mutants((real["ckpt"] / "state.json").read_bytes()), run
+
+
 READERS = {"config-toml": _cases_config, "tokenizer-json": _cases_tokenizer, "hf-config-json": _cases_hf_config,
            "safetensors": _cases_safetensors, "dcp-metadata": _cases_dcp_metadata, "distcp": _cases_distcp,
-           "manifest-json": _cases_manifest, "state-json": _cases_state, "task-jsonl": _cases_task}
+           "manifest-json": _cases_manifest, "state-json": _cases_state,
+           "state-json-resume": _cases_state_resume, "task-jsonl": _cases_task}
 
 
 @pytest.mark.parametrize("reader", list(READERS))

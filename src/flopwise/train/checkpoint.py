@@ -354,6 +354,11 @@ def read_dcp_metadata(path: Path) -> Metadata:
         raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} refused ({' '.join(str(e).split())[:200]})") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} is not DCP metadata")
+    for field, required in (("state_dict_metadata", True), ("storage_data", False), ("planner_data", False)):
+        value = getattr(metadata, field, ...)  # a damaged stream can drop or retype them
+        if not (isinstance(value, dict) or (value is None and not required)):
+            raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} has no valid {field} (damaged); "
+                                  "use another checkpoint")
     for key, entry in (metadata.state_dict_metadata or {}).items():
         if not isinstance(entry, TensorStorageMetadata):
             raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} stores {key!r} as {type(entry).__name__}, "
@@ -396,9 +401,12 @@ def resolve(path: str | Path) -> Path:
 
 def read_state(path: Path) -> dict:
     try:
-        return json.loads((path / STATE).read_text(encoding="utf-8"))
+        state = json.loads((path / STATE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path}: cannot read {STATE} ({e})") from None
+        raise CheckpointError(f"checkpoint {path}: cannot read {STATE} ({' '.join(str(e).split())[:200]})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path}: {STATE} is not a JSON object (damaged); use another checkpoint")
+    return state
 
 
 def reason(e: Exception) -> str:
