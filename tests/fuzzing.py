@@ -201,3 +201,63 @@ def is_finite_json(value: Any) -> bool:
     if isinstance(value, list):
         return all(is_finite_json(v) for v in value)
     return True
+
+
+def dcp_metadata_mutants(raw: bytes, keys: int = 4, seed: int = 0) -> list[tuple[str, bytes]]:
+    """DCP `.metadata` mutated as objects, then pickled again: for a seeded few tensor entries, the
+    size, dtype and chunk boxes changed; storage records pointed at other offsets, lengths and
+    files; entries dropped, added, renamed; plus the byte-level mutants of the stream. `raw` must
+    be a file flopwise wrote (the test unpickles it with the stock unpickler)."""
+    import pickle
+
+    import torch
+
+    def variants(md) -> Iterator[tuple[str, Any]]:
+        rng = random.Random(seed)
+        entries = sorted(md.state_dict_metadata)
+        model = [k for k in entries if k.startswith("model.")]  # what eval, export and resume all read
+        names = rng.sample(model, keys - 1) + rng.sample([k for k in entries if k not in model] or model, 1)
+        storage = {i.fqn: i for i in md.storage_data}
+        for name in names:
+            tm = md.state_dict_metadata[name]
+            size = list(tm.size)
+            for label, new in (("bigger", [s + 1 for s in size]), ("smaller", [max(0, s - 1) for s in size]),
+                               ("rank+1", [*size, 1]), ("scalar", []), ("negative", [-s for s in size]),
+                               ("huge", [2**40] * len(size))):
+                yield f"{name}:size={label}", lambda m, n=name, v=new: setattr(m.state_dict_metadata[n], "size", torch.Size(v))
+                yield f"{name}:chunk.sizes={label}", lambda m, n=name, v=new: setattr(
+                    m.state_dict_metadata[n].chunks[0], "sizes", torch.Size(v))
+            yield f"{name}:chunk.offsets+1", lambda m, n=name: setattr(
+                m.state_dict_metadata[n].chunks[0], "offsets", torch.Size([o + 1 for o in m.state_dict_metadata[n].chunks[0].offsets]))
+            yield f"{name}:chunks=[]", lambda m, n=name: setattr(m.state_dict_metadata[n], "chunks", [])
+            yield f"{name}:chunks*2", lambda m, n=name: m.state_dict_metadata[n].chunks.append(m.state_dict_metadata[n].chunks[0])
+            for dt in (torch.float16, torch.int64, torch.bool, torch.complex64, torch.uint8):
+                yield f"{name}:dtype={dt}", lambda m, n=name, d=dt: setattr(m.state_dict_metadata[n].properties, "dtype", d)
+            yield f"{name}:entry=dropped", lambda m, n=name: m.state_dict_metadata.pop(n)
+            yield f"{name}:entry=renamed", lambda m, n=name: m.state_dict_metadata.__setitem__(n + "X", m.state_dict_metadata.pop(n))
+            idx = storage[name]
+            for label, attr, value in (("offset=-1", "offset", -1), ("offset=huge", "offset", 2**40),
+                                       ("length=0", "length", 0), ("length=1", "length", 1), ("length=huge", "length", 2**40),
+                                       ("length=-1", "length", -1), ("file=state.json", "relative_path", "state.json"),
+                                       ("file=.metadata", "relative_path", ".metadata"),
+                                       ("file=missing", "relative_path", "__9_9.distcp")):
+                yield f"{name}:storage.{label}", lambda m, i=idx, a=attr, v=value: setattr(m.storage_data[i], a, v)
+            yield f"{name}:storage=dropped", lambda m, i=idx: m.storage_data.pop(i)
+            yield f"{name}:planner=dropped", lambda m, n=name: (m.planner_data or {}).pop(n, None)
+            yield f"{name}:planner=bogus", lambda m, n=name: (m.planner_data or {}).__setitem__(n, ("x",))
+        yield "state_dict_metadata={}", lambda m: setattr(m, "state_dict_metadata", {})
+        yield "storage_data={}", lambda m: setattr(m, "storage_data", {})
+        yield "planner_data=None", lambda m: setattr(m, "planner_data", None)
+        yield "storage_meta=None", lambda m: setattr(m, "storage_meta", None)
+
+    out = []
+    for label, mutate in variants(pickle.loads(raw)):
+        md = pickle.loads(raw)  # trusted: flopwise's own file
+        mutate(md)
+        out.append((f"md:{label}", pickle.dumps(md)))
+    return out + binary_mutants(raw, "metadata", 60)
+
+
+def with_original(raw: bytes, mutants: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+    """("original", raw) first, then the mutants: tests read the unmutated file as a control."""
+    return [("original", raw), *mutants]

@@ -182,6 +182,11 @@ def real(tiny_data, tmp_path_factory) -> dict[str, Path]:
             "hf": root / "hf", "task": root / "task.jsonl", "data": tiny_data, "cfg": cfg}
 
 
+def _m(mutants, raw: bytes, *args, **kwargs) -> list[tuple[str, bytes]]:
+    """The real file first (the control case), then its mutants."""
+    return fuzzing.with_original(raw, mutants(raw, *args, **kwargs))
+
+
 def _snapshot(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
 
@@ -208,7 +213,7 @@ def _cases_config(real, work):
     def run(raw):
         f.write_bytes(raw)
         load_config(f)
-    return fuzzing.toml_mutants(real["config"].read_bytes()), run
+    return _m(fuzzing.toml_mutants, real["config"].read_bytes()), run
 
 
 def _cases_tokenizer(real, work):
@@ -216,7 +221,7 @@ def _cases_tokenizer(real, work):
     def run(raw):
         f.write_bytes(raw)
         load_tokenizer(f)
-    return fuzzing.json_mutants(real["tokenizer"].read_bytes()), run
+    return _m(fuzzing.json_mutants, real["tokenizer"].read_bytes()), run
 
 
 def _hf_folder(real, work, name, raw):
@@ -234,11 +239,11 @@ def _hf_folder(real, work, name, raw):
 
 
 def _cases_hf_config(real, work):
-    return fuzzing.json_mutants((real["hf"] / "config.json").read_bytes()), lambda raw: _hf_folder(real, work, "config.json", raw)
+    return _m(fuzzing.json_mutants, (real["hf"] / "config.json").read_bytes()), lambda raw: _hf_folder(real, work, "config.json", raw)
 
 
 def _cases_safetensors(real, work):
-    return (fuzzing.safetensors_mutants((real["hf"] / "model.safetensors").read_bytes()),
+    return (_m(fuzzing.safetensors_mutants, (real["hf"] / "model.safetensors").read_bytes()),
             lambda raw: _hf_folder(real, work, "model.safetensors", raw))
 
 
@@ -250,31 +255,36 @@ def _ckpt_copy(real, work) -> tuple[Path, Path]:
     return run_dir, ckpt
 
 
-def _ckpt_file(real, work, name: str):
+def _ckpt_file(real, work, name: str, load=None):
+    """Each case: a copy of the real checkpoint with `name` replaced (and re-signed in the
+    manifest), read by verify/latest and then eval's load, or by `load` (a resume)."""
     def run(raw):
         run_dir, ckpt = _ckpt_copy(real, work)
         (ckpt / name).write_bytes(raw)
         if name != "manifest.json":
             _resign(ckpt, name)
-        _checkpoint_readers(run_dir, ckpt, work)
+        if load is None:
+            _checkpoint_readers(run_dir, ckpt, work)
+        else:
+            load(ckpt)
     return run
 
 
 def _cases_dcp_metadata(real, work):
-    return fuzzing.binary_mutants((real["ckpt"] / ".metadata").read_bytes(), "metadata", 60), _ckpt_file(real, work, ".metadata")
+    return _m(fuzzing.dcp_metadata_mutants, (real["ckpt"] / ".metadata").read_bytes()), _ckpt_file(real, work, ".metadata")
 
 
 def _cases_distcp(real, work):
     name = sorted(p.name for p in real["ckpt"].glob("*.distcp"))[0]
-    return fuzzing.binary_mutants((real["ckpt"] / name).read_bytes(), "distcp", 40), _ckpt_file(real, work, name)
+    return _m(fuzzing.binary_mutants, (real["ckpt"] / name).read_bytes(), "distcp", 40), _ckpt_file(real, work, name)
 
 
 def _cases_manifest(real, work):
-    return fuzzing.json_mutants((real["ckpt"] / "manifest.json").read_bytes()), _ckpt_file(real, work, "manifest.json")
+    return _m(fuzzing.json_mutants, (real["ckpt"] / "manifest.json").read_bytes()), _ckpt_file(real, work, "manifest.json")
 
 
 def _cases_state(real, work):
-    return fuzzing.json_mutants((real["ckpt"] / "state.json").read_bytes()), _ckpt_file(real, work, "state.json")
+    return _m(fuzzing.json_mutants, (real["ckpt"] / "state.json").read_bytes()), _ckpt_file(real, work, "state.json")
 
 
 def _cases_task(real, work):
@@ -284,12 +294,13 @@ def _cases_task(real, work):
     def run(raw):
         f.write_bytes(raw)
         load_task(str(f))
-    return fuzzing.jsonl_mutants(real["task"].read_bytes()), run
+    return _m(fuzzing.jsonl_mutants, real["task"].read_bytes()), run
 
 
-def _cases_state_resume(real, work):
-    """state.json as a resume reads it (loader position, RNG, guard, step, layout) into a run
-    built once: build.resume is what build_run calls."""
+def _resumer(real, work):
+    """A run built once (resume=none) that each case resumes into: build.resume is what build_run
+    calls (config and data checks, weights, optimizer, loader position, RNG, guard, step), then
+    one batch is drawn from the restored loader position."""
     from rich.console import Console
 
     from flopwise.build import build_run, resume
@@ -298,17 +309,25 @@ def _cases_state_resume(real, work):
         "train.steps": 2, "checkpoint.interval": 2, "train.eval_every": 2, "optim.warmup_steps": 1,
         "checkpoint.resume": '"none"'}))
     target = build_run(cfg, Console(quiet=True))
-    def run(raw):
-        _, ckpt = _ckpt_copy(real, work)
-        (ckpt / "state.json").write_bytes(raw)
-        _resign(ckpt, "state.json")
+
+    def load(ckpt: Path) -> None:
         resume(target, ckpt, Console(quiet=True))
         target.loader.next_batch()
-    return fuzzing.json_mutants((real["ckpt"] / "state.json").read_bytes()), run
+    return load
+
+
+def _cases_state_resume(real, work):
+    return _m(fuzzing.json_mutants, (real["ckpt"] / "state.json").read_bytes()), _ckpt_file(real, work, "state.json", _resumer(real, work))
+
+
+def _cases_dcp_metadata_resume(real, work):
+    return (_m(fuzzing.dcp_metadata_mutants, (real["ckpt"] / ".metadata").read_bytes(), seed=1),
+            _ckpt_file(real, work, ".metadata", _resumer(real, work)))
 
 
 READERS = {"config-toml": _cases_config, "tokenizer-json": _cases_tokenizer, "hf-config-json": _cases_hf_config,
-           "safetensors": _cases_safetensors, "dcp-metadata": _cases_dcp_metadata, "distcp": _cases_distcp,
+           "safetensors": _cases_safetensors, "dcp-metadata": _cases_dcp_metadata,
+           "dcp-metadata-resume": _cases_dcp_metadata_resume, "distcp": _cases_distcp,
            "manifest-json": _cases_manifest, "state-json": _cases_state,
            "state-json-resume": _cases_state_resume, "task-jsonl": _cases_task}
 
@@ -323,7 +342,10 @@ def test_mutated_real_files(reader, real, tmp_path, monkeypatch):
     work.mkdir()
     monkeypatch.chdir(tmp_path)
     everything, run = READERS[reader](real, work)
-    cases = fuzzing.pick(everything, fuzzing.budget(), seed=17)
+    original = everything[0][1] if everything[0][0] == "original" else None
+    assert original is not None, "each reader's first case is the real file unchanged"
+    run(original)  # the control: the unmutated file reads (so a refusal below is the mutation's doing)
+    cases = fuzzing.pick(everything[1:], fuzzing.budget(), seed=17)
     outcomes, failures = {"ok": 0, "refused": 0}, []
     t0 = time.perf_counter()
     for label, raw in cases:
@@ -342,6 +364,6 @@ def test_mutated_real_files(reader, real, tmp_path, monkeypatch):
         stray = {k for k in set(_snapshot(tmp_path)) ^ set(outside) if not k.startswith("work")}
         if stray:
             failures.append(f"{label}: wrote outside its folder: {sorted(stray)[:3]}")
-    print(f"\nfuzz {reader}: {len(cases)} cases of {len(everything)} mutants, {outcomes['ok']} ok, "
+    print(f"\nfuzz {reader}: {len(cases)} cases of {len(everything) - 1} mutants, {outcomes['ok']} ok, "
           f"{outcomes['refused']} refused in one line, {len(failures)} failures, {time.perf_counter() - t0:.1f} s")
     assert not failures, f"{len(failures)} of {len(cases)} cases:\n" + "\n".join(failures[:40])

@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import os
 import pickle
 import shutil
@@ -345,6 +346,26 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
 
 
+def _tiling_problem(entry: TensorStorageMetadata) -> str | None:
+    """Why a tensor's chunks do not tile it exactly (None when they do): each chunk a box of the
+    tensor's rank inside it, their volumes summing to its size. DCP would otherwise load a tensor
+    that no chunk covers by leaving the model's values as they were, without a word."""
+    size = entry.size
+    if not isinstance(size, tuple) or not all(isinstance(n, int) and n >= 0 for n in size):
+        return f"has size {size!r}"
+    total = 0
+    for chunk in entry.chunks if isinstance(entry.chunks, list) else [None]:
+        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+        if not (isinstance(offsets, tuple) and isinstance(sizes, tuple) and len(offsets) == len(sizes) == len(size)
+                and all(isinstance(o, int) and isinstance(n, int) and o >= 0 and n >= 0 and o + n <= d
+                        for o, n, d in zip(offsets, sizes, size))):
+            return f"has a chunk outside its size {list(size)}"
+        total += math.prod(sizes)
+    if total != math.prod(size):
+        return f"has chunks covering {total} of its {math.prod(size)} elements"
+    return None
+
+
 def read_dcp_metadata(path: Path) -> Metadata:
     """DCP's metadata of a checkpoint folder, unpickled safely and checked to name only its own files."""
     try:
@@ -363,6 +384,8 @@ def read_dcp_metadata(path: Path) -> Metadata:
         if not isinstance(entry, TensorStorageMetadata):
             raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} stores {key!r} as {type(entry).__name__}, "
                                   "which flopwise never writes (it would be unpickled); refused")
+        if why := _tiling_problem(entry):
+            raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} entry {key!r} {why} (damaged); use another checkpoint")
     for info in (metadata.storage_data or {}).values():
         if getattr(info, "transform_descriptors", None):  # DCP's stream transforms: flopwise writes none
             raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} asks for stream transforms "
