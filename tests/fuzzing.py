@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import random
 import struct
@@ -190,17 +189,6 @@ def jsonl_mutants(raw: bytes, fanout: int = 6) -> list[tuple[str, bytes]]:
     out += [("all-removed", b""), ("blank-lines", b"\n\n\n"), ("not-utf8", b"\xff\xfe" + raw),
             ("not-json", b"{context: x}\n")]
     return out + truncations(raw, "jsonl")
-
-
-def is_finite_json(value: Any) -> bool:
-    """Whether a value holds no NaN/Infinity (for tests that want to tell them apart)."""
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, dict):
-        return all(is_finite_json(v) for v in value.values())
-    if isinstance(value, list):
-        return all(is_finite_json(v) for v in value)
-    return True
 
 
 def dcp_metadata_mutants(raw: bytes, keys: int = 4, seed: int = 0) -> list[tuple[str, bytes]]:
