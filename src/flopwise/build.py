@@ -177,7 +177,7 @@ def restore(run: Run, ckpt: Path, counters: bool = True) -> dict:
     """Model, optimizer, data position, RNG and guard window from a checkpoint into `run`; its
     state (counters=False: a rollback, whose guard keeps counting)."""
     state = checkpoint.load(ckpt, run.engine.parts, run.optimizer)
-    parts = {"loader": lambda: run.loader.load_state_dict(state["loader"]),
+    parts = {"loader": lambda: run.loader.load_state_dict(_loader_state(state["loader"])),
              "rng": lambda: checkpoint.set_rng_state(state["rng"]),
              "guard": lambda: run.guard.load_state_dict(state.get("guard"), counters=counters),
              "step": lambda: state.update(step=_count(state["step"])),
@@ -189,6 +189,20 @@ def restore(run: Run, ckpt: Path, counters: bool = True) -> dict:
             raise CheckpointError(f"checkpoint {ckpt}: state.json field {field!r} is malformed ({type(e).__name__}: "
                                   f"{' '.join(str(e).split())[:100]}); use another checkpoint") from None
     return state
+
+
+def _loader_state(value: object) -> dict:
+    """The loader's saved position, its counters checked: a negative epoch or cursor (a damaged
+    state.json) would raise in numpy or loop for ever at the first batch, not here."""
+    if not isinstance(value, dict) or not isinstance(value.get("sources", []), list):
+        raise TypeError("not an object with a list of sources")
+    _count(value.get("batches"))
+    for source in value.get("sources", []):
+        if not isinstance(source, dict):
+            raise TypeError(f"source entry {source!r} is not an object")
+        for key in ("epoch", "cursor", "taken", "n_windows"):
+            _count(source.get(key))
+    return value
 
 
 def _count(value: object) -> int:
