@@ -5,7 +5,7 @@ FLOPWISE_FUZZ_EXAMPLES=5000 digs deeper than the 150 examples per property CI ru
 `test_mutated_real_files` feeds each reader structure-aware mutants of a real file flopwise wrote
 (tests/fuzzing.py: every JSON/TOML field replaced by each JSON type, removed, duplicated, renamed;
 binaries truncated, bit-flipped, safetensors length/header fields and DCP metadata objects
-mutated), a seeded sample of 120 per reader in CI (about 60 s on 2 CPU cores);
+mutated), a seeded sample of 120 per reader in CI (about 30 s on 2 CPU cores);
 FLOPWISE_FUZZ_CASES=N runs N per reader (all of a reader's mutants when N exceeds them). Each
 reader's line in the output (pytest -s) gives its case count and outcomes."""
 
