@@ -38,11 +38,14 @@ def budget(default: int = DEFAULT_CASES) -> int:
     return int(os.environ.get("FLOPWISE_FUZZ_CASES", default))
 
 
-def pick(cases: list[tuple[str, bytes]], n: int, seed: int = 0) -> list[tuple[str, bytes]]:
-    """A seeded sample of n cases (all of them if n >= len), in a fixed order."""
+def pick(cases: list[tuple[str, bytes]], n: int, seed: int = 0, always: tuple[str, ...] = ()) -> list[tuple[str, bytes]]:
+    """A seeded sample of n cases (all of them if n >= len), in a fixed order; cases whose label
+    ends with one of `always` (those that once found a bug) are always among them."""
     if n >= len(cases):
         return cases
-    return random.Random(seed).sample(cases, n)
+    kept = [c for c in cases if c[0].endswith(always)] if always else []
+    rest = [c for c in cases if c not in kept]
+    return kept + random.Random(seed).sample(rest, max(0, n - len(kept)))
 
 
 def paths(tree: Any, fanout: int = 6, seed: int = 0, prefix: Path_ = ()) -> Iterator[Path_]:
