@@ -1,6 +1,13 @@
 """Property tests: every reader of user-supplied input, fed random bytes and random values, either
 works or raises its one-line flopwise error, and writes nothing outside where it was pointed.
-FLOPWISE_FUZZ_EXAMPLES=5000 digs deeper than the 150 examples per property CI runs."""
+FLOPWISE_FUZZ_EXAMPLES=5000 digs deeper than the 150 examples per property CI runs.
+
+`test_mutated_real_files` feeds each reader structure-aware mutants of a real file flopwise wrote
+(tests/fuzzing.py: every JSON/TOML field replaced by each JSON type, removed, duplicated, renamed;
+binaries truncated, bit-flipped, safetensors length/header fields and DCP metadata objects
+mutated), a seeded sample of 120 per reader in CI (about 30 s on 2 CPU cores);
+FLOPWISE_FUZZ_CASES=N runs N per reader (all of a reader's mutants when N exceeds them). Each
+reader's line in the output (pytest -s) gives its case count and outcomes."""
 
 import json
 import os
@@ -146,3 +153,236 @@ def test_cli_user_errors_are_one_line_exit_2_no_traceback(tmp_path, args, fragme
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and fragment in r.stderr
     assert r.stderr.strip().startswith("error:") and len(r.stderr.strip().splitlines()) == 1
+
+
+# --- structure-aware mutation of real files (tests/fuzzing.py) -----------------------------------
+# Each reader gets a bounded, seeded sample of the mutants of a file flopwise itself wrote
+# (FLOPWISE_FUZZ_CASES=N per reader; CI runs fuzzing.DEFAULT_CASES). Every case must end in
+# success or a one-line FlopwiseError, and write nothing outside the folder it was pointed at.
+
+import shutil  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import fuzzing  # noqa: E402
+from conftest import tiny_overrides  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def real(tiny_data, tmp_path_factory) -> dict[str, Path]:
+    """Real files of every kind: a 2-step training run's checkpoint, its config, tokenizer, an HF
+    folder from `convert to-hf` of it, and a task file cut from two built-in tasks."""
+    from rich.console import Console
+
+    from flopwise.config import to_toml
+    from flopwise.eval.tasks import builtin_tasks
+    from flopwise.interop.convert import export_hf
+    from flopwise.train.trainer import train
+
+    root = tmp_path_factory.mktemp("real")
+    cfg = load_config(None, tiny_overrides(root / "run", tiny_data, **{
+        "train.steps": 2, "checkpoint.interval": 2, "train.eval_every": 2, "optim.warmup_steps": 1}))
+    train(cfg, Console(quiet=True))
+    ckpt = checkpoint.latest(root / "run")
+    (root / "config.toml").write_text(to_toml(cfg))
+    export_hf(ckpt, root / "hf")
+    tasks = builtin_tasks()
+    lines = [*tasks["alice-lastword"].read_text().splitlines()[:2], *tasks["alice-nextsent"].read_text().splitlines()[:2]]
+    (root / "task.jsonl").write_text("\n".join(lines) + "\n")
+    return {"ckpt": ckpt, "config": root / "config.toml", "tokenizer": tiny_data / "tokenizer.json",
+            "hf": root / "hf", "task": root / "task.jsonl", "data": tiny_data, "cfg": cfg}
+
+
+def _m(mutants, raw: bytes, *args, **kwargs) -> list[tuple[str, bytes]]:
+    """The real file first (the control case), then its mutants."""
+    return fuzzing.with_original(raw, mutants(raw, *args, **kwargs))
+
+
+def _snapshot(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
+
+
+def _resign(ckpt: Path, name: str) -> None:
+    """Rewrite the manifest entry of `name` to match its new bytes, as an attacker would, so the
+    mutated file reaches the reader instead of being caught by the checksum."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"][name] = {"bytes": (ckpt / name).stat().st_size, "sha256": checkpoint._sha256(ckpt / name)}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _checkpoint_readers(run_dir: Path, ckpt: Path, out: Path) -> None:
+    """What a user reaches with a checkpoint folder: verify/latest, then eval's load."""
+    from flopwise.eval.load import load_for_inference
+
+    assert checkpoint.verify(ckpt) is None or isinstance(checkpoint.verify(ckpt), str)
+    assert checkpoint.latest(run_dir) in (None, ckpt)
+    load_for_inference(ckpt)
+
+
+def _cases_config(real, work):
+    f = work / "c.toml"
+    def run(raw):
+        f.write_bytes(raw)
+        load_config(f)
+    return _m(fuzzing.toml_mutants, real["config"].read_bytes()), run
+
+
+def _cases_tokenizer(real, work):
+    f = work / "tokenizer.json"
+    def run(raw):
+        f.write_bytes(raw)
+        load_tokenizer(f)
+    return _m(fuzzing.json_mutants, real["tokenizer"].read_bytes()), run
+
+
+def _hf_folder(real, work, name, raw):
+    from flopwise.interop.convert import import_hf
+
+    hf = work / "hf"
+    shutil.rmtree(hf, ignore_errors=True)
+    shutil.copytree(real["hf"], hf)
+    (hf / name).write_bytes(raw)
+    out = work / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    if name == "config.json":
+        model_fields_from_hf(hf)
+    import_hf(hf, out)  # `flopwise convert from-hf`: from_hf -> load_hf_weights -> checkpoint
+
+
+def _cases_hf_config(real, work):
+    return _m(fuzzing.json_mutants, (real["hf"] / "config.json").read_bytes()), lambda raw: _hf_folder(real, work, "config.json", raw)
+
+
+def _cases_safetensors(real, work):
+    return (_m(fuzzing.safetensors_mutants, (real["hf"] / "model.safetensors").read_bytes()),
+            lambda raw: _hf_folder(real, work, "model.safetensors", raw))
+
+
+def _ckpt_copy(real, work) -> tuple[Path, Path]:
+    run_dir = work / "run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    ckpt = checkpoint.step_dir(run_dir, 2)
+    shutil.copytree(real["ckpt"], ckpt)
+    return run_dir, ckpt
+
+
+def _ckpt_file(real, work, name: str, load=None):
+    """Each case: a copy of the real checkpoint with `name` replaced (and re-signed in the
+    manifest), read by verify/latest and then eval's load, or by `load` (a resume)."""
+    def run(raw):
+        run_dir, ckpt = _ckpt_copy(real, work)
+        (ckpt / name).write_bytes(raw)
+        if name != "manifest.json":
+            _resign(ckpt, name)
+        if load is None:
+            _checkpoint_readers(run_dir, ckpt, work)
+        else:
+            load(ckpt)
+    return run
+
+
+def _cases_dcp_metadata(real, work):
+    return _m(fuzzing.dcp_metadata_mutants, (real["ckpt"] / ".metadata").read_bytes()), _ckpt_file(real, work, ".metadata")
+
+
+def _cases_distcp(real, work):
+    name = sorted(p.name for p in real["ckpt"].glob("*.distcp"))[0]
+    return _m(fuzzing.binary_mutants, (real["ckpt"] / name).read_bytes(), "distcp", 40), _ckpt_file(real, work, name)
+
+
+def _cases_manifest(real, work):
+    return _m(fuzzing.json_mutants, (real["ckpt"] / "manifest.json").read_bytes()), _ckpt_file(real, work, "manifest.json")
+
+
+def _cases_state(real, work):
+    return _m(fuzzing.json_mutants, (real["ckpt"] / "state.json").read_bytes()), _ckpt_file(real, work, "state.json")
+
+
+def _cases_task(real, work):
+    from flopwise.eval.tasks import load_task
+
+    f = work / "task.jsonl"
+    def run(raw):
+        f.write_bytes(raw)
+        load_task(str(f))
+    return _m(fuzzing.jsonl_mutants, real["task"].read_bytes()), run
+
+
+def _resumer(real, work):
+    """A run built once (resume=none) that each case resumes into: build.resume is what build_run
+    calls (config and data checks, weights, optimizer, loader position, RNG, guard, step), then
+    one batch is drawn from the restored loader position."""
+    from rich.console import Console
+
+    from flopwise.build import build_run, resume
+
+    cfg = load_config(None, tiny_overrides(work / "resumer", real["data"], **{
+        "train.steps": 2, "checkpoint.interval": 2, "train.eval_every": 2, "optim.warmup_steps": 1,
+        "checkpoint.resume": '"none"'}))
+    target = build_run(cfg, Console(quiet=True))
+
+    def load(ckpt: Path) -> None:
+        resume(target, ckpt, Console(quiet=True))
+        target.loader.next_batch()
+    return load
+
+
+def _cases_state_resume(real, work):
+    return _m(fuzzing.json_mutants, (real["ckpt"] / "state.json").read_bytes()), _ckpt_file(real, work, "state.json", _resumer(real, work))
+
+
+def _cases_dcp_metadata_resume(real, work):
+    return (_m(fuzzing.dcp_metadata_mutants, (real["ckpt"] / ".metadata").read_bytes(), seed=1),
+            _ckpt_file(real, work, ".metadata", _resumer(real, work)))
+
+
+READERS = {"config-toml": _cases_config, "tokenizer-json": _cases_tokenizer, "hf-config-json": _cases_hf_config,
+           "safetensors": _cases_safetensors, "dcp-metadata": _cases_dcp_metadata,
+           "dcp-metadata-resume": _cases_dcp_metadata_resume, "distcp": _cases_distcp,
+           "manifest-json": _cases_manifest, "state-json": _cases_state,
+           "state-json-resume": _cases_state_resume, "task-jsonl": _cases_task}
+
+
+# Cases that found a bug (fixed in the reader): run in CI whatever the seeded sample holds.
+REGRESSIONS = {"config-toml": ("model/preset=list", "model/arch=dict"),
+               "tokenizer-json": ("model/continuing_subword_prefix=str",),  # aborted the process (Rust panic)
+               "hf-config-json": ("vocab_size=huge",), "dcp-metadata": (":chunks=[]", ":chunk.sizes=bigger"),
+               "state-json": ("config=one",), "task-jsonl": ("not-utf8",),
+               "state-json-resume": ("loader/sources/0/epoch=neg", "loader/sources/0/cursor=negfloat")}
+
+
+@pytest.mark.parametrize("reader", list(READERS))
+def test_mutated_real_files(reader, real, tmp_path, monkeypatch):
+    """Every mutant of a real file: success or a one-line flopwise error, nothing written outside
+    the folder it was pointed at (the work folder; cwd is tmp_path too, so stray relative writes count)."""
+    import warnings
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(tmp_path)
+    everything, run = READERS[reader](real, work)
+    original = everything[0][1] if everything[0][0] == "original" else None
+    assert original is not None, "each reader's first case is the real file unchanged"
+    run(original)  # the control: the unmutated file reads (so a refusal below is the mutation's doing)
+    cases = fuzzing.pick(everything[1:], fuzzing.budget(), seed=17, always=REGRESSIONS.get(reader, ()))
+    outcomes, failures = {"ok": 0, "refused": 0}, []
+    t0 = time.perf_counter()
+    for label, raw in cases:
+        outside = _snapshot(tmp_path)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                run(raw)
+            outcomes["ok"] += 1
+        except FlopwiseError as e:
+            outcomes["refused"] += 1
+            if "\n" in str(e) or not str(e):
+                failures.append(f"{label}: multi-line/empty {type(e).__name__}: {str(e)[:300]!r}")
+        except Exception as e:  # noqa: BLE001 - the finding
+            failures.append(f"{label}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+        stray = {k for k in set(_snapshot(tmp_path)) ^ set(outside) if not k.startswith("work")}
+        if stray:
+            failures.append(f"{label}: wrote outside its folder: {sorted(stray)[:3]}")
+    print(f"\nfuzz {reader}: {len(cases)} cases of {len(everything) - 1} mutants, {outcomes['ok']} ok, "
+          f"{outcomes['refused']} refused in one line, {len(failures)} failures, {time.perf_counter() - t0:.1f} s")
+    assert not failures, f"{len(failures)} of {len(cases)} cases:\n" + "\n".join(failures[:40])

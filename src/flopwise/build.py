@@ -12,6 +12,7 @@ No step allocates a full-size parameter on a rank that owns only a shard of it.
 
 from __future__ import annotations
 
+import binascii
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from flopwise.parallel import mesh
 from flopwise.parallel.apply import parallelize
 from flopwise.parallel.data import zero1_group
 from flopwise.parallel.pipeline import split_stages
+from flopwise.plan.layout import Layout
 from flopwise.plan.planner import resolve_layout
 from flopwise.train import checkpoint
 from flopwise.train.engine import Engine
@@ -176,10 +178,48 @@ def restore(run: Run, ckpt: Path, counters: bool = True) -> dict:
     """Model, optimizer, data position, RNG and guard window from a checkpoint into `run`; its
     state (counters=False: a rollback, whose guard keeps counting)."""
     state = checkpoint.load(ckpt, run.engine.parts, run.optimizer)
-    run.loader.load_state_dict(state["loader"])
-    checkpoint.set_rng_state(state["rng"])
-    run.guard.load_state_dict(state.get("guard"), counters=counters)
+    parts = {"loader": lambda: run.loader.load_state_dict(_loader_state(state["loader"])),
+             "rng": lambda: checkpoint.set_rng_state(state["rng"]),
+             "guard": lambda: run.guard.load_state_dict(state.get("guard"), counters=counters),
+             "step": lambda: state.update(step=_count(state["step"])),
+             "layout": lambda: Layout.from_json(state.get("layout") or {}).name()}
+    for field, apply in parts.items():
+        try:  # state.json is plain data from the folder: any wrong type or value in it is a damaged checkpoint
+            apply()
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RuntimeError, binascii.Error) as e:
+            raise CheckpointError(f"checkpoint {ckpt}: state.json field {field!r} is malformed ({type(e).__name__}: "
+                                  f"{' '.join(str(e).split())[:100]}); use another checkpoint") from None
     return state
+
+
+def _loader_state(value: object) -> dict:
+    """The loader's saved position, its counters checked: a negative epoch or cursor (a damaged
+    state.json) would raise in numpy or loop for ever at the first batch, not here."""
+    if not isinstance(value, dict) or not isinstance(value.get("sources", []), list):
+        raise TypeError("not an object with a list of sources")
+    _count(value.get("batches"))
+    for source in value.get("sources", []):
+        if not isinstance(source, dict):
+            raise TypeError(f"source entry {source!r} is not an object")
+        for key in ("epoch", "cursor", "taken", "n_windows"):
+            _count(source.get(key))
+    return value
+
+
+def _count(value: object) -> int:
+    """A non-negative integer counter from state.json (not a bool, float or string)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"expected a non-negative integer, got {value!r}")
+    return value
+
+
+def resume(run: Run, ckpt: Path, console: Console) -> None:
+    """Check that `ckpt` belongs to this run (model, data) and restore it into `run`."""
+    changed = check_resumable(ckpt, checkpoint.read_state(ckpt), run.cfg, run.data_fingerprint)
+    if changed:
+        console.print(f"[bold]resume[/]: changed since the checkpoint: {escape(', '.join(changed))}", highlight=False)
+    state = restore(run, ckpt)
+    run.start_step, run.resumed_layout = state["step"], state.get("layout", {})
 
 
 def build_run(cfg: Config, console: Console) -> Run:
@@ -206,9 +246,5 @@ def build_run(cfg: Config, console: Console) -> Run:
               Guard(cfg.guard), fingerprint(sources))
     run.resumed_from = _resume_point(cfg, run_dir, console)
     if run.resumed_from is not None:
-        changed = check_resumable(run.resumed_from, checkpoint.read_state(run.resumed_from), cfg, run.data_fingerprint)
-        if changed:
-            console.print(f"[bold]resume[/]: changed since the checkpoint: {escape(', '.join(changed))}", highlight=False)
-        state = restore(run, run.resumed_from)
-        run.start_step, run.resumed_layout = int(state["step"]), state.get("layout", {})
+        resume(run, run.resumed_from, console)
     return run

@@ -82,11 +82,11 @@ class ModelConfig(Section):
 
             base = model_fields_from_hf(str(init_from)[3:])
         elif preset is not None:
-            if preset not in PRESETS:
+            if not isinstance(preset, str) or preset not in PRESETS:
                 raise ValueError(f"model.preset: unknown preset {preset!r} (see `flopwise presets`)")
             base = PRESETS[preset].model_fields()
         arch = data.get("arch", base.get("arch", "llama"))
-        if arch not in ARCH_DEFAULTS:
+        if not isinstance(arch, str) or arch not in ARCH_DEFAULTS:
             raise ValueError(f"model.arch: unknown arch {arch!r} (allowed: {', '.join(ARCH_DEFAULTS)})")
         return {**ARCH_DEFAULTS[arch], **base, **data, "arch": arch}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -30,12 +31,36 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     p = Path(path)
     if not p.is_file():
         raise DataError(f"tokenizer {p}: not found (give a tokenizer.json, or bpe:VOCAB to train one)")
+    _check_bpe_prefix(p)
     try:
         tok = Tokenizer.from_file(str(p))
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
         raise DataError(f"tokenizer {p}: not a Hugging Face tokenizer.json ({str(e).splitlines()[0][:120]})") from None
     eos_id(tok, p)
     return tok
+
+
+def _check_bpe_prefix(p: Path) -> None:
+    """Refuse a BPE whose merges do not carry its continuing_subword_prefix/end_of_word_suffix:
+    `tokenizers` (0.23) cuts those strings by byte length and aborts the whole process on the
+    invalid UTF-8 this makes, so no exception could be caught."""
+    try:
+        model = json.loads(p.read_text(encoding="utf-8")).get("model")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return  # not a JSON object: tokenizers' own error says so
+    if not isinstance(model, dict) or model.get("type", "BPE") != "BPE":
+        return
+    prefix, suffix = model.get("continuing_subword_prefix"), model.get("end_of_word_suffix")
+    merges = model.get("merges")
+    for merge in merges if isinstance(merges, list) else []:
+        parts = merge.split(" ", 1) if isinstance(merge, str) else merge
+        if not (isinstance(parts, list) and len(parts) == 2 and all(isinstance(x, str) for x in parts)):
+            return  # malformed: tokenizers refuses it with an error
+        for field, affix, ok in (("continuing_subword_prefix", prefix, parts[1].startswith),
+                                 ("end_of_word_suffix", suffix, parts[0].endswith)):
+            if isinstance(affix, str) and affix and not ok(affix):
+                raise DataError(f"tokenizer {p}: model.{field}={affix!r} but merge {' '.join(parts)!r} lacks it; "
+                                "fix the tokenizer.json (or set the field to null)")
 
 
 def eos_id(tok: Tokenizer, where: str | Path = "tokenizer") -> int:

@@ -52,8 +52,12 @@ def load_task(spec: str) -> tuple[str, list[Example]]:
     path = known.get(spec, Path(spec))
     if not path.is_file():
         raise DataError(f"task {spec!r}: not a built-in task ({', '.join(known)}) nor a JSONL file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"task file {path}: not UTF-8 text (byte {e.start}); save it as UTF-8 JSONL") from None
     examples = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

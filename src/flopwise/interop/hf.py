@@ -256,8 +256,11 @@ def from_hf(path: str | Path, device: str = "cpu"):
         m = model_config_from_hf(hf_cfg, path)
     except KeyError as e:
         _fail(path, f"config.json lacks {e}")
-    model = build_model(m, device="meta")
-    model.to_empty(device=device)
+    try:
+        model = build_model(m, device="meta")
+        model.to_empty(device=device)
+    except (RuntimeError, TypeError, OverflowError, MemoryError) as e:  # sizes no tensor can have
+        _fail(path, f"config.json describes a model that cannot be allocated ({' '.join(str(e).split())[:100]})")
     model.tie_weights()
     model.reset_buffers(device)
     load_hf_weights([model], path)

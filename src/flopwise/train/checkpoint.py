@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import os
 import pickle
 import shutil
@@ -345,6 +346,26 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
 
 
+def _tiling_problem(entry: TensorStorageMetadata) -> str | None:
+    """Why a tensor's chunks do not tile it exactly (None when they do): each chunk a box of the
+    tensor's rank inside it, their volumes summing to its size. DCP would otherwise load a tensor
+    that no chunk covers by leaving the model's values as they were, without a word."""
+    size = entry.size
+    if not isinstance(size, tuple) or not all(isinstance(n, int) and n >= 0 for n in size):
+        return f"has size {size!r}"
+    total = 0
+    for chunk in entry.chunks if isinstance(entry.chunks, list) else [None]:
+        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+        if not (isinstance(offsets, tuple) and isinstance(sizes, tuple) and len(offsets) == len(sizes) == len(size)
+                and all(isinstance(o, int) and isinstance(n, int) and o >= 0 and n >= 0 and o + n <= d
+                        for o, n, d in zip(offsets, sizes, size))):
+            return f"has a chunk outside its size {list(size)}"
+        total += math.prod(sizes)
+    if total != math.prod(size):
+        return f"has chunks covering {total} of its {math.prod(size)} elements"
+    return None
+
+
 def read_dcp_metadata(path: Path) -> Metadata:
     """DCP's metadata of a checkpoint folder, unpickled safely and checked to name only its own files."""
     try:
@@ -354,10 +375,17 @@ def read_dcp_metadata(path: Path) -> Metadata:
         raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} refused ({' '.join(str(e).split())[:200]})") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} is not DCP metadata")
+    for field, required in (("state_dict_metadata", True), ("storage_data", False), ("planner_data", False)):
+        value = getattr(metadata, field, ...)  # a damaged stream can drop or retype them
+        if not (isinstance(value, dict) or (value is None and not required)):
+            raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} has no valid {field} (damaged); "
+                                  "use another checkpoint")
     for key, entry in (metadata.state_dict_metadata or {}).items():
         if not isinstance(entry, TensorStorageMetadata):
             raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} stores {key!r} as {type(entry).__name__}, "
                                   "which flopwise never writes (it would be unpickled); refused")
+        if why := _tiling_problem(entry):
+            raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} entry {key!r} {why} (damaged); use another checkpoint")
     for info in (metadata.storage_data or {}).values():
         if getattr(info, "transform_descriptors", None):  # DCP's stream transforms: flopwise writes none
             raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} asks for stream transforms "
@@ -396,9 +424,12 @@ def resolve(path: str | Path) -> Path:
 
 def read_state(path: Path) -> dict:
     try:
-        return json.loads((path / STATE).read_text(encoding="utf-8"))
+        state = json.loads((path / STATE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path}: cannot read {STATE} ({e})") from None
+        raise CheckpointError(f"checkpoint {path}: cannot read {STATE} ({' '.join(str(e).split())[:200]})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path}: {STATE} is not a JSON object (damaged); use another checkpoint")
+    return state
 
 
 def reason(e: Exception) -> str:

@@ -142,6 +142,8 @@ def checkpoint_config(ckpt: Path, state: dict):
     import tomllib
 
     try:
+        if not isinstance(state.get("config"), str):
+            raise TypeError
         return validate(tomllib.loads(state["config"]))
-    except (KeyError, TypeError, tomllib.TOMLDecodeError):
+    except (TypeError, tomllib.TOMLDecodeError):
         raise CheckpointError(f"checkpoint {ckpt}: state.json holds no valid config") from None
