@@ -308,6 +308,46 @@ def _cases_task(real, work):
     return _m(fuzzing.jsonl_mutants, real["task"].read_bytes()), run
 
 
+def _data_copy(real, work) -> Path:
+    d = work / "data"
+    if d.exists():
+        shutil.rmtree(d)
+    shutil.copytree(real["data"], d)
+    return d
+
+
+def _data_readers(d: Path) -> None:
+    """What training and evaluation reach with a data folder: the index, every split's shards, the
+    loader's first batch, an evaluation batch, the tokenizer."""
+    from flopwise.data.loader import TokenLoader, eval_batches
+    from flopwise.data.shards import tokenizer_of
+
+    read_index(d)
+    for split in ("train", "val"):
+        len(open_split(d, split))
+    TokenLoader(d, "train", 32, 8, seed=0).next_batch()
+    next(iter(eval_batches(d, 32, 4, 1)), None)
+    tokenizer_of(d)
+
+
+def _cases_data_index(real, work):
+    def run(raw):
+        d = _data_copy(real, work)
+        (d / "index.json").write_bytes(raw)
+        _data_readers(d)
+    return _m(fuzzing.json_mutants, (real["data"] / "index.json").read_bytes(), fanout=8), run
+
+
+def _cases_token_shard(real, work):
+    name = json.loads((real["data"] / "index.json").read_text())["splits"]["train"]["files"][0]["file"]
+
+    def run(raw):
+        d = _data_copy(real, work)
+        (d / name).write_bytes(raw)
+        _data_readers(d)
+    return _m(fuzzing.binary_mutants, (real["data"] / name).read_bytes(), "shard"), run
+
+
 def _resumer(real, work):
     """A run built once (resume=none) that each case resumes into: build.resume is what build_run
     calls (config and data checks, weights, optimizer, loader position, RNG, guard, step), then
@@ -340,7 +380,8 @@ READERS = {"config-toml": _cases_config, "tokenizer-json": _cases_tokenizer, "hf
            "safetensors": _cases_safetensors, "dcp-metadata": _cases_dcp_metadata,
            "dcp-metadata-resume": _cases_dcp_metadata_resume, "distcp": _cases_distcp,
            "manifest-json": _cases_manifest, "state-json": _cases_state,
-           "state-json-resume": _cases_state_resume, "task-jsonl": _cases_task}
+           "state-json-resume": _cases_state_resume, "task-jsonl": _cases_task,
+           "data-index-json": _cases_data_index, "token-shard": _cases_token_shard}
 
 
 # Cases that found a bug (fixed in the reader): run in CI whatever the seeded sample holds.
@@ -348,7 +389,8 @@ REGRESSIONS = {"config-toml": ("model/preset=list", "model/arch=dict"),
                "tokenizer-json": ("model/continuing_subword_prefix=str",),  # aborted the process (Rust panic)
                "hf-config-json": ("vocab_size=huge",), "dcp-metadata": (":chunks=[]", ":chunk.sizes=bigger"),
                "state-json": ("config=one",), "task-jsonl": ("not-utf8",),
-               "state-json-resume": ("loader/sources/0/epoch=neg", "loader/sources/0/cursor=negfloat")}
+               "state-json-resume": ("loader/sources/0/epoch=neg", "loader/sources/0/cursor=negfloat"),
+               "data-index-json": ("vocab_size=inf",)}
 
 
 @pytest.mark.parametrize("reader", list(READERS))

@@ -212,7 +212,7 @@ def read_index(data_dir: str | Path) -> dict:
         vocab, dtype = int(meta["vocab_size"]), np.dtype(meta["dtype"])
         for split in ("train", "val"):
             list(meta["splits"][split]["files"]), int(meta["splits"][split]["tokens"])
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):
         raise DataError(f"data index {p}: missing or malformed fields (vocab_size, dtype, splits)") from None
     if vocab < 1:
         raise DataError(f"data index {p}: vocab_size {vocab} must be at least 1")
