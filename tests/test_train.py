@@ -130,6 +130,23 @@ def test_incomplete_checkpoints_are_never_resumed(tiny_data, tmp_path):
         checkpoint.resolve(broken)
 
 
+def test_a_checkpoint_missing_any_one_file_is_never_resumed(tiny_data, tmp_path):
+    """The newest checkpoint with each of its files removed in turn: every time, resume takes the
+    one before it (issue 17: a checkpoint whose files are removed one at a time)."""
+    run(tmp_path, tiny_data)
+    newest = checkpoint.list_complete(tmp_path)[-1]
+    files = sorted(p.name for p in newest.iterdir())
+    assert len(files) >= 4  # .metadata, state.json, manifest.json, tensor files, tokenizer
+    for name in files:
+        broken = tmp_path / "checkpoints" / "step-00000099"
+        shutil.rmtree(broken, ignore_errors=True)
+        shutil.copytree(newest, broken)
+        (broken / name).unlink()
+        assert checkpoint.latest(tmp_path) == newest, name
+        with pytest.raises(CheckpointError):
+            checkpoint.resolve(broken)
+
+
 def test_keep_prunes_old_checkpoints(tiny_data, tmp_path):
     run(tmp_path, tiny_data, **{"train.steps": 8, "checkpoint.interval": 2, "checkpoint.keep": 2})
     assert [p.name for p in checkpoint.list_complete(tmp_path)] == ["step-00000006", "step-00000008"]
