@@ -89,7 +89,8 @@ def test_nan_on_one_rank_is_skipped_by_all_and_a_straggler_is_named(tiny_data, t
     r = launch(tmp_path, tiny_data, "slow:step=2:rank=1:seconds=0.6,nan_grad:step=4:rank=1", restarts=0, port=29730)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert {"step": 4, "event": "skipped_update", "reason": "non-finite loss or gradient norm"} in rows
+    assert {"step": 4, "event": "skipped_update", "reason": "non-finite loss or gradient norm"} in [
+        {k: x[k] for k in ("step", "event", "reason") if k in x} for x in rows]
     slow = next(x for x in rows if x["step"] == 2 and "rank_step_s" in x)
     assert slow["slowest_rank"] == 1 and slow["rank_step_s"][1] > slow["rank_step_s"][0] + 0.5
     assert checkpoint.verify(checkpoint.latest(tmp_path)) is None
