@@ -67,26 +67,24 @@ def test_document_ids_and_positions():
 
 
 def saved_bytes(model, x, **kw) -> int:
-    """Bytes autograd keeps for backward (distinct storages), measured with saved-tensor hooks."""
-    seen = {}
+    """Bytes autograd keeps for backward, under bf16 autocast."""
+    from flopwise.parallel.accounting import SavedBytes
 
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16), SavedBytes(model) as s:
         model(x, **kw).float().sum()
-    return sum(seen.values())
+    return s.bytes
 
 
 def test_planner_books_the_mask_the_engine_keeps():
     """The planner's document-mask term (plan.memory) against the saved bytes the model adds."""
-    from flopwise.plan.memory import activation_bytes_per_layer
+    from flopwise.plan.memory import activation_bytes_per_layer, engine_precision
 
     m = small("llama").model_copy(update={"n_layers": 3})
     model = build_model(m, seed=0)
     x = torch.randint(1, 97, (2, 48))
     x[:, ::11] = EOS
     added = saved_bytes(model, x, documents=document_ids(x, EOS)) - saved_bytes(model, x)
-    per_layer = activation_bytes_per_layer(m, 48, 2, mask_keys=48) - activation_bytes_per_layer(m, 48, 2)
+    bf16 = engine_precision("bf16", fsdp=False)
+    per_layer = (activation_bytes_per_layer(m, 48, 2, mask_keys=48, precision=bf16)
+                 - activation_bytes_per_layer(m, 48, 2, precision=bf16))
     assert added == m.n_layers * per_layer > 0

@@ -4,6 +4,7 @@
 forward: gathered under ZeRO ≤ 2, shards under ZeRO-3), gradients and optimizer state on this rank.
 `CommCounter`: every collective and point-to-point op that passes through the dispatcher
 (c10d and functional collectives: DDP's reducer, FSDP2, DTensor, pipelining all do), with bytes.
+`SavedBytes`: bytes autograd keeps for backward (activations), to check against plan/memory.py.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -32,6 +35,67 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Moments only (the per-parameter step counters are scalars)."""
     return sum(local_bytes(v) for s in optimizer.state.values() for v in s.values()
                if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+
+
+# Autograd nodes that only view or cast their one input: a saved tensor reached from a parameter
+# through these alone is that parameter (a view) or a copy of it (autocast's low-precision cast).
+_WEIGHT_PATH = ("TBackward0", "ToCopyBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
+                "ExpandBackward0", "UnsafeViewBackward0", "AliasBackward0")
+
+
+def _from_parameter(t: torch.Tensor, params: set[int]) -> bool:
+    node = t.grad_fn
+    while node is not None and type(node).__name__ in _WEIGHT_PATH:
+        nxt = [n for n, _ in node.next_functions if n is not None]
+        if len(nxt) != 1:
+            return False
+        node = nxt[0]
+    return type(node).__name__ == "AccumulateGrad" and _storage(node.variable).data_ptr() in params
+
+
+class SavedBytes(saved_tensors_hooks):
+    """Bytes of the distinct storages autograd saves for backward while active, per micro-batch.
+
+    Storages are counted once however many saved tensors view them. Parameters (the module's own,
+    or FSDP2's gathered ones) cost nothing here: the optimizer holds them anyway. Copies of
+    parameters (autocast's bf16 cast of each weight, made once per autocast region, i.e. once per
+    step in the engine, not per micro-batch) go to `weight_copies`, not `bytes`. `saved` lists
+    every counted storage as (shape, dtype, bytes, autograd node) to see what a layer keeps.
+
+        with SavedBytes(model) as s:
+            loss = model(x).sum()
+        s.bytes
+    """
+
+    def __init__(self, *modules: nn.Module):
+        self.modules = modules
+        self.bytes = 0
+        self.weight_copies = 0
+        self.saved: list[tuple[tuple[int, ...], torch.dtype, int, str]] = []
+        self._seen: set[int] = set()
+        super().__init__(self._pack, lambda t: t)
+
+    def __enter__(self) -> "SavedBytes":
+        super().__enter__()
+        return self
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = _storage(t)
+        ptr = st.data_ptr()
+        params = {_storage(p).data_ptr() for m in self.modules for p in m.parameters()}
+        if ptr in self._seen or ptr in params or st.nbytes() == 0:
+            return t
+        self._seen.add(ptr)
+        if _from_parameter(t, params):
+            self.weight_copies += st.nbytes()
+        else:
+            self.bytes += st.nbytes()
+            self.saved.append((tuple(t.shape), t.dtype, st.nbytes(), type(t.grad_fn).__name__))
+        return t
 
 
 class CommCounter(TorchDispatchMode):

@@ -43,38 +43,101 @@ def model_state_bytes(psi: float, zero: int, shard: int, k: float = OPTIMIZER_BY
                        optimizer=k * psi / (shard if zero >= 1 else 1))
 
 
+@dataclass(frozen=True)
+class SavedPrecision:
+    """How a stack keeps activations for backward: bytes per element of the compute dtype (linear
+    inputs and outputs, Q/K/V, attention and MLP tensors) and of the residual stream (norm inputs),
+    and whether to book what PyTorch's kernels in this engine keep (`engine`) or Korthikanti et
+    al.'s tensor list (Megatron's fused kernels)."""
+
+    compute: int = 2
+    residual: int = 2
+    engine: bool = False
+
+
+KORTHIKANTI = SavedPrecision()
+
+
+def engine_precision(dtype: str, fsdp: bool) -> SavedPrecision:
+    """This engine's activations: fp32 throughout; or bf16 autocast over an fp32 residual stream
+    (fp32 master weights); or, under FSDP2 with bf16 param_dtype, bf16 throughout (FSDP2 casts
+    each block's inputs to bf16, so the residual stream is bf16)."""
+    if dtype == "fp32":
+        return SavedPrecision(4, 4, True)
+    return SavedPrecision(2, 2 if fsdp else 4, True)
+
+
 def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: int = 1,
                                sequence_parallel: bool = False, recompute: str = "none",
-                               flash: bool = True, dropout: bool | None = None, mask_keys: int = 0) -> float:
+                               flash: bool = True, dropout: bool | None = None, mask_keys: int = 0,
+                               precision: SavedPrecision = KORTHIKANTI) -> float:
     """Bytes one transformer layer keeps for backward, for one micro-batch, on one device.
 
-    Items (16-bit activations, 1-byte dropout masks):
-      replicated over tp unless sequence parallel: both norm inputs (2·2sbh), the attention and MLP
-        inputs (2·2sbh), the two residual dropout masks (2·sbh);
-      split over tp: Q, K, V (2sb·(h_q + 2·h_kv)), the output projection's input (2sb·h_q), the MLP
-        (GeLU/ReLU: 2 tensors of 2sbf; SwiGLU: 4 of 2sbf);
+    e = precision.compute, r = precision.residual bytes per element; dropout masks are 1 byte.
+    Korthikanti et al. 2022 (e = r = 2), per layer:
+      replicated over tp unless sequence parallel: both norm inputs (2·r·sbh), the attention and
+        MLP inputs (2·e·sbh), the two residual dropout masks (2·sbh);
+      split over tp: Q, K, V (e·sb·(h_q + 2·h_kv)), the output projection's input (e·sb·h_q), the
+        MLP (GeLU/ReLU: 2 tensors of e·sbf; SwiGLU: 4);
       attention scores (not with flash attention): softmax output 2·a·s²·b, plus its dropout mask
         and output (a·s²·b + 2·a·s²·b) when dropout is on;
       a document mask (data.document_mask, `mask_keys` = the keys each query sees, the whole
-        sequence under context parallel): SDPA keeps its own 16-bit copy of the (b, 1, s, keys)
-        mask per layer, 2·s·b·keys, not split over tp (one mask serves every head).
-    Selective recompute drops the score and mask terms; full recompute keeps only the layer input 2sbh.
+        sequence under context parallel): SDPA keeps its own compute-dtype copy of the (b, 1, s,
+        keys) mask per layer, e·s·b·keys, not split over tp (one mask serves every head).
+    This engine (`precision.engine`, measured with parallel.accounting.SavedBytes) differs in:
+      norm inputs: one residual tensor per layer in a parallel block (both norms read x), two
+        otherwise, r bytes; RMSNorm computes in fp32 and keeps a 4-byte copy of its input (one per
+        norm when r = 2), its 1/rms (4·sb) and x/rms (4·sbh); LayerNorm keeps mean and 1/std (2·r·sb);
+      linear inputs: the norm's output (r bytes) when r = e, shared by the linears that read it;
+        under autocast (r = 4 > e = 2) every linear keeps its own cast: 3 for Q/K/V, 2 (SwiGLU) or
+        1 for the MLP, each e·sbh. PyTorch's sequence parallel keeps the all-gathered input, so these
+        stay whole (sbh) under sequence parallel, where Megatron keeps 1/tp;
+      attention (SDPA's CPU flash kernel; the CUDA flash and efficient kernels keep the same
+        tensors): Q and K after RoPE, V, the output (which is also the output projection's
+        input), and its fp32 logsumexp (4·a·s·b); partial rotary (RoPE's cat) leaves Q
+        (b, h, s, d)-contiguous, so the output must be copied for the output projection: + e·sb·h_q;
+      MLP: SwiGLU 4 tensors of e·sbf (w1 and w3 outputs, silu, the product), GeLU 2 (w1 output,
+        GeLU output), ReLU 1 (its output serves its own backward and w2's);
+      biases keep nothing; RoPE's cos/sin are shared by all layers, except under FSDP2 (r = e = 2),
+        which casts each block's inputs, cos/sin included: + 2·e·s·rotary_dim.
+    Selective recompute drops the score and mask terms (and, in this engine, the logsumexp and the
+    partial-rotary output copy); full recompute keeps only the layer input, r·sbh.
+    Not modelled here (not measured): qk_norm's per-head norm tensors, ALiBi's and relative
+    positions' per-layer float masks, SDPA dropout in this engine.
     """
     s, b, h = seq, micro_batch, m.d_model
-    sbh = s * b * h
+    sbh, sb = s * b * h, s * b
+    e, r = precision.compute, precision.residual
     drop = (m.dropout > 0) if dropout is None else dropout
     rep_div = tp if sequence_parallel else 1
     if recompute == "full":
-        return 2 * sbh / rep_div
+        return r * sbh / rep_div
     hq, hkv, f = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.ffn_dim
-    replicated = 4 * sbh + 4 * sbh + (2 * sbh if drop else 0)
-    mlp = (4 if m.mlp == "swiglu" else 2) * 2 * s * b * f
-    split = 2 * s * b * (hq + 2 * hkv) + 2 * s * b * hq + mlp
+    masks = 2 * sbh if drop else 0
+    if precision.engine:
+        rms = m.norm == "rmsnorm"
+        inputs = 2 if (not m.parallel_block or (rms and r < 4)) else 1
+        norms = inputs * (4 if rms else r) * sbh + 2 * ((4 * sb + 4 * sbh) if rms else 2 * r * sb)
+        casts = r != e
+        linear_in = ((3 if casts else 1) + (2 if casts and m.mlp == "swiglu" else 1)) * e * sbh
+        replicated, linear_div = norms + masks, 1
+        mlp = {"swiglu": 4, "relu": 1}.get(m.mlp, 2) * e * s * b * f
+        attn_extra = 0.0
+        if recompute == "none":
+            attn_extra += 4 * m.n_heads * sb if flash else 0
+            attn_extra += e * sb * hq if m.pos == "rope" and m.rotary_dim < m.head_dim else 0
+        tables = 2 * e * s * m.rotary_dim if m.pos == "rope" and r == e == 2 else 0
+    else:
+        linear_in = 2 * e * sbh
+        replicated, linear_div = 2 * r * sbh + masks, rep_div
+        mlp = (4 if m.mlp == "swiglu" else 2) * e * s * b * f
+        attn_extra = tables = 0
+    split = e * sb * (hq + 2 * hkv) + e * sb * hq + mlp + attn_extra
     scores = 0.0
     if not flash and recompute != "selective":
         scores = (2 + (3 if drop else 0)) * m.n_heads * s * s * b
-    mask = 2 * s * b * mask_keys if recompute == "none" else 0
-    return replicated / rep_div + (split + scores) / tp + mask
+    mask = e * s * b * mask_keys if recompute == "none" else 0
+    return replicated / rep_div + linear_in / linear_div + (split + scores) / tp + mask + tables
 
 
 def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:

@@ -42,7 +42,8 @@ from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import Hardware
 from flopwise.plan.comm import dp_collectives, ring_time
 from flopwise.plan.layout import Layout, stage_ids, stage_sizes
-from flopwise.plan.memory import activation_bytes_per_layer, in_flight_microbatches, model_state_bytes
+from flopwise.plan.memory import (KORTHIKANTI, activation_bytes_per_layer, engine_precision, in_flight_microbatches,
+                                  model_state_bytes)
 
 MEM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for streaming kernels (STREAM-like copies)
 LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth over the nominal per-direction link rate
@@ -66,16 +67,18 @@ class Stack:
     optimizer_state_bytes: int  # K: bytes of optimizer state per parameter
     zero1_broadcast: bool  # ZeRO-1 as torch's ZeroRedundancyOptimizer (all-reduce + broadcast)
     fsdp2: bool  # ZeRO-2/3 parameters re-gathered for every micro-batch (FSDP2 frees them after backward)
+    engine_activations: bool  # activations as this engine keeps them under bf16 autocast (else Korthikanti's 16-bit list)
     description: str
 
 
 STACKS = {s.name: s for s in [
-    Stack("flopwise", True, 4, 0.9, 32, True, 4, 4, 8, True, True,
+    Stack("flopwise", True, 4, 0.9, 32, True, 4, 4, 8, True, True, True,
           "this engine: PyTorch SDPA flash attention; fp32 master weights and gradients (4 + 4 bytes) and AdamW "
-          "moments (8) under bf16 compute; FSDP2/DDP with fp32 gradient reduction, 90% of dp traffic hidden behind "
+          "moments (8) under bf16 autocast (fp32 residual stream and a bf16 copy of every weight, or bf16 "
+          "throughout under FSDP2's bf16 param_dtype); FSDP2/DDP with fp32 gradient reduction, 90% of dp traffic hidden behind "
           "backward; ZeRO-1 is DDP's all-reduce plus a broadcast of the updated parameters "
           "(ZeroRedundancyOptimizer); pipeline stages balanced by parameters"),
-    Stack("megatron-2021", False, 2, 0.0, 44, False, 2, 2, 12, False, False,
+    Stack("megatron-2021", False, 2, 0.0, 44, False, 2, 2, 12, False, False, False,
           "Megatron-LM as in Narayanan 2021 / Korthikanti 2022: fused softmax on materialised scores; 16-bit "
           "parameters and gradients with an fp32 master copy in the optimizer state (2 + 2 + 12 bytes); 16-bit "
           "gradient all-reduce after the backward, no overlap; distributed optimizer; even stages"),
@@ -266,10 +269,15 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     shard = lo.dp_shard
     in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, n_micro, v)
     keys = seq if sh.document_mask else 0
+    fsdp = lo.zero >= 2 and lo.world > 1  # the engine's FSDP2, with bf16 param_dtype
+    precision = engine_precision("bf16", fsdp) if stack.engine_activations else KORTHIKANTI
     act_layer = activation_bytes_per_layer(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel,
-                                           lo.recompute, flash=stack.flash_attention, mask_keys=keys)
+                                           lo.recompute, flash=stack.flash_attention, mask_keys=keys,
+                                           precision=precision)
     full_layer = activation_bytes_per_layer(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel,
-                                            "none", flash=stack.flash_attention, mask_keys=keys)
+                                            "none", flash=stack.flash_attention, mask_keys=keys, precision=precision)
+    # autocast's bf16 copy of every weight, cached for the whole step (FSDP2 computes with bf16 params)
+    weight_copy_bytes = 2 if stack.engine_activations and not fsdp else 0
     tokens_mb = lo.micro_batch * seq / lo.cp
     logits = tokens_mb * sh.vocab / lo.tp * (2 + 4)  # 16-bit logits kept + fp32 softmax in the loss
     zero3_live = (2 * (2 + 4) * sh.layer_params / lo.tp) if lo.reshards_params else 0  # gathered layer + prefetch
@@ -279,7 +287,7 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
                                stack.grad_bytes, params_sharded=lo.reshards_params)
         activations = act_layer * load.layers * in_flight + (full_layer if lo.recompute == "full" else 0.0)
         mem = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": activations,
-               "other": (logits if load.head else 0.0) + zero3_live + RUNTIME_RESERVE}
+               "other": (logits if load.head else 0.0) + zero3_live + weight_copy_bytes * load.params + RUNTIME_RESERVE}
         mem["total"] = sum(mem.values())
         if best is None or mem["total"] > best["total"]:
             best = mem
