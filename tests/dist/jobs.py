@@ -197,3 +197,23 @@ def states(overrides: list[str]) -> dict:
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, mine)
     return {"ranks": per_rank}
+
+
+def activations(overrides: list[str]) -> dict:
+    """Bytes autograd keeps for backward over one micro-batch's forward (train.micro_batch rows of
+    data.seq_len random tokens) on each rank, under the engine's autocast, and the bf16 weight copies."""
+    from flopwise.build import build_engine
+    from flopwise.parallel import mesh
+    from flopwise.parallel.accounting import SavedBytes
+    from flopwise.train.engine import autocast
+
+    cfg = load_config(None, overrides)
+    par = mesh.init(cfg, torch.device("cpu"))
+    engine, _ = build_engine(cfg, par)
+    x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.data.seq_len),
+                      generator=torch.Generator().manual_seed(0))
+    with autocast(par.device, cfg.train.dtype), SavedBytes(*engine.parts) as s:
+        engine.parts[0](x)
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, {"bytes": s.bytes, "weight_copies": s.weight_copies})
+    return {"ranks": per_rank}

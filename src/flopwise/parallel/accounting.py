@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -38,7 +38,10 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:
-    return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+    """The storage holding a tensor's local data, through DTensor and functional collectives' wrappers."""
+    while is_traceable_wrapper_subclass(t):
+        t = getattr(t, t.__tensor_flatten__()[0][0])
+    return t.untyped_storage()
 
 
 # Autograd nodes that only view or cast their one input: a saved tensor reached from a parameter

@@ -8,7 +8,9 @@ the gradients too, stage 3 the parameters too.
 Activations (Korthikanti et al. 2022, §4 and Table 2), generalised from GPT's 4h GeLU MLP and
 multi-head attention to any ffn width, SwiGLU, grouped-query attention, flash attention and
 dropout-free models. With the paper's assumptions (MHA, ffn = 4h, dropout, no flash) it is exactly
-their s·b·h·(34 + 5·a·s/h) and its tensor/sequence-parallel and recompute variants (tested).
+their s·b·h·(34 + 5·a·s/h) and its tensor/sequence-parallel and recompute variants (tested). The
+same function books what this engine keeps (`engine_precision`: fp32, bf16 autocast over an fp32
+residual stream, or bf16 under FSDP2), measured with parallel.accounting.SavedBytes.
 """
 
 from __future__ import annotations
@@ -102,8 +104,13 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
         which casts each block's inputs, cos/sin included: + 2·e·s·rotary_dim.
     Selective recompute drops the score and mask terms (and, in this engine, the logsumexp and the
     partial-rotary output copy); full recompute keeps only the layer input, r·sbh.
-    Not modelled here (not measured): qk_norm's per-head norm tensors, ALiBi's and relative
-    positions' per-layer float masks, SDPA dropout in this engine.
+    Measured equal, byte for byte, for Llama (GQA, SwiGLU, RMSNorm, RoPE), GPT-2 (MHA, GeLU,
+    LayerNorm, biases, learned positions), NeoX (parallel block, partial RoPE) and OPT (ReLU) in
+    fp32 and bf16 autocast with each recompute mode, and on two ranks under tensor parallel, sequence
+    parallel and FSDP2 (tests/test_activation_bytes.py). Not modelled for this engine (not
+    measured): dropout (on CPU its masks are in the activation dtype, not 1 byte, and SDPA with
+    dropout falls back to the math kernel, which keeps the s² scores); qk_norm's per-head norm
+    tensors; ALiBi's and relative positions' float masks (and FSDP2's per-layer casts of them).
     """
     s, b, h = seq, micro_batch, m.d_model
     sbh, sb = s * b * h, s * b
@@ -172,6 +179,22 @@ def _tp_local(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
     if tp > 1 and name.endswith(_TP_DIM1):
         return (shape[0], shape[1] // tp)
     return shape
+
+
+_LINEAR = ("attention.wq.", "attention.wk.", "attention.wv.", "attention.wo.", "attention.pos_proj.", "feed_forward.w")
+
+
+def autocast_weight_copy_bytes(m: ModelConfig, layers: int, head: bool, tp: int = 1) -> float:
+    """The bf16 copies autocast makes of the fp32 weights a rank multiplies with: each linear's
+    weight and bias in its `layers` blocks (their tensor-parallel slices) and the head's matrix (tied
+    or not); the embedding lookup and the norms read the fp32 parameters. Autocast caches them for
+    its whole region, one step in this engine (Engine.forward_backward), so they count once, not
+    per micro-batch. None under FSDP2 with bf16 param_dtype (the parameters are bf16 already)."""
+    from flopwise.flops import param_shapes
+
+    block = sum(math.prod(_tp_local(n, s, tp)) for n, s in param_shapes(m.model_copy(update={"n_layers": 1}))
+                if n.startswith("layers.0.") and any(k in n for k in _LINEAR))
+    return 2 * (layers * block + (m.vocab_size * m.d_model / tp if head else 0))
 
 
 def _chunk_rows(rows: int, n: int, rank: int) -> int:

@@ -42,8 +42,8 @@ from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import Hardware
 from flopwise.plan.comm import dp_collectives, ring_time
 from flopwise.plan.layout import Layout, stage_ids, stage_sizes
-from flopwise.plan.memory import (KORTHIKANTI, activation_bytes_per_layer, engine_precision, in_flight_microbatches,
-                                  model_state_bytes)
+from flopwise.plan.memory import (KORTHIKANTI, activation_bytes_per_layer, autocast_weight_copy_bytes, engine_precision,
+                                  in_flight_microbatches, model_state_bytes)
 
 MEM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for streaming kernels (STREAM-like copies)
 LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth over the nominal per-direction link rate
@@ -276,8 +276,7 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
                                            precision=precision)
     full_layer = activation_bytes_per_layer(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel,
                                             "none", flash=stack.flash_attention, mask_keys=keys, precision=precision)
-    # autocast's bf16 copy of every weight, cached for the whole step (FSDP2 computes with bf16 params)
-    weight_copy_bytes = 2 if stack.engine_activations and not fsdp else 0
+    weight_copies = stack.engine_activations and not fsdp  # autocast's bf16 weights (FSDP2 computes with bf16 params)
     tokens_mb = lo.micro_batch * seq / lo.cp
     logits = tokens_mb * sh.vocab / lo.tp * (2 + 4)  # 16-bit logits kept + fp32 softmax in the loss
     zero3_live = (2 * (2 + 4) * sh.layer_params / lo.tp) if lo.reshards_params else 0  # gathered layer + prefetch
@@ -286,8 +285,9 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
         st = model_state_bytes(load.params, lo.zero, shard, stack.optimizer_state_bytes, stack.param_bytes,
                                stack.grad_bytes, params_sharded=lo.reshards_params)
         activations = act_layer * load.layers * in_flight + (full_layer if lo.recompute == "full" else 0.0)
+        copies = autocast_weight_copy_bytes(m_cfg, load.layers, load.head, lo.tp) if weight_copies else 0.0
         mem = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": activations,
-               "other": (logits if load.head else 0.0) + zero3_live + weight_copy_bytes * load.params + RUNTIME_RESERVE}
+               "other": (logits if load.head else 0.0) + zero3_live + copies + RUNTIME_RESERVE}
         mem["total"] = sum(mem.values())
         if best is None or mem["total"] > best["total"]:
             best = mem
