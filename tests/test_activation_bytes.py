@@ -17,11 +17,13 @@ from flopwise.plan.memory import activation_bytes_per_layer, autocast_weight_cop
 from flopwise.train.engine import autocast
 
 SEQ, BATCH = 64, 2
-FAMILIES = {  # small shapes of each family: GQA/SwiGLU/RMSNorm/RoPE, MHA/GeLU/LayerNorm/learned, parallel block/partial RoPE
+# Small shapes of each family: GQA/SwiGLU/RMSNorm/RoPE, MHA/GeLU/LayerNorm/learned positions,
+# parallel block/partial RoPE, ReLU.
+FAMILIES = {
     "llama": dict(arch="llama", d_model=128, n_heads=4, n_kv_heads=2),
     "gpt2": dict(arch="gpt2", d_model=128, n_heads=4),
     "neox": dict(arch="neox", d_model=128, n_heads=4),
-    "opt": dict(arch="opt", d_model=128, n_heads=4),  # ReLU
+    "opt": dict(arch="opt", d_model=128, n_heads=4),
 }
 
 
@@ -93,7 +95,8 @@ DIST_LAYOUTS = {  # (overrides, dtype)
     "tp2": ({"parallel.tp": 2}, "bf16"),
     "tp2-sp": ({"parallel.tp": 2, "parallel.sequence_parallel": "true"}, "bf16"),
     "tp2-sp-fp32": ({"parallel.tp": 2, "parallel.sequence_parallel": "true"}, "fp32"),
-    "tp2-sp-selective": ({"parallel.tp": 2, "parallel.sequence_parallel": "true", "parallel.recompute": '"selective"'}, "bf16"),
+    "tp2-sp-selective": ({"parallel.tp": 2, "parallel.sequence_parallel": "true",
+                          "parallel.recompute": '"selective"'}, "bf16"),
     "tp2-sp-full": ({"parallel.tp": 2, "parallel.sequence_parallel": "true", "parallel.recompute": '"full"'}, "bf16"),
     "fsdp2": ({"parallel.zero": 2}, "bf16"),
     "fsdp2-zero3-full": ({"parallel.zero": 3, "parallel.recompute": '"full"'}, "bf16"),

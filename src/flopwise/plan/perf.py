@@ -67,17 +67,17 @@ class Stack:
     optimizer_state_bytes: int  # K: bytes of optimizer state per parameter
     zero1_broadcast: bool  # ZeRO-1 as torch's ZeroRedundancyOptimizer (all-reduce + broadcast)
     fsdp2: bool  # ZeRO-2/3 parameters re-gathered for every micro-batch (FSDP2 frees them after backward)
-    engine_activations: bool  # activations as this engine keeps them under bf16 autocast (else Korthikanti's 16-bit list)
+    engine_activations: bool  # activations as this engine keeps them under bf16 autocast (else Korthikanti's list)
     description: str
 
 
 STACKS = {s.name: s for s in [
     Stack("flopwise", True, 4, 0.9, 32, True, 4, 4, 8, True, True, True,
           "this engine: PyTorch SDPA flash attention; fp32 master weights and gradients (4 + 4 bytes) and AdamW "
-          "moments (8) under bf16 autocast (fp32 residual stream and a bf16 copy of every weight, or bf16 "
-          "throughout under FSDP2's bf16 param_dtype); FSDP2/DDP with fp32 gradient reduction, 90% of dp traffic hidden behind "
-          "backward; ZeRO-1 is DDP's all-reduce plus a broadcast of the updated parameters "
-          "(ZeroRedundancyOptimizer); pipeline stages balanced by parameters"),
+          "moments (8) under bf16 autocast (activations over an fp32 residual stream and a bf16 copy of every "
+          "weight, or bf16 throughout under FSDP2's bf16 param_dtype); FSDP2/DDP with fp32 gradient reduction, "
+          "90% of dp traffic hidden behind backward; ZeRO-1 is DDP's all-reduce plus a broadcast of the updated "
+          "parameters (ZeroRedundancyOptimizer); pipeline stages balanced by parameters"),
     Stack("megatron-2021", False, 2, 0.0, 44, False, 2, 2, 12, False, False, False,
           "Megatron-LM as in Narayanan 2021 / Korthikanti 2022: fused softmax on materialised scores; 16-bit "
           "parameters and gradients with an fp32 master copy in the optimizer state (2 + 2 + 12 bytes); 16-bit "
