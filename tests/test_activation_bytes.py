@@ -98,6 +98,7 @@ DIST_LAYOUTS = {  # (overrides, dtype)
     "tp2-sp-selective": ({"parallel.tp": 2, "parallel.sequence_parallel": "true",
                           "parallel.recompute": '"selective"'}, "bf16"),
     "tp2-sp-full": ({"parallel.tp": 2, "parallel.sequence_parallel": "true", "parallel.recompute": '"full"'}, "bf16"),
+    "cp2": ({"parallel.cp": 2}, "bf16"),
     "fsdp2": ({"parallel.zero": 2}, "bf16"),
     "fsdp2-zero3-full": ({"parallel.zero": 3, "parallel.recompute": '"full"'}, "bf16"),
 }
@@ -109,7 +110,7 @@ def _dist_overrides(family: str, layout: str, n_layers: int) -> list[str]:
     extra, dtype = DIST_LAYOUTS[layout]
     m = {f"model.{k}": f'"{v}"' if isinstance(v, str) else v for k, v in FAMILIES[family].items()}
     base = {**m, "model.n_layers": n_layers, "model.vocab_size": 256, "model.max_seq_len": SEQ, "data.seq_len": SEQ,
-            "train.micro_batch": BATCH, "train.global_batch": BATCH * (1 if "tp" in layout else 2),
+            "train.micro_batch": BATCH, "train.global_batch": BATCH * (2 if "fsdp" in layout else 1),
             "train.dtype": f'"{dtype}"', **extra}
     return [f"{k}={v}" for k, v in base.items()]
 
@@ -132,8 +133,8 @@ def test_planner_books_what_each_rank_saves(family, layout, measured_dist):
 
     lo = layout_of(load_config(None, _dist_overrides(family, layout, 4)), 2)
     fsdp, dtype = lo.zero >= 2, DIST_LAYOUTS[layout][1]
-    want = activation_bytes_per_layer(model_config(family, 4), SEQ, BATCH, lo.tp, lo.sequence_parallel, lo.recompute,
-                                      precision=engine_precision(dtype, fsdp))
+    want = activation_bytes_per_layer(model_config(family, 4), SEQ // lo.cp, BATCH, lo.tp, lo.sequence_parallel,
+                                      lo.recompute, precision=engine_precision(dtype, fsdp), cp=lo.cp)
     two, four = (measured_dist[f"{family}-{layout}-{n}"]["ranks"] for n in (2, 4))
     for r2, r4 in zip(two, four):
         assert (r4["bytes"] - r2["bytes"]) / 2 == pytest.approx(want, rel=0.05), (r2, r4)

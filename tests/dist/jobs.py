@@ -201,7 +201,8 @@ def states(overrides: list[str]) -> dict:
 
 def activations(overrides: list[str]) -> dict:
     """Bytes autograd keeps for backward over one micro-batch's forward (train.micro_batch rows of
-    data.seq_len random tokens) on each rank, under the engine's autocast, and the bf16 weight copies."""
+    data.seq_len random tokens, this rank's context shard) on each rank, under the engine's
+    autocast, and the bf16 weight copies."""
     from flopwise.build import build_engine
     from flopwise.parallel import mesh
     from flopwise.parallel.accounting import SavedBytes
@@ -212,6 +213,7 @@ def activations(overrides: list[str]) -> dict:
     engine, _ = build_engine(cfg, par)
     x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.data.seq_len),
                       generator=torch.Generator().manual_seed(0))
+    x = engine.cp.shard(x) if engine.cp is not None else x
     with autocast(par.device, cfg.train.dtype), SavedBytes(*engine.parts) as s:
         engine.parts[0](x)
     per_rank = [None] * dist.get_world_size()

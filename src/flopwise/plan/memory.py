@@ -72,8 +72,9 @@ def engine_precision(dtype: str, fsdp: bool) -> SavedPrecision:
 def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: int = 1,
                                sequence_parallel: bool = False, recompute: str = "none",
                                flash: bool = True, dropout: bool | None = None, mask_keys: int = 0,
-                               precision: SavedPrecision = KORTHIKANTI) -> float:
-    """Bytes one transformer layer keeps for backward, for one micro-batch, on one device.
+                               precision: SavedPrecision = KORTHIKANTI, cp: int = 1) -> float:
+    """Bytes one transformer layer keeps for backward, for one micro-batch, on one device; `seq`
+    is the device's share of the sequence (seq_len / cp under context parallel).
 
     e = precision.compute, r = precision.residual bytes per element; dropout masks are 1 byte.
     Korthikanti et al. 2022 (e = r = 2), per layer:
@@ -94,12 +95,14 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
         under autocast (r = 4 > e = 2) every linear keeps its own cast: 3 for Q/K/V, 2 (SwiGLU) or
         1 for the MLP, each e·sbh. PyTorch's sequence parallel keeps the all-gathered input, so these
         stay whole (sbh) under sequence parallel, where Megatron keeps 1/tp;
-      attention (SDPA's CPU flash kernel; the CUDA flash and efficient kernels keep the same
-        tensors): Q and K after RoPE, V, the output (which is also the output projection's
+      attention (SDPA's CPU flash kernel, measured; CUDA's flash backward takes the same tensors,
+        not measured here): Q and K after RoPE, V, the output (which is also the output projection's
         input), and its fp32 logsumexp (4·a·s·b); partial rotary (RoPE's cat) leaves Q
         (b, h, s, d)-contiguous, so the output must be copied for the output projection: + e·sb·h_q;
       MLP: SwiGLU 4 tensors of e·sbf (w1 and w3 outputs, silu, the product), GeLU 2 (w1 output,
         GeLU output), ReLU 1 (its output serves its own backward and w2's);
+      context parallel (cp ways): K and V all-gathered over the whole sequence (× cp), and, with
+        no document mask, SDPA's compute-dtype copy of the (s, s·cp) causal mask, e·s·s·cp;
       biases keep nothing; RoPE's cos/sin are shared by all layers, except under FSDP2 (r = e = 2),
         which casts each block's inputs, cos/sin included: + 2·e·s·rotary_dim.
     Selective recompute drops the score and mask terms (and, in this engine, the logsumexp and the
@@ -107,7 +110,7 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
     Measured equal, byte for byte, for Llama (GQA, SwiGLU, RMSNorm, RoPE), GPT-2 (MHA, GeLU,
     LayerNorm, biases, learned positions), NeoX (parallel block, partial RoPE) and OPT (ReLU) in
     fp32 and bf16 autocast with each recompute mode, and on two ranks under tensor parallel, sequence
-    parallel and FSDP2 (tests/test_activation_bytes.py). Not modelled for this engine (not
+    parallel, context parallel and FSDP2 (tests/test_activation_bytes.py). Not modelled for this engine (not
     measured): dropout (on CPU its masks are in the activation dtype, not 1 byte, and SDPA with
     dropout falls back to the math kernel, which keeps the s² scores); qk_norm's per-head norm
     tensors; ALiBi's and relative positions' float masks (and FSDP2's per-layer casts of them).
@@ -134,17 +137,19 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
             attn_extra += 4 * m.n_heads * sb if flash else 0
             attn_extra += e * sb * hq if m.pos == "rope" and m.rotary_dim < m.head_dim else 0
         tables = 2 * e * s * m.rotary_dim if m.pos == "rope" and r == e == 2 else 0
+        kv_whole = e * sb * 2 * hkv * (cp - 1)
+        cp_mask = e * s * s * cp if cp > 1 and not mask_keys and recompute == "none" else 0
     else:
         linear_in = 2 * e * sbh
         replicated, linear_div = 2 * r * sbh + masks, rep_div
         mlp = (4 if m.mlp == "swiglu" else 2) * e * s * b * f
-        attn_extra = tables = 0
-    split = e * sb * (hq + 2 * hkv) + e * sb * hq + mlp + attn_extra
+        attn_extra = tables = kv_whole = cp_mask = 0
+    split = e * sb * (hq + 2 * hkv) + e * sb * hq + mlp + attn_extra + kv_whole
     scores = 0.0
     if not flash and recompute != "selective":
         scores = (2 + (3 if drop else 0)) * m.n_heads * s * s * b
     mask = e * s * b * mask_keys if recompute == "none" else 0
-    return replicated / rep_div + linear_in / linear_div + (split + scores) / tp + mask + tables
+    return replicated / rep_div + linear_in / linear_div + (split + scores) / tp + mask + cp_mask + tables
 
 
 def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:

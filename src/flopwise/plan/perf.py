@@ -273,9 +273,10 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     precision = engine_precision("bf16", fsdp) if stack.engine_activations else KORTHIKANTI
     act_layer = activation_bytes_per_layer(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel,
                                            lo.recompute, flash=stack.flash_attention, mask_keys=keys,
-                                           precision=precision)
+                                           precision=precision, cp=lo.cp)
     full_layer = activation_bytes_per_layer(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel,
-                                            "none", flash=stack.flash_attention, mask_keys=keys, precision=precision)
+                                            "none", flash=stack.flash_attention, mask_keys=keys, precision=precision,
+                                            cp=lo.cp)
     weight_copies = stack.engine_activations and not fsdp  # autocast's bf16 weights (FSDP2 computes with bf16 params)
     tokens_mb = lo.micro_batch * seq / lo.cp
     logits = tokens_mb * sh.vocab / lo.tp * (2 + 4)  # 16-bit logits kept + fp32 softmax in the loss
