@@ -249,6 +249,15 @@ def rank_loads(sh: Shape, lo: Layout, balanced: bool) -> list[RankLoad]:
     return out
 
 
+def _memo(cache: dict | None, key: tuple, compute):
+    """cache[key], computed on first use (no cache: computed every time)."""
+    if cache is None:
+        return compute()
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
+
+
 def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, stack: Stack,
              cache: dict | None = None) -> Estimate:
     """Memory and time of one optimizer step (global_batch sequences of seq tokens).
@@ -260,12 +269,8 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     peak = hw.peak_16bit
 
     # ---- memory (the worst pipeline rank)
-    loads_key = ("loads", lo.pp, lo.pp_schedule, lo.virtual_stages, lo.tp)
-    loads = cache.get(loads_key) if cache is not None else None
-    if loads is None:
-        loads = list(dict.fromkeys(rank_loads(sh, lo, stack.balanced_stages)))  # ranks alike count once
-        if cache is not None:
-            cache[loads_key] = loads
+    loads = _memo(cache, ("loads", lo.pp, lo.pp_schedule, lo.virtual_stages, lo.tp),  # ranks alike count once
+                  lambda: list(dict.fromkeys(rank_loads(sh, lo, stack.balanced_stages))))
     shard = lo.dp_shard
     in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, n_micro, v)
     keys = seq if sh.document_mask else 0
@@ -286,7 +291,9 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
         st = model_state_bytes(load.params, lo.zero, shard, stack.optimizer_state_bytes, stack.param_bytes,
                                stack.grad_bytes, params_sharded=lo.reshards_params)
         activations = act_layer * load.layers * in_flight + (full_layer if lo.recompute == "full" else 0.0)
-        copies = autocast_weight_copy_bytes(m_cfg, load.layers, load.head, lo.tp) if weight_copies else 0.0
+        copies = 0.0 if not weight_copies else _memo(
+            cache, ("copies", load.layers, load.head, lo.tp),
+            lambda: autocast_weight_copy_bytes(m_cfg, load.layers, load.head, lo.tp))
         mem = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": activations,
                "other": (logits if load.head else 0.0) + zero3_live + copies + RUNTIME_RESERVE}
         mem["total"] = sum(mem.values())
@@ -296,12 +303,8 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     fits = best["total"] <= usable
 
     # ---- time (the slowest pipeline rank sets the pace)
-    key = (lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel)
-    lt = cache.get(key) if cache is not None else None
-    if lt is None:
-        lt = layer_times(sh, hw, stack, seq, lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel)
-        if cache is not None:
-            cache[key] = lt
+    lt = _memo(cache, (lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel),
+               lambda: layer_times(sh, hw, stack, seq, lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel))
     recompute_f = {"none": 0.0, "selective": lt.attn_fwd, "full": lt.fwd}[lo.recompute]
     recompute_tp = lt.tp_fwd if lo.recompute == "full" else 0.0
     recompute_cp = lt.cp_fwd if lo.recompute == "full" else 0.0
