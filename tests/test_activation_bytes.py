@@ -51,7 +51,7 @@ def measured_per_layer(family: str, dtype: str, recompute: str, **inputs) -> flo
 def test_planner_books_what_the_engine_saves(family, dtype, recompute):
     got = measured_per_layer(family, dtype, recompute)
     want = activation_bytes_per_layer(model_config(family, 4), SEQ, BATCH, recompute=recompute,
-                                      precision=engine_precision(dtype, fsdp=False))
+                                      precision=engine_precision(dtype, fsdp=False, cpu=True))
     assert got == pytest.approx(want, rel=0.05)
 
 
@@ -61,7 +61,7 @@ def test_document_mask_term(dtype):
     documents = (torch.arange(SEQ) // 16).expand(BATCH, SEQ)
     got = measured_per_layer("llama", dtype, "none", documents=documents)
     want = activation_bytes_per_layer(model_config("llama", 4), SEQ, BATCH, mask_keys=SEQ,
-                                      precision=engine_precision(dtype, fsdp=False))
+                                      precision=engine_precision(dtype, fsdp=False, cpu=True))
     assert got == pytest.approx(want, rel=0.05)
 
 
@@ -134,7 +134,7 @@ def test_planner_books_what_each_rank_saves(family, layout, measured_dist):
     lo = layout_of(load_config(None, _dist_overrides(family, layout, 4)), 2)
     fsdp, dtype = lo.zero >= 2, DIST_LAYOUTS[layout][1]
     want = activation_bytes_per_layer(model_config(family, 4), SEQ // lo.cp, BATCH, lo.tp, lo.sequence_parallel,
-                                      lo.recompute, precision=engine_precision(dtype, fsdp), cp=lo.cp)
+                                      lo.recompute, precision=engine_precision(dtype, fsdp, cpu=True), cp=lo.cp)
     two, four = (measured_dist[f"{family}-{layout}-{n}"]["ranks"] for n in (2, 4))
     for r2, r4 in zip(two, four):
         assert (r4["bytes"] - r2["bytes"]) / 2 == pytest.approx(want, rel=0.05), (r2, r4)

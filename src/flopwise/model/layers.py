@@ -115,7 +115,11 @@ class KVCache:
 class CoreAttention(nn.Module):
     """softmax(QKᵀ/√d + mask)·V via SDPA. A module of its own so selective recompute can wrap it.
     Grouped-query K/V go in at their own width (SDPA's `enable_gqa`): no expanded copies, and
-    autograd saves them at n_kv_heads, not n_heads."""
+    autograd saves them at n_kv_heads, not n_heads.
+
+    On CPU the core runs in fp32 even under bf16 autocast: torch's CPU flash kernel is up to 2.7×
+    slower in bf16 than in fp32 at small head dims (forward + backward, head_dim 32: 11.1 vs 4.1 ms;
+    never faster at head_dim 64; benchmarks/RESULTS.md), and fp32 is the more exact of the two."""
 
     def __init__(self, dropout: float):
         super().__init__()
@@ -123,8 +127,13 @@ class CoreAttention(nn.Module):
 
     def forward(self, q, k, v, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        if q.device.type == "cpu" and q.dtype != torch.float32:
+            with torch.autocast("cpu", enabled=False):
+                y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=p,
+                                                   is_causal=is_causal, enable_gqa=gqa)
+            return y.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, enable_gqa=gqa)
 
 
 class Attention(nn.Module):

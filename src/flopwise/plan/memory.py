@@ -55,18 +55,20 @@ class SavedPrecision:
     compute: int = 2
     residual: int = 2
     engine: bool = False
+    attention: int = 0  # bytes of the attention core's saved Q, K, V and output; 0: the compute dtype's
 
 
 KORTHIKANTI = SavedPrecision()
 
 
-def engine_precision(dtype: str, fsdp: bool) -> SavedPrecision:
+def engine_precision(dtype: str, fsdp: bool, cpu: bool = False) -> SavedPrecision:
     """This engine's activations: fp32 throughout; or bf16 autocast over an fp32 residual stream
     (fp32 master weights); or, under FSDP2 with bf16 param_dtype, bf16 throughout (FSDP2 casts
-    each block's inputs to bf16, so the residual stream is bf16)."""
+    each block's inputs to bf16, so the residual stream is bf16). On a CPU the attention core runs
+    in fp32 whatever the dtype (model.layers.CoreAttention)."""
     if dtype == "fp32":
         return SavedPrecision(4, 4, True)
-    return SavedPrecision(2, 2 if fsdp else 4, True)
+    return SavedPrecision(2, 2 if fsdp else 4, True, 4 if cpu else 0)
 
 
 def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: int = 1,
@@ -85,8 +87,8 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
       attention scores (not with flash attention): softmax output 2·a·s²·b, plus its dropout mask
         and output (a·s²·b + 2·a·s²·b) when dropout is on;
       a document mask (data.document_mask, `mask_keys` = the keys each query sees, the whole
-        sequence under context parallel): SDPA keeps its own compute-dtype copy of the (b, 1, s,
-        keys) mask per layer, e·s·b·keys, not split over tp (one mask serves every head).
+        sequence under context parallel): SDPA keeps its own copy of the (b, 1, s, keys) mask in
+        the attention dtype per layer, a·s·b·keys, not split over tp (one mask serves every head).
     This engine (`precision.engine`, measured with parallel.accounting.SavedBytes) differs in:
       norm inputs: one residual tensor per layer in a parallel block (both norms read x), two
         otherwise, r bytes; RMSNorm computes in fp32 and keeps a 4-byte copy of its input (one per
@@ -99,10 +101,14 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
         not measured here): Q and K after RoPE, V, the output (which is also the output projection's
         input), and its fp32 logsumexp (4·a·s·b); partial rotary (RoPE's cat) leaves Q
         (b, h, s, d)-contiguous, so the output must be copied for the output projection: + e·sb·h_q;
+        on a CPU the core computes in fp32 (a = `precision.attention` = 4 under bf16): Q, K, V and
+        the output are kept at a bytes and the output projection keeps its own e-byte cast of the
+        output (+ e·sb·h_q, which is then also the partial-rotary copy); selective recompute keeps
+        the core's e-byte inputs;
       MLP: SwiGLU 4 tensors of e·sbf (w1 and w3 outputs, silu, the product), GeLU 2 (w1 output,
         GeLU output), ReLU 1 (its output serves its own backward and w2's);
       context parallel (cp ways): K and V all-gathered over the whole sequence (× cp), and, with
-        no document mask, SDPA's compute-dtype copy of the (s, s·cp) causal mask, e·s·s·cp;
+        no document mask, SDPA's attention-dtype copy of the (s, s·cp) causal mask, a·s·s·cp;
       biases keep nothing; RoPE's cos/sin are shared by all layers, except under FSDP2 (r = e = 2),
         which casts each block's inputs, cos/sin included: + 2·e·s·rotary_dim.
     Selective recompute drops the score and mask terms (and, in this engine, the logsumexp and the
@@ -118,6 +124,7 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
     s, b, h = seq, micro_batch, m.d_model
     sbh, sb = s * b * h, s * b
     e, r = precision.compute, precision.residual
+    a = (precision.attention or e) if recompute == "none" else e  # selective recompute keeps e-byte inputs
     drop = (m.dropout > 0) if dropout is None else dropout
     rep_div = tp if sequence_parallel else 1
     if recompute == "full":
@@ -135,20 +142,21 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
         attn_extra = 0.0
         if recompute == "none":
             attn_extra += 4 * m.n_heads * sb if flash else 0
-            attn_extra += e * sb * hq if m.pos == "rope" and m.rotary_dim < m.head_dim else 0
+            copy = m.pos == "rope" and m.rotary_dim < m.head_dim or a != e
+            attn_extra += e * sb * hq if copy else 0
         tables = 2 * e * s * m.rotary_dim if m.pos == "rope" and r == e == 2 else 0
-        kv_whole = e * sb * 2 * hkv * (cp - 1)
-        cp_mask = e * s * s * cp if cp > 1 and not mask_keys and recompute == "none" else 0
+        kv_whole = a * sb * 2 * hkv * (cp - 1)
+        cp_mask = a * s * s * cp if cp > 1 and not mask_keys and recompute == "none" else 0
     else:
         linear_in = 2 * e * sbh
         replicated, linear_div = 2 * r * sbh + masks, rep_div
         mlp = (4 if m.mlp == "swiglu" else 2) * e * s * b * f
         attn_extra = tables = kv_whole = cp_mask = 0
-    split = e * sb * (hq + 2 * hkv) + e * sb * hq + mlp + attn_extra + kv_whole
+    split = a * sb * (hq + 2 * hkv) + a * sb * hq + mlp + attn_extra + kv_whole
     scores = 0.0
     if not flash and recompute != "selective":
         scores = (2 + (3 if drop else 0)) * m.n_heads * s * s * b
-    mask = e * s * b * mask_keys if recompute == "none" else 0
+    mask = a * s * b * mask_keys if recompute == "none" else 0
     return replicated / rep_div + linear_in / linear_div + (split + scores) / tp + mask + cp_mask + tables
 
 
