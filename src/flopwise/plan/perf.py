@@ -34,7 +34,11 @@ The step is built bottom-up from what each device executes, and every term has a
 - Data parallel: ZeRO volumes of `plan.comm` over the dp ring (inter-node when it leaves a node),
   with a stated fraction hidden behind the last micro-batch's backward (stages 0-2) or behind every
   micro-batch (stage 3, FSDP prefetch).
-- Optimizer: bytes streamed per local parameter. Fused AdamW on fp32 parameters reads p, g, m, v
+- ZeRO-1 optimizer state: this engine's is torch's ZeroRedundancyOptimizer, which gives each rank
+  whole tensors (greedy, per param group), so the busiest rank's share is booked, from the same
+  partition `plan.memory.rank_model_states` uses; one V×h/t table can exceed Ψ/N at large dp.
+  Megatron's distributed optimizer shards flat buffers, so Ψ/N is right for the megatron stacks.
+- Optimizer: bytes streamed per local parameter (the busiest rank's, under ZeRO). Fused AdamW on fp32 parameters reads p, g, m, v
   and writes p, m, v (28) plus the clipping norm's read of g (4) = 32. Megatron keeps separate
   16-bit model and fp32 main copies: + grad copy to main (2 + 4) + main-to-model copy (4 + 2) = 44.
 
@@ -48,6 +52,7 @@ which is what Korthikanti 2022 ran.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from flopwise.config import ModelConfig
@@ -55,7 +60,8 @@ from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import Hardware
 from flopwise.plan.comm import dp_collectives, pp_boundary_elements, ring_time, tied_embedding_elements
 from flopwise.plan.layout import Layout, stage_ids, stage_sizes
-from flopwise.plan.memory import activation_bytes_per_layer, in_flight_microbatches, model_state_bytes
+from flopwise.plan.memory import (activation_bytes_per_layer, in_flight_microbatches, model_state_bytes,
+                                  rank_tensors, zero1_loads)
 
 MEM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for streaming kernels (STREAM-like copies)
 LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth over the nominal per-direction link rate
@@ -246,11 +252,12 @@ class Estimate:
 
 @dataclass(frozen=True)
 class RankLoad:
-    """What one pipeline rank holds: layers, parameters (its tensor-parallel shard), the head."""
+    """What one pipeline rank holds: layers, parameters (its tensor-parallel shard), the head, the embedding."""
 
     layers: int
     params: float
     head: bool
+    embedding: bool = False
 
 
 def rank_loads(sh: Shape, lo: Layout, balanced: bool) -> list[RankLoad]:
@@ -265,7 +272,22 @@ def rank_loads(sh: Shape, lo: Layout, balanced: bool) -> list[RankLoad]:
         head = last in ids
         psi = (sum(sizes[i] for i in ids) * sh.layer_params + (sh.embed_params if 0 in ids else 0)
                + (head_side if head else 0))
-        out.append(RankLoad(sum(sizes[i] for i in ids), psi / lo.tp, head))
+        out.append(RankLoad(sum(sizes[i] for i in ids), psi / lo.tp, head, 0 in ids))
+    return out
+
+
+def zero1_busiest(sh: Shape, lo: Layout, load: RankLoad, cache: dict | None) -> float:
+    """Optimizer-state elements on the busiest data-parallel rank of a pipeline rank under torch's
+    ZeroRedundancyOptimizer, which assigns whole tensors (`plan.memory.zero1_loads`, the partition
+    `rank_model_states` books per rank). One large tensor (an embedding or head of V×h/t) can exceed
+    Ψ/N at large dp. Every layer has the same tensors, so the rank's layer count names them."""
+    key = ("zero1", load.layers, load.embedding, load.head, lo.tp, lo.dp * lo.cp)
+    if cache is not None and key in cache:
+        return cache[key]
+    tensors = rank_tensors(sh.config, lo.tp, range(load.layers), load.embedding, load.head)
+    out = max(zero1_loads([(math.prod(shape), decay) for shape, decay in tensors], lo.dp * lo.cp))
+    if cache is not None:
+        cache[key] = out
     return out
 
 
@@ -297,12 +319,18 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     logits = tokens_mb * sh.vocab / lo.tp * (2 + 4)  # 16-bit logits kept + fp32 softmax in the loss
     zero3_live = (2 * (2 + 4) * sh.layer_params / lo.tp) if lo.reshards_params else 0  # gathered layer + prefetch
     best = None
+    whole_tensors = lo.zero == 1 and stack.zero1_broadcast and lo.dp * lo.cp > 1  # ZeroRedundancyOptimizer
+    opt_elements = 0.0  # optimizer-state elements the busiest rank steps
     for load in loads:
         st = model_state_bytes(load.params, lo.zero, shard, stack.optimizer_state_bytes, stack.param_bytes,
                                stack.grad_bytes, params_sharded=lo.reshards_params)
+        owned = (zero1_busiest(sh, lo, load, cache) if whole_tensors
+                 else load.params / (shard if lo.zero >= 1 else 1))
+        opt_elements = max(opt_elements, owned)
         activations = act_layer * load.layers * in_flight + (full_layer if lo.recompute == "full" else 0.0)
-        mem = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": activations,
-               "other": (logits if load.head else 0.0) + zero3_live + RUNTIME_RESERVE}
+        mem = {"params": st.params, "grads": st.grads,
+               "optimizer": stack.optimizer_state_bytes * owned if whole_tensors else st.optimizer,
+               "activations": activations, "other": (logits if load.head else 0.0) + zero3_live + RUNTIME_RESERVE}
         mem["total"] = sum(mem.values())
         if best is None or mem["total"] > best["total"]:
             best = mem
@@ -337,7 +365,7 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
 
     psi = max(load.params for load in loads)
     dp_comm = data_parallel_time(hw, lo, stack, psi, n_micro, mb_total, slowest.layers, lt)
-    optimizer = stream_time(stack.optimizer_bytes * psi / (shard if lo.zero >= 1 else 1), hw)
+    optimizer = stream_time(stack.optimizer_bytes * opt_elements, hw)
     held_grads = psi / shard if lo.zero >= 2 and lo.pp == 1 else psi  # reduce-scattered every micro-batch
     grad_accum = (n_micro - 1) * stream_time(stack.grad_accum_bytes * held_grads, hw)
 
