@@ -35,18 +35,37 @@ NARAYANAN = [(24, 2304, 24, 1, 1, 32, 512, 137), (40, 6144, 48, 8, 1, 256, 1024,
 
 
 @pytest.mark.parametrize("row", NARAYANAN, ids=lambda r: f"{r[0]}x{r[1]}")
-def test_narayanan_table1_hardware_tflops_within_10pct(row):
-    """Published layout (tp, pp, dp, interleaved, full recompute) fixed; micro-batch and v searched."""
+def test_narayanan_table1_hardware_tflops(row):
+    """Published layout (tp, pp, dp, interleaved, full recompute) fixed; v searched. Pipelined rows
+    run micro-batch 1, as Megatron-LM's GPT-3 175B example of the same release does
+    (examples/pretrain_gpt3_175B.sh, April 2021: tp 8, pp 16, micro-batch 1, fp16); the others
+    search it. Within ±10%, and the pipelined rows within ±5% (issue 16: p2p exchanges in the
+    bubble, the scatter/gather receiver's all-gather, 16-bit gradient accumulation per micro-batch)."""
     layers, hidden, heads, tp, pp, gpus, batch, published = row
     sh = model_shape(megatron_gpt(layers, hidden, heads), 2048)
     fixed = {"tp": tp, "pp": pp, "cp": 1, "recompute": "full", "sequence_parallel": False, "zero": 0,
              "dp_replicate": 1, "pp_schedule": "interleaved-1f1b" if pp > 1 else "1f1b"}
+    if pp > 1:
+        fixed["micro_batch"] = 1
     best = search(sh, A100, gpus, 2048, batch, MEGATRON, fixed).best
     assert best.fits
-    assert best.hardware_tflops == pytest.approx(published, rel=0.10), best.layout
+    assert best.hardware_tflops == pytest.approx(published, rel=0.05 if pp > 1 else 0.10), best.layout
 
 
-# Korthikanti et al. 2022 Table 3/5: the full layout is published; MFU in percent.
+def test_megatron_layouts_split_layers_evenly():
+    """Megatron-LM needs n_layers divisible by pp·v (its README: layers per virtual stage must
+    divide the layers); the search offers it every such v and nothing else."""
+    m = megatron_gpt(80, 12288, 96)
+    lo = Layout(dp=24, tp=8, pp=8, micro_batch=1, pp_schedule="interleaved-1f1b", virtual_stages=6)
+    assert "divisible by pp·virtual_stages=48" in check_layout(lo, m, 2048, 2304, engine=False)
+    res = search(model_shape(m, 2048), A100, 1536, 2048, 2304, MEGATRON,
+                 {"tp": 8, "pp": 8, "recompute": "full", "zero": 0, "micro_batch": 1, "cp": 1,
+                  "pp_schedule": "interleaved-1f1b", "sequence_parallel": False, "dp_replicate": 1}, keep=100)
+    assert sorted({e.layout.virtual_stages for e in res.ranked}) == [2, 5, 10]
+
+
+# Korthikanti et al. 2022 Table 3/5: the full layout is published; MFU in percent. Their Megatron-LM
+# fuses gradient accumulation into the weight-gradient GEMM (the megatron-2022 stack).
 KORTHIKANTI = [((48, 6144, 64), Layout(dp=1, tp=8, pp=1, micro_batch=4), 4, 41.5),
                ((105, 20480, 128), Layout(dp=1, tp=8, pp=35, micro_batch=1, pp_schedule="interleaved-1f1b",
                                           virtual_stages=3), 280, 56.0)]
@@ -59,9 +78,11 @@ def test_korthikanti_table5_mfu_within_4_points(shape, layout, batch, published)
     lo = replace(layout, recompute="selective", sequence_parallel=True)
     m = megatron_gpt(*shape)
     assert check_layout(lo, m, 2048, batch, engine=False) is None  # a Megatron layout
-    est = evaluate(m, A100, lo, 2048, batch, MEGATRON)
+    est = evaluate(m, A100, lo, 2048, batch, "megatron-2022")
     assert est.fits
     assert abs(100 * est.mfu - published) <= 4, est.mfu
+    if lo.pp > 1:
+        assert 100 * est.mfu == pytest.approx(published, rel=0.05)
     # HFU = MFU × (1 + s/6h) for selective recompute, Korthikanti eq. 9 (our convention counts what reruns)
     assert est.hfu / est.mfu == pytest.approx(flops_per_token(m, 2048, "selective") / flops_per_token(m, 2048))
 
@@ -191,7 +212,7 @@ def test_plan_cli_json_and_out_config(tmp_path):
         assert key in lay
     assert set(lay["memory_per_gpu_bytes"]) == {"params", "grads", "optimizer", "activations", "other", "total"}
     assert set(lay["time_breakdown_s"]) == {"compute", "tp_comm", "dp_comm", "pp_bubble", "pp_comm", "cp_comm",
-                                            "optimizer"}
+                                            "grad_accum", "optimizer"}
     assert lay["gpu_hours"] == pytest.approx(1e12 / lay["tokens_per_s"] * 64 / 3600)
     assert len(j["layouts"]) == 3 and j["layouts"][0]["tokens_per_s"] >= j["layouts"][1]["tokens_per_s"]
     written = load_config(out)

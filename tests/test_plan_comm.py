@@ -3,7 +3,7 @@
 import pytest
 
 from flopwise.plan.comm import (dp_elements_per_step, pp_boundary_elements, ring_factor, ring_time,
-                                tp_allreduce_elements)
+                                tied_embedding_elements, tp_allreduce_elements)
 
 
 def test_zero_volumes():
@@ -31,3 +31,12 @@ def test_megatron_tp_and_pp_volumes():
     assert tp_allreduce_elements(s, b, h, l) == 4 * s * b * h * l
     assert pp_boundary_elements(s, b, h, t) == s * b * h / t
     assert pp_boundary_elements(s, b, h, t, scatter_gather=False) == s * b * h
+
+
+def test_tied_embedding_all_reduce_is_the_output_matrix_shard():
+    """The table the first and last stages all-reduce is the output layer's V×h matrix, tp-sliced."""
+    from flopwise.config import ModelConfig
+    from flopwise.flops import count_params
+
+    m = ModelConfig(arch="gpt2", n_layers=4, d_model=256, n_heads=4, vocab_size=51200, max_seq_len=256)
+    assert tied_embedding_elements(m.vocab_size, m.d_model, 8) * 8 == count_params(m).head_matmul

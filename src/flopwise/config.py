@@ -263,7 +263,7 @@ class ClusterConfig(Section):
 
 class PlanConfig(Section):
     tokens: float | None = Field(None, gt=0, description="training token budget; default 20 tokens per parameter")
-    stack: Literal["flopwise", "megatron-2021"] = Field("flopwise", description="software assumptions of the "
+    stack: Literal["flopwise", "megatron-2021", "megatron-2022"] = Field("flopwise", description="software assumptions of the "
                                                         "step-time model (see flopwise.plan.perf)")
 
 

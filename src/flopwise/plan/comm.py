@@ -8,7 +8,11 @@ will count and the planner will time:
 - tensor parallel (Narayanan et al. 2021 §3.2/§4.1): 4 all-reduces of b·s·h per layer per
   micro-batch in forward + backward, each 2·(t−1)/t of its size on the wire per device;
 - pipeline parallel: b·s·h per micro-batch per stage boundary, each way (activations forward,
-  gradients backward); /t with scatter/gather across the tensor-parallel ranks.
+  gradients backward); /t with scatter/gather across the tensor-parallel ranks, after which the
+  receiver all-gathers the b·s·h over NVLink (Narayanan et al. 2021 §4.1), or /t natively when
+  sequence parallelism already splits the tensor by sequence;
+- tied embeddings split across the pipeline: the table's gradient all-reduced once per step
+  between the first and the last stage (Shoeybi/Narayanan Megatron-LM, `_allreduce_embedding_grads`).
 A ring collective over n devices moves (n−1)/n of the buffer per device for reduce-scatter or
 all-gather, 2(n−1)/n for all-reduce; its time is α·steps + bytes / bandwidth.
 """
@@ -50,6 +54,12 @@ def tp_allreduce_elements(seq: int, micro_batch: int, d_model: int, n_layers: in
 def pp_boundary_elements(seq: int, micro_batch: int, d_model: int, tp: int = 1, scatter_gather: bool = True) -> float:
     """Elements sent across one stage boundary per micro-batch, one direction."""
     return seq * micro_batch * d_model / (tp if scatter_gather else 1)
+
+
+def tied_embedding_elements(vocab: int, d_model: int, tp: int) -> float:
+    """Elements of the embedding-table gradient shard the first and last pipeline stages all-reduce
+    per step when the output layer shares the table (vocab-parallel: V·h/t per rank)."""
+    return vocab * d_model / tp
 
 
 @dataclass(frozen=True)

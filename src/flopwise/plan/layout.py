@@ -173,7 +173,12 @@ def check_layout(layout: Layout, m: ModelConfig, seq_len: int, global_batch: int
     if lo.pp > 1 and lo.microbatches(global_batch) < lo.pp:
         return (f"{lo.microbatches(global_batch)} micro-batches for pp={lo.pp} stages: lower train.micro_batch "
                 "so there are at least pp micro-batches")
-    return engine_limits(lo, m, pp_layers) if engine else None
+    if engine:
+        return engine_limits(lo, m, pp_layers)
+    if lo.pp > 1 and m.n_layers % lo.n_stages:
+        return (f"Megatron-LM splits layers evenly: model.n_layers={m.n_layers} must be divisible by "
+                f"pp·virtual_stages={lo.n_stages}")
+    return None
 
 
 def engine_limits(lo: Layout, m: ModelConfig, pp_layers: tuple[int, ...] | list[int] | None = None) -> str | None:

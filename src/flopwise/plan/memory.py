@@ -15,6 +15,7 @@ residual stream, or bf16 under FSDP2), measured with parallel.accounting.SavedBy
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -217,27 +218,26 @@ def _chunk_rows(rows: int, n: int, rank: int) -> int:
     return max(0, min(rows, (rank + 1) * size) - rank * size)
 
 
-def _zero1_owned(sizes: list[tuple[int, bool]], n: int, rank: int) -> int:
-    """Elements ZeroRedundancyOptimizer assigns to `rank`: per param group (decay, then no decay),
-    largest tensor first, each to the least-loaded rank so far (torch's greedy partition)."""
-    load, mine = [0] * n, 0
+def zero1_loads(sizes: list[tuple[int, bool]], n: int) -> list[int]:
+    """Elements ZeroRedundancyOptimizer assigns to each of n ranks, from (numel, weight-decayed) per
+    tensor: per param group (decay, then no decay), largest tensor first, each to the least-loaded
+    rank so far, the lowest rank on ties (torch's greedy partition; a heap keeps it O(T log n))."""
+    heap = [(0, r) for r in range(n)]
     for decay in (True, False):
         for numel in sorted((k for k, d in sizes if d == decay), reverse=True):
-            r = load.index(min(load))
-            load[r] += numel
-            mine += numel if r == rank else 0
-    return mine
+            load, r = heapq.heappop(heap)
+            heapq.heappush(heap, (load + numel, r))
+    out = [0] * n
+    for load, r in heap:
+        out[r] = load
+    return out
 
 
-def rank_model_states(m: ModelConfig, lo, stage_layers: list[int], has_embedding: bool, has_head: bool,
-                      shard_rank: int = 0, dp_rank: int = 0, param_bytes: int = 4, grad_bytes: int = 4,
-                      k: int = 8) -> ModelStates:
-    """Exactly what one rank of this engine holds (fp32 master weights, fp32 gradients after the
-    backward, AdamW moments after the step), tensor by tensor: the rank's pipeline stages
-    (`stage_layers`: their layer indices), its tensor-parallel slice, and its data-parallel share:
-    DDP replicates; ZeRO-1 partitions whole tensors over the dp·cp ranks (`dp_rank` among them);
-    FSDP2 (zero 2/3) shards dim 0 over the dp_shard·cp ranks (`shard_rank`), at rest. `lo` is a
-    plan.layout.Layout."""
+def rank_tensors(m: ModelConfig, tp: int, stage_layers, has_embedding: bool,
+                 has_head: bool) -> list[tuple[tuple[int, ...], bool]]:
+    """(tensor-parallel local shape, weight-decayed) of every parameter tensor one pipeline rank of
+    this engine holds: its stages' layers (`stage_layers`: their indices), the embedding on the
+    first stage, final norm and head on the last."""
     from flopwise.flops import param_shapes
 
     layers = {f"layers.{i}." for i in stage_layers}
@@ -251,15 +251,26 @@ def rank_model_states(m: ModelConfig, lo, stage_layers: list[int], has_embedding
         else:
             keep = has_embedding
         if keep:
-            local = _tp_local(name, shape, lo.tp)
-            decay = len(shape) >= 2 and "embeddings" not in name
-            mine.append((local, decay))
+            mine.append((_tp_local(name, shape, tp), len(shape) >= 2 and "embeddings" not in name))
+    return mine
+
+
+def rank_model_states(m: ModelConfig, lo, stage_layers: list[int], has_embedding: bool, has_head: bool,
+                      shard_rank: int = 0, dp_rank: int = 0, param_bytes: int = 4, grad_bytes: int = 4,
+                      k: int = 8) -> ModelStates:
+    """Exactly what one rank of this engine holds (fp32 master weights, fp32 gradients after the
+    backward, AdamW moments after the step), tensor by tensor: the rank's pipeline stages
+    (`stage_layers`: their layer indices), its tensor-parallel slice, and its data-parallel share:
+    DDP replicates; ZeRO-1 partitions whole tensors over the dp·cp ranks (`dp_rank` among them);
+    FSDP2 (zero 2/3) shards dim 0 over the dp_shard·cp ranks (`shard_rank`), at rest. `lo` is a
+    plan.layout.Layout."""
+    mine = rank_tensors(m, lo.tp, stage_layers, has_embedding, has_head)
     whole = sum(math.prod(s) for s, _ in mine)
     n_shard = lo.dp_shard * lo.cp
     sharded = sum(_chunk_rows(s[0], n_shard, shard_rank) * math.prod(s[1:]) for s, _ in mine)
     if lo.zero >= 2 and lo.world > 1:  # FSDP2 (any process group)
         return ModelStates(param_bytes * sharded, grad_bytes * sharded, k * sharded)
     if lo.zero == 1 and lo.dp * lo.cp > 1:
-        owned = _zero1_owned([(math.prod(s), d) for s, d in mine], lo.dp * lo.cp, dp_rank)
+        owned = zero1_loads([(math.prod(s), d) for s, d in mine], lo.dp * lo.cp)[dp_rank]
         return ModelStates(param_bytes * whole, grad_bytes * whole, k * owned)
     return ModelStates(param_bytes * whole, grad_bytes * whole, k * whole)

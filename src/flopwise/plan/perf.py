@@ -17,33 +17,51 @@ The step is built bottom-up from what each device executes, and every term has a
   per layer forward, 2 backward, 2 more when full recompute re-runs the forward (Narayanan et al.
   2021 §3.2); on NVLink when tp fits a node. Not overlapped with compute (stated).
 - Context parallel: K/V all-gather per layer forward and reduce-scatter of their gradients.
-- Pipeline: bubble (p−1)/v of a micro-batch's stage time for 1F1B/GPipe/interleaved (Narayanan
-  et al. 2021 §2.2), a third of 1F1B's for zero-bubble and DualPipeV (Qi et al. 2024: ZB-H1),
-  plus b·s·h/t p2p per micro-batch per direction per chunk.
+- Pipeline: the slowest rank (layers, plus the output layer and loss on the last) sets the pace.
+  Bubble (p−1)/v of a micro-batch's slot on that rank for 1F1B/GPipe/interleaved (Narayanan et al.
+  2021 §2.2), a third of 1F1B's for zero-bubble and DualPipeV (Qi et al. 2024: ZB-H1). A slot
+  includes its p2p exchanges: Megatron's `_communicate` waits on them and synchronises the device
+  before the next chunk, so they sit on the critical path in the fill and drain as in the steady
+  state. Per micro-batch per chunk one activation forward and one gradient backward cross each
+  boundary: b·s·h/t with scatter/gather plus the receiver's all-gather of b·s·h over the
+  tensor-parallel ranks (Narayanan §4.1; none under sequence parallelism, already split), or the
+  whole b·s·h per rank (this engine without sequence parallelism). Tied embeddings split across
+  stages add an all-reduce of the table's gradient between the first and last stage per step.
+- Gradient accumulation: every micro-batch after the first adds its weight gradients into the
+  held ones, an HBM stream per local parameter (`Stack.grad_accum_bytes`); pipelining needs
+  m ≫ p small micro-batches, so it pays this m − 1 times where data parallelism alone can take
+  one large micro-batch.
 - Data parallel: ZeRO volumes of `plan.comm` over the dp ring (inter-node when it leaves a node),
   with a stated fraction hidden behind the last micro-batch's backward (stages 0-2) or behind every
   micro-batch (stage 3, FSDP prefetch).
-- Optimizer: bytes streamed per local parameter. Fused AdamW on fp32 parameters reads p, g, m, v
+- ZeRO-1 optimizer state: this engine's is torch's ZeroRedundancyOptimizer, which gives each rank
+  whole tensors (greedy, per param group), so the busiest rank's share is booked, from the same
+  partition `plan.memory.rank_model_states` uses; one V×h/t table can exceed Ψ/N at large dp.
+  Megatron's distributed optimizer shards flat buffers, so Ψ/N is right for the megatron stacks.
+- Optimizer: bytes streamed per local parameter (the busiest rank's, under ZeRO). Fused AdamW on fp32 parameters reads p, g, m, v
   and writes p, m, v (28) plus the clipping norm's read of g (4) = 32. Megatron keeps separate
   16-bit model and fp32 main copies: + grad copy to main (2 + 4) + main-to-model copy (4 + 2) = 44.
 
-Two software stacks are built in because published runs used different kernels: `flopwise`
-(PyTorch SDPA flash attention, FSDP2 with fp32 gradient reduction overlapped) and `megatron-2021`
+Three software stacks are built in because published runs used different kernels: `flopwise`
+(PyTorch SDPA flash attention, FSDP2 with fp32 gradient reduction overlapped), `megatron-2021`
 (fused-softmax materialised attention, 16-bit gradient all-reduce not overlapped), which is what
-Narayanan 2021 and Korthikanti 2022 ran.
+Narayanan 2021 ran, and `megatron-2022`, the same with gradient-accumulation fusion (Megatron-LM
+commit 83b1e42, Feb 2022, on by default: the weight-gradient GEMM adds into the held gradient),
+which is what Korthikanti 2022 ran.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from flopwise.config import ModelConfig
 from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import Hardware
-from flopwise.plan.comm import dp_collectives, ring_time
+from flopwise.plan.comm import dp_collectives, pp_boundary_elements, ring_time, tied_embedding_elements
 from flopwise.plan.layout import Layout, stage_ids, stage_sizes
 from flopwise.plan.memory import (KORTHIKANTI, activation_bytes_per_layer, autocast_weight_copy_bytes, engine_precision,
-                                  in_flight_microbatches, model_state_bytes)
+                                  in_flight_microbatches, model_state_bytes, rank_tensors, zero1_loads)
 
 MEM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for streaming kernels (STREAM-like copies)
 LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth over the nominal per-direction link rate
@@ -69,6 +87,8 @@ class Stack:
     fsdp2: bool  # ZeRO-2/3 parameters re-gathered for every micro-batch (FSDP2 frees them after backward)
     engine_activations: bool  # activations as this engine keeps them under bf16 autocast (else Korthikanti's list)
     description: str
+    grad_accum_bytes: int  # HBM bytes per held gradient element to add one more micro-batch's gradient
+    pp_scatter_gather: bool  # stage-boundary tensors sent as 1/t slices, all-gathered on the receiver
 
 
 STACKS = {s.name: s for s in [
@@ -77,11 +97,20 @@ STACKS = {s.name: s for s in [
           "moments (8) under bf16 autocast (activations over an fp32 residual stream and a bf16 copy of every "
           "weight, or bf16 throughout under FSDP2's bf16 param_dtype); FSDP2/DDP with fp32 gradient reduction, "
           "90% of dp traffic hidden behind backward; ZeRO-1 is DDP's all-reduce plus a broadcast of the updated "
-          "parameters (ZeroRedundancyOptimizer); pipeline stages balanced by parameters"),
+          "parameters (ZeroRedundancyOptimizer); pipeline stages balanced by parameters; fp32 gradients "
+          "accumulated across micro-batches (read held + read new + write, 12 bytes); stage-boundary tensors "
+          "sent whole per rank",
+          grad_accum_bytes=12, pp_scatter_gather=False),
     Stack("megatron-2021", False, 2, 0.0, 44, False, 2, 2, 12, False, False, False,
-          "Megatron-LM as in Narayanan 2021 / Korthikanti 2022: fused softmax on materialised scores; 16-bit "
-          "parameters and gradients with an fp32 master copy in the optimizer state (2 + 2 + 12 bytes); 16-bit "
-          "gradient all-reduce after the backward, no overlap; distributed optimizer; even stages"),
+          "Megatron-LM as in Narayanan 2021: fused softmax on materialised scores; 16-bit parameters and "
+          "gradients with an fp32 master copy in the optimizer state (2 + 2 + 12 bytes); 16-bit gradient "
+          "all-reduce after the backward, no overlap; distributed optimizer; even stages; autograd accumulates "
+          "16-bit gradients across micro-batches (6 bytes); scatter/gather of stage-boundary tensors",
+          grad_accum_bytes=6, pp_scatter_gather=True),
+    Stack("megatron-2022", False, 2, 0.0, 44, False, 2, 2, 12, False, False, False,
+          "Megatron-LM as in Korthikanti 2022: megatron-2021 with gradient-accumulation fusion (the weight-"
+          "gradient GEMM adds into the held gradient: no separate accumulation pass)",
+          grad_accum_bytes=0, pp_scatter_gather=True),
 ]}
 
 
@@ -201,7 +230,7 @@ class Estimate:
     layout: Layout
     fits: bool
     memory: dict  # params, grads, optimizer, activations, other, total (bytes per device, worst stage)
-    time: dict  # compute, tp_comm, dp_comm, pp_bubble, pp_comm, cp_comm, optimizer (seconds per step)
+    time: dict  # compute, tp_comm, dp_comm, pp_bubble, pp_comm, cp_comm, grad_accum, optimizer (s per step)
     step_time: float
     tokens_per_s: float
     model_tflops: float  # per device
@@ -226,11 +255,12 @@ class Estimate:
 
 @dataclass(frozen=True)
 class RankLoad:
-    """What one pipeline rank holds: layers, parameters (its tensor-parallel shard), the head."""
+    """What one pipeline rank holds: layers, parameters (its tensor-parallel shard), the head, the embedding."""
 
     layers: int
     params: float
     head: bool
+    embedding: bool = False
 
 
 def rank_loads(sh: Shape, lo: Layout, balanced: bool) -> list[RankLoad]:
@@ -245,7 +275,22 @@ def rank_loads(sh: Shape, lo: Layout, balanced: bool) -> list[RankLoad]:
         head = last in ids
         psi = (sum(sizes[i] for i in ids) * sh.layer_params + (sh.embed_params if 0 in ids else 0)
                + (head_side if head else 0))
-        out.append(RankLoad(sum(sizes[i] for i in ids), psi / lo.tp, head))
+        out.append(RankLoad(sum(sizes[i] for i in ids), psi / lo.tp, head, 0 in ids))
+    return out
+
+
+def zero1_busiest(sh: Shape, lo: Layout, load: RankLoad, cache: dict | None) -> float:
+    """Optimizer-state elements on the busiest data-parallel rank of a pipeline rank under torch's
+    ZeroRedundancyOptimizer, which assigns whole tensors (`plan.memory.zero1_loads`, the partition
+    `rank_model_states` books per rank). One large tensor (an embedding or head of V×h/t) can exceed
+    Ψ/N at large dp. Every layer has the same tensors, so the rank's layer count names them."""
+    key = ("zero1", load.layers, load.embedding, load.head, lo.tp, lo.dp * lo.cp)
+    if cache is not None and key in cache:
+        return cache[key]
+    tensors = rank_tensors(sh.config, lo.tp, range(load.layers), load.embedding, load.head)
+    out = max(zero1_loads([(math.prod(shape), decay) for shape, decay in tensors], lo.dp * lo.cp))
+    if cache is not None:
+        cache[key] = out
     return out
 
 
@@ -287,14 +332,21 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     logits = tokens_mb * sh.vocab / lo.tp * (2 + 4)  # 16-bit logits kept + fp32 softmax in the loss
     zero3_live = (2 * (2 + 4) * sh.layer_params / lo.tp) if lo.reshards_params else 0  # gathered layer + prefetch
     best = None
+    whole_tensors = lo.zero == 1 and stack.zero1_broadcast and lo.dp * lo.cp > 1  # ZeroRedundancyOptimizer
+    opt_elements = 0.0  # optimizer-state elements the busiest rank steps
     for load in loads:
         st = model_state_bytes(load.params, lo.zero, shard, stack.optimizer_state_bytes, stack.param_bytes,
                                stack.grad_bytes, params_sharded=lo.reshards_params)
+        owned = (zero1_busiest(sh, lo, load, cache) if whole_tensors
+                 else load.params / (shard if lo.zero >= 1 else 1))
+        opt_elements = max(opt_elements, owned)
         activations = act_layer * load.layers * in_flight + (full_layer if lo.recompute == "full" else 0.0)
         copies = 0.0 if not weight_copies else _memo(
             cache, ("copies", load.layers, load.head, lo.tp),
             lambda: autocast_weight_copy_bytes(m_cfg, load.layers, load.head, lo.tp))
-        mem = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": activations,
+        mem = {"params": st.params, "grads": st.grads,
+               "optimizer": stack.optimizer_state_bytes * owned if whole_tensors else st.optimizer,
+               "activations": activations,
                "other": (logits if load.head else 0.0) + zero3_live + copies + RUNTIME_RESERVE}
         mem["total"] = sum(mem.values())
         if best is None or mem["total"] > best["total"]:
@@ -320,19 +372,19 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     slowest = max(loads, key=lambda load: sum(micro_batch_times(load)))
     mb_compute, mb_tp, mb_cp = micro_batch_times(slowest)
     mb_total = mb_compute + mb_tp + mb_cp
+    mb_pp, pp_step = pipeline_comm_times(sh, hw, lo, stack, seq)
     bubble_share = {"gpipe": 1.0, "1f1b": 1.0, "interleaved-1f1b": 1 / v, "zero-bubble": 1 / 3, "dualpipev": 1 / 3}
-    bubble = (lo.pp - 1) * mb_total * bubble_share[lo.pp_schedule]
-    p2p_bytes = ACT_BYTES * tokens_mb * sh.d_model / lo.tp
-    pp_span = lo.tp * lo.cp * lo.dp  # stage neighbours are this many ranks apart in the mesh
-    pp_comm = (2 * v * n_micro * ring_time("all_gather", 2, 2 * p2p_bytes, link_bw(hw, pp_span + 1))
-               if lo.pp > 1 else 0.0)
+    bubble = (lo.pp - 1) * (mb_total + mb_pp) * bubble_share[lo.pp_schedule]
 
     psi = max(load.params for load in loads)
     dp_comm = data_parallel_time(hw, lo, stack, psi, n_micro, mb_total, slowest.layers, lt)
-    optimizer = stream_time(stack.optimizer_bytes * psi / (shard if lo.zero >= 1 else 1), hw)
+    optimizer = stream_time(stack.optimizer_bytes * opt_elements, hw)
+    held_grads = psi / shard if lo.zero >= 2 and lo.pp == 1 else psi  # reduce-scattered every micro-batch
+    grad_accum = (n_micro - 1) * stream_time(stack.grad_accum_bytes * held_grads, hw)
 
     time = {"compute": n_micro * mb_compute, "tp_comm": n_micro * mb_tp, "dp_comm": dp_comm, "pp_bubble": bubble,
-            "pp_comm": pp_comm, "cp_comm": n_micro * mb_cp, "optimizer": optimizer}
+            "pp_comm": n_micro * mb_pp + pp_step, "cp_comm": n_micro * mb_cp, "grad_accum": grad_accum,
+            "optimizer": optimizer}
     step = sum(time.values())
     tokens = global_batch * seq
     gpus = lo.world
@@ -343,6 +395,30 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
                     mfu=mfu(tokens / step, sh.model_flops_token["none"], peak, gpus),
                     hfu=mfu(tokens / step, sh.model_flops_token[lo.recompute], peak, gpus), usable_memory=usable,
                     reason="" if fits else f"needs {best['total'] / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable")
+
+
+def pipeline_comm_times(sh: Shape, hw: Hardware, lo: Layout, stack: Stack, seq: int) -> tuple[float, float]:
+    """(p2p time per micro-batch on a rank, per-step pipeline traffic). Per micro-batch each of the
+    rank's v chunks exchanges one activation forward and one gradient backward with its neighbours
+    (`plan.comm.pp_boundary_elements`); a scatter/gather stack then all-gathers each received
+    tensor over the tensor-parallel ranks. Per step, tied embeddings split across the pipeline
+    all-reduce the table's gradient between the first and last stage."""
+    if lo.pp == 1:
+        return 0.0, 0.0
+    v = lo.n_stages // lo.pp
+    sliced = lo.sequence_parallel or stack.pp_scatter_gather
+    seq_local = seq // lo.cp
+    send = ACT_BYTES * pp_boundary_elements(seq_local, lo.micro_batch, sh.d_model, lo.tp, sliced)
+    whole = ACT_BYTES * pp_boundary_elements(seq_local, lo.micro_batch, sh.d_model, 1)
+    pp_span = lo.tp * lo.cp * lo.dp  # stage neighbours are this many ranks apart in the mesh
+    exchange = ring_time("all_gather", 2, 2 * send, link_bw(hw, pp_span + 1))  # one send, latency + bytes/bw
+    if stack.pp_scatter_gather and not lo.sequence_parallel:
+        exchange += ring_time("all_gather", lo.tp, whole, link_bw(hw, lo.tp))
+    per_step = 0.0
+    if sh.config.tie_embeddings:
+        table = stack.grad_reduce_bytes * tied_embedding_elements(sh.vocab, sh.d_model, lo.tp)
+        per_step = ring_time("all_reduce", 2, table, link_bw(hw, pp_span * (lo.pp - 1) + 1))
+    return 2 * v * exchange, per_step
 
 
 def data_parallel_time(hw: Hardware, lo: Layout, stack: Stack, psi: float, n_micro: int,

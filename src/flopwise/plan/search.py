@@ -49,7 +49,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, fixed: dict):
+def candidates(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, fixed: dict,
+               balanced: bool = True):
     """Yield layouts (recompute left to the caller when not fixed) that pass `check_layout`."""
     m = sh.config
     tps = [fixed["tp"]] if "tp" in fixed else [t for t in _pow2_upto(min(hw.devices_per_node, m.n_heads))
@@ -75,7 +76,7 @@ def candidates(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int,
                 sps = [fixed["sequence_parallel"]] if "sequence_parallel" in fixed else [tp > 1]
                 zeros = [fixed["zero"]] if "zero" in fixed else ([0] if dp == 1 else [1, 2, 3])
                 reps = [fixed["dp_replicate"]] if "dp_replicate" in fixed else _replicas(dp, tp * cp, hw)
-                for sched, v in _schedules(pp, m.n_layers, fixed):
+                for sched, v in _schedules(pp, m.n_layers, fixed, balanced):
                     for zero in zeros:
                         for rep in reps:
                             if rep > 1 and zero == 0:
@@ -97,7 +98,9 @@ def _replicas(dp: int, inner: int, hw: Hardware) -> list[int]:
     return reps
 
 
-def _schedules(pp: int, n_layers: int, fixed: dict) -> list[tuple[str, int]]:
+def _schedules(pp: int, n_layers: int, fixed: dict, balanced: bool = True) -> list[tuple[str, int]]:
+    """(schedule, v) pairs. Even-split stacks (Megatron-LM) run v only where it divides the layers
+    per rank, so they are offered every such v; balanced stacks a fixed few."""
     if pp == 1:
         return [(fixed.get("pp_schedule", "1f1b"), fixed.get("virtual_stages", 1))]
     out = []
@@ -105,7 +108,8 @@ def _schedules(pp: int, n_layers: int, fixed: dict) -> list[tuple[str, int]]:
         if s in FIXED_VIRTUAL_STAGES:
             vs = [FIXED_VIRTUAL_STAGES[s]]
         elif s == "interleaved-1f1b":
-            vs = [v for v in (2, 3, 4, 6, 8) if pp * v <= n_layers]
+            vs = ([v for v in (2, 3, 4, 6, 8) if pp * v <= n_layers] if balanced
+                  else [v for v in _divisors(n_layers // pp) if v > 1 and n_layers % pp == 0])
         else:
             vs = [1]
         if "virtual_stages" in fixed:
@@ -123,7 +127,7 @@ def search(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, sta
     evaluated = 0
     recomputes = [fixed["recompute"]] if "recompute" in fixed else list(RECOMPUTE_ORDER)
     refused = None
-    for base in candidates(sh, hw, world, seq, global_batch, fixed):
+    for base in candidates(sh, hw, world, seq, global_batch, fixed, stack.balanced_stages):
         if (reason := check_layout(base, sh.config, seq, global_batch, engine=stack.name == "flopwise")) is not None:
             refused = reason
             continue
