@@ -125,9 +125,9 @@ def nanogpt_step(path: str, shape: dict, dtype: str) -> Callable[[torch.Tensor],
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     s = shape
-    model = mod.GPT(mod.GPTConfig(block_size=s["seq"], vocab_size=s["vocab_size"], n_layer=s["n_layers"],
-                                  n_head=s["n_heads"], n_embd=s["d_model"], dropout=0.0, bias=False))
     with contextlib.redirect_stdout(None):  # it prints its parameter counts
+        model = mod.GPT(mod.GPTConfig(block_size=s["seq"], vocab_size=s["vocab_size"], n_layer=s["n_layers"],
+                                      n_head=s["n_heads"], n_embd=s["d_model"], dropout=0.0, bias=False))
         opt = model.configure_optimizers(WD, LR, BETAS, "cpu")
 
     def loss_of(x, y):
@@ -150,9 +150,9 @@ def measure(args, shape: dict, dtype: str, fpt: float) -> dict:
     names = list(steps)
     for i in range(args.steps):
         for name in names[i % len(names):] + names[:i % len(names)]:
-            t0 = time.perf_counter()
+            t0 = args.clock()
             steps[name](batches[i % len(batches)])
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(args.clock() - t0)
     after = measure_matmul_peak(dtype, torch.device("cpu"), sizes=(1024, 2048), repeats=5)
     ceiling = (before + after) / 2
     tokens = shape["batch"] * shape["seq"]
@@ -174,16 +174,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--skip", type=int, default=5, help="first steps left out of the median (warm-up, compile)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: this process's CPU time (with --threads 1, robust to other load; not a speed)")
     ap.add_argument("--flopwise", nargs="*", default=[], help="config overrides for flopwise, key=value")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.clock = time.perf_counter if args.clock == "wall" else time.process_time
     args.peers = args.peers.split(",") + (["nanogpt"] if args.nanogpt else [])
     if args.threads:
         torch.set_num_threads(args.threads)
     shape = SHAPES[args.shape]
     fpt = flops_per_token(flopwise_config(shape, "fp32", args.flopwise).model, shape["seq"])
     result = {"shape": args.shape, **shape, "flops_per_token": fpt, "peers": args.peers, "flopwise_overrides": args.flopwise,
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+              "threads": torch.get_num_threads(), "clock": "wall" if args.clock is time.perf_counter else "cpu", "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
               "steps": args.steps, "median_over": f"steps {args.skip + 1}-{args.steps}", "rounds": []}
     for r in range(args.rounds):
         rnd = {}

@@ -188,3 +188,22 @@ def test_eval_and_generate_cli(tiny_data, tmp_path):
     cached = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     full = subprocess.run(args + ["--no-cache"], capture_output=True, text=True, check=True).stdout
     assert cached == full and cached.startswith("Alice")
+
+
+def test_compile_auto_compiles_long_runs_on_tested_layouts(tiny_data, tmp_path):
+    """train.compile=auto: long single-process or data-parallel runs compile, short runs and
+    tensor/pipeline/context-parallel layouts stay eager unless asked; the run's banner says which."""
+    from flopwise.parallel.apply import COMPILE_MIN_STEPS, compiles
+    from flopwise.plan.layout import Layout
+
+    def cfg(**kw):
+        return load_config(None, tiny_overrides(tmp_path, tiny_data, **kw))
+
+    long = cfg(**{"train.steps": COMPILE_MIN_STEPS})
+    assert compiles(long, Layout()) and compiles(long, Layout(dp=4, zero=3))
+    assert not compiles(long, Layout(tp=2)) and not compiles(long, Layout(pp=2))
+    assert not compiles(cfg(**{"train.steps": COMPILE_MIN_STEPS - 1}), Layout())
+    assert compiles(cfg(**{"train.compile": "true", "train.steps": 2}), Layout(tp=2))
+    assert not compiles(cfg(**{"train.compile": "false", "train.steps": 10 * COMPILE_MIN_STEPS}), Layout())
+    with pytest.raises(ConfigError, match="train.compile"):
+        cfg(**{"train.compile": '"sometimes"'})

@@ -162,7 +162,8 @@ class TrainConfig(Section):
                                     "default: the largest divisor of global_batch up to 16")
     dtype: Literal["bf16", "fp32"] = Field("bf16", description="bf16 autocast (fp32 master weights) or fp32")
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    compile: bool = False
+    compile: bool | Literal["auto"] = Field("auto", description="torch.compile each block and the loss; auto: "
+                                            "for runs of >= 1000 steps on one process or plain data parallel")
     eval_every: int = Field(100, ge=0, description="0 = only at the end")
     eval_batches: int = Field(8, ge=1)
     sample_tokens: int = Field(120, ge=0, description="tokens of sample text generated at the end")

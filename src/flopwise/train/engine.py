@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from flopwise.config import Config
 from flopwise.model.transformer import document_ids, document_positions
+from flopwise.parallel.apply import compiles
 from flopwise.parallel.context import ContextParallel
 from flopwise.parallel.mesh import Parallel, all_mean
 from flopwise.parallel.pipeline import V_SHAPED, build_schedule
@@ -58,6 +59,10 @@ class Engine:
         self.n_micro = self.local_batch // cfg.train.micro_batch
         self.cp = ContextParallel(par.rank("cp"), lo.cp, par.group("cp")) if lo.cp > 1 else None
         self.parts = [m for _, m in parts]
+        # Compiled, the loss never materialises the fp32 copy of the logits nor a separate
+        # log-softmax pass (at vocab 512 eager log_softmax forward + backward was 22% of a ladder
+        # step). Vocab-sharded DTensor logits (tensor parallel) keep the eager loss_parallel path.
+        self.loss = torch.compile(token_loss) if compiles(cfg, lo) and lo.tp == 1 else token_loss
         self.schedule = None
         self.first = self.last = True
         if lo.pp > 1:
@@ -80,7 +85,7 @@ class Engine:
         return loss_parallel() if self.par.size("tp") > 1 else contextlib.nullcontext()
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return token_loss(logits, targets)
+        return self.loss(logits, targets)
 
     def _inputs(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Inputs and targets (this rank's context shard), and the model's keyword inputs: document
@@ -112,7 +117,7 @@ class Engine:
                     sync = i + mb >= x.shape[0] or not isinstance(model, DistributedDataParallel)
                     with contextlib.nullcontext() if sync else model.no_sync():
                         logits = model(xm, **{k: v[i:i + mb] for k, v in extra.items()})
-                        loss = token_loss(logits, ym) * (xm.shape[0] / self.local_batch)
+                        loss = self.loss(logits, ym) * (xm.shape[0] / self.local_batch)
                         loss.backward()
                     local += _local(loss.detach())
         return all_mean(local, self.par)
@@ -138,7 +143,7 @@ class Engine:
             if self.schedule is not None:
                 local = self._pipeline(x, y, extra, train=False)
             else:
-                local = _local(token_loss(self.parts[0](x, **extra), y))
+                local = _local(self.loss(self.parts[0](x, **extra), y))
         for m in self.parts:
             m.train()
         return float(all_mean(local, self.par, "cp"))

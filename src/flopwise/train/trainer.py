@@ -38,6 +38,7 @@ from flopwise.eval.generate import generate
 from flopwise.eval.tasks import evaluate_task, load_task
 from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import cluster_hardware
+from flopwise.parallel.apply import compiles
 from flopwise.plan.layout import Layout
 from flopwise.train import checkpoint
 from flopwise.train.engine import Engine, autocast
@@ -297,7 +298,7 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
     n_params, lo = count_params(cfg.model), par.layout
     console.print(f"[bold]model[/] {n_params.total / 1e6:.2f}M params ({n_params.non_embedding / 1e6:.2f}M "
                   f"non-embedding), {loop.fpt / 1e6:.1f} MFLOP/token (model FLOPs, 6N + attention); "
-                  f"{par.device.type} {cfg.train.dtype}; MFU vs {loop.peak / 1e9:.0f} GFLOP/s ({loop.peak_source}"
+                  f"{par.device.type} {cfg.train.dtype}{' compiled' if compiles(cfg, lo) else ''}; MFU vs {loop.peak / 1e9:.0f} GFLOP/s ({loop.peak_source}"
                   f"{f' × {lo.world}' if lo.world > 1 else ''})")
     if lo.world > 1:
         console.print(f"[bold]layout[/] {lo.name()} on {lo.world} processes "
