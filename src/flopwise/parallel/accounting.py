@@ -2,17 +2,20 @@
 
 `model_state_bytes_on_rank`: bytes of parameters (as the rank computes with them, i.e. after
 forward: gathered under ZeRO ≤ 2, shards under ZeRO-3), gradients and optimizer state on this rank.
+`saved_activation_bytes`: the peak bytes of what autograd keeps for backward (not parameters).
 `CommCounter`: every collective and point-to-point op that passes through the dispatcher
 (c10d and functional collectives: DDP's reducer, FSDP2, DTensor, pipelining all do), with bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -34,6 +37,74 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
                if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
+class SavedPeak:
+    """Bytes of the storages autograd holds for backward now, and the most it held at once."""
+
+    def __init__(self):
+        self.live: dict[int, list[int]] = {}  # storage address -> [bytes, saved tensors using it]
+        self.now = 0
+        self.peak = 0
+
+    def hold(self, key: int, nbytes: int) -> None:
+        if key in self.live:
+            self.live[key][1] += 1
+            return
+        self.live[key] = [nbytes, 1]
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+
+    def drop(self, key: int) -> None:
+        entry = self.live[key]
+        entry[1] -= 1
+        if not entry[1]:
+            self.now -= entry[0]
+            del self.live[key]
+
+
+class _Held:
+    """Rides with a packed tensor; autograd frees it with the saved tensor (after the backward)."""
+
+    def __init__(self, peak: SavedPeak, key: int):
+        self.peak, self.key = peak, key
+
+    def __del__(self):
+        self.peak.drop(self.key)
+
+
+_VIEWS_AND_CASTS = {"TBackward0", "ViewBackward0", "TransposeBackward0", "UnsafeViewBackward0", "ToCopyBackward0",
+                    "PermuteBackward0", "ExpandBackward0", "SliceBackward0", "SplitBackward0"}
+
+
+def _is_state(t: torch.Tensor) -> bool:
+    """A leaf (parameter, buffer, input) or a view or dtype cast of one (autocast's bf16 weight)."""
+    fn = t.grad_fn
+    while fn is not None and fn.name() in _VIEWS_AND_CASTS:
+        fn = fn.next_functions[0][0]
+    return fn is None or fn.name() == "torch::autograd::AccumulateGrad"
+
+
+@contextlib.contextmanager
+def saved_activation_bytes() -> Iterator[SavedPeak]:
+    """Count, while inside, the activations autograd saves for backward: unique storages (a view
+    saved twice counts once) that are not parameters, buffers, inputs or casts of them; `.peak`
+    is the most held at once (one micro-batch with accumulation; the in-flight ones in a pipeline).
+    Regions that recompute (activation checkpointing) save through their own hooks and are not seen."""
+    peak = SavedPeak()
+
+    def pack(t: torch.Tensor):
+        local = t
+        while is_traceable_wrapper_subclass(local):  # DTensor, a collective's async result: the tensor inside
+            local = getattr(local, local.__tensor_flatten__()[0][0])
+        if _is_state(t) or local.device.type == "meta" or not local.untyped_storage().nbytes():
+            return t, None
+        storage = local.untyped_storage()
+        peak.hold(storage.data_ptr(), storage.nbytes())
+        return t, _Held(peak, storage.data_ptr())
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed[0]):
+        yield peak
+
+
 class CommCounter(TorchDispatchMode):
     """Counts collectives by kind: calls and elements of the full (unsharded) buffer each moves.
 
@@ -47,6 +118,12 @@ class CommCounter(TorchDispatchMode):
         self.calls: dict[str, int] = defaultdict(int)
         self.elements: dict[str, int] = defaultdict(int)
         self.sizes: dict[str, list[int]] = defaultdict(list)
+
+    def volumes(self) -> dict[str, int]:
+        """Elements moved by kind, leaving out single-element collectives (the loss, the gradient
+        norm, the non-finite flag: bookkeeping, not the model's traffic)."""
+        out = {k: sum(n for n in v if n > 1) for k, v in self.sizes.items()}
+        return {k: v for k, v in out.items() if v}
 
     def _kind(self, name: str) -> str | None:
         for k in self.KINDS:

@@ -95,6 +95,20 @@ def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_st
     return min(microbatches, pp)
 
 
+def rank_activation_bytes(m: ModelConfig, lo, seq: int, global_batch: int, layers: int, flash: bool = True,
+                          document_mask: bool = False) -> float:
+    """Saved activations a rank holding `layers` layers keeps at its peak: the micro-batches in
+    flight on a first pipeline stage × its layers × one layer's bytes, plus, under full recompute,
+    the one layer whose activations the backward rebuilds. `lo` is a plan.layout.Layout."""
+    keys = seq if document_mask else 0
+    args = (m, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel)
+    per_layer = activation_bytes_per_layer(*args, lo.recompute, flash=flash, mask_keys=keys)
+    in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, lo.microbatches(global_batch),
+                                       lo.virtual_stages if lo.pp > 1 else 1)
+    rebuilt = activation_bytes_per_layer(*args, "none", flash=flash, mask_keys=keys) if lo.recompute == "full" else 0.0
+    return per_layer * layers * in_flight + rebuilt
+
+
 # Tensor-parallel split of each parameter in this engine's Megatron plan (parallel/tensor.py):
 # column-parallel weights and biases split dim 0, row-parallel weights dim 1 (their biases and
 # every norm are replicated), the vocab-parallel embedding and head split the vocabulary.
@@ -130,15 +144,9 @@ def _zero1_owned(sizes: list[tuple[int, bool]], n: int, rank: int) -> int:
     return mine
 
 
-def rank_model_states(m: ModelConfig, lo, stage_layers: list[int], has_embedding: bool, has_head: bool,
-                      shard_rank: int = 0, dp_rank: int = 0, param_bytes: int = 4, grad_bytes: int = 4,
-                      k: int = 8) -> ModelStates:
-    """Exactly what one rank of this engine holds (fp32 master weights, fp32 gradients after the
-    backward, AdamW moments after the step), tensor by tensor: the rank's pipeline stages
-    (`stage_layers`: their layer indices), its tensor-parallel slice, and its data-parallel share:
-    DDP replicates; ZeRO-1 partitions whole tensors over the dp·cp ranks (`dp_rank` among them);
-    FSDP2 (zero 2/3) shards dim 0 over the dp_shard·cp ranks (`shard_rank`), at rest. `lo` is a
-    plan.layout.Layout."""
+def _rank_tensors(m: ModelConfig, lo, stage_layers: list[int], has_embedding: bool,
+                  has_head: bool) -> list[tuple[tuple[int, ...], bool]]:
+    """(tensor-parallel local shape, weight-decayed) of each parameter one rank holds."""
     from flopwise.flops import param_shapes
 
     layers = {f"layers.{i}." for i in stage_layers}
@@ -152,9 +160,26 @@ def rank_model_states(m: ModelConfig, lo, stage_layers: list[int], has_embedding
         else:
             keep = has_embedding
         if keep:
-            local = _tp_local(name, shape, lo.tp)
-            decay = len(shape) >= 2 and "embeddings" not in name
-            mine.append((local, decay))
+            mine.append((_tp_local(name, shape, lo.tp), len(shape) >= 2 and "embeddings" not in name))
+    return mine
+
+
+def rank_param_count(m: ModelConfig, lo, stage_layers: list[int], has_embedding: bool, has_head: bool) -> int:
+    """Parameters of one rank's stages, its tensor-parallel slice, before any ZeRO sharding (the
+    buffer its data-parallel collectives move)."""
+    return sum(math.prod(s) for s, _ in _rank_tensors(m, lo, stage_layers, has_embedding, has_head))
+
+
+def rank_model_states(m: ModelConfig, lo, stage_layers: list[int], has_embedding: bool, has_head: bool,
+                      shard_rank: int = 0, dp_rank: int = 0, param_bytes: int = 4, grad_bytes: int = 4,
+                      k: int = 8) -> ModelStates:
+    """Exactly what one rank of this engine holds (fp32 master weights, fp32 gradients after the
+    backward, AdamW moments after the step), tensor by tensor: the rank's pipeline stages
+    (`stage_layers`: their layer indices), its tensor-parallel slice, and its data-parallel share:
+    DDP replicates; ZeRO-1 partitions whole tensors over the dp·cp ranks (`dp_rank` among them);
+    FSDP2 (zero 2/3) shards dim 0 over the dp_shard·cp ranks (`shard_rank`), at rest. `lo` is a
+    plan.layout.Layout."""
+    mine = _rank_tensors(m, lo, stage_layers, has_embedding, has_head)
     whole = sum(math.prod(s) for s, _ in mine)
     n_shard = lo.dp_shard * lo.cp
     sharded = sum(_chunk_rows(s[0], n_shard, shard_rank) * math.prod(s[1:]) for s, _ in mine)

@@ -42,7 +42,7 @@ from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import Hardware
 from flopwise.plan.comm import dp_collectives, ring_time
 from flopwise.plan.layout import Layout, stage_ids, stage_sizes
-from flopwise.plan.memory import activation_bytes_per_layer, in_flight_microbatches, model_state_bytes
+from flopwise.plan.memory import model_state_bytes, rank_activation_bytes
 
 MEM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for streaming kernels (STREAM-like copies)
 LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth over the nominal per-direction link rate
@@ -264,12 +264,6 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
         if cache is not None:
             cache[loads_key] = loads
     shard = lo.dp_shard
-    in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, n_micro, v)
-    keys = seq if sh.document_mask else 0
-    act_layer = activation_bytes_per_layer(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel,
-                                           lo.recompute, flash=stack.flash_attention, mask_keys=keys)
-    full_layer = activation_bytes_per_layer(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel,
-                                            "none", flash=stack.flash_attention, mask_keys=keys)
     tokens_mb = lo.micro_batch * seq / lo.cp
     logits = tokens_mb * sh.vocab / lo.tp * (2 + 4)  # 16-bit logits kept + fp32 softmax in the loss
     zero3_live = (2 * (2 + 4) * sh.layer_params / lo.tp) if lo.reshards_params else 0  # gathered layer + prefetch
@@ -277,7 +271,8 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     for load in loads:
         st = model_state_bytes(load.params, lo.zero, shard, stack.optimizer_state_bytes, stack.param_bytes,
                                stack.grad_bytes, params_sharded=lo.reshards_params)
-        activations = act_layer * load.layers * in_flight + (full_layer if lo.recompute == "full" else 0.0)
+        activations = rank_activation_bytes(m_cfg, lo, seq, global_batch, load.layers, stack.flash_attention,
+                                            sh.document_mask)
         mem = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": activations,
                "other": (logits if load.head else 0.0) + zero3_live + RUNTIME_RESERVE}
         mem["total"] = sum(mem.values())
