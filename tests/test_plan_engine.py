@@ -30,7 +30,7 @@ FAMILIES = {
 LAYOUTS = {
     "dp4-zero0": {"parallel.zero": 0}, "dp4-zero1": {"parallel.zero": 1}, "dp4-zero2": {"parallel.zero": 2},
     "dp4-zero3": {"parallel.zero": 3}, "hsdp2x2": {"parallel.zero": 3, "parallel.dp_replicate": 2},
-    "tp2xdp2-zero3": {"parallel.tp": 2, "parallel.zero": 3},
+    "tp2xdp2-zero3": {"parallel.tp": 2, "parallel.zero": 3}, "tp2xdp2-zero0": {"parallel.tp": 2, "parallel.zero": 0},
     "tp2xpp2": {"parallel.tp": 2, "parallel.pp": 2},
     "cp2xdp2-zero2": {"parallel.cp": 2, "parallel.zero": 2}, "cp2xtp2-zero2": {"parallel.cp": 2, "parallel.tp": 2, "parallel.zero": 2},
     "pp2xdp2-zero1": {"parallel.pp": 2, "parallel.zero": 1},
