@@ -6,7 +6,7 @@ the engine's own counts (flopwise.train.measure), and the joint tests assert the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from flopwise.config import Config
 from flopwise.plan.comm import dp_collectives, pp_boundary_elements, tp_allreduce_elements
@@ -22,7 +22,7 @@ class RankPrediction:
     grads: float
     optimizer: float
     activations: float  # saved for backward, at the rank's peak (16-bit activations)
-    collectives: dict[str, float] = field(default_factory=dict)  # kind -> elements per step
+    collectives: dict[str, float]  # kind -> elements per step
 
 
 def rank_layers(cfg: Config, lo: Layout, pp_rank: int) -> tuple[list[int], bool, bool]:
