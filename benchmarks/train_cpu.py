@@ -3,7 +3,8 @@
     python benchmarks/train_cpu.py                                  # reference shape, fp32 + bf16, 3 rounds
     python benchmarks/train_cpu.py --nanogpt ~/src/nanoGPT/model.py # add nanoGPT's model (a local checkout)
     python benchmarks/train_cpu.py --shape holdout --peers flopwise # a scaling-ladder shape, flopwise alone
-    python benchmarks/train_cpu.py --flopwise train.compile=false   # flopwise with other settings
+    python benchmarks/train_cpu.py --flopwise train.compile=false   # flopwise eager (default: compiled, as a
+                                                                    # run of >= 1000 steps is)
 
 Peers, each with the same shape, batch, AdamW hyper-parameters, gradient clipping and fp32 loss:
 - flopwise: the trainer's own `train_step` (Engine, clip, fused AdamW) built from the `demo` config
@@ -64,7 +65,7 @@ def flopwise_config(shape: dict, dtype: str, overrides: list[str]) -> Config:
                                 f"train.micro_batch={s['batch']}", f'train.dtype="{dtype}"', f"optim.lr={LR}",
                                 f"optim.beta1={BETAS[0]}", f"optim.beta2={BETAS[1]}", f"optim.weight_decay={WD}",
                                 f"optim.grad_clip={CLIP}", "optim.warmup_steps=0", 'optim.schedule="constant"',
-                                *overrides])
+                                "train.steps=10000", *overrides])  # a real run's length: train.compile=auto decides as it would
 
 
 def flopwise_step(shape: dict, dtype: str, overrides: list[str]) -> Callable[[torch.Tensor], None]:

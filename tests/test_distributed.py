@@ -71,9 +71,11 @@ LAYOUTS = {
     4: {
         "hsdp2x2": {"parallel.zero": 3, "parallel.dp_replicate": 2},
         "tp2xdp2": {"parallel.tp": 2, "parallel.zero": 3, "parallel.sequence_parallel": "true"},
+        "tp2xdp2-zero0": {"parallel.tp": 2, "parallel.zero": 0},  # FSDP2's replicate, not DDP
         "cp2xdp2": {"parallel.cp": 2, "parallel.zero": 3},
     },
-    8: {"pp2xtp2xdp2": {"parallel.pp": 2, "parallel.tp": 2, "parallel.zero": 3}},
+    8: {"pp2xtp2xdp2": {"parallel.pp": 2, "parallel.tp": 2, "parallel.zero": 3},
+        "pp2xtp2xdp2-zero0": {"parallel.pp": 2, "parallel.tp": 2, "parallel.zero": 0}},
 }
 
 

@@ -27,7 +27,7 @@ def test_dp_defaults_to_what_is_left():
     ({"parallel.dp": 2, "parallel.tp": 2}, 8, r"pp=1 × dp=2 × cp=1 × tp=2 = 4 but the world size is 8"),
     ({"parallel.pp": 2, "model.tie_embeddings": "true"}, 2, "tie_embeddings"),
     ({"parallel.tp": 4}, 4, "exceeds model.n_kv_heads=2"),
-    ({"parallel.tp": 2, "parallel.zero": 0}, 4, "use parallel.zero=2 or 3"),
+    ({"parallel.tp": 2, "parallel.zero": 1}, 4, "use parallel.zero=0, 2 or 3"),
     ({"parallel.pp": 2, "parallel.pp_layers": "[1, 2]"}, 2, "pp_layers"),
 ])
 def test_unrunnable_layouts_get_one_line_errors(kw, world, match):

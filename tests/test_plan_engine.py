@@ -3,8 +3,13 @@
 Per rank, the bytes of parameters, gradients and optimizer state the engine holds equal what the
 planner books for that rank exactly (its own stage split, tensor-parallel slices and ZeRO shares,
 computed from the config alone), and a step's data-parallel collectives move exactly the planner's
-volumes. The reference is the engine, measured; the planner never sees it.
+volumes. The reference is the engine, measured (flopwise.train.measure, the code behind
+`flopwise plan --measure`); the planner (flopwise.plan.rank) never sees it.
 """
+
+import json
+import subprocess
+import sys
 
 import pytest
 
@@ -13,10 +18,8 @@ from flopwise.config import load_config
 from flopwise.flops import count_params
 from flopwise.hardware import get_hardware
 from flopwise.parallel.mesh import layout_of
-from flopwise.plan.comm import dp_collectives
-from flopwise.plan.layout import stage_ids, stage_sizes
-from flopwise.plan.memory import rank_model_states
 from flopwise.plan.perf import evaluate
+from flopwise.plan.rank import predict_rank
 from test_scale_true import torchrun
 
 pytestmark = pytest.mark.slow
@@ -30,7 +33,7 @@ FAMILIES = {
 LAYOUTS = {
     "dp4-zero0": {"parallel.zero": 0}, "dp4-zero1": {"parallel.zero": 1}, "dp4-zero2": {"parallel.zero": 2},
     "dp4-zero3": {"parallel.zero": 3}, "hsdp2x2": {"parallel.zero": 3, "parallel.dp_replicate": 2},
-    "tp2xdp2-zero3": {"parallel.tp": 2, "parallel.zero": 3},
+    "tp2xdp2-zero3": {"parallel.tp": 2, "parallel.zero": 3}, "tp2xdp2-zero0": {"parallel.tp": 2, "parallel.zero": 0},
     "tp2xpp2": {"parallel.tp": 2, "parallel.pp": 2},
     "cp2xdp2-zero2": {"parallel.cp": 2, "parallel.zero": 2}, "cp2xtp2-zero2": {"parallel.cp": 2, "parallel.tp": 2, "parallel.zero": 2},
     "pp2xdp2-zero1": {"parallel.pp": 2, "parallel.zero": 1},
@@ -62,14 +65,9 @@ def measured(tiny_data, tmp_path_factory) -> dict:
 def test_rank_model_states_equal_the_engines_bytes(family, layout, measured, tiny_data):
     cfg = load_config(None, _overrides(measured["_tmp"], tiny_data, family, layout))
     lo = layout_of(cfg, 4)
-    sizes = stage_sizes(cfg.model, lo, pp_layers=cfg.parallel.pp_layers)
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
     for r in measured[f"{family}-{layout}"]["ranks"]:
-        ids = stage_ids(r["pp_rank"], lo)
-        layers = sorted(i for s in ids for i in range(starts[s], starts[s] + sizes[s]))
-        assert layers == r["layers"]
-        want = rank_model_states(cfg.model, lo, layers, 0 in ids, lo.n_stages - 1 in ids,
-                                 shard_rank=r["shard_rank"], dp_rank=r["dp_rank"])
+        want = predict_rank(cfg, lo, r["pp_rank"], r["shard_rank"], r["dp_rank"])
+        assert want.layers == r["layers"]
         assert (r["params"], r["grads"], r["optimizer"]) == (want.params, want.grads, want.optimizer), r
     if lo.zero == 1:
         # The step model books the busiest dp rank's whole-tensor ZeRO-1 share (not Ψ/N): the largest
@@ -87,14 +85,28 @@ def test_rank_model_states_equal_the_engines_bytes(family, layout, measured, tin
 @pytest.mark.parametrize("zero", range(4))
 def test_step_collectives_equal_the_planners_volumes(zero, measured, tiny_data):
     """dp4, two micro-batches per rank: the elements each kind of collective moves in one step
-    equal plan.comm.dp_collectives for this engine (FSDP2 re-gathers for every micro-batch; torch's
-    ZeRO-1 broadcasts the stepped parameters)."""
-    r = measured[f"comm-zero{zero}"]
-    cfg = load_config(None, tiny_overrides("/tmp", tiny_data))
-    psi, n_micro = count_params(cfg.model).total, 2
-    want: dict[str, float] = {}
-    for c in dp_collectives(psi, zero, zero1_broadcast=True, gather_per_micro=True):
-        kind = "broadcast" if (zero == 1 and c.kind == "all_gather") else c.kind
-        want[kind] = want.get(kind, 0) + c.elements * (n_micro if c.when == "micro" else 1)
-    got = {k: sum(n for n in v if n > 1) for k, v in r["sizes"].items()}  # not the loss/norm/flag scalars
-    assert {k: v for k, v in got.items() if v} == want
+    equal the planner's for this engine (plan.comm.dp_collectives: FSDP2 re-gathers for every
+    micro-batch; torch's ZeRO-1 broadcasts the stepped parameters)."""
+    cfg = load_config(None, tiny_overrides(measured["_tmp"], tiny_data, **{
+        "parallel.zero": zero, "train.micro_batch": 1, "train.global_batch": 8}))
+    want = predict_rank(cfg, layout_of(cfg, 4), 0, 0, 0).collectives
+    assert measured[f"comm-zero{zero}"]["volumes"] == want
+
+
+def test_plan_measure_command_prints_the_engines_bytes_beside_the_planners(tiny_data, tmp_path):
+    """`flopwise plan --measure` on dp2 ZeRO-3: per rank the planner's parameter, gradient and
+    optimizer bytes and collective volumes equal what the two torchrun ranks measured."""
+    args = tiny_overrides(tmp_path / "run", tiny_data, **{"parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 2})
+    r = subprocess.run([sys.executable, "-m", "flopwise", "plan", *args, "--measure", "--steps", "2", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    assert report["world"] == 2 and len(report["ranks"]) == 2 and report["layout"] == "dp2 zero3"
+    for rank in report["ranks"]:
+        assert rank["layers"]["predicted"] == rank["layers"]["measured"] == [0, 1]
+        for q in ("params", "grads", "optimizer"):
+            assert rank[q]["predicted"] == rank[q]["measured"] > 0, (q, rank)
+        assert rank["activations"]["measured"] > 0
+        assert {k: v["measured"] for k, v in rank["collectives"].items()} == \
+               {k: v["predicted"] for k, v in rank["collectives"].items()}
+        assert set(rank["collectives"]) == {"all_gather", "reduce_scatter"}

@@ -511,12 +511,27 @@ def plan_cmd(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     out_config: Optional[Path] = typer.Option(None, "--out-config", help="write a training TOML of the best layout"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="memory-breakdown bar chart (PNG) of the top layouts"),
+    measure: bool = typer.Option(False, "--measure", help="run the config's own layout (parallel.*) for a few steps "
+                                 "under torchrun here and print predicted vs measured per rank (no search)"),
+    steps: int = typer.Option(3, "--steps", help="steps to run with --measure (the last is measured; DDP syncs its "
+                              "bucket order once, in the second)"),
+    nproc: Optional[int] = typer.Option(None, "--nproc", help="processes for --measure (default: the product of "
+                                        "the parallel degrees)"),
 ) -> None:
     """Predict memory, step time, MFU, days and GPU-hours of every layout; rank them."""
     from flopwise.config import load_tree, split_cli_args, to_toml, validate
     from flopwise.plan.planner import layout_config, plan
 
     path, overrides = split_cli_args(args)
+    if measure:
+        from flopwise.train.measure import measure as run_measure
+
+        measured = run_measure(path, overrides, nproc, steps)
+        if as_json:
+            typer.echo(json.dumps(measured, indent=1))
+        else:
+            _print_measured(measured)
+        return
     tree = load_tree(path, overrides)
     report = plan(validate(tree), tree)
     best = report.best
@@ -569,6 +584,28 @@ def _print_plan(report, top: int) -> None:
         console.print(f"data {d.name}: {_human(d.unique_tokens)} unique tokens, {d.share:.0%} of the run = "
                       f"{d.epochs:.2f} epochs, {_human(d.effective_tokens)} effective{warn}")
     console.print(f"[dim]stack: {cfg.plan.stack}; memory keeps a {0.1:.0%} fit margin and a 1 GiB runtime reserve[/]")
+
+
+def _print_measured(r: dict) -> None:
+    """Per rank, predicted beside measured: model-state and activation bytes, collective elements per step."""
+    table = Table(title=f"{r['layout']} on {r['world']} local processes: planner vs engine "
+                        f"(last of {r['steps']} steps, {r['dtype']})")
+    for col in ("rank", "quantity", "predicted", "measured", "measured/predicted"):
+        table.add_column(col, justify="left" if col == "quantity" else "right")
+    for rank in r["ranks"]:
+        rows = [(f"{q} bytes", rank[q]) for q in ("params", "grads", "optimizer", "activations")]
+        rows += [(f"{k} elements", v) for k, v in rank["collectives"].items()]
+        for i, (name, v) in enumerate(rows):
+            ratio = f"{v['measured'] / v['predicted']:.3f}" if v["predicted"] else "–"
+            table.add_row(str(rank["rank"]) if i == 0 else "", name, f"{v['predicted']:,.0f}", f"{v['measured']:,}",
+                          ratio, end_section=i == len(rows) - 1)
+        if rank["layers"]["predicted"] != rank["layers"]["measured"]:
+            console.print(f"[red]rank {rank['rank']}: planner's layers {rank['layers']['predicted']}, engine's "
+                          f"{rank['layers']['measured']}[/]")
+    console.print(table)
+    console.print("[dim]params at rest, grads as the optimizer steps, optimizer: AdamW moments; activations: peak "
+                  "saved for backward (planner: 16-bit activations, flash attention); collectives: elements per "
+                  "step by kind, single-element ones (loss, norm, flags) left out[/]")
 
 
 @app.command("audit")

@@ -44,7 +44,8 @@ def memory(overrides: list[str]) -> dict:
 
 
 def comm(overrides: list[str]) -> dict:
-    """Collectives of one training step (forward, backward, clip, optimizer step) on rank 0."""
+    """Collectives of one training step (forward, backward, clip, optimizer step) on rank 0: each
+    call's elements by kind, and the volumes by kind `flopwise plan --measure` reports."""
     from flopwise.parallel.accounting import CommCounter
 
     cfg, par, engine, opt, loader = _setup(overrides)
@@ -53,7 +54,8 @@ def comm(overrides: list[str]) -> dict:
         engine.forward_backward(batch)
         engine.clip_grad_norm(1.0)
         opt.step()
-    return {"calls": dict(c.calls), "elements": dict(c.elements), "sizes": {k: v for k, v in c.sizes.items()}}
+    return {"calls": dict(c.calls), "elements": dict(c.elements), "sizes": {k: v for k, v in c.sizes.items()},
+            "volumes": c.volumes()}
 
 
 def reshard(overrides: list[str]) -> dict:
@@ -178,25 +180,13 @@ def build_memory(overrides: list[str]) -> dict:
 
 
 def states(overrides: list[str]) -> dict:
-    """What each rank holds: its mesh coordinates, the layers of its stages, and the bytes of its
-    parameters at rest (after the build), gradients (after one backward) and AdamW moments (after
-    the step)."""
-    from flopwise.parallel import accounting as acc
-    from flopwise.parallel.data import local_optimizer
+    """What each rank holds after one training step (flopwise.train.measure): its mesh
+    coordinates, the layers of its stages, and the bytes of its parameters at rest, gradients and
+    AdamW moments."""
+    from flopwise.build import build_run
+    from flopwise.train.measure import gather, measure_rank
 
-    cfg, par, engine, opt, loader = _setup(overrides)
-    plain = [getattr(m, "module", m) for m in engine.parts]
-    mine = {"pp_rank": par.rank("pp"), "shard_rank": par.rank("shard"), "dp_rank": par.rank("dp_cp"),
-            "layers": sorted(int(k) for m in plain for k in m.layers.keys()),
-            "embedding": any(m.tok_embeddings is not None for m in plain),
-            "head": any(m.output is not None for m in plain), "params": acc.param_bytes(engine.parts)}
-    engine.forward_backward(loader.next_batch())
-    mine["grads"] = acc.grad_bytes(engine.parts)
-    opt.step()
-    mine["optimizer"] = acc.optimizer_bytes(local_optimizer(opt))
-    per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, mine)
-    return {"ranks": per_rank}
+    return {"ranks": gather(measure_rank(build_run(load_config(None, overrides), Console(quiet=True)), 1))}
 
 
 def activations(overrides: list[str]) -> dict:

@@ -60,8 +60,20 @@ def _from_parameter(t: torch.Tensor, params: set[int]) -> bool:
     return type(node).__name__ == "AccumulateGrad" and _storage(node.variable).data_ptr() in params
 
 
+class _Held:
+    """Rides with a packed tensor; autograd drops it with the saved tensor (after its backward)."""
+
+    def __init__(self, owner: "SavedBytes", ptr: int):
+        self.owner, self.ptr = owner, ptr
+
+    def __del__(self):
+        self.owner._release(self.ptr)
+
+
 class SavedBytes(saved_tensors_hooks):
-    """Bytes of the distinct storages autograd saves for backward while active, per micro-batch.
+    """Bytes of the distinct storages autograd keeps for backward while active: `bytes` is the most
+    held at once (one forward: all of it; a step with accumulation or a pipeline schedule: the
+    micro-batches in flight), `total` all that were ever saved.
 
     Storages are counted once however many saved tensors view them. Parameters (the module's own,
     or FSDP2's gathered ones) cost nothing here: the optimizer holds them anyway. Copies of
@@ -76,29 +88,43 @@ class SavedBytes(saved_tensors_hooks):
 
     def __init__(self, *modules: nn.Module):
         self.modules = modules
-        self.bytes = 0
-        self.weight_copies = 0
+        self.bytes = self.total = self.weight_copies = 0
         self.saved: list[tuple[tuple[int, ...], torch.dtype, int, str]] = []
-        self._seen: set[int] = set()
-        super().__init__(self._pack, lambda t: t)
+        self._live: dict[int, list[int]] = {}  # storage address -> [bytes, saved tensors holding it]
+        self._now = 0
+        self._copies: set[int] = set()
+        super().__init__(self._pack, lambda packed: packed[0])
 
     def __enter__(self) -> "SavedBytes":
         super().__enter__()
         return self
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, _Held | None]:
         st = _storage(t)
         ptr = st.data_ptr()
         params = {_storage(p).data_ptr() for m in self.modules for p in m.parameters()}
-        if ptr in self._seen or ptr in params or st.nbytes() == 0:
-            return t
-        self._seen.add(ptr)
+        if ptr in params or st.nbytes() == 0 or st.device.type == "meta" or ptr in self._copies:
+            return t, None
+        if ptr in self._live:
+            self._live[ptr][1] += 1
+            return t, _Held(self, ptr)
         if _from_parameter(t, params):
+            self._copies.add(ptr)
             self.weight_copies += st.nbytes()
-        else:
-            self.bytes += st.nbytes()
-            self.saved.append((tuple(t.shape), t.dtype, st.nbytes(), type(t.grad_fn).__name__))
-        return t
+            return t, None
+        self._live[ptr] = [st.nbytes(), 1]
+        self._now += st.nbytes()
+        self.total += st.nbytes()
+        self.bytes = max(self.bytes, self._now)
+        self.saved.append((tuple(t.shape), t.dtype, st.nbytes(), type(t.grad_fn).__name__))
+        return t, _Held(self, ptr)
+
+    def _release(self, ptr: int) -> None:
+        entry = self._live[ptr]
+        entry[1] -= 1
+        if not entry[1]:
+            self._now -= entry[0]
+            del self._live[ptr]
 
 
 class CommCounter(TorchDispatchMode):
@@ -114,6 +140,12 @@ class CommCounter(TorchDispatchMode):
         self.calls: dict[str, int] = defaultdict(int)
         self.elements: dict[str, int] = defaultdict(int)
         self.sizes: dict[str, list[int]] = defaultdict(list)
+
+    def volumes(self) -> dict[str, int]:
+        """Elements moved by kind, leaving out single-element collectives (the loss, the gradient
+        norm, the non-finite flag: bookkeeping, not the model's traffic)."""
+        out = {k: sum(n for n in v if n > 1) for k, v in self.sizes.items()}
+        return {k: v for k, v in out.items() if v}
 
     def _kind(self, name: str) -> str | None:
         for k in self.KINDS:

@@ -15,7 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from flopwise.config import Config
 from flopwise.model.transformer import Transformer, materialise
 from flopwise.parallel.context import ContextParallel
-from flopwise.parallel.data import apply_ddp, apply_fsdp, uses_ddp
+from flopwise.parallel.data import apply_ddp, apply_fsdp, apply_replicate, uses_ddp, uses_replicate
 from flopwise.parallel.mesh import Parallel
 from flopwise.plan.layout import Layout
 from flopwise.parallel.tensor import apply_tp, keep_embedding_grad_sharded
@@ -65,7 +65,9 @@ def parallelize(model: Transformer, cfg: Config, par: Parallel) -> nn.Module:
     fsdp = par.distributed and par.layout.zero >= 2
     if fsdp:
         apply_fsdp(model, par, cfg.train.dtype)
+    elif uses_replicate(par):
+        apply_replicate(model, par, cfg.train.dtype)
     materialise(model, par.device, cfg.run.seed)
-    if par.size("tp") > 1 and not fsdp:
+    if par.size("tp") > 1 and not fsdp and not uses_replicate(par):
         keep_embedding_grad_sharded(model)
     return apply_ddp(model, par) if uses_ddp(par) else model

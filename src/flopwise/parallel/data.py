@@ -1,6 +1,8 @@
 """Data parallelism by ZeRO stage, each from torch.distributed's own components.
 
-  zero 0  DDP: parameters, gradients, optimizer state replicated; gradients all-reduced.
+  zero 0  DDP: parameters, gradients, optimizer state replicated; gradients all-reduced. With
+          tensor parallel, FSDP2's replicate (torch.distributed._composable.replicate_with_fsdp)
+          instead: DDP does not take DTensor parameters, FSDP2's machinery does.
   zero 1  DDP + ZeroRedundancyOptimizer: optimizer state sharded over the data-parallel ranks.
   zero 2  FSDP2 fully_shard(reshard_after_forward=False): gradients reduce-scattered into shards,
           optimizer state sharded; parameters gathered once per forward and kept through backward.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
@@ -29,13 +32,28 @@ def apply_fsdp(model: Transformer, par: Parallel, dtype: str) -> nn.Module:
     micro-batches (resharding per micro-batch would re-gather)."""
     lo = par.layout
     mesh = par.mesh["dp_replicate", "shard"] if lo.dp_replicate > 1 else par.mesh["shard"]
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" else None
-    kw = {"mesh": mesh, "reshard_after_forward": lo.reshards_params}
-    if mp is not None:
-        kw["mp_policy"] = mp
+    kw = {"mesh": mesh, "reshard_after_forward": lo.reshards_params, **_mixed_precision(dtype)}
     for block in model.layers.values():
         fully_shard(block, **kw)
     fully_shard(model, **kw)
+    return model
+
+
+def _mixed_precision(dtype: str) -> dict:
+    """bf16 compute with fp32 gradient reduction and master weights (FSDP2's policy), or nothing."""
+    if dtype != "bf16":
+        return {}
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+
+
+def apply_replicate(model: Transformer, par: Parallel, dtype: str) -> nn.Module:
+    """ZeRO-0 for tensor-parallel (DTensor) parameters: FSDP2's replicate over the dp·cp ranks,
+    block by block then the root, on the meta-device model. Gradients are all-reduced once per
+    step (the engine turns the sync off for all but the last micro-batch), as DDP does."""
+    kw = {"mesh": par.mesh["dp_cp"], **_mixed_precision(dtype)}
+    for block in model.layers.values():
+        replicate(block, **kw)
+    replicate(model, **kw)
     return model
 
 
@@ -46,8 +64,13 @@ def apply_ddp(model: nn.Module, par: Parallel) -> nn.Module:
 
 
 def uses_ddp(par: Parallel) -> bool:
-    """ZeRO 0/1 with more than one rank holding the same weights: gradients all-reduced by DDP."""
-    return par.distributed and par.layout.zero < 2 and par.size("dp_cp") > 1
+    """ZeRO 0/1 with more than one rank holding the same weights: gradients all-reduced by DDP
+    (by FSDP2's replicate under tensor parallel: `uses_replicate`)."""
+    return par.distributed and par.layout.zero < 2 and par.size("dp_cp") > 1 and par.size("tp") == 1
+
+
+def uses_replicate(par: Parallel) -> bool:
+    return par.distributed and par.layout.zero == 0 and par.size("dp_cp") > 1 and par.size("tp") > 1
 
 
 def zero1_group(par: Parallel):

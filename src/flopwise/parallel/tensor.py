@@ -79,7 +79,8 @@ def keep_embedding_grad_sharded(model: Transformer) -> None:
     """DTensor's embedding backward returns the vocab-parallel table's gradient replicated (the
     whole vocab × d on every tp rank); slice it back to the parameter's shard as it arrives.
     Registered on the materialised parameter (a hook on the meta one would not survive to_empty);
-    FSDP2 reduce-scatters that gradient itself, so this is for tensor parallel without FSDP."""
+    FSDP2 (and its replicate, ZeRO-0 under tp) reduces that gradient into the parameter's layout
+    itself, so this is for tensor parallel without data parallel."""
     weight = model.tok_embeddings.weight if model.tok_embeddings is not None else None
     if isinstance(weight, DTensor):
         weight.register_post_accumulate_grad_hook(_to_param_placement)

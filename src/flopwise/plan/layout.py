@@ -182,7 +182,24 @@ def check_layout(layout: Layout, m: ModelConfig, seq_len: int, global_batch: int
 
 
 def engine_limits(lo: Layout, m: ModelConfig, pp_layers: tuple[int, ...] | list[int] | None = None) -> str | None:
-    """Layouts valid in general that flopwise's engine does not run, each with the fix."""
+    """Layouts valid in general that flopwise's engine does not run, each with the fix.
+
+    ZeRO-1 with tensor parallel (Megatron's and Llama 3's layout) is refused because torch 2.13
+    has no component that runs it (checked 2026-12-04, 4 gloo ranks, tp2 × dp2):
+    - ZeroRedundancyOptimizer over the DTensor parameters (gradients all-reduced by FSDP2's
+      replicate, which takes them) fails in its first step: `_sync_params` ->
+      `_broadcast_params_from_rank` calls dist.broadcast on each DTensor
+      (torch/distributed/optim/zero_redundancy_optimizer.py:803), and DTensor has no rule for it:
+      "NotImplementedError: Operator c10d.broadcast_.default does not have a sharding strategy
+      registered".
+    - DDP(device_mesh=<the dp sub-mesh>), torch's "temporary work around to enable DDP + TP"
+      (torch/nn/parallel/distributed.py:874 -> torch/distributed/tensor/parallel/ddp.py), swaps
+      the DTensor parameters for local ones, but its forward pre-hook `_reconstruct_dtensor`
+      sets plain DTensor attributes, so after the first forward the module has no registered
+      parameters: `_localize_dtensor` then finds none, gradient clipping sees no gradients (norm
+      0: the third step's loss leaves one process's, 6.18398 vs 6.18408) and DCP's
+      get_model_state_dict raises "model state_dict is empty" at the first checkpoint.
+    ZeRO-0 with tensor parallel runs on FSDP2's replicate (parallel/data.py)."""
     if lo.pp > 1 and m.tie_embeddings:
         return ("model.tie_embeddings=true puts the embedding and the head on different pipeline stages; "
                 "set model.tie_embeddings=false or parallel.pp=1")
@@ -199,7 +216,7 @@ def engine_limits(lo: Layout, m: ModelConfig, pp_layers: tuple[int, ...] | list[
                 "does not replicate them; use parallel.tp <= n_kv_heads")
     if lo.tp > 1 and lo.sequence_parallel and m.pos == "learned":
         return "parallel.sequence_parallel with model.pos=learned is not supported; set sequence_parallel=false"
-    if lo.tp > 1 and lo.zero < 2 and lo.dp * lo.cp > 1:
-        return (f"parallel.zero={lo.zero} with parallel.tp={lo.tp}: DDP does not take tensor-parallel (DTensor) "
-                "parameters; use parallel.zero=2 or 3")
+    if lo.tp > 1 and lo.zero == 1 and lo.dp * lo.cp > 1:
+        return (f"parallel.zero=1 with parallel.tp={lo.tp}: torch's ZeroRedundancyOptimizer cannot broadcast "
+                "tensor-parallel (DTensor) parameters; use parallel.zero=0, 2 or 3")
     return None

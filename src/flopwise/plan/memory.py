@@ -179,6 +179,21 @@ def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_st
     return min(microbatches, pp)
 
 
+def rank_activation_bytes(m: ModelConfig, lo, seq: int, global_batch: int, layers: int, flash: bool = True,
+                          document_mask: bool = False, precision: SavedPrecision = KORTHIKANTI) -> float:
+    """Saved activations a rank holding `layers` layers keeps at its peak: the micro-batches in
+    flight on a first pipeline stage × its layers × one layer's bytes, plus, under full recompute,
+    the one layer whose activations the backward rebuilds. `lo` is a plan.layout.Layout."""
+    keys = seq if document_mask else 0
+    args = (m, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel)
+    kw = dict(flash=flash, mask_keys=keys, precision=precision, cp=lo.cp)
+    per_layer = activation_bytes_per_layer(*args, lo.recompute, **kw)
+    in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, lo.microbatches(global_batch),
+                                       lo.virtual_stages if lo.pp > 1 else 1)
+    rebuilt = activation_bytes_per_layer(*args, "none", **kw) if lo.recompute == "full" else 0.0
+    return per_layer * layers * in_flight + rebuilt
+
+
 # Tensor-parallel split of each parameter in this engine's Megatron plan (parallel/tensor.py):
 # column-parallel weights and biases split dim 0, row-parallel weights dim 1 (their biases and
 # every norm are replicated), the vocab-parallel embedding and head split the vocabulary.
@@ -253,6 +268,12 @@ def rank_tensors(m: ModelConfig, tp: int, stage_layers, has_embedding: bool,
         if keep:
             mine.append((_tp_local(name, shape, tp), len(shape) >= 2 and "embeddings" not in name))
     return mine
+
+
+def rank_param_count(m: ModelConfig, lo, stage_layers: list[int], has_embedding: bool, has_head: bool) -> int:
+    """Parameters of one rank's stages, its tensor-parallel slice, before any ZeRO sharding (the
+    buffer its data-parallel collectives move)."""
+    return sum(math.prod(s) for s, _ in rank_tensors(m, lo.tp, stage_layers, has_embedding, has_head))
 
 
 def rank_model_states(m: ModelConfig, lo, stage_layers: list[int], has_embedding: bool, has_head: bool,

@@ -60,8 +60,8 @@ from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import Hardware
 from flopwise.plan.comm import dp_collectives, pp_boundary_elements, ring_time, tied_embedding_elements
 from flopwise.plan.layout import Layout, stage_ids, stage_sizes
-from flopwise.plan.memory import (KORTHIKANTI, activation_bytes_per_layer, autocast_weight_copy_bytes, engine_precision,
-                                  in_flight_microbatches, model_state_bytes, rank_tensors, zero1_loads)
+from flopwise.plan.memory import (KORTHIKANTI, autocast_weight_copy_bytes, engine_precision, model_state_bytes,
+                                  rank_activation_bytes, rank_tensors, zero1_loads)
 
 MEM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for streaming kernels (STREAM-like copies)
 LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth over the nominal per-direction link rate
@@ -317,16 +317,8 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     loads = _memo(cache, ("loads", lo.pp, lo.pp_schedule, lo.virtual_stages, lo.tp),  # ranks alike count once
                   lambda: list(dict.fromkeys(rank_loads(sh, lo, stack.balanced_stages))))
     shard = lo.dp_shard
-    in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, n_micro, v)
-    keys = seq if sh.document_mask else 0
     fsdp = lo.zero >= 2 and lo.world > 1  # the engine's FSDP2, with bf16 param_dtype
     precision = engine_precision("bf16", fsdp) if stack.engine_activations else KORTHIKANTI
-    act_layer = activation_bytes_per_layer(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel,
-                                           lo.recompute, flash=stack.flash_attention, mask_keys=keys,
-                                           precision=precision, cp=lo.cp)
-    full_layer = activation_bytes_per_layer(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel,
-                                            "none", flash=stack.flash_attention, mask_keys=keys, precision=precision,
-                                            cp=lo.cp)
     weight_copies = stack.engine_activations and not fsdp  # autocast's bf16 weights (FSDP2 computes with bf16 params)
     tokens_mb = lo.micro_batch * seq / lo.cp
     logits = tokens_mb * sh.vocab / lo.tp * (2 + 4)  # 16-bit logits kept + fp32 softmax in the loss
@@ -340,7 +332,8 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
         owned = (zero1_busiest(sh, lo, load, cache) if whole_tensors
                  else load.params / (shard if lo.zero >= 1 else 1))
         opt_elements = max(opt_elements, owned)
-        activations = act_layer * load.layers * in_flight + (full_layer if lo.recompute == "full" else 0.0)
+        activations = rank_activation_bytes(m_cfg, lo, seq, global_batch, load.layers, stack.flash_attention,
+                                            sh.document_mask, precision)
         copies = 0.0 if not weight_copies else _memo(
             cache, ("copies", load.layers, load.head, lo.tp),
             lambda: autocast_weight_copy_bytes(m_cfg, load.layers, load.head, lo.tp))

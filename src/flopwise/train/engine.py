@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
@@ -114,7 +115,10 @@ class Engine:
                 mb = self.cfg.train.micro_batch
                 for i in range(0, x.shape[0], mb):
                     xm, ym = x[i:i + mb], y[i:i + mb]
-                    sync = i + mb >= x.shape[0] or not isinstance(model, DistributedDataParallel)
+                    last = i + mb >= x.shape[0]
+                    if isinstance(model, ReplicateModule):  # all-reduce once per step, as DDP
+                        model.set_requires_gradient_sync(last)
+                    sync = last or not isinstance(model, DistributedDataParallel)
                     with contextlib.nullcontext() if sync else model.no_sync():
                         logits = model(xm, **{k: v[i:i + mb] for k, v in extra.items()})
                         loss = self.loss(logits, ym) * (xm.shape[0] / self.local_batch)

@@ -1,0 +1,65 @@
+"""Train two runs of the CPU scaling ladder exactly as `flopwise scale sweep` configures them and
+report their throughput and final validation loss, to compare code versions on the same machine.
+
+    python benchmarks/ladder_speed.py --out benchmarks/results/ladder_speed.json
+    PYTHONPATH=/path/to/old/checkout/src python benchmarks/ladder_speed.py --out old.json   # before
+
+The runs: the ladder's smallest (C1e12-N0.053M, from the sweep in benchmarks/scaling_ladder.py)
+and its held-out run (C2e13-N0.332M, from the fitted law). Their recorded losses are in
+benchmarks/scaling/ladder/runs.csv and outcome.json; a faster engine must reproduce them within
+run-to-run noise. Tokens/s is the median of the logged steps after the first tenth of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from flopwise.config import load_config
+from flopwise.train.sweep import final_val_loss, plan_ladder, run_ladder
+
+BASE = ['data.tokenizer="bpe:512"', "model.vocab_size=512", "data.seq_len=128", "model.max_seq_len=128",
+        "train.global_batch=16", "train.micro_batch=16", "train.eval_batches=32"]
+LAW = "benchmarks/scaling/ladder/law.json"
+
+
+def ladder_runs(out: Path) -> tuple:
+    base = load_config("demo", BASE)
+    smallest = min(plan_ladder(base, [1e12], 5, 8.0, "chinchilla-1", out), key=lambda r: r.params)
+    holdout = plan_ladder(base, [2e13], 1, 1.0, f"fitted:{LAW}", out)[0]
+    return base, [smallest, holdout]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", default="runs/ladder-speed", help="where the runs train (removed first)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    out = Path(args.runs)
+    if out.exists():
+        raise SystemExit(f"{out} exists; remove it so nothing resumes")
+    base, runs = ladder_runs(out)
+    results = []
+    for run in runs:  # one at a time, through the sweep's own runner (it prepares the shared data first)
+        t0 = time.perf_counter()
+        run_ladder(base, [run], out, Console(quiet=True))
+        wall = time.perf_counter() - t0
+        rows = [json.loads(x) for x in (Path(run.config.run.dir) / "metrics.jsonl").read_text().splitlines()]
+        logged = [r for r in rows if "tokens_per_s" in r and r["step"] > run.steps // 10]
+        rec = {"run": run.name, "steps": run.steps, "tokens": run.tokens, "wall_s": wall,
+               "tokens_per_s": statistics.median(r["tokens_per_s"] for r in logged),
+               "val_loss": final_val_loss(run)}
+        results.append(rec)
+        print(json.dumps(rec), flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

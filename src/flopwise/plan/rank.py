@@ -1,0 +1,80 @@
+"""One rank of this engine as the planner predicts it: the layers it runs, the bytes of its
+parameters, gradients, optimizer state and saved activations, and the elements each kind of
+collective moves in one optimizer step. Pure Python: `flopwise plan --measure` sets these beside
+the engine's own counts (flopwise.train.measure), and the joint tests assert them equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flopwise.config import Config
+from flopwise.plan.comm import dp_collectives, pp_boundary_elements, tp_allreduce_elements
+from flopwise.plan.layout import Layout, stage_ids, stage_sizes
+from flopwise.plan.memory import engine_precision, rank_activation_bytes, rank_model_states, rank_param_count
+from flopwise.plan.perf import STACKS
+
+
+@dataclass(frozen=True)
+class RankPrediction:
+    layers: list[int]
+    params: float
+    grads: float
+    optimizer: float
+    activations: float  # saved for backward, at the rank's peak (as this engine keeps them)
+    collectives: dict[str, float]  # kind -> elements per step
+
+
+def rank_layers(cfg: Config, lo: Layout, pp_rank: int) -> tuple[list[int], bool, bool]:
+    """The layer indices of pipeline rank `pp_rank`'s stages, and whether it holds the embedding
+    and the head (this engine's stage split, parallel.pp_layers or balanced)."""
+    sizes = stage_sizes(cfg.model, lo, pp_layers=cfg.parallel.pp_layers)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    ids = stage_ids(pp_rank, lo)
+    layers = sorted(i for s in ids for i in range(starts[s], starts[s] + sizes[s]))
+    return layers, 0 in ids, lo.n_stages - 1 in ids
+
+
+def predict_rank(cfg: Config, lo: Layout, pp_rank: int, shard_rank: int, dp_rank: int,
+                 cpu: bool = False) -> RankPrediction:
+    """What the rank at these mesh coordinates holds (exact for model states) and sends per step
+    (`cpu`: the engine runs on CPUs, where its attention core computes in fp32)."""
+    layers, emb, head = rank_layers(cfg, lo, pp_rank)
+    states = rank_model_states(cfg.model, lo, layers, emb, head, shard_rank=shard_rank, dp_rank=dp_rank)
+    precision = engine_precision(cfg.train.dtype, lo.zero >= 2 and lo.world > 1, cpu)
+    acts = rank_activation_bytes(cfg.model, lo, cfg.data.seq_len, cfg.train.global_batch, len(layers),
+                                 STACKS["flopwise"].flash_attention, cfg.data.document_mask, precision)
+    psi = rank_param_count(cfg.model, lo, layers, emb, head)
+    return RankPrediction(layers, states.params, states.grads, states.optimizer, acts,
+                          step_collectives(cfg, lo, pp_rank, psi, len(layers)))
+
+
+def step_collectives(cfg: Config, lo: Layout, pp_rank: int, psi: int, n_layers: int) -> dict[str, float]:
+    """Elements of each kind of collective one rank runs in a step (`psi`: its parameters before
+    ZeRO sharding): the data-parallel volumes of plan.comm for this engine's stack (torch's ZeRO-1
+    broadcasts the stepped parameters), Megatron's tensor-parallel all-reduces of b·s·h (4 per
+    layer, plus the vocab-parallel embedding's output and the head's input gradient, as
+    plan.perf times them), and each pipeline boundary's activations and gradients."""
+    stack, n_micro = STACKS["flopwise"], lo.microbatches(cfg.train.global_batch)
+    seq, mb, d = cfg.data.seq_len // lo.cp, lo.micro_batch, cfg.model.d_model
+    out: dict[str, float] = {}
+
+    def add(kind: str, elements: float) -> None:
+        out[kind] = out.get(kind, 0) + elements
+
+    if lo.dp * lo.cp > 1:
+        for c in dp_collectives(psi, lo.zero, zero1_broadcast=stack.zero1_broadcast, gather_per_micro=stack.fsdp2,
+                                pipelined=lo.pp > 1, hsdp=lo.dp_replicate > 1):
+            kind = "broadcast" if lo.zero == 1 and stack.zero1_broadcast and c.kind == "all_gather" else c.kind
+            add(kind, c.elements * (n_micro if c.when == "micro" else 1))
+    if lo.tp > 1:
+        add("all_reduce", n_micro * (tp_allreduce_elements(seq, mb, d, n_layers) + 2 * seq * mb * d))
+    if lo.pp > 1:
+        owner = {s: r for r in range(lo.pp) for s in stage_ids(r, lo)}
+        boundary = n_micro * pp_boundary_elements(seq, mb, d, scatter_gather=False)
+        for s in stage_ids(pp_rank, lo):
+            for neighbour in (s - 1, s + 1):
+                if 0 <= neighbour < lo.n_stages and owner[neighbour] != pp_rank:
+                    add("send", boundary)  # activations forward or gradients backward
+                    add("recv", boundary)
+    return out
