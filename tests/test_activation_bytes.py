@@ -143,3 +143,23 @@ def test_planner_books_what_each_rank_saves(family, layout, measured_dist):
         if copies and lo.recompute != "full":  # (under full recompute backward keeps the head's only)
             m = model_config(family, 4)
             assert r4["weight_copies"] == pytest.approx(autocast_weight_copy_bytes(m, 4, True, lo.tp), rel=0.02)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_planner_books_what_the_model_keeps_outside_its_layers(family, dtype):
+    """Token ids, RoPE tables, final norm, head input and the loss's fp32 log-softmax: measured as
+    2·(1 layer) − (2 layers) with the engine's own loss, against plan.memory.end_activation_bytes."""
+    from flopwise.plan.memory import end_activation_bytes
+    from flopwise.train.engine import token_loss
+
+    def total(n_layers: int) -> int:
+        model = build_model(model_config(family, n_layers), seed=0)
+        x = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+        with autocast(torch.device("cpu"), dtype), SavedBytes(model) as s:
+            token_loss(model(x[:, :-1]), x[:, 1:].contiguous())
+        return s.bytes
+
+    want = end_activation_bytes(model_config(family, 1), SEQ, BATCH, 1, True, True,
+                                engine_precision(dtype, fsdp=False, cpu=True))
+    assert 2 * total(1) - total(2) == pytest.approx(want, rel=0.01)

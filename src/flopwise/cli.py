@@ -604,7 +604,7 @@ def _print_measured(r: dict) -> None:
                           f"{rank['layers']['measured']}[/]")
     console.print(table)
     console.print("[dim]params at rest, grads as the optimizer steps, optimizer: AdamW moments; activations: peak "
-                  "saved for backward (planner: 16-bit activations, flash attention); collectives: elements per "
+                  "saved for backward (planner: this engine's activations with its eager loss); collectives: elements per "
                   "step by kind, single-element ones (loss, norm, flags) left out[/]")
 
 

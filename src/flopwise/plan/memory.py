@@ -161,8 +161,11 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
     return replicated / rep_div + linear_in / linear_div + (split + scores) / tp + mask + cp_mask + tables
 
 
-def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Micro-batches whose activations the first pipeline stage holds at its peak.
+def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1,
+                           rank: int = 0) -> float:
+    """Micro-batches whose activations pipeline rank `rank` (by default the first, the fullest)
+    holds at its peak. Under 1F1B rank r holds p − r (measured, `flopwise plan --measure`); for the
+    other schedules the first rank's figure is used for every rank (an upper bound).
 
     GPipe: all m (Huang et al. 2019). 1F1B: min(p, m) (Narayanan et al. 2021). Interleaved 1F1B:
     p·(1 + (p−1)/(p·v)) (Korthikanti et al. 2022 §4.2.3). ZB-V keeps 1F1B's p (Qi et al. 2024);
@@ -176,11 +179,12 @@ def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_st
         return min(microbatches, pp) * (1 + (pp - 1) / (pp * virtual_stages))
     if schedule == "dualpipev":
         return min(microbatches, pp + 1)
-    return min(microbatches, pp)
+    return min(microbatches, pp - rank if schedule == "1f1b" else pp)
 
 
 def rank_activation_bytes(m: ModelConfig, lo, seq: int, global_batch: int, layers: int, flash: bool = True,
-                          document_mask: bool = False, precision: SavedPrecision = KORTHIKANTI) -> float:
+                          document_mask: bool = False, precision: SavedPrecision = KORTHIKANTI,
+                          pp_rank: int = 0) -> float:
     """Saved activations a rank holding `layers` layers keeps at its peak: the micro-batches in
     flight on a first pipeline stage × its layers × one layer's bytes, plus, under full recompute,
     the one layer whose activations the backward rebuilds. `lo` is a plan.layout.Layout."""
@@ -189,7 +193,7 @@ def rank_activation_bytes(m: ModelConfig, lo, seq: int, global_batch: int, layer
     kw = dict(flash=flash, mask_keys=keys, precision=precision, cp=lo.cp)
     per_layer = activation_bytes_per_layer(*args, lo.recompute, **kw)
     in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, lo.microbatches(global_batch),
-                                       lo.virtual_stages if lo.pp > 1 else 1)
+                                       lo.virtual_stages if lo.pp > 1 else 1, pp_rank)
     rebuilt = activation_bytes_per_layer(*args, "none", **kw) if lo.recompute == "full" else 0.0
     return per_layer * layers * in_flight + rebuilt
 
@@ -211,6 +215,24 @@ def _tp_local(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
 
 
 _LINEAR = ("attention.wq.", "attention.wk.", "attention.wv.", "attention.wo.", "attention.pos_proj.", "feed_forward.w")
+
+
+def end_activation_bytes(m: ModelConfig, seq: int, micro_batch: int, tp: int, has_embedding: bool, has_head: bool,
+                         precision: SavedPrecision) -> float:
+    """What one micro-batch keeps for backward outside the layers, in this engine with its eager loss
+    (measured with SavedBytes, 2·L1 − L2 layers): on the first stage the token ids (int64); on every
+    stage the RoPE cos/sin gathered for the forward (fp32, shared by its layers); on the last the
+    final norm's input and internals (as a layer's norm), the head's input (compute dtype) and the
+    loss's fp32 log-softmax over the vocabulary (split over tp), and the targets (int64)."""
+    s, b, h = seq, micro_batch, m.d_model
+    sb, sbh = s * b, s * b * m.d_model
+    e, r = precision.compute, precision.residual
+    out = 8 * sb if has_embedding else 0.0
+    out += 2 * 4 * s * m.rotary_dim if m.pos == "rope" else 0.0
+    if has_head:
+        norm = (4 * sb + 4 * sbh) if m.norm == "rmsnorm" else 2 * r * sb
+        out += r * sbh + norm + e * sbh + 4 * sb * m.vocab_size / tp + 8 * sb
+    return out
 
 
 def autocast_weight_copy_bytes(m: ModelConfig, layers: int, head: bool, tp: int = 1) -> float:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from flopwise.config import Config
 from flopwise.plan.comm import dp_collectives, pp_boundary_elements, tp_allreduce_elements
 from flopwise.plan.layout import Layout, stage_ids, stage_sizes
-from flopwise.plan.memory import engine_precision, rank_activation_bytes, rank_model_states, rank_param_count
+from flopwise.plan.memory import (end_activation_bytes, engine_precision, in_flight_microbatches,
+                                  rank_activation_bytes, rank_model_states, rank_param_count)
 from flopwise.plan.perf import STACKS
 
 
@@ -43,7 +44,11 @@ def predict_rank(cfg: Config, lo: Layout, pp_rank: int, shard_rank: int, dp_rank
     states = rank_model_states(cfg.model, lo, layers, emb, head, shard_rank=shard_rank, dp_rank=dp_rank)
     precision = engine_precision(cfg.train.dtype, lo.zero >= 2 and lo.world > 1, cpu)
     acts = rank_activation_bytes(cfg.model, lo, cfg.data.seq_len, cfg.train.global_batch, len(layers),
-                                 STACKS["flopwise"].flash_attention, cfg.data.document_mask, precision)
+                                 STACKS["flopwise"].flash_attention, cfg.data.document_mask, precision, pp_rank)
+    in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, lo.microbatches(cfg.train.global_batch),
+                                       lo.virtual_stages if lo.pp > 1 else 1, pp_rank)
+    acts += in_flight * end_activation_bytes(cfg.model, cfg.data.seq_len // lo.cp, lo.micro_batch, lo.tp, emb, head,
+                                             precision)
     psi = rank_param_count(cfg.model, lo, layers, emb, head)
     return RankPrediction(layers, states.params, states.grads, states.optimizer, acts,
                           step_collectives(cfg, lo, pp_rank, psi, len(layers)))
