@@ -14,7 +14,7 @@ from flopwise.hardware import get_hardware
 from flopwise.plan.audit import audit_claim, catalogue, parse_claim
 from flopwise.plan.layout import Layout, check_layout
 from flopwise.plan.memory import model_state_bytes
-from flopwise.plan.perf import STACKS, estimate, evaluate, model_shape, rank_loads
+from flopwise.plan.perf import STACKS, estimate, evaluate, layer_times, model_shape, rank_loads
 from flopwise.plan.planner import plan, resolve_layout
 from flopwise.plan.reliability import DEFAULT_GPU_MTBF_HOURS, daly_interval, goodput, reliability
 from flopwise.plan.search import search, why_slower
@@ -72,7 +72,7 @@ KORTHIKANTI = [((48, 6144, 64), Layout(dp=1, tp=8, pp=1, micro_batch=4), 4, 41.5
 
 
 @pytest.mark.parametrize("shape,layout,batch,published", KORTHIKANTI, ids=["22B", "530B"])
-def test_korthikanti_table5_mfu_within_4_points(shape, layout, batch, published):
+def test_korthikanti_table5_mfu_within_3_points(shape, layout, batch, published):
     from dataclasses import replace
 
     lo = replace(layout, recompute="selective", sequence_parallel=True)
@@ -80,11 +80,23 @@ def test_korthikanti_table5_mfu_within_4_points(shape, layout, batch, published)
     assert check_layout(lo, m, 2048, batch, engine=False) is None  # a Megatron layout
     est = evaluate(m, A100, lo, 2048, batch, "megatron-2022")
     assert est.fits
-    assert abs(100 * est.mfu - published) <= 4, est.mfu
+    assert abs(100 * est.mfu - published) <= 3, est.mfu
     if lo.pp > 1:
         assert 100 * est.mfu == pytest.approx(published, rel=0.05)
     # HFU = MFU × (1 + s/6h) for selective recompute, Korthikanti eq. 9 (our convention counts what reruns)
     assert est.hfu / est.mfu == pytest.approx(flops_per_token(m, 2048, "selective") / flops_per_token(m, 2048))
+
+
+@pytest.mark.parametrize("recompute,published_ms", [("none", 7.2 + 11.8), ("selective", 7.2 + 13.1)])
+def test_korthikanti_table4_sequence_parallel_layer(recompute, published_ms):
+    """One 22B layer (tp 8, micro-batch 4, sequence parallel), forward + backward with its
+    recompute, within 2% of Korthikanti et al. 2022 Table 4: Megatron re-gathers the column-parallel
+    inputs in backward (§4.2.2), which is why the measured backward is no faster with sequence
+    parallelism although its norm and dropout traffic drops by t."""
+    lt = layer_times(model_shape(megatron_gpt(48, 6144, 64), 2048), A100, STACKS["megatron-2022"], 2048, 4, 8, 1,
+                     True)
+    layer = lt.fwd + lt.tp_fwd + lt.bwd + lt.tp_bwd + (lt.attn_fwd if recompute == "selective" else 0.0)
+    assert 1e3 * layer == pytest.approx(published_ms, rel=0.02)
 
 
 @pytest.mark.parametrize("lo", [Layout(dp=2, pp=4, zero=2, micro_batch=1),

@@ -3,7 +3,7 @@
 import pytest
 
 from flopwise.plan.comm import (dp_elements_per_step, pp_boundary_elements, ring_factor, ring_time,
-                                tied_embedding_elements, tp_allreduce_elements)
+                                sp_regather_elements, tied_embedding_elements, tp_allreduce_elements)
 
 
 def test_zero_volumes():
@@ -29,6 +29,9 @@ def test_megatron_tp_and_pp_volumes():
     per_layer_on_wire = tp_allreduce_elements(s, b, h, 1) * ring_factor("all_reduce", t)
     assert per_layer_on_wire == pytest.approx(8 * b * s * h * (t - 1) / t)
     assert tp_allreduce_elements(s, b, h, l) == 4 * s * b * h * l
+    # Korthikanti et al. 2022 §4.2.2: under sequence parallelism the inputs of the two column-parallel
+    # linears (Y of the attention and MLP blocks) are all-gathered again in backward, b·s·h each
+    assert sp_regather_elements(s, b, h, l) == 2 * s * b * h * l
     assert pp_boundary_elements(s, b, h, t) == s * b * h / t
     assert pp_boundary_elements(s, b, h, t, scatter_gather=False) == s * b * h
 

@@ -6,7 +6,9 @@ will count and the planner will time:
   of gradients + all-gather of parameters, or an all-reduce of the same size), stage 3 moves 3Ψ
   (parameters all-gathered in forward and again in backward, gradients reduce-scattered);
 - tensor parallel (Narayanan et al. 2021 §3.2/§4.1): 4 all-reduces of b·s·h per layer per
-  micro-batch in forward + backward, each 2·(t−1)/t of its size on the wire per device;
+  micro-batch in forward + backward, each 2·(t−1)/t of its size on the wire per device; with
+  sequence parallelism each becomes an all-gather + reduce-scatter, and Megatron all-gathers the
+  two column-parallel inputs again in backward, 2 more b·s·h (Korthikanti et al. 2022 §4.2.2);
 - pipeline parallel: b·s·h per micro-batch per stage boundary, each way (activations forward,
   gradients backward); /t with scatter/gather across the tensor-parallel ranks, after which the
   receiver all-gathers the b·s·h over NVLink (Narayanan et al. 2021 §4.1), or /t natively when
@@ -49,6 +51,14 @@ def dp_elements_per_step(psi: float, zero: int) -> float:
 def tp_allreduce_elements(seq: int, micro_batch: int, d_model: int, n_layers: int) -> float:
     """Elements all-reduced by tensor parallelism per micro-batch: 4 · b·s·h per layer."""
     return 4 * seq * micro_batch * d_model * n_layers
+
+
+def sp_regather_elements(seq: int, micro_batch: int, d_model: int, n_layers: int) -> float:
+    """Elements all-gathered again in backward under Megatron's sequence parallelism, per
+    micro-batch: 2 · b·s·h per layer. It saves only the sequence shard of the inputs of the two
+    column-parallel linears (QKV, MLP up) and re-gathers each to compute the weight gradient
+    (Korthikanti et al. 2022 §4.2.2)."""
+    return 2 * seq * micro_batch * d_model * n_layers
 
 
 def pp_boundary_elements(seq: int, micro_batch: int, d_model: int, tp: int = 1, scatter_gather: bool = True) -> float:

@@ -15,7 +15,14 @@ The step is built bottom-up from what each device executes, and every term has a
   η_mem·HBM bandwidth. Sequence parallelism divides the norm/dropout part by tp.
 - Tensor parallel: 2 all-reduces (or all-gather + reduce-scatter with sequence parallel) of b·s·h
   per layer forward, 2 backward, 2 more when full recompute re-runs the forward (Narayanan et al.
-  2021 §3.2); on NVLink when tp fits a node. Not overlapped with compute (stated).
+  2021 §3.2); on NVLink when tp fits a node. Not overlapped with compute (stated). Megatron's
+  sequence parallelism keeps only the sequence shard of the two column-parallel inputs (the
+  activation list of `plan.memory` with Korthikanti's precision) and all-gathers them again in
+  backward, 2 more b·s·h per layer (Korthikanti et al. 2022 §4.2.2); the engine keeps the gathered
+  tensors and does not. The paper overlaps that all-gather with the data-gradient GEMM, yet its
+  Table 4 measures the 22B layer's backward no faster with sequence parallelism (11.8 vs 11.9 ms)
+  although the norm and dropout traffic drops by t: booked exposed, the layer model gives the
+  measured selective + sequence-parallel layer (20.3 ms forward + backward).
 - Context parallel: K/V all-gather per layer forward and reduce-scatter of their gradients.
 - Pipeline: the slowest rank (layers, plus the output layer and loss on the last) sets the pace.
   Bubble (p−1)/v of a micro-batch's slot on that rank for 1F1B/GPipe/interleaved (Narayanan et al.
@@ -58,7 +65,8 @@ from dataclasses import dataclass
 from flopwise.config import ModelConfig
 from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import Hardware
-from flopwise.plan.comm import dp_collectives, pp_boundary_elements, ring_time, tied_embedding_elements
+from flopwise.plan.comm import (dp_collectives, pp_boundary_elements, ring_time, sp_regather_elements,
+                                tied_embedding_elements)
 from flopwise.plan.layout import Layout, stage_ids, stage_sizes
 from flopwise.plan.memory import (KORTHIKANTI, autocast_weight_copy_bytes, engine_precision, model_state_bytes,
                                   rank_activation_bytes, rank_tensors, zero1_loads)
@@ -85,7 +93,8 @@ class Stack:
     optimizer_state_bytes: int  # K: bytes of optimizer state per parameter
     zero1_broadcast: bool  # ZeRO-1 as torch's ZeroRedundancyOptimizer (all-reduce + broadcast)
     fsdp2: bool  # ZeRO-2/3 parameters re-gathered for every micro-batch (FSDP2 frees them after backward)
-    engine_activations: bool  # activations as this engine keeps them under bf16 autocast (else Korthikanti's list)
+    engine_activations: bool  # activations as this engine keeps them under bf16 autocast (else Korthikanti's
+    # list, whose sequence-parallel shard of the linear inputs Megatron all-gathers again in backward)
     description: str
     grad_accum_bytes: int  # HBM bytes per held gradient element to add one more micro-batch's gradient
     pp_scatter_gather: bool  # stage-boundary tensors sent as 1/t slices, all-gathered on the receiver
@@ -218,9 +227,12 @@ def layer_times(sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: in
     act = ACT_BYTES * tokens * h
     # Two collectives of b·s·h per direction; with SP each all-reduce becomes AG + RS of the same bytes.
     tp_one = ring_time("all_reduce", tp, act, link_bw(hw, tp))
+    regather = sp and not stack.engine_activations  # Megatron saved only the sequence shard
+    tp_regather = 2 * ring_time("all_gather", tp, ACT_BYTES * sp_regather_elements(seq / cp, mb, h, 1) / 2,
+                                link_bw(hw, tp)) if regather else 0.0  # two all-gathers, one per input
     kv_bytes = ACT_BYTES * mb * seq * 2 * kv_local
     cp_bw = link_bw(hw, tp * cp)
-    return LayerTimes(fwd=fwd, bwd=bwd, attn_fwd=attn_f, tp_fwd=2 * tp_one, tp_bwd=2 * tp_one,
+    return LayerTimes(fwd=fwd, bwd=bwd, attn_fwd=attn_f, tp_fwd=2 * tp_one, tp_bwd=2 * tp_one + tp_regather,
                       cp_fwd=ring_time("all_gather", cp, kv_bytes, cp_bw),
                       cp_bwd=ring_time("reduce_scatter", cp, kv_bytes, cp_bw))
 
