@@ -2,11 +2,13 @@
 mixed-precision policy, fp32 master weights), FSDP2 over a one-rank mesh, per-block compile.
 
     python benchmarks/gpu/llama1b.py [--steps 20] [--batch 8] [--out benchmarks/results/gpu_llama1b.json]
+    python benchmarks/gpu/llama1b.py --zero 0 --profile       # autocast without FSDP2; top kernels
     python benchmarks/gpu/llama1b.py --tiny --steps 3        # the same code path on CPU (CI-sized)
 
 Reports tokens/s (median step over the timed steps, after compile warm-up), MFU against the
 catalogue's dense bf16 peak and against a bf16 matmul ceiling measured here, and peak memory.
-Tokens are synthetic (uniform over the vocabulary): throughput does not depend on them.
+Beside each measured figure it prints the planner's prediction for the same layout (flopwise stack):
+step time, MFU, and this rank's parameter/gradient/optimizer/activation bytes. Tokens are synthetic (uniform over the vocabulary): throughput does not depend on them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from flopwise.config import load_config
 from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import get_hardware
 from flopwise.parallel import mesh
+from flopwise.plan.perf import evaluate
+from flopwise.plan.rank import predict_rank
 from flopwise.train.metrics import measure_matmul_peak
 from flopwise.train.optim import step_unless
 
@@ -42,6 +46,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--zero", type=int, default=3, help="3: FSDP2 (bf16 params, fp32 masters); 0: plain autocast")
+    ap.add_argument("--profile", action="store_true", help="after timing, profile one step: top kernels by time")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     cuda = torch.cuda.is_available() and not a.tiny
@@ -52,22 +58,27 @@ def main() -> None:
     shape = SHAPE_TINY if a.tiny else SHAPE_1B
     cfg = load_config(None, [*shape, f"train.global_batch={a.batch}", f"train.micro_batch={a.batch}",
                              f"train.dtype=\"{'bf16' if cuda else 'fp32'}\"", f"train.compile={'true' if cuda else 'false'}",
-                             "parallel.zero=3", f"train.device=\"{device.type}\"", "cluster.hardware=\"h200\""])
+                             f"parallel.zero={a.zero}", f"train.device=\"{device.type}\"", "cluster.hardware=\"h200\""])
     lo = mesh.layout_of(cfg, 1)
     par = mesh.Parallel(lo, mesh.make_mesh(lo, device), device)
     engine, opt = build_engine(cfg, par)
     seq, vocab = cfg.data.seq_len, cfg.model.vocab_size
     gen = torch.Generator().manual_seed(0)
-    times = []
-    for i in range(a.warmup + a.steps):
+
+    def step() -> torch.Tensor:
         batch = torch.randint(0, vocab, (a.batch, seq + 1), generator=gen)
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
         loss = engine.forward_backward(batch)
         norm = engine.clip_grad_norm(1.0)
         step_unless(opt, ~(torch.isfinite(loss) & torch.isfinite(norm)))
         opt.zero_grad(set_to_none=True)
+        return loss
+
+    times = []
+    for i in range(a.warmup + a.steps):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = step()
         if cuda:
             torch.cuda.synchronize()
         if i >= a.warmup:
@@ -81,13 +92,28 @@ def main() -> None:
     result = {
         "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
         "params": count_params(cfg.model).total, "seq_len": seq, "batch": a.batch, "dtype": dtype,
-        "compile": cfg.train.compile, "layout": "fsdp2 (zero3) on a one-rank mesh",
+        "compile": cfg.train.compile, "layout": "fsdp2 (zero3) on a one-rank mesh" if a.zero == 3 else f"zero{a.zero} on a one-rank mesh",
         "median_step_s": step_s, "tokens_per_s": tps, "model_flops_per_token": fpt, "final_loss": float(loss),
         "mfu_vs_catalogue": mfu(tps, fpt, catalogue) if catalogue else None, "catalogue_peak_flops": catalogue,
         "mfu_vs_measured_matmul": mfu(tps, fpt, measured), "measured_matmul_flops": measured,
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
     }
+    plan = evaluate(cfg.model, get_hardware("h200"), lo, seq, a.batch)  # what flopwise plan says of this run
+    rank = predict_rank(cfg, lo, 0, 0, 0, cpu=not cuda)
+    result["predicted"] = {"step_s": plan.step_time, "tokens_per_s": plan.tokens_per_s, "mfu": plan.mfu,
+                           "memory_bytes": plan.memory, "rank_bytes": {"params": rank.params, "grads": rank.grads,
+                           "optimizer": rank.optimizer, "activations": rank.activations}}
     print(json.dumps(result, indent=1))
+    if a.profile:  # where a step's time goes, per kernel (profile before optimising)
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) as prof:
+            step()
+            if cuda:
+                torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=25)
+        print(table)
+        result["profile_top_kernels"] = table
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -513,8 +513,8 @@ def plan_cmd(
     plot: Optional[Path] = typer.Option(None, "--plot", help="memory-breakdown bar chart (PNG) of the top layouts"),
     measure: bool = typer.Option(False, "--measure", help="run the config's own layout (parallel.*) for a few steps "
                                  "under torchrun here and print predicted vs measured per rank (no search)"),
-    steps: int = typer.Option(3, "--steps", help="steps to run with --measure (the last is measured; DDP syncs its "
-                              "bucket order once, in the second)"),
+    steps: int = typer.Option(3, "--steps", help="steps to run with --measure (the last is measured, and one more "
+                              "counts collectives; DDP syncs its bucket order once, in the second)"),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="processes for --measure (default: the product of "
                                         "the parallel degrees)"),
 ) -> None:

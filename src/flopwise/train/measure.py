@@ -41,8 +41,8 @@ QUANTITIES = ("params", "grads", "optimizer", "activations")
 def measure_rank(run: Run, steps: int) -> dict[str, Any]:
     """This rank's mesh coordinates, its layers, and what it holds and sends over `steps` training
     steps: parameters at rest (after the build), gradient bytes as the optimizer steps, optimizer
-    moments after the last step, the peak saved activations and collective elements by kind in the
-    last step."""
+    moments after the last step, the peak saved activations in the last step, and collective
+    elements by kind in one step more."""
     engine, opt, par = run.engine, run.optimizer, run.par
     plain = [getattr(m, "module", m) for m in engine.parts]  # DDP's wrapped module
     out: dict[str, Any] = {"pp_rank": par.rank("pp"), "shard_rank": par.rank("shard"), "dp_rank": par.rank("dp_cp"),
@@ -53,9 +53,14 @@ def measure_rank(run: Run, steps: int) -> dict[str, Any]:
     faults = Faults()
     try:
         for i in range(steps):
-            with acc.CommCounter() as comm, acc.SavedBytes(*engine.parts) as saved:
+            with acc.SavedBytes(*engine.parts) as saved:
                 train_step(run, run.start_step + i, faults)
-            out["activations"], out["collectives"] = saved.bytes, comm.volumes()
+            out["activations"] = saved.bytes
+        # CommCounter is a dispatch mode, under which compiled blocks run eagerly (and save what eager
+        # saves): the collectives get a step of their own
+        with acc.CommCounter() as comm:
+            train_step(run, run.start_step + steps, faults)
+        out["collectives"] = comm.volumes()
     finally:
         hook.remove()
     out["grads"] = grads[-1]
@@ -64,7 +69,9 @@ def measure_rank(run: Run, steps: int) -> dict[str, Any]:
 
 
 def gather(obj: Any) -> list[Any]:
-    """`obj` from every rank, in rank order, on every rank."""
+    """`obj` from every rank, in rank order, on every rank (one process runs without a group)."""
+    if not dist.is_initialized():
+        return [obj]
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, obj)
     return everyone
@@ -73,9 +80,10 @@ def gather(obj: Any) -> list[Any]:
 def _rank_main(config: str, out: str, steps: int) -> None:
     run = build_run(load_config(config), Console(quiet=True))
     ranks = gather(measure_rank(run, steps))
-    if dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         Path(out).write_text(json.dumps(ranks))
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def measure(path: str | None, overrides: list[str], nproc: int | None = None, steps: int = 3) -> dict[str, Any]:
