@@ -1,7 +1,7 @@
 """The planner's `flopwise` stack against the engine it describes (CPU, gloo, torchrun).
 
-Per rank, the bytes of parameters, gradients and optimizer state the engine holds equal what the
-planner books for that rank exactly (its own stage split, tensor-parallel slices and ZeRO shares,
+Per rank, the bytes of parameters, gradients and optimizer state the engine holds, and FSDP2's
+all-gathered parameter copies at the activation peak, equal what the planner books for that rank exactly (its own stage split, tensor-parallel slices and ZeRO shares,
 computed from the config alone), and a step's data-parallel collectives move exactly the planner's
 volumes. The reference is the engine, measured (flopwise.train.measure, the code behind
 `flopwise plan --measure`); the planner (flopwise.plan.rank) never sees it.
@@ -69,6 +69,7 @@ def test_rank_model_states_equal_the_engines_bytes(family, layout, measured, tin
         want = predict_rank(cfg, lo, r["pp_rank"], r["shard_rank"], r["dp_rank"])
         assert want.layers == r["layers"]
         assert (r["params"], r["grads"], r["optimizer"]) == (want.params, want.grads, want.optimizer), r
+        assert r["gathered"] == want.gathered, r  # FSDP2's all-gathered copies at the activation peak
     if lo.zero == 1:
         # The step model books the busiest dp rank's whole-tensor ZeRO-1 share (not Ψ/N): the largest
         # measured, of the pipeline rank whose memory it reports.

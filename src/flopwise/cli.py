@@ -593,7 +593,8 @@ def _print_measured(r: dict) -> None:
     for col in ("rank", "quantity", "predicted", "measured", "measured/predicted"):
         table.add_column(col, justify="left" if col == "quantity" else "right")
     for rank in r["ranks"]:
-        rows = [(f"{q} bytes", rank[q]) for q in ("params", "grads", "optimizer", "activations")]
+        from flopwise.train.measure import QUANTITIES
+        rows = [(f"{q} bytes", rank[q]) for q in QUANTITIES if q != "gathered" or rank[q]["predicted"] or rank[q]["measured"]]
         rows += [(f"{k} elements", v) for k, v in rank["collectives"].items()]
         for i, (name, v) in enumerate(rows):
             ratio = f"{v['measured'] / v['predicted']:.3f}" if v["predicted"] else "–"
@@ -604,7 +605,7 @@ def _print_measured(r: dict) -> None:
                           f"{rank['layers']['measured']}[/]")
     console.print(table)
     console.print("[dim]params at rest, grads as the optimizer steps, optimizer: AdamW moments; activations: peak "
-                  "saved for backward (planner: this engine's activations with its eager loss); collectives: elements per "
+                  "saved for backward; gathered: FSDP2's all-gathered parameters, the most at once; collectives: elements per "
                   "step by kind, single-element ones (loss, norm, flags) left out[/]")
 
 

@@ -14,6 +14,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
@@ -80,6 +81,9 @@ class SavedBytes(saved_tensors_hooks):
     parameters (autocast's bf16 cast of each weight, made once per autocast region, i.e. once per
     step in the engine, not per micro-batch) go to `weight_copies`, not `bytes`. `saved` lists
     every counted storage as (shape, dtype, bytes, autograd node) to see what a layer keeps.
+    `gathered` is the bytes of FSDP2's all-gathered (unsharded) parameters allocated when the saved
+    bytes peak, which add to them at the step's high-water mark: storage apart from the shards the
+    optimizer steps.
 
         with SavedBytes(model) as s:
             loss = model(x).sum()
@@ -88,7 +92,9 @@ class SavedBytes(saved_tensors_hooks):
 
     def __init__(self, *modules: nn.Module):
         self.modules = modules
-        self.bytes = self.total = self.weight_copies = 0
+        self.bytes = self.total = self.weight_copies = self.gathered = 0
+        self._fsdp_groups = [g for m in modules for sub in m.modules() if isinstance(sub, FSDPModule)
+                             for g in sub._get_fsdp_state()._fsdp_param_groups]
         self.saved: list[tuple[tuple[int, ...], torch.dtype, int, str]] = []
         self._live: dict[int, list[int]] = {}  # storage address -> [bytes, saved tensors holding it]
         self._now = 0
@@ -98,6 +104,20 @@ class SavedBytes(saved_tensors_hooks):
     def __enter__(self) -> "SavedBytes":
         super().__enter__()
         return self
+
+    def _gathered_now(self) -> int:
+        """Each parameter's all-gather output, and the flat buffer a group's all-gather lands in
+        until it is copied out (a prefetched group's; in forward, the last group's until the next
+        copy-out)."""
+        if not self._fsdp_groups:
+            return 0
+        buffers = [o for g in self._fsdp_groups for fp in g.fsdp_params for o in fp.all_gather_outputs]
+        for g in self._fsdp_groups:
+            state = getattr(g.comm_ctx, "all_gather_state", None)  # set at the first forward
+            flat = [g._all_gather_result, state.all_gather_result if state is not None else None]
+            buffers += [r.all_gather_output for r in flat if r is not None]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in buffers}
+        return sum(storages.values())
 
     def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, _Held | None]:
         st = _storage(t)
@@ -115,7 +135,8 @@ class SavedBytes(saved_tensors_hooks):
         self._live[ptr] = [st.nbytes(), 1]
         self._now += st.nbytes()
         self.total += st.nbytes()
-        self.bytes = max(self.bytes, self._now)
+        if self._now > self.bytes:
+            self.bytes, self.gathered = self._now, self._gathered_now()
         self.saved.append((tuple(t.shape), t.dtype, st.nbytes(), type(t.grad_fn).__name__))
         return t, _Held(self, ptr)
 

@@ -52,6 +52,13 @@ class Layout:
         return self.pp * (FIXED_VIRTUAL_STAGES.get(self.pp_schedule, self.virtual_stages) if self.pp > 1 else 1)
 
     @property
+    def fsdp2(self) -> bool:
+        """Whether this engine's data parallelism runs on FSDP2, which computes with all-gathered
+        (under bf16: bf16) copies of the fp32 parameters: fully_shard for ZeRO 2/3 on more than one
+        rank, or its replicate for ZeRO-0 with tensor parallel (DDP does not take DTensors)."""
+        return (self.zero >= 2 and self.world > 1) or (self.zero == 0 and self.tp > 1 and self.dp * self.cp > 1)
+
+    @property
     def reshards_params(self) -> bool:
         """Whether this engine frees gathered parameters after each forward (ZeRO-3). Under
         pipelining a stage keeps them across its micro-batches (re-gathering per micro-batch would

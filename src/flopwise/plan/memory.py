@@ -292,6 +292,25 @@ def rank_tensors(m: ModelConfig, tp: int, stage_layers, has_embedding: bool,
     return mine
 
 
+def gathered_param_bytes(m: ModelConfig, lo, stage_layers: list[int], has_embedding: bool, has_head: bool,
+                         dtype: str = "bf16") -> float:
+    """Bytes of FSDP2's all-gathered (unsharded) parameters one rank holds when its saved
+    activations peak, apart from the fp32 shards the optimizer steps: each tensor's all-gather
+    output, dim 0 padded to a multiple of the dp_shard·cp ranks, in the compute dtype (FSDP2's bf16
+    param_dtype; fp32 runs gather fp32). ZeRO-2 and pipelined ZeRO-3 keep every group gathered from
+    its forward to its backward. ZeRO-3 has freed them all by then: each block after its forward,
+    the root (embedding, final norm, head) after the model's, before the loss saves its tensors;
+    what it re-gathers in backward is the perf model's `zero3_live`. ZeRO-0 with tensor parallel
+    runs on FSDP2's replicate: one whole gathered copy. None under DDP (ZeRO 0/1 compute with the
+    fp32 parameters)."""
+    if not lo.fsdp2 or lo.reshards_params:
+        return 0.0
+    n = lo.dp_shard * lo.cp if lo.zero >= 2 else 1  # replicate's shard dim is 1
+    e = 2 if dtype == "bf16" else 4
+    tensors = rank_tensors(m, lo.tp, stage_layers, has_embedding, has_head)
+    return e * sum(-(-s[0] // n) * n * math.prod(s[1:]) for s, _ in tensors)
+
+
 def rank_param_count(m: ModelConfig, lo, stage_layers: list[int], has_embedding: bool, has_head: bool) -> int:
     """Parameters of one rank's stages, its tensor-parallel slice, before any ZeRO sharding (the
     buffer its data-parallel collectives move)."""

@@ -329,18 +329,21 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     loads = _memo(cache, ("loads", lo.pp, lo.pp_schedule, lo.virtual_stages, lo.tp),  # ranks alike count once
                   lambda: list(dict.fromkeys(rank_loads(sh, lo, stack.balanced_stages))))
     shard = lo.dp_shard
-    fsdp = lo.zero >= 2 and lo.world > 1  # the engine's FSDP2, with bf16 param_dtype
+    fsdp = lo.fsdp2  # the engine's FSDP2, with bf16 param_dtype
     precision = engine_precision("bf16", fsdp) if stack.engine_activations else KORTHIKANTI
     weight_copies = stack.engine_activations and not fsdp  # autocast's bf16 weights (FSDP2 computes with bf16 params)
     tokens_mb = lo.micro_batch * seq / lo.cp
     logits = tokens_mb * sh.vocab / lo.tp * (2 + 4)  # 16-bit logits kept + fp32 softmax in the loss
     zero3_live = (2 * (2 + 4) * sh.layer_params / lo.tp) if lo.reshards_params else 0  # gathered layer + prefetch
+    # This engine's FSDP2 keeps fp32 shards at rest and computes with all-gathered bf16 copies, held
+    # from forward to backward unless resharded (memory.gathered_param_bytes, measured)
+    gathered_copies = stack.engine_activations and fsdp and not lo.reshards_params
     best = None
     whole_tensors = lo.zero == 1 and stack.zero1_broadcast and lo.dp * lo.cp > 1  # ZeroRedundancyOptimizer
     opt_elements = 0.0  # optimizer-state elements the busiest rank steps
     for load in loads:
         st = model_state_bytes(load.params, lo.zero, shard, stack.optimizer_state_bytes, stack.param_bytes,
-                               stack.grad_bytes, params_sharded=lo.reshards_params)
+                               stack.grad_bytes, params_sharded=lo.reshards_params or (gathered_copies and lo.zero >= 2))
         owned = (zero1_busiest(sh, lo, load, cache) if whole_tensors
                  else load.params / (shard if lo.zero >= 1 else 1))
         opt_elements = max(opt_elements, owned)
@@ -352,7 +355,8 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
         mem = {"params": st.params, "grads": st.grads,
                "optimizer": stack.optimizer_state_bytes * owned if whole_tensors else st.optimizer,
                "activations": activations,
-               "other": (logits if load.head else 0.0) + zero3_live + copies + RUNTIME_RESERVE}
+               "other": (logits if load.head else 0.0) + zero3_live + copies + RUNTIME_RESERVE
+               + (2 * load.params if gathered_copies else 0.0)}
         mem["total"] = sum(mem.values())
         if best is None or mem["total"] > best["total"]:
             best = mem

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from flopwise.config import Config
 from flopwise.plan.comm import dp_collectives, pp_boundary_elements, tp_allreduce_elements
 from flopwise.plan.layout import Layout, stage_ids, stage_sizes
-from flopwise.plan.memory import (end_activation_bytes, engine_precision, in_flight_microbatches,
-                                  rank_activation_bytes, rank_model_states, rank_param_count)
+from flopwise.plan.memory import (end_activation_bytes, engine_precision, gathered_param_bytes,
+                                  in_flight_microbatches, rank_activation_bytes, rank_model_states, rank_param_count)
 from flopwise.plan.perf import STACKS
 
 
@@ -23,6 +23,7 @@ class RankPrediction:
     grads: float
     optimizer: float
     activations: float  # saved for backward, at the rank's peak (as this engine keeps them)
+    gathered: float  # FSDP2's all-gathered parameters, the most at once
     collectives: dict[str, float]  # kind -> elements per step
 
 
@@ -42,7 +43,7 @@ def predict_rank(cfg: Config, lo: Layout, pp_rank: int, shard_rank: int, dp_rank
     (`cpu`: the engine runs on CPUs, where its attention core computes in fp32)."""
     layers, emb, head = rank_layers(cfg, lo, pp_rank)
     states = rank_model_states(cfg.model, lo, layers, emb, head, shard_rank=shard_rank, dp_rank=dp_rank)
-    precision = engine_precision(cfg.train.dtype, lo.zero >= 2 and lo.world > 1, cpu)
+    precision = engine_precision(cfg.train.dtype, lo.fsdp2, cpu)
     acts = rank_activation_bytes(cfg.model, lo, cfg.data.seq_len, cfg.train.global_batch, len(layers),
                                  STACKS["flopwise"].flash_attention, cfg.data.document_mask, precision, pp_rank)
     in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, lo.microbatches(cfg.train.global_batch),
@@ -50,7 +51,8 @@ def predict_rank(cfg: Config, lo: Layout, pp_rank: int, shard_rank: int, dp_rank
     acts += in_flight * end_activation_bytes(cfg.model, cfg.data.seq_len // lo.cp, lo.micro_batch, lo.tp, emb, head,
                                              precision)
     psi = rank_param_count(cfg.model, lo, layers, emb, head)
-    return RankPrediction(layers, states.params, states.grads, states.optimizer, acts,
+    gathered = gathered_param_bytes(cfg.model, lo, layers, emb, head, cfg.train.dtype)
+    return RankPrediction(layers, states.params, states.grads, states.optimizer, acts, gathered,
                           step_collectives(cfg, lo, pp_rank, psi, len(layers)))
 
 
