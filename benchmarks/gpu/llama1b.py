@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--zero", type=int, default=3, help="3: FSDP2 (bf16 params, fp32 masters); 0: plain autocast")
+    ap.add_argument("--eager", action="store_true", help="no torch.compile (what the planner's eager activation model books)")
     ap.add_argument("--profile", action="store_true", help="after timing, profile one step: top kernels by time")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
@@ -57,7 +58,7 @@ def main() -> None:
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
     shape = SHAPE_TINY if a.tiny else SHAPE_1B
     cfg = load_config(None, [*shape, f"train.global_batch={a.batch}", f"train.micro_batch={a.batch}",
-                             f"train.dtype=\"{'bf16' if cuda else 'fp32'}\"", f"train.compile={'true' if cuda else 'false'}",
+                             f"train.dtype=\"{'bf16' if cuda else 'fp32'}\"", f"train.compile={'true' if cuda and not a.eager else 'false'}",
                              f"parallel.zero={a.zero}", f"train.device=\"{device.type}\"", "cluster.hardware=\"h200\""])
     lo = mesh.layout_of(cfg, 1)
     par = mesh.Parallel(lo, mesh.make_mesh(lo, device), device)
