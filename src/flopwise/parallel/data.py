@@ -59,7 +59,10 @@ def apply_replicate(model: Transformer, par: Parallel, dtype: str) -> nn.Module:
 
 def apply_ddp(model: nn.Module, par: Parallel) -> nn.Module:
     # broadcast_buffers=False: the buffers (rope tables, ALiBi slopes) are computed, identical everywhere.
+    # gradient_as_bucket_view: the gradients are views of DDP's all-reduce buckets, not a second fp32
+    # copy of them (the planner books one Ψ of gradients, held all step)
     return DistributedDataParallel(model, process_group=par.group("dp_cp"), broadcast_buffers=False,
+                                   gradient_as_bucket_view=True,
                                    device_ids=[par.device.index] if par.device.type == "cuda" else None)
 
 

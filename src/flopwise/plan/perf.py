@@ -338,6 +338,11 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     # This engine's FSDP2 keeps fp32 shards at rest and computes with all-gathered bf16 copies, held
     # from forward to backward unless resharded (memory.gathered_param_bytes, measured)
     gathered_copies = stack.engine_activations and fsdp and not lo.reshards_params
+    # Gradients beside the activations' peak (the end of the last forward): always for Megatron's
+    # contiguous buffers and DDP's buckets; in this engine otherwise only once a micro-batch has run
+    # backward (accumulation, pipelining), as they appear while backward frees the activations
+    ddp = not fsdp and lo.dp * lo.cp > 1
+    grads_at_peak = not stack.engine_activations or ddp or n_micro > 1 or lo.pp > 1
     best = None
     whole_tensors = lo.zero == 1 and stack.zero1_broadcast and lo.dp * lo.cp > 1  # ZeroRedundancyOptimizer
     opt_elements = 0.0  # optimizer-state elements the busiest rank steps
@@ -357,7 +362,8 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
                "activations": activations,
                "other": (logits if load.head else 0.0) + zero3_live + copies + RUNTIME_RESERVE
                + (2 * load.params if gathered_copies else 0.0)}
-        mem["total"] = sum(mem.values())
+        mem["total"] = mem["params"] + mem["optimizer"] + mem["other"] + max(
+            mem["activations"] + (mem["grads"] if grads_at_peak else 0.0), mem["grads"])
         if best is None or mem["total"] > best["total"]:
             best = mem
     usable = hw.memory_bytes * (1 - FIT_MARGIN)
