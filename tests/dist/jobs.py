@@ -180,13 +180,23 @@ def build_memory(overrides: list[str]) -> dict:
 
 
 def states(overrides: list[str]) -> dict:
-    """What each rank holds after one training step (flopwise.train.measure): its mesh
-    coordinates, the layers of its stages, and the bytes of its parameters at rest, gradients and
-    AdamW moments."""
+    """What each rank holds over three training steps (flopwise.train.measure): its mesh
+    coordinates, the layers of its stages, the bytes of its parameters at rest, gradients and AdamW
+    moments, and the third step's high-water mark (the first allocates the moments, the second
+    rebuilds DDP's buckets)."""
     from flopwise.build import build_run
     from flopwise.train.measure import gather, measure_rank
 
-    return {"ranks": gather(measure_rank(build_run(load_config(None, overrides), Console(quiet=True)), 1))}
+    return {"ranks": gather(measure_rank(build_run(load_config(None, overrides), Console(quiet=True)), 3))}
+
+
+def demo_states(overrides: list[str]) -> dict:
+    """`states` for the embedded demo model (6 × 256, vocab 4096), where activations, not the
+    collectives' transient buffers, set the high-water mark as they do at scale."""
+    from flopwise.build import build_run
+    from flopwise.train.measure import gather, measure_rank
+
+    return {"ranks": gather(measure_rank(build_run(load_config("demo", overrides), Console(quiet=True)), 3))}
 
 
 def activations(overrides: list[str]) -> dict:

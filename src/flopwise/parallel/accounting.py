@@ -5,6 +5,7 @@ forward: gathered under ZeRO ≤ 2, shards under ZeRO-3), gradients and optimize
 `CommCounter`: every collective and point-to-point op that passes through the dispatcher
 (c10d and functional collectives: DDP's reducer, FSDP2, DTensor, pipelining all do), with bytes.
 `SavedBytes`: bytes autograd keeps for backward (activations), to check against plan/memory.py.
+`PeakMemory`: the high-water mark of everything allocated on the rank's device during a step.
 """
 
 from __future__ import annotations
@@ -253,3 +254,47 @@ class HostSyncCounter(TorchDispatchMode):
         elif name == "_to_copy" and first is not None and first.device.type != "cpu" and str(kwargs.get("device")) == "cpu":
             self._hit("to_cpu")
         return func(*args, **kwargs)
+
+
+class PeakMemory:
+    """The most bytes allocated on `device` at once while active, above what was allocated when it
+    began: a step's activations, gradients, gathered parameters, copies and temporaries, not the
+    parameters and optimizer state it starts with. On a GPU the caching allocator's high-water
+    mark; on a CPU, which keeps no such count, the running total torch.profiler's memory events
+    carry (it counts the allocations made while profiling and their frees).
+
+        with PeakMemory(device) as peak:
+            train_step(...)
+        peak.bytes
+    """
+
+    def __init__(self, device: torch.device):
+        self.device, self.bytes = device, 0
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        else:
+            from torch.profiler import ProfilerActivity, profile
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.bytes = torch.cuda.max_memory_allocated(self.device) - self._start
+            return
+        self._prof.__exit__(*exc)
+        from torch._C._profiler import _EventType
+        events, nodes = [], list(self._prof.profiler.kineto_results.experimental_event_tree())
+        while nodes:
+            n = nodes.pop()
+            nodes.extend(n.children)
+            if n.tag == _EventType.Allocation and n.extra_fields.device.type == "cpu":
+                events.append((n.start_time_ns, n.extra_fields.alloc_size, n.extra_fields.total_allocated))
+        if events:  # the running total is the process's since it first profiled: start from the block's own
+            _, size, total = min(events)
+            self.bytes = max(t for _, _, t in events) - (total - size)

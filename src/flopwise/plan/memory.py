@@ -235,6 +235,42 @@ def end_activation_bytes(m: ModelConfig, seq: int, micro_batch: int, tp: int, ha
     return out
 
 
+def loss_working_bytes(m: ModelConfig, seq: int, micro_batch: int, tp: int, compute: int) -> float:
+    """What the last stage holds at the step's high-water mark beyond the saved tensors: the head's
+    logits (compute dtype, `compute` bytes), kept from the forward until the loss's backward has
+    used them, and the fp32 vocabulary-wide tensors the cross-entropy's backward holds at once: two
+    (the gradients of its log-softmax's output and input), three for the vocab-parallel loss under
+    tensor parallel (which recomputes the softmax's exp), each split over tp. Measured with
+    PeakMemory."""
+    return (compute + 4 * (2 if tp == 1 else 3)) * seq * micro_batch * m.vocab_size / tp
+
+
+def regathered_bytes(layer_params: float, lo) -> float:
+    """ZeRO-3's working set in backward: a re-gathered 16-bit block and the prefetched next one, with
+    their unsharded fp32 gradients before the reduce-scatter (per tensor-parallel shard). It comes
+    after the loss's working set is freed, so a step holds the larger of the two."""
+    return 2 * (2 + 4) * layer_params / lo.tp if lo.reshards_params else 0.0
+
+
+def step_grads(lo, microbatches: int, grads: float) -> tuple[float, bool]:
+    """The gradient bytes a step allocates, and whether they exist when the activations peak (the
+    start of the last micro-batch's backward). DDP's gradients are views of its buckets, which
+    exist before the step, except under no_sync accumulation, where they are tensors of their own.
+    They are held at the peak when an earlier micro-batch has run backward (accumulation, a
+    pipeline schedule); otherwise they appear as backward frees the activations."""
+    ddp = not lo.fsdp2 and lo.dp * lo.cp > 1
+    held = microbatches > 1 or lo.pp > 1
+    return (0.0 if ddp and not held else grads), held
+
+
+def step_peak_bytes(grads: float, grads_held: bool, activations: float, other: float) -> float:
+    """What a step allocates on a device at its high-water mark, above the parameters and optimizer
+    state (and DDP's buckets) it starts with: `other` (copies, working sets) with the activations'
+    peak, plus the gradients if they are held then, or the whole gradients at the end of backward if
+    that is larger. The device's peak is this plus its resident model states."""
+    return other + max(activations + (grads if grads_held else 0.0), grads)
+
+
 def autocast_weight_copy_bytes(m: ModelConfig, layers: int, head: bool, tp: int = 1) -> float:
     """The bf16 copies autocast makes of the fp32 weights a rank multiplies with: each linear's
     weight and bias in its `layers` blocks (their tensor-parallel slices) and the head's matrix (tied

@@ -68,8 +68,10 @@ from flopwise.hardware import Hardware
 from flopwise.plan.comm import (dp_collectives, pp_boundary_elements, ring_time, sp_regather_elements,
                                 tied_embedding_elements)
 from flopwise.plan.layout import Layout, stage_ids, stage_sizes
-from flopwise.plan.memory import (KORTHIKANTI, autocast_weight_copy_bytes, engine_precision, model_state_bytes,
-                                  rank_activation_bytes, rank_tensors, zero1_loads)
+from flopwise.plan.memory import (KORTHIKANTI, autocast_weight_copy_bytes, end_activation_bytes, engine_precision,
+                                  in_flight_microbatches, loss_working_bytes, model_state_bytes,
+                                  rank_activation_bytes, rank_tensors, regathered_bytes, step_grads,
+                                  step_peak_bytes, zero1_loads)
 
 MEM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for streaming kernels (STREAM-like copies)
 LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth over the nominal per-direction link rate
@@ -333,16 +335,16 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     precision = engine_precision("bf16", fsdp) if stack.engine_activations else KORTHIKANTI
     weight_copies = stack.engine_activations and not fsdp  # autocast's bf16 weights (FSDP2 computes with bf16 params)
     tokens_mb = lo.micro_batch * seq / lo.cp
-    logits = tokens_mb * sh.vocab / lo.tp * (2 + 4)  # 16-bit logits kept + fp32 softmax in the loss
-    zero3_live = (2 * (2 + 4) * sh.layer_params / lo.tp) if lo.reshards_params else 0  # gathered layer + prefetch
+    engine = stack.engine_activations  # this engine's byte account (measured: plan --measure), else Megatron's
+    zero3_live = regathered_bytes(sh.layer_params, lo)
+    if engine:  # the loss's working set and ZeRO-3's re-gathered blocks come one after the other in backward
+        loss_work = max(loss_working_bytes(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp, precision.compute), zero3_live)
+    else:  # 16-bit logits kept + fp32 softmax in the loss, beside the gathered layers
+        loss_work = tokens_mb * sh.vocab / lo.tp * (2 + 4) + zero3_live
     # This engine's FSDP2 keeps fp32 shards at rest and computes with all-gathered bf16 copies, held
     # from forward to backward unless resharded (memory.gathered_param_bytes, measured)
-    gathered_copies = stack.engine_activations and fsdp and not lo.reshards_params
-    # Gradients beside the activations' peak (the end of the last forward): always for Megatron's
-    # contiguous buffers and DDP's buckets; in this engine otherwise only once a micro-batch has run
-    # backward (accumulation, pipelining), as they appear while backward frees the activations
-    ddp = not fsdp and lo.dp * lo.cp > 1
-    grads_at_peak = not stack.engine_activations or ddp or n_micro > 1 or lo.pp > 1
+    gathered_copies = engine and fsdp and not lo.reshards_params
+    in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, n_micro, v)
     best = None
     whole_tensors = lo.zero == 1 and stack.zero1_broadcast and lo.dp * lo.cp > 1  # ZeroRedundancyOptimizer
     opt_elements = 0.0  # optimizer-state elements the busiest rank steps
@@ -354,16 +356,20 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
         opt_elements = max(opt_elements, owned)
         activations = rank_activation_bytes(m_cfg, lo, seq, global_batch, load.layers, stack.flash_attention,
                                             sh.document_mask, precision)
+        if engine:
+            activations += in_flight * end_activation_bytes(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp,
+                                                            load.embedding, load.head, precision)
         copies = 0.0 if not weight_copies else _memo(
             cache, ("copies", load.layers, load.head, lo.tp),
             lambda: autocast_weight_copy_bytes(m_cfg, load.layers, load.head, lo.tp))
         mem = {"params": st.params, "grads": st.grads,
                "optimizer": stack.optimizer_state_bytes * owned if whole_tensors else st.optimizer,
                "activations": activations,
-               "other": (logits if load.head else 0.0) + zero3_live + copies + RUNTIME_RESERVE
+               "other": (loss_work if load.head else zero3_live) + copies + RUNTIME_RESERVE
                + (2 * load.params if gathered_copies else 0.0)}
-        mem["total"] = mem["params"] + mem["optimizer"] + mem["other"] + max(
-            mem["activations"] + (mem["grads"] if grads_at_peak else 0.0), mem["grads"])
+        grads, held = step_grads(lo, n_micro, st.grads) if engine else (st.grads, True)
+        mem["total"] = (mem["params"] + mem["optimizer"] + st.grads - grads
+                        + step_peak_bytes(grads, held, activations, mem["other"]))
         if best is None or mem["total"] > best["total"]:
             best = mem
     usable = hw.memory_bytes * (1 - FIT_MARGIN)

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from flopwise.config import Config
 from flopwise.plan.comm import dp_collectives, pp_boundary_elements, tp_allreduce_elements
 from flopwise.plan.layout import Layout, stage_ids, stage_sizes
-from flopwise.plan.memory import (end_activation_bytes, engine_precision, gathered_param_bytes,
-                                  in_flight_microbatches, rank_activation_bytes, rank_model_states, rank_param_count)
+from flopwise.plan.memory import (autocast_weight_copy_bytes, end_activation_bytes, engine_precision,
+                                  gathered_param_bytes, in_flight_microbatches, loss_working_bytes,
+                                  rank_activation_bytes, rank_model_states, rank_param_count, regathered_bytes,
+                                  step_grads, step_peak_bytes)
 from flopwise.plan.perf import STACKS
 
 
@@ -23,7 +25,8 @@ class RankPrediction:
     grads: float
     optimizer: float
     activations: float  # saved for backward, at the rank's peak (as this engine keeps them)
-    gathered: float  # FSDP2's all-gathered parameters, the most at once
+    gathered: float  # FSDP2's all-gathered parameters when the activations peak
+    peak: float  # allocated at the step's high-water mark, above the resident model states
     collectives: dict[str, float]  # kind -> elements per step
 
 
@@ -52,7 +55,13 @@ def predict_rank(cfg: Config, lo: Layout, pp_rank: int, shard_rank: int, dp_rank
                                              precision)
     psi = rank_param_count(cfg.model, lo, layers, emb, head)
     gathered = gathered_param_bytes(cfg.model, lo, layers, emb, head, cfg.train.dtype)
-    return RankPrediction(layers, states.params, states.grads, states.optimizer, acts, gathered,
+    bf16_autocast = cfg.train.dtype == "bf16" and not lo.fsdp2
+    other = gathered + (autocast_weight_copy_bytes(cfg.model, len(layers), head, lo.tp) if bf16_autocast else 0.0)
+    block = rank_param_count(cfg.model, lo, layers[:1], False, False)
+    other += max(loss_working_bytes(cfg.model, cfg.data.seq_len // lo.cp, lo.micro_batch, lo.tp, precision.compute)
+                 if head else 0.0, regathered_bytes(block, lo))
+    peak = step_peak_bytes(*step_grads(lo, lo.microbatches(cfg.train.global_batch), states.grads), acts, other)
+    return RankPrediction(layers, states.params, states.grads, states.optimizer, acts, gathered, peak,
                           step_collectives(cfg, lo, pp_rank, psi, len(layers)))
 
 

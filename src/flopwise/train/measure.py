@@ -35,14 +35,14 @@ from flopwise.train.faults import Faults
 from flopwise.train.trainer import train_step
 
 MAX_RANKS = 8  # processes one CPU machine runs for a measurement (gloo)
-QUANTITIES = ("params", "grads", "optimizer", "activations", "gathered")
+QUANTITIES = ("params", "grads", "optimizer", "activations", "gathered", "peak")
 
 
 def measure_rank(run: Run, steps: int) -> dict[str, Any]:
     """This rank's mesh coordinates, its layers, and what it holds and sends over `steps` training
     steps: parameters at rest (after the build), gradient bytes as the optimizer steps, optimizer
-    moments after the last step, the peak saved activations and FSDP2's most all-gathered parameter
-    bytes in the last step, and collective
+    moments after the last step, the peak saved activations, FSDP2's all-gathered parameters then
+    and the high-water mark of all memory in the last step, and collective
     elements by kind in one step more."""
     engine, opt, par = run.engine, run.optimizer, run.par
     plain = [getattr(m, "module", m) for m in engine.parts]  # DDP's wrapped module
@@ -54,9 +54,9 @@ def measure_rank(run: Run, steps: int) -> dict[str, Any]:
     faults = Faults()
     try:
         for i in range(steps):
-            with acc.SavedBytes(*engine.parts) as saved:
+            with acc.SavedBytes(*engine.parts) as saved, acc.PeakMemory(par.device) as peak:
                 train_step(run, run.start_step + i, faults)
-            out["activations"], out["gathered"] = saved.bytes, saved.gathered
+            out["activations"], out["gathered"], out["peak"] = saved.bytes, saved.gathered, peak.bytes
         # CommCounter is a dispatch mode, under which compiled blocks run eagerly (and save what eager
         # saves): the collectives get a step of their own
         with acc.CommCounter() as comm:
