@@ -140,7 +140,7 @@ def search(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, sta
                 break
             if not fits:
                 misses.append(est)
-    fits.sort(key=lambda e: -e.tokens_per_s)
+    fits.sort(key=lambda e: (-e.tokens_per_s, e.memory["total"]))  # on a tie, the headroom
     if fits:
         return SearchResult(ranked=fits[:keep], evaluated=evaluated, fitting=len(fits), refused=refused)
     misses.sort(key=lambda e: e.memory["total"])
