@@ -604,8 +604,8 @@ def _print_measured(r: dict) -> None:
                           f"{rank['layers']['measured']}[/]")
     console.print(table)
     console.print("[dim]params at rest, grads as the optimizer steps, optimizer: AdamW moments; activations: peak "
-                  "saved for backward (planner: this engine's activations with its eager loss); collectives: elements per "
-                  "step by kind, single-element ones (loss, norm, flags) left out[/]")
+                  "saved for backward (planner: this engine's activations and loss, eager or compiled as the run is); "
+                  "collectives: elements per step by kind, single-element ones (loss, norm, flags) left out[/]")
 
 
 @app.command("audit")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from flopwise.config import Config
 from flopwise.plan.comm import dp_collectives, pp_boundary_elements, tp_allreduce_elements
-from flopwise.plan.layout import Layout, stage_ids, stage_sizes
+from flopwise.plan.layout import Layout, compiles, stage_ids, stage_sizes
 from flopwise.plan.memory import (end_activation_bytes, engine_precision, in_flight_microbatches,
                                   rank_activation_bytes, rank_model_states, rank_param_count)
 from flopwise.plan.perf import STACKS
@@ -42,7 +42,8 @@ def predict_rank(cfg: Config, lo: Layout, pp_rank: int, shard_rank: int, dp_rank
     (`cpu`: the engine runs on CPUs, where its attention core computes in fp32)."""
     layers, emb, head = rank_layers(cfg, lo, pp_rank)
     states = rank_model_states(cfg.model, lo, layers, emb, head, shard_rank=shard_rank, dp_rank=dp_rank)
-    precision = engine_precision(cfg.train.dtype, lo.zero >= 2 and lo.world > 1, cpu)
+    compiled = compiles(cfg.train.compile, cfg.train.steps, lo)
+    precision = engine_precision(cfg.train.dtype, lo.zero >= 2 and lo.world > 1, cpu, compiled)
     acts = rank_activation_bytes(cfg.model, lo, cfg.data.seq_len, cfg.train.global_batch, len(layers),
                                  STACKS["flopwise"].flash_attention, cfg.data.document_mask, precision, pp_rank)
     in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, lo.microbatches(cfg.train.global_batch),
