@@ -77,7 +77,8 @@ def engine_precision(dtype: str, fsdp: bool, cpu: bool = False, compiled: bool =
 
 
 # torch.get_rng_state(): the CPU generator's state, which a compiled checkpoint saves as a tensor
-# for each checkpointed region (eager checkpoint keeps it outside autograd's saved tensors).
+# for each checkpointed region on a CPU (eager checkpoint keeps it outside autograd's saved tensors;
+# on CUDA, measured on an H200, neither does).
 CHECKPOINT_RNG_STATE_BYTES = 5056
 
 
@@ -123,6 +124,13 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
         which casts each block's inputs, cos/sin included: + 2·e·s·rotary_dim.
     Selective recompute drops the score and mask terms (and, in this engine, the logsumexp and the
     partial-rotary output copy); full recompute keeps only the layer input, r·sbh.
+    Measured equal, byte for byte, for Llama (GQA, SwiGLU, RMSNorm, RoPE), GPT-2 (MHA, GeLU,
+    LayerNorm, biases, learned positions), NeoX (parallel block, partial RoPE) and OPT (ReLU) in
+    fp32 and bf16 autocast with each recompute mode, and on two ranks under tensor parallel, sequence
+    parallel, context parallel and FSDP2 (tests/test_activation_bytes.py). Not modelled for this engine (not
+    measured): dropout (on CPU its masks are in the activation dtype, not 1 byte, and SDPA with
+    dropout falls back to the math kernel, which keeps the s² scores); qk_norm's per-head norm
+    tensors; ALiBi's and relative positions' float masks (and FSDP2's per-layer casts of them).
     A compiled block (`precision.compiled`, measured with SavedBytes): AOTAutograd's min-cut
     partitioner keeps the matmul inputs and outputs and recomputes the cheap pointwise ops in
     backward. It keeps the block's input x (r·sbh: it rebuilds the mid-residual x + attention from
@@ -131,7 +139,7 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
     compute dtype (e·sbh, shared by the linears that read it: one cast, not one per linear); the
     output projection's output (e·sbh, not in a parallel block); the attention core as eager keeps
     it (Q, K, V, output and logsumexp at a bytes, plus the output projection's e-byte input when
-    a ≠ e or with partial rotary); the MLP: SwiGLU 3 tensors of e·sbf (w1 and w3 outputs, their
+    a ≠ e or with partial rotary; a document mask's copy); the MLP: SwiGLU 3 tensors of e·sbf (w1 and w3 outputs, their
     product; silu recomputed), GeLU 2 (w1 output, GeLU output), ReLU its output and a 1-byte mask;
     and, under bf16 autocast (r ≠ e), the bf16 cast of every linear weight of the block (e·weights
     / tp, biases not kept): made inside the compiled graph, these are per micro-batch activations,
@@ -140,15 +148,11 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
     the partial-rotary copy stays) and the CPU generator's state per layer
     (CHECKPOINT_RNG_STATE_BYTES); full recompute keeps r·sbh and that state. Measured equal, byte
     for byte, for the four families in fp32 and bf16 autocast with each recompute mode, on one
-    process (tests/test_activation_bytes.py); sequence/tensor/context parallel and FSDP2's casts of
-    the RoPE tables are booked as eager's, not measured compiled.
-    Measured equal, byte for byte, for Llama (GQA, SwiGLU, RMSNorm, RoPE), GPT-2 (MHA, GeLU,
-    LayerNorm, biases, learned positions), NeoX (parallel block, partial RoPE) and OPT (ReLU) in
-    fp32 and bf16 autocast with each recompute mode, and on two ranks under tensor parallel, sequence
-    parallel, context parallel and FSDP2 (tests/test_activation_bytes.py). Not modelled for this engine (not
-    measured): dropout (on CPU its masks are in the activation dtype, not 1 byte, and SDPA with
-    dropout falls back to the math kernel, which keeps the s² scores); qk_norm's per-head norm
-    tensors; ALiBi's and relative positions' float masks (and FSDP2's per-layer casts of them).
+    process (tests/test_activation_bytes.py); on one H200 (torch 2.11, CUDA flash attention, a = e;
+    Llama d 1024, s 1024) within 16 bytes per layer (flash's philox seed and offset) under bf16
+    autocast and bf16 parameters, with each recompute mode, where the CPU generator's state is not
+    kept (5 KB per layer booked too many). Sequence/tensor/context parallel and FSDP2's casts of the
+    RoPE tables are booked as eager's, not measured compiled.
     """
     s, b, h = seq, micro_batch, m.d_model
     sbh, sb = s * b * h, s * b
@@ -162,7 +166,7 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
     hq, hkv, f = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.ffn_dim
     masks = 2 * sbh if drop else 0
     out = a * sb * hq  # the attention core's output
-    weights = 0.0
+    weights = rng = 0.0
     if precision.engine:
         rms = m.norm == "rmsnorm"
         casts = r != e
@@ -176,7 +180,7 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
             attn_extra += e * sb * hq if copy else 0
             out = out if recompute == "none" else 0
             weights = e * count_params(m).layer_matmul / m.n_layers / tp if casts else 0.0
-            weights += CHECKPOINT_RNG_STATE_BYTES if recompute == "selective" else 0
+            rng = CHECKPOINT_RNG_STATE_BYTES if recompute == "selective" else 0
         else:
             inputs = 2 if (not m.parallel_block or (rms and r < 4)) else 1
             norms = inputs * (4 if rms else r) * sbh + 2 * ((4 * sb + 4 * sbh) if rms else 2 * r * sb)
@@ -197,7 +201,7 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
     if not flash and recompute != "selective":
         scores = (2 + (3 if drop else 0)) * m.n_heads * s * s * b
     mask = a * s * b * mask_keys if recompute == "none" else 0
-    return replicated / rep_div + linear_in / linear_div + (split + scores) / tp + mask + cp_mask + tables + weights
+    return replicated / rep_div + linear_in / linear_div + (split + scores) / tp + mask + cp_mask + tables + weights + rng
 
 
 def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1,
