@@ -193,8 +193,8 @@ def test_eval_and_generate_cli(tiny_data, tmp_path):
 def test_compile_auto_compiles_long_runs_on_tested_layouts(tiny_data, tmp_path):
     """train.compile=auto: long single-process or data-parallel runs compile, short runs and
     tensor/pipeline/context-parallel layouts stay eager unless asked; the run's banner says which."""
-    from flopwise.parallel.apply import COMPILE_MIN_STEPS, compiles
-    from flopwise.plan.layout import Layout
+    from flopwise.parallel.apply import compiles
+    from flopwise.plan.layout import COMPILE_MIN_STEPS, Layout
 
     def cfg(**kw):
         return load_config(None, tiny_overrides(tmp_path, tiny_data, **kw))

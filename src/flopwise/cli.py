@@ -605,8 +605,9 @@ def _print_measured(r: dict) -> None:
                           f"{rank['layers']['measured']}[/]")
     console.print(table)
     console.print("[dim]params at rest, grads as the optimizer steps, optimizer: AdamW moments; activations: peak "
-                  "saved for backward; gathered: FSDP2's all-gathered parameters, the most at once; collectives: elements per "
-                  "step by kind, single-element ones (loss, norm, flags) left out[/]")
+                  "saved for backward (the planner's: this engine's, eager or compiled as the run is); gathered: "
+                  "FSDP2's all-gathered parameters then; peak: the step's high-water mark above the resident states; "
+                  "collectives: elements per step by kind, single-element ones (loss, norm, flags) left out[/]")
 
 
 @app.command("audit")

@@ -17,7 +17,7 @@ from flopwise.model.transformer import Transformer, materialise
 from flopwise.parallel.context import ContextParallel
 from flopwise.parallel.data import apply_ddp, apply_fsdp, apply_replicate, uses_ddp, uses_replicate
 from flopwise.parallel.mesh import Parallel
-from flopwise.plan.layout import Layout
+from flopwise.plan.layout import Layout, compiles as layout_compiles
 from flopwise.parallel.tensor import apply_tp, keep_embedding_grad_sharded
 
 
@@ -33,18 +33,9 @@ def apply_recompute(model: Transformer, mode: str) -> None:
             block.attention.core = checkpoint_wrapper(block.attention.core, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
-# train.compile=auto compiles runs at least this long: a cold compile costs 10-20 s on a 2-core CPU
-# (warm inductor cache: ~3 s) and saves 30-50% of a ladder-shape step, so it repays itself within
-# about a thousand steps; shorter runs (the demo, the tests) start at once.
-COMPILE_MIN_STEPS = 1000
-
-
 def compiles(cfg: Config, lo: Layout) -> bool:
-    """Whether this run compiles. `auto` keeps to the layouts whose compiled path is tested against
-    eager (one process, data parallel with any ZeRO stage)."""
-    if cfg.train.compile != "auto":
-        return cfg.train.compile
-    return cfg.train.steps >= COMPILE_MIN_STEPS and lo.tp == lo.pp == lo.cp == 1
+    """Whether this run compiles (plan.layout.compiles: the planner books the same)."""
+    return layout_compiles(cfg.train.compile, cfg.train.steps, lo)
 
 
 def apply_compile(model: Transformer) -> None:

@@ -227,3 +227,19 @@ def engine_limits(lo: Layout, m: ModelConfig, pp_layers: tuple[int, ...] | list[
         return (f"parallel.zero=1 with parallel.tp={lo.tp}: torch's ZeroRedundancyOptimizer cannot broadcast "
                 "tensor-parallel (DTensor) parameters; use parallel.zero=0, 2 or 3")
     return None
+
+
+# train.compile=auto compiles runs at least this long: a cold compile costs 10-20 s on a 2-core CPU
+# (warm inductor cache: ~3 s) and saves 30-50% of a ladder-shape step, so it repays itself within
+# about a thousand steps; shorter runs (the demo, the tests) start at once.
+COMPILE_MIN_STEPS = 1000
+
+
+def compiles(setting: bool | str, steps: float, lo: Layout) -> bool:
+    """Whether a run of `steps` steps with train.compile=`setting` compiles its blocks (and, without
+    tensor parallel, its loss): the engine applies it, and the planner books what a compiled block
+    saves for backward. `auto` keeps to the layouts whose compiled path is tested against eager
+    (one process, data parallel with any ZeRO stage)."""
+    if setting != "auto":
+        return bool(setting)
+    return steps >= COMPILE_MIN_STEPS and lo.tp == lo.pp == lo.cp == 1

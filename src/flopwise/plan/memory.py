@@ -10,7 +10,7 @@ multi-head attention to any ffn width, SwiGLU, grouped-query attention, flash at
 dropout-free models. With the paper's assumptions (MHA, ffn = 4h, dropout, no flash) it is exactly
 their s·b·h·(34 + 5·a·s/h) and its tensor/sequence-parallel and recompute variants (tested). The
 same function books what this engine keeps (`engine_precision`: fp32, bf16 autocast over an fp32
-residual stream, or bf16 under FSDP2), measured with parallel.accounting.SavedBytes.
+residual stream, or bf16 under FSDP2; eager or compiled), measured with parallel.accounting.SavedBytes.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from flopwise.config import ModelConfig
+from flopwise.flops import count_params, param_shapes
 
 OPTIMIZER_BYTES_PER_PARAM = 12  # K of mixed-precision Adam
 
@@ -50,26 +51,35 @@ def model_state_bytes(psi: float, zero: int, shard: int, k: float = OPTIMIZER_BY
 class SavedPrecision:
     """How a stack keeps activations for backward: bytes per element of the compute dtype (linear
     inputs and outputs, Q/K/V, attention and MLP tensors) and of the residual stream (norm inputs),
-    and whether to book what PyTorch's kernels in this engine keep (`engine`) or Korthikanti et
-    al.'s tensor list (Megatron's fused kernels)."""
+    and whether to book what PyTorch's kernels in this engine keep (`engine`; `compiled`: what
+    AOTAutograd's partitioner keeps of a torch.compile'd block and loss) or Korthikanti et al.'s
+    tensor list (Megatron's fused kernels)."""
 
     compute: int = 2
     residual: int = 2
     engine: bool = False
     attention: int = 0  # bytes of the attention core's saved Q, K, V and output; 0: the compute dtype's
+    compiled: bool = False
 
 
 KORTHIKANTI = SavedPrecision()
 
 
-def engine_precision(dtype: str, fsdp: bool, cpu: bool = False) -> SavedPrecision:
+def engine_precision(dtype: str, fsdp: bool, cpu: bool = False, compiled: bool = False) -> SavedPrecision:
     """This engine's activations: fp32 throughout; or bf16 autocast over an fp32 residual stream
     (fp32 master weights); or, under FSDP2 with bf16 param_dtype, bf16 throughout (FSDP2 casts
     each block's inputs to bf16, so the residual stream is bf16). On a CPU the attention core runs
-    in fp32 whatever the dtype (model.layers.CoreAttention)."""
+    in fp32 whatever the dtype (model.layers.CoreAttention). `compiled`: the blocks (and the loss)
+    are torch.compile'd (plan.layout.compiles)."""
     if dtype == "fp32":
-        return SavedPrecision(4, 4, True)
-    return SavedPrecision(2, 2 if fsdp else 4, True, 4 if cpu else 0)
+        return SavedPrecision(4, 4, True, compiled=compiled)
+    return SavedPrecision(2, 2 if fsdp else 4, True, 4 if cpu else 0, compiled)
+
+
+# torch.get_rng_state(): the CPU generator's state, which a compiled checkpoint saves as a tensor
+# for each checkpointed region on a CPU (eager checkpoint keeps it outside autograd's saved tensors;
+# on CUDA, measured on an H200, neither does).
+CHECKPOINT_RNG_STATE_BYTES = 5056
 
 
 def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: int = 1,
@@ -121,6 +131,28 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
     measured): dropout (on CPU its masks are in the activation dtype, not 1 byte, and SDPA with
     dropout falls back to the math kernel, which keeps the s² scores); qk_norm's per-head norm
     tensors; ALiBi's and relative positions' float masks (and FSDP2's per-layer casts of them).
+    A compiled block (`precision.compiled`, measured with SavedBytes): AOTAutograd's min-cut
+    partitioner keeps the matmul inputs and outputs and recomputes the cheap pointwise ops in
+    backward. It keeps the block's input x (r·sbh: it rebuilds the mid-residual x + attention from
+    it); the norms' statistics, not their inputs (RMSNorm 1/rms, 4·sb; LayerNorm mean and 1/std,
+    2·r·sb; a parallel block's two norms of x share one set); each norm's output once, in the
+    compute dtype (e·sbh, shared by the linears that read it: one cast, not one per linear); the
+    output projection's output (e·sbh, not in a parallel block); the attention core as eager keeps
+    it (Q, K, V, output and logsumexp at a bytes, plus the output projection's e-byte input when
+    a ≠ e or with partial rotary; a document mask's copy); the MLP: SwiGLU 3 tensors of e·sbf (w1 and w3 outputs, their
+    product; silu recomputed), GeLU 2 (w1 output, GeLU output), ReLU its output and a 1-byte mask;
+    and, under bf16 autocast (r ≠ e), the bf16 cast of every linear weight of the block (e·weights
+    / tp, biases not kept): made inside the compiled graph, these are per micro-batch activations,
+    not autocast's once-per-step copies (`autocast_weight_copy_bytes`). Selective recompute keeps
+    the core's e-byte Q, K and V (no output: the checkpoint rebuilds it, and wo's input from it;
+    the partial-rotary copy stays) and the CPU generator's state per layer
+    (CHECKPOINT_RNG_STATE_BYTES); full recompute keeps r·sbh and that state. Measured equal, byte
+    for byte, for the four families in fp32 and bf16 autocast with each recompute mode, on one
+    process (tests/test_activation_bytes.py); on one H200 (torch 2.11, CUDA flash attention, a = e;
+    Llama d 1024, s 1024) within 16 bytes per layer (flash's philox seed and offset) under bf16
+    autocast and bf16 parameters, with each recompute mode, where the CPU generator's state is not
+    kept (5 KB per layer booked too many). Sequence/tensor/context parallel and FSDP2's casts of the
+    RoPE tables are booked as eager's, not measured compiled.
     """
     s, b, h = seq, micro_batch, m.d_model
     sbh, sb = s * b * h, s * b
@@ -128,23 +160,34 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
     a = (precision.attention or e) if recompute == "none" else e  # selective recompute keeps e-byte inputs
     drop = (m.dropout > 0) if dropout is None else dropout
     rep_div = tp if sequence_parallel else 1
+    compiled = precision.engine and precision.compiled
     if recompute == "full":
-        return r * sbh / rep_div
+        return r * sbh / rep_div + (CHECKPOINT_RNG_STATE_BYTES if compiled else 0)
     hq, hkv, f = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.ffn_dim
     masks = 2 * sbh if drop else 0
+    out = a * sb * hq  # the attention core's output
+    weights = rng = 0.0
     if precision.engine:
         rms = m.norm == "rmsnorm"
-        inputs = 2 if (not m.parallel_block or (rms and r < 4)) else 1
-        norms = inputs * (4 if rms else r) * sbh + 2 * ((4 * sb + 4 * sbh) if rms else 2 * r * sb)
         casts = r != e
-        linear_in = ((3 if casts else 1) + (2 if casts and m.mlp == "swiglu" else 1)) * e * sbh
-        replicated, linear_div = norms + masks, 1
-        mlp = {"swiglu": 4, "relu": 1}.get(m.mlp, 2) * e * s * b * f
-        attn_extra = 0.0
-        if recompute == "none":
-            attn_extra += 4 * m.n_heads * sb if flash else 0
-            copy = m.pos == "rope" and m.rotary_dim < m.head_dim or a != e
+        copy = m.pos == "rope" and m.rotary_dim < m.head_dim or a != e
+        attn_extra = 4 * m.n_heads * sb if flash and recompute == "none" else 0
+        if compiled:
+            stats = (1 if m.parallel_block else 2) * (4 * sb if rms else 2 * r * sb)
+            replicated = r * sbh + stats + (0 if m.parallel_block else e * sbh) + masks
+            linear_in, linear_div = 2 * e * sbh, 1
+            mlp = {"swiglu": 3 * e, "relu": e + 1}.get(m.mlp, 2 * e) * s * b * f
             attn_extra += e * sb * hq if copy else 0
+            out = out if recompute == "none" else 0
+            weights = e * count_params(m).layer_matmul / m.n_layers / tp if casts else 0.0
+            rng = CHECKPOINT_RNG_STATE_BYTES if recompute == "selective" else 0
+        else:
+            inputs = 2 if (not m.parallel_block or (rms and r < 4)) else 1
+            norms = inputs * (4 if rms else r) * sbh + 2 * ((4 * sb + 4 * sbh) if rms else 2 * r * sb)
+            linear_in = ((3 if casts else 1) + (2 if casts and m.mlp == "swiglu" else 1)) * e * sbh
+            replicated, linear_div = norms + masks, 1
+            mlp = {"swiglu": 4, "relu": 1}.get(m.mlp, 2) * e * s * b * f
+            attn_extra += e * sb * hq if copy and recompute == "none" else 0
         tables = 2 * e * s * m.rotary_dim if m.pos == "rope" and r == e == 2 else 0
         kv_whole = a * sb * 2 * hkv * (cp - 1)
         cp_mask = a * s * s * cp if cp > 1 and not mask_keys and recompute == "none" else 0
@@ -153,12 +196,12 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
         replicated, linear_div = 2 * r * sbh + masks, rep_div
         mlp = (4 if m.mlp == "swiglu" else 2) * e * s * b * f
         attn_extra = tables = kv_whole = cp_mask = 0
-    split = a * sb * (hq + 2 * hkv) + a * sb * hq + mlp + attn_extra + kv_whole
+    split = a * sb * (hq + 2 * hkv) + out + mlp + attn_extra + kv_whole
     scores = 0.0
     if not flash and recompute != "selective":
         scores = (2 + (3 if drop else 0)) * m.n_heads * s * s * b
     mask = a * s * b * mask_keys if recompute == "none" else 0
-    return replicated / rep_div + linear_in / linear_div + (split + scores) / tp + mask + cp_mask + tables
+    return replicated / rep_div + linear_in / linear_div + (split + scores) / tp + mask + cp_mask + tables + weights + rng
 
 
 def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1,
@@ -219,11 +262,13 @@ _LINEAR = ("attention.wq.", "attention.wk.", "attention.wv.", "attention.wo.", "
 
 def end_activation_bytes(m: ModelConfig, seq: int, micro_batch: int, tp: int, has_embedding: bool, has_head: bool,
                          precision: SavedPrecision) -> float:
-    """What one micro-batch keeps for backward outside the layers, in this engine with its eager loss
-    (measured with SavedBytes, 2·L1 − L2 layers): on the first stage the token ids (int64); on every
-    stage the RoPE cos/sin gathered for the forward (fp32, shared by its layers); on the last the
-    final norm's input and internals (as a layer's norm), the head's input (compute dtype) and the
-    loss's fp32 log-softmax over the vocabulary (split over tp), and the targets (int64)."""
+    """What one micro-batch keeps for backward outside the layers, in this engine (measured with
+    SavedBytes, 2·L1 − L2 layers): on the first stage the token ids (int64); on every stage the
+    RoPE cos/sin gathered for the forward (fp32, shared by its layers); on the last the final norm's
+    input and internals (as a layer's norm), the head's input (compute dtype), the targets (int64)
+    and what the loss keeps: the eager loss its fp32 log-softmax over the vocabulary (split over
+    tp); the compiled one (`precision.compiled`, without tensor parallel) the logits themselves in
+    the compute dtype and two fp32 per-token statistics (max and log-sum-exp), never an fp32 copy."""
     s, b, h = seq, micro_batch, m.d_model
     sb, sbh = s * b, s * b * m.d_model
     e, r = precision.compute, precision.residual
@@ -231,18 +276,24 @@ def end_activation_bytes(m: ModelConfig, seq: int, micro_batch: int, tp: int, ha
     out += 2 * 4 * s * m.rotary_dim if m.pos == "rope" else 0.0
     if has_head:
         norm = (4 * sb + 4 * sbh) if m.norm == "rmsnorm" else 2 * r * sb
-        out += r * sbh + norm + e * sbh + 4 * sb * m.vocab_size / tp + 8 * sb
+        compiled_loss = precision.compiled and tp == 1  # the engine's loss (train.engine.Engine.loss)
+        loss = e * sb * m.vocab_size + 2 * 4 * sb if compiled_loss else 4 * sb * m.vocab_size / tp
+        out += r * sbh + norm + e * sbh + loss + 8 * sb
     return out
 
 
-def loss_working_bytes(m: ModelConfig, seq: int, micro_batch: int, tp: int, compute: int) -> float:
+def loss_working_bytes(m: ModelConfig, seq: int, micro_batch: int, tp: int, precision: SavedPrecision) -> float:
     """What the last stage holds at the step's high-water mark beyond the saved tensors: the head's
-    logits (compute dtype, `compute` bytes), kept from the forward until the loss's backward has
-    used them, and the fp32 vocabulary-wide tensors the cross-entropy's backward holds at once: two
-    (the gradients of its log-softmax's output and input), three for the vocab-parallel loss under
-    tensor parallel (which recomputes the softmax's exp), each split over tp. Measured with
-    PeakMemory."""
-    return (compute + 4 * (2 if tp == 1 else 3)) * seq * micro_batch * m.vocab_size / tp
+    logits (compute dtype), kept from the forward until the loss's backward has used them, and the
+    fp32 vocabulary-wide tensors the eager cross-entropy's backward holds at once: two (the
+    gradients of its log-softmax's output and input), three for the vocab-parallel loss under
+    tensor parallel (which recomputes the softmax's exp), each split over tp. The compiled loss
+    keeps the logits among its saved tensors and its fused backward writes only their gradient, in
+    the compute dtype. Measured with PeakMemory."""
+    if precision.compiled and tp == 1:
+        return precision.compute * seq * micro_batch * m.vocab_size
+    fp32 = 2 if tp == 1 else 3
+    return (precision.compute + 4 * fp32) * seq * micro_batch * m.vocab_size / tp
 
 
 def regathered_bytes(layer_params: float, lo) -> float:
@@ -276,9 +327,9 @@ def autocast_weight_copy_bytes(m: ModelConfig, layers: int, head: bool, tp: int 
     weight and bias in its `layers` blocks (their tensor-parallel slices) and the head's matrix (tied
     or not); the embedding lookup and the norms read the fp32 parameters. Autocast caches them for
     its whole region, one step in this engine (Engine.forward_backward), so they count once, not
-    per micro-batch. None under FSDP2 with bf16 param_dtype (the parameters are bf16 already)."""
-    from flopwise.flops import param_shapes
-
+    per micro-batch. None under FSDP2 with bf16 param_dtype (the parameters are bf16 already).
+    Compiled blocks make and keep their own casts per micro-batch (`activation_bytes_per_layer`):
+    a compiled rank books only its head here (layers=0)."""
     block = sum(math.prod(_tp_local(n, s, tp)) for n, s in param_shapes(m.model_copy(update={"n_layers": 1}))
                 if n.startswith("layers.0.") and any(k in n for k in _LINEAR))
     return 2 * (layers * block + (m.vocab_size * m.d_model / tp if head else 0))
@@ -311,8 +362,6 @@ def rank_tensors(m: ModelConfig, tp: int, stage_layers, has_embedding: bool,
     """(tensor-parallel local shape, weight-decayed) of every parameter tensor one pipeline rank of
     this engine holds: its stages' layers (`stage_layers`: their indices), the embedding on the
     first stage, final norm and head on the last."""
-    from flopwise.flops import param_shapes
-
     layers = {f"layers.{i}." for i in stage_layers}
     head_names = ("norm.weight", "norm.bias", "output.weight")
     mine = []

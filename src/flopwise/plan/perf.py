@@ -67,7 +67,7 @@ from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import Hardware
 from flopwise.plan.comm import (dp_collectives, pp_boundary_elements, ring_time, sp_regather_elements,
                                 tied_embedding_elements)
-from flopwise.plan.layout import Layout, stage_ids, stage_sizes
+from flopwise.plan.layout import Layout, compiles, stage_ids, stage_sizes
 from flopwise.plan.memory import (KORTHIKANTI, autocast_weight_copy_bytes, end_activation_bytes, engine_precision,
                                   in_flight_microbatches, loss_working_bytes, model_state_bytes,
                                   rank_activation_bytes, rank_tensors, regathered_bytes, step_grads,
@@ -318,10 +318,13 @@ def _memo(cache: dict | None, key: tuple, compute):
 
 
 def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, stack: Stack,
-             cache: dict | None = None) -> Estimate:
+             cache: dict | None = None, compile: bool | str = "auto", steps: float = math.inf) -> Estimate:
     """Memory and time of one optimizer step (global_batch sequences of seq tokens).
 
-    `cache` (one dict per search over a fixed model, hardware and stack) memoises per-layer times."""
+    `cache` (one dict per search over a fixed model, hardware and stack) memoises per-layer times.
+    `compile` and `steps` (train.compile and the run's length, by default a long one) say whether
+    this engine compiles the layout (plan.layout.compiles), which changes what it saves for
+    backward; the step time does not model compilation."""
     m_cfg = sh.config
     n_micro = lo.microbatches(global_batch)
     v = lo.virtual_stages if lo.pp > 1 else 1
@@ -332,13 +335,14 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
                   lambda: list(dict.fromkeys(rank_loads(sh, lo, stack.balanced_stages))))
     shard = lo.dp_shard
     fsdp = lo.fsdp2  # the engine's FSDP2, with bf16 param_dtype
-    precision = engine_precision("bf16", fsdp) if stack.engine_activations else KORTHIKANTI
-    weight_copies = stack.engine_activations and not fsdp  # autocast's bf16 weights (FSDP2 computes with bf16 params)
-    tokens_mb = lo.micro_batch * seq / lo.cp
     engine = stack.engine_activations  # this engine's byte account (measured: plan --measure), else Megatron's
+    compiled = engine and compiles(compile, steps, lo)
+    precision = engine_precision("bf16", fsdp, compiled=compiled) if engine else KORTHIKANTI
+    weight_copies = engine and not fsdp  # autocast's bf16 weights (FSDP2 computes with bf16 params)
+    tokens_mb = lo.micro_batch * seq / lo.cp
     zero3_live = regathered_bytes(sh.layer_params, lo)
     if engine:  # the loss's working set and ZeRO-3's re-gathered blocks come one after the other in backward
-        loss_work = max(loss_working_bytes(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp, precision.compute), zero3_live)
+        loss_work = max(loss_working_bytes(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp, precision), zero3_live)
     else:  # 16-bit logits kept + fp32 softmax in the loss, beside the gathered layers
         loss_work = tokens_mb * sh.vocab / lo.tp * (2 + 4) + zero3_live
     # This engine's FSDP2 keeps fp32 shards at rest and computes with all-gathered bf16 copies, held
@@ -359,9 +363,9 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
         if engine:
             activations += in_flight * end_activation_bytes(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp,
                                                             load.embedding, load.head, precision)
-        copies = 0.0 if not weight_copies else _memo(
-            cache, ("copies", load.layers, load.head, lo.tp),
-            lambda: autocast_weight_copy_bytes(m_cfg, load.layers, load.head, lo.tp))
+        copies = 0.0 if not weight_copies else _memo(  # compiled blocks keep theirs in `activations`
+            cache, ("copies", load.layers, load.head, lo.tp, compiled),
+            lambda: autocast_weight_copy_bytes(m_cfg, 0 if compiled else load.layers, load.head, lo.tp))
         mem = {"params": st.params, "grads": st.grads,
                "optimizer": stack.optimizer_state_bytes * owned if whole_tensors else st.optimizer,
                "activations": activations,
@@ -465,7 +469,7 @@ def data_parallel_time(hw: Hardware, lo: Layout, stack: Stack, psi: float, n_mic
 
 
 def evaluate(m: ModelConfig, hw: Hardware, lo: Layout, seq: int, global_batch: int,
-             stack: str | Stack = "flopwise") -> Estimate:
+             stack: str | Stack = "flopwise", compile: bool | str = "auto", steps: float = math.inf) -> Estimate:
     st = STACKS[stack] if isinstance(stack, str) else stack
-    return estimate(model_shape(m, seq), hw, lo, seq, global_batch, st)
+    return estimate(model_shape(m, seq), hw, lo, seq, global_batch, st, compile=compile, steps=steps)
 

@@ -99,11 +99,13 @@ def plan(cfg: Config, tree: dict[str, Any] | None = None, keep: int = 50) -> Pla
     seq, batch = cfg.data.seq_len, cfg.train.global_batch
     sh = model_shape(cfg.model, seq, cfg.data.document_mask)
     fixed = fixed_keys(tree or {})
-    result = search(sh, hw, cfg.cluster.gpus, seq, batch, STACKS[cfg.plan.stack], fixed, keep)
+    tokens = cfg.plan.tokens or DEFAULT_TOKENS_PER_PARAM * sh.params
+    # the planned run's length decides train.compile=auto, as train.steps does for the engine
+    result = search(sh, hw, cfg.cluster.gpus, seq, batch, STACKS[cfg.plan.stack], fixed, keep, cfg.train.compile,
+                    tokens / (seq * batch))
     if not result.ranked:
         why = result.refused or "check that the degrees multiply to cluster.gpus and divide train.global_batch"
         raise ConfigError(f"no valid layout for {cfg.cluster.gpus} devices with {fixed or 'nothing fixed'}: {why}")
-    tokens = cfg.plan.tokens or DEFAULT_TOKENS_PER_PARAM * sh.params
     best = result.best
     rel = None
     if best.fits:

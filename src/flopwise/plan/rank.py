@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from flopwise.config import Config
 from flopwise.plan.comm import dp_collectives, pp_boundary_elements, tp_allreduce_elements
-from flopwise.plan.layout import Layout, stage_ids, stage_sizes
+from flopwise.plan.layout import Layout, compiles, stage_ids, stage_sizes
 from flopwise.plan.memory import (autocast_weight_copy_bytes, end_activation_bytes, engine_precision,
                                   gathered_param_bytes, in_flight_microbatches, loss_working_bytes,
                                   rank_activation_bytes, rank_model_states, rank_param_count, regathered_bytes,
@@ -46,7 +46,8 @@ def predict_rank(cfg: Config, lo: Layout, pp_rank: int, shard_rank: int, dp_rank
     (`cpu`: the engine runs on CPUs, where its attention core computes in fp32)."""
     layers, emb, head = rank_layers(cfg, lo, pp_rank)
     states = rank_model_states(cfg.model, lo, layers, emb, head, shard_rank=shard_rank, dp_rank=dp_rank)
-    precision = engine_precision(cfg.train.dtype, lo.fsdp2, cpu)
+    compiled = compiles(cfg.train.compile, cfg.train.steps, lo)
+    precision = engine_precision(cfg.train.dtype, lo.fsdp2, cpu, compiled)
     acts = rank_activation_bytes(cfg.model, lo, cfg.data.seq_len, cfg.train.global_batch, len(layers),
                                  STACKS["flopwise"].flash_attention, cfg.data.document_mask, precision, pp_rank)
     in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, lo.microbatches(cfg.train.global_batch),
@@ -56,9 +57,10 @@ def predict_rank(cfg: Config, lo: Layout, pp_rank: int, shard_rank: int, dp_rank
     psi = rank_param_count(cfg.model, lo, layers, emb, head)
     gathered = gathered_param_bytes(cfg.model, lo, layers, emb, head, cfg.train.dtype)
     bf16_autocast = cfg.train.dtype == "bf16" and not lo.fsdp2
-    other = gathered + (autocast_weight_copy_bytes(cfg.model, len(layers), head, lo.tp) if bf16_autocast else 0.0)
+    other = gathered + (autocast_weight_copy_bytes(cfg.model, 0 if compiled else len(layers), head, lo.tp)
+                        if bf16_autocast else 0.0)  # compiled blocks keep their casts among the activations
     block = rank_param_count(cfg.model, lo, layers[:1], False, False)
-    other += max(loss_working_bytes(cfg.model, cfg.data.seq_len // lo.cp, lo.micro_batch, lo.tp, precision.compute)
+    other += max(loss_working_bytes(cfg.model, cfg.data.seq_len // lo.cp, lo.micro_batch, lo.tp, precision)
                  if head else 0.0, regathered_bytes(block, lo))
     peak = step_peak_bytes(*step_grads(lo, lo.microbatches(cfg.train.global_batch), states.grads), acts, other)
     return RankPrediction(layers, states.params, states.grads, states.optimizer, acts, gathered, peak,

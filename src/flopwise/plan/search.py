@@ -16,6 +16,7 @@ always smaller. Hybrid sharding is tried with the shard group that fills one nod
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from flopwise.hardware import Hardware
@@ -120,7 +121,10 @@ def _schedules(pp: int, n_layers: int, fixed: dict, balanced: bool = True) -> li
 
 
 def search(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, stack: Stack,
-           fixed: dict | None = None, keep: int = 50) -> SearchResult:
+           fixed: dict | None = None, keep: int = 50, compile: bool | str = "auto",
+           steps: float = math.inf) -> SearchResult:
+    """Every valid layout's estimate, the fitting ones fastest first (`compile`, `steps`: as
+    plan.perf.estimate)."""
     fixed = dict(fixed or {})
     cache: dict = {}
     fits: list[Estimate] = []
@@ -133,7 +137,7 @@ def search(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, sta
             refused = reason
             continue
         for rc in recomputes:
-            est = estimate(sh, hw, replace(base, recompute=rc), seq, global_batch, stack, cache)
+            est = estimate(sh, hw, replace(base, recompute=rc), seq, global_batch, stack, cache, compile, steps)
             evaluated += 1
             if est.fits:
                 fits.append(est)
