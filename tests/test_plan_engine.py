@@ -145,3 +145,27 @@ def test_step_high_water_mark_is_the_planners(name, measured):
     for r in measured[f"peak-{name}"]["ranks"]:
         want = predict_rank(cfg, lo, r["pp_rank"], r["shard_rank"], r["dp_rank"], cpu=True)
         assert r["peak"] == pytest.approx(want.peak, rel=PEAK[name][1]), (r["peak"], want.peak)
+
+
+# `flopwise plan <H200_1B> train.compile=<c> --measure --nproc 1 --steps 3 --json`, run on a lent
+# H200 (torch 2.11, CUDA; 2026-12-04): benchmarks/results/gpu_measure_llama1b_compile_<c>.json
+H200_1B = ["model.n_layers=16", "model.d_model=2048", "model.n_heads=32", "model.n_kv_heads=8", "model.ffn_dim=8192",
+           "model.vocab_size=32000", "model.max_seq_len=2048", "data.seq_len=2048", "train.global_batch=8",
+           "train.micro_batch=8", 'train.dtype="bf16"']
+
+
+@pytest.mark.parametrize("compile_", ["false", "true"])
+def test_planner_books_what_the_engine_held_on_an_h200(compile_):
+    """The engine measured on a GPU (CUDA's kernels: fused RMSNorm, flash/cuDNN attention in bf16):
+    its states exactly, its saved activations (eager and compiled) to the byte but for a few
+    hundred bytes of scalars, its high-water mark within 1%."""
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / f"benchmarks/results/gpu_measure_llama1b_compile_{compile_}.json"
+    measured = json.loads(path.read_text())["ranks"][0]
+    cfg = load_config(None, [*H200_1B, f"train.compile={compile_}"])
+    want = predict_rank(cfg, layout_of(cfg, 1), 0, 0, 0, cpu=False)
+    for q in ("params", "grads", "optimizer"):
+        assert measured[q]["measured"] == getattr(want, q)
+    assert measured["activations"]["measured"] == pytest.approx(want.activations, abs=1024)
+    assert measured["peak"]["measured"] == pytest.approx(want.peak, rel=0.01)

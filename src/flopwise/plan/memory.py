@@ -60,6 +60,8 @@ class SavedPrecision:
     engine: bool = False
     attention: int = 0  # bytes of the attention core's saved Q, K, V and output; 0: the compute dtype's
     compiled: bool = False
+    cpu: bool = False  # on a CPU RMSNorm is composite ops (it keeps x·rstd in fp32 too; CUDA's fused
+    # kernel keeps its input and rstd), and a compiled checkpoint saves the CPU generator's state
 
 
 KORTHIKANTI = SavedPrecision()
@@ -72,8 +74,8 @@ def engine_precision(dtype: str, fsdp: bool, cpu: bool = False, compiled: bool =
     in fp32 whatever the dtype (model.layers.CoreAttention). `compiled`: the blocks (and the loss)
     are torch.compile'd (plan.layout.compiles)."""
     if dtype == "fp32":
-        return SavedPrecision(4, 4, True, compiled=compiled)
-    return SavedPrecision(2, 2 if fsdp else 4, True, 4 if cpu else 0, compiled)
+        return SavedPrecision(4, 4, True, compiled=compiled, cpu=cpu)
+    return SavedPrecision(2, 2 if fsdp else 4, True, 4 if cpu else 0, compiled, cpu)
 
 
 # torch.get_rng_state(): the CPU generator's state, which a compiled checkpoint saves as a tensor
@@ -162,7 +164,7 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
     rep_div = tp if sequence_parallel else 1
     compiled = precision.engine and precision.compiled
     if recompute == "full":
-        return r * sbh / rep_div + (CHECKPOINT_RNG_STATE_BYTES if compiled else 0)
+        return r * sbh / rep_div + (CHECKPOINT_RNG_STATE_BYTES if compiled and precision.cpu else 0)
     hq, hkv, f = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.ffn_dim
     masks = 2 * sbh if drop else 0
     out = a * sb * hq  # the attention core's output
@@ -180,10 +182,10 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
             attn_extra += e * sb * hq if copy else 0
             out = out if recompute == "none" else 0
             weights = e * count_params(m).layer_matmul / m.n_layers / tp if casts else 0.0
-            rng = CHECKPOINT_RNG_STATE_BYTES if recompute == "selective" else 0
+            rng = CHECKPOINT_RNG_STATE_BYTES if recompute == "selective" and precision.cpu else 0
         else:
             inputs = 2 if (not m.parallel_block or (rms and r < 4)) else 1
-            norms = inputs * (4 if rms else r) * sbh + 2 * ((4 * sb + 4 * sbh) if rms else 2 * r * sb)
+            norms = inputs * (4 if rms else r) * sbh + 2 * _norm_internals(m, sb, sbh, r, precision)
             linear_in = ((3 if casts else 1) + (2 if casts and m.mlp == "swiglu" else 1)) * e * sbh
             replicated, linear_div = norms + masks, 1
             mlp = {"swiglu": 4, "relu": 1}.get(m.mlp, 2) * e * s * b * f
@@ -202,6 +204,14 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
         scores = (2 + (3 if drop else 0)) * m.n_heads * s * s * b
     mask = a * s * b * mask_keys if recompute == "none" else 0
     return replicated / rep_div + linear_in / linear_div + (split + scores) / tp + mask + cp_mask + tables + weights + rng
+
+
+def _norm_internals(m: ModelConfig, sb: float, sbh: float, r: int, precision: SavedPrecision) -> float:
+    """What one eager norm keeps beside its input: RMSNorm its fp32 rstd, and on a CPU also the
+    fp32 normalised input; LayerNorm its mean and rstd."""
+    if m.norm == "rmsnorm":
+        return 4 * sb + (4 * sbh if precision.cpu else 0)
+    return 2 * r * sb
 
 
 def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1,
@@ -275,7 +285,7 @@ def end_activation_bytes(m: ModelConfig, seq: int, micro_batch: int, tp: int, ha
     out = 8 * sb if has_embedding else 0.0
     out += 2 * 4 * s * m.rotary_dim if m.pos == "rope" else 0.0
     if has_head:
-        norm = (4 * sb + 4 * sbh) if m.norm == "rmsnorm" else 2 * r * sb
+        norm = _norm_internals(m, sb, sbh, r, precision)
         compiled_loss = precision.compiled and tp == 1  # the engine's loss (train.engine.Engine.loss)
         loss = e * sb * m.vocab_size + 2 * 4 * sb if compiled_loss else 4 * sb * m.vocab_size / tp
         out += r * sbh + norm + e * sbh + loss + 8 * sb
