@@ -38,3 +38,18 @@ def test_ladder_plans_runs_resumes_and_collects(tiny_data, tmp_path):
     cmds = launch_commands(write_configs(runs, out), nproc=8)
     assert cmds[0].startswith("torchrun --standalone --nproc-per-node 8 -m flopwise train ")
     assert load_config(cmds[0].split()[-1]).train.steps == runs[0].steps
+
+
+def test_ladder_jobs_train_runs_at_once_with_the_losses_of_one_at_a_time(tiny_data, tmp_path):
+    """Worker processes on one thread each (--jobs 2) against the in-process sequential sweep."""
+    base = load_config(None, tiny_overrides(tmp_path / "base", tiny_data, **{"train.global_batch": 8,
+                                                                            "train.micro_batch": 8}))
+    quiet = Console(file=open("/dev/null", "w"))
+    tables = {}
+    for jobs in (1, 2):
+        out = tmp_path / f"jobs{jobs}"
+        runs = plan_ladder(base, [2e9, 6e9], sizes=2, spread=4.0, out=out)
+        tables[jobs] = {r["name"]: float(r["loss"]) for r in csv.DictReader(run_ladder(base, runs, out, quiet, jobs).open())}
+    assert len(tables[2]) == len(runs) >= 3 and tables[2].keys() == tables[1].keys()
+    for name, loss in tables[1].items():
+        assert abs(tables[2][name] - loss) < 1e-4 * loss, (name, loss, tables[2][name])

@@ -458,6 +458,7 @@ def scale_sweep(
     out: Path = typer.Option(Path("runs/ladder"), "--out"),
     emit: bool = typer.Option(False, "--emit", help="write configs and print torchrun commands instead of running"),
     nproc: int = typer.Option(1, "--nproc", min=1, help="processes per run in the emitted commands"),
+    jobs: int = typer.Option(1, "--jobs", min=1, help="runs trained at once here, sharing the CPU's threads"),
 ) -> None:
     """An IsoFLOP ladder: configs for K budgets × M sizes, run here (resumable) or emitted for a cluster."""
     from flopwise.train.sweep import budgets_from, launch_commands, plan_ladder, run_ladder, write_configs
@@ -468,7 +469,7 @@ def scale_sweep(
         for cmd in launch_commands(write_configs(runs, out), nproc):
             typer.echo(cmd)
         return
-    table = run_ladder(base, runs, out, console)
+    table = run_ladder(base, runs, out, console, jobs)
     console.print(f"collected {table}; fit it with: flopwise scale fit {table}")
 
 

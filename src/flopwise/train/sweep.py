@@ -1,6 +1,6 @@
 """IsoFLOP ladders: K budgets × M model sizes around each budget's predicted optimum, one training
-config per run, run here one after another (resumable) or emitted as launch commands, collected
-into the table `flopwise scale fit` reads.
+config per run, run here (resumable; one after another, or several at once) or emitted as launch
+commands, collected into the table `flopwise scale fit` reads.
 
 Every run trains for D = C/(6N) tokens with a cosine schedule whose length equals its own step
 count, decaying to 10% of the peak LR (Hoffmann et al. 2022 App. B: a cosine cycle longer than
@@ -14,8 +14,11 @@ from __future__ import annotations
 import csv
 import json
 import math
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
@@ -24,6 +27,9 @@ from flopwise.errors import ConfigError
 from flopwise.flops import scaling_flops, scaling_tokens
 from flopwise.plan.fit import load_law
 from flopwise.plan.scaling import choose_shape, get_law
+
+if TYPE_CHECKING:
+    from flopwise.train.trainer import TrainResult
 
 
 @dataclass
@@ -116,20 +122,64 @@ def collect(runs: list[LadderRun], out: Path) -> Path:
     return table
 
 
-def run_ladder(base: Config, runs: list[LadderRun], out: Path, console: Console) -> Path:
-    """Train every unfinished run in order (a killed sweep resumes where it stopped), then collect."""
-    from flopwise.build import ensure_data
+def _train_one(config: Config, threads: int | None) -> TrainResult:
+    """One ladder run, logged to its folder's .train.log; `threads` set (in a worker) before any work."""
+    import torch
+
     from flopwise.train.trainer import train
+
+    if threads:
+        torch.set_num_threads(threads)
+    with open(Path(config.run.dir).parent / ".train.log", "a") as log:
+        return train(config, Console(file=log))
+
+
+def run_ladder(base: Config, runs: list[LadderRun], out: Path, console: Console, jobs: int = 1) -> Path:
+    """Train every unfinished run (a killed sweep resumes where it stopped), `jobs` at a time, then collect.
+
+    Ladder models are tiny, and one of them barely uses a second core (2 cores: the smallest ladder
+    shape's step takes 14 ms on 2 threads and 23 ms on 1; the ladder's first two rungs train 1.2x
+    sooner two at a time, benchmarks/RESULTS.md). With `jobs` > 1 that many runs train at once in
+    worker processes that split this process's threads, the largest budgets' and longest runs first.
+    """
+    import torch
+
+    from flopwise.build import ensure_data
 
     ensure_data(base, out, console)
     write_configs(runs, out)
+    todo = []
     for i, r in enumerate(runs, 1):
         if is_finished(r):
             console.print(f"[{i}/{len(runs)}] {r.name}: done, skipped")
-            continue
+        else:
+            todo.append((i, r))
+
+    def started(i: int, r: LadderRun) -> None:
         console.print(f"[{i}/{len(runs)}] {r.name}: {r.params:,} params, {r.tokens:,} tokens, {r.steps} steps")
-        result = train(r.config, Console(file=open(Path(r.config.run.dir).parent / ".train.log", "a")))
-        console.print(f"    val loss {result.val_loss:.4f}, {result.tokens_per_s:,.0f} tok/s, {result.seconds:.0f} s")
+
+    def finished(r: LadderRun, result: TrainResult) -> None:
+        console.print(f"    {r.name}: val loss {result.val_loss:.4f}, {result.tokens_per_s:,.0f} tok/s, "
+                      f"{result.seconds:.0f} s")
+
+    if jobs == 1:
+        for i, r in todo:
+            started(i, r)
+            finished(r, _train_one(r.config, None))
+        return collect(runs, out)
+    threads = max(1, torch.get_num_threads() // jobs)
+    todo.sort(key=lambda ir: (-ir[1].budget, -ir[1].tokens))
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pending = {}
+        for i, r in todo:
+            started(i, r)
+            pending[pool.submit(_train_one, r.config, threads)] = r
+        try:
+            for done in as_completed(pending):
+                finished(pending[done], done.result())
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     return collect(runs, out)
 
 
