@@ -13,7 +13,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from flopwise.config import load_config  # noqa: E402
-from flopwise.eval.harness import TASK_PREFIX, FlopwiseLM, write_task_yamls  # noqa: E402
+from flopwise.eval.harness import TASK_PREFIX, FlopwiseLM, task_yaml, write_task_yamls  # noqa: E402
 from flopwise.eval.tasks import evaluate_task, load_task  # noqa: E402
 from flopwise.interop.convert import export_hf  # noqa: E402
 from flopwise.eval.load import load_for_inference  # noqa: E402
@@ -70,3 +70,37 @@ def test_rolling_and_generation_against_direct_computation(tiny_data, tmp_path):
     (out,) = lm.generate_until([Instance("generate_until", {}, ("Alice", {"until": ["\n"], "max_gen_toks": 12}), 0)])
     full = lm.tok.decode(generate(lm.model, lm.tok.encode("Alice").ids, 12, temperature=0.0, stop_id=lm.eos))
     assert out == full.split("\n")[0]
+
+
+def test_flopwise_lm_eval_keeps_the_users_include_paths(tiny_data, tmp_path):
+    """`flopwise lm-eval --include_path A --include_path B`: the user's own task folders are found
+    beside the built-in tasks, and score as `flopwise eval` scores the same examples."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from flopwise.eval.tasks import builtin_tasks
+
+    train(load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{"train.steps": 6})),
+          Console(file=open(os.devnull, "w")))
+    folders = {}
+    for name, src in [("my_cloze", "shakespeare-cloze"), ("my_lastword", "alice-lastword")]:
+        folder = tmp_path / f"user_{name}"
+        folder.mkdir()
+        shutil.copy(builtin_tasks()[src], folder / f"{name}.jsonl")
+        (folder / f"{name}.yaml").write_text(
+            task_yaml(name, folder / f"{name}.jsonl").replace(f"task: {TASK_PREFIX}{name}", f"task: {name}"))
+        folders[name] = folder
+    out = subprocess.run([sys.executable, "-m", "flopwise", "lm-eval", "--model", "flopwise", "--model_args",
+                          f"path={tmp_path / 'run'}", "--tasks", f"my_cloze,my_lastword,{TASK_PREFIX}alice-lastword",
+                          "--include_path", str(folders["my_cloze"]), f"--include_path={folders['my_lastword']}",
+                          "--limit", "10", "--output_path", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(next((tmp_path / "out").rglob("results*.json")).read_text())["results"]
+    model, _, tok = load_for_inference(tmp_path / "run")
+    for name in folders:
+        own = evaluate_task(model, tok, *load_task(str(folders[name] / f"{name}.jsonl")), limit=10)
+        assert results[name]["acc,none"] == own["acc"], name
+    assert f"{TASK_PREFIX}alice-lastword" in results

@@ -66,9 +66,27 @@ CATALOGUE: dict[str, Hardware] = {h.name: h for h in [
              80 * GiB, 3350 * GB, 450 * GB, 50 * GB, 8,
              "V2: NVIDIA H100 datasheet (989 dense bf16); NVLink4 900 GB/s bidirectional; "
              "V: Llama 3 paper, 400 Gb/s per GPU RoCE/IB"),
+    Hardware("h100-pcie", {"bf16": 756.5e12, "fp16": 756.5e12, "fp8": 1513e12, "tf32": 378e12, "fp32": 51.2e12},
+             80 * GiB, 2000 * GB, 300 * GB, 50 * GB, 8,
+             "V2: NVIDIA H100 datasheet, PCIe column (1,513 TFLOP/s bf16 with sparsity = 756.5 dense; "
+             "2.0 TB/s HBM2e; NVLink bridge 600 GB/s bidirectional)"),
+    Hardware("h100-nvl", {"bf16": 835.5e12, "fp16": 835.5e12, "fp8": 1670.5e12, "tf32": 417.5e12, "fp32": 60e12},
+             94 * GB, 3900 * GB, 300 * GB, 50 * GB, 8,
+             "V2: NVIDIA H100 NVL datasheet (1,671 TFLOP/s bf16 with sparsity = 835.5 dense; 94 GB HBM3, 3.9 TB/s)"),
     Hardware("h200", {"bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12, "tf32": 494.7e12, "fp32": 66.9e12},
              141 * GB, 4800 * GB, 450 * GB, 50 * GB, 8,
              "V2: NVIDIA H200 datasheet / MLCommons system description (141 GB HBM3e, 4.8 TB/s)"),
+    Hardware("h200-nvl", {"bf16": 835.5e12, "fp16": 835.5e12, "fp8": 1670.5e12, "tf32": 417.5e12, "fp32": 60e12},
+             141 * GB, 4800 * GB, 450 * GB, 50 * GB, 8,
+             "V2: NVIDIA H200 NVL datasheet (1,671 TFLOP/s bf16 with sparsity = 835.5 dense; 141 GB, 4.8 TB/s)"),
+    Hardware("l4", {"bf16": 121e12, "fp16": 121e12, "fp8": 242.5e12, "tf32": 60e12, "fp32": 30.3e12},
+             24 * GB, 300 * GB, 32 * GB, 25 * GB, 8,
+             "V2: NVIDIA L4 datasheet (242 TFLOP/s bf16 with sparsity = 121 dense; 24 GB GDDR6, 300 GB/s; "
+             "PCIe Gen4 x16, no NVLink)"),
+    Hardware("l40s", {"bf16": 362.05e12, "fp16": 362.05e12, "fp8": 733e12, "tf32": 183e12, "fp32": 91.6e12},
+             48 * GB, 864 * GB, 32 * GB, 25 * GB, 8,
+             "V2: NVIDIA L40S datasheet (362.05 TFLOP/s bf16 dense, 733 with sparsity; 48 GB GDDR6, 864 GB/s; "
+             "PCIe Gen4 x16, no NVLink)"),
     Hardware("b200", {"bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12, "fp32": 80e12}, 180 * GB, 8000 * GB,
              900 * GB, 50 * GB, 8,
              "U: NVIDIA HGX B200 spec sheet (dense = half the sparse figures); NVLink5 1.8 TB/s bidirectional"),
@@ -84,6 +102,29 @@ CATALOGUE: dict[str, Hardware] = {h.name: h for h in [
 ]}
 
 
+# What torch.cuda.get_device_name says -> catalogue entry. Names as the driver reports them, e.g.
+# "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe", "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe",
+# "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA L4", "NVIDIA L40S", "NVIDIA B200". Whole words, so "L4"
+# never matches "L40S"; the A100's two memory sizes share a name stem and are told apart by memory.
+_GPU_RULES: list[tuple[str, str | None, str]] = [  # (chip word, variant word or None, catalogue entry)
+    ("h100", "nvl", "h100-nvl"), ("h100", "pcie", "h100-pcie"), ("h100", None, "h100-sxm"),
+    ("h200", "nvl", "h200-nvl"), ("h200", None, "h200"),
+    ("b200", None, "b200"), ("l40s", None, "l40s"), ("l4", None, "l4"),
+]
+
+
+def identify_gpu(device_name: str, memory_bytes: float) -> str | None:
+    """The catalogue entry of a GPU from its driver name and memory; None for a chip the catalogue
+    does not know (the trainer then measures a ceiling instead of guessing a peak)."""
+    words = device_name.lower().replace("-", " ").replace("_", " ").split()
+    if "a100" in words:
+        return "a100-80gb" if memory_bytes > 60 * GiB else "a100-40gb"
+    for chip, variant, entry in _GPU_RULES:
+        if chip in words and (variant is None or variant in words):
+            return entry
+    return None
+
+
 def get_hardware(name: str, catalogue: dict[str, Hardware] | None = None) -> Hardware:
     cat = catalogue or CATALOGUE
     if name not in cat:
@@ -91,11 +132,15 @@ def get_hardware(name: str, catalogue: dict[str, Hardware] | None = None) -> Har
     return cat[name]
 
 
+def cluster_catalogue(cluster) -> dict[str, Hardware]:
+    """The built-in catalogue, with cluster.hardware_file's entries when given."""
+    return load_catalogue(cluster.hardware_file) if cluster.hardware_file else CATALOGUE
+
+
 def cluster_hardware(cluster) -> Hardware:
-    """The accelerator a config's `cluster` section names: from cluster.hardware_file when given,
-    with cluster.gpus_per_node applied. The planner and the trainer's MFU both read it here."""
-    cat = load_catalogue(cluster.hardware_file) if cluster.hardware_file else None
-    hw = get_hardware(cluster.hardware, cat)
+    """The accelerator a config's `cluster` section names, with cluster.gpus_per_node applied: what
+    the planner plans for (the trainer's MFU identifies the device it runs on instead)."""
+    hw = get_hardware(cluster.hardware, cluster_catalogue(cluster))
     return replace(hw, devices_per_node=cluster.gpus_per_node) if cluster.gpus_per_node else hw
 
 

@@ -12,6 +12,7 @@ concatenated, exactly as `flopwise eval` does, so the two report the same number
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -102,15 +103,49 @@ def write_task_yamls(out: Path, tasks: dict[str, Path] | None = None) -> list[st
     return names
 
 
+def split_include_paths(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the user's --include_path values, in order; the other arguments). lm-eval's CLI keeps only
+    the last --include_path, so ours appended after the user's would hide theirs."""
+    paths, rest, args = [], [], iter(argv)
+    for a in args:
+        if a == "--include_path":
+            paths.append(next(args, ""))
+        elif a.startswith("--include_path="):
+            paths.append(a.split("=", 1)[1])
+        else:
+            rest.append(a)
+    return [p for p in paths if p], rest
+
+
+@contextlib.contextmanager
+def include_paths(paths: list[str]):
+    """Every TaskManager built inside scans all of `paths` (lm-eval's TaskManager takes a list of
+    include paths; its CLI passes one)."""
+    from lm_eval.tasks import TaskManager
+
+    init = TaskManager.__init__
+
+    def with_paths(self, *args, include_path=None, **kwargs):
+        init(self, *args, include_path=list(paths), **kwargs)
+
+    TaskManager.__init__ = with_paths
+    try:
+        yield
+    finally:
+        TaskManager.__init__ = init
+
+
 def main(argv: list[str]) -> None:
-    """lm-eval's CLI with the flopwise model registered and the built-in tasks on its include path."""
+    """lm-eval's CLI with the flopwise model registered and the built-in tasks on its include path,
+    beside the user's own --include_path folders."""
     from lm_eval.__main__ import cli_evaluate
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with tempfile.TemporaryDirectory(prefix="flopwise-tasks-") as tmp:
+    user, rest = split_include_paths(argv)
+    with tempfile.TemporaryDirectory(prefix="flopwise-tasks-") as tmp, include_paths([tmp, *user]):
         write_task_yamls(Path(tmp))
-        sys.argv = ["lm_eval", *argv, "--include_path", tmp]
+        sys.argv = ["lm_eval", *rest, "--include_path", tmp]
         cli_evaluate()
 
 

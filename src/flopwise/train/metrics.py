@@ -4,39 +4,78 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from flopwise.hardware import Hardware
+from flopwise.hardware import Hardware, identify_gpu
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def measure_matmul_peak(dtype: str, device: torch.device, sizes=(1024, 2048), repeats: int = 5) -> float:
-    """Best FLOP/s of square matmuls on this device: the 'measured ceiling' MFU is reported against."""
+# Square products big enough to saturate the device: a CPU peaks by 1-2K, an H200 needs 8K (1-2K
+# products reach under half its 989 TFLOP/s, which made MFU read 2.2x too high there).
+CEILING_SIZES = {"cpu": (512, 1024, 2048), "cuda": (8192,)}
+
+
+def measure_matmul_peak(dtype: str, device: torch.device, sizes: tuple[int, ...] | None = None,
+                        repeats: int = 5) -> float:
+    """Best FLOP/s of square matmuls on this device over `sizes` and `repeats`: a ceiling measured
+    in the training dtype with this process's threads."""
     best = 0.0
-    for n in sizes:  # constant operands, not randn: the global RNG is training state (restored on resume)
+    for n in sizes or CEILING_SIZES.get(device.type, CEILING_SIZES["cpu"]):
+        # constant operands, not randn: the global RNG is training state (restored on resume)
         a = torch.full((n, n), 0.5, device=device, dtype=DTYPES[dtype])
         b = torch.full((n, n), 0.25, device=device, dtype=DTYPES[dtype])
         a @ b  # warm-up
         for _ in range(repeats):
             if device.type == "cuda":
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             a @ b
             if device.type == "cuda":
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(device)
             best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+        del a, b
     return best
 
 
-def device_peak(hw: Hardware, dtype: str, device: torch.device) -> tuple[float, str]:
-    """(peak FLOP/s, where it came from): the catalogue for a named accelerator, else measured."""
-    peak = hw.peak(dtype)
-    if peak and device.type != "cpu":
-        return peak, f"{hw.name} {dtype} dense peak (catalogue)"
-    return measure_matmul_peak(dtype, device), f"measured {dtype} matmul ceiling on this {device.type}"
+@dataclass(frozen=True)
+class Peak:
+    """The per-device FLOP/s MFU divides by, and where it came from (printed and logged beside MFU)."""
+    flops: float
+    source: str
+    measured: bool  # a ceiling timed here (re-measured if a step beats it), not a catalogue figure
+
+
+def device_peak(catalogue: dict[str, Hardware], dtype: str, device: torch.device) -> Peak:
+    """A GPU identified by its driver name gets the catalogue's dense peak for `dtype`; a CPU, or a
+    GPU the catalogue does not know, a ceiling measured here."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        what = f"{props.name}, sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB"
+        entry = identify_gpu(props.name, props.total_memory)
+        peak = catalogue[entry].peak(dtype) if entry in catalogue else None
+        if peak:
+            return Peak(peak, f"{entry} {dtype} dense peak, catalogue ({what})", False)
+        return Peak(measure_matmul_peak(dtype, device, repeats=10),
+                    f"measured {dtype} matmul ceiling: {what} is not in the catalogue", True)
+    return Peak(measure_matmul_peak(dtype, device), f"measured {dtype} matmul ceiling on this {device.type}", True)
+
+
+def checked_peak(peak: Peak, achieved: float, dtype: str, device: torch.device, tries: int = 3) -> Peak:
+    """`peak` again, or a re-measured ceiling when a step's achieved model FLOP/s per device reached
+    a measured one (it was timed while something else used the machine): the best of up to `tries`
+    measurements and the old figure. A catalogue peak is never re-measured."""
+    if not peak.measured or achieved < peak.flops:
+        return peak
+    best = peak.flops
+    for _ in range(tries):
+        best = max(best, measure_matmul_peak(dtype, device, repeats=10))
+        if best > achieved:
+            break
+    return Peak(best, peak.source, True)
 
 
 class MetricsWriter:

@@ -37,20 +37,20 @@ from flopwise.errors import DataError, TrainingStopped
 from flopwise.eval.generate import generate
 from flopwise.eval.tasks import evaluate_task, load_task
 from flopwise.flops import count_params, flops_per_token, mfu
-from flopwise.hardware import cluster_hardware
+from flopwise.hardware import cluster_catalogue
 from flopwise.parallel.apply import compiles
 from flopwise.plan.layout import Layout
 from flopwise.train import checkpoint
 from flopwise.train.engine import Engine, autocast
 from flopwise.train.faults import Faults, nan_grad, poison
 from flopwise.train.guard import Verdict
-from flopwise.train.metrics import MetricsWriter, device_peak, plot_loss_curve, read_metrics
+from flopwise.train.metrics import MetricsWriter, Peak, checked_peak, device_peak, plot_loss_curve, read_metrics
 from flopwise.train.optim import lr_at, step_unless
 from flopwise.train.saver import Saver
 from flopwise.train.watch import Watch, is_timeout
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainResult:
     run_dir: Path
     steps: int
@@ -59,9 +59,8 @@ class TrainResult:
     val_loss: float | None
     unigram_entropy: float
     tokens_per_s: float
-    mfu: float
-    peak_flops: float
-    peak_source: str
+    mfu: float | None  # None: the window's rate reached even a re-measured ceiling (no honest denominator)
+    peak: Peak  # per device
     seconds: float
     checkpoint: Path | None
     plot: Path | None = None
@@ -131,8 +130,7 @@ class _Loop:
         self.run_dir = Path(cfg.run.dir)
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.fpt = flops_per_token(cfg.model, cfg.data.seq_len)
-        peak, self.peak_source = device_peak(cluster_hardware(cfg.cluster), cfg.train.dtype, par.device)
-        self.peak = peak * par.layout.world  # MFU is over every device in the job
+        self.peak = device_peak(cluster_catalogue(cfg.cluster), cfg.train.dtype, par.device)
         self.end = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.faults = Faults.from_env(self.rank)
@@ -145,7 +143,8 @@ class _Loop:
                            report=lambda m: console.print(m, highlight=False))
         self.losses: list[float] = []
         self.val_loss: float | None = None
-        self.tps = self.mfu = 0.0
+        self.tps = 0.0
+        self.mfu: float | None = None
         self.ranks: dict = {}  # per-rank busy times of the last sync, logged with the metrics
         self.window = (run.start_step, time.perf_counter())  # (step, time) of the last log record
 
@@ -192,13 +191,27 @@ class _Loop:
         self.window = (done, now)
         steps = max(1, done - step0)
         self.tps = steps * self.tokens_per_step / max(now - t0, 1e-9)
-        self.mfu = mfu(self.tps, self.fpt, self.peak)
+        self.mfu = self.measure_mfu(done)
         self.write({"step": done, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": self.tps, "mfu": self.mfu,
+                    "peak_flops": self.peak.flops, "peak_source": self.peak.source,
                     "tokens": done * self.tokens_per_step, "step_time_s": (now - t0) / steps,
                     "epochs_by_source": self.run.loader.epochs_by_source(), **self.ranks})
         if not self.console.is_terminal:  # a log file gets lines, a terminal gets the live bar
             self.console.print(f"step {done}/{self.cfg.train.steps} loss {loss:.4f} lr {lr:.2e} grad_norm {norm:.3f} "
-                               f"{self.tps:,.0f} tok/s MFU {100 * self.mfu:.1f}%", highlight=False)
+                               f"{self.tps:,.0f} tok/s MFU {percent(self.mfu)}", highlight=False)
+
+    def measure_mfu(self, done: int) -> float | None:
+        """MFU of the window just logged, over every device in the job. A measured ceiling that the
+        window's model FLOP/s reached is re-measured first (logged as an event), so MFU stays below 1;
+        if even that cannot explain the rate, MFU is None rather than a number >= 1."""
+        world = self.run.par.layout.world
+        achieved = self.tps * self.fpt / world
+        peak = checked_peak(self.peak, achieved, self.cfg.train.dtype, self.run.par.device)
+        if peak != self.peak:
+            self.write({"step": done, "event": "peak_remeasured", "previous_peak_flops": self.peak.flops,
+                        "peak_flops": peak.flops, "achieved_flops": achieved})
+            self.peak = peak
+        return mfu(self.tps, self.fpt, peak.flops, world) if achieved < peak.flops else None
 
     def rollback(self, bad_step: int, reason: str) -> int | None:
         """Back to the last complete checkpoint, past the bad data; the step to go on from (None:
@@ -268,7 +281,7 @@ class _Loop:
                 self.saver.save(done, list(self.watch.durations))
             loss = f"loss {self.losses[-1]:.3f}" if self.losses else ""
             val = f" val {self.val_loss:.3f}" if self.val_loss is not None else ""
-            bar.update(task, completed=done, info=f"{loss}{val} | {self.tps:,.0f} tok/s | MFU {100 * self.mfu:.1f}%")
+            bar.update(task, completed=done, info=f"{loss}{val} | {self.tps:,.0f} tok/s | MFU {percent(self.mfu)}")
             if sync.stop:
                 self.saver.wait()
                 return done
@@ -298,7 +311,7 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
     n_params, lo = count_params(cfg.model), par.layout
     console.print(f"[bold]model[/] {n_params.total / 1e6:.2f}M params ({n_params.non_embedding / 1e6:.2f}M "
                   f"non-embedding), {loop.fpt / 1e6:.1f} MFLOP/token (model FLOPs, 6N + attention); "
-                  f"{par.device.type} {cfg.train.dtype}{' compiled' if compiles(cfg, lo) else ''}; MFU vs {loop.peak / 1e9:.0f} GFLOP/s ({loop.peak_source}"
+                  f"{par.device.type} {cfg.train.dtype}{' compiled' if compiles(cfg, lo) else ''}; MFU vs {loop.peak.flops / 1e9:,.0f} GFLOP/s ({loop.peak.source}"
                   f"{f' × {lo.world}' if lo.world > 1 else ''})")
     if lo.world > 1:
         console.print(f"[bold]layout[/] {lo.name()} on {lo.world} processes "
@@ -335,10 +348,15 @@ def _result(run: Run, loop: _Loop, preempted: int | None, seconds: float) -> Tra
     if loop.val_loss is None and run.start_step == loop.end and run.engine.can_eval:
         loop.val_loss = evaluate(run.engine, run.sources, cfg)[0]
     final_loss = loop.losses[-1] if loop.losses else float("nan")
-    return TrainResult(run_dir, loop.end, loop.end * loop.tokens_per_step, final_loss, loop.val_loss,
-                       run.index["unigram_entropy_nats"], loop.tps, loop.mfu, loop.peak, loop.peak_source, seconds,
-                       loop.saver.last, plot, sample, loop.losses, par.is_main, preempted, loop.watch.signal,
-                       loop.saver.write_s, loop.saver.async_s)
+    return TrainResult(run_dir=run_dir, steps=loop.end, tokens=loop.end * loop.tokens_per_step, train_loss=final_loss,
+                       val_loss=loop.val_loss, unigram_entropy=run.index["unigram_entropy_nats"], tokens_per_s=loop.tps,
+                       mfu=loop.mfu, peak=loop.peak, seconds=seconds, checkpoint=loop.saver.last, plot=plot,
+                       sample=sample, losses=loop.losses, is_main=par.is_main, preempted=preempted,
+                       signal=loop.watch.signal, save_s=loop.saver.write_s, async_save_s=loop.saver.async_s)
+
+
+def percent(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
 def summary_table(r: TrainResult) -> Table:
@@ -350,7 +368,7 @@ def summary_table(r: TrainResult) -> Table:
         t.add_row("val loss (ppl)", f"{r.val_loss:.4f} ({math.exp(r.val_loss):.1f})")
     t.add_row("unigram entropy of the data", f"{r.unigram_entropy:.4f} nats/token")
     t.add_row("throughput", f"{r.tokens_per_s:,.0f} tokens/s")
-    t.add_row("MFU (model FLOPs)", f"{100 * r.mfu:.1f}% of {r.peak_flops / 1e9:,.0f} GFLOP/s ({r.peak_source})")
+    t.add_row("MFU (model FLOPs)", f"{percent(r.mfu)} of {r.peak.flops / 1e9:,.0f} GFLOP/s per device ({r.peak.source})")
     t.add_row("wall time", f"{r.seconds:.1f} s")
     t.add_row("checkpoint", str(r.checkpoint))
     if r.save_s:
