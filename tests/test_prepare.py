@@ -61,20 +61,16 @@ def _files(d: Path) -> dict[str, bytes]:
     report.pop("wall_seconds")
     for row in report["stages"]:
         row.pop("cpu_seconds")
-    return files | {"report.json": report}
+    manifest = {}
+    if "manifest.json" in files:  # it records report.json's bytes (timings included): compared without
+        manifest = json.loads(files.pop("manifest.json"))
+        manifest["files"].pop("report.json")
+    return files | {"report.json": report, "manifest.json": manifest}
 
 
-def test_killed_prepare_resumes_to_the_same_bytes(tmp_path):
-    """SIGKILL a prepare after its first finished task; the rerun keeps the finished shards
-    (datatrove's completion markers), runs the rest, and ends byte-identical to a clean run."""
-    plays = tmp_path / "plays"
-    plays.mkdir()
-    for f in sorted(resolve_input("builtin:shakespeare").iterdir())[:12]:
-        (plays / f.name).write_bytes(f.read_bytes())
-    args = dict(tokenizer="bpe:512", val_fraction=0.1, seed=0, workers=1, tasks=6)
-    clean = tmp_path / "clean"
-    prepare([str(plays)], clean, **args)
-    out = tmp_path / "killed"
+def _killed_prepare(plays: Path, out: Path, args: dict) -> list[str]:
+    """SIGKILL a prepare of `plays` into `out` after its first finished tokenize task; the finished
+    tasks' names."""
     code = f"from flopwise.data.shards import prepare; prepare([{str(plays)!r}], {str(out)!r}, **{args!r})"
     proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": SRC},
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -85,7 +81,29 @@ def test_killed_prepare_resumes_to_the_same_bytes(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     finished = sorted(p.name for p in done.iterdir())
-    assert proc.returncode == -signal.SIGKILL and not (out / "index.json").exists() and 1 <= len(finished) < 6
+    assert proc.returncode == -signal.SIGKILL and not (out / "index.json").exists()
+    assert finished
+    return finished
+
+
+def _twelve_plays(tmp_path: Path) -> Path:
+    plays = tmp_path / "plays"
+    plays.mkdir()
+    for f in sorted(resolve_input("builtin:shakespeare").iterdir())[:12]:
+        (plays / f.name).write_bytes(f.read_bytes())
+    return plays
+
+
+def test_killed_prepare_resumes_to_the_same_bytes(tmp_path):
+    """SIGKILL a prepare after its first finished task; the rerun keeps the finished shards
+    (datatrove's completion markers), runs the rest, and ends byte-identical to a clean run."""
+    plays = _twelve_plays(tmp_path)
+    args = dict(tokenizer="bpe:512", val_fraction=0.1, seed=0, workers=1, tasks=6)
+    clean = tmp_path / "clean"
+    prepare([str(plays)], clean, **args)
+    out = tmp_path / "killed"
+    finished = _killed_prepare(plays, out, args)
+    assert len(finished) < 6
     written = {f: (out / f"train-{f}.bin").stat().st_mtime_ns for f in finished}
     prepare([str(plays)], out, **args)
     assert _files(out) == _files(clean) and not (out / "work").exists()
@@ -232,16 +250,167 @@ def test_unknown_filter_and_dedup_names_are_one_line_errors(tmp_path):
         prepare(["builtin:alice"], tmp_path / "o", dedup="bloom")
 
 
-def test_unfinished_prepare_folder_is_flopwise_s_own(tmp_path):
-    """A folder with prepare's work marker (a run killed before index.json) may be resumed or
-    replaced; a folder that merely has a `work/` subfolder is someone else's and is refused."""
-    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    (ours / "work").mkdir(parents=True)
-    (ours / "work" / "flopwise-prepare").touch()
+def test_a_work_subfolder_does_not_make_a_folder_flopwise_s(tmp_path):
+    """A folder that merely has a `work/` subfolder (or prepare's old marker file in it) is someone
+    else's and is refused."""
+    theirs, marked = tmp_path / "theirs", tmp_path / "marked"
     (theirs / "work").mkdir(parents=True)
     (theirs / "work" / "notes.txt").write_text("mine")
-    with pytest.raises(DataError, match="no such file"):
-        prepare([str(tmp_path / "missing.txt")], ours)
-    with pytest.raises(DataError, match="--force"):
-        prepare([str(tmp_path / "missing.txt")], theirs)
+    (marked / "work").mkdir(parents=True)
+    (marked / "work" / "flopwise-prepare").touch()
+    (tmp_path / "in.txt").write_text(WORDS)
+    for d in (theirs, marked):
+        with pytest.raises(DataError, match="--force"):
+            prepare([str(tmp_path / "in.txt")], d, tokenizer="bpe:300")
     assert (theirs / "work" / "notes.txt").read_text() == "mine"
+    assert (marked / "work" / "flopwise-prepare").is_file()
+
+
+# ---- what `data prepare --out DIR` may replace -------------------------------------------------
+# A folder is replaced only if a manifest flopwise wrote there proves every file in it is flopwise's;
+# inputs inside --out are refused, and --force never deletes them.
+
+WORDS = "Some words to tokenize, and then some more words to tokenize. " * 60
+
+
+def _tree(d: Path) -> dict[str, str]:
+    """Every file under `d` (relative path -> sha256 of its bytes): equal before and after means untouched."""
+    import hashlib
+
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*"))
+            if p.is_file()}
+
+
+def _cli_prepare(inputs, out, *extra):
+    from typer.testing import CliRunner
+
+    from flopwise.cli import app
+
+    args = ["data", "prepare", *map(str, inputs), "--out", str(out), "--train-tokenizer", "300", "--workers", "1"]
+    return CliRunner().invoke(app, args + list(extra))
+
+
+def _refused(r) -> str:
+    """The one-line DataError naming --force that a refusal must be (the CLI prints it, exit 2)."""
+    assert isinstance(r.exception, DataError), (r.exit_code, r.output[-2000:], r.exception)
+    msg = str(r.exception)
+    assert "\n" not in msg and "--force" in msg, msg
+    return msg
+
+
+@pytest.fixture
+def words(tmp_path) -> Path:
+    f = tmp_path / "words.txt"
+    f.write_text(WORDS)
+    return f
+
+
+def test_prepare_refuses_a_folder_with_foreign_index_and_tokenizer(tmp_path, words):
+    """Files merely named index.json and tokenizer.json (an app's) do not make a folder flopwise's."""
+    out = tmp_path / "thesis"
+    (out / "src").mkdir(parents=True)
+    (out / "index.json").write_text(json.dumps({"pages": ["intro", "methods"]}))
+    (out / "tokenizer.json").write_text(json.dumps({"model": "someone else's"}))
+    (out / "src" / "thesis.tex").write_text("\\chapter{Irreplaceable}")
+    before = _tree(out)
+    _refused(_cli_prepare([words], out))
+    assert _tree(out) == before
+
+
+def test_prepare_refuses_a_bare_work_marker(tmp_path, words):
+    """An empty work/flopwise-prepare file (what used to mark an unfinished prepare) proves nothing."""
+    out = tmp_path / "diary"
+    (out / "work").mkdir(parents=True)
+    (out / "work" / "flopwise-prepare").touch()
+    (out / "diary.txt").write_text("Dear diary, today I lost everything.")
+    before = _tree(out)
+    _refused(_cli_prepare([words], out))
+    assert _tree(out) == before
+
+
+def test_prepare_never_deletes_its_inputs_inside_out(tmp_path, words):
+    """Inputs inside --out (here: a corpus the user put into an earlier flopwise output) are refused
+    before anything is removed; with --force the folder is replaced but the inputs survive."""
+    out = tmp_path / "data"
+    assert _cli_prepare([words], out).exit_code == 0
+    corpus = out / "more" / "corpus.txt"
+    corpus.parent.mkdir()
+    corpus.write_text(WORDS.upper())
+    before = _tree(out)
+    msg = _refused(_cli_prepare([corpus], out))
+    assert "input" in msg
+    assert _tree(out) == before
+    r = _cli_prepare([corpus], out, "--force")
+    assert r.exit_code == 0, (r.output[-2000:], r.exception)
+    assert corpus.read_text() == WORDS.upper()
+    assert read_index(out)["sources"] == [str(corpus)]
+
+
+def test_prepare_replaces_its_own_earlier_output(tmp_path, words):
+    """An earlier, untouched flopwise output is replaced without --force (here: another seed)."""
+    out = tmp_path / "data"
+    assert _cli_prepare([words], out, "--seed", "1").exit_code == 0
+    first = _tree(out)
+    r = _cli_prepare([words], out, "--seed", "2")
+    assert r.exit_code == 0, (r.output[-2000:], r.exception)
+    assert read_index(out)["seed"] == 2 and _tree(out) != first
+
+
+def test_prepare_refuses_its_own_output_once_the_user_added_or_changed_a_file(tmp_path, words):
+    """A flopwise folder with a file the user added, or a shard the user rewrote (same size), is no
+    longer provably flopwise's: refused and left as it was."""
+    out = tmp_path / "data"
+    assert _cli_prepare([words], out).exit_code == 0
+    (out / "notes.txt").write_text("my notes on this data")
+    before = _tree(out)
+    assert "notes.txt" in _refused(_cli_prepare([words], out, "--seed", "3"))
+    assert _tree(out) == before
+    (out / "notes.txt").unlink()
+    shard = out / read_index(out)["splits"]["train"]["files"][0]["file"]
+    raw = bytearray(shard.read_bytes())
+    raw[0] ^= 1
+    shard.write_bytes(bytes(raw))
+    before = _tree(out)
+    assert shard.name in _refused(_cli_prepare([words], out, "--seed", "3"))
+    assert _tree(out) == before
+
+
+def test_unfinished_prepare_with_a_user_file_is_refused(tmp_path):
+    """A genuinely unfinished flopwise prepare (killed before index.json) resumes (see
+    test_killed_prepare_resumes_to_the_same_bytes), but not once someone added a file to it."""
+    plays = _twelve_plays(tmp_path)
+    args = dict(tokenizer="bpe:512", val_fraction=0.1, seed=0, workers=1, tasks=6)
+    out = tmp_path / "killed"
+    _killed_prepare(plays, out, args)
+    for extra in (out / "diary.txt", out / "work" / "diary.txt"):
+        extra.write_text("mine")
+        before = _tree(out)
+        with pytest.raises(DataError, match="--force"):
+            prepare([str(plays)], out, **args)
+        assert _tree(out) == before
+        extra.unlink()
+
+
+def test_files_flopwise_adds_are_recorded_and_big_files_checked_by_their_ends(tmp_path, words, monkeypatch):
+    """A file flopwise adds beside the data (a run's recipe.json) goes into the manifest, so the folder
+    stays replaceable; a file above FULL_CHECK_BYTES is checked by size and the sha256 of its ends."""
+    from flopwise.data import shards
+
+    out = tmp_path / "data"
+    monkeypatch.setattr(shards, "FULL_CHECK_BYTES", 1000)
+    monkeypatch.setattr(shards, "ENDS_BYTES", 100)
+    prepare([str(words)], out, tokenizer="bpe:300", workers=1)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(manifest["files"]) == {p.name for p in out.iterdir()} - {"manifest.json"}
+    shard = out / "train-00000.bin"
+    assert manifest["files"][shard.name]["bytes"] == shard.stat().st_size > 1000 and "ends" in manifest["files"][shard.name]
+    shards.add_to_manifest(out, "recipe.json", b'{"seed": 0}')
+    assert shards.why_not_ours(out) is None
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 1  # a change in the last ENDS_BYTES is seen; one in the middle of a big shard is not read
+    shard.write_bytes(bytes(raw))
+    assert "train-00000.bin has changed" in shards.why_not_ours(out)
+    raw[-1] ^= 1
+    shard.write_bytes(bytes(raw))
+    prepare([str(words)], out, tokenizer="bpe:300", workers=1, seed=5)
+    assert read_index(out)["seed"] == 5 and not (out / "recipe.json").exists()

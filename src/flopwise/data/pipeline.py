@@ -15,7 +15,14 @@ Flow (each stage one datatrove LocalPipelineExecutor, N tasks run by `workers` p
   tokenize   per task: read its ordinals -> quality filters -> dedup filters -> ShardWriter
              (train-RANK.bin, val-RANK.bin). Task order = ordinal order, so the concatenated shards
              are byte-identical to the single-process stream of the same documents.
-  index      written last, atomically, from the tasks' tables; then the work folder is removed.
+  index      written last, atomically, from the tasks' tables (after the manifest that records it
+             and every shard: size, sha256); then the work folder is removed.
+
+Ownership: a fresh prepare first writes <out>/manifest.json (data/shards.py: `why_not_ours`) naming
+everything it is about to write (the tokenizer, each task's shards, the report, the work folder's
+plan, logs and task folders), then records each file's size and sha256 as it becomes final. A folder
+is replaced or resumed only if that manifest accounts for every file in it; anything else, or an
+input inside --out, is refused unless --force, which still never deletes an input.
 
 Resume: datatrove marks each finished task (<out>/work/logs/STAGE/completions/); a rerun with the
 same inputs and settings keeps the plan and the finished tasks' outputs and runs only the rest.
@@ -59,8 +66,8 @@ from pathlib import Path
 
 import numpy as np
 
-from flopwise.data.shards import (FORMAT, MARKER, WORK, PrepareStats, _replaceable, dtype_for_vocab,
-                                  input_files, read_documents, val_documents)
+from flopwise.data.shards import (FORMAT, MANIFEST, WORK, PrepareStats, dtype_for_vocab, file_record, input_files,
+                                  read_documents, remove_all_but, val_documents, why_not_ours, write_manifest)
 from flopwise.data.tokenizer import EOS, eos_id, load_tokenizer, parse_tokenizer_spec, train_bpe
 from flopwise.errors import DataError
 
@@ -70,6 +77,12 @@ TASK_BYTES = 64 << 20  # target input per task (more tasks than workers: finer r
 FILTERS = ("gopher", "c4")
 DEDUPS = ("exact", "minhash")
 MINHASH = {"n_grams": 5, "num_buckets": 14, "hashes_per_bucket": 8}
+# What an unfinished prepare writes in WORK besides val.npy (whose sha256 its manifest records):
+# folders whose whole content its tasks write (datatrove's logs and completion markers, the tasks'
+# tables, progress counters, dedup intermediates), the logs every run appends to, and the plan (and
+# its temporary file). The manifest names them (`_claims`).
+WORK_FOLDERS = ("tasks", "progress", "logs", "exact", "minhash")
+WORK_FILES = ("datatrove.log", "wall.jsonl", "plan.json", "plan.json.tmp")
 
 
 @dataclass
@@ -243,15 +256,13 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
     (default: one per TASK_BYTES of input, at least `workers`); filters: subset of FILTERS; dedup:
     subset of DEDUPS; decontaminate: evaluation task names whose 13-grams drop a training document;
     progress(stage, input bytes done, input bytes total, tokens written).
-    An unfinished prepare in `out` with the same inputs and settings is resumed; any other
-    flopwise folder in `out` is replaced; anything else is refused unless `force`.
+    An unfinished prepare in `out` with the same inputs and settings is resumed; any other folder
+    whose manifest shows flopwise wrote every file in it is replaced; anything else, or an input
+    inside `out`, is refused unless `force` (which replaces the folder but keeps the inputs in it).
     With workers > 1 the worker processes are spawned and import the caller's main module: call
     this from a script under `if __name__ == "__main__":` (the CLI and `flopwise train` do)."""
     t0 = time.perf_counter()
     out = Path(out)
-    if not force and not _replaceable(out):
-        raise DataError(f"--out {out}: exists and is not a flopwise data folder (no index.json + tokenizer.json); "
-                        "choose another folder or pass --force to replace it")
     filters, dedup = _parse("--filter", filters, FILTERS), _parse("--dedup", dedup, DEDUPS)
     decontaminate = [t.strip() for t in (decontaminate.split(",") if isinstance(decontaminate, str) else decontaminate)
                      if t.strip()]
@@ -261,27 +272,36 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
     spec = parse_tokenizer_spec(tokenizer)
     given = load_tokenizer(spec) if not isinstance(spec, int) else None
     files = [f for s in inputs for f in input_files(s)]
+    keep = _inputs_kept(out, files, spec if given else None, force)
+    reason = why_not_ours(out)
+    if reason and not force:
+        raise DataError(_refusal(out, reason))
     key = {"format": FORMAT, "inputs": _input_key(files), "tokenizer": str(spec),
            "tokenizer_file": _input_key([spec]) if given else None, "val_fraction": val_fraction, "seed": seed,
            "filters": filters, "dedup": dedup, "decontaminate": decontaminate}
     work = out / WORK
-    try:
-        plan = json.loads((work / "plan.json").read_text())
-    except (OSError, ValueError):  # none, or not readable: start afresh
-        plan = None
-    if plan is None or plan.get("key") != key or not (out / "tokenizer.json").is_file():
+    plan = None
+    if reason is None:  # resume only a folder the manifest vouches for
+        try:
+            plan = json.loads((work / "plan.json").read_text())
+        except (OSError, ValueError):  # none, or not readable: start afresh
+            plan = None
+    if not isinstance(plan, dict) or plan.get("key") != key or not (out / "tokenizer.json").is_file():
         s = survey(inputs)
         tok = given or train_bpe(sample_texts(s.files), spec)
-        if out.is_dir():
-            shutil.rmtree(out)
-        elif out.exists():
-            out.unlink()
+        if not force and (reason := why_not_ours(out)):  # again: the survey and training may have taken hours
+            raise DataError(_refusal(out, reason))
+        remove_all_but(out, keep)
+        n_tasks = tasks or max(workers, math.ceil(s.bytes / TASK_BYTES))
+        unchecked, folders = _claims(n_tasks)
+        out.mkdir(parents=True, exist_ok=True)
+        # first: from here on every file in the folder is one this manifest names
+        write_manifest(out, {}, unchecked + ["tokenizer.json", f"{WORK}/val.npy"], folders)
         (work / "tasks").mkdir(parents=True)
-        (work / MARKER).touch()  # first: from here on the folder is a flopwise prepare in progress
         (work / "progress").mkdir()
         tok.save(str(out / "tokenizer.json"))
-        n_tasks = tasks or max(workers, math.ceil(s.bytes / TASK_BYTES))
         np.save(work / "val.npy", np.asarray(sorted(val_documents(s.documents, val_fraction, seed)), dtype=np.int64))
+        write_manifest(out, _records(out, ["tokenizer.json", f"{WORK}/val.npy"]), unchecked, folders)
         plan = {"key": key, "files": s.files, "sources": s.sources, "documents": s.documents, "bytes": s.bytes,
                 "tasks": plan_tasks(s, n_tasks)}
         (work / "plan.json.tmp").write_text(json.dumps(plan))
@@ -348,12 +368,62 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
     (out / "report.json").write_text(json.dumps(report, indent=1))
     tmp = out / "index.json.tmp"
     tmp.write_text(json.dumps(meta))
+    written = _records(out, ["tokenizer.json", "report.json"]) | _shard_records(out, work, len(plan["tasks"]))
+    written["index.json"] = file_record(tmp)
+    unchecked, folders = _claims(len(plan["tasks"]))
+    write_manifest(out, written | _records(out, [f"{WORK}/val.npy"]), unchecked, folders, complete=True)
     os.replace(tmp, out / "index.json")
     shutil.rmtree(work)
+    write_manifest(out, written, complete=True)  # the finished folder: exactly the files above
     if progress:
         progress("tokenize", plan["bytes"], plan["bytes"], meta["counts"]["tokens"])
     return PrepareStats(meta["counts"]["documents"], meta["counts"]["tokens"], meta["counts"]["bytes"],
                         time.perf_counter() - t0, {s: e["tokens"] for s, e in meta["splits"].items()}, report)
+
+
+def _claims(n_tasks: int) -> tuple[list[str], list[str]]:
+    """What the manifest of an unfinished prepare of `n_tasks` tasks names without content (files
+    being written: every task's shards, the report, the index's temporary file, WORK_FILES) and
+    the work folders its tasks write."""
+    unchecked = [f"{s}-{rank:05d}.bin" for s in ("train", "val") for rank in range(n_tasks)]
+    unchecked += ["report.json", "index.json.tmp"] + [f"{WORK}/{f}" for f in WORK_FILES]
+    return unchecked, [f"{WORK}/{d}" for d in WORK_FOLDERS]
+
+
+def _records(out: Path, names: list[str]) -> dict[str, dict]:
+    return {name: file_record(out / name) for name in names}
+
+
+def _shard_records(out: Path, work: Path, n_tasks: int) -> dict[str, dict]:
+    """Every task's shard files, with the sha256 their writer computed as it wrote them."""
+    records = {}
+    for rank in range(n_tasks):
+        task = json.loads((work / "tasks" / f"{rank:05d}.json").read_text())
+        for e in task["splits"].values():
+            records[e["file"]] = file_record(out / e["file"], e.get("sha256"))
+    return records
+
+
+def _inputs_kept(out: Path, files: list[Path], tokenizer: Path | None, force: bool) -> set[Path]:
+    """The inputs (and a given tokenizer file) that lie inside `out`, which no prepare may delete:
+    refused unless --force, which replaces the rest of the folder around them; never inside its work
+    folder (which prepare removes when it finishes) nor `out` itself."""
+    root, scratch = out.resolve(), (out / WORK).resolve()
+    inputs = [f.resolve() for f in files] + ([Path(tokenizer).resolve()] if tokenizer else [])
+    for f in inputs:
+        if f == root or f.is_relative_to(scratch):
+            where = "--out itself" if f == root else "inside its work folder"
+            raise DataError(f"--out {out}: input {f} is {where}, which prepare replaces; choose another --out")
+    inside = [f for f in inputs[:len(files)] if f.is_relative_to(root)]
+    if inside and not force:
+        raise DataError(f"--out {out}: input {inside[0]} is inside it and preparing there would delete it; "
+                        "choose another --out, or pass --force to replace the folder but keep its inputs")
+    return {f for f in inputs if f.is_relative_to(root)}
+
+
+def _refusal(out: Path, reason: str) -> str:
+    return (f"--out {out}: {reason}; flopwise replaces only a folder whose {MANIFEST} shows it wrote every file in "
+            "it: choose another folder, or pass --force to replace it (its inputs are kept)")
 
 
 def _index(out: Path, work: Path, plan: dict, tok, dtype: np.dtype, seed: int, val_fraction: float) -> dict:

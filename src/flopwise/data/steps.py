@@ -8,6 +8,7 @@ and open their files in `run`.
 
 # no `from __future__ import annotations`: datatrove picks exact dedup's hash function from the
 # content getter's return annotation, which must be a type, not a string
+import hashlib
 import json
 import os
 import re
@@ -86,9 +87,9 @@ class Tally(PipelineStep):
 class ShardWriter(PipelineStep):
     """Tokenizes this task's documents (documents joined by EOS, as the single-process tokenizer
     did) into train-RANK.bin / val-RANK.bin, routing each by its ordinal, and records the task's
-    document table for the index. Why not datatrove's DocumentTokenizer: it writes its own .ds
-    format with one file per task and no split routing, and flopwise's readers, loader and
-    fingerprint read flat token files with an index."""
+    document table for the index and each shard's sha256 for the manifest. Why not datatrove's
+    DocumentTokenizer: it writes its own .ds format with one file per task and no split routing, and
+    flopwise's readers, loader and fingerprint read flat token files with an index."""
 
     type = "🔢 - TOKENIZER"
     name = "flopwise shards"
@@ -123,6 +124,7 @@ class ShardWriter(PipelineStep):
         kept = kept_bytes = 0
         progress = work / "progress" / f"tokens-{rank:05d}"
         files = {s: open(out / e["file"], "wb") for s, e in entries.items()}
+        hashes = {s: hashlib.sha256() for s in entries}  # for the manifest, as the bytes go out
         try:
             for chunk in batched(data, self.batch):
                 encodings = tok.encode_batch([d.text for d in chunk], add_special_tokens=False)
@@ -134,7 +136,9 @@ class ShardWriter(PipelineStep):
                     entry = entries[split]
                     entry["documents"].append([entry["tokens"], len(ids)])
                     entry["tokens"] += len(ids)
-                    files[split].write(ids.tobytes())
+                    raw = ids.tobytes()
+                    files[split].write(raw)
+                    hashes[split].update(raw)
                     if split == "train":
                         counts += np.bincount(ids, minlength=vocab)
                     kept += 1
@@ -144,6 +148,8 @@ class ShardWriter(PipelineStep):
         finally:
             for f in files.values():
                 f.close()
+        for s, e in entries.items():
+            e["sha256"] = hashes[s].hexdigest()
         np.save(work / "tasks" / f"{rank:05d}-counts.npy", counts)
         _write_atomic(work / "tasks" / f"{rank:05d}.json",
                       json.dumps({"splits": entries, "documents": kept, "bytes": kept_bytes}))
