@@ -68,9 +68,10 @@ def flopwise_config(shape: dict, dtype: str, overrides: list[str]) -> Config:
                                 "train.steps=10000", *overrides])  # a real run's length: train.compile=auto decides as it would
 
 
-def flopwise_step(shape: dict, dtype: str, overrides: list[str]) -> Callable[[torch.Tensor], None]:
+def flopwise_step(shape: dict, dtype: str, overrides: list[str],
+                  device: torch.device = torch.device("cpu")) -> Callable[[torch.Tensor], None]:
     cfg = flopwise_config(shape, dtype, overrides)
-    engine, optimizer = build_engine(cfg, mesh.init(cfg, torch.device("cpu")))
+    engine, optimizer = build_engine(cfg, mesh.init(cfg, device))
     feed = types.SimpleNamespace(batch=None)
     run = types.SimpleNamespace(cfg=cfg, engine=engine, optimizer=optimizer,
                                 loader=types.SimpleNamespace(next_batch=lambda: feed.batch))
