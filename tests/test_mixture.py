@@ -99,6 +99,38 @@ def test_sources_with_different_tokenizers_are_refused(tmp_path, tiny_data):
         ensure_data(cfg, tmp_path, Console(quiet=True))
 
 
+@pytest.mark.parametrize("where", ["relative", "absolute"])
+def test_source_tokenizer_outside_its_folder_is_refused_before_any_read(tmp_path, monkeypatch, where):
+    """A prepared source whose index.json names its tokenizer `../x.json` or by an absolute path:
+    before, build joined the name onto the folder, read that file and copied it into the run (the
+    next raw source was prepared with it) and only then refused; after, the member check every
+    other index field gets refuses it first, one line, and nothing is prepared or copied."""
+    import flopwise.build as build
+
+    text = tmp_path / "text"
+    text.mkdir()
+    for i in range(4):
+        (text / f"part_{i}.txt").write_text(f"Document {i}: the quick brown fox jumps over the lazy dog. " * 20)
+    first = tmp_path / "first"
+    prepare([str(text)], first, tokenizer="bpe:300", val_fraction=0.25, seed=0)
+    outside = tmp_path / "x.json"
+    (first / "tokenizer.json").rename(outside)
+    index = json.loads((first / "index.json").read_text())
+    index["tokenizer"] = "../x.json" if where == "relative" else str(outside)
+    (first / "index.json").write_text(json.dumps(index))
+    def prepare_spy(inputs, out, tokenizer, **kw):  # would read and copy `tokenizer` into the run
+        raise AssertionError(f"source prepared into {out} with tokenizer {tokenizer}")
+
+    monkeypatch.setattr(build, "prepare", prepare_spy)
+    run_dir = tmp_path / "run"
+    mix = f'[{{path="{first}", name="a"}}, {{path="{text}", name="b"}}]'
+    cfg = load_config(None, tiny_overrides(run_dir, first, **{"data.sources": mix}))
+    with pytest.raises(DataError, match="must be a plain name inside") as e:
+        ensure_data(cfg, run_dir, Console(quiet=True))
+    assert "\n" not in str(e.value)
+    assert not (run_dir / "data-b").exists()
+
+
 def test_resume_with_other_sources_is_refused(tmp_path, tiny_data, tiny_mix):
     _, sources = sources_of(tmp_path, tiny_data, tiny_mix)
     state = TokenLoader(sources, "train", 32, 8, seed=0).state_dict()

@@ -21,13 +21,14 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.markup import escape
-from tokenizers import Tokenizer
 from torch import nn
 
 from flopwise.config import Config
 from flopwise.data.loader import TokenLoader
 from flopwise.data.mixture import Source, check_tokenizers, fingerprint
-from flopwise.data.shards import FORMAT, prepare, read_index, tokenizer_of
+from flopwise.data.shards import (FORMAT, add_to_manifest, prepare, read_index, tokenizer_of, tokenizer_path,
+                                  why_not_ours)
+from flopwise.data.tokenizer import GuardedTokenizer
 from flopwise.errors import CheckpointError, ConfigError
 from flopwise.model.transformer import build_model
 from flopwise.parallel import mesh
@@ -54,7 +55,7 @@ class Run:
     loader: TokenLoader
     sources: list[Source]
     index: dict  # the first source's index.json (its tokenizer is every source's)
-    tokenizer: Tokenizer
+    tokenizer: GuardedTokenizer
     guard: Guard
     data_fingerprint: str = ""
     start_step: int = 0
@@ -79,11 +80,15 @@ def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, console: Consol
     recipe = {"inputs": [path], "tokenizer": tokenizer, "val_fraction": cfg.data.val_fraction, "seed": cfg.run.seed,
               "format": FORMAT}  # a folder of an older format is prepared again
     recipe_file = out / "recipe.json"
-    if recipe_file.exists() and json.loads(recipe_file.read_text()) == recipe and (out / "index.json").exists():
-        return out
+    if (out / "index.json").is_file() and why_not_ours(out) is None and recipe_file.is_file():
+        try:
+            if json.loads(recipe_file.read_text(encoding="utf-8")) == recipe:
+                return out
+        except ValueError:  # recorded in the manifest, so flopwise's, yet unreadable: prepare again
+            pass
     console.print(f"[bold]preparing data[/] {path} -> {out} (tokenizer {tokenizer})")
     stats = prepare([path], out, tokenizer=tokenizer, val_fraction=cfg.data.val_fraction, seed=cfg.run.seed)
-    recipe_file.write_text(json.dumps(recipe))
+    add_to_manifest(out, "recipe.json", json.dumps(recipe).encode())  # the folder stays provably flopwise's
     console.print(f"  {stats.documents} documents, {stats.tokens:,} tokens ({stats.splits['train']:,} train / "
                   f"{stats.splits['val']:,} val), {stats.bytes / 1e6:.1f} MB in {stats.seconds:.1f} s "
                   f"({stats.tokens_per_s / 1e3:.0f}k tokens/s)")
@@ -100,8 +105,8 @@ def ensure_data(cfg: Config, run_dir: Path, console: Console) -> list[Source]:
     for s in mixture:
         out = run_dir / ("data" if len(mixture) == 1 else f"data-{s.label}")
         d = _prepared(s.path, out, tokenizer, cfg, console)
-        if not sources:
-            tokenizer = str((d / read_index(d)["tokenizer"]).resolve())
+        if not sources:  # a plain name inside the folder, checked before anything reads or copies it
+            tokenizer = str(tokenizer_path(d).resolve())
         sources.append(Source(s.label, d, s.weight))
     check_tokenizers(sources)
     return sources

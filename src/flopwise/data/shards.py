@@ -447,6 +447,11 @@ def _member(d: Path, name) -> Path:
     return d / name
 
 
-def tokenizer_of(data_dir: str | Path):
+def tokenizer_path(data_dir: str | Path) -> Path:
+    """The tokenizer file a data dir's index names (a plain name inside the folder, else refused)."""
     d = Path(data_dir)
-    return load_tokenizer(_member(d, read_index(d).get("tokenizer")))
+    return _member(d, read_index(d).get("tokenizer"))
+
+
+def tokenizer_of(data_dir: str | Path):
+    return load_tokenizer(tokenizer_path(data_dir))

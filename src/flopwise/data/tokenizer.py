@@ -1,9 +1,30 @@
-"""Byte-level BPE through Hugging Face `tokenizers`: trained on the corpus or loaded from a file."""
+"""Byte-level BPE through Hugging Face `tokenizers`: trained on the corpus or loaded from a file.
+
+Every tokenizer flopwise hands out is a `GuardedTokenizer`: the library's own `Tokenizer` whose
+every call turns a panic inside the Rust code (pyo3's `PanicException` derives from
+BaseException, so `except Exception` misses it and the user got a traceback) or one of the
+library's bare `Exception`s into a one-line DataError naming the file and the call. A loaded file
+is also made safe for token shards, which need whole documents:
+
+- a `truncation` block (a normal Hugging Face field, e.g. max_length 512) would keep only the
+  first max_length tokens of every document, and a `padding` block would add pad tokens to every
+  one. Both are switched off, with a warning that names the field, rather than refused: the file
+  is otherwise sound (often a model's own), flopwise cuts training windows from the token stream
+  itself, and the copy saved with the data (and every checkpoint) no longer carries the block.
+  A malformed truncation block (stride >= max_length, on which the library panics) is refused.
+- `load_tokenizer` round-trips a probe string (encode, encode_batch, decode) so a file whose
+  decoder or pipeline panics (e.g. a `Strip` decoder on a lone-space token) is refused at load,
+  before anything is written; a panic on text the probe did not reach is still a DataError.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
+import warnings
 from collections.abc import Iterable
+from contextlib import contextmanager
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -12,9 +33,66 @@ from flopwise.errors import DataError
 
 EOS = "<|endoftext|>"
 MIN_VOCAB = 257  # 256 byte symbols + EOS
+# what a corpus may hold: words, punctuation, doubled spaces, tab, newline, digits, accents, CJK, emoji
+PROBE = "Hello, world!  Two  spaces,\ttab\nnew line; 0123456789 café naïve 中文 🙂 end "
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+def _library_error(e: BaseException) -> bool:
+    """A panic inside the Rust library (pyo3_runtime.PanicException, a BaseException) or one of its
+    errors (raised as a bare Exception); not a KeyboardInterrupt, nor a bug of the caller's."""
+    return type(e).__name__ == "PanicException" or type(e) is Exception
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text[:160] or type(e).__name__
+
+
+def _call(where: str, name: str, fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as e:
+        if not _library_error(e):
+            raise
+        fix = "fix or replace the tokenizer.json" if where.endswith(".json") else "use a tokenizer.json (--tokenizer)"
+        raise DataError(f"tokenizer {where}: the tokenizers library failed in {name} ({_one_line(e)}); {fix}") from None
+
+
+class GuardedTokenizer:
+    """A `tokenizers.Tokenizer` (`.raw`) whose every method (encode, encode_batch, decode,
+    decode_batch, get_vocab_size, token_to_id, save, ...) raises a one-line DataError where the
+    library would panic; attributes (truncation, padding, decoder, ...) read and set through."""
+
+    __slots__ = ("raw", "where")
+
+    def __init__(self, raw: Tokenizer, where: str | Path = "tokenizer"):
+        object.__setattr__(self, "raw", raw)
+        object.__setattr__(self, "where", str(where))
+
+    def __getattr__(self, name: str):
+        if name in GuardedTokenizer.__slots__:
+            raise AttributeError(name)
+        attr = getattr(self.raw, name)
+        if not callable(attr):
+            return attr
+        return lambda *args, **kwargs: _call(self.where, name, attr, *args, **kwargs)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self.raw, name, value)
+
+    def __reduce__(self):
+        return GuardedTokenizer, (self.raw, self.where)
+
+    def __repr__(self) -> str:
+        return f"GuardedTokenizer({self.where})"
+
+
+def guarded(tok: Tokenizer | GuardedTokenizer, where: str | Path = "tokenizer") -> GuardedTokenizer:
+    """`tok` with its calls guarded (as it is if it already is)."""
+    return tok if isinstance(tok, GuardedTokenizer) else GuardedTokenizer(tok, where)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> GuardedTokenizer:
     if vocab_size < MIN_VOCAB:
         raise DataError(f"tokenizer vocab {vocab_size}: a byte-level BPE needs at least {MIN_VOCAB} "
                         "(256 bytes + EOS); use e.g. bpe:4096")
@@ -23,21 +101,79 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok = guarded(tok, f"bpe:{vocab_size}")
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
+def load_tokenizer(path: str | Path) -> GuardedTokenizer:
+    """A tokenizer.json, checked: loaded, truncation and padding switched off (warned), a probe
+    string encoded and decoded, an end-of-text token found. Raises only DataError for a bad file
+    (this is the one call a fuzzer of tokenizer files needs)."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"tokenizer {p}: not found (give a tokenizer.json, or bpe:VOCAB to train one)")
     _check_bpe_prefix(p)
     try:
-        tok = Tokenizer.from_file(str(p))
-    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
-        raise DataError(f"tokenizer {p}: not a Hugging Face tokenizer.json ({str(e).splitlines()[0][:120]})") from None
+        raw = Tokenizer.from_file(str(p))
+    except BaseException as e:  # tokenizers raises a bare Exception on malformed JSON, or panics
+        if not (isinstance(e, Exception) or _library_error(e)):
+            raise
+        raise DataError(f"tokenizer {p}: not a Hugging Face tokenizer.json ({_one_line(e)})") from None
+    tok = guarded(raw, p)
+    _whole_documents(tok, p)
+    _probe(tok)
     eos_id(tok, p)
     return tok
+
+
+def _whole_documents(tok: GuardedTokenizer, p: Path) -> None:
+    """Switch off the file's truncation and padding (each with a warning naming it): token shards
+    need every document whole, and nothing else. A malformed truncation block is refused."""
+    trunc = tok.truncation
+    if trunc is not None:
+        stride, max_length = trunc.get("stride", 0), trunc.get("max_length", 0)
+        if stride >= max_length:
+            raise DataError(f"tokenizer {p}: truncation.stride={stride} must be below truncation.max_length="
+                            f"{max_length} (the tokenizers library panics on it); remove the truncation block")
+        tok.no_truncation()
+        warnings.warn(f"tokenizer {p}: its truncation block (max_length {max_length}) is switched off: flopwise "
+                      "tokenizes whole documents (it would keep only their first tokens)", stacklevel=3)
+    if tok.padding is not None:
+        tok.no_padding()
+        warnings.warn(f"tokenizer {p}: its padding block is switched off: flopwise tokenizes whole documents "
+                      "(it would add pad tokens to them)", stacklevel=3)
+
+
+def _probe(tok: GuardedTokenizer) -> None:
+    """Encode and decode PROBE as every reader will: a panic is a DataError now, at load. Its
+    message goes to a silenced stderr, so the user sees the DataError's one line."""
+    with _quiet_stderr():
+        ids = tok.encode(PROBE).ids
+        tok.encode_batch([PROBE, ""], add_special_tokens=False)
+        tok.decode(ids)
+        tok.decode_batch([ids])
+        tok.get_vocab_size()
+
+
+@contextmanager
+def _quiet_stderr():
+    """fd 2 to /dev/null for a moment: the Rust panic hook prints its message (and a backtrace
+    under RUST_BACKTRACE) there before pyo3 raises."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):
+        saved = None
+    if saved is not None:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _check_bpe_prefix(p: Path) -> None:
@@ -63,7 +199,7 @@ def _check_bpe_prefix(p: Path) -> None:
                                 "fix the tokenizer.json (or set the field to null)")
 
 
-def eos_id(tok: Tokenizer, where: str | Path = "tokenizer") -> int:
+def eos_id(tok: Tokenizer | GuardedTokenizer, where: str | Path = "tokenizer") -> int:
     for name in (EOS, "</s>", "<|end_of_text|>", "<eos>"):
         i = tok.token_to_id(name)
         if i is not None:

@@ -5,16 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
 
 from flopwise.config import Config
-from flopwise.data.tokenizer import load_tokenizer
+from flopwise.data.tokenizer import GuardedTokenizer, load_tokenizer
 from flopwise.model.transformer import Transformer, build_model
 from flopwise.train import checkpoint
 from flopwise.train.export import checkpoint_config
 
 
-def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transformer, Config, Tokenizer]:
+def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transformer, Config, GuardedTokenizer]:
     """(model, config, tokenizer) of a checkpoint folder or a run folder, in eval mode."""
     ckpt = checkpoint.resolve(path)
     cfg = checkpoint_config(ckpt, checkpoint.read_state(ckpt))

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from flopwise.data.tokenizer import guarded
 from flopwise.errors import DataError
 
 SHOT_SEPARATOR = "\n\n"
@@ -147,6 +148,7 @@ def evaluate_task(model, tokenizer, name: str, examples: list[Example], shots: i
                   clean: Collection[int] | None = None) -> dict:
     """Scores of a task; with `clean` (indices of uncontaminated examples) also the clean subset's
     `clean_n`, `clean_acc`, `clean_acc_norm`, from the same per-example results (GPT-3, Llama 2)."""
+    tokenizer = guarded(tokenizer)  # a panic of the tokenizers library is a one-line DataError
     examples = examples[:limit] if limit else examples
     contexts = with_shots(examples, shots, seed)
     requests, owners = [], []
