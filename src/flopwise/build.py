@@ -42,6 +42,7 @@ from flopwise.train.engine import Engine
 from flopwise.train.export import checkpoint_config
 from flopwise.train.guard import Guard
 from flopwise.train.optim import build_optimizer
+from flopwise.train.rundir import claim
 
 
 @dataclass
@@ -71,12 +72,32 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+# What `flopwise train` writes at the top of its run folder (rundir.claim records them there)
+TRAIN_WRITES = ("config.toml", "metrics.jsonl", "loss.png", "skipped.jsonl", "tensorboard", "checkpoints")
+
+
+def is_prepared(path: str) -> bool:
+    """A data source given as a prepared folder (read where it is), not a raw input to prepare."""
+    return not path.startswith("builtin:") and (Path(path) / "index.json").exists()
+
+
+def data_dir_name(cfg: Config, label: str) -> str:
+    """Where in the run folder a raw source is prepared: data/, or data-NAME/ in a mixture."""
+    return "data" if len(cfg.data.mixture) == 1 else f"data-{label}"
+
+
+def claim_run_dir(cfg: Config, run_dir: Path, world: int) -> None:
+    """Claim every name this run writes in its folder before writing any (refused if a user's file
+    holds one of them)."""
+    data = [data_dir_name(cfg, s.label) for s in cfg.data.mixture if not is_prepared(s.path)]
+    claim(run_dir, [*TRAIN_WRITES, *data, *(f"hang-rank{r}.txt" for r in range(world))])
+
+
 def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, console: Console) -> Path:
     """A prepared data dir as given, or the raw input `path` prepared under `out` (kept while its
     recipe is unchanged)."""
-    given = Path(path)
-    if not path.startswith("builtin:") and (given / "index.json").exists():
-        return given
+    if is_prepared(path):
+        return Path(path)
     recipe = {"inputs": [path], "tokenizer": tokenizer, "val_fraction": cfg.data.val_fraction, "seed": cfg.run.seed,
               "format": FORMAT}  # a folder of an older format is prepared again
     recipe_file = out / "recipe.json"
@@ -103,7 +124,7 @@ def ensure_data(cfg: Config, run_dir: Path, console: Console) -> list[Source]:
     tokenizer = cfg.data.tokenizer
     sources = []
     for s in mixture:
-        out = run_dir / ("data" if len(mixture) == 1 else f"data-{s.label}")
+        out = run_dir / data_dir_name(cfg, s.label)
         d = _prepared(s.path, out, tokenizer, cfg, console)
         if not sources:  # a plain name inside the folder, checked before anything reads or copies it
             tokenizer = str(tokenizer_path(d).resolve())
@@ -235,7 +256,7 @@ def build_run(cfg: Config, console: Console) -> Run:
     cfg = resolve_layout(cfg, cfg.model_dump(exclude_unset=True), mesh.world_size())
     par = mesh.init(cfg, resolve_device(cfg.train.device))
     if par.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        claim_run_dir(cfg, run_dir, par.layout.world)
         sources = ensure_data(cfg, run_dir, console)
     mesh.barrier()
     if not par.is_main:

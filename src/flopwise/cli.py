@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from flopwise.errors import FlopwiseError
+from flopwise.outputs import check_writable, write_json, write_text
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Plan, train and audit compute-optimal dense LLMs.")
@@ -193,9 +194,11 @@ def data_contamination(
     from flopwise.data.contamination import measure
     from flopwise.eval.tasks import load_task
 
+    if ids_out:
+        check_writable(ids_out, "--ids-out")
     report = measure(data, [load_task(t.strip()) for t in tasks.split(",") if t.strip()], n)
     if ids_out:
-        ids_out.write_text(json.dumps(dict(zip(report.tasks, report.contaminated)), indent=1))
+        write_text(ids_out, json.dumps(dict(zip(report.tasks, report.contaminated)), indent=1), "--ids-out")
     if as_json:
         typer.echo(json.dumps(report.rows(), indent=1))
         return
@@ -333,6 +336,9 @@ def scale_optimal(
     from flopwise.plan.fit import load_law
     from flopwise.plan.scaling import allocate
 
+    if out_config:
+        check_writable(out_config, "--out-config")
+
     if (flops is None) == (gpu_hours is None):
         raise ConfigError("give exactly one of --flops or --gpu-hours (with --hardware and --mfu)")
     if flops is None:
@@ -353,7 +359,7 @@ def scale_optimal(
     if out_config:
         from flopwise.plan.scaling import allocation_config
 
-        out_config.write_text(allocation_config(allocs[0], seq_len))
+        write_text(out_config, allocation_config(allocs[0], seq_len), "--out-config")
     if as_json:
         rows = [a.to_json() for a in allocs]
         typer.echo(json.dumps(rows[0] if len(rows) == 1 else rows, indent=1))
@@ -387,8 +393,10 @@ def scale_fit(
     import numpy as np
 
     from flopwise.errors import FlopwiseError
-    from flopwise.plan.fit import fit_approach2, fit_approach3, fit_kaplan, plot_fits, read_points, save_law
+    from flopwise.plan.fit import PLOT_NAMES, fit_approach2, fit_approach3, fit_kaplan, plot_fits, read_points, save_law
 
+    for path in ([out] if out else []) + ([plots / n for n in PLOT_NAMES] if plots else []):
+        check_writable(path, "--out" if path == out else "--plots")
     pts = read_points(runs)
     if drop_highest:
         pts = pts.subset(np.argsort(pts.loss)[:-drop_highest])
@@ -399,7 +407,7 @@ def scale_fit(
         iso = None
     kap = fit_kaplan(pts)
     if out:
-        save_law(fit3, out)
+        save_law(fit3, out, "--out")
     written = plot_fits(pts, fit3, iso, plots) if plots else []
     result = {**fit3.to_json(), "approach2": iso.to_json() if iso else None, "kaplan": kap.to_json()}
     if as_json:
@@ -430,12 +438,13 @@ def scale_predict_task(
     """Llama 3's two-step task prediction (compute -> correct-answer NLL -> accuracy) and jaggedness flags."""
     from flopwise.plan.taskfit import jaggedness, plot_tasks, predict_task, read_task_table
 
+    for name in ("prediction.json", "tasks.png"):
+        check_writable(out / name, "--out")
     tasks = read_task_table(table)
     preds = {name: predict_task(p, flops, bootstrap) for name, p in tasks.items()}
-    out.mkdir(parents=True, exist_ok=True)
     record = {"flops": flops, "table": str(table),
               "tasks": {n: {**preds[n].to_json(), **jaggedness(tasks[n])} for n in tasks}}
-    (out / "prediction.json").write_text(json.dumps(record, indent=1))
+    write_json(out / "prediction.json", record, "--out", "scale predict-task")
     png = plot_tasks(tasks, {n: p.law for n, p in preds.items()}, out)
     t = Table(title=f"task prediction at {flops:.3g} FLOPs (both steps fitted on the ladder's own runs)")
     for col in ("task", "NLL", "95% interval", "accuracy", "95% interval", "flags"):
@@ -475,21 +484,25 @@ def scale_sweep(
 
 @checkpoint_app.command("export")
 def checkpoint_export(path: str = typer.Argument(..., help="a run dir (its newest complete checkpoint) or a step-N folder"),
-                      out: Path = typer.Option(..., "--out", help="folder to write <out>/checkpoints/step-N into")) -> None:
-    """Consolidate a checkpoint written by any parallel layout into a one-process checkpoint."""
-    from flopwise.train.export import export_checkpoint
+                      out: Path = typer.Option(..., "--out", help="folder to write <out>/checkpoints/step-N into"),
+                      force: bool = typer.Option(False, "--force", help="replace a checkpoint of the same step in OUT")) -> None:
+    """Consolidate a checkpoint written by any parallel layout into a one-process checkpoint
+    (added beside OUT's checkpoints; none is deleted)."""
+    from flopwise.train.export import export_checkpoint, resume_advice
 
-    dest = export_checkpoint(path, out)
-    console.print(f"exported {path} -> {dest} (one process; resume with run.dir={out})")
+    dest = export_checkpoint(path, out, force)
+    console.print(f"exported {path} -> {dest} (one process; resume with {resume_advice(out, dest)})")
 
 
 @convert_app.command("from-hf")
 def convert_from_hf(hf_dir: Path = typer.Argument(..., help="config.json + model*.safetensors (+ tokenizer)"),
-                    out: Path = typer.Argument(..., help="flopwise run folder to write (checkpoints/step-00000000)")):
-    """Import a Hugging Face model as a flopwise checkpoint (usable by eval, generate, train)."""
+                    out: Path = typer.Argument(..., help="flopwise run folder to write (checkpoints/step-00000000)"),
+                    force: bool = typer.Option(False, "--force", help="replace a step-00000000 already in OUT")):
+    """Import a Hugging Face model as a flopwise checkpoint (usable by eval, generate, train),
+    added beside OUT's checkpoints; none is deleted."""
     from flopwise.interop.convert import import_hf
 
-    ckpt = import_hf(hf_dir, out)
+    ckpt = import_hf(hf_dir, out, force)
     console.print(f"wrote {ckpt}")
 
 
@@ -533,11 +546,14 @@ def plan_cmd(
         else:
             _print_measured(measured)
         return
+    for target, option in ((out_config, "--out-config"), (plot, "--plot")):
+        if target:
+            check_writable(target, option)
     tree = load_tree(path, overrides)
     report = plan(validate(tree), tree)
     best = report.best
     if out_config and best.fits:
-        out_config.write_text(to_toml(layout_config(report.cfg, best.layout)))
+        write_text(out_config, to_toml(layout_config(report.cfg, best.layout)), "--out-config")
     if plot:
         from flopwise.plan.plot import plot_memory
 

@@ -20,6 +20,7 @@ from scipy.optimize import minimize
 
 from flopwise.errors import DataError
 from flopwise.flops import scaling_flops, scaling_tokens
+from flopwise.outputs import save_figure, write_json
 from flopwise.plan.scaling import ParametricLaw
 
 GRID = dict(alpha=np.arange(0, 2.01, 0.5), beta=np.arange(0, 2.01, 0.5), e=np.arange(-1, 1.01, 0.5),
@@ -262,8 +263,8 @@ def fit_kaplan(pts: Points) -> KaplanFit:
     return KaplanFit(float(an), float(ad), float(math.exp(lnc)), float(math.exp(ldc)))
 
 
-def save_law(fit: Approach3Fit, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(fit.to_json(), indent=1))
+def save_law(fit: Approach3Fit, path: str | Path, option: str = "--out") -> None:
+    write_json(path, fit.to_json(), option, "scale fit")
 
 
 def load_law(path: str | Path) -> ParametricLaw:
@@ -276,6 +277,9 @@ def load_law(path: str | Path) -> ParametricLaw:
         raise DataError(f"fitted law {p}: cannot read E, A, B, alpha, beta ({e})") from None
 
 
+PLOT_NAMES = ("isoflop.png", "fit.png", "frontier.png")  # what plot_fits writes into its folder
+
+
 def plot_fits(pts: Points, fit3: Approach3Fit | None, iso: IsoFlopFit | None, out_dir: str | Path) -> list[Path]:
     """IsoFLOP curves with parabolas; fitted law vs points; N_opt vs C against the published laws."""
     import matplotlib
@@ -286,7 +290,6 @@ def plot_fits(pts: Points, fit3: Approach3Fit | None, iso: IsoFlopFit | None, ou
     from flopwise.plan.scaling import LAWS
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     written = []
     if iso is not None:
         fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=110)
@@ -300,8 +303,7 @@ def plot_fits(pts: Points, fit3: Approach3Fit | None, iso: IsoFlopFit | None, ou
         ax.set(xlabel="parameters N", ylabel="loss", title="IsoFLOP profiles (Approach 2)")
         fig.colorbar(sc, label="log10 C")
         fig.tight_layout()
-        written.append(out / "isoflop.png")
-        fig.savefig(written[-1])
+        written.append(save_figure(fig, out / "isoflop.png", "--plots"))
         plt.close(fig)
     if fit3 is not None:
         fig, ax = plt.subplots(figsize=(5, 4.2), dpi=110)
@@ -311,8 +313,7 @@ def plot_fits(pts: Points, fit3: Approach3Fit | None, iso: IsoFlopFit | None, ou
         ax.plot([lo, hi], [lo, hi], color="gray", lw=1)
         ax.set(xlabel="observed loss", ylabel="fitted L(N, D)", title="Approach 3 fit")
         fig.tight_layout()
-        written.append(out / "fit.png")
-        fig.savefig(written[-1])
+        written.append(save_figure(fig, out / "fit.png", "--plots"))
         plt.close(fig)
         fig, ax = plt.subplots(figsize=(6, 4.2), dpi=110)
         cs = np.logspace(math.log10(pts.flops.min()), 26, 60)
@@ -326,7 +327,6 @@ def plot_fits(pts: Points, fit3: Approach3Fit | None, iso: IsoFlopFit | None, ou
         ax.set(xlabel="training FLOPs C", ylabel="N_opt", title="compute-optimal model size")
         ax.legend(fontsize=8)
         fig.tight_layout()
-        written.append(out / "frontier.png")
-        fig.savefig(written[-1])
+        written.append(save_figure(fig, out / "frontier.png", "--plots"))
         plt.close(fig)
     return written

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from flopwise.outputs import save_figure
 from flopwise.plan.perf import Estimate
 
 PARTS = ("params", "grads", "optimizer", "activations", "other")
@@ -28,7 +29,6 @@ def plot_memory(estimates: list[Estimate], out: Path, title: str) -> Path:
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
+    save_figure(fig, out, "--plot", dpi=120)
     plt.close(fig)
     return out

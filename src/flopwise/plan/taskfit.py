@@ -20,6 +20,7 @@ import numpy as np
 from scipy.optimize import curve_fit
 
 from flopwise.errors import DataError
+from flopwise.outputs import save_figure
 
 FIELDS = ("name", "flops", "task", "acc", "nll")
 
@@ -171,6 +172,6 @@ def plot_tasks(tasks: dict[str, TaskPoints], laws: dict[str, TaskLaw], out_dir: 
             ax.set_title(title if row == 0 else "", fontsize=9)
         axes[1, j].set_xlabel("training FLOPs")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    save_figure(fig, out, "--out", dpi=110)
     plt.close(fig)
     return out
