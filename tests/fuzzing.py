@@ -4,8 +4,11 @@ Each `*_mutants` function takes a valid file's content (one flopwise itself wrot
 complete, deterministic list of its mutants as (label, bytes): every field of a JSON/TOML tree
 replaced by each value of `REPLACEMENTS`, removed, duplicated under a new name, renamed; binary
 files truncated at several points, bit-flipped at seeded positions, and (safetensors) their header
-length field corrupted and their header JSON mutated field by field. `pick` then draws a bounded,
-seeded sample, so a test's cases are the same on every run (FLOPWISE_FUZZ_CASES=N runs more).
+length field corrupted and their header JSON mutated field by field; pickles (DCP `.metadata`)
+mutated as objects and opcode by opcode. Every mutant is a function of the file's bytes and a
+seed alone, so the files mutated must not hold anything machine-specific (tests/test_fuzz.py
+writes them with relative paths and normalises `.metadata`): then a seed means the same mutants
+on every machine. `pick` draws a bounded, seeded sample when FLOPWISE_FUZZ_CASES=N asks for one.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ REPLACEMENTS: list[tuple[str, Any]] = [
     ("empty-list", []), ("list", [1, "a", None]), ("empty-dict", {}), ("dict", {"a": 1, "b": [2]}),
 ]
 
-DEFAULT_CASES = 120
+DEFAULT_CASES = 0  # 0: every mutant (6,406 over the 13 readers, about 75 s on 2 CPU cores; a sample of 120: 25 s)
 
 
 def budget(default: int = DEFAULT_CASES) -> int:
-    """Cases per reader: FLOPWISE_FUZZ_CASES, or the CI default."""
-    return int(os.environ.get("FLOPWISE_FUZZ_CASES", default))
+    """Cases per reader: FLOPWISE_FUZZ_CASES (a seeded sample of N, plus the regressions), or
+    the CI default; 0 means every mutant."""
+    n = int(os.environ.get("FLOPWISE_FUZZ_CASES", default))
+    return n if n > 0 else 1 << 62
 
 
 def pick(cases: list[tuple[str, bytes]], n: int, seed: int = 0, always: tuple[str, ...] = ()) -> list[tuple[str, bytes]]:
@@ -246,7 +251,48 @@ def dcp_metadata_mutants(raw: bytes, keys: int = 4, seed: int = 0) -> list[tuple
         md = pickle.loads(raw)  # trusted: flopwise's own file
         mutate(md)
         out.append((f"md:{label}", pickle.dumps(md)))
-    return out + binary_mutants(raw, "metadata", 60)
+    return out + pickle_opcode_mutants(raw, "metadata") + binary_mutants(raw, "metadata", 60)
+
+
+def pickle_opcode_mutants(raw: bytes, what: str, sites: int = 3) -> list[tuple[str, bytes]]:
+    """A pickle's opcodes swapped for the ones that make an unpickler allocate or reference what
+    the stream declares (counted bytes, strings, bytearrays, longs, frames, out-of-band buffers):
+    at the first `sites` MEMOIZE opcodes and the first `sites` short strings, each opcode byte is
+    replaced by each of them, so the bytes after it are read as a length. One bit turns MEMOIZE
+    (0x94) into BYTEARRAY8 (0x96): the bit flip that made CPython 3.11 print or raise "SystemError:
+    deallocated bytearray object has exported buffers" from a refused `.metadata`."""
+    import pickletools
+
+    targets = ("BYTEARRAY8", "BINBYTES8", "BINUNICODE8", "LONG4", "FRAME", "READONLY_BUFFER", "NEXT_BUFFER", "STOP")
+    codes = {op.name: op.code.encode("latin-1") for op in pickletools.opcodes}
+    found: dict[str, list[int]] = {"MEMOIZE": [], "SHORT_BINUNICODE": []}
+    for op, _arg, pos in pickletools.genops(raw):
+        if op.name in found and len(found[op.name]) < sites:
+            found[op.name].append(pos)
+    out = []
+    for name, positions in found.items():
+        for pos in positions:
+            for target in targets:
+                out.append((f"{what}:op@{pos}:{name}={target}", raw[:pos] + codes[target] + raw[pos + 1:]))
+    return out
+
+
+def normalise_dcp_metadata(raw: bytes) -> bytes:
+    """DCP's `.metadata` with what differs from machine to machine fixed: its storage_meta's
+    checkpoint_id (the folder DCP wrote into, an absolute path unless given a relative one) cut to
+    its last part and the random save_id zeroed. Tensors, chunks and storage records are kept, so
+    the file still loads; mutants of it are then the same bytes on every machine."""
+    import pickle  # trusted: a file flopwise itself just wrote
+
+    md = pickle.loads(raw)
+    meta = md.storage_meta
+    if meta is not None:
+        if meta.checkpoint_id is not None:
+            meta.checkpoint_id = type(meta.checkpoint_id)(os.path.basename(str(meta.checkpoint_id)))
+        if meta.save_id is not None:
+            meta.save_id = "00000000-0000-0000-0000-000000000000"
+        meta.load_id = None
+    return pickle.dumps(md)
 
 
 def with_original(raw: bytes, mutants: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:

@@ -4,10 +4,11 @@ FLOPWISE_FUZZ_EXAMPLES=5000 digs deeper than the 150 examples per property CI ru
 
 `test_mutated_real_files` feeds each reader structure-aware mutants of a real file flopwise wrote
 (tests/fuzzing.py: every JSON/TOML field replaced by each JSON type, removed, duplicated, renamed;
-binaries truncated, bit-flipped, safetensors length/header fields and DCP metadata objects
-mutated), a seeded sample of 120 per reader in CI (about 30 s on 2 CPU cores);
-FLOPWISE_FUZZ_CASES=N runs N per reader (all of a reader's mutants when N exceeds them). Each
-reader's line in the output (pytest -s) gives its case count and outcomes."""
+binaries truncated, bit-flipped, safetensors length/header fields and DCP metadata objects and
+pickle opcodes mutated): every mutant of every reader in CI (see fuzzing.DEFAULT_CASES for the
+count and time on 2 CPU cores); FLOPWISE_FUZZ_CASES=N runs a seeded sample of N per reader plus
+the regressions. The real files hold nothing machine-specific, so the mutants are the same bytes
+on every machine. Each reader's line in the output (pytest -s) gives its case count and outcomes."""
 
 import json
 import os
@@ -158,9 +159,9 @@ def test_cli_user_errors_are_one_line_exit_2_no_traceback(tmp_path, args, fragme
 
 
 # --- structure-aware mutation of real files (tests/fuzzing.py) -----------------------------------
-# Each reader gets a bounded, seeded sample of the mutants of a file flopwise itself wrote
-# (FLOPWISE_FUZZ_CASES=N per reader; CI runs fuzzing.DEFAULT_CASES). Every case must end in
-# success or a one-line FlopwiseError, and write nothing outside the folder it was pointed at.
+# Each reader gets every mutant of a file flopwise itself wrote (FLOPWISE_FUZZ_CASES=N: a seeded
+# sample of N per reader plus the regressions). Every case must end in success or a one-line
+# FlopwiseError, and write nothing outside the folder it was pointed at.
 
 import shutil  # noqa: E402
 import time  # noqa: E402
@@ -170,29 +171,55 @@ import fuzzing  # noqa: E402
 from conftest import tiny_overrides  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def real(tiny_data, tmp_path_factory) -> dict[str, Path]:
-    """Real files of every kind: a 2-step training run's checkpoint, its config, tokenizer, an HF
-    folder from `convert to-hf` of it, and a task file cut from two built-in tasks."""
+def build_real(root: Path) -> dict[str, Path]:
+    """Real files of every kind under `root`: Alice's chapters prepared into a data folder, a
+    2-step training run's checkpoint, its config, an HF folder from `convert to-hf` of it, and a
+    task file cut from two built-in tasks.
+
+    Written from inside `root` with relative paths, so no file holds the temp folder's name (the
+    config, state.json and the data index say "run", "data", "docs/..."), and DCP's `.metadata`
+    normalised (its checkpoint_id and random save_id fixed, the manifest re-signed): every file is
+    the same bytes on every machine, so a seed means the same mutants everywhere (before, DCP's
+    absolute checkpoint path moved the seeded bit flips with the temp folder's name)."""
     from rich.console import Console
 
     from flopwise.config import to_toml
+    from flopwise.data.shards import prepare, resolve_input
     from flopwise.eval.tasks import builtin_tasks
     from flopwise.interop.convert import export_hf
     from flopwise.train.trainer import train
 
-    root = tmp_path_factory.mktemp("real")
-    cfg = load_config(None, tiny_overrides(root / "run", tiny_data, **{
-        "train.steps": 2, "checkpoint.interval": 2, "train.eval_every": 2, "optim.warmup_steps": 1}))
-    train(cfg, Console(quiet=True))
-    ckpt = checkpoint.latest(root / "run")
-    (root / "config.toml").write_text(to_toml(cfg))
-    export_hf(ckpt, root / "hf")
+    root.mkdir(parents=True, exist_ok=True)
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        docs = Path("docs")
+        docs.mkdir()
+        for i, chunk in enumerate(resolve_input("builtin:alice").read_text().split("CHAPTER")):
+            if chunk.strip():
+                (docs / f"part_{i:02d}.txt").write_text(chunk)
+        prepare([str(docs)], Path("data"), tokenizer="bpe:512", val_fraction=0.1, seed=0)
+        cfg = load_config(None, tiny_overrides("run", "data", **{
+            "train.steps": 2, "checkpoint.interval": 2, "train.eval_every": 2, "optim.warmup_steps": 1}))
+        train(cfg, Console(quiet=True))
+        ckpt = root / checkpoint.latest("run")
+        (ckpt / ".metadata").write_bytes(fuzzing.normalise_dcp_metadata((ckpt / ".metadata").read_bytes()))
+        _resign(ckpt, ".metadata")
+        assert checkpoint.verify(ckpt) is None
+        Path("config.toml").write_text(to_toml(cfg))
+        export_hf(ckpt, root / "hf")
+    finally:
+        os.chdir(cwd)
     tasks = builtin_tasks()
     lines = [*tasks["alice-lastword"].read_text().splitlines()[:2], *tasks["alice-nextsent"].read_text().splitlines()[:2]]
     (root / "task.jsonl").write_text("\n".join(lines) + "\n")
-    return {"ckpt": ckpt, "config": root / "config.toml", "tokenizer": tiny_data / "tokenizer.json",
-            "hf": root / "hf", "task": root / "task.jsonl", "data": tiny_data, "cfg": cfg}
+    return {"ckpt": ckpt, "config": root / "config.toml", "tokenizer": root / "data" / "tokenizer.json",
+            "hf": root / "hf", "task": root / "task.jsonl", "data": root / "data"}
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory) -> dict[str, Path]:
+    return build_real(tmp_path_factory.mktemp("real"))
 
 
 def _m(mutants, raw: bytes, *args, **kwargs) -> list[tuple[str, bytes]]:
@@ -351,21 +378,23 @@ def _cases_token_shard(real, work):
 
 
 def _resumer(real, work):
-    """A run built once (resume=none) that each case resumes into: build.resume is what build_run
-    calls (config and data checks, weights, optimizer, loader position, RNG, guard, step), then
-    one batch is drawn from the restored loader position."""
+    """A run built once (resume=none, on the first case) that each case resumes into: build.resume
+    is what build_run calls (config and data checks, weights, optimizer, loader position, RNG,
+    guard, step), then one batch is drawn from the restored loader position."""
     from rich.console import Console
 
     from flopwise.build import build_run, resume
 
-    cfg = load_config(None, tiny_overrides(work / "resumer", real["data"], **{
-        "train.steps": 2, "checkpoint.interval": 2, "train.eval_every": 2, "optim.warmup_steps": 1,
-        "checkpoint.resume": '"none"'}))
-    target = build_run(cfg, Console(quiet=True))
+    built = []
 
     def load(ckpt: Path) -> None:
-        resume(target, ckpt, Console(quiet=True))
-        target.loader.next_batch()
+        if not built:
+            cfg = load_config(None, tiny_overrides(work / "resumer", real["data"], **{
+                "train.steps": 2, "checkpoint.interval": 2, "train.eval_every": 2, "optim.warmup_steps": 1,
+                "checkpoint.resume": '"none"'}))
+            built.append(build_run(cfg, Console(quiet=True)))
+        resume(built[0], ckpt, Console(quiet=True))
+        built[0].loader.next_batch()
     return load
 
 
@@ -386,19 +415,27 @@ READERS = {"config-toml": _cases_config, "tokenizer-json": _cases_tokenizer, "hf
            "data-index-json": _cases_data_index, "token-shard": _cases_token_shard}
 
 
-# Cases that found a bug (fixed in the reader): run in CI whatever the seeded sample holds.
+# Cases that found a bug (fixed in the reader): run whatever a seeded sample holds.
 REGRESSIONS = {"config-toml": ("model/preset=list", "model/arch=dict"),
                "tokenizer-json": ("model/continuing_subword_prefix=str",),  # aborted the process (Rust panic)
-               "hf-config-json": ("vocab_size=huge",), "dcp-metadata": (":chunks=[]", ":chunk.sizes=bigger"),
+               "hf-config-json": ("vocab_size=huge",),
+               "dcp-metadata": (":chunks=[]", ":chunk.sizes=bigger", "MEMOIZE=BYTEARRAY8"),  # the last: SystemError
+               "dcp-metadata-resume": ("MEMOIZE=BYTEARRAY8",),
                "state-json": ("config=one",), "task-jsonl": ("not-utf8",),
                "state-json-resume": ("loader/sources/0/epoch=neg", "loader/sources/0/cursor=negfloat"),
                "data-index-json": ("vocab_size=inf",)}
 
 
+# What CPython prints when an error cannot be raised (a destructor, a callback): a reader that makes
+# it print one has failed even if it then raised a one-line error (the bytearray SystemError did).
+PRINTED_ERRORS = ("SystemError", "Exception ignored", "Traceback")
+
+
 @pytest.mark.parametrize("reader", list(READERS))
-def test_mutated_real_files(reader, real, tmp_path, monkeypatch):
+def test_mutated_real_files(reader, real, tmp_path, monkeypatch, capsys):
     """Every mutant of a real file: success or a one-line flopwise error, nothing written outside
-    the folder it was pointed at (the work folder; cwd is tmp_path too, so stray relative writes count)."""
+    the folder it was pointed at (the work folder; cwd is tmp_path too, so stray relative writes
+    count), nothing printed to stderr by the interpreter."""
     import warnings
 
     work = tmp_path / "work"
@@ -410,6 +447,7 @@ def test_mutated_real_files(reader, real, tmp_path, monkeypatch):
     run(original)  # the control: the unmutated file reads (so a refusal below is the mutation's doing)
     cases = fuzzing.pick(everything[1:], fuzzing.budget(), seed=17, always=REGRESSIONS.get(reader, ()))
     outcomes, failures = {"ok": 0, "refused": 0}, []
+    capsys.readouterr()
     t0 = time.perf_counter()
     for label, raw in cases:
         outside = _snapshot(tmp_path)
@@ -427,6 +465,32 @@ def test_mutated_real_files(reader, real, tmp_path, monkeypatch):
         stray = {k for k in set(_snapshot(tmp_path)) ^ set(outside) if not k.startswith("work")}
         if stray:
             failures.append(f"{label}: wrote outside its folder: {sorted(stray)[:3]}")
-    print(f"\nfuzz {reader}: {len(cases)} cases of {len(everything) - 1} mutants, {outcomes['ok']} ok, "
-          f"{outcomes['refused']} refused in one line, {len(failures)} failures, {time.perf_counter() - t0:.1f} s")
+        printed = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith(PRINTED_ERRORS)]
+        if printed:
+            failures.append(f"{label}: the interpreter printed {printed[0][:200]!r}")
+    with capsys.disabled():
+        print(f"\nfuzz {reader}: {len(cases)} cases of {len(everything) - 1} mutants, {outcomes['ok']} ok, "
+              f"{outcomes['refused']} refused in one line, {len(failures)} failures, {time.perf_counter() - t0:.1f} s")
     assert not failures, f"{len(failures)} of {len(cases)} cases:\n" + "\n".join(failures[:40])
+
+
+def test_a_seed_means_the_same_mutants_wherever_the_files_are(real, tmp_path_factory):
+    """The real files written under another temp folder, of another name length, are the same
+    bytes, so every reader's mutants are too. Before: DCP wrote the absolute checkpoint path (and
+    a random save_id) into `.metadata`, and the config, state.json, the manifest and the data
+    index held the temp folder's path: each machine, each pytest-N, fuzzed another set."""
+    elsewhere = build_real(tmp_path_factory.mktemp("elsewhere-under-a-much-longer-folder-name"))
+    for name in ("ckpt", "config", "tokenizer", "task", "data", "hf"):
+        here, there = real[name], elsewhere[name]
+        files = sorted(p.relative_to(here) for p in here.rglob("*") if p.is_file()) if here.is_dir() else [Path()]
+        if name == "data":  # the data folder's own provenance files (times) are read by no reader
+            files = [f for f in files if f.name not in ("manifest.json", "report.json") and "work" not in f.parts]
+        for f in files:
+            assert (here / f).read_bytes() == (there / f).read_bytes(), f"{name}/{f} depends on where it was written"
+    work_here, work_there = tmp_path_factory.mktemp("w1"), tmp_path_factory.mktemp("w2")
+    for reader, cases in READERS.items():
+        mine, theirs = cases(real, work_here)[0], cases(elsewhere, work_there)[0]
+        assert [label for label, _ in mine] == [label for label, _ in theirs], reader
+        assert all(a == b for (_, a), (_, b) in zip(mine, theirs)), f"{reader}: a mutant differs"
+        sample = fuzzing.pick(mine[1:], 120, seed=17, always=REGRESSIONS.get(reader, ()))
+        assert sample == fuzzing.pick(theirs[1:], 120, seed=17, always=REGRESSIONS.get(reader, ()))

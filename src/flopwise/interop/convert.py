@@ -13,16 +13,20 @@ from flopwise.train import checkpoint
 from flopwise.train.export import CheckpointTensors, checkpoint_config
 
 
-def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
-    """HF folder -> <out>/checkpoints/step-00000000 (weights, config, tokenizer.json if present)."""
+def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
+    """HF folder -> <out>/checkpoints/step-00000000 (weights, config, tokenizer.json if present),
+    added beside the checkpoints already in <out>, none of which is deleted; a step-00000000
+    already there is refused unless `force` (then replaced)."""
     hf_dir = Path(hf_dir)
+    checkpoint.claim_step(out, 0, force)
     model, m = from_hf(hf_dir)
     tree = {"run": {"name": hf_dir.name, "dir": str(out)}, "model": m.model_dump(exclude_none=True),
             "data": {"seq_len": min(m.max_seq_len, 2048), "tokenizer": str(hf_dir / "tokenizer.json")}}
     cfg = validate(tree)
     tok = hf_dir / "tokenizer.json"
     files = {"tokenizer.json": tok} if tok.is_file() else {}
-    return checkpoint.save(out, 0, model, None, {"config": to_toml(cfg), "source": str(hf_dir)}, files=files)
+    return checkpoint.save(out, 0, model, None, {"config": to_toml(cfg), "source": str(hf_dir)}, files=files,
+                           keep=None, replace=force, tmp=checkpoint.scratch_dir(out, 0))
 
 
 def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:

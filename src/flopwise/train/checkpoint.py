@@ -12,7 +12,9 @@ folder) is never taken as a checkpoint, and the newest one that does match is us
 
 Nothing user-supplied is unpickled. DCP's own reader `pickle.load`s `.metadata`, so `SafeReader`
 replaces that one call with an unpickler that only builds DCP's metadata classes (a planted
-pickle that names anything else is refused); tensors load with `weights_only=True`. DCP would
+pickle that names anything else is refused), after a walk of its opcodes (no bytearrays or
+buffers, no length past the end), and checks every field of what it built (a damaged stream can
+drop or retype any); tensors load with `weights_only=True`. DCP would
 load a "bytes" entry with `torch.load(weights_only=False)`: flopwise writes none, so metadata
 that declares one is refused, and every file the metadata reads must be in the manifest.
 """
@@ -20,14 +22,19 @@ that declares one is refused, and every file the metadata reads must be in the m
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
+import io
 import json
 import math
 import os
 import pickle
+import pickletools
+import secrets
 import shutil
 import warnings
 from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -36,12 +43,15 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                   TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from flopwise.errors import CheckpointError
 from flopwise.model.init import canonical_name
 from flopwise.parallel.data import local_optimizer
+from flopwise.train import rundir
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
@@ -155,14 +165,16 @@ def _content(model: Modules, optimizer: torch.optim.Optimizer | None) -> dict:
 
 def begin(run_dir: str | Path, step: int, model: Modules, optimizer: torch.optim.Optimizer | None,
           writer: Callable[[Path], FileSystemWriter] = FileSystemWriter, asynchronous: bool = False,
-          async_group=None):
-    """Start writing checkpoint `step` into step-N.tmp: the DCP tensors of every rank. Returns
-    (tmp, future): the future is None for a synchronous write (done on return) or DCP's async
-    future (tensors staged to host memory on return, written by a background thread)."""
-    final = step_dir(run_dir, step)
-    tmp = final.with_name(final.name + ".tmp")
-    if err := _run_on_main(lambda: _fresh(tmp)):
-        raise not_written(run_dir, step, err)
+          async_group=None, tmp: Path | None = None):
+    """Start writing checkpoint `step` into step-N.tmp (or `tmp`, an empty folder from
+    `scratch_dir`, single process): the DCP tensors of every rank. Returns (tmp, future): the
+    future is None for a synchronous write (done on return) or DCP's async future (tensors staged
+    to host memory on return, written by a background thread)."""
+    if tmp is None:
+        final = step_dir(run_dir, step)
+        tmp = final.with_name(final.name + ".tmp")
+        if err := _run_on_main(lambda: _fresh(tmp)):
+            raise not_written(run_dir, step, err)
     content = _content(model, optimizer)
     try:
         with warnings.catch_warnings():
@@ -180,11 +192,14 @@ def begin(run_dir: str | Path, step: int, model: Modules, optimizer: torch.optim
 
 
 def finish(run_dir: str | Path, step: int, tmp: Path, state: dict, files: dict[str, Path] | None = None,
-           keep: int = 2, collective: bool = True) -> Path:
+           keep: int | None = 2, collective: bool = True, replace: bool = True) -> Path:
     """Complete a checkpoint whose tensors are written: state.json, extra files, then the manifest
     (last, so it vouches for everything), fsync, atomic rename, retention. `collective=False`:
-    called by rank 0 alone (finalizing an async save, whose tensors every rank has written)."""
-    final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+    called by rank 0 alone (finalizing an async save, whose tensors every rank has written).
+    `keep=None`: no retention (a command adding one checkpoint to a run it does not own: export,
+    import); retention never deletes the checkpoint just written. `replace=False`: a step-N already
+    there is refused, not replaced."""
+    final = step_dir(run_dir, step)
 
     def complete() -> None:
         (tmp / STATE).write_text(json.dumps({**state, "step": step}))
@@ -200,10 +215,18 @@ def finish(run_dir: str | Path, step: int, tmp: Path, state: dict, files: dict[s
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        prune(run_dir, keep)
+        if final.exists() or final.is_symlink():
+            if not replace:
+                raise FileExistsError(errno.EEXIST, "already exists, not replaced", str(final))
+            old = final.with_name(final.name + ".replaced.tmp")  # swapped out, then deleted: never a gap
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        if keep is not None:
+            prune(run_dir, keep, protect=final)
 
     if collective:
         err = _run_on_main(complete)
@@ -217,6 +240,44 @@ def finish(run_dir: str | Path, step: int, tmp: Path, state: dict, files: dict[s
         abandon(tmp)
         raise not_written(run_dir, step, err)
     return final
+
+
+def claim_step(run_dir: str | Path, step: int, force: bool = False) -> Path:
+    """For a command that adds one checkpoint to a run folder it may not own (export, import):
+    step-N's folder, refused in one line when one is already there unless `force` (which replaces
+    it, if flopwise wrote it: a folder without a manifest is someone else's and never replaced).
+    The run's other checkpoints are never touched (no retention). The run folder's `checkpoints`
+    is claimed first (rundir.claim): refused if it is a user's, recorded as flopwise's when new,
+    so that `flopwise train run.dir=<run_dir>` resumes from what was written."""
+    rundir.claim(run_dir, ["checkpoints"])
+    final = step_dir(run_dir, step)
+    if final.exists() or final.is_symlink():
+        if final.is_symlink() or not (final / MANIFEST).is_file():
+            raise CheckpointError(f"{final} is already there and is not a flopwise checkpoint (no {MANIFEST}); "
+                                  "nothing was written: move it away or choose another output folder")
+        if not force:
+            raise CheckpointError(f"{final} already exists; nothing was written (--force replaces it, or choose "
+                                  "another output folder)")
+    return final
+
+
+def scratch_dir(run_dir: str | Path, step: int) -> Path:
+    """A new, empty folder beside step-N to write it in (single process: export, import), named
+    uniquely so that no folder or file already there is reused or deleted; a leftover of an
+    interrupted write is a step-*.tmp, which retention clears."""
+    root = Path(run_dir) / "checkpoints"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        while True:  # not tempfile.mkdtemp: its mode 0700 would leave the checkpoint unreadable to a group
+            tmp = root / f"step-{step:08d}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+            try:
+                tmp.mkdir()
+                return tmp
+            except FileExistsError:
+                continue
+    except OSError as e:
+        raise CheckpointError(f"cannot write a checkpoint under {root} ({e.strerror or e}); "
+                              "nothing was written") from None
 
 
 def abandon(tmp: Path) -> None:
@@ -233,14 +294,15 @@ def not_written(run_dir: str | Path, step: int, reason: str) -> CheckpointError:
 
 
 def save(run_dir: str | Path, step: int, model: Modules, optimizer: torch.optim.Optimizer | None,
-         state: dict, files: dict[str, Path] | None = None, keep: int = 2,
-         writer: Callable[[Path], FileSystemWriter] = FileSystemWriter) -> Path:
-    """Write checkpoint `step` atomically and keep the newest `keep` complete ones (optimizer=None:
-    weights only, e.g. a model imported from Hugging Face). `model` may be a list of pipeline
-    stage modules; every rank calls this with its own shards. A failed write raises
-    CheckpointError on every rank and leaves the previous checkpoints as they were."""
-    tmp, _ = begin(run_dir, step, model, optimizer, writer)
-    return finish(run_dir, step, tmp, state, files, keep)
+         state: dict, files: dict[str, Path] | None = None, keep: int | None = 2,
+         writer: Callable[[Path], FileSystemWriter] = FileSystemWriter, replace: bool = True,
+         tmp: Path | None = None) -> Path:
+    """Write checkpoint `step` atomically and keep the newest `keep` complete ones (None: delete
+    none; optimizer=None: weights only, e.g. a model imported from Hugging Face). `model` may be a
+    list of pipeline stage modules; every rank calls this with its own shards. A failed write
+    raises CheckpointError on every rank and leaves the previous checkpoints as they were."""
+    tmp, _ = begin(run_dir, step, model, optimizer, writer, tmp=tmp)
+    return finish(run_dir, step, tmp, state, files, keep, replace=replace)
 
 
 def _bare(name: object) -> bool:
@@ -317,11 +379,13 @@ def latest(run_dir: str | Path, verify_checksums: bool = True, report: Callable[
     return None
 
 
-def prune(run_dir: str | Path, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints (never the newest one) and leftover
-    .tmp folders of interrupted writes (no write is in flight when this runs)."""
+def prune(run_dir: str | Path, keep: int, protect: Path | None = None) -> None:
+    """Delete all but the newest `keep` complete checkpoints (never the newest one, nor `protect`,
+    the one just written) and leftover .tmp folders of interrupted writes (no write is in flight
+    when this runs)."""
     failed: list[str] = []
-    for old in [*list_complete(run_dir)[:-max(1, keep)], *(Path(run_dir) / "checkpoints").glob("step-*.tmp")]:
+    old_ones = [p for p in list_complete(run_dir)[:-max(1, keep)] if protect is None or p != Path(protect)]
+    for old in [*old_ones, *(Path(run_dir) / "checkpoints").glob("step-*.tmp")]:
         shutil.rmtree(old, onerror=lambda _fn, path, info: failed.append(f"{path} ({info[1]})"))
     if failed:  # the new checkpoint is complete; say what could not be cleared, and go on
         warnings.warn(f"checkpoint retention could not delete {failed[0]}" + (f" and {len(failed) - 1} more"
@@ -346,19 +410,54 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
 
 
+def _short(value: object) -> str:
+    """A damaged field's value for a one-line message (its type when it cannot be shown)."""
+    try:
+        text = " ".join(repr(value).split())
+    except Exception:  # noqa: BLE001 - a dataclass missing a field cannot repr itself
+        text = type(value).__name__
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _is_size(value: object, rank: int | None = None) -> bool:
+    """A torch.Size-like tuple of non-negative ints (of `rank` entries when given); bools are not sizes."""
+    return (isinstance(value, tuple) and all(type(n) is int and n >= 0 for n in value)
+            and (rank is None or len(value) == rank))
+
+
+@cache
+def _loadable_dtypes() -> frozenset:
+    """The dtypes a tensor entry may declare: ordinary floating point, complex, integer and bool
+    ones (not quantized, bit-packed or sub-byte dtypes, which no model state holds)."""
+    names = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "complex64",
+             "complex128", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool")
+    return frozenset(d for n in names if isinstance(d := getattr(torch, n, None), torch.dtype))
+
+
 def _tiling_problem(entry: TensorStorageMetadata) -> str | None:
-    """Why a tensor's chunks do not tile it exactly (None when they do): each chunk a box of the
-    tensor's rank inside it, their volumes summing to its size. DCP would otherwise load a tensor
-    that no chunk covers by leaving the model's values as they were, without a word."""
-    size = entry.size
-    if not isinstance(size, tuple) or not all(isinstance(n, int) and n >= 0 for n in size):
-        return f"has size {size!r}"
+    """Why a tensor entry is not what DCP wrote (None when it is): properties with a loadable
+    dtype; a size; chunks, each a box of the tensor's rank inside it, their volumes summing to its
+    size. Every field is read with getattr: an entry rebuilt from a damaged stream can lack any.
+    DCP would otherwise load a tensor that no chunk covers by leaving the model's values as they
+    were, without a word."""
+    props = getattr(entry, "properties", None)
+    dtype = getattr(props, "dtype", None)
+    if not isinstance(props, TensorProperties) or not isinstance(dtype, torch.dtype) or dtype not in _loadable_dtypes():
+        return f"has properties {_short(props)}"
+    if not (isinstance(getattr(props, "layout", None), torch.layout)
+            and all(isinstance(getattr(props, f, None), bool) for f in ("requires_grad", "pin_memory"))):
+        return f"has properties {_short(props)}"
+    size = getattr(entry, "size", None)
+    if not _is_size(size):
+        return f"has size {_short(size)}"
+    chunks = getattr(entry, "chunks", None)
+    if not isinstance(chunks, list):
+        return f"has chunks {_short(chunks)}"
     total = 0
-    for chunk in entry.chunks if isinstance(entry.chunks, list) else [None]:
+    for chunk in chunks:
         offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
-        if not (isinstance(offsets, tuple) and isinstance(sizes, tuple) and len(offsets) == len(sizes) == len(size)
-                and all(isinstance(o, int) and isinstance(n, int) and o >= 0 and n >= 0 and o + n <= d
-                        for o, n, d in zip(offsets, sizes, size))):
+        if not (isinstance(chunk, ChunkStorageMetadata) and _is_size(offsets, len(size)) and _is_size(sizes, len(size))
+                and all(o + n <= d for o, n, d in zip(offsets, sizes, size))):
             return f"has a chunk outside its size {list(size)}"
         total += math.prod(sizes)
     if total != math.prod(size):
@@ -366,33 +465,102 @@ def _tiling_problem(entry: TensorStorageMetadata) -> str | None:
     return None
 
 
-def read_dcp_metadata(path: Path) -> Metadata:
-    """DCP's metadata of a checkpoint folder, unpickled safely and checked to name only its own files."""
-    try:
-        with open(path / DCP_METADATA, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except Exception as e:  # untrusted bytes: any way the unpickler fails means refused
-        raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} refused ({' '.join(str(e).split())[:200]})") from None
+def _storage_problem(key: object, info: object) -> str | None:
+    """Why a storage record is not what DCP wrote (None when it is): keyed by a MetadataIndex, it
+    points at a plain file of the folder, at a non-negative offset and length, with no stream
+    transforms (flopwise writes none)."""
+    damaged = "(damaged); use another checkpoint"
+    if not (isinstance(key, MetadataIndex) and isinstance(getattr(key, "fqn", None), str)
+            and (getattr(key, "offset", None) is None or _is_size(getattr(key, "offset", None)))):
+        return f"has a storage key {_short(key)} {damaged}"
+    if not isinstance(info, _StorageInfo):
+        return f"has a storage record {_short(info)} for {_short(key.fqn)} {damaged}"
+    if getattr(info, "transform_descriptors", None):  # DCP's stream transforms
+        return f"asks for stream transforms {_short(info.transform_descriptors)}, which flopwise never writes; refused"
+    if not _bare(getattr(info, "relative_path", None)):
+        return f"points at {_short(getattr(info, 'relative_path', None))}, outside the checkpoint folder"
+    for field in ("offset", "length"):
+        value = getattr(info, field, None)
+        if type(value) is not int or value < 0:
+            return f"has a storage {field} {_short(value)} for {_short(key.fqn)} {damaged}"
+    return None
+
+
+def _metadata_problem(metadata: object) -> str | None:
+    """Why an unpickled `.metadata` is not DCP metadata flopwise could have written (None when it
+    is). Only what the restricted unpickler admits can be here, but a damaged stream can build it
+    with any field missing, retyped or holding another admitted class: every field DCP or flopwise
+    reads is checked, so a reader never meets an AttributeError or TypeError later."""
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} is not DCP metadata")
+        return "is not DCP metadata"
     for field, required in (("state_dict_metadata", True), ("storage_data", False), ("planner_data", False)):
         value = getattr(metadata, field, ...)  # a damaged stream can drop or retype them
         if not (isinstance(value, dict) or (value is None and not required)):
-            raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} has no valid {field} (damaged); "
-                                  "use another checkpoint")
-    for key, entry in (metadata.state_dict_metadata or {}).items():
+            return f"has no valid {field} (damaged); use another checkpoint"
+    if not isinstance(getattr(metadata, "storage_meta", None), StorageMeta | None):
+        return f"has storage_meta {_short(metadata.storage_meta)} (damaged); use another checkpoint"
+    if not isinstance(getattr(metadata, "version", None), str | None):
+        return f"has version {_short(metadata.version)} (damaged); use another checkpoint"
+    storage = metadata.storage_data or {}
+    for key, info in storage.items():
+        if why := _storage_problem(key, info):
+            return why
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(key, str):
+            return f"has an entry named {_short(key)} (damaged); use another checkpoint"
         if not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} stores {key!r} as {type(entry).__name__}, "
-                                  "which flopwise never writes (it would be unpickled); refused")
+            return (f"stores {_short(key)} as {type(entry).__name__}, which flopwise never writes (it would be "
+                    "unpickled); refused")
         if why := _tiling_problem(entry):
-            raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} entry {key!r} {why} (damaged); use another checkpoint")
-    for info in (metadata.storage_data or {}).values():
-        if getattr(info, "transform_descriptors", None):  # DCP's stream transforms: flopwise writes none
-            raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} asks for stream transforms "
-                                  f"{info.transform_descriptors!r}, which flopwise never writes; refused")
-        if not _bare(getattr(info, "relative_path", None)):
-            raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} points at "
-                                  f"{getattr(info, 'relative_path', None)!r}, outside the checkpoint folder")
+            return f"entry {_short(key)} {why} (damaged); use another checkpoint"
+        for chunk in entry.chunks:  # each chunk stored somewhere, in at least its raw bytes
+            info = storage.get(MetadataIndex(key, chunk.offsets))
+            need = math.prod(chunk.sizes) * entry.properties.dtype.itemsize
+            if info is None:
+                return (f"entry {_short(key)} has a chunk at {list(chunk.offsets)} that is stored nowhere (damaged); "
+                        "use another checkpoint")
+            if info.length < need:
+                return (f"entry {_short(key)} has a chunk of {need} bytes stored in {info.length} (damaged); "
+                        "use another checkpoint")
+    for key, path in (metadata.planner_data or {}).items():
+        if not (isinstance(key, str) and isinstance(path, tuple | list) and path
+                and all(isinstance(p, str | int) and not isinstance(p, bool) for p in path)):
+            return f"has planner data {_short(key)}: {_short(path)} (damaged); use another checkpoint"
+    return None
+
+
+# Opcodes no DCP metadata holds, refused before the unpickler runs. BYTEARRAY8 above all: its
+# 8-byte length is allocated up front, and when that allocation fails CPython (3.11) frees the
+# half-built bytearray with its export count unset: "SystemError: deallocated bytearray object has
+# exported buffers" (one bit flipped MEMOIZE, 0x94, into BYTEARRAY8, 0x96, in the fuzzer's mutants).
+_REFUSED_OPCODES = frozenset({"BYTEARRAY8", "NEXT_BUFFER", "READONLY_BUFFER", "PERSID", "BINPERSID"})
+
+
+def _scan_pickle(raw: bytes) -> None:
+    """Walk the stream's opcodes without building anything (pickletools reads each argument with
+    a bounded read, so a declared length past the end is an error, never an allocation): raise
+    ValueError for a malformed stream or an opcode DCP metadata never holds. After this, every
+    length the unpickler meets is at most the bytes that remain."""
+    for op, _arg, pos in pickletools.genops(raw):
+        if op.name in _REFUSED_OPCODES:
+            raise ValueError(f"opcode {op.name} at byte {pos}, which DCP metadata never holds")
+
+
+def read_dcp_metadata(path: Path) -> Metadata:
+    """DCP's metadata of a checkpoint folder, unpickled safely and checked to name only its own
+    files, every field of the type DCP writes. The file is read into bytes and its opcodes are
+    checked before the restricted unpickler builds anything from them; whatever either raises
+    (SystemError included) is a refusal in one line."""
+    try:
+        raw = (path / DCP_METADATA).read_bytes()
+        _scan_pickle(raw)
+        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+        why = _metadata_problem(metadata)
+    except Exception as e:  # untrusted bytes: any way the unpickler fails means refused
+        raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} refused ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]})") from None
+    if why:
+        raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} {why}")
     return metadata
 
 
@@ -454,6 +622,6 @@ def load(path: Path, model: Modules, optimizer: torch.optim.Optimizer | None = N
             for m in modules:
                 set_model_state_dict(m, {k: sd["model"][k] for k in get_model_state_dict(m)},
                                      options=StateDictOptions(strict=True))
-        except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
+        except (CheckpointException, RuntimeError, ValueError, KeyError, SystemError) as e:
             raise CheckpointError(f"checkpoint {path}: does not fit this model/layout ({reason(e)})") from None
     return read_state(path)

@@ -115,26 +115,41 @@ def _meta_state(source: CheckpointTensors) -> dict:
     return nested
 
 
-def export_checkpoint(path: str | Path, out: str | Path) -> Path:
+def export_checkpoint(path: str | Path, out: str | Path, force: bool = False) -> Path:
     """Consolidate a checkpoint of any layout into a one-process one under <out>/checkpoints/
     (model, optimizer, loader position, RNG: training resumes from it with `run.dir=<out>`),
-    one tensor in memory at a time."""
+    one tensor in memory at a time. Added beside the checkpoints already in <out>, none of which
+    is deleted; one of the same step is refused unless `force` (then replaced)."""
     ckpt = checkpoint.resolve(path)
     state = checkpoint.read_state(ckpt)
     cfg = layout_config(checkpoint_config(ckpt, state), Layout(micro_batch=1))
     source = CheckpointTensors(ckpt)
-    step = int(state.pop("step"))
+    try:
+        step = int(state.pop("step"))
+    except (KeyError, TypeError, ValueError, OverflowError):
+        raise CheckpointError(f"checkpoint {ckpt}: state.json holds no valid step (damaged); "
+                              "use another checkpoint") from None
+    checkpoint.claim_step(out, step, force)
     state.update(config=to_toml(cfg), config_hash=config_hash(cfg), layout={**Layout(micro_batch=1).to_json(), "world_size": 1},
                  exported_from=str(ckpt))
-    tmp = checkpoint.step_dir(out, step).with_suffix(".tmp")
-    checkpoint.abandon(tmp)
-    tmp.mkdir(parents=True)
+    tmp = checkpoint.scratch_dir(out, step)
     try:
         dcp.save(_meta_state(source), storage_writer=FileSystemWriter(str(tmp)), planner=_FetchingPlanner(source))
     except Exception as e:
         checkpoint.abandon(tmp)
         raise CheckpointError(f"export of {ckpt} failed ({checkpoint.reason(e)})") from None
-    return checkpoint.finish(out, step, tmp, state, files={"tokenizer.json": ckpt / "tokenizer.json"})
+    tok = ckpt / "tokenizer.json"  # absent from a model imported without one (convert from-hf)
+    return checkpoint.finish(out, step, tmp, state, files={"tokenizer.json": tok} if tok.is_file() else {}, keep=None,
+                             replace=force)
+
+
+def resume_advice(out: str | Path, dest: Path) -> str:
+    """The overrides that resume training from `dest` in run folder `out`: run.dir alone when it is
+    the newest checkpoint there, else also its path (run.dir alone would take the newer one)."""
+    newest = checkpoint.latest(out, verify_checksums=False)
+    if newest is None or newest == dest:
+        return f"run.dir={out}"
+    return f"run.dir={out} checkpoint.resume={dest} ({newest.name} is newer there)"
 
 
 def checkpoint_config(ckpt: Path, state: dict):
