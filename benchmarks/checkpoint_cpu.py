@@ -33,7 +33,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from flopwise.config import load_config  # noqa: E402
-from flopwise.data.shards import prepare  # noqa: E402
+from flopwise.data.pipeline import prepare  # noqa: E402
 from flopwise.train import checkpoint  # noqa: E402
 from flopwise.train.trainer import train  # noqa: E402
 

@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if not (Path(a.data) / "index.json").exists():
-        from flopwise.data.shards import prepare
+        from flopwise.data.pipeline import prepare
 
         prepare(["builtin:shakespeare"], Path(a.data), tokenizer="bpe:4096", val_fraction=0.05, seed=0)
     rows = []

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from conftest import tiny_overrides  # noqa: E402
 
-from flopwise.data.shards import prepare, resolve_input  # noqa: E402
+from flopwise.data.shards import resolve_input  # noqa: E402
+from flopwise.data.pipeline import prepare  # noqa: E402
 from flopwise.plan.memory import model_state_bytes  # noqa: E402
 
 MODEL = {"model.preset": '"demo-tiny"', "model.n_layers": 4, "model.d_model": 128, "model.n_heads": 4,

@@ -46,7 +46,8 @@ import sys
 import time
 from pathlib import Path
 
-from flopwise.data.shards import prepare, read_index, resolve_input
+from flopwise.data.shards import read_index, resolve_input
+from flopwise.data.pipeline import prepare
 from flopwise.errors import DataError
 from flopwise.train import checkpoint
 

@@ -10,7 +10,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """Alice in Wonderland split into chapters, tokenized with a 512-token BPE."""
-    from flopwise.data.shards import prepare, resolve_input
+    from flopwise.data.shards import resolve_input
+    from flopwise.data.pipeline import prepare
 
     src = resolve_input("builtin:alice").read_text()
     docs = tmp_path_factory.mktemp("alice_docs")
@@ -37,7 +38,8 @@ def tiny_overrides(run_dir, data_dir, **extra) -> list[str]:
 def tiny_mix(tiny_data, tmp_path_factory) -> str:
     """A two-source mixture for data.sources: Alice (weight 0.7) and three Shakespeare plays
     tokenized with Alice's tokenizer (0.3)."""
-    from flopwise.data.shards import prepare, resolve_input
+    from flopwise.data.shards import resolve_input
+    from flopwise.data.pipeline import prepare
 
     plays = tmp_path_factory.mktemp("plays")
     for f in sorted(resolve_input("builtin:shakespeare").iterdir())[:3]:
@@ -54,7 +56,8 @@ def tiny_docs(tiny_data, tmp_path_factory) -> Path:
     tokenized with Alice's tokenizer."""
     import json
 
-    from flopwise.data.shards import prepare, resolve_input
+    from flopwise.data.shards import resolve_input
+    from flopwise.data.pipeline import prepare
 
     paragraphs = [p for p in resolve_input("builtin:alice").read_text().split("\n\n") if p.strip()]
     src = tmp_path_factory.mktemp("paragraphs") / "alice.jsonl"

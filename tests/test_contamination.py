@@ -14,7 +14,8 @@ from conftest import tiny_overrides
 from flopwise.cli import app
 from flopwise.config import load_config
 from flopwise.data.contamination import DecontaminationFilter, measure
-from flopwise.data.shards import iter_documents, prepare, resolve_input, val_documents
+from flopwise.data.shards import iter_documents, resolve_input, val_documents
+from flopwise.data.pipeline import prepare
 from flopwise.errors import DataError
 from flopwise.eval.load import load_for_inference
 from flopwise.eval.tasks import builtin_tasks, evaluate_task, load_task

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from flopwise.data.loader import TokenLoader, eval_batches
-from flopwise.data.shards import open_split, prepare, read_index, tokenizer_of
+from flopwise.data.shards import open_split, read_index, tokenizer_of
+from flopwise.data.pipeline import prepare
 from flopwise.data.tokenizer import load_tokenizer, train_bpe
 from flopwise.errors import DataError
 

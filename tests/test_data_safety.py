@@ -100,3 +100,16 @@ def test_a_writing_command_leaves_every_user_file_intact(name, trained, tiny_dat
 @pytest.mark.parametrize("name", list(SLOW))
 def test_a_slow_writing_command_leaves_every_user_file_intact(name, trained, tiny_data, tmp_path):
     _check(name, SLOW[name], trained, tiny_data, tmp_path)
+
+
+def test_to_hf_replaces_only_a_folder_it_exported(trained, tmp_path):
+    """A second export into its own folder replaces it; once the user adds or changes a file there,
+    the folder is theirs and the export is refused in one line, with their files intact."""
+    hf = tmp_path / "hf"
+    for _ in range(2):
+        out = flopwise("convert", "to-hf", trained / "run", hf, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-2000:]
+    (hf / "README.md").write_text("my model card")
+    out = flopwise("convert", "to-hf", trained / "run", hf, cwd=tmp_path)
+    assert out.returncode == 2 and "README.md" in out.stderr and "Traceback" not in out.stderr
+    assert (hf / "README.md").read_text() == "my model card"

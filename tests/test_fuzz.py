@@ -184,7 +184,8 @@ def build_real(root: Path) -> dict[str, Path]:
     from rich.console import Console
 
     from flopwise.config import to_toml
-    from flopwise.data.shards import prepare, resolve_input
+    from flopwise.data.shards import resolve_input
+    from flopwise.data.pipeline import prepare
     from flopwise.eval.tasks import builtin_tasks
     from flopwise.interop.convert import export_hf
     from flopwise.train.trainer import train

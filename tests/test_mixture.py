@@ -14,7 +14,7 @@ from flopwise.build import ensure_data
 from flopwise.cli import app
 from flopwise.config import load_config
 from flopwise.data.loader import TokenLoader
-from flopwise.data.shards import prepare
+from flopwise.data.pipeline import prepare
 from flopwise.errors import DataError
 from flopwise.train.trainer import train
 

@@ -16,7 +16,8 @@ from datatrove.pipeline.filters import GopherQualityFilter, GopherRepetitionFilt
 from datatrove.utils.text import simplify_text
 from tokenizers import Tokenizer
 
-from flopwise.data.shards import iter_documents, open_split, prepare, read_index, resolve_input, val_documents
+from flopwise.data.shards import iter_documents, open_split, read_index, resolve_input, val_documents
+from flopwise.data.pipeline import prepare
 from flopwise.data.steps import Whitespace
 from flopwise.data.tokenizer import train_bpe
 from flopwise.errors import DataError
@@ -71,7 +72,7 @@ def _files(d: Path) -> dict[str, bytes]:
 def _killed_prepare(plays: Path, out: Path, args: dict) -> list[str]:
     """SIGKILL a prepare of `plays` into `out` after its first finished tokenize task; the finished
     tasks' names."""
-    code = f"from flopwise.data.shards import prepare; prepare([{str(plays)!r}], {str(out)!r}, **{args!r})"
+    code = f"from flopwise.data.pipeline import prepare; prepare([{str(plays)!r}], {str(out)!r}, **{args!r})"
     proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": SRC},
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     done = out / "work" / "logs" / "tokenize" / "completions"
@@ -394,22 +395,23 @@ def test_unfinished_prepare_with_a_user_file_is_refused(tmp_path):
 def test_files_flopwise_adds_are_recorded_and_big_files_checked_by_their_ends(tmp_path, words, monkeypatch):
     """A file flopwise adds beside the data (a run's recipe.json) goes into the manifest, so the folder
     stays replaceable; a file above FULL_CHECK_BYTES is checked by size and the sha256 of its ends."""
-    from flopwise.data import shards
+    from flopwise import manifest as manifests
+    from flopwise.data.shards import DATA_MANIFEST
 
     out = tmp_path / "data"
-    monkeypatch.setattr(shards, "FULL_CHECK_BYTES", 1000)
-    monkeypatch.setattr(shards, "ENDS_BYTES", 100)
+    monkeypatch.setattr(manifests, "FULL_CHECK_BYTES", 1000)
+    monkeypatch.setattr(manifests, "ENDS_BYTES", 100)
     prepare([str(words)], out, tokenizer="bpe:300", workers=1)
     manifest = json.loads((out / "manifest.json").read_text())
     assert set(manifest["files"]) == {p.name for p in out.iterdir()} - {"manifest.json"}
     shard = out / "train-00000.bin"
     assert manifest["files"][shard.name]["bytes"] == shard.stat().st_size > 1000 and "ends" in manifest["files"][shard.name]
-    shards.add_to_manifest(out, "recipe.json", b'{"seed": 0}')
-    assert shards.why_not_ours(out) is None
+    manifests.add_to_manifest(out, DATA_MANIFEST, "recipe.json", b'{"seed": 0}')
+    assert manifests.why_not_ours(out, DATA_MANIFEST) is None
     raw = bytearray(shard.read_bytes())
     raw[-1] ^= 1  # a change in the last ENDS_BYTES is seen; one in the middle of a big shard is not read
     shard.write_bytes(bytes(raw))
-    assert "train-00000.bin has changed" in shards.why_not_ours(out)
+    assert "train-00000.bin has changed" in manifests.why_not_ours(out, DATA_MANIFEST)
     raw[-1] ^= 1
     shard.write_bytes(bytes(raw))
     prepare([str(words)], out, tokenizer="bpe:300", workers=1, seed=5)

@@ -154,7 +154,10 @@ def test_disk_full_stops_cleanly_and_keeps_the_previous_checkpoint(tiny_data, tm
 
 
 def test_unwritable_checkpoint_dir_stops_cleanly(tiny_data, tmp_path):
-    tmp_path.mkdir(exist_ok=True)
+    from flopwise.build import TRAIN_WRITES
+    from flopwise.train.rundir import claim
+
+    claim(tmp_path, TRAIN_WRITES)  # a flopwise run folder (an unclaimed user's file is refused before training)
     (tmp_path / "checkpoints").write_text("a file where the checkpoint folder should be")
     with pytest.raises(CheckpointError, match="step-00000003 not written .*; there is no earlier checkpoint"):
         run(tmp_path, tiny_data)

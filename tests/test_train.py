@@ -161,7 +161,7 @@ def test_checkpoint_of_another_shape_is_refused(tiny_data, tmp_path):
     with pytest.raises(CheckpointError, match=r"train.global_batch=8 there, 4 here"):
         run(tmp_path, tiny_data, **{"train.global_batch": 4, "train.steps": 9})
     other = tmp_path.parent / (tmp_path.name + "-other-data")
-    from flopwise.data.shards import prepare
+    from flopwise.data.pipeline import prepare
 
     prepare(["builtin:alice"], other, tokenizer=str(tiny_data / "tokenizer.json"))  # same tokenizer, other split
     with pytest.raises(CheckpointError, match="other data"):

@@ -26,10 +26,11 @@ from torch import nn
 from flopwise.config import Config
 from flopwise.data.loader import TokenLoader
 from flopwise.data.mixture import Source, check_tokenizers, fingerprint
-from flopwise.data.shards import (FORMAT, add_to_manifest, prepare, read_index, tokenizer_of, tokenizer_path,
-                                  why_not_ours)
+from flopwise.data.pipeline import prepare
+from flopwise.data.shards import DATA_MANIFEST, FORMAT, read_index, tokenizer_of, tokenizer_path
 from flopwise.data.tokenizer import GuardedTokenizer
 from flopwise.errors import CheckpointError, ConfigError
+from flopwise.manifest import add_to_manifest, why_not_ours
 from flopwise.model.transformer import build_model
 from flopwise.parallel import mesh
 from flopwise.parallel.apply import parallelize
@@ -101,7 +102,7 @@ def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, console: Consol
     recipe = {"inputs": [path], "tokenizer": tokenizer, "val_fraction": cfg.data.val_fraction, "seed": cfg.run.seed,
               "format": FORMAT}  # a folder of an older format is prepared again
     recipe_file = out / "recipe.json"
-    if (out / "index.json").is_file() and why_not_ours(out) is None and recipe_file.is_file():
+    if (out / "index.json").is_file() and why_not_ours(out, DATA_MANIFEST) is None and recipe_file.is_file():
         try:
             if json.loads(recipe_file.read_text(encoding="utf-8")) == recipe:
                 return out
@@ -109,7 +110,7 @@ def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, console: Consol
             pass
     console.print(f"[bold]preparing data[/] {path} -> {out} (tokenizer {tokenizer})")
     stats = prepare([path], out, tokenizer=tokenizer, val_fraction=cfg.data.val_fraction, seed=cfg.run.seed)
-    add_to_manifest(out, "recipe.json", json.dumps(recipe).encode())  # the folder stays provably flopwise's
+    add_to_manifest(out, DATA_MANIFEST, "recipe.json", json.dumps(recipe).encode())  # the folder stays provably flopwise's
     console.print(f"  {stats.documents} documents, {stats.tokens:,} tokens ({stats.splits['train']:,} train / "
                   f"{stats.splits['val']:,} val), {stats.bytes / 1e6:.1f} MB in {stats.seconds:.1f} s "
                   f"({stats.tokens_per_s / 1e3:.0f}k tokens/s)")

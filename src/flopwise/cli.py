@@ -119,7 +119,7 @@ def data_prepare(
     in parallel (datatrove), optionally quality-filtered and deduplicated, with a report."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from flopwise.data.shards import prepare
+    from flopwise.data.pipeline import prepare
 
     spec = str(tokenizer) if tokenizer else f"bpe:{train_tokenizer}"
     started = time.perf_counter()

@@ -18,7 +18,7 @@ Flow (each stage one datatrove LocalPipelineExecutor, N tasks run by `workers` p
   index      written last, atomically, from the tasks' tables (after the manifest that records it
              and every shard: size, sha256); then the work folder is removed.
 
-Ownership: a fresh prepare first writes <out>/manifest.json (data/shards.py: `why_not_ours`) naming
+Ownership: a fresh prepare first writes <out>/manifest.json (flopwise.manifest: `why_not_ours`) naming
 everything it is about to write (the tokenizer, each task's shards, the report, the work folder's
 plan, logs and task folders), then records each file's size and sha256 as it becomes final. A folder
 is replaced or resumed only if that manifest accounts for every file in it; anything else, or an
@@ -66,8 +66,9 @@ from pathlib import Path
 
 import numpy as np
 
-from flopwise.data.shards import (FORMAT, MANIFEST, WORK, PrepareStats, dtype_for_vocab, file_record, input_files,
-                                  read_documents, remove_all_but, val_documents, why_not_ours, write_manifest)
+from flopwise.data.shards import (DATA_MANIFEST, FORMAT, WORK, PrepareStats, dtype_for_vocab, input_files,
+                                  read_documents, val_documents)
+from flopwise.manifest import file_record, remove_all_but, why_not_ours, write_manifest
 from flopwise.data.tokenizer import EOS, eos_id, load_tokenizer, parse_tokenizer_spec, train_bpe
 from flopwise.errors import DataError
 
@@ -273,7 +274,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
     given = load_tokenizer(spec) if not isinstance(spec, int) else None
     files = [f for s in inputs for f in input_files(s)]
     keep = _inputs_kept(out, files, spec if given else None, force)
-    reason = why_not_ours(out)
+    reason = why_not_ours(out, DATA_MANIFEST)
     if reason and not force:
         raise DataError(_refusal(out, reason))
     key = {"format": FORMAT, "inputs": _input_key(files), "tokenizer": str(spec),
@@ -289,19 +290,19 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
     if not isinstance(plan, dict) or plan.get("key") != key or not (out / "tokenizer.json").is_file():
         s = survey(inputs)
         tok = given or train_bpe(sample_texts(s.files), spec)
-        if not force and (reason := why_not_ours(out)):  # again: the survey and training may have taken hours
+        if not force and (reason := why_not_ours(out, DATA_MANIFEST)):  # again: the survey and training may have taken hours
             raise DataError(_refusal(out, reason))
         remove_all_but(out, keep)
         n_tasks = tasks or max(workers, math.ceil(s.bytes / TASK_BYTES))
         unchecked, folders = _claims(n_tasks)
         out.mkdir(parents=True, exist_ok=True)
         # first: from here on every file in the folder is one this manifest names
-        write_manifest(out, {}, unchecked + ["tokenizer.json", f"{WORK}/val.npy"], folders)
+        write_manifest(out, DATA_MANIFEST, {}, unchecked + ["tokenizer.json", f"{WORK}/val.npy"], folders)
         (work / "tasks").mkdir(parents=True)
         (work / "progress").mkdir()
         tok.save(str(out / "tokenizer.json"))
         np.save(work / "val.npy", np.asarray(sorted(val_documents(s.documents, val_fraction, seed)), dtype=np.int64))
-        write_manifest(out, _records(out, ["tokenizer.json", f"{WORK}/val.npy"]), unchecked, folders)
+        write_manifest(out, DATA_MANIFEST, _records(out, ["tokenizer.json", f"{WORK}/val.npy"]), unchecked, folders)
         plan = {"key": key, "files": s.files, "sources": s.sources, "documents": s.documents, "bytes": s.bytes,
                 "tasks": plan_tasks(s, n_tasks)}
         (work / "plan.json.tmp").write_text(json.dumps(plan))
@@ -371,10 +372,10 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
     written = _records(out, ["tokenizer.json", "report.json"]) | _shard_records(out, work, len(plan["tasks"]))
     written["index.json"] = file_record(tmp)
     unchecked, folders = _claims(len(plan["tasks"]))
-    write_manifest(out, written | _records(out, [f"{WORK}/val.npy"]), unchecked, folders, complete=True)
+    write_manifest(out, DATA_MANIFEST, written | _records(out, [f"{WORK}/val.npy"]), unchecked, folders, complete=True)
     os.replace(tmp, out / "index.json")
     shutil.rmtree(work)
-    write_manifest(out, written, complete=True)  # the finished folder: exactly the files above
+    write_manifest(out, DATA_MANIFEST, written, complete=True)  # the finished folder: exactly the files above
     if progress:
         progress("tokenize", plan["bytes"], plan["bytes"], meta["counts"]["tokens"])
     return PrepareStats(meta["counts"]["documents"], meta["counts"]["tokens"], meta["counts"]["bytes"],
@@ -422,7 +423,7 @@ def _inputs_kept(out: Path, files: list[Path], tokenizer: Path | None, force: bo
 
 
 def _refusal(out: Path, reason: str) -> str:
-    return (f"--out {out}: {reason}; flopwise replaces only a folder whose {MANIFEST} shows it wrote every file in "
+    return (f"--out {out}: {reason}; flopwise replaces only a folder whose {DATA_MANIFEST.name} shows it wrote every file in "
             "it: choose another folder, or pass --force to replace it (its inputs are kept)")
 
 

@@ -22,8 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
@@ -33,17 +31,14 @@ import numpy as np
 
 from flopwise.data.tokenizer import load_tokenizer
 from flopwise.errors import DataError
+from flopwise.manifest import ManifestKind
 
 FORMAT = "flopwise-shards/2"
 BUILTIN = {"shakespeare": "corpus/shakespeare", "alice": "corpus/eval/alice29.txt",
            "enwiki": "corpus/eval/enwiki-105-articles.txt"}
 TEXT_SUFFIXES = {".txt", ".md", ".text", ""}
 WORK = "work"  # the unfinished-prepare folder inside --out: plan, logs, dedup intermediates
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = "flopwise-data-manifest/1"
-FULL_CHECK_BYTES = 4 << 20  # a file up to this size is checked by its sha256; a larger one by its
-ENDS_BYTES = 1 << 20  # size and the sha256 of its first and last ENDS_BYTES ("ends"), so checking a
-# folder of GB-scale shards reads ~2 MiB per shard, not every byte (the full sha256 is recorded too)
+DATA_MANIFEST = ManifestKind("manifest.json", "flopwise-data-manifest/1")  # what proves a data dir is flopwise's
 
 
 def resolve_input(spec: str) -> Path:
@@ -177,174 +172,11 @@ def fingerprint(data_dir: str | Path) -> str:
     return hashlib.sha256((Path(data_dir) / "index.json").read_bytes()).hexdigest()
 
 
-def ends_sha256(path: str | Path) -> str:
-    """sha256 of a file's first and last ENDS_BYTES (the whole file when it is shorter than both)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        h.update(f.read(ENDS_BYTES))
-        if size > ENDS_BYTES:
-            f.seek(max(size - ENDS_BYTES, ENDS_BYTES))
-            h.update(f.read())
-    return h.hexdigest()
-
-
-def file_record(path: str | Path, sha256: str | None = None) -> dict:
-    """What the manifest records of a file: bytes and sha256 (`sha256` if the writer hashed the bytes
-    as it wrote them, else read here), and for a file above FULL_CHECK_BYTES the sha256 of its ends."""
-    path = Path(path)
-    size = path.stat().st_size
-    if sha256 is None:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 24), b""):
-                h.update(block)
-        sha256 = h.hexdigest()
-    record = {"bytes": size, "sha256": sha256}
-    if size > FULL_CHECK_BYTES:
-        record["ends"] = ends_sha256(path)
-    return record
-
-
-def _same_file(path: Path, record) -> bool:
-    """A file still holds what the manifest recorded: same size, and the same sha256 (a small file)
-    or the same sha256 of its ends (a large one)."""
-    if not isinstance(record, dict) or path.is_symlink() or not path.is_file():
-        return False
-    try:
-        if path.stat().st_size != record.get("bytes"):
-            return False
-        if "ends" in record:
-            return ends_sha256(path) == record["ends"]
-        return file_record(path)["sha256"] == record.get("sha256")
-    except OSError:  # unreadable: not provably the file flopwise wrote
-        return False
-
-
-def write_manifest(out: Path, files: dict[str, dict], unchecked: list[str] = (), folders: list[str] = (),
-                   complete: bool = False) -> None:
-    """Write `out`/manifest.json atomically (through manifest.json.tmp, counted as the manifest's):
-    `files` {relative path: file_record}; `unchecked` files flopwise is writing whose content is not
-    final yet (an unfinished task's shard, the logs each run appends to); `folders` whose whole
-    content flopwise's pipeline writes (datatrove's logs, the tasks' tables, dedup intermediates)."""
-    manifest = {"format": MANIFEST_FORMAT, "complete": complete, "files": files,
-                "unchecked": sorted(unchecked), "folders": sorted(folders)}
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, out / MANIFEST)
-
-
-def read_manifest(out: Path) -> dict | None:
-    """The folder's manifest if it is a well-formed flopwise data manifest, else None."""
-    try:
-        m = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not (isinstance(m, dict) and m.get("format") == MANIFEST_FORMAT and isinstance(m.get("files"), dict)
-            and all(isinstance(v, list) and all(isinstance(x, str) for x in v)
-                    for v in (m.get("unchecked"), m.get("folders")))):
-        return None
-    return m
-
-
-def add_to_manifest(out: str | Path, name: str, data: bytes) -> None:
-    """Write a file flopwise makes beside a prepared folder's data (e.g. a run's recipe.json) and
-    record it in the folder's manifest, so a later prepare may replace the folder with it inside."""
-    out = Path(out)
-    m = read_manifest(out)
-    if m is None:
-        raise DataError(f"data dir {out}: no flopwise manifest.json to record {name} in")
-    (out / name).write_bytes(data)
-    m["files"][name] = file_record(out / name)
-    write_manifest(out, m["files"], m["unchecked"], m["folders"], m.get("complete", False))
-
-
-def _files_under(root: Path) -> list[Path]:
-    """Every entry under `root` that is not a plain folder (files, links of any kind), sorted; a
-    folder that cannot be listed is an OSError (what it holds is unknown)."""
-    found = []
-
-    def fail(e: OSError):
-        raise e
-
-    for here, dirs, files in os.walk(root, onerror=fail):
-        for d in dirs:
-            if os.path.islink(os.path.join(here, d)):
-                found.append(Path(here, d))
-        found += [Path(here, f) for f in files]
-    return sorted(found)
-
-
-def why_not_ours(out: str | Path) -> str | None:
-    """Why prepare may not replace or resume `out` (None when it may): it may if `out` is absent,
-    empty, or holds a flopwise manifest that accounts for every file in it (each recorded file
-    unchanged, or an unchecked file or a pipeline folder of an unfinished prepare). Anything else
-    (no manifest, a file the manifest does not record, a recorded file changed since) is someone's."""
-    out = Path(out)
-    if not out.exists() and not out.is_symlink():
-        return None
-    if out.is_symlink() or not out.is_dir():
-        return "is not a folder"
-    try:
-        first = next(out.iterdir(), None)
-        found = _files_under(out) if first is not None else []
-    except OSError as e:
-        return f"holds {e.filename or 'a folder'} that cannot be read ({e.strerror or type(e).__name__})"
-    if first is None:
-        return None
-    m = read_manifest(out)
-    if m is None:
-        return f"holds {first.name} and no flopwise {MANIFEST}"
-    unchecked, folders = set(m["unchecked"]), tuple(f.rstrip("/") + "/" for f in m["folders"])
-    for path in found:
-        rel = path.relative_to(out).as_posix()
-        if rel in (MANIFEST, MANIFEST + ".tmp") or rel in unchecked or rel.startswith(folders):
-            continue
-        if rel not in m["files"]:
-            return f"holds {rel}, which flopwise did not write (not in its {MANIFEST})"
-        if not _same_file(path, m["files"][rel]):
-            return f"{rel} has changed since flopwise wrote it ({MANIFEST} records other bytes)"
-    return None
-
-
-def remove_all_but(out: Path, keep: set[Path]) -> None:
-    """Remove `out` (a file or a folder) except the files in `keep` (resolved paths: the inputs of a
-    prepare told to --force) and the folders that hold them."""
-    if out.is_symlink() or not out.is_dir():
-        if out.exists() or out.is_symlink():
-            out.unlink()
-        return
-    if not any(p.is_relative_to(out.resolve()) for p in keep):
-        shutil.rmtree(out)
-        return
-    for path in _files_under(out):
-        if path.resolve() not in keep:
-            path.unlink()
-    for here, dirs, _ in os.walk(out, topdown=False):  # deepest first
-        for d in dirs:
-            p = Path(here, d)
-            if p.is_dir() and not p.is_symlink() and not any(p.iterdir()):
-                p.rmdir()
-
-
 def val_documents(n_docs: int, val_fraction: float, seed: int) -> set[int]:
     """Indices of the documents `prepare` puts in the val split (tasks built from held-out text use it)."""
     order = np.random.default_rng(seed).permutation(n_docs)
     n_val = math.ceil(val_fraction * n_docs) if val_fraction > 0 and n_docs > 1 else 0
     return {int(i) for i in order[:min(n_val, n_docs - 1)]}
-
-
-def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val_fraction: float = 0.05,
-            seed: int = 0, progress: Callable[[str, int, int, int], None] | None = None, force: bool = False,
-            workers: int | None = None, tasks: int | None = None, filters: list[str] | tuple = (),
-            dedup: list[str] | tuple = (), decontaminate: list[str] | tuple = ()) -> PrepareStats:
-    """Tokenize `inputs` into `out` with the parallel, resumable datatrove pipeline
-    (flopwise.data.pipeline.prepare, which documents the arguments)."""
-    from flopwise.data.pipeline import prepare as run_pipeline
-
-    return run_pipeline(inputs, out, tokenizer=tokenizer, val_fraction=val_fraction, seed=seed, progress=progress,
-                        force=force, workers=workers, tasks=tasks, filters=filters, dedup=dedup,
-                        decontaminate=decontaminate)
 
 
 def read_index(data_dir: str | Path) -> dict:

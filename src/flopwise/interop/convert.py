@@ -8,9 +8,16 @@ from pathlib import Path
 
 from flopwise.config import to_toml, validate
 from flopwise.data.tokenizer import EOS, eos_id, load_tokenizer
+from flopwise.errors import CheckpointError
 from flopwise.interop.hf import from_hf, write_hf
+from flopwise.manifest import ManifestKind, file_record, files_under, why_not_ours, write_manifest
 from flopwise.train import checkpoint
 from flopwise.train.export import CheckpointTensors, checkpoint_config
+
+
+# What proves an HF folder is one flopwise exported (so a later export may replace it): every file in
+# it, with size and sha256 (a name HF tools do not use, so the folder stays a plain HF folder)
+HF_MANIFEST = ManifestKind("flopwise-manifest.json", "flopwise-hf-manifest/1")
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
@@ -32,6 +39,10 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
 def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
     """flopwise checkpoint (any layout) -> HF folder that `AutoModelForCausalLM.from_pretrained`
     loads as is, streamed: one safetensors shard in memory at a time (or the largest tensor)."""
+    out_dir = Path(out_dir)
+    if reason := why_not_ours(out_dir, HF_MANIFEST):
+        raise CheckpointError(f"convert to-hf: {out_dir} {reason}; flopwise writes a Hugging Face folder only into a "
+                              "new or empty one, or one it exported before: choose another folder")
     src = checkpoint.resolve(ckpt)
     cfg = checkpoint_config(src, checkpoint.read_state(src))
     tok = load_tokenizer(src / "tokenizer.json")
@@ -50,4 +61,6 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token, "bos_token": eos_token,
         "model_max_length": cfg.model.max_seq_len, "clean_up_tokenization_spaces": False}, indent=1))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "bos_token_id": eos}, indent=1))
+    written = [p for p in files_under(out) if p.name not in (HF_MANIFEST.name, HF_MANIFEST.name + ".tmp")]
+    write_manifest(out, HF_MANIFEST, {p.relative_to(out).as_posix(): file_record(p) for p in written}, complete=True)
     return out
