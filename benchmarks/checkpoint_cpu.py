@@ -34,8 +34,8 @@ from rich.table import Table  # noqa: E402
 
 from flopwise.config import load_config  # noqa: E402
 from flopwise.data.pipeline import prepare  # noqa: E402
-from flopwise.train import checkpoint  # noqa: E402
-from flopwise.train.trainer import train  # noqa: E402
+from flopwise.checkpoints import checkpoint  # noqa: E402
+from flopwise.launch import train  # noqa: E402
 
 MODEL = {"model.preset": '"demo-tiny"', "model.n_layers": 12, "model.d_model": 512, "model.n_heads": 8,
          "model.tie_embeddings": "false", "data.seq_len": 64, "train.global_batch": 8, "train.micro_batch": 8,

@@ -24,7 +24,7 @@ from pathlib import Path
 from rich.console import Console
 
 from flopwise.config import load_config
-from flopwise.train.sweep import final_val_loss, plan_ladder, run_ladder
+from flopwise.sweep import final_val_loss, plan_ladder, run_ladder
 
 BASE = ['data.tokenizer="bpe:512"', "model.vocab_size=512", "data.seq_len=128", "model.max_seq_len=128",
         "train.global_batch=16", "train.micro_batch=16", "train.eval_batches=32"]

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from flopwise.config import load_config
 from flopwise.plan.fit import fit_approach2, fit_approach3, fit_kaplan, plot_fits, read_points, save_law
-from flopwise.train.sweep import final_val_loss, plan_ladder, run_ladder
+from flopwise.sweep import final_val_loss, plan_ladder, run_ladder
 
 OUT = Path("benchmarks/scaling/ladder")
 BASE = ['data.tokenizer="bpe:512"', "model.vocab_size=512", "data.seq_len=128", "model.max_seq_len=128",

@@ -49,7 +49,7 @@ from pathlib import Path
 from flopwise.data.shards import read_index, resolve_input
 from flopwise.data.pipeline import prepare
 from flopwise.errors import DataError
-from flopwise.train import checkpoint
+from flopwise.checkpoints import checkpoint
 
 INFRA = ("kill", "hang", "sigterm", "enospc", "slow")
 DATA = ("nan_grad", "poison")

@@ -85,8 +85,17 @@ def flopwise_step(shape: dict, dtype: str, overrides: list[str],
     return step
 
 
-def peer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_of, dtype: str):
-    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype == "bf16" else contextlib.nullcontext
+def fused_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """torch's fused AdamW with the peers' hyper-parameters, no decay on vectors (norms, biases)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}],
+                             lr=LR, betas=BETAS, eps=EPS, fused=True)
+
+
+def peer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_of, dtype: str, device: str = "cpu"):
+    """One step of a peer: fp32 weights, `dtype` autocast on `device`, clipping, its optimizer."""
+    ctx = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if dtype == "bf16" else contextlib.nullcontext
 
     def step(batch: torch.Tensor) -> None:
         with ctx():
@@ -110,10 +119,7 @@ def transformers_step(shape: dict, dtype: str) -> Callable[[torch.Tensor], None]
         num_hidden_layers=s["n_layers"], num_attention_heads=s["n_heads"], num_key_value_heads=s["n_kv_heads"],
         head_dim=s["head_dim"], max_position_embeddings=s["seq"], tie_word_embeddings=False,
         attn_implementation="sdpa"))
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}],
-                            lr=LR, betas=BETAS, eps=EPS, fused=True)
+    opt = fused_adamw(model)
 
     def loss_of(x, y):
         logits = model(input_ids=x).logits

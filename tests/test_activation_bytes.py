@@ -215,7 +215,7 @@ def test_compiled_run_measures_what_the_planner_predicts(tiny_data, tmp_path):
     from flopwise.build import build_run
     from flopwise.config import load_config
     from flopwise.plan.rank import predict_rank
-    from flopwise.train.measure import measure_rank
+    from flopwise.measure import measure_rank
 
     torch._dynamo.reset()
     cfg = load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{

@@ -22,8 +22,8 @@ from flopwise.cli import app
 from flopwise.config import load_config, to_toml
 from flopwise.errors import CheckpointError, ConfigError
 from flopwise.model.transformer import build_model
-from flopwise.train import checkpoint, rundir
-from flopwise.train.export import export_checkpoint
+from flopwise.checkpoints import checkpoint, rundir
+from flopwise.checkpoints.export import export_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -18,7 +18,8 @@ from flopwise.data.shards import iter_documents, resolve_input, val_documents
 from flopwise.data.pipeline import prepare
 from flopwise.errors import DataError
 from flopwise.eval.load import load_for_inference
-from flopwise.eval.tasks import builtin_tasks, evaluate_task, load_task
+from flopwise.data.tasks import builtin_tasks, load_task
+from flopwise.eval.tasks import evaluate_task
 
 N = 13
 FOREIGN = ["alice-lastword", "alice-nextsent", "shakespeare-cloze", "shakespeare-nextline", "shakespeare-speaker"]
@@ -138,7 +139,7 @@ def test_datatrove_filter_drops_exactly_the_planted_documents(planted):
 
 
 def test_clean_subset_scores(tiny_data, tmp_path):
-    from flopwise.train.trainer import train
+    from flopwise.launch import train
 
     cfg = load_config(None, tiny_overrides(tmp_path, tiny_data, **{"train.steps": 2, "train.eval_every": 2,
                                                                    "checkpoint.interval": 0}))

@@ -22,9 +22,9 @@ from flopwise.parallel.mesh import Parallel
 from flopwise.plan.comm import dp_elements_per_step, pp_boundary_elements, tp_allreduce_elements
 from flopwise.plan.layout import Layout
 from flopwise.plan.memory import model_state_bytes
-from flopwise.train import checkpoint
+from flopwise.checkpoints import checkpoint
 from flopwise.build import build_engine
-from flopwise.train.trainer import train
+from flopwise.launch import train
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).parent / "dist" / "worker.py"
@@ -73,6 +73,9 @@ LAYOUTS = {
         "tp2xdp2": {"parallel.tp": 2, "parallel.zero": 3, "parallel.sequence_parallel": "true"},
         "tp2xdp2-zero0": {"parallel.tp": 2, "parallel.zero": 0},  # FSDP2's replicate, not DDP
         "cp2xdp2": {"parallel.cp": 2, "parallel.zero": 3},
+        # the engine hands a later stage its span: 1/tp of the sequence arrives, or a cp shard
+        "pp2xtp2-sp": {"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": "true"},
+        "pp2xcp2": {"parallel.pp": 2, "parallel.cp": 2},
     },
     8: {"pp2xtp2xdp2": {"parallel.pp": 2, "parallel.tp": 2, "parallel.zero": 3},
         "pp2xtp2xdp2-zero0": {"parallel.pp": 2, "parallel.tp": 2, "parallel.zero": 0}},
@@ -102,6 +105,12 @@ MASK_LAYOUTS = {"dp2-zero3": {"parallel.zero": 3}, "tp2-sp": {"parallel.tp": 2, 
                 "cp2": {"parallel.cp": 2}, "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": '"1f1b"'},
                 "pp2-interleaved": {"parallel.pp": 2, "parallel.pp_schedule": '"interleaved-1f1b"',
                                     "parallel.virtual_stages": 2}}
+# ALiBi: each tensor-parallel rank attends with its own heads' slopes (a head-sharded buffer), each
+# context-parallel rank with its queries' true distances to the gathered keys
+ALIBI = {"model.pos": '"alibi"'}
+ALIBI_LAYOUTS = {2: {"tp2": {"parallel.tp": 2}, "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": "true"},
+                     "cp2": {"parallel.cp": 2}},
+                 4: {"cp2xtp2": {"parallel.cp": 2, "parallel.tp": 2}}}
 
 
 @pytest.fixture(scope="module")
@@ -134,11 +143,13 @@ def runs(tiny_data, tiny_mix, tiny_docs, tmp_path_factory) -> dict:
         + [j for n, x in MIX_LAYOUTS.items() for j in mix_jobs(n, **x)]
         + [{"name": f"mask-{n}", "kind": "losses", "overrides": base(tmp / f"mask-{n}", tiny_docs, **x, **MASK)}
            for n, x in MASK_LAYOUTS.items()]
+        + [job(f"alibi-{n}", "losses", **x, **ALIBI) for n, x in ALIBI_LAYOUTS[2].items()]
         + [job(n, "losses", **x, **{"train.dtype": '"bf16"'}) for n, x in BF16.items()]
         + [job(f"memory-zero{z}", "memory", **MEMORY_MODEL, **{"parallel.zero": z, "train.micro_batch": 4}) for z in range(4)]
         + [job(n, "comm", **x, **{"train.micro_batch": 4 if "pp" not in n else 2, "train.global_batch": 8 if "tp" not in n else 4})
            for n, x in COMM.items()],
         4: [job(n, "losses", **x) for n, x in LAYOUTS[4].items()]
+        + [job(f"alibi-{n}", "losses", **x, **ALIBI) for n, x in ALIBI_LAYOUTS[4].items()]
         + [job("auto4-gqa", "losses", **AUTO), job("auto4-mha", "losses", **AUTO, **MHA)]
         + [chain_job("chain-zero3-dp4", 2, **{"parallel.zero": 3}),
            chain_job("chain-tp2-dp2", 3, **{"parallel.tp": 2, "parallel.zero": 3}),
@@ -283,6 +294,16 @@ def test_document_mask_layout_matches_single_process(name, runs, masked_referenc
     assert ok(runs[f"mask-{name}"])["losses"] == pytest.approx(masked_reference, rel=1e-5)
     unmasked = single(tmp_path, tiny_docs).losses  # the data has boundaries in its windows: the mask matters
     assert unmasked != pytest.approx(masked_reference, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def alibi_reference(tiny_data, tmp_path_factory) -> list[float]:
+    return single(tmp_path_factory.mktemp("alibi"), tiny_data, **ALIBI).losses
+
+
+@pytest.mark.parametrize("name", [n for w in sorted(ALIBI_LAYOUTS) for n in ALIBI_LAYOUTS[w]])
+def test_alibi_layout_matches_single_process(name, runs, alibi_reference):
+    assert ok(runs[f"alibi-{name}"])["losses"] == pytest.approx(alibi_reference, rel=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["tp2-dp2", "pp2-tp2-dp2"])

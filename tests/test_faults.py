@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import tiny_overrides
-from flopwise.train import checkpoint
+from flopwise.checkpoints import checkpoint
 
 pytestmark = pytest.mark.slow
 STEPS = 8

@@ -24,8 +24,8 @@ from flopwise.config import Config, load_config
 from flopwise.data.shards import open_split, read_index
 from flopwise.data.tokenizer import load_tokenizer
 from flopwise.errors import CheckpointError, ConfigError, DataError, FlopwiseError
-from flopwise.interop.hf_config import model_fields_from_hf
-from flopwise.train import checkpoint
+from flopwise.config import hf_model_fields
+from flopwise.checkpoints import checkpoint
 
 FUZZ = settings(max_examples=int(os.environ.get("FLOPWISE_FUZZ_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 KEYS = ["train.steps", "train.global_batch", "model.n_layers", "model.d_model", "model.n_heads", "data.seq_len",
@@ -134,7 +134,7 @@ def test_checkpoint_folders_of_junk(tmp_path, manifest, metadata, state):
 def test_hugging_face_configs(tmp_path, cfg):
     (tmp_path / "config.json").write_bytes(cfg if isinstance(cfg, bytes) else json.dumps(cfg).encode())
     try:
-        model_fields_from_hf(tmp_path)
+        hf_model_fields(tmp_path)
     except (CheckpointError, ConfigError) as e:
         assert one_line(e)
 
@@ -186,9 +186,9 @@ def build_real(root: Path) -> dict[str, Path]:
     from flopwise.config import to_toml
     from flopwise.data.shards import resolve_input
     from flopwise.data.pipeline import prepare
-    from flopwise.eval.tasks import builtin_tasks
+    from flopwise.data.tasks import builtin_tasks
     from flopwise.interop.convert import export_hf
-    from flopwise.train.trainer import train
+    from flopwise.launch import train
 
     root.mkdir(parents=True, exist_ok=True)
     cwd = os.getcwd()
@@ -275,7 +275,7 @@ def _hf_folder(real, work, name, raw):
     out = work / "out"
     shutil.rmtree(out, ignore_errors=True)
     if name == "config.json":
-        model_fields_from_hf(hf)
+        hf_model_fields(hf)
     import_hf(hf, out)  # `flopwise convert from-hf`: from_hf -> load_hf_weights -> checkpoint
 
 
@@ -329,7 +329,7 @@ def _cases_state(real, work):
 
 
 def _cases_task(real, work):
-    from flopwise.eval.tasks import load_task
+    from flopwise.data.tasks import load_task
 
     f = work / "task.jsonl"
     def run(raw):
@@ -384,7 +384,8 @@ def _resumer(real, work):
     guard, step), then one batch is drawn from the restored loader position."""
     from rich.console import Console
 
-    from flopwise.build import build_run, resume
+    from flopwise.build import build_run
+    from flopwise.train.run import resume
 
     built = []
 

@@ -14,10 +14,11 @@ from rich.console import Console  # noqa: E402
 
 from flopwise.config import load_config  # noqa: E402
 from flopwise.eval.harness import TASK_PREFIX, FlopwiseLM, task_yaml, write_task_yamls  # noqa: E402
-from flopwise.eval.tasks import evaluate_task, load_task  # noqa: E402
+from flopwise.data.tasks import load_task  # noqa: E402
+from flopwise.eval.tasks import evaluate_task  # noqa: E402
 from flopwise.interop.convert import export_hf  # noqa: E402
 from flopwise.eval.load import load_for_inference  # noqa: E402
-from flopwise.train.trainer import train  # noqa: E402
+from flopwise.launch import train  # noqa: E402
 
 from conftest import tiny_overrides  # noqa: E402
 
@@ -80,7 +81,7 @@ def test_flopwise_lm_eval_keeps_the_users_include_paths(tiny_data, tmp_path):
     import subprocess
     import sys
 
-    from flopwise.eval.tasks import builtin_tasks
+    from flopwise.data.tasks import builtin_tasks
 
     train(load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{"train.steps": 6})),
           Console(file=open(os.devnull, "w")))

@@ -17,7 +17,7 @@ from flopwise.eval.generate import generate  # noqa: E402
 from flopwise.interop.convert import export_hf, import_hf  # noqa: E402
 from flopwise.interop.hf import from_hf, to_hf  # noqa: E402
 from flopwise.eval.load import load_for_inference  # noqa: E402
-from flopwise.train.trainer import train  # noqa: E402
+from flopwise.launch import train  # noqa: E402
 
 V, S = 128, 40
 LLAMA = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -12,6 +12,7 @@ from rich.console import Console
 from conftest import tiny_overrides
 from flopwise.config import load_config
 from flopwise.hardware import CATALOGUE, GiB, identify_gpu
+from flopwise.launch import train
 from flopwise.train import trainer
 from flopwise.train.metrics import Peak
 
@@ -42,7 +43,7 @@ def test_catalogue_dense_bf16_peaks_are_the_datasheets():
 
 def _train(tmp, data, peak: Peak, monkeypatch, steps=6):
     monkeypatch.setattr(trainer, "device_peak", lambda *a: peak)
-    r = trainer.train(load_config(None, tiny_overrides(tmp, data, **{"train.steps": steps})), QUIET)
+    r = train(load_config(None, tiny_overrides(tmp, data, **{"train.steps": steps})), QUIET)
     return r, [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
 
 

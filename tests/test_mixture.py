@@ -16,7 +16,7 @@ from flopwise.config import load_config
 from flopwise.data.loader import TokenLoader
 from flopwise.data.pipeline import prepare
 from flopwise.errors import DataError
-from flopwise.train.trainer import train
+from flopwise.launch import train
 
 
 def sources_of(tmp_path, tiny_data, tiny_mix):

@@ -5,7 +5,7 @@ import torch
 
 from flopwise.config import ModelConfig, RopeScaling
 from flopwise.eval.generate import generate
-from flopwise.model.layers import KVCache, alibi_slopes, rope_frequencies
+from flopwise.model.layers import KVCache, Span, alibi_slopes, rope_frequencies
 from flopwise.model.transformer import build_model
 
 FAMILIES = {
@@ -52,6 +52,15 @@ def test_kv_cache_matches_full_forward(family_model):
         cache = KVCache(m, 2, 20, "cpu", torch.float32)
         parts = [family_model(x[:, :7], cache)] + [family_model(x[:, t:t + 1], cache) for t in range(7, 20)]
     assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5)
+
+
+def test_the_default_span_is_the_whole_sequence(family_model):
+    """`model(tokens)` needs nothing else: it is the call with the whole sequence's span."""
+    x = torch.randint(0, 97, (2, 20))
+    with torch.no_grad():
+        assert torch.equal(family_model(x), family_model(x, span=Span.after(0, 20)))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        family_model(x, span=Span(torch.arange(20, 40), torch.arange(40)))
 
 
 def test_greedy_generation_with_cache_equals_recomputation(family_model):

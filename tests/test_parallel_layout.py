@@ -1,12 +1,16 @@
 """The engine's layout checks and pure helpers (no process group needed)."""
 
+import threading
+
 import pytest
 import torch
 
-from flopwise.config import load_config
+from flopwise.config import ModelConfig, load_config
 from flopwise.errors import ConfigError
 from flopwise.parallel.context import ContextParallel
 from flopwise.parallel.mesh import layout_of
+from flopwise.model.layers import Span
+from flopwise.model.transformer import build_model, document_ids, document_positions
 from flopwise.plan.layout import balanced_stages
 
 
@@ -53,3 +57,59 @@ def test_context_parallel_chunks_pair_head_and_tail():
     assert ranks[0].key_positions(16).tolist() == torch.cat(pos).tolist()
     x = torch.arange(32).view(2, 16)
     assert ranks[1].shard(x).tolist() == [list(range(4, 12)), list(range(20, 28))]
+    span = ranks[1].span(16)  # what the model is handed: the same positions, and the gather
+    assert span.q_pos.tolist() == pos[1].tolist() and span.k_pos.tolist() == ranks[1].key_positions(16).tolist()
+    assert span.gather_kv == ranks[1].gather and not span.whole and span.length == 16
+
+
+class ThreadGather:
+    """cp ranks as threads of one process: each rank's K/V all-gathered in rank order (the order of
+    ContextParallel.key_positions), as the collective does."""
+
+    def __init__(self, size: int):
+        self.barrier, self.slots = threading.Barrier(size), [None] * size
+
+    def for_rank(self, rank: int):
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            self.slots[rank] = x
+            self.barrier.wait()
+            out = torch.cat(self.slots, dim=2)
+            self.barrier.wait()  # nobody overwrites a slot before every rank has read it
+            return out
+        return gather
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2", "bloom", "neox"])
+@pytest.mark.parametrize("documents", [False, True])
+def test_context_parallel_shards_equal_the_whole_sequence(arch, documents):
+    """Each cp rank's logits, computed from its shard, the span ContextParallel hands the model and
+    the gathered keys, are the one-process model's at its positions: RoPE, sliding window, learned
+    positions (with per-document positions), ALiBi, partial RoPE; with and without documents."""
+    m = ModelConfig(arch=arch, n_layers=2, d_model=32, n_heads=4, vocab_size=97, max_seq_len=32,
+                    **({"sliding_window": 5} if arch == "mistral" else {}))
+    model = build_model(m, seed=0).eval()
+    x = torch.randint(1, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    x[:, ::7] = 0
+    kw = {}
+    if documents:
+        kw["documents"] = document_ids(x, 0)
+        kw["positions"] = document_positions(kw["documents"]) if arch == "gpt2" else None
+    with torch.no_grad():
+        whole = model(x, **kw)
+    size, out = 3, {}
+    gathers = ThreadGather(size)
+
+    def run(rank: int):
+        cp = ContextParallel(rank, size, None)
+        span = Span(cp.positions(24), cp.key_positions(24), gathers.for_rank(rank))
+        with torch.no_grad():
+            out[rank] = model(cp.shard(x), span=span, **kw)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for rank in range(size):
+        torch.testing.assert_close(out[rank], whole[:, ContextParallel(rank, size, None).positions(24)],
+                                   rtol=1e-5, atol=1e-5)

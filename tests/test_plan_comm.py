@@ -28,7 +28,10 @@ def test_megatron_tp_and_pp_volumes():
     # Narayanan et al. 2021: per layer per micro-batch each device moves 8·b·s·h·(t−1)/t elements
     per_layer_on_wire = tp_allreduce_elements(s, b, h, 1) * ring_factor("all_reduce", t)
     assert per_layer_on_wire == pytest.approx(8 * b * s * h * (t - 1) / t)
-    assert tp_allreduce_elements(s, b, h, l) == 4 * s * b * h * l
+    # Shoeybi et al. 2019 §3 (Fig. 4): two all-reduces (g) in each layer's forward and two (f) in its
+    # backward, each of the b·s·h layer output: for GPT-3 175B's shape (Brown et al. 2020 Table 2.1:
+    # 96 layers, d_model 12,288; context 2,048), 4 × 2,048 × 12,288 × 96 elements for a micro-batch of one sequence
+    assert tp_allreduce_elements(s, b, h, l) == 9_663_676_416
     # Korthikanti et al. 2022 §4.2.2: under sequence parallelism the inputs of the two column-parallel
     # linears (Y of the attention and MLP blocks) are all-gathered again in backward, b·s·h each
     assert sp_regather_elements(s, b, h, l) == 2 * s * b * h * l

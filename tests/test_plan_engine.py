@@ -3,7 +3,7 @@
 Per rank, the bytes of parameters, gradients and optimizer state the engine holds, and FSDP2's
 all-gathered parameter copies at the activation peak, equal what the planner books for that rank exactly (its own stage split, tensor-parallel slices and ZeRO shares,
 computed from the config alone), and a step's data-parallel collectives move exactly the planner's
-volumes. The reference is the engine, measured (flopwise.train.measure, the code behind
+volumes. The reference is the engine, measured (flopwise.measure, the code behind
 `flopwise plan --measure`); the planner (flopwise.plan.rank) never sees it.
 """
 
@@ -169,3 +169,62 @@ def test_planner_books_what_the_engine_held_on_an_h200(compile_):
         assert measured[q]["measured"] == getattr(want, q)
     assert measured["activations"]["measured"] == pytest.approx(want.activations, abs=1024)
     assert measured["peak"]["measured"] == pytest.approx(want.peak, rel=0.01)
+
+
+# `flopwise plan --json` (the numbers the layout search ranks by) against `flopwise plan --measure
+# --json` (the engine's own bytes, the last of 3 steps: DDP rebuilds its buckets in the second) on
+# the configured layout, every parallel key fixed so the plan evaluates exactly that layout. The
+# GPT-2 family in fp32, eager, two micro-batches per rank: on a CPU its kernels keep what CUDA's do
+# (LayerNorm keeps mean and 1/std either way, the attention core is fp32 in both), so the planner's
+# per-device account is the CPU run's. Block parameters outweigh the loss's working set here, so
+# ZeRO-3's re-gathered fp32 blocks set its planned peak.
+SEARCHED = {  # name: (parallel overrides, processes, tolerance of the step's high-water mark)
+    "single": ({"parallel.dp": 1, "parallel.zero": 0}, 1, 0.01),
+    "dp2-zero1": ({"parallel.dp": 2, "parallel.zero": 1}, 2, 0.01),
+    # measured 2026-12-04: +8% to +24% over the plan on this small model, differing by rank and run
+    # (e.g. 2,778,892 and 3,178,764 bytes against 2,569,472): FSDP2's transient reduce-scatter
+    # buffers on gloo are not booked (the joint tests' note above); held as a lower bound
+    "dp2-zero3": ({"parallel.dp": 2, "parallel.zero": 3}, 2, None),
+}
+
+
+def _searched_overrides(tmp, data, name: str) -> list[str]:
+    par, world, _ = SEARCHED[name]
+    fixed = {"parallel.tp": 1, "parallel.pp": 1, "parallel.cp": 1, "parallel.dp_replicate": 1,
+             "parallel.recompute": '"none"', "parallel.sequence_parallel": "false", **par}
+    return tiny_overrides(tmp / name, data, **{**FAMILIES["mha"], **fixed, "train.micro_batch": 2,
+                                               "train.global_batch": 8, "train.compile": "false",
+                                               "cluster.hardware": '"h100-sxm"', "cluster.gpus": world})
+
+
+def _cli_json(*args: str) -> dict:
+    r = subprocess.run([sys.executable, "-m", "flopwise", "plan", *args, "--json"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("name", list(SEARCHED))
+def test_search_memory_is_what_the_engine_holds(name, tiny_data, tmp_path):
+    """The search's memory for a layout (its worst rank: FSDP2's first shard, ZeRO-1's busiest rank)
+    against the engine's largest per-rank bytes measured under torchrun: model states exactly, saved
+    activations within 1%, the step's high-water mark above the resident states within the joint
+    tests' data-parallel tolerance (1%; ZeRO-3 here: at least the plan)."""
+    args = _searched_overrides(tmp_path, tiny_data, name)
+    planned = _cli_json(*args)
+    measured = _cli_json(*args, "--measure", "--steps", "3")
+    (layout,) = planned["layouts"]
+    assert {k: layout[k] for k in measured["parallel"]} == measured["parallel"]
+    assert measured["world"] == SEARCHED[name][1] and measured["dtype"] == "fp32"
+    memory = layout["memory_per_gpu_bytes"]
+    most = {q: max(r[q]["measured"] for r in measured["ranks"]) for q in ("params", "grads", "optimizer",
+                                                                          "activations", "peak")}
+    print(name, {q: (memory["step_peak" if q == "peak" else q], most[q]) for q in most})  # planned, measured
+    for q in ("params", "grads", "optimizer"):
+        assert memory[q] == most[q] > 0, q
+    assert memory["activations"] == pytest.approx(most["activations"], rel=0.01)
+    tolerance = SEARCHED[name][2]
+    if tolerance is None:
+        assert min(r["peak"]["measured"] for r in measured["ranks"]) >= memory["step_peak"]
+    else:
+        assert memory["step_peak"] == pytest.approx(most["peak"], rel=tolerance)

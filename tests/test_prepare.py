@@ -48,7 +48,7 @@ def test_shards_equal_the_single_process_reference(tmp_path):
         tokens = open_split(out, split)
         assert len(tokens) == len(ids) and np.array_equal(np.asarray(tokens), ids)
         assert np.array_equal(tokens[10:len(ids) - 10], ids[10:-10])  # a slice across every shard
-    from flopwise.eval.tasks import heldout_plays
+    from flopwise.data.tasks import heldout_plays
 
     vtok = open_split(out, "val")
     held = [tok.decode(list(vtok[s:s + n - 1])) for s, n in meta["splits"]["val"]["documents"]]

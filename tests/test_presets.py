@@ -6,7 +6,7 @@ import pytest
 
 from flopwise.config import ModelConfig
 from flopwise.flops import count_params
-from flopwise.model.presets import PRESETS
+from flopwise.presets import PRESETS
 
 PUBLISHED = [n for n, p in PRESETS.items() if p.published]
 

@@ -16,11 +16,11 @@ from rich.console import Console
 from conftest import tiny_overrides
 from flopwise.config import GuardConfig, WatchdogConfig, load_config
 from flopwise.errors import CheckpointError, ConfigError, TrainingStopped
-from flopwise.train import checkpoint
+from flopwise.checkpoints import checkpoint
 from flopwise.train.faults import parse
 from flopwise.train.guard import Guard, Verdict
 from flopwise.eval.load import load_for_inference
-from flopwise.train.trainer import train
+from flopwise.launch import train
 from flopwise.train.watch import Watch
 
 
@@ -116,7 +116,7 @@ def test_a_planted_pickle_is_refused_and_never_run(tiny_data, tmp_path, monkeypa
 
 def load_for_inference_unverified(ckpt):
     from flopwise.model.transformer import build_model
-    from flopwise.train.export import checkpoint_config
+    from flopwise.checkpoints.export import checkpoint_config
 
     model = build_model(checkpoint_config(ckpt, checkpoint.read_state(ckpt)).model, "cpu")
     checkpoint.load(ckpt, model)
@@ -155,7 +155,7 @@ def test_disk_full_stops_cleanly_and_keeps_the_previous_checkpoint(tiny_data, tm
 
 def test_unwritable_checkpoint_dir_stops_cleanly(tiny_data, tmp_path):
     from flopwise.build import TRAIN_WRITES
-    from flopwise.train.rundir import claim
+    from flopwise.checkpoints.rundir import claim
 
     claim(tmp_path, TRAIN_WRITES)  # a flopwise run folder (an unclaimed user's file is refused before training)
     (tmp_path / "checkpoints").write_text("a file where the checkpoint folder should be")

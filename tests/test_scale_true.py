@@ -28,10 +28,10 @@ from flopwise.model.transformer import build_model
 from flopwise.parallel.accounting import HostSyncCounter
 from flopwise.parallel.mesh import Parallel
 from flopwise.plan.layout import Layout
-from flopwise.train import checkpoint
+from flopwise.checkpoints import checkpoint
 from flopwise.train.engine import lm_loss
-from flopwise.train.export import export_checkpoint
-from flopwise.train.trainer import train
+from flopwise.checkpoints.export import export_checkpoint
+from flopwise.launch import train
 
 WORKER = Path(__file__).parent / "dist" / "worker.py"
 
@@ -157,7 +157,7 @@ def test_streamed_export_peak_memory_is_about_one_tensor(tiny_data, tmp_path):
     probe = textwrap.dedent(f"""
         import sys
         import torch
-        from flopwise.train.export import export_checkpoint
+        from flopwise.checkpoints.export import export_checkpoint
         from flopwise.interop.convert import export_hf
         from flopwise.eval.load import load_for_inference
         def hwm():  # this process's peak resident set (getrusage's would include the forking parent's)

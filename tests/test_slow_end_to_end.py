@@ -10,7 +10,7 @@ from rich.console import Console
 
 from conftest import tiny_overrides
 from flopwise.config import load_config
-from flopwise.train.trainer import train
+from flopwise.launch import train
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ from rich.console import Console
 from conftest import tiny_overrides
 from flopwise.config import load_config
 from flopwise.plan.fit import read_points
-from flopwise.train.sweep import launch_commands, plan_ladder, run_ladder, write_configs
+from flopwise.sweep import launch_commands, plan_ladder, run_ladder, write_configs
 
 
 def test_ladder_plans_runs_resumes_and_collects(tiny_data, tmp_path):

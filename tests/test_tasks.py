@@ -10,10 +10,10 @@ from rich.console import Console
 from conftest import tiny_overrides
 from flopwise.config import ModelConfig, load_config
 from flopwise.errors import DataError
-from flopwise.eval.tasks import (Example, builtin_tasks, evaluate_task, load_task, score, shipped_task_records,
-                                 with_shots)
+from flopwise.data.tasks import Example, builtin_tasks, load_task, shipped_task_records
+from flopwise.eval.tasks import evaluate_task, score, with_shots
 from flopwise.model.transformer import build_model
-from flopwise.train.trainer import train
+from flopwise.launch import train
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def test_tasks_cli_and_during_training(tiny_data, tmp_path):
 
 def test_shakespeare_tasks_come_from_held_out_plays_only():
     from flopwise.data.shards import iter_documents
-    from flopwise.eval.tasks import heldout_plays
+    from flopwise.data.tasks import heldout_plays
 
     plays = heldout_plays()
     names = [src for src, text in iter_documents(["builtin:shakespeare"]) if text in plays]

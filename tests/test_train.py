@@ -13,11 +13,11 @@ from flopwise.config import ModelConfig, OptimConfig, load_config
 from flopwise.errors import CheckpointError, ConfigError
 from flopwise.model.transformer import build_model
 from flopwise.parallel.apply import apply_recompute
-from flopwise.train import checkpoint
+from flopwise.checkpoints import checkpoint
 from flopwise.train.optim import lr_at, param_groups
 from flopwise.eval.load import load_for_inference
 from flopwise.train.engine import lm_loss
-from flopwise.train.trainer import train
+from flopwise.launch import train
 
 QUIET = Console(file=open("/dev/null", "w"))
 

@@ -28,9 +28,9 @@ from flopwise.errors import CheckpointError
 from flopwise.eval.load import load_for_inference
 from flopwise.interop.convert import export_hf
 from flopwise.model.transformer import build_model
-from flopwise.train import checkpoint
-from flopwise.train.export import export_checkpoint
-from flopwise.train.trainer import train
+from flopwise.checkpoints import checkpoint
+from flopwise.checkpoints.export import export_checkpoint
+from flopwise.launch import train
 
 
 class Payload:

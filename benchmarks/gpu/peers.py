@@ -30,13 +30,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train_cpu import flopwise_config, flopwise_step  # noqa: E402  (the trainer's own step, as `flopwise train` builds it)
+from train_cpu import BETAS, LR, WD, flopwise_config, flopwise_step, fused_adamw, peer_step  # noqa: E402
 
 from flopwise.flops import flops_per_token, mfu  # noqa: E402
 from flopwise.hardware import CATALOGUE  # noqa: E402
 from flopwise.train.metrics import device_peak  # noqa: E402
 
-LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
 SHAPES = {
     "llama": dict(arch="llama", n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192,
                   vocab_size=32000, seq=2048, batch=8),
@@ -52,28 +51,6 @@ def flopwise_overrides(shape: dict, device: torch.device) -> list[str]:
     return extra + ([f"model.bias={str(shape['bias']).lower()}"] if "bias" in shape else [])
 
 
-def fused_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}],
-                             lr=LR, betas=BETAS, fused=True)
-
-
-def peer_step(model, opt, loss_of, device: torch.device) -> Callable[[torch.Tensor], None]:
-    """fp32 weights, bf16 autocast, clip, fused AdamW: the regime flopwise trains in."""
-
-    def step(batch: torch.Tensor) -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = loss_of(batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss.item()
-
-    return step
-
-
 def transformers_step(shape: dict, device: torch.device) -> Callable[[torch.Tensor], None]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -85,7 +62,7 @@ def transformers_step(shape: dict, device: torch.device) -> Callable[[torch.Tens
         attn_implementation="sdpa")).to(device)
     opt = fused_adamw(model)
     compiled = torch.compile(model) if device.type == "cuda" else model
-    return peer_step(model, opt, lambda b: compiled(input_ids=b[:, :-1], labels=b[:, :-1]).loss, device)
+    return peer_step(model, opt, lambda x, y: compiled(input_ids=x, labels=x).loss, "bf16", device.type)
 
 
 def nanogpt_step(path: str, shape: dict, device: torch.device) -> Callable[[torch.Tensor], None]:
@@ -98,7 +75,7 @@ def nanogpt_step(path: str, shape: dict, device: torch.device) -> Callable[[torc
                                       n_head=s["n_heads"], n_embd=s["d_model"], dropout=0.0, bias=False)).to(device)
         opt = model.configure_optimizers(WD, LR, BETAS, device.type)  # fused AdamW on CUDA
     compiled = torch.compile(model) if device.type == "cuda" else model
-    return peer_step(model, opt, lambda b: compiled(b[:, :-1].contiguous(), b[:, 1:].contiguous())[1], device)
+    return peer_step(model, opt, lambda x, y: compiled(x.contiguous(), y.contiguous())[1], "bf16", device.type)
 
 
 def timed(step: Callable[[torch.Tensor], None], shape: dict, device: torch.device, steps: int, warmup: int) -> dict:

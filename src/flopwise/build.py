@@ -12,9 +12,7 @@ No step allocates a full-size parameter on a rank that owns only a shard of it.
 
 from __future__ import annotations
 
-import binascii
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,41 +26,20 @@ from flopwise.data.loader import TokenLoader
 from flopwise.data.mixture import Source, check_tokenizers, fingerprint
 from flopwise.data.pipeline import prepare
 from flopwise.data.shards import DATA_MANIFEST, FORMAT, read_index, tokenizer_of, tokenizer_path
-from flopwise.data.tokenizer import GuardedTokenizer
-from flopwise.errors import CheckpointError, ConfigError
+from flopwise.errors import ConfigError
 from flopwise.manifest import add_to_manifest, why_not_ours
 from flopwise.model.transformer import build_model
 from flopwise.parallel import mesh
 from flopwise.parallel.apply import parallelize
 from flopwise.parallel.data import zero1_group
 from flopwise.parallel.pipeline import split_stages
-from flopwise.plan.layout import Layout
 from flopwise.plan.planner import resolve_layout
-from flopwise.train import checkpoint
+from flopwise.checkpoints import checkpoint
 from flopwise.train.engine import Engine
-from flopwise.train.export import checkpoint_config
 from flopwise.train.guard import Guard
 from flopwise.train.optim import build_optimizer
-from flopwise.train.rundir import claim
-
-
-@dataclass
-class Run:
-    """One rank's share of a run, built and (if a checkpoint was found) restored."""
-
-    cfg: Config
-    par: mesh.Parallel
-    engine: Engine
-    optimizer: torch.optim.Optimizer
-    loader: TokenLoader
-    sources: list[Source]
-    index: dict  # the first source's index.json (its tokenizer is every source's)
-    tokenizer: GuardedTokenizer
-    guard: Guard
-    data_fingerprint: str = ""
-    start_step: int = 0
-    resumed_from: Path | None = None
-    resumed_layout: dict | None = None
+from flopwise.checkpoints.rundir import claim
+from flopwise.train.run import Run, resume
 
 
 def resolve_device(name: str) -> torch.device:
@@ -169,84 +146,6 @@ def _resume_point(cfg: Config, run_dir: Path, console: Console) -> Path | None:
     if dist.is_initialized():
         dist.broadcast_object_list(found, src=0)
     return found[0]
-
-
-# What a resumed run must share with the checkpoint: the model, the order and shape of its data.
-# Anything else (layout, steps, LR schedule tail, dtype, logging, ...) may change and is reported.
-FIXED_ON_RESUME = ("model.", "data.seq_len", "train.global_batch", "run.seed")
-NOT_COMPARED = ("model.preset", "model.init_from", "run.dir", "checkpoint.resume", "data.path")
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
-def check_resumable(ckpt: Path, state: dict, cfg: Config, data_fp: str) -> list[str]:
-    """Refuse (one line naming the keys) a checkpoint of another model, data order or data; the
-    keys that changed but may, to report."""
-    saved = _flat(checkpoint_config(ckpt, state).model_dump(mode="json"))
-    now = _flat(cfg.model_dump(mode="json"))
-    changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k) and not k.startswith(NOT_COMPARED))
-    fixed = [k for k in changed if k.startswith(FIXED_ON_RESUME)]
-    if fixed:
-        diff = ", ".join(f"{k}={saved.get(k)!r} there, {now.get(k)!r} here" for k in fixed[:4])
-        raise CheckpointError(f"checkpoint {ckpt} is of another run ({diff}); resume with the same values, or start "
-                              "fresh with checkpoint.resume=none or another run.dir")
-    if state.get("data_fingerprint") not in (None, data_fp):
-        raise CheckpointError(f"checkpoint {ckpt} was trained on other data (data fingerprint differs from "
-                              "index.json here); point data.path at its data, or checkpoint.resume=none")
-    return changed
-
-
-def restore(run: Run, ckpt: Path, counters: bool = True) -> dict:
-    """Model, optimizer, data position, RNG and guard window from a checkpoint into `run`; its
-    state (counters=False: a rollback, whose guard keeps counting)."""
-    state = checkpoint.load(ckpt, run.engine.parts, run.optimizer)
-    parts = {"loader": lambda: run.loader.load_state_dict(_loader_state(state["loader"])),
-             "rng": lambda: checkpoint.set_rng_state(state["rng"]),
-             "guard": lambda: run.guard.load_state_dict(state.get("guard"), counters=counters),
-             "step": lambda: state.update(step=_count(state["step"])),
-             "layout": lambda: Layout.from_json(state.get("layout") or {}).name()}
-    for field, apply in parts.items():
-        try:  # state.json is plain data from the folder: any wrong type or value in it is a damaged checkpoint
-            apply()
-        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RuntimeError, binascii.Error) as e:
-            raise CheckpointError(f"checkpoint {ckpt}: state.json field {field!r} is malformed ({type(e).__name__}: "
-                                  f"{' '.join(str(e).split())[:100]}); use another checkpoint") from None
-    return state
-
-
-def _loader_state(value: object) -> dict:
-    """The loader's saved position, its counters checked: a negative epoch or cursor (a damaged
-    state.json) would raise in numpy or loop for ever at the first batch, not here."""
-    if not isinstance(value, dict) or not isinstance(value.get("sources", []), list):
-        raise TypeError("not an object with a list of sources")
-    _count(value.get("batches"))
-    for source in value.get("sources", []):
-        if not isinstance(source, dict):
-            raise TypeError(f"source entry {source!r} is not an object")
-        for key in ("epoch", "cursor", "taken", "n_windows"):
-            _count(source.get(key))
-    return value
-
-
-def _count(value: object) -> int:
-    """A non-negative integer counter from state.json (not a bool, float or string)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"expected a non-negative integer, got {value!r}")
-    return value
-
-
-def resume(run: Run, ckpt: Path, console: Console) -> None:
-    """Check that `ckpt` belongs to this run (model, data) and restore it into `run`."""
-    changed = check_resumable(ckpt, checkpoint.read_state(ckpt), run.cfg, run.data_fingerprint)
-    if changed:
-        console.print(f"[bold]resume[/]: changed since the checkpoint: {escape(', '.join(changed))}", highlight=False)
-    state = restore(run, ckpt)
-    run.start_step, run.resumed_layout = state["step"], state.get("layout", {})
 
 
 def build_run(cfg: Config, console: Console) -> Run:

@@ -44,7 +44,8 @@ def _config(args: list[str] | None):
 @app.command()
 def train(args: Optional[list[str]] = typer.Argument(None, help=ARGS_HELP)) -> None:
     """Train a model (default: a small GPT on the embedded Shakespeare corpus)."""
-    from flopwise.train.trainer import summary_table, train as run_training
+    from flopwise.launch import train as run_training
+    from flopwise.train.trainer import summary_table
 
     result = run_training(_config(args), console)
     if not result.is_main:
@@ -71,7 +72,7 @@ def presets(as_json: bool = typer.Option(False, "--json", help="print a JSON lis
     """List the built-in model presets with their parameter counts."""
     from flopwise.config import ModelConfig
     from flopwise.flops import count_params
-    from flopwise.model.presets import PRESETS
+    from flopwise.presets import PRESETS
 
     rows = []
     for name in PRESETS:
@@ -192,7 +193,7 @@ def data_contamination(
 ) -> None:
     """Which evaluation examples share an n-gram with the training data (GPT-3's 13-gram rule)."""
     from flopwise.data.contamination import measure
-    from flopwise.eval.tasks import load_task
+    from flopwise.data.tasks import load_task
 
     if ids_out:
         check_writable(ids_out, "--ids-out")
@@ -226,10 +227,11 @@ def eval_cmd(
                                                 "raw inputs): also score the examples without a 13-gram in it"),
 ) -> None:
     """Perplexity on a text file, or zero/few-shot tasks scored by log-likelihood."""
-    from flopwise.data.shards import _read_text
+    from flopwise.data.shards import read_text
     from flopwise.errors import ConfigError, DataError
     from flopwise.eval.perplexity import text_loss
-    from flopwise.eval.tasks import builtin_tasks, evaluate_task, load_task
+    from flopwise.data.tasks import builtin_tasks, load_task
+    from flopwise.eval.tasks import evaluate_task
     from flopwise.eval.load import load_for_inference
 
     if (text is None) == (tasks is None):
@@ -247,7 +249,7 @@ def eval_cmd(
         clean = [set(range(len(ex))) - set(d) for (_, ex), d in zip(loaded, dirty)]
     model, cfg, tok = load_for_inference(ckpt)
     if text is not None:
-        result = text_loss(model, tok.encode(_read_text(text)).ids, cfg.data.seq_len, batch)
+        result = text_loss(model, tok.encode(read_text(text)).ids, cfg.data.seq_len, batch)
         if as_json:
             typer.echo(json.dumps(result))
         else:
@@ -333,7 +335,7 @@ def scale_optimal(
     """Model size, tokens, shape, batch and LR for a compute budget under a scaling law."""
     from flopwise.errors import ConfigError
     from flopwise.hardware import get_hardware
-    from flopwise.plan.fit import load_law
+    from flopwise.plan.fit import fitted_law
     from flopwise.plan.scaling import allocate
 
     if out_config:
@@ -354,8 +356,7 @@ def scale_optimal(
         unique = parse_unique_tokens(unique_tokens)
     allocs = []
     for name in law:
-        fitted = load_law(name.split(":", 1)[1]) if name.startswith("fitted:") else None
-        allocs.append(allocate(flops, name, inference_tokens, unique, vocab_size, fitted))
+        allocs.append(allocate(flops, name, inference_tokens, unique, vocab_size, fitted_law(name)))
     if out_config:
         from flopwise.plan.scaling import allocation_config
 
@@ -470,7 +471,7 @@ def scale_sweep(
     jobs: int = typer.Option(1, "--jobs", min=1, help="runs trained at once here, sharing the CPU's threads"),
 ) -> None:
     """An IsoFLOP ladder: configs for K budgets × M sizes, run here (resumable) or emitted for a cluster."""
-    from flopwise.train.sweep import budgets_from, launch_commands, plan_ladder, run_ladder, write_configs
+    from flopwise.sweep import budgets_from, launch_commands, plan_ladder, run_ladder, write_configs
 
     base = _config(args)
     runs = plan_ladder(base, budgets_from(budgets), sizes, spread, law, out)
@@ -488,7 +489,7 @@ def checkpoint_export(path: str = typer.Argument(..., help="a run dir (its newes
                       force: bool = typer.Option(False, "--force", help="replace a checkpoint of the same step in OUT")) -> None:
     """Consolidate a checkpoint written by any parallel layout into a one-process checkpoint
     (added beside OUT's checkpoints; none is deleted)."""
-    from flopwise.train.export import export_checkpoint, resume_advice
+    from flopwise.checkpoints.export import export_checkpoint, resume_advice
 
     dest = export_checkpoint(path, out, force)
     console.print(f"exported {path} -> {dest} (one process; resume with {resume_advice(out, dest)})")
@@ -534,11 +535,12 @@ def plan_cmd(
 ) -> None:
     """Predict memory, step time, MFU, days and GPU-hours of every layout; rank them."""
     from flopwise.config import load_tree, split_cli_args, to_toml, validate
+    from flopwise.data.mixture import draws, prepared_sources
     from flopwise.plan.planner import layout_config, plan
 
     path, overrides = split_cli_args(args)
     if measure:
-        from flopwise.train.measure import measure as run_measure
+        from flopwise.measure import measure as run_measure
 
         measured = run_measure(path, overrides, nproc, steps)
         if as_json:
@@ -550,7 +552,9 @@ def plan_cmd(
         if target:
             check_writable(target, option)
     tree = load_tree(path, overrides)
-    report = plan(validate(tree), tree)
+    cfg = validate(tree)
+    sources = prepared_sources(cfg)
+    report = plan(cfg, tree, mixture=(lambda tokens: draws(sources, tokens)) if sources else None)
     best = report.best
     if out_config and best.fits:
         write_text(out_config, to_toml(layout_config(report.cfg, best.layout)), "--out-config")
@@ -610,7 +614,7 @@ def _print_measured(r: dict) -> None:
     for col in ("rank", "quantity", "predicted", "measured", "measured/predicted"):
         table.add_column(col, justify="left" if col == "quantity" else "right")
     for rank in r["ranks"]:
-        from flopwise.train.measure import QUANTITIES
+        from flopwise.measure import QUANTITIES
         rows = [(f"{q} bytes", rank[q]) for q in QUANTITIES if q != "gathered" or rank[q]["predicted"] or rank[q]["measured"]]
         rows += [(f"{k} elements", v) for k, v in rank["collectives"].items()]
         for i, (name, v) in enumerate(rows):

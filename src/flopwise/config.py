@@ -15,7 +15,8 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flopwise.errors import ConfigError
-from flopwise.model.presets import ARCH_DEFAULTS, PRESETS
+from flopwise.hf_config import model_fields, read_hf_config, refuse
+from flopwise.presets import ARCH_DEFAULTS, PRESETS
 
 
 class Section(BaseModel):
@@ -78,9 +79,7 @@ class ModelConfig(Section):
         if init_from is not None:
             if not str(init_from).startswith("hf:"):
                 raise ValueError(f"model.init_from={init_from!r}: expected hf:PATH to a Hugging Face folder")
-            from flopwise.interop.hf_config import model_fields_from_hf
-
-            base = model_fields_from_hf(str(init_from)[3:])
+            base = hf_model_fields(str(init_from)[3:])
         elif preset is not None:
             if not isinstance(preset, str) or preset not in PRESETS:
                 raise ValueError(f"model.preset: unknown preset {preset!r} (see `flopwise presets`)")
@@ -111,6 +110,21 @@ class ModelConfig(Section):
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.rotary_pct)
+
+
+def hf_model_fields(path: str | Path) -> dict:
+    """The validated `model.*` keys that reproduce the Hugging Face model in `path` (its config.json);
+    a missing or malformed field is one line naming the folder and the field."""
+    try:
+        return ModelConfig(**model_fields(read_hf_config(path), path)).model_dump(exclude_none=True)
+    except KeyError as e:
+        refuse(Path(path), f"config.json lacks {e}")
+    except ValidationError as e:
+        err = e.errors()[0]
+        refuse(Path(path), f"config.json gives model.{'.'.join(map(str, err['loc']))}: "
+                           f"{err['msg'].removeprefix('Value error, ')}")
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+        refuse(Path(path), f"config.json has a malformed field ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
 
 
 class SourceConfig(Section):

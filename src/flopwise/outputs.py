@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from flopwise.errors import ConfigError
+from flopwise.errors import ConfigError, DataError
 
 TOML_HEADER = "# written by flopwise; a later flopwise command may replace this file\n"
 PNG_SOFTWARE = "flopwise"
@@ -66,6 +66,35 @@ def write_json(path: str | Path, record: dict, option: str, command: str) -> Pat
     path = check_writable(path, option)
     _replace(path, (json.dumps({WRITTEN_BY: f"flopwise {command}", **record}, indent=1) + "\n").encode())
     return path
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, imported only when a plot is asked for."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """The JSON objects of a JSONL file flopwise wrote (metrics.jsonl): [] if there is none; a line
+    that is not a JSON object (a damaged or foreign file) is a one-line DataError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}: line {n} is not a JSON object; is this a flopwise metrics file?")
+            records.append(record)
+    return records
 
 
 def save_figure(fig, path: str | Path, option: str, **savefig) -> Path:

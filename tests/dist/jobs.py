@@ -7,7 +7,7 @@ import torch.distributed as dist
 from rich.console import Console
 
 from flopwise.config import load_config
-from flopwise.train.trainer import train
+from flopwise.launch import train
 
 
 def losses(overrides: list[str]) -> dict:
@@ -61,7 +61,7 @@ def comm(overrides: list[str]) -> dict:
 def reshard(overrides: list[str]) -> dict:
     """Load the checkpoint train.resume names into this layout and write it straight back out
     under run.dir (no step taken): a pure resharding of model + optimizer state."""
-    from flopwise.train import checkpoint
+    from flopwise.checkpoints import checkpoint
 
     cfg, par, engine, opt, loader = _setup(overrides)
     src = checkpoint.resolve(cfg.checkpoint.resume)
@@ -180,12 +180,12 @@ def build_memory(overrides: list[str]) -> dict:
 
 
 def states(overrides: list[str]) -> dict:
-    """What each rank holds over three training steps (flopwise.train.measure): its mesh
+    """What each rank holds over three training steps (flopwise.measure): its mesh
     coordinates, the layers of its stages, the bytes of its parameters at rest, gradients and AdamW
     moments, and the third step's high-water mark (the first allocates the moments, the second
     rebuilds DDP's buckets)."""
     from flopwise.build import build_run
-    from flopwise.train.measure import gather, measure_rank
+    from flopwise.measure import gather, measure_rank
 
     return {"ranks": gather(measure_rank(build_run(load_config(None, overrides), Console(quiet=True)), 3))}
 
@@ -194,7 +194,7 @@ def demo_states(overrides: list[str]) -> dict:
     """`states` for the embedded demo model (6 × 256, vocab 4096), where activations, not the
     collectives' transient buffers, set the high-water mark as they do at scale."""
     from flopwise.build import build_run
-    from flopwise.train.measure import gather, measure_rank
+    from flopwise.measure import gather, measure_rank
 
     return {"ranks": gather(measure_rank(build_run(load_config("demo", overrides), Console(quiet=True)), 3))}
 
@@ -213,9 +213,9 @@ def activations(overrides: list[str]) -> dict:
     engine, _ = build_engine(cfg, par)
     x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.data.seq_len),
                       generator=torch.Generator().manual_seed(0))
-    x = engine.cp.shard(x) if engine.cp is not None else x
+    x, inputs = engine.model_inputs(x)
     with autocast(par.device, cfg.train.dtype), SavedBytes(*engine.parts) as s:
-        engine.parts[0](x)
+        engine.parts[0](x, **inputs)
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, {"bytes": s.bytes, "weight_copies": s.weight_copies})
     return {"ranks": per_rank}

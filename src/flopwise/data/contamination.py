@@ -210,7 +210,7 @@ class DecontaminationFilter(BaseFilter):
     name = "🧼 decontamination"
 
     def __init__(self, task_names: list[str], n: int = GPT3_N, exclusion_writer=None):
-        from flopwise.eval.tasks import load_task
+        from flopwise.data.tasks import load_task
 
         super().__init__(exclusion_writer)
         loaded = [load_task(t) for t in task_names]

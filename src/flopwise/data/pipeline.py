@@ -288,30 +288,51 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
         except (OSError, ValueError):  # none, or not readable: start afresh
             plan = None
     if not isinstance(plan, dict) or plan.get("key") != key or not (out / "tokenizer.json").is_file():
-        s = survey(inputs)
-        tok = given or train_bpe(sample_texts(s.files), spec)
-        if not force and (reason := why_not_ours(out, DATA_MANIFEST)):  # again: the survey and training may have taken hours
-            raise DataError(_refusal(out, reason))
-        remove_all_but(out, keep)
-        n_tasks = tasks or max(workers, math.ceil(s.bytes / TASK_BYTES))
-        unchecked, folders = _claims(n_tasks)
-        out.mkdir(parents=True, exist_ok=True)
-        # first: from here on every file in the folder is one this manifest names
-        write_manifest(out, DATA_MANIFEST, {}, unchecked + ["tokenizer.json", f"{WORK}/val.npy"], folders)
-        (work / "tasks").mkdir(parents=True)
-        (work / "progress").mkdir()
-        tok.save(str(out / "tokenizer.json"))
-        np.save(work / "val.npy", np.asarray(sorted(val_documents(s.documents, val_fraction, seed)), dtype=np.int64))
-        write_manifest(out, DATA_MANIFEST, _records(out, ["tokenizer.json", f"{WORK}/val.npy"]), unchecked, folders)
-        plan = {"key": key, "files": s.files, "sources": s.sources, "documents": s.documents, "bytes": s.bytes,
-                "tasks": plan_tasks(s, n_tasks)}
-        (work / "plan.json.tmp").write_text(json.dumps(plan))
-        os.replace(work / "plan.json.tmp", work / "plan.json")  # last: the plan means "resumable"
+        plan = _fresh_plan(inputs, out, spec, given, key, keep, force, workers, tasks, val_fraction, seed)
     tok = load_tokenizer(out / "tokenizer.json")
-    vocab = tok.get_vocab_size()
-    dtype = dtype_for_vocab(vocab)
-    n_tasks = len(plan["tasks"])
+    dtype = dtype_for_vocab(tok.get_vocab_size())
 
+    quality, deduped = _run_stages(out, plan, filters, dedup, decontaminate, dtype, workers, progress)
+    report = _report(work, plan, filters, quality, deduped, decontaminate)
+    meta = _finish(out, plan, tok, dtype, seed, val_fraction, report)
+    if progress:
+        progress("tokenize", plan["bytes"], plan["bytes"], meta["counts"]["tokens"])
+    return PrepareStats(meta["counts"]["documents"], meta["counts"]["tokens"], meta["counts"]["bytes"],
+                        time.perf_counter() - t0, {s: e["tokens"] for s, e in meta["splits"].items()}, report)
+
+
+def _fresh_plan(inputs: list[str], out: Path, spec, given, key: dict, keep: set[Path], force: bool, workers: int,
+                tasks: int | None, val_fraction: float, seed: int) -> dict:
+    """Survey the inputs, train or take the tokenizer, clear `out` (keeping `keep`) and write the
+    manifest, tokenizer, validation ids and the task plan: a prepare that a rerun can resume."""
+    work = out / WORK
+    s = survey(inputs)
+    tok = given or train_bpe(sample_texts(s.files), spec)
+    if not force and (reason := why_not_ours(out, DATA_MANIFEST)):  # again: the survey and training may have taken hours
+        raise DataError(_refusal(out, reason))
+    remove_all_but(out, keep)
+    n_tasks = tasks or max(workers, math.ceil(s.bytes / TASK_BYTES))
+    unchecked, folders = _claims(n_tasks)
+    out.mkdir(parents=True, exist_ok=True)
+    # first: from here on every file in the folder is one this manifest names
+    write_manifest(out, DATA_MANIFEST, {}, unchecked + ["tokenizer.json", f"{WORK}/val.npy"], folders)
+    (work / "tasks").mkdir(parents=True)
+    (work / "progress").mkdir()
+    tok.save(str(out / "tokenizer.json"))
+    np.save(work / "val.npy", np.asarray(sorted(val_documents(s.documents, val_fraction, seed)), dtype=np.int64))
+    write_manifest(out, DATA_MANIFEST, _records(out, ["tokenizer.json", f"{WORK}/val.npy"]), unchecked, folders)
+    plan = {"key": key, "files": s.files, "sources": s.sources, "documents": s.documents, "bytes": s.bytes,
+            "tasks": plan_tasks(s, n_tasks)}
+    (work / "plan.json.tmp").write_text(json.dumps(plan))
+    os.replace(work / "plan.json.tmp", work / "plan.json")  # last: the plan means "resumable"
+    return plan
+
+
+def _run_stages(out: Path, plan: dict, filters: list[str], dedup: list[str], decontaminate: list[str], dtype,
+                workers: int, progress) -> tuple[list[str], list[str]]:
+    """Deduplicate (if asked) and tokenize into shards with datatrove, resuming finished tasks; the
+    names of the quality and dedup stages that ran, for the report."""
+    work, n_tasks = out / WORK, len(plan["tasks"])
     from datatrove.pipeline.dedup import (ExactDedupFilter, ExactDedupSignature, ExactFindDedups,
                                           MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter,
                                           MinhashDedupSignature)
@@ -363,10 +384,15 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
         stop.set()
         if progress:
             poller.join()
+    return [n for n, _ in quality], [n for n, _ in dedup_steps]
 
-    report = _report(work, plan, filters, [n for n, _ in quality], [n for n, _ in dedup_steps], decontaminate)
-    meta = _index(out, work, plan, tok, dtype, seed, val_fraction)
+
+def _finish(out: Path, plan: dict, tok, dtype, seed: int, val_fraction: float, report: dict) -> dict:
+    """Write report.json and index.json (last, atomically) with the finished folder's manifest, and
+    remove the work folder; the index."""
+    work = out / WORK
     (out / "report.json").write_text(json.dumps(report, indent=1))
+    meta = _index(out, work, plan, tok, dtype, seed, val_fraction)
     tmp = out / "index.json.tmp"
     tmp.write_text(json.dumps(meta))
     written = _records(out, ["tokenizer.json", "report.json"]) | _shard_records(out, work, len(plan["tasks"]))
@@ -376,10 +402,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
     os.replace(tmp, out / "index.json")
     shutil.rmtree(work)
     write_manifest(out, DATA_MANIFEST, written, complete=True)  # the finished folder: exactly the files above
-    if progress:
-        progress("tokenize", plan["bytes"], plan["bytes"], meta["counts"]["tokens"])
-    return PrepareStats(meta["counts"]["documents"], meta["counts"]["tokens"], meta["counts"]["bytes"],
-                        time.perf_counter() - t0, {s: e["tokens"] for s, e in meta["splits"].items()}, report)
+    return meta
 
 
 def _claims(n_tasks: int) -> tuple[list[str], list[str]]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -55,7 +55,7 @@ def resolve_input(spec: str) -> Path:
     return p
 
 
-def _read_text(path: Path) -> str:
+def read_text(path: Path) -> str:
     raw = path.read_bytes()
     if b"\x00" in raw[:65536]:
         raise DataError(f"data file {path}: looks binary (NUL bytes); give UTF-8 text, JSONL or Parquet")
@@ -123,7 +123,7 @@ def read_documents(path: Path, start: int = 0, line: int = 1) -> Iterator[tuple[
     elif suffix == ".parquet":
         yield from _parquet_documents(path, start)
     elif start == 0:
-        text = _read_text(path)
+        text = read_text(path)
         if text.strip():
             yield 0, 1, text
 

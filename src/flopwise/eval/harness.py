@@ -23,7 +23,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from flopwise.eval.tasks import builtin_tasks, encode_pair, load_task, score
+from flopwise.data.tasks import builtin_tasks, load_task
+from flopwise.eval.tasks import encode_pair, score
 
 TASK_PREFIX = "flopwise_"
 

@@ -9,8 +9,8 @@ import torch
 from flopwise.config import Config
 from flopwise.data.tokenizer import GuardedTokenizer, load_tokenizer
 from flopwise.model.transformer import Transformer, build_model
-from flopwise.train import checkpoint
-from flopwise.train.export import checkpoint_config
+from flopwise.checkpoints import checkpoint
+from flopwise.checkpoints.export import checkpoint_config
 
 
 def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transformer, Config, GuardedTokenizer]:

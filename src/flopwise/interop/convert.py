@@ -11,8 +11,8 @@ from flopwise.data.tokenizer import EOS, eos_id, load_tokenizer
 from flopwise.errors import CheckpointError
 from flopwise.interop.hf import from_hf, write_hf
 from flopwise.manifest import ManifestKind, file_record, files_under, why_not_ours, write_manifest
-from flopwise.train import checkpoint
-from flopwise.train.export import CheckpointTensors, checkpoint_config
+from flopwise.checkpoints import checkpoint
+from flopwise.checkpoints.export import CheckpointTensors, checkpoint_config
 
 
 # What proves an HF folder is one flopwise exported (so a later export may replace it): every file in

@@ -26,9 +26,9 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from flopwise.config import ModelConfig
+from flopwise.config import ModelConfig, hf_model_fields
 from flopwise.model.init import canonical_name, global_box
-from flopwise.interop.hf_config import LLAMA_LIKE, _fail, hf_config_from_model, model_config_from_hf, read_hf_config
+from flopwise.hf_config import LLAMA_LIKE, hf_config_from_model, refuse
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "generation_config.json")
@@ -95,7 +95,7 @@ def _names(m: ModelConfig) -> list[tuple[str, str]]:
 
 
 @dataclass(frozen=True)
-class Source:
+class TensorSource:
     """Where one flopwise tensor lives in an HF folder: a tensor, maybe transposed (GPT-2's Conv1D
     stores (in, out)), maybe one of `fused` tensors stacked along its rows (GPT-2's q|k|v at
     row offset k·d; NeoX's per-head [q k v] interleave, `heads` = (n_heads, head_dim, k))."""
@@ -136,25 +136,25 @@ class Source:
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def _sources(m: ModelConfig) -> dict[str, Source]:
-    """flopwise tensor name -> its Source, for every parameter of the model."""
-    out = {ours: Source(theirs) for ours, theirs in _names(m)}
+def _sources(m: ModelConfig) -> dict[str, TensorSource]:
+    """flopwise tensor name -> its TensorSource, for every parameter of the model."""
+    out = {ours: TensorSource(theirs) for ours, theirs in _names(m)}
     d, hd, nh = m.d_model, m.head_dim, m.n_heads
     for i in range(m.n_layers):
         f = f"layers.{i}."
         if m.arch == "gpt2":
             h = f"transformer.h.{i}."
             for k, name in enumerate(("wq", "wk", "wv")):
-                out[f + f"attention.{name}.weight"] = Source(h + "attn.c_attn.weight", True, 3, k * d)
-                out[f + f"attention.{name}.bias"] = Source(h + "attn.c_attn.bias", False, 3, k * d)
-            out[f + "attention.wo.weight"] = Source(h + "attn.c_proj.weight", True)
-            out[f + "feed_forward.w1.weight"] = Source(h + "mlp.c_fc.weight", True)
-            out[f + "feed_forward.w2.weight"] = Source(h + "mlp.c_proj.weight", True)
+                out[f + f"attention.{name}.weight"] = TensorSource(h + "attn.c_attn.weight", True, 3, k * d)
+                out[f + f"attention.{name}.bias"] = TensorSource(h + "attn.c_attn.bias", False, 3, k * d)
+            out[f + "attention.wo.weight"] = TensorSource(h + "attn.c_proj.weight", True)
+            out[f + "feed_forward.w1.weight"] = TensorSource(h + "mlp.c_fc.weight", True)
+            out[f + "feed_forward.w2.weight"] = TensorSource(h + "mlp.c_proj.weight", True)
         elif m.arch == "neox":
             h = f"gpt_neox.layers.{i}.attention.query_key_value."
             for k, name in enumerate(("wq", "wk", "wv")):
-                out[f + f"attention.{name}.weight"] = Source(h + "weight", fused=3, heads=(nh, hd, k))
-                out[f + f"attention.{name}.bias"] = Source(h + "bias", fused=3, heads=(nh, hd, k))
+                out[f + f"attention.{name}.weight"] = TensorSource(h + "weight", fused=3, heads=(nh, hd, k))
+                out[f + f"attention.{name}.bias"] = TensorSource(h + "bias", fused=3, heads=(nh, hd, k))
     return out
 
 
@@ -190,13 +190,13 @@ def _weight_files(path: Path) -> dict[str, str]:
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise TypeError
         except (ValueError, KeyError, TypeError):
-            _fail(path, "model.safetensors.index.json has no weight_map of tensor -> file")
+            refuse(path, "model.safetensors.index.json has no weight_map of tensor -> file")
         for name in set(weight_map.values()):
             if Path(name).name != name:
-                _fail(path, f"index names a file outside the folder: {name!r}")
+                refuse(path, f"index names a file outside the folder: {name!r}")
         return weight_map
     if not (path / "model.safetensors").is_file():
-        _fail(path, "no model.safetensors or model.safetensors.index.json (pickled .bin weights are refused)")
+        refuse(path, "no model.safetensors or model.safetensors.index.json (pickled .bin weights are refused)")
     with _open(path, "model.safetensors") as f:
         return {k: "model.safetensors" for k in f.keys()}
 
@@ -205,7 +205,7 @@ def _open(path: Path, name: str):
     try:
         return safe_open(str(path / name), framework="pt")
     except Exception as e:  # safetensors raises its own error types for damaged files
-        _fail(path, f"{name} is not a readable safetensors file ({str(e).splitlines()[0][:100]})")
+        refuse(path, f"{name} is not a readable safetensors file ({str(e).splitlines()[0][:100]})")
 
 
 @torch.no_grad()
@@ -228,7 +228,7 @@ def load_hf_weights(modules: list[nn.Module], path: str | Path) -> None:
                 name = canonical_name(raw)
                 src = sources.get(name)
                 if src is None or src.name not in files:
-                    _fail(path, f"missing tensor {src.name if src else name}")
+                    refuse(path, f"missing tensor {src.name if src else name}")
                 fname = files[src.name]
                 if fname not in handles:
                     handles[fname] = stack.enter_context(_open(path, fname))
@@ -236,9 +236,9 @@ def load_hf_weights(modules: list[nn.Module], path: str | Path) -> None:
                     sl = handles[fname].get_slice(src.name)
                     shape = tuple(sl.get_shape())
                 except Exception as e:
-                    _fail(path, f"{fname}: cannot read {src.name} ({str(e).splitlines()[0][:100]})")
+                    refuse(path, f"{fname}: cannot read {src.name} ({str(e).splitlines()[0][:100]})")
                 if shape != src.hf_shape(tuple(p.shape)):
-                    _fail(path, f"tensor {src.name} has shape {list(shape)}, config.json implies "
+                    refuse(path, f"tensor {src.name} has shape {list(shape)}, config.json implies "
                                 f"{list(src.hf_shape(tuple(p.shape)))}")
                 local = p.to_local() if isinstance(p, DTensor) else p
                 if local.numel():
@@ -251,16 +251,12 @@ def from_hf(path: str | Path, device: str = "cpu"):
     from flopwise.model.transformer import build_model
 
     path = Path(path)
-    hf_cfg = read_hf_config(path)
-    try:
-        m = model_config_from_hf(hf_cfg, path)
-    except KeyError as e:
-        _fail(path, f"config.json lacks {e}")
+    m = ModelConfig(**hf_model_fields(path))
     try:
         model = build_model(m, device="meta")
         model.to_empty(device=device)
     except (RuntimeError, TypeError, OverflowError, MemoryError) as e:  # sizes no tensor can have
-        _fail(path, f"config.json describes a model that cannot be allocated ({' '.join(str(e).split())[:100]})")
+        refuse(path, f"config.json describes a model that cannot be allocated ({' '.join(str(e).split())[:100]})")
     model.tie_weights()
     model.reset_buffers(device)
     load_hf_weights([model], path)

@@ -81,17 +81,39 @@ def sinusoids(n: int, dim: int) -> torch.Tensor:
 # --- attention ------------------------------------------------------------------------------
 
 
+@dataclass(eq=False)
+class Span:
+    """Which positions of the sequence one forward computes, and which keys they attend to: data
+    the model is handed, made once per batch by whoever splits the sequence (the engine's
+    context-parallel sharder, flopwise.parallel.context) or caches it (`Span.after` a KV cache's
+    tokens). Without one the model computes its input as a whole sequence from position 0."""
+
+    q_pos: torch.Tensor  # (t,) absolute positions of this forward's tokens (the queries)
+    k_pos: torch.Tensor  # (k,) absolute positions of the keys they attend to, in the keys' order
+    gather_kv: Callable[[torch.Tensor], torch.Tensor] | None = None  # local K or V -> the keys' (context parallel)
+    whole: bool = False  # the queries are the keys, positions 0..t-1: plain causal attention
+
+    @classmethod
+    def after(cls, start: int, t: int, device: torch.device | str | None = None) -> Span:
+        """`t` new tokens after `start` cached ones (start 0: a whole sequence)."""
+        return cls(torch.arange(start, start + t, device=device), torch.arange(0, start + t, device=device),
+                   whole=start == 0)
+
+    @property
+    def length(self) -> int:
+        """Tokens of the sequence up to the last key (what max_seq_len bounds)."""
+        return self.k_pos.shape[0]
+
+
 @dataclass
 class AttnContext:
-    """Per-forward facts shared by every layer: positions, rope tables, the mask."""
+    """Per-forward facts shared by every layer: the span, rope tables, the mask."""
 
-    q_pos: torch.Tensor  # (t,) absolute positions of the queries
-    k_pos: torch.Tensor  # (k,) absolute positions of the keys
+    span: Span
     cos: torch.Tensor | None
     sin: torch.Tensor | None
     mask: torch.Tensor | None  # bool (t, k) / (b, 1, t, k), or float (h, t, k) / (b, h, t, k); None with is_causal
     is_causal: bool
-    gather_kv: Callable[[torch.Tensor], torch.Tensor] | None = None  # context parallel: all ranks' K/V
     pos_ids: torch.Tensor | None = None  # (t,) or (b, t): the positions RoPE and learned embeddings see
 
 
@@ -172,8 +194,8 @@ class Attention(nn.Module):
             q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
-        if ctx.gather_kv is not None:
-            k, v = ctx.gather_kv(k), ctx.gather_kv(v)
+        if ctx.span.gather_kv is not None:
+            k, v = ctx.span.gather_kv(k), ctx.span.gather_kv(v)
         mask, is_causal = ctx.mask, ctx.is_causal
         if self.relative:
             q, mask, is_causal = self._relative(q, ctx)
@@ -185,12 +207,13 @@ class Attention(nn.Module):
 
         score(i, j) = (q_i + u)·k_j + (q_i + v)·W_R r_{i-j}, all over √d.
         """
-        dist = (ctx.q_pos[:, None] - ctx.k_pos[None, :]).clamp(min=0)  # (t, k)
+        q_pos, k_pos = ctx.span.q_pos, ctx.span.k_pos
+        dist = (q_pos[:, None] - k_pos[None, :]).clamp(min=0)  # (t, k)
         r = self.pos_proj(self.distances[: int(dist.max()) + 1].to(q.dtype))  # (n, hq)
         r = r.view(r.shape[0], -1, self.head_dim)  # (n, h, d)
         pos = torch.einsum("bhtd,nhd->bhtn", q + self.pos_bias_v[None, :, None, :].to(q.dtype), r)
         pos = pos.gather(-1, dist.expand(*pos.shape[:2], *dist.shape)) / math.sqrt(self.head_dim)
-        causal = ctx.k_pos[None, :] <= ctx.q_pos[:, None]
+        causal = k_pos[None, :] <= q_pos[:, None]
         if ctx.mask is not None and ctx.mask.dtype == torch.bool:
             causal = causal & ctx.mask
         mask = pos.masked_fill(~causal, float("-inf"))

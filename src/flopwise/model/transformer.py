@@ -14,13 +14,19 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from flopwise.config import ModelConfig
-from flopwise.model.init import canonical_name, fill_constant, fill_normal
-from flopwise.model.layers import AttnContext, Block, KVCache, alibi_slopes, make_norm, rope_cos_sin
+from flopwise.model.init import canonical_name, fill_constant, fill_normal, global_box
+from flopwise.model.layers import AttnContext, Block, KVCache, Span, alibi_slopes, make_norm, rope_cos_sin
 
 
 class Transformer(nn.Module):
+    """A plain module: parameters, and the computed buffers (RoPE tables, ALiBi slopes). What a
+    parallel layout changes reaches it as data: the span of the sequence a forward computes (and
+    how to gather the other ranks' keys), or a buffer the parallel plan sharded (ALiBi's slopes
+    across tensor-parallel heads); it holds no parallel state of its own."""
+
     def __init__(self, m: ModelConfig):
         super().__init__()
         self.cfg = m
@@ -32,12 +38,6 @@ class Transformer(nn.Module):
         self.norm = make_norm(m, m.d_model)
         self.output = nn.Linear(m.d_model, m.vocab_size, bias=False)
         self.tie_weights()
-        # Set from outside by flopwise.parallel (the model never imports it): a context-parallel
-        # sharder of the sequence, how many ways sequence parallel splits a stage's input, and
-        # which of the heads this rank computes under tensor parallel (rank, ways).
-        self.cp = None
-        self.hidden_seq_div = 1
-        self.tp_heads = (0, 1)
         self.reset_buffers()
 
     def tie_weights(self) -> None:
@@ -46,16 +46,16 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
-        """The computed (non-persistent) buffers: RoPE tables, this rank's ALiBi slopes."""
+        """The computed (non-persistent) buffers: RoPE tables, ALiBi slopes (of the heads this rank
+        holds, where a tensor-parallel plan sharded the buffer: flopwise.parallel.tensor)."""
         m = self.cfg
         if m.pos == "rope":
             cos, sin = rope_cos_sin(m, m.max_seq_len)
             self.register_buffer("rope_cos", cos.to(device), persistent=False)
             self.register_buffer("rope_sin", sin.to(device), persistent=False)
         if m.pos == "alibi":
-            rank, ways = self.tp_heads
-            h = m.n_heads // ways
-            self.register_buffer("alibi", alibi_slopes(m.n_heads)[rank * h:(rank + 1) * h].to(device), persistent=False)
+            held = getattr(self, "alibi", None)
+            self.register_buffer("alibi", held_part(alibi_slopes(m.n_heads), held, device), persistent=False)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -76,74 +76,116 @@ class Transformer(nn.Module):
             if hasattr(module, "reset_buffers"):
                 module.reset_buffers(device)
 
-    def context(self, start: int, t: int, device: torch.device, documents: torch.Tensor | None = None,
+    def context(self, span: Span, documents: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> AttnContext:
-        """Positions and mask for `t` new tokens after `start` cached ones (or this rank's tokens of
-        a context-parallel sequence, attending to the all-gathered keys). `documents` (b, s) numbers
-        the document of every token of the whole sequence: attention then stays inside documents.
-        `positions` (b, s) replaces the absolute positions the embeddings see (e.g. restarting in
-        every document); masks and relative terms keep using the absolute ones."""
+        """What every layer shares for the tokens at `span`: positions, rope tables, the mask (see
+        `forward` for `documents` and `positions`)."""
         m = self.cfg
-        gather = None
-        if self.cp is not None:
-            seq = t * self.cp.size
-            q_pos, k_pos = self.cp.positions(seq).to(device), self.cp.key_positions(seq).to(device)
-            gather = self.cp.gather
-        else:
-            q_pos = torch.arange(start, start + t, device=device)
-            k_pos = torch.arange(0, start + t, device=device)
-        pos_ids = q_pos if positions is None else positions[:, q_pos]
+        pos_ids = position_ids(span, positions)
         cos = sin = None
         if m.pos == "rope":
-            cos, sin = self.rope_cos[pos_ids], self.rope_sin[pos_ids]
-            if pos_ids.dim() == 2:  # per sequence: (b, t, r) -> (b, 1, t, r) against (b, h, t, d)
-                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        allowed = None
-        if m.sliding_window or start > 0 or gather is not None or documents is not None:
-            allowed = k_pos[None, :] <= q_pos[:, None]
-            if m.sliding_window:
-                allowed = allowed & (q_pos[:, None] - k_pos[None, :] < m.sliding_window)
-            if documents is not None:  # (b, 1, t, k): one mask per sequence, shared by the heads
-                same = documents[:, q_pos, None] == documents[:, None, k_pos]
-                allowed = (allowed & same).unsqueeze(1)
+            cos, sin = rope_tables(self.rope_cos, self.rope_sin, pos_ids)
+        mask = allowed_keys(span, m.sliding_window, documents)
         if m.pos == "alibi":
-            dist = (q_pos[:, None] - k_pos[None, :]).float()
-            bias = -self.alibi[:, None, None] * dist
-            keep = allowed if allowed is not None else (k_pos[None, :] <= q_pos[:, None])
-            return AttnContext(q_pos, k_pos, cos, sin, torch.where(keep, bias, float("-inf")), False, gather, pos_ids)
-        is_causal = allowed is None and m.pos != "relative"
-        if m.pos == "relative" and allowed is None:
-            allowed = k_pos[None, :] <= q_pos[:, None]
-        return AttnContext(q_pos, k_pos, cos, sin, allowed, is_causal, gather, pos_ids)
+            mask = alibi_mask(local_part(self.alibi), span, mask)
+        elif m.pos == "relative" and mask is None:  # Attention._relative folds its terms into a mask
+            mask = causal(span)
+        return AttnContext(span, cos, sin, mask, mask is None, pos_ids)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, documents: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, span: Span | None = None) -> torch.Tensor:
         """tokens (b, t) -> logits (b, t, vocab). A pipeline stage without the embedding takes the
         previous stage's hidden states (b, t, d) instead, and one without the head returns them.
-        `documents` and `positions` (b, s), over the whole (not context-sharded) sequence: see
-        `context`; `document_ids` and `document_positions` make them from the tokens."""
-        start = cache.pos if cache is not None else 0
-        first = self.tok_embeddings is not None
-        t = tokens.shape[1] * (1 if first else self.hidden_seq_div)
-        full = t * (self.cp.size if self.cp is not None else 1)
-        if start + full > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {start + full} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        ctx = self.context(start, t, tokens.device, documents, positions)
-        h = tokens
-        if first:
-            h = self.tok_embeddings(tokens)
-            if self.pos_embeddings is not None:
-                h = h + self.pos_embeddings(ctx.pos_ids + self.cfg.pos_offset)
-            if self.embed_norm is not None:
-                h = self.embed_norm(h)
-            h = self.dropout(h)
+
+        `span`: the positions these tokens hold in their sequence and the keys they attend to (a
+        context-parallel shard's, flopwise.parallel.context); by default a whole sequence from
+        position 0, or the tokens after a KV cache's. `documents` and `positions` (b, s), over the
+        whole (not context-sharded) sequence: `documents` numbers the document of every token and
+        attention stays inside documents; `positions` replaces the absolute positions the
+        embeddings see (e.g. restarting in every document), while masks and relative terms keep the
+        absolute ones. `document_ids` and `document_positions` make them from the tokens."""
+        if span is None:
+            span = Span.after(cache.pos if cache is not None else 0, tokens.shape[1], tokens.device)
+        if span.length > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {span.length} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        ctx = self.context(span, documents, positions)
+        h = self.embed(tokens, ctx.pos_ids) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, ctx, cache)
         if cache is not None:
-            cache.pos += t
+            cache.pos += span.q_pos.shape[0]
         if self.output is None:
             return h
         return self.output(self.norm(h))
+
+    def embed(self, tokens: torch.Tensor, pos_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(pos_ids + self.cfg.pos_offset)
+        if self.embed_norm is not None:
+            h = self.embed_norm(h)
+        return self.dropout(h)
+
+
+# --- what a forward's span means for attention: one concern each ------------------------------
+
+
+def position_ids(span: Span, positions: torch.Tensor | None) -> torch.Tensor:
+    """The positions RoPE and learned embeddings see: the queries' absolute ones (t,), or theirs in
+    `positions` (b, s) over the whole sequence: (b, t)."""
+    return span.q_pos if positions is None else positions[:, span.q_pos]
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor, pos_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the RoPE tables at `pos_ids`; per sequence (b, t, r) -> (b, 1, t, r) against (b, h, t, d)."""
+    cos, sin = cos[pos_ids], sin[pos_ids]
+    if pos_ids.dim() == 2:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return cos, sin
+
+
+def causal(span: Span) -> torch.Tensor:
+    """(t, k) bool: each query sees the keys at or before its position."""
+    return span.k_pos[None, :] <= span.q_pos[:, None]
+
+
+def allowed_keys(span: Span, window: int | None, documents: torch.Tensor | None) -> torch.Tensor | None:
+    """Which keys each query may see, or None where SDPA's is_causal says it (a whole sequence, no
+    window, no documents): causal, within `window` positions, and inside the query's document
+    (`documents` (b, s): then one (b, 1, t, k) mask per sequence, shared by the heads)."""
+    if span.whole and not window and documents is None:
+        return None
+    allowed = causal(span)
+    if window:
+        allowed = allowed & (span.q_pos[:, None] - span.k_pos[None, :] < window)
+    if documents is not None:
+        same = documents[:, span.q_pos, None] == documents[:, None, span.k_pos]
+        allowed = (allowed & same).unsqueeze(1)
+    return allowed
+
+
+def alibi_mask(slopes: torch.Tensor, span: Span, allowed: torch.Tensor | None) -> torch.Tensor:
+    """ALiBi (Press et al. 2022): −slope·distance on the keys a query may see, −inf elsewhere;
+    (h, t, k), or (b, h, t, k) with a per-sequence mask."""
+    dist = (span.q_pos[:, None] - span.k_pos[None, :]).float()
+    bias = -slopes[:, None, None] * dist
+    keep = allowed if allowed is not None else causal(span)
+    return torch.where(keep, bias, float("-inf"))
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a buffer a parallel plan sharded (a DTensor), or the buffer."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def held_part(full: torch.Tensor, held: torch.Tensor | None, device: torch.device | str | None) -> torch.Tensor:
+    """`full`'s values for what this rank holds of a computed buffer: the same slice of it where a
+    parallel plan sharded the buffer (`held` a DTensor: its layout kept), else all of it."""
+    if not isinstance(held, DTensor):
+        return full.to(device)
+    offset, shape = global_box(held)
+    part = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))].to(device)
+    return DTensor.from_local(part, held.device_mesh, held.placements, run_check=False)
 
 
 def document_ids(tokens: torch.Tensor, eos: int) -> torch.Tensor:

@@ -1,10 +1,12 @@
 """`parallelize`: the one step that applies everything that is not the model itself.
 
-Order (as in torchtitan): tensor/sequence parallel -> context parallel -> activation checkpointing
--> compile -> FSDP2, all on the meta device; then each rank allocates and initialises only what it
-holds (flopwise.model.init: the values do not depend on the layout); DDP, which needs real tensors
-and keeps whole replicas anyway, wraps last. Pipeline splitting happens before, in
-flopwise.parallel.pipeline; each stage module goes through this same function.
+Order (as in torchtitan): tensor/sequence parallel -> activation checkpointing -> compile -> FSDP2,
+all on the meta device; then each rank allocates and initialises only what it holds
+(flopwise.model.init: the values do not depend on the layout); DDP, which needs real tensors and
+keeps whole replicas anyway, wraps last. Pipeline splitting happens before, in
+flopwise.parallel.pipeline; each stage module goes through this same function. Context parallel
+changes no module: the engine's one ContextParallel shards each batch and hands the model the span
+it computes (flopwise.parallel.context).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from flopwise.config import Config
 from flopwise.model.transformer import Transformer, materialise
-from flopwise.parallel.context import ContextParallel
 from flopwise.parallel.data import apply_ddp, apply_fsdp, apply_replicate, uses_ddp, uses_replicate
 from flopwise.parallel.mesh import Parallel
 from flopwise.plan.layout import Layout, compiles as layout_compiles
@@ -54,8 +55,6 @@ def parallelize(model: Transformer, cfg: Config, par: Parallel) -> nn.Module:
     """A meta-device model (or pipeline stage) -> this rank's parallelized, initialised module."""
     if par.size("tp") > 1:
         apply_tp(model, par.mesh["tp"], cfg.parallel.sequence_parallel)
-    if par.size("cp") > 1:
-        model.cp = ContextParallel(par.rank("cp"), par.size("cp"), par.group("cp"))
     apply_recompute(model, cfg.parallel.recompute)
     if compiles(cfg, par.layout):
         apply_compile(model)

@@ -7,12 +7,19 @@ Each sequence is cut into 2·cp chunks and rank r keeps chunks r and 2·cp−1�
 every rank gets the same amount of causal work). In every attention layer the local K and V are
 all-gathered across the cp group by an autograd-aware collective (its backward reduce-scatters the
 K/V gradients), and the local queries attend with a mask built from their true positions.
+
+One object per rank, the engine's (flopwise.train.engine), does both halves, once per batch: it
+shards the batch (`shard`) and hands the model its `span` (positions and the K/V gather). The model
+holds nothing of it; no module is changed (cp ranks hold the same weights, and join the
+data-parallel reduction: flopwise.parallel.data).
 """
 
 from __future__ import annotations
 
 import torch
 from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+from flopwise.model.layers import Span
 
 
 class ContextParallel:
@@ -34,6 +41,11 @@ class ContextParallel:
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of full-length sequences (inputs or targets)."""
         return x.index_select(dim, self.positions(x.shape[dim]).to(x.device))
+
+    def span(self, seq: int, device: torch.device | str | None = None) -> Span:
+        """What the model needs to compute this rank's tokens of `seq`-token sequences: their
+        positions, the all-gathered keys' positions, and the gather."""
+        return Span(self.positions(seq).to(device), self.key_positions(seq).to(device), self.gather)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """(b, h, t_local, d) keys or values -> (b, h, t, d) from all cp ranks."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_module
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -70,9 +70,16 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> N
             bplan["attention.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
             bplan["attention.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
         parallelize_module(block, mesh, bplan)
-    if sp:
-        model.hidden_seq_div = mesh.size()
-    model.tp_heads = (mesh.get_local_rank(), mesh.size())  # each rank attends with its own heads' ALiBi slopes
+    shard_head_buffers(model, mesh)
+
+
+def shard_head_buffers(model: Transformer, mesh: DeviceMesh) -> None:
+    """Each rank attends with its own heads' ALiBi slopes: the buffer becomes a DTensor sharded by
+    head (locally cut, no communication), whose layout the model's reset_buffers keeps when it
+    fills the buffer after materialising."""
+    slopes = getattr(model, "alibi", None)
+    if slopes is not None and not isinstance(slopes, DTensor):
+        model.register_buffer("alibi", distribute_tensor(slopes, mesh, [Shard(0)], src_data_rank=None), persistent=False)
 
 
 def keep_embedding_grad_sharded(model: Transformer) -> None:

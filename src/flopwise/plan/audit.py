@@ -49,8 +49,8 @@ def parse_claim(items: list[str]) -> dict[str, Any]:
     return claim
 
 
-@dataclass
-class Verdict:
+@dataclass(kw_only=True)
+class ClaimVerdict:
     name: str
     params: float
     tokens: float | None
@@ -78,7 +78,7 @@ def _model(claim: dict) -> tuple[ModelConfig | None, float | None]:
     return None, None
 
 
-def audit_claim(claim: dict, predict: bool = True) -> Verdict:
+def audit_claim(claim: dict, predict: bool = True) -> ClaimVerdict:
     m, params = _model(claim)
     seq = int(claim.get("seq_len", 2048))
     notes: list[str] = []
@@ -89,8 +89,9 @@ def audit_claim(claim: dict, predict: bool = True) -> Verdict:
         fpt = scaling_flops(params, 1)
         notes.append("no shape given (preset=...): FLOPs are 6·N per token, attention not counted")
     else:
-        return Verdict(claim["name"], 0, None, None, None, None, "", None, None, "underdetermined",
-                       ["preset or params"], source=claim.get("source", ""), status=claim.get("status", ""))
+        return ClaimVerdict(name=claim["name"], params=0, tokens=None, flops=None, flops_6nd=None, implied_mfu=None,
+                       basis="", predicted_mfu=None, predicted_layout=None, verdict="underdetermined",
+                       missing=["preset or params"], source=claim.get("source", ""), status=claim.get("status", ""))
     tokens = claim.get("tokens")
     flops = fpt * tokens if tokens else None
     missing = [] if tokens else ["tokens"]
@@ -138,8 +139,10 @@ def audit_claim(claim: dict, predict: bool = True) -> Verdict:
         verdict = "plausible"
     if flops and claim.get("stated_flops"):
         notes.append(f"stated {claim['stated_flops']:.3g} FLOPs vs {flops:.3g} by the convention")
-    return Verdict(claim["name"], params, tokens, flops, scaling_flops(params, tokens) if tokens else None, implied, basis,
-                   predicted, layout, verdict, missing, notes, claim.get("source", ""), claim.get("status", ""))
+    return ClaimVerdict(name=claim["name"], params=params, tokens=tokens, flops=flops,
+                   flops_6nd=scaling_flops(params, tokens) if tokens else None, implied_mfu=implied, basis=basis,
+                   predicted_mfu=predicted, predicted_layout=layout, verdict=verdict, missing=missing, notes=notes,
+                   source=claim.get("source", ""), status=claim.get("status", ""))
 
 
 def _predict(claim: dict, devices: int, seq: int) -> tuple[float | None, dict | None, str]:
@@ -163,5 +166,5 @@ def _predict(claim: dict, devices: int, seq: int) -> tuple[float | None, dict | 
     return best.mfu, best.layout.to_json(), ""
 
 
-def audit(claims: list[dict], predict: bool = True) -> list[Verdict]:
+def audit(claims: list[dict], predict: bool = True) -> list[ClaimVerdict]:
     return [audit_claim(c, predict) for c in claims]

@@ -72,7 +72,7 @@ def tied_embedding_elements(vocab: int, d_model: int, tp: int) -> float:
     return vocab * d_model / tp
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Collective:
     """One data-parallel collective: its kind, the elements of its full buffer, how often it runs
     ("step" or "micro": every micro-batch), over which ranks ("shard": the ZeRO shard group,
@@ -99,14 +99,16 @@ def dp_collectives(psi: float, zero: int, *, zero1_broadcast: bool = False, gath
     for the backward. A pipeline stage keeps both across its micro-batches: once per step.
     HSDP adds an all-reduce of the gradient shards across replicas with each reduce-scatter."""
     if zero == 0:
-        return [Collective("all_reduce", psi, "step", "all", True)]
+        return [Collective(kind="all_reduce", elements=psi, when="step", group="all", gradients=True)]
     if zero == 1 and zero1_broadcast:
-        return [Collective("all_reduce", psi, "step", "all", True), Collective("all_gather", psi, "step", "all", False)]
+        return [Collective(kind="all_reduce", elements=psi, when="step", group="all", gradients=True),
+                Collective(kind="all_gather", elements=psi, when="step", group="all", gradients=False)]
     micro = "step" if zero == 1 or pipelined else "micro"
-    out = [Collective("reduce_scatter", psi, micro, "shard", True),
-           Collective("all_gather", psi, micro if zero >= 3 or gather_per_micro else "step", "shard", False)]
+    out = [Collective(kind="reduce_scatter", elements=psi, when=micro, group="shard", gradients=True),
+           Collective(kind="all_gather", elements=psi, when=micro if zero >= 3 or gather_per_micro else "step",
+                      group="shard", gradients=False)]
     if zero >= 3 and not pipelined:
-        out.append(Collective("all_gather", psi, "micro", "shard", False))
+        out.append(Collective(kind="all_gather", elements=psi, when="micro", group="shard", gradients=False))
     if hsdp:
-        out.append(Collective("all_reduce", psi, micro, "replicate", True))
+        out.append(Collective(kind="all_reduce", elements=psi, when=micro, group="replicate", gradients=True))
     return out

@@ -20,7 +20,7 @@ from scipy.optimize import minimize
 
 from flopwise.errors import DataError
 from flopwise.flops import scaling_flops, scaling_tokens
-from flopwise.outputs import save_figure, write_json
+from flopwise.outputs import pyplot, read_records, save_figure, write_json
 from flopwise.plan.scaling import ParametricLaw
 
 GRID = dict(alpha=np.arange(0, 2.01, 0.5), beta=np.arange(0, 2.01, 0.5), e=np.arange(-1, 1.01, 0.5),
@@ -41,7 +41,7 @@ class Points:
         return scaling_flops(self.params, self.tokens)
 
     def subset(self, idx: np.ndarray) -> "Points":
-        return Points(self.params[idx], self.tokens[idx], self.loss[idx])
+        return Points(params=self.params[idx], tokens=self.tokens[idx], loss=self.loss[idx])
 
 
 def read_points(path: str | Path) -> Points:
@@ -70,7 +70,7 @@ def read_points(path: str | Path) -> Points:
         raise DataError(f"scale fit input {p}: non-numeric value ({e})") from None
     if (n <= 0).any() or (d <= 0).any() or (loss <= 0).any():
         raise DataError(f"scale fit input {p}: params, tokens and loss must all be positive")
-    return Points(n, d, loss)
+    return Points(params=n, tokens=d, loss=loss)
 
 
 def _points_from_runs(root: Path) -> Points:
@@ -82,7 +82,7 @@ def _points_from_runs(root: Path) -> Points:
     rows = []
     for run in sorted(q for q in root.iterdir() if (q / "metrics.jsonl").is_file() and (q / "config.toml").is_file()):
         cfg = tomllib.loads((run / "config.toml").read_text())
-        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        records = read_records(run / "metrics.jsonl")
         val = [r["val_loss"] for r in records if "val_loss" in r]
         tokens = [r["tokens"] for r in records if "tokens" in r]
         if val and tokens:  # non-embedding N, the convention of `flopwise scale sweep`
@@ -90,7 +90,7 @@ def _points_from_runs(root: Path) -> Points:
     if len(rows) < 3:
         raise DataError(f"scale fit input {root}: found {len(rows)} finished flopwise runs; need at least 3")
     n, d, loss = (np.array(c, dtype=float) for c in zip(*rows))
-    return Points(n, d, loss)
+    return Points(params=n, tokens=d, loss=loss)
 
 
 def _huber(r: np.ndarray, delta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -129,11 +129,11 @@ def _fit_from(starts, pts: Points, delta: float) -> tuple[np.ndarray, float]:
 
 def _law(theta: np.ndarray, name: str) -> ParametricLaw:
     a, b, e, alpha, beta = theta
-    return ParametricLaw(name, E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=float(alpha), beta=float(beta),
+    return ParametricLaw(name=name, E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=float(alpha), beta=float(beta),
                          source="fitted by flopwise (Approach 3, summed Huber δ=1e-3, L-BFGS)")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Approach3Fit:
     law: ParametricLaw
     objective: float
@@ -174,7 +174,7 @@ def fit_approach3(pts: Points, delta: float = 1e-3, bootstrap: int = 0, seed: in
     if len(pts) < 5:
         raise DataError(f"scale fit: {len(pts)} points; Approach 3 has 5 parameters and needs at least 5")
     theta, value = _fit_from(_best_starts(pts, delta, grid or GRID, keep_starts), pts, delta)
-    fit = Approach3Fit(_law(theta, "fitted"), value, len(pts))
+    fit = Approach3Fit(law=_law(theta, "fitted"), objective=value, n_points=len(pts))
     if bootstrap:
         rng = np.random.default_rng(seed)
         samples = []
@@ -191,7 +191,7 @@ def fit_approach3(pts: Points, delta: float = 1e-3, bootstrap: int = 0, seed: in
     return fit
 
 
-@dataclass
+@dataclass(kw_only=True)
 class IsoFlopFit:
     budgets: list[float]
     n_opt: list[float]
@@ -227,10 +227,10 @@ def fit_approach2(pts: Points, rel_tol: float = 0.1) -> IsoFlopFit:
     if len(budgets) < 2:
         raise DataError("scale fit: Approach 2 needs at least 2 budgets with 3+ sizes that bracket the optimum")
     a, log_k = np.polyfit(np.log(budgets), np.log(n_opt), 1)
-    return IsoFlopFit(budgets, n_opt, parabolas, float(a), float(math.exp(log_k)))
+    return IsoFlopFit(budgets=budgets, n_opt=n_opt, parabolas=parabolas, a=float(a), k=float(math.exp(log_k)))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class KaplanFit:
     alpha_n: float
     alpha_d: float
@@ -260,18 +260,24 @@ def fit_kaplan(pts: Points) -> KaplanFit:
         if best is None or res.fun < best.fun:
             best = res
     an, ad, lnc, ldc = best.x
-    return KaplanFit(float(an), float(ad), float(math.exp(lnc)), float(math.exp(ldc)))
+    return KaplanFit(alpha_n=float(an), alpha_d=float(ad), n_c=float(math.exp(lnc)), d_c=float(math.exp(ldc)))
 
 
 def save_law(fit: Approach3Fit, path: str | Path, option: str = "--out") -> None:
     write_json(path, fit.to_json(), option, "scale fit")
 
 
+def fitted_law(name: str) -> ParametricLaw | None:
+    """The law a `--law fitted:FILE` name points to (read from FILE), None for a built-in name:
+    what plan.scaling.get_law and allocate take as `fitted`."""
+    return load_law(name.split(":", 1)[1]) if name.startswith("fitted:") else None
+
+
 def load_law(path: str | Path) -> ParametricLaw:
     p = Path(path)
     try:
         d = json.loads(p.read_text(encoding="utf-8"))
-        return ParametricLaw(f"fitted:{p.name}", E=float(d["E"]), A=float(d["A"]), B=float(d["B"]),
+        return ParametricLaw(name=f"fitted:{p.name}", E=float(d["E"]), A=float(d["A"]), B=float(d["B"]),
                              alpha=float(d["alpha"]), beta=float(d["beta"]), source=str(p))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(f"fitted law {p}: cannot read E, A, B, alpha, beta ({e})") from None
@@ -282,10 +288,7 @@ PLOT_NAMES = ("isoflop.png", "fit.png", "frontier.png")  # what plot_fits writes
 
 def plot_fits(pts: Points, fit3: Approach3Fit | None, iso: IsoFlopFit | None, out_dir: str | Path) -> list[Path]:
     """IsoFLOP curves with parabolas; fitted law vs points; N_opt vs C against the published laws."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from flopwise.plan.scaling import LAWS
 

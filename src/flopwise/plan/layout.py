@@ -21,7 +21,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev")
 FIXED_VIRTUAL_STAGES = {"zero-bubble": 2, "dualpipev": 2}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Layout:
     dp: int = 1  # all data-parallel ranks: dp_replicate × dp_shard
     tp: int = 1

@@ -11,6 +11,11 @@ dropout-free models. With the paper's assumptions (MHA, ffn = 4h, dropout, no fl
 their s·b·h·(34 + 5·a·s/h) and its tensor/sequence-parallel and recompute variants (tested). The
 same function books what this engine keeps (`engine_precision`: fp32, bf16 autocast over an fp32
 residual stream, or bf16 under FSDP2; eager or compiled), measured with parallel.accounting.SavedBytes.
+The tensor lists and their measurements: docs/activation-memory.md.
+
+This engine's per-tensor model states (`rank_model_states`: its stage split, tensor-parallel slices,
+ZeRO-1's whole-tensor partition, FSDP2's dim-0 chunks) and the other pieces of one rank's bytes are
+put together in plan.account.rank_memory.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from flopwise.flops import count_params, param_shapes
 OPTIMIZER_BYTES_PER_PARAM = 12  # K of mixed-precision Adam
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelStates:
     params: float
     grads: float
@@ -34,6 +39,16 @@ class ModelStates:
     @property
     def total(self) -> float:
         return self.params + self.grads + self.optimizer
+
+
+def memo(cache: dict | None, key: tuple, compute):
+    """cache[key], computed on first use (no cache: computed every time). One cache serves one
+    model (a search, a prediction), so keys name only what varies for it."""
+    if cache is None:
+        return compute()
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
 
 
 def model_state_bytes(psi: float, zero: int, shard: int, k: float = OPTIMIZER_BYTES_PER_PARAM,
@@ -47,7 +62,7 @@ def model_state_bytes(psi: float, zero: int, shard: int, k: float = OPTIMIZER_BY
                        optimizer=k * psi / (shard if zero >= 1 else 1))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SavedPrecision:
     """How a stack keeps activations for backward: bytes per element of the compute dtype (linear
     inputs and outputs, Q/K/V, attention and MLP tensors) and of the residual stream (norm inputs),
@@ -74,8 +89,9 @@ def engine_precision(dtype: str, fsdp: bool, cpu: bool = False, compiled: bool =
     in fp32 whatever the dtype (model.layers.CoreAttention). `compiled`: the blocks (and the loss)
     are torch.compile'd (plan.layout.compiles)."""
     if dtype == "fp32":
-        return SavedPrecision(4, 4, True, compiled=compiled, cpu=cpu)
-    return SavedPrecision(2, 2 if fsdp else 4, True, 4 if cpu else 0, compiled, cpu)
+        return SavedPrecision(compute=4, residual=4, engine=True, compiled=compiled, cpu=cpu)
+    return SavedPrecision(compute=2, residual=2 if fsdp else 4, engine=True, attention=4 if cpu else 0,
+                          compiled=compiled, cpu=cpu)
 
 
 # torch.get_rng_state(): the CPU generator's state, which a compiled checkpoint saves as a tensor
@@ -89,121 +105,107 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
                                flash: bool = True, dropout: bool | None = None, mask_keys: int = 0,
                                precision: SavedPrecision = KORTHIKANTI, cp: int = 1) -> float:
     """Bytes one transformer layer keeps for backward, for one micro-batch, on one device; `seq`
-    is the device's share of the sequence (seq_len / cp under context parallel).
-
-    e = precision.compute, r = precision.residual bytes per element; dropout masks are 1 byte.
-    Korthikanti et al. 2022 (e = r = 2), per layer:
-      replicated over tp unless sequence parallel: both norm inputs (2·r·sbh), the attention and
-        MLP inputs (2·e·sbh), the two residual dropout masks (2·sbh);
-      split over tp: Q, K, V (e·sb·(h_q + 2·h_kv)), the output projection's input (e·sb·h_q), the
-        MLP (GeLU/ReLU: 2 tensors of e·sbf; SwiGLU: 4);
-      attention scores (not with flash attention): softmax output 2·a·s²·b, plus its dropout mask
-        and output (a·s²·b + 2·a·s²·b) when dropout is on;
-      a document mask (data.document_mask, `mask_keys` = the keys each query sees, the whole
-        sequence under context parallel): SDPA keeps its own copy of the (b, 1, s, keys) mask in
-        the attention dtype per layer, a·s·b·keys, not split over tp (one mask serves every head).
-    This engine (`precision.engine`, measured with parallel.accounting.SavedBytes) differs in:
-      norm inputs: one residual tensor per layer in a parallel block (both norms read x), two
-        otherwise, r bytes; RMSNorm computes in fp32 and keeps a 4-byte copy of its input (one per
-        norm when r = 2), its 1/rms (4·sb) and x/rms (4·sbh); LayerNorm keeps mean and 1/std (2·r·sb);
-      linear inputs: the norm's output (r bytes) when r = e, shared by the linears that read it;
-        under autocast (r = 4 > e = 2) every linear keeps its own cast: 3 for Q/K/V, 2 (SwiGLU) or
-        1 for the MLP, each e·sbh. PyTorch's sequence parallel keeps the all-gathered input, so these
-        stay whole (sbh) under sequence parallel, where Megatron keeps 1/tp;
-      attention (SDPA's CPU flash kernel, measured; CUDA's flash backward takes the same tensors,
-        not measured here): Q and K after RoPE, V, the output (which is also the output projection's
-        input), and its fp32 logsumexp (4·a·s·b); partial rotary (RoPE's cat) leaves Q
-        (b, h, s, d)-contiguous, so the output must be copied for the output projection: + e·sb·h_q;
-        on a CPU the core computes in fp32 (a = `precision.attention` = 4 under bf16): Q, K, V and
-        the output are kept at a bytes and the output projection keeps its own e-byte cast of the
-        output (+ e·sb·h_q, which is then also the partial-rotary copy); selective recompute keeps
-        the core's e-byte inputs;
-      MLP: SwiGLU 4 tensors of e·sbf (w1 and w3 outputs, silu, the product), GeLU 2 (w1 output,
-        GeLU output), ReLU 1 (its output serves its own backward and w2's);
-      context parallel (cp ways): K and V all-gathered over the whole sequence (× cp), and, with
-        no document mask, SDPA's attention-dtype copy of the (s, s·cp) causal mask, a·s·s·cp;
-      biases keep nothing; RoPE's cos/sin are shared by all layers, except under FSDP2 (r = e = 2),
-        which casts each block's inputs, cos/sin included: + 2·e·s·rotary_dim.
-    Selective recompute drops the score and mask terms (and, in this engine, the logsumexp and the
-    partial-rotary output copy); full recompute keeps only the layer input, r·sbh.
-    Measured equal, byte for byte, for Llama (GQA, SwiGLU, RMSNorm, RoPE), GPT-2 (MHA, GeLU,
-    LayerNorm, biases, learned positions), NeoX (parallel block, partial RoPE) and OPT (ReLU) in
-    fp32 and bf16 autocast with each recompute mode, and on two ranks under tensor parallel, sequence
-    parallel, context parallel and FSDP2 (tests/test_activation_bytes.py). Not modelled for this engine (not
-    measured): dropout (on CPU its masks are in the activation dtype, not 1 byte, and SDPA with
-    dropout falls back to the math kernel, which keeps the s² scores); qk_norm's per-head norm
-    tensors; ALiBi's and relative positions' float masks (and FSDP2's per-layer casts of them).
-    A compiled block (`precision.compiled`, measured with SavedBytes): AOTAutograd's min-cut
-    partitioner keeps the matmul inputs and outputs and recomputes the cheap pointwise ops in
-    backward. It keeps the block's input x (r·sbh: it rebuilds the mid-residual x + attention from
-    it); the norms' statistics, not their inputs (RMSNorm 1/rms, 4·sb; LayerNorm mean and 1/std,
-    2·r·sb; a parallel block's two norms of x share one set); each norm's output once, in the
-    compute dtype (e·sbh, shared by the linears that read it: one cast, not one per linear); the
-    output projection's output (e·sbh, not in a parallel block); the attention core as eager keeps
-    it (Q, K, V, output and logsumexp at a bytes, plus the output projection's e-byte input when
-    a ≠ e or with partial rotary; a document mask's copy); the MLP: SwiGLU 3 tensors of e·sbf (w1 and w3 outputs, their
-    product; silu recomputed), GeLU 2 (w1 output, GeLU output), ReLU its output and a 1-byte mask;
-    and, under bf16 autocast (r ≠ e), the bf16 cast of every linear weight of the block (e·weights
-    / tp, biases not kept): made inside the compiled graph, these are per micro-batch activations,
-    not autocast's once-per-step copies (`autocast_weight_copy_bytes`). Selective recompute keeps
-    the core's e-byte Q, K and V (no output: the checkpoint rebuilds it, and wo's input from it;
-    the partial-rotary copy stays) and the CPU generator's state per layer
-    (CHECKPOINT_RNG_STATE_BYTES); full recompute keeps r·sbh and that state. Measured equal, byte
-    for byte, for the four families in fp32 and bf16 autocast with each recompute mode, on one
-    process (tests/test_activation_bytes.py); on one H200 (torch 2.11, CUDA flash attention, a = e;
-    Llama d 1024, s 1024) within 16 bytes per layer (flash's philox seed and offset) under bf16
-    autocast and bf16 parameters, with each recompute mode, where the CPU generator's state is not
-    kept (5 KB per layer booked too many). Sequence/tensor/context parallel and FSDP2's casts of the
-    RoPE tables are booked as eager's, not measured compiled.
-    """
-    s, b, h = seq, micro_batch, m.d_model
-    sbh, sb = s * b * h, s * b
-    e, r = precision.compute, precision.residual
-    a = (precision.attention or e) if recompute == "none" else e  # selective recompute keeps e-byte inputs
+    is the device's share of the sequence (seq_len / cp under context parallel); `mask_keys`: the
+    keys each query of a document mask sees (0: no mask). Three regimes, one function each:
+    Korthikanti et al. 2022's tensor list for Megatron's kernels (`_korthikanti_layer`), and what
+    this engine keeps, eager (`_eager_layer`) or torch.compile'd (`_compiled_layer`); full
+    recompute keeps only the layer's input. The tensor lists and what was measured against them:
+    docs/activation-memory.md."""
     drop = (m.dropout > 0) if dropout is None else dropout
     rep_div = tp if sequence_parallel else 1
-    compiled = precision.engine and precision.compiled
     if recompute == "full":
-        return r * sbh / rep_div + (CHECKPOINT_RNG_STATE_BYTES if compiled and precision.cpu else 0)
-    hq, hkv, f = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.ffn_dim
-    masks = 2 * sbh if drop else 0
-    out = a * sb * hq  # the attention core's output
-    weights = rng = 0.0
-    if precision.engine:
-        rms = m.norm == "rmsnorm"
-        casts = r != e
-        copy = m.pos == "rope" and m.rotary_dim < m.head_dim or a != e
-        attn_extra = 4 * m.n_heads * sb if flash and recompute == "none" else 0
-        if compiled:
-            stats = (1 if m.parallel_block else 2) * (4 * sb if rms else 2 * r * sb)
-            replicated = r * sbh + stats + (0 if m.parallel_block else e * sbh) + masks
-            linear_in, linear_div = 2 * e * sbh, 1
-            mlp = {"swiglu": 3 * e, "relu": e + 1}.get(m.mlp, 2 * e) * s * b * f
-            attn_extra += e * sb * hq if copy else 0
-            out = out if recompute == "none" else 0
-            weights = e * count_params(m).layer_matmul / m.n_layers / tp if casts else 0.0
-            rng = CHECKPOINT_RNG_STATE_BYTES if recompute == "selective" and precision.cpu else 0
-        else:
-            inputs = 2 if (not m.parallel_block or (rms and r < 4)) else 1
-            norms = inputs * (4 if rms else r) * sbh + 2 * _norm_internals(m, sb, sbh, r, precision)
-            linear_in = ((3 if casts else 1) + (2 if casts and m.mlp == "swiglu" else 1)) * e * sbh
-            replicated, linear_div = norms + masks, 1
-            mlp = {"swiglu": 4, "relu": 1}.get(m.mlp, 2) * e * s * b * f
-            attn_extra += e * sb * hq if copy and recompute == "none" else 0
-        tables = 2 * e * s * m.rotary_dim if m.pos == "rope" and r == e == 2 else 0
-        kv_whole = a * sb * 2 * hkv * (cp - 1)
-        cp_mask = a * s * s * cp if cp > 1 and not mask_keys and recompute == "none" else 0
-    else:
-        linear_in = 2 * e * sbh
-        replicated, linear_div = 2 * r * sbh + masks, rep_div
-        mlp = (4 if m.mlp == "swiglu" else 2) * e * s * b * f
-        attn_extra = tables = kv_whole = cp_mask = 0
-    split = a * sb * (hq + 2 * hkv) + out + mlp + attn_extra + kv_whole
+        rng = CHECKPOINT_RNG_STATE_BYTES if precision.engine and precision.compiled and precision.cpu else 0
+        return precision.residual * seq * micro_batch * m.d_model / rep_div + rng
+    e = precision.compute
+    a = (precision.attention or e) if recompute == "none" else e  # selective recompute keeps e-byte inputs
+    regime = (_korthikanti_layer if not precision.engine else _compiled_layer if precision.compiled
+              else _eager_layer)
+    replicated, linear, split, extra = regime(m, seq, micro_batch, tp, rep_div, recompute, flash, drop, a,
+                                              precision, cp, mask_keys)
     scores = 0.0
-    if not flash and recompute != "selective":
-        scores = (2 + (3 if drop else 0)) * m.n_heads * s * s * b
-    mask = a * s * b * mask_keys if recompute == "none" else 0
-    return replicated / rep_div + linear_in / linear_div + (split + scores) / tp + mask + cp_mask + tables + weights + rng
+    if not flash and recompute != "selective":  # softmax output, and with dropout its mask and output
+        scores = (2 + (3 if drop else 0)) * m.n_heads * seq * seq * micro_batch
+    mask = a * seq * micro_batch * mask_keys if recompute == "none" else 0  # SDPA's copy, one for all heads
+    return replicated / rep_div + linear + (split + scores) / tp + mask + extra
+
+
+# Each regime returns (replicated: kept whole on every tensor-parallel rank unless sequence
+# parallel, linear-input bytes, split: divided over tp, extra: neither) for recompute none/selective.
+
+def _korthikanti_layer(m, s, b, tp, rep_div, recompute, flash, drop, a, precision, cp, mask_keys):
+    """Korthikanti et al. 2022 Table 2, generalised: norm inputs and residual dropout masks, the
+    attention and MLP inputs (1/t under sequence parallel), Q/K/V, the core's output, the MLP."""
+    sb, sbh = s * b, s * b * m.d_model
+    e, r = precision.compute, precision.residual
+    hq, hkv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    masks = 2 * sbh if drop else 0
+    mlp = (4 if m.mlp == "swiglu" else 2) * e * s * b * m.ffn_dim
+    split = a * sb * (hq + 2 * hkv) + a * sb * hq + mlp
+    return 2 * r * sbh + masks, 2 * e * sbh / rep_div, split, 0
+
+
+def _eager_layer(m, s, b, tp, rep_div, recompute, flash, drop, a, precision, cp, mask_keys):
+    """This engine's eager layer (PyTorch's kernels): norm inputs and internals, one cast per
+    linear under autocast, SDPA's tensors, the MLP's."""
+    sb, sbh = s * b, s * b * m.d_model
+    e, r = precision.compute, precision.residual
+    hq, hkv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    rms, casts = m.norm == "rmsnorm", r != e
+    inputs = 2 if (not m.parallel_block or (rms and r < 4)) else 1
+    norms = inputs * (4 if rms else r) * sbh + 2 * _norm_internals(m, sb, sbh, r, precision)
+    masks = 2 * sbh if drop else 0
+    linear = ((3 if casts else 1) + (2 if casts and m.mlp == "swiglu" else 1)) * e * sbh
+    mlp = {"swiglu": 4, "relu": 1}.get(m.mlp, 2) * e * s * b * m.ffn_dim
+    attn_extra = _logsumexp_bytes(m, sb, flash, recompute)
+    attn_extra += e * sb * hq if _output_copy(m, a, e) and recompute == "none" else 0
+    split = a * sb * (hq + 2 * hkv) + a * sb * hq + mlp + attn_extra + _kv_gathered_bytes(m, sb, a, cp)
+    return norms + masks, linear, split, _engine_extra_bytes(m, s, precision, a, cp, mask_keys, recompute)
+
+
+def _compiled_layer(m, s, b, tp, rep_div, recompute, flash, drop, a, precision, cp, mask_keys):
+    """A torch.compile'd block of this engine (AOTAutograd's min-cut partitioner): the block's
+    input, the norms' statistics and outputs, matmul inputs and outputs, the attention core as
+    eager keeps it, and under autocast the bf16 cast of every linear weight."""
+    sb, sbh = s * b, s * b * m.d_model
+    e, r = precision.compute, precision.residual
+    hq, hkv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    rms, casts = m.norm == "rmsnorm", r != e
+    masks = 2 * sbh if drop else 0
+    stats = (1 if m.parallel_block else 2) * (4 * sb if rms else 2 * r * sb)
+    replicated = r * sbh + stats + (0 if m.parallel_block else e * sbh) + masks
+    mlp = {"swiglu": 3 * e, "relu": e + 1}.get(m.mlp, 2 * e) * s * b * m.ffn_dim
+    attn_extra = _logsumexp_bytes(m, sb, flash, recompute) + (e * sb * hq if _output_copy(m, a, e) else 0)
+    out = a * sb * hq if recompute == "none" else 0
+    split = a * sb * (hq + 2 * hkv) + out + mlp + attn_extra + _kv_gathered_bytes(m, sb, a, cp)
+    weights = e * count_params(m).layer_matmul / m.n_layers / tp if casts else 0.0
+    rng = CHECKPOINT_RNG_STATE_BYTES if recompute == "selective" and precision.cpu else 0
+    return replicated, 2 * e * sbh, split, _engine_extra_bytes(m, s, precision, a, cp, mask_keys, recompute) + weights + rng
+
+
+def _logsumexp_bytes(m: ModelConfig, sb: float, flash: bool, recompute: str) -> float:
+    """The fused attention kernel's fp32 log-sum-exp (not kept under selective recompute)."""
+    return 4 * m.n_heads * sb if flash and recompute == "none" else 0
+
+
+def _output_copy(m: ModelConfig, a: int, e: int) -> bool:
+    """Whether the output projection keeps its own copy of the core's output: partial rotary
+    leaves it (b, h, s, d)-contiguous, or the core computed in another dtype (a CPU under bf16)."""
+    return m.pos == "rope" and m.rotary_dim < m.head_dim or a != e
+
+
+def _kv_gathered_bytes(m: ModelConfig, sb: float, a: int, cp: int) -> float:
+    """Context parallel: K and V all-gathered over the whole sequence, beyond the local share."""
+    return a * sb * 2 * m.n_kv_heads * m.head_dim * (cp - 1)
+
+
+def _engine_extra_bytes(m: ModelConfig, s: float, precision: SavedPrecision, a: int, cp: int, mask_keys: int,
+                        recompute: str) -> float:
+    """Per layer outside the tensor-parallel split: SDPA's copy of the (s, s·cp) causal mask under
+    context parallel without a document mask, and FSDP2's per-block casts of RoPE's cos/sin."""
+    e, r = precision.compute, precision.residual
+    cp_mask = a * s * s * cp if cp > 1 and not mask_keys and recompute == "none" else 0
+    tables = 2 * e * s * m.rotary_dim if m.pos == "rope" and r == e == 2 else 0
+    return cp_mask + tables
 
 
 def _norm_internals(m: ModelConfig, sb: float, sbh: float, r: int, precision: SavedPrecision) -> float:
@@ -237,18 +239,23 @@ def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_st
 
 def rank_activation_bytes(m: ModelConfig, lo, seq: int, global_batch: int, layers: int, flash: bool = True,
                           document_mask: bool = False, precision: SavedPrecision = KORTHIKANTI,
-                          pp_rank: int = 0) -> float:
+                          pp_rank: int = 0, cache: dict | None = None) -> float:
     """Saved activations a rank holding `layers` layers keeps at its peak: the micro-batches in
-    flight on a first pipeline stage × its layers × one layer's bytes, plus, under full recompute,
-    the one layer whose activations the backward rebuilds. `lo` is a plan.layout.Layout."""
-    keys = seq if document_mask else 0
-    args = (m, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel)
-    kw = dict(flash=flash, mask_keys=keys, precision=precision, cp=lo.cp)
-    per_layer = activation_bytes_per_layer(*args, lo.recompute, **kw)
+    flight on pipeline rank `pp_rank` × its layers × one layer's bytes, plus, under full recompute,
+    the one layer whose activations the backward rebuilds. `lo` is a plan.layout.Layout; `cache`
+    (one per model, seq and document mask) keeps the per-layer bytes."""
+
+    def per_layer() -> tuple[float, float]:
+        args = (m, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel)
+        kw = dict(flash=flash, mask_keys=seq if document_mask else 0, precision=precision, cp=lo.cp)
+        rebuilt = activation_bytes_per_layer(*args, "none", **kw) if lo.recompute == "full" else 0.0
+        return activation_bytes_per_layer(*args, lo.recompute, **kw), rebuilt
+
+    one, rebuilt = memo(cache, ("layer", lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel, lo.recompute, flash,
+                                precision), per_layer)
     in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, lo.microbatches(global_batch),
                                        lo.virtual_stages if lo.pp > 1 else 1, pp_rank)
-    rebuilt = activation_bytes_per_layer(*args, "none", **kw) if lo.recompute == "full" else 0.0
-    return per_layer * layers * in_flight + rebuilt
+    return one * layers * in_flight + rebuilt
 
 
 # Tensor-parallel split of each parameter in this engine's Megatron plan (parallel/tensor.py):
@@ -306,11 +313,12 @@ def loss_working_bytes(m: ModelConfig, seq: int, micro_batch: int, tp: int, prec
     return (precision.compute + 4 * fp32) * seq * micro_batch * m.vocab_size / tp
 
 
-def regathered_bytes(layer_params: float, lo) -> float:
-    """ZeRO-3's working set in backward: a re-gathered 16-bit block and the prefetched next one, with
-    their unsharded fp32 gradients before the reduce-scatter (per tensor-parallel shard). It comes
-    after the loss's working set is freed, so a step holds the larger of the two."""
-    return 2 * (2 + 4) * layer_params / lo.tp if lo.reshards_params else 0.0
+def regathered_bytes(block_params: float, lo, compute_bytes: int = 2) -> float:
+    """ZeRO-3's working set in backward: a re-gathered block (`block_params`: one block's parameters
+    on this rank, its tensor-parallel slice) in the compute dtype and the prefetched next one, with
+    their unsharded fp32 gradients before the reduce-scatter. It comes after the loss's working
+    set is freed, so a step holds the larger of the two."""
+    return 2 * (compute_bytes + 4) * block_params if lo.reshards_params else 0.0
 
 
 def step_grads(lo, microbatches: int, grads: float) -> tuple[float, bool]:
@@ -367,67 +375,84 @@ def zero1_loads(sizes: list[tuple[int, bool]], n: int) -> list[int]:
     return out
 
 
-def rank_tensors(m: ModelConfig, tp: int, stage_layers, has_embedding: bool,
-                 has_head: bool) -> list[tuple[tuple[int, ...], bool]]:
-    """(tensor-parallel local shape, weight-decayed) of every parameter tensor one pipeline rank of
-    this engine holds: its stages' layers (`stage_layers`: their indices), the embedding on the
+_HEAD_NAMES = ("norm.weight", "norm.bias", "output.weight")
+
+
+def _tensor_parts(m: ModelConfig, tp: int) -> tuple[list, list, list]:
+    """One block's, the embedding side's and the head side's parameters as (tensor-parallel local
+    shape, weight-decayed), read off a one-layer copy of the model (every block has the same)."""
+    block, emb, head = [], [], []
+    for name, shape in param_shapes(m.model_copy(update={"n_layers": 1})):
+        part = block if name.startswith("layers.") else head if name in _HEAD_NAMES else emb
+        part.append((_tp_local(name, shape, tp), len(shape) >= 2 and "embeddings" not in name))
+    return block, emb, head
+
+
+def rank_tensors(m: ModelConfig, tp: int, layers: int, has_embedding: bool, has_head: bool,
+                 cache: dict | None = None) -> list[tuple[tuple[int, ...], bool, int]]:
+    """(tensor-parallel local shape, weight-decayed, how many) of the parameter tensors one
+    pipeline rank of this engine holds: the `layers` blocks of its stages, the embedding on the
     first stage, final norm and head on the last."""
-    layers = {f"layers.{i}." for i in stage_layers}
-    head_names = ("norm.weight", "norm.bias", "output.weight")
-    mine = []
-    for name, shape in param_shapes(m):
-        if name.startswith("layers."):
-            keep = name[:name.index(".", 7) + 1] in layers
-        elif name in head_names:
-            keep = has_head
-        else:
-            keep = has_embedding
-        if keep:
-            mine.append((_tp_local(name, shape, tp), len(shape) >= 2 and "embeddings" not in name))
-    return mine
+    block, emb, head = memo(cache, ("tensors", tp), lambda: _tensor_parts(m, tp))
+    return ([(s, d, layers) for s, d in block] + [(s, d, 1) for s, d in emb if has_embedding]
+            + [(s, d, 1) for s, d in head if has_head])
 
 
-def gathered_param_bytes(m: ModelConfig, lo, stage_layers: list[int], has_embedding: bool, has_head: bool,
-                         dtype: str = "bf16") -> float:
+def zero1_rank_loads(m: ModelConfig, lo, layers: int, has_embedding: bool, has_head: bool,
+                     cache: dict | None = None) -> list[int]:
+    """Optimizer-state elements torch's ZeroRedundancyOptimizer gives each of a pipeline rank's
+    dp·cp ranks (`zero1_loads` over its tensors). One large tensor (an embedding or head of V×h/t)
+    can exceed Ψ/N at large dp."""
+    n = lo.dp * lo.cp
+
+    def loads() -> list[int]:
+        mine = rank_tensors(m, lo.tp, layers, has_embedding, has_head, cache)
+        return zero1_loads([(math.prod(s), d) for s, d, count in mine for _ in range(count)], n)
+
+    return memo(cache, ("zero1", lo.tp, layers, has_embedding, has_head, n), loads)
+
+
+def gathered_param_bytes(m: ModelConfig, lo, layers: int, has_embedding: bool, has_head: bool,
+                         dtype: str = "bf16", cache: dict | None = None) -> float:
     """Bytes of FSDP2's all-gathered (unsharded) parameters one rank holds when its saved
     activations peak, apart from the fp32 shards the optimizer steps: each tensor's all-gather
     output, dim 0 padded to a multiple of the dp_shard·cp ranks, in the compute dtype (FSDP2's bf16
     param_dtype; fp32 runs gather fp32). ZeRO-2 and pipelined ZeRO-3 keep every group gathered from
     its forward to its backward. ZeRO-3 has freed them all by then: each block after its forward,
     the root (embedding, final norm, head) after the model's, before the loss saves its tensors;
-    what it re-gathers in backward is the perf model's `zero3_live`. ZeRO-0 with tensor parallel
-    runs on FSDP2's replicate: one whole gathered copy. None under DDP (ZeRO 0/1 compute with the
-    fp32 parameters)."""
+    what it re-gathers in backward is `regathered_bytes`. ZeRO-0 with tensor parallel runs on
+    FSDP2's replicate: one whole gathered copy. None under DDP (ZeRO 0/1 compute with the fp32
+    parameters)."""
     if not lo.fsdp2 or lo.reshards_params:
         return 0.0
     n = lo.dp_shard * lo.cp if lo.zero >= 2 else 1  # replicate's shard dim is 1
     e = 2 if dtype == "bf16" else 4
-    tensors = rank_tensors(m, lo.tp, stage_layers, has_embedding, has_head)
-    return e * sum(-(-s[0] // n) * n * math.prod(s[1:]) for s, _ in tensors)
+    mine = rank_tensors(m, lo.tp, layers, has_embedding, has_head, cache)
+    return e * sum(count * -(-s[0] // n) * n * math.prod(s[1:]) for s, _, count in mine)
 
 
-def rank_param_count(m: ModelConfig, lo, stage_layers: list[int], has_embedding: bool, has_head: bool) -> int:
+def rank_param_count(m: ModelConfig, lo, layers: int, has_embedding: bool, has_head: bool,
+                     cache: dict | None = None) -> int:
     """Parameters of one rank's stages, its tensor-parallel slice, before any ZeRO sharding (the
     buffer its data-parallel collectives move)."""
-    return sum(math.prod(s) for s, _ in rank_tensors(m, lo.tp, stage_layers, has_embedding, has_head))
+    return sum(count * math.prod(s) for s, _, count in rank_tensors(m, lo.tp, layers, has_embedding, has_head, cache))
 
 
-def rank_model_states(m: ModelConfig, lo, stage_layers: list[int], has_embedding: bool, has_head: bool,
+def rank_model_states(m: ModelConfig, lo, layers: int, has_embedding: bool, has_head: bool,
                       shard_rank: int = 0, dp_rank: int = 0, param_bytes: int = 4, grad_bytes: int = 4,
-                      k: int = 8) -> ModelStates:
+                      k: int = 8, cache: dict | None = None) -> ModelStates:
     """Exactly what one rank of this engine holds (fp32 master weights, fp32 gradients after the
-    backward, AdamW moments after the step), tensor by tensor: the rank's pipeline stages
-    (`stage_layers`: their layer indices), its tensor-parallel slice, and its data-parallel share:
-    DDP replicates; ZeRO-1 partitions whole tensors over the dp·cp ranks (`dp_rank` among them);
-    FSDP2 (zero 2/3) shards dim 0 over the dp_shard·cp ranks (`shard_rank`), at rest. `lo` is a
-    plan.layout.Layout."""
-    mine = rank_tensors(m, lo.tp, stage_layers, has_embedding, has_head)
-    whole = sum(math.prod(s) for s, _ in mine)
-    n_shard = lo.dp_shard * lo.cp
-    sharded = sum(_chunk_rows(s[0], n_shard, shard_rank) * math.prod(s[1:]) for s, _ in mine)
+    backward, AdamW moments after the step), tensor by tensor: the `layers` blocks of the rank's
+    pipeline stages, its tensor-parallel slice, and its data-parallel share: DDP replicates;
+    ZeRO-1 partitions whole tensors over the dp·cp ranks (`dp_rank` among them); FSDP2 (zero 2/3)
+    shards dim 0 over the dp_shard·cp ranks (`shard_rank`; torch.chunk gives the first ranks the
+    most), at rest. `lo` is a plan.layout.Layout."""
+    mine = rank_tensors(m, lo.tp, layers, has_embedding, has_head, cache)
     if lo.zero >= 2 and lo.world > 1:  # FSDP2 (any process group)
-        return ModelStates(param_bytes * sharded, grad_bytes * sharded, k * sharded)
-    if lo.zero == 1 and lo.dp * lo.cp > 1:
-        owned = zero1_loads([(math.prod(s), d) for s, d in mine], lo.dp * lo.cp)[dp_rank]
-        return ModelStates(param_bytes * whole, grad_bytes * whole, k * owned)
-    return ModelStates(param_bytes * whole, grad_bytes * whole, k * whole)
+        n_shard = lo.dp_shard * lo.cp
+        sharded = sum(count * _chunk_rows(s[0], n_shard, shard_rank) * math.prod(s[1:]) for s, _, count in mine)
+        return ModelStates(params=param_bytes * sharded, grads=grad_bytes * sharded, optimizer=k * sharded)
+    whole = sum(count * math.prod(s) for s, _, count in mine)
+    owned = (zero1_rank_loads(m, lo, layers, has_embedding, has_head, cache)[dp_rank]
+             if lo.zero == 1 and lo.dp * lo.cp > 1 else whole)
+    return ModelStates(params=param_bytes * whole, grads=grad_bytes * whole, optimizer=k * owned)

@@ -1,5 +1,11 @@
 """Memory and time of one training step for one layout on one cluster. Pure Python, no torch.
 
+Memory: on this engine's stack (`flopwise`) every distinct rank of the layout is booked by
+plan.account.rank_memory, the one per-rank account `flopwise plan --measure` and the joint tests
+set beside the engine's measured bytes, with the run's train.dtype; the search ranks by the worst.
+The published stacks (megatron-*) keep ZeRO's Ψ formulas and Korthikanti's activations
+(`published_memory`), validated against published runs.
+
 The step is built bottom-up from what each device executes, and every term has a source:
 
 - GEMMs: each weight matmul of a layer on its tensor-parallel shard, timed by a roofline
@@ -42,9 +48,9 @@ The step is built bottom-up from what each device executes, and every term has a
   with a stated fraction hidden behind the last micro-batch's backward (stages 0-2) or behind every
   micro-batch (stage 3, FSDP prefetch).
 - ZeRO-1 optimizer state: this engine's is torch's ZeroRedundancyOptimizer, which gives each rank
-  whole tensors (greedy, per param group), so the busiest rank's share is booked, from the same
-  partition `plan.memory.rank_model_states` uses; one V×h/t table can exceed Ψ/N at large dp.
-  Megatron's distributed optimizer shards flat buffers, so Ψ/N is right for the megatron stacks.
+  whole tensors (greedy, per param group), so the busiest rank's share is booked
+  (`plan.account.busiest_dp_rank`); one V×h/t table can exceed Ψ/N at large dp. Megatron's
+  distributed optimizer shards flat buffers, so Ψ/N is right for the megatron stacks.
 - Optimizer: bytes streamed per local parameter (the busiest rank's, under ZeRO). Fused AdamW on fp32 parameters reads p, g, m, v
   and writes p, m, v (28) plus the clipping norm's read of g (4) = 32. Megatron keeps separate
   16-bit model and fp32 main copies: + grad copy to main (2 + 4) + main-to-model copy (4 + 2) = 44.
@@ -65,13 +71,12 @@ from dataclasses import dataclass
 from flopwise.config import ModelConfig
 from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import Hardware
+from flopwise.plan.account import EngineRun, busiest_dp_rank, rank_memory
 from flopwise.plan.comm import (dp_collectives, pp_boundary_elements, ring_time, sp_regather_elements,
                                 tied_embedding_elements)
-from flopwise.plan.layout import Layout, compiles, stage_ids, stage_sizes
-from flopwise.plan.memory import (KORTHIKANTI, autocast_weight_copy_bytes, end_activation_bytes, engine_precision,
-                                  in_flight_microbatches, loss_working_bytes, model_state_bytes,
-                                  rank_activation_bytes, rank_tensors, regathered_bytes, step_grads,
-                                  step_peak_bytes, zero1_loads)
+from flopwise.plan.layout import Layout, stage_ids, stage_sizes
+from flopwise.plan.memory import (KORTHIKANTI, memo, model_state_bytes, rank_activation_bytes, regathered_bytes,
+                                  step_peak_bytes)
 
 MEM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for streaming kernels (STREAM-like copies)
 LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth over the nominal per-direction link rate
@@ -80,7 +85,7 @@ RUNTIME_RESERVE = 1.0 * 2**30  # CUDA context, NCCL and cuBLAS workspaces per de
 ACT_BYTES = 2  # 16-bit activations
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Stack:
     """Software assumptions that change step time but not the model's arithmetic."""
 
@@ -95,37 +100,41 @@ class Stack:
     optimizer_state_bytes: int  # K: bytes of optimizer state per parameter
     zero1_broadcast: bool  # ZeRO-1 as torch's ZeroRedundancyOptimizer (all-reduce + broadcast)
     fsdp2: bool  # ZeRO-2/3 parameters re-gathered for every micro-batch (FSDP2 frees them after backward)
-    engine_activations: bool  # activations as this engine keeps them under bf16 autocast (else Korthikanti's
-    # list, whose sequence-parallel shard of the linear inputs Megatron all-gathers again in backward)
+    engine_activations: bool  # this engine: its per-rank account (plan.account, run dtype; activations as it
+    # keeps them), else the published account (Ψ formulas, Korthikanti's list, whose sequence-parallel shard of
+    # the linear inputs Megatron all-gathers again in backward)
     description: str
     grad_accum_bytes: int  # HBM bytes per held gradient element to add one more micro-batch's gradient
     pp_scatter_gather: bool  # stage-boundary tensors sent as 1/t slices, all-gathered on the receiver
 
 
 STACKS = {s.name: s for s in [
-    Stack("flopwise", True, 4, 0.9, 32, True, 4, 4, 8, True, True, True,
+    Stack(name="flopwise", flash_attention=True, grad_reduce_bytes=4, dp_overlap=0.9, optimizer_bytes=32,
+          balanced_stages=True, param_bytes=4, grad_bytes=4, optimizer_state_bytes=8, zero1_broadcast=True,
+          fsdp2=True, engine_activations=True, grad_accum_bytes=12, pp_scatter_gather=False, description=
           "this engine: PyTorch SDPA flash attention; fp32 master weights and gradients (4 + 4 bytes) and AdamW "
           "moments (8) under bf16 autocast (activations over an fp32 residual stream and a bf16 copy of every "
           "weight, or bf16 throughout under FSDP2's bf16 param_dtype); FSDP2/DDP with fp32 gradient reduction, "
           "90% of dp traffic hidden behind backward; ZeRO-1 is DDP's all-reduce plus a broadcast of the updated "
           "parameters (ZeroRedundancyOptimizer); pipeline stages balanced by parameters; fp32 gradients "
           "accumulated across micro-batches (read held + read new + write, 12 bytes); stage-boundary tensors "
-          "sent whole per rank",
-          grad_accum_bytes=12, pp_scatter_gather=False),
-    Stack("megatron-2021", False, 2, 0.0, 44, False, 2, 2, 12, False, False, False,
+          "sent whole per rank"),
+    Stack(name="megatron-2021", flash_attention=False, grad_reduce_bytes=2, dp_overlap=0.0, optimizer_bytes=44,
+          balanced_stages=False, param_bytes=2, grad_bytes=2, optimizer_state_bytes=12, zero1_broadcast=False,
+          fsdp2=False, engine_activations=False, grad_accum_bytes=6, pp_scatter_gather=True, description=
           "Megatron-LM as in Narayanan 2021: fused softmax on materialised scores; 16-bit parameters and "
           "gradients with an fp32 master copy in the optimizer state (2 + 2 + 12 bytes); 16-bit gradient "
           "all-reduce after the backward, no overlap; distributed optimizer; even stages; autograd accumulates "
-          "16-bit gradients across micro-batches (6 bytes); scatter/gather of stage-boundary tensors",
-          grad_accum_bytes=6, pp_scatter_gather=True),
-    Stack("megatron-2022", False, 2, 0.0, 44, False, 2, 2, 12, False, False, False,
+          "16-bit gradients across micro-batches (6 bytes); scatter/gather of stage-boundary tensors"),
+    Stack(name="megatron-2022", flash_attention=False, grad_reduce_bytes=2, dp_overlap=0.0, optimizer_bytes=44,
+          balanced_stages=False, param_bytes=2, grad_bytes=2, optimizer_state_bytes=12, zero1_broadcast=False,
+          fsdp2=False, engine_activations=False, grad_accum_bytes=0, pp_scatter_gather=True, description=
           "Megatron-LM as in Korthikanti 2022: megatron-2021 with gradient-accumulation fusion (the weight-"
-          "gradient GEMM adds into the held gradient: no separate accumulation pass)",
-          grad_accum_bytes=0, pp_scatter_gather=True),
+          "gradient GEMM adds into the held gradient: no separate accumulation pass)"),
 ]}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Shape:
     """The numbers of a ModelConfig the step model needs, extracted once (the search calls this a lot)."""
 
@@ -183,7 +192,7 @@ def link_bw(hw: Hardware, group_span: int) -> float:
     return LINK_EFFICIENCY * nominal
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerTimes:
     fwd: float  # compute of one layer forward, one micro-batch
     bwd: float
@@ -239,11 +248,14 @@ def layer_times(sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: in
                       cp_bwd=ring_time("reduce_scatter", cp, kv_bytes, cp_bw))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Estimate:
     layout: Layout
     fits: bool
-    memory: dict  # params, grads, optimizer, activations, other, total (bytes per device, worst stage)
+    # bytes per device on the worst rank: params, grads, optimizer, activations, other (with the runtime
+    # reserve), step_peak (allocated at the step's high-water mark above the resident model states, without
+    # the reserve: what `plan --measure` calls peak) and total (what must fit)
+    memory: dict
     time: dict  # compute, tp_comm, dp_comm, pp_bubble, pp_comm, cp_comm, grad_accum, optimizer (s per step)
     step_time: float
     tokens_per_s: float
@@ -267,7 +279,7 @@ class Estimate:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RankLoad:
     """What one pipeline rank holds: layers, parameters (its tensor-parallel shard), the head, the embedding."""
 
@@ -289,103 +301,112 @@ def rank_loads(sh: Shape, lo: Layout, balanced: bool) -> list[RankLoad]:
         head = last in ids
         psi = (sum(sizes[i] for i in ids) * sh.layer_params + (sh.embed_params if 0 in ids else 0)
                + (head_side if head else 0))
-        out.append(RankLoad(sum(sizes[i] for i in ids), psi / lo.tp, head, 0 in ids))
+        out.append(RankLoad(layers=sum(sizes[i] for i in ids), params=psi / lo.tp, head=head, embedding=0 in ids))
     return out
-
-
-def zero1_busiest(sh: Shape, lo: Layout, load: RankLoad, cache: dict | None) -> float:
-    """Optimizer-state elements on the busiest data-parallel rank of a pipeline rank under torch's
-    ZeroRedundancyOptimizer, which assigns whole tensors (`plan.memory.zero1_loads`, the partition
-    `rank_model_states` books per rank). One large tensor (an embedding or head of V×h/t) can exceed
-    Ψ/N at large dp. Every layer has the same tensors, so the rank's layer count names them."""
-    key = ("zero1", load.layers, load.embedding, load.head, lo.tp, lo.dp * lo.cp)
-    if cache is not None and key in cache:
-        return cache[key]
-    tensors = rank_tensors(sh.config, lo.tp, range(load.layers), load.embedding, load.head)
-    out = max(zero1_loads([(math.prod(shape), decay) for shape, decay in tensors], lo.dp * lo.cp))
-    if cache is not None:
-        cache[key] = out
-    return out
-
-
-def _memo(cache: dict | None, key: tuple, compute):
-    """cache[key], computed on first use (no cache: computed every time)."""
-    if cache is None:
-        return compute()
-    if key not in cache:
-        cache[key] = compute()
-    return cache[key]
 
 
 def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, stack: Stack,
-             cache: dict | None = None, compile: bool | str = "auto", steps: float = math.inf) -> Estimate:
+             cache: dict | None = None, compile: bool | str = "auto", steps: float = math.inf,
+             dtype: str = "bf16") -> Estimate:
     """Memory and time of one optimizer step (global_batch sequences of seq tokens).
 
-    `cache` (one dict per search over a fixed model, hardware and stack) memoises per-layer times.
-    `compile` and `steps` (train.compile and the run's length, by default a long one) say whether
-    this engine compiles the layout (plan.layout.compiles), which changes what it saves for
-    backward; the step time does not model compilation."""
-    m_cfg = sh.config
+    `cache` (one dict per search over a fixed model, hardware, stack, seq, batch, compile, steps and
+    dtype) memoises per-layer times and the per-rank tensor walks. `compile`, `steps` and `dtype`
+    (train.compile, the run's length, by default a long one, and train.dtype) are the run's: they
+    say what this engine keeps (plan.layout.compiles; fp32 or bf16 autocast); the step time does not
+    model compilation. The published stacks keep 16-bit parameters whatever `dtype` says."""
+    loads = memo(cache, ("loads", lo.pp, lo.pp_schedule, lo.virtual_stages, lo.tp),
+                 lambda: first_ranks(rank_loads(sh, lo, stack.balanced_stages)))
+    if stack.engine_activations:
+        run = memo(cache, ("run", seq, global_batch, compile, steps, dtype), lambda: EngineRun(
+            model=sh.config, seq=seq, global_batch=global_batch, dtype=dtype, compile=compile, steps=steps,
+            document_mask=sh.document_mask))
+        memory, opt_elements = engine_memory(run, lo, stack, loads, cache)
+    else:
+        memory, opt_elements = published_memory(sh, lo, seq, global_batch, stack, loads)
+    usable = hw.memory_bytes * (1 - FIT_MARGIN)
+    fits = memory["total"] <= usable
+    time = step_times(sh, hw, lo, seq, global_batch, stack, [load for load, _ in loads], opt_elements, cache)
+    step = sum(time.values())
+    tokens = global_batch * seq
+    gpus, peak = lo.world, hw.peak_16bit
+    model_f = sh.model_flops_token["none"] * tokens
+    hw_f = sh.model_flops_token[lo.recompute] * tokens
+    return Estimate(layout=lo, fits=fits, memory=memory, time=time, step_time=step, tokens_per_s=tokens / step,
+                    model_tflops=model_f / step / gpus / 1e12, hardware_tflops=hw_f / step / gpus / 1e12,
+                    mfu=mfu(tokens / step, sh.model_flops_token["none"], peak, gpus),
+                    hfu=mfu(tokens / step, sh.model_flops_token[lo.recompute], peak, gpus), usable_memory=usable,
+                    reason="" if fits else f"needs {memory['total'] / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable")
+
+
+def first_ranks(loads: list[RankLoad]) -> list[tuple[RankLoad, int]]:
+    """Each distinct pipeline-rank load with the first rank that has it (the most micro-batches in
+    flight of those alike): ranks alike count once."""
+    first: dict[RankLoad, int] = {}
+    for r, load in enumerate(loads):
+        first.setdefault(load, r)
+    return list(first.items())
+
+
+def engine_memory(run: EngineRun, lo: Layout, stack: Stack, loads: list[tuple[RankLoad, int]],
+                  cache: dict | None) -> tuple[dict, float]:
+    """The worst rank's bytes by this engine's own account (plan.account.rank_memory, what the
+    joint tests and `plan --measure` set beside the engine's measured bytes), and the optimizer
+    elements the busiest rank steps. Each distinct pipeline rank is booked at its largest data-
+    parallel share: FSDP2's first shard (torch.chunk gives it the most), ZeRO-1's busiest rank."""
+    worst, opt_elements = None, 0.0
+    for load, pp_rank in loads:
+        dp_rank = busiest_dp_rank(run.model, lo, load.layers, load.embedding, load.head, cache)
+        r = rank_memory(run, lo, layers=load.layers, embedding=load.embedding, head=load.head, pp_rank=pp_rank,
+                        shard_rank=0, dp_rank=dp_rank, flash=stack.flash_attention, cache=cache)
+        opt_elements = max(opt_elements, r.optimizer / stack.optimizer_state_bytes)
+        mem = {"params": r.params, "grads": r.grads, "optimizer": r.optimizer, "activations": r.activations,
+               "other": r.other + RUNTIME_RESERVE, "step_peak": r.peak,
+               "total": r.params + r.optimizer + r.grads - r.step_grads + r.peak + RUNTIME_RESERVE}
+        if worst is None or mem["total"] > worst["total"]:
+            worst = mem
+    return worst, opt_elements
+
+
+def published_memory(sh: Shape, lo: Layout, seq: int, global_batch: int, stack: Stack,
+                     loads: list[tuple[RankLoad, int]]) -> tuple[dict, float]:
+    """The worst pipeline rank's bytes by a published stack's account, and the optimizer elements a
+    rank steps: ZeRO's Ψ formulas with the stack's bytes per parameter (Megatron's distributed
+    optimizer shards flat buffers, so Ψ/N), Korthikanti's activations with the first stage's
+    micro-batches in flight, 16-bit logits kept and the loss's fp32 softmax beside ZeRO-3's
+    re-gathered layers; gradients held through the step."""
+    shard = lo.dp_shard
+    zero3_live = regathered_bytes(sh.layer_params / lo.tp, lo)
+    loss_work = lo.micro_batch * seq / lo.cp * sh.vocab / lo.tp * (2 + 4) + zero3_live
+    worst, opt_elements = None, 0.0
+    for load, _ in loads:
+        st = model_state_bytes(load.params, lo.zero, shard, stack.optimizer_state_bytes, stack.param_bytes,
+                               stack.grad_bytes, params_sharded=lo.reshards_params)
+        opt_elements = max(opt_elements, load.params / (shard if lo.zero >= 1 else 1))
+        activations = rank_activation_bytes(sh.config, lo, seq, global_batch, load.layers, stack.flash_attention,
+                                            sh.document_mask, KORTHIKANTI)
+        work = loss_work if load.head else zero3_live
+        peak = step_peak_bytes(st.grads, True, activations, work)
+        mem = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": activations,
+               "other": work + RUNTIME_RESERVE, "step_peak": peak,
+               "total": st.params + st.optimizer + peak + RUNTIME_RESERVE}
+        if worst is None or mem["total"] > worst["total"]:
+            worst = mem
+    return worst, opt_elements
+
+
+def step_times(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, stack: Stack,
+               loads: list[RankLoad], opt_elements: float, cache: dict | None) -> dict[str, float]:
+    """Seconds per step by term; the slowest pipeline rank sets the pace."""
     n_micro = lo.microbatches(global_batch)
     v = lo.virtual_stages if lo.pp > 1 else 1
-    peak = hw.peak_16bit
-
-    # ---- memory (the worst pipeline rank)
-    loads = _memo(cache, ("loads", lo.pp, lo.pp_schedule, lo.virtual_stages, lo.tp),  # ranks alike count once
-                  lambda: list(dict.fromkeys(rank_loads(sh, lo, stack.balanced_stages))))
-    shard = lo.dp_shard
-    fsdp = lo.fsdp2  # the engine's FSDP2, with bf16 param_dtype
-    engine = stack.engine_activations  # this engine's byte account (measured: plan --measure), else Megatron's
-    compiled = engine and compiles(compile, steps, lo)
-    precision = engine_precision("bf16", fsdp, compiled=compiled) if engine else KORTHIKANTI
-    weight_copies = engine and not fsdp  # autocast's bf16 weights (FSDP2 computes with bf16 params)
     tokens_mb = lo.micro_batch * seq / lo.cp
-    zero3_live = regathered_bytes(sh.layer_params, lo)
-    if engine:  # the loss's working set and ZeRO-3's re-gathered blocks come one after the other in backward
-        loss_work = max(loss_working_bytes(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp, precision), zero3_live)
-    else:  # 16-bit logits kept + fp32 softmax in the loss, beside the gathered layers
-        loss_work = tokens_mb * sh.vocab / lo.tp * (2 + 4) + zero3_live
-    # This engine's FSDP2 keeps fp32 shards at rest and computes with all-gathered bf16 copies, held
-    # from forward to backward unless resharded (memory.gathered_param_bytes, measured)
-    gathered_copies = engine and fsdp and not lo.reshards_params
-    in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, n_micro, v)
-    best = None
-    whole_tensors = lo.zero == 1 and stack.zero1_broadcast and lo.dp * lo.cp > 1  # ZeroRedundancyOptimizer
-    opt_elements = 0.0  # optimizer-state elements the busiest rank steps
-    for load in loads:
-        st = model_state_bytes(load.params, lo.zero, shard, stack.optimizer_state_bytes, stack.param_bytes,
-                               stack.grad_bytes, params_sharded=lo.reshards_params or (gathered_copies and lo.zero >= 2))
-        owned = (zero1_busiest(sh, lo, load, cache) if whole_tensors
-                 else load.params / (shard if lo.zero >= 1 else 1))
-        opt_elements = max(opt_elements, owned)
-        activations = rank_activation_bytes(m_cfg, lo, seq, global_batch, load.layers, stack.flash_attention,
-                                            sh.document_mask, precision)
-        if engine:
-            activations += in_flight * end_activation_bytes(m_cfg, seq // lo.cp, lo.micro_batch, lo.tp,
-                                                            load.embedding, load.head, precision)
-        copies = 0.0 if not weight_copies else _memo(  # compiled blocks keep theirs in `activations`
-            cache, ("copies", load.layers, load.head, lo.tp, compiled),
-            lambda: autocast_weight_copy_bytes(m_cfg, 0 if compiled else load.layers, load.head, lo.tp))
-        mem = {"params": st.params, "grads": st.grads,
-               "optimizer": stack.optimizer_state_bytes * owned if whole_tensors else st.optimizer,
-               "activations": activations,
-               "other": (loss_work if load.head else zero3_live) + copies + RUNTIME_RESERVE
-               + (2 * load.params if gathered_copies else 0.0)}
-        grads, held = step_grads(lo, n_micro, st.grads) if engine else (st.grads, True)
-        mem["total"] = (mem["params"] + mem["optimizer"] + st.grads - grads
-                        + step_peak_bytes(grads, held, activations, mem["other"]))
-        if best is None or mem["total"] > best["total"]:
-            best = mem
-    usable = hw.memory_bytes * (1 - FIT_MARGIN)
-    fits = best["total"] <= usable
-
-    # ---- time (the slowest pipeline rank sets the pace)
-    lt = _memo(cache, (lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel),
-               lambda: layer_times(sh, hw, stack, seq, lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel))
+    lt = memo(cache, (lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel),
+              lambda: layer_times(sh, hw, stack, seq, lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel))
     recompute_f = {"none": 0.0, "selective": lt.attn_fwd, "full": lt.fwd}[lo.recompute]
     recompute_tp = lt.tp_fwd if lo.recompute == "full" else 0.0
     recompute_cp = lt.cp_fwd if lo.recompute == "full" else 0.0
-    logits_t = 3 * gemm_time(tokens_mb, sh.d_model, sh.vocab / lo.tp, hw, peak) \
+    logits_t = 3 * gemm_time(tokens_mb, sh.d_model, sh.vocab / lo.tp, hw, hw.peak_16bit) \
         + stream_time(12 * tokens_mb * sh.vocab / lo.tp, hw)  # fwd+bwd GEMMs, fp32 cross-entropy traffic
 
     def micro_batch_times(load: RankLoad) -> tuple[float, float, float]:
@@ -400,26 +421,14 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     mb_pp, pp_step = pipeline_comm_times(sh, hw, lo, stack, seq)
     bubble_share = {"gpipe": 1.0, "1f1b": 1.0, "interleaved-1f1b": 1 / v, "zero-bubble": 1 / 3, "dualpipev": 1 / 3}
     bubble = (lo.pp - 1) * (mb_total + mb_pp) * bubble_share[lo.pp_schedule]
-
     psi = max(load.params for load in loads)
-    dp_comm = data_parallel_time(hw, lo, stack, psi, n_micro, mb_total, slowest.layers, lt)
-    optimizer = stream_time(stack.optimizer_bytes * opt_elements, hw)
+    shard = lo.dp_shard
     held_grads = psi / shard if lo.zero >= 2 and lo.pp == 1 else psi  # reduce-scattered every micro-batch
-    grad_accum = (n_micro - 1) * stream_time(stack.grad_accum_bytes * held_grads, hw)
-
-    time = {"compute": n_micro * mb_compute, "tp_comm": n_micro * mb_tp, "dp_comm": dp_comm, "pp_bubble": bubble,
-            "pp_comm": n_micro * mb_pp + pp_step, "cp_comm": n_micro * mb_cp, "grad_accum": grad_accum,
-            "optimizer": optimizer}
-    step = sum(time.values())
-    tokens = global_batch * seq
-    gpus = lo.world
-    model_f = sh.model_flops_token["none"] * tokens
-    hw_f = sh.model_flops_token[lo.recompute] * tokens
-    return Estimate(layout=lo, fits=fits, memory=best, time=time, step_time=step, tokens_per_s=tokens / step,
-                    model_tflops=model_f / step / gpus / 1e12, hardware_tflops=hw_f / step / gpus / 1e12,
-                    mfu=mfu(tokens / step, sh.model_flops_token["none"], peak, gpus),
-                    hfu=mfu(tokens / step, sh.model_flops_token[lo.recompute], peak, gpus), usable_memory=usable,
-                    reason="" if fits else f"needs {best['total'] / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable")
+    return {"compute": n_micro * mb_compute, "tp_comm": n_micro * mb_tp,
+            "dp_comm": data_parallel_time(hw, lo, stack, psi, n_micro, mb_total, slowest.layers, lt),
+            "pp_bubble": bubble, "pp_comm": n_micro * mb_pp + pp_step, "cp_comm": n_micro * mb_cp,
+            "grad_accum": (n_micro - 1) * stream_time(stack.grad_accum_bytes * held_grads, hw),
+            "optimizer": stream_time(stack.optimizer_bytes * opt_elements, hw)}
 
 
 def pipeline_comm_times(sh: Shape, hw: Hardware, lo: Layout, stack: Stack, seq: int) -> tuple[float, float]:
@@ -469,7 +478,8 @@ def data_parallel_time(hw: Hardware, lo: Layout, stack: Stack, psi: float, n_mic
 
 
 def evaluate(m: ModelConfig, hw: Hardware, lo: Layout, seq: int, global_batch: int,
-             stack: str | Stack = "flopwise", compile: bool | str = "auto", steps: float = math.inf) -> Estimate:
+             stack: str | Stack = "flopwise", compile: bool | str = "auto", steps: float = math.inf,
+             dtype: str = "bf16") -> Estimate:
     st = STACKS[stack] if isinstance(stack, str) else stack
-    return estimate(model_shape(m, seq), hw, lo, seq, global_batch, st, compile=compile, steps=steps)
+    return estimate(model_shape(m, seq), hw, lo, seq, global_batch, st, compile=compile, steps=steps, dtype=dtype)
 

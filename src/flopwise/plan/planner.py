@@ -7,6 +7,7 @@ of them given, exactly that layout is evaluated.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +43,7 @@ def fixed_keys(tree: dict[str, Any]) -> dict[str, Any]:
     return fixed
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PlanReport:
     cfg: Config
     hardware: Hardware
@@ -93,16 +94,19 @@ def assumptions(stack: str) -> dict:
             "flop_convention": "6·(matmul params) + 12·L·s·h_attn per token (flopwise.flops); MFU excludes recompute"}
 
 
-def plan(cfg: Config, tree: dict[str, Any] | None = None, keep: int = 50) -> PlanReport:
-    """Search layouts for `cfg` on cluster.gpus devices of cluster.hardware."""
+def plan(cfg: Config, tree: dict[str, Any] | None = None, keep: int = 50,
+         mixture: Callable[[float], list] | None = None) -> PlanReport:
+    """Search layouts for `cfg` on cluster.gpus devices of cluster.hardware. `mixture(tokens)`: what
+    the run draws from each data source (the CLI passes data.mixture's draws; the planner reads no data)."""
     hw = plan_hardware(cfg)
     seq, batch = cfg.data.seq_len, cfg.train.global_batch
     sh = model_shape(cfg.model, seq, cfg.data.document_mask)
     fixed = fixed_keys(tree or {})
     tokens = cfg.plan.tokens or DEFAULT_TOKENS_PER_PARAM * sh.params
-    # the planned run's length decides train.compile=auto, as train.steps does for the engine
-    result = search(sh, hw, cfg.cluster.gpus, seq, batch, STACKS[cfg.plan.stack], fixed, keep, cfg.train.compile,
-                    tokens / (seq * batch))
+    # the planned run's length decides train.compile=auto, as train.steps does for the engine; its
+    # train.dtype decides what the engine holds (fp32 or bf16 autocast)
+    result = search(sh, hw, cfg.cluster.gpus, seq, batch, STACKS[cfg.plan.stack], fixed, keep,
+                    compile=cfg.train.compile, steps=tokens / (seq * batch), dtype=cfg.train.dtype)
     if not result.ranked:
         why = result.refused or "check that the degrees multiply to cluster.gpus and divide train.global_batch"
         raise ConfigError(f"no valid layout for {cfg.cluster.gpus} devices with {fixed or 'nothing fixed'}: {why}")
@@ -112,13 +116,10 @@ def plan(cfg: Config, tree: dict[str, Any] | None = None, keep: int = 50) -> Pla
         c = cfg.cluster
         rel = reliability(sh.params, c.gpus, tokens / best.tokens_per_s, c.storage_gbps_per_gpu, c.gpu_mtbf_hours,
                           c.restart_minutes)
-    from flopwise.data.mixture import draws, prepared_sources
-
-    sources = prepared_sources(cfg)
     return PlanReport(cfg=cfg, hardware=hw, result=result, tokens=tokens, params=sh.params,
                       non_embedding=count_params(cfg.model).non_embedding,
                       flops_per_token=sh.model_flops_token["none"], reliability=rel, fixed=fixed,
-                      data=draws(sources, tokens) if sources else None)
+                      data=mixture(tokens) if mixture else None)
 
 
 def layout_config(cfg: Config, lo: Layout) -> Config:

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flopwise.outputs import save_figure
+from flopwise.outputs import pyplot, save_figure
 from flopwise.plan.perf import Estimate
 
 PARTS = ("params", "grads", "optimizer", "activations", "other")
 
 
 def plot_memory(estimates: list[Estimate], out: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(estimates)), 5))
     xs = range(len(estimates))

@@ -1,7 +1,7 @@
 """One rank of this engine as the planner predicts it: the layers it runs, the bytes of its
 parameters, gradients, optimizer state and saved activations, and the elements each kind of
 collective moves in one optimizer step. Pure Python: `flopwise plan --measure` sets these beside
-the engine's own counts (flopwise.train.measure), and the joint tests assert them equal.
+the engine's own counts (flopwise.measure), and the joint tests assert them equal.
 """
 
 from __future__ import annotations
@@ -9,16 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flopwise.config import Config
+from flopwise.plan.account import EngineRun, rank_memory
 from flopwise.plan.comm import dp_collectives, pp_boundary_elements, tp_allreduce_elements
-from flopwise.plan.layout import Layout, compiles, stage_ids, stage_sizes
-from flopwise.plan.memory import (autocast_weight_copy_bytes, end_activation_bytes, engine_precision,
-                                  gathered_param_bytes, in_flight_microbatches, loss_working_bytes,
-                                  rank_activation_bytes, rank_model_states, rank_param_count, regathered_bytes,
-                                  step_grads, step_peak_bytes)
+from flopwise.plan.layout import Layout, stage_ids, stage_sizes
+from flopwise.plan.memory import rank_param_count
 from flopwise.plan.perf import STACKS
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RankPrediction:
     layers: list[int]
     params: float
@@ -42,29 +40,16 @@ def rank_layers(cfg: Config, lo: Layout, pp_rank: int) -> tuple[list[int], bool,
 
 def predict_rank(cfg: Config, lo: Layout, pp_rank: int, shard_rank: int, dp_rank: int,
                  cpu: bool = False) -> RankPrediction:
-    """What the rank at these mesh coordinates holds (exact for model states) and sends per step
-    (`cpu`: the engine runs on CPUs, where its attention core computes in fp32)."""
+    """What the rank at these mesh coordinates holds (exact for model states; plan.account, the
+    account the layout search ranks by) and sends per step (`cpu`: the engine runs on CPUs, where
+    its attention core computes in fp32)."""
     layers, emb, head = rank_layers(cfg, lo, pp_rank)
-    states = rank_model_states(cfg.model, lo, layers, emb, head, shard_rank=shard_rank, dp_rank=dp_rank)
-    compiled = compiles(cfg.train.compile, cfg.train.steps, lo)
-    precision = engine_precision(cfg.train.dtype, lo.fsdp2, cpu, compiled)
-    acts = rank_activation_bytes(cfg.model, lo, cfg.data.seq_len, cfg.train.global_batch, len(layers),
-                                 STACKS["flopwise"].flash_attention, cfg.data.document_mask, precision, pp_rank)
-    in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, lo.microbatches(cfg.train.global_batch),
-                                       lo.virtual_stages if lo.pp > 1 else 1, pp_rank)
-    acts += in_flight * end_activation_bytes(cfg.model, cfg.data.seq_len // lo.cp, lo.micro_batch, lo.tp, emb, head,
-                                             precision)
-    psi = rank_param_count(cfg.model, lo, layers, emb, head)
-    gathered = gathered_param_bytes(cfg.model, lo, layers, emb, head, cfg.train.dtype)
-    bf16_autocast = cfg.train.dtype == "bf16" and not lo.fsdp2
-    other = gathered + (autocast_weight_copy_bytes(cfg.model, 0 if compiled else len(layers), head, lo.tp)
-                        if bf16_autocast else 0.0)  # compiled blocks keep their casts among the activations
-    block = rank_param_count(cfg.model, lo, layers[:1], False, False)
-    other += max(loss_working_bytes(cfg.model, cfg.data.seq_len // lo.cp, lo.micro_batch, lo.tp, precision)
-                 if head else 0.0, regathered_bytes(block, lo))
-    peak = step_peak_bytes(*step_grads(lo, lo.microbatches(cfg.train.global_batch), states.grads), acts, other)
-    return RankPrediction(layers, states.params, states.grads, states.optimizer, acts, gathered, peak,
-                          step_collectives(cfg, lo, pp_rank, psi, len(layers)))
+    mem = rank_memory(EngineRun.of(cfg, cpu), lo, layers=len(layers), embedding=emb, head=head, pp_rank=pp_rank,
+                      shard_rank=shard_rank, dp_rank=dp_rank, flash=STACKS["flopwise"].flash_attention)
+    psi = rank_param_count(cfg.model, lo, len(layers), emb, head)
+    return RankPrediction(layers=layers, params=mem.params, grads=mem.grads, optimizer=mem.optimizer,
+                          activations=mem.activations, gathered=mem.gathered, peak=mem.peak,
+                          collectives=step_collectives(cfg, lo, pp_rank, psi, len(layers)))
 
 
 def step_collectives(cfg: Config, lo: Layout, pp_rank: int, psi: int, n_layers: int) -> dict[str, float]:

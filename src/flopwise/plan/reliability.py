@@ -28,7 +28,7 @@ FAILURE_SOURCE = ("Llama 3 405B: 466 job interruptions in 54 days on 16,384 H100
                   "applied per GPU")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Reliability:
     checkpoint_bytes: float
     write_s: float

@@ -43,7 +43,7 @@ class ParametricLaw:
         return n, scaling_tokens(flops, n)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PowerLawAllocation:
     """N_opt = k·C^a, D_opt = C/(6·N_opt): Approaches 1 and 2, and Kaplan's compute-efficient frontier."""
 
@@ -65,12 +65,12 @@ CHINCHILLA_TABLE_A3_A2 = [(400e6, 1.84e19), (1e9, 1.20e20), (10e9, 1.32e22), (67
                           (280e9, 1.18e25), (520e9, 4.19e25), (1e12, 1.59e26), (10e12, 1.75e28)]
 
 
-def _power_law(rows: list[tuple[float, float]]) -> tuple[float, float]:
-    """(k, a) of N = k·C^a by least squares in log space over a paper's (N, C) table."""
+def _power_law(rows: list[tuple[float, float]]) -> dict[str, float]:
+    """k and a of N = k·C^a by least squares in log space over a paper's (N, C) table."""
     xs, ys = [math.log(c) for _, c in rows], [math.log(n) for n, _ in rows]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return math.exp(my - a * mx), a
+    return {"k": math.exp(my - a * mx), "a": a}
 
 
 # Kaplan et al. 2020 Table 2: L(N, D) = [(N_c/N)^(α_N/α_D) + D_c/D]^α_D (non-embedding N, nats on WebText2).
@@ -82,24 +82,24 @@ def kaplan_loss(n: float, d: float) -> float:
     return ((k["n_c"] / n) ** (k["alpha_n"] / k["alpha_d"]) + k["d_c"] / d) ** k["alpha_d"]
 
 
-HOFFMANN = ParametricLaw("chinchilla-3", E=math.exp(0.5267228), A=math.exp(6.0073404), B=math.exp(6.0179186),
+HOFFMANN = ParametricLaw(name="chinchilla-3", E=math.exp(0.5267228), A=math.exp(6.0073404), B=math.exp(6.0179186),
                          alpha=0.33917084, beta=0.2849083,
                          source="Hoffmann et al. 2022 eq. 10, unrounded constants from the TeX source (as used by Epoch)")
-EPOCH = ParametricLaw("epoch", E=math.exp(0.59711196), A=math.exp(6.17795598), B=math.exp(7.64273236),
+EPOCH = ParametricLaw(name="epoch", E=math.exp(0.59711196), A=math.exp(6.17795598), B=math.exp(7.64273236),
                       alpha=0.34781303, beta=0.36585412,
                       source="Besiroglu et al. 2024 (Epoch AI) refit of Hoffmann's Figure 4 data, 240 points")
 
 LAWS: dict[str, ParametricLaw | PowerLawAllocation] = {
     # Training at the critical batch costs C = 2·C_min (Kaplan eq. 5.5, §6): C_min = C/2. This reproduces
     # the 4.68B that Hoffmann et al. §D.4 quote as Kaplan's optimum for 1e21 FLOPs.
-    "kaplan": PowerLawAllocation("kaplan", k=1.3e9, a=0.73, flops_unit=2 * PF_DAY,
+    "kaplan": PowerLawAllocation(name="kaplan", k=1.3e9, a=0.73, flops_unit=2 * PF_DAY,
                                  source="Kaplan et al. 2020 §6: N_opt = 1.3e9·C_min^0.73, C_min = C/2 in PF-days "
                                         "(non-embedding N)"),
     # The papers give the exponents (Table 2: 0.50 and 0.49) but not the coefficients; both are read
     # back from the tables of their projections (a = 0.498 and 0.488, inside Table 2's intervals).
-    "chinchilla-1": PowerLawAllocation("chinchilla-1", *_power_law(CHINCHILLA_TABLE3),
+    "chinchilla-1": PowerLawAllocation(name="chinchilla-1", **_power_law(CHINCHILLA_TABLE3),
                                        source="Hoffmann et al. 2022 Approach 1, fitted to its Table 3 projections"),
-    "chinchilla-2": PowerLawAllocation("chinchilla-2", *_power_law(CHINCHILLA_TABLE_A3_A2),
+    "chinchilla-2": PowerLawAllocation(name="chinchilla-2", **_power_law(CHINCHILLA_TABLE_A3_A2),
                                        source="Hoffmann et al. 2022 Approach 2, fitted to its Table A3 projections"),
     "chinchilla-3": HOFFMANN,
     "epoch": EPOCH,
@@ -195,8 +195,8 @@ def data_constrained(law: ParametricLaw, flops: float, unique_tokens: float) -> 
 # --- shape, batch, learning rate -------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Shape:
+@dataclass(frozen=True, kw_only=True)
+class ChosenShape:
     n_layers: int
     d_model: int
     n_heads: int
@@ -207,7 +207,7 @@ class Shape:
 
 
 def choose_shape(target: float, vocab_size: int, count_embeddings: bool, mlp: str = "swiglu",
-                 aspect: tuple[float, float] = (32, 128)) -> Shape:
+                 aspect: tuple[float, float] = (32, 128)) -> ChosenShape:
     """A Llama-style shape whose parameter count is closest to `target`.
 
     d_model is a multiple of 128 (of 32 below 512 for tiny CPU models), head_dim 128 (64 below
@@ -242,7 +242,8 @@ def choose_shape(target: float, vocab_size: int, count_embeddings: bool, mlp: st
     m = ModelConfig(arch="llama", n_layers=n_layers, d_model=d, n_heads=d // head_dim, head_dim=head_dim,
                     ffn_dim=ffn, vocab_size=vocab_size, max_seq_len=8192, mlp=mlp)
     c = count_params(m)
-    return Shape(n_layers, d, d // head_dim, ffn, head_dim, c.total, c.non_embedding)
+    return ChosenShape(n_layers=n_layers, d_model=d, n_heads=d // head_dim, ffn_dim=ffn, head_dim=head_dim, params=c.total,
+                 non_embedding_params=c.non_embedding)
 
 
 def batch_and_lr(flops: float) -> tuple[float, float, str]:
@@ -251,7 +252,7 @@ def batch_and_lr(flops: float) -> tuple[float, float, str]:
     return 0.2920 * flops**0.3271, 0.3118 * flops**-0.1250, "DeepSeek LLM eq. 1 (B and η as power laws of C)"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Allocation:
     law: str
     flops: float
@@ -259,7 +260,7 @@ class Allocation:
     tokens: float
     predicted_loss: float
     loss_law: str
-    shape: Shape
+    shape: ChosenShape
     global_batch_tokens: float
     lr: float
     batch_rule: str
@@ -312,7 +313,8 @@ def allocate(flops: float, law_name: str = "chinchilla-3", inference_tokens: flo
     if abs(shape_n / n - 1) > 0.1:
         notes.append(f"nearest allowed shape has {shape_n:.3g} parameters ({100 * (shape_n / n - 1):+.0f}%)")
     batch, lr, rule = batch_and_lr(flops)
-    return Allocation(law.name, flops, n, d, loss, loss_name, shape, batch, lr, rule, notes)
+    return Allocation(law=law.name, flops=flops, params=n, tokens=d, predicted_loss=loss, loss_law=loss_name,
+                      shape=shape, global_batch_tokens=batch, lr=lr, batch_rule=rule, notes=notes)
 
 
 def allocation_config(a: Allocation, seq_len: int, vocab_size: int | None = None) -> str:

@@ -27,7 +27,7 @@ RECOMPUTE_ORDER = ("none", "selective", "full")
 MAX_MICRO_BATCH = 64
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SearchResult:
     ranked: list[Estimate]  # fitting layouts, fastest first (or the closest misses if none fits)
     evaluated: int
@@ -122,9 +122,9 @@ def _schedules(pp: int, n_layers: int, fixed: dict, balanced: bool = True) -> li
 
 def search(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, stack: Stack,
            fixed: dict | None = None, keep: int = 50, compile: bool | str = "auto",
-           steps: float = math.inf) -> SearchResult:
-    """Every valid layout's estimate, the fitting ones fastest first (`compile`, `steps`: as
-    plan.perf.estimate)."""
+           steps: float = math.inf, dtype: str = "bf16") -> SearchResult:
+    """Every valid layout's estimate, the fitting ones fastest first (`compile`, `steps`, `dtype`:
+    the run's, as plan.perf.estimate)."""
     fixed = dict(fixed or {})
     cache: dict = {}
     fits: list[Estimate] = []
@@ -137,7 +137,8 @@ def search(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, sta
             refused = reason
             continue
         for rc in recomputes:
-            est = estimate(sh, hw, replace(base, recompute=rc), seq, global_batch, stack, cache, compile, steps)
+            est = estimate(sh, hw, replace(base, recompute=rc), seq, global_batch, stack, cache=cache,
+                           compile=compile, steps=steps, dtype=dtype)
             evaluated += 1
             if est.fits:
                 fits.append(est)

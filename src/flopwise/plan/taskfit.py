@@ -20,7 +20,7 @@ import numpy as np
 from scipy.optimize import curve_fit
 
 from flopwise.errors import DataError
-from flopwise.outputs import save_figure
+from flopwise.outputs import pyplot, save_figure
 
 FIELDS = ("name", "flops", "task", "acc", "nll")
 
@@ -50,9 +50,9 @@ def read_task_table(path: str | Path) -> dict[str, TaskPoints]:
     for task, rs in out.items():
         rs.sort(key=lambda r: float(r["flops"]))
         chance = float(rs[0].get("chance") or 0.0)
-        tasks[task] = TaskPoints(task, np.array([float(r["flops"]) for r in rs]),
-                                 np.array([float(r["acc"]) for r in rs]), np.array([float(r["nll"]) for r in rs]),
-                                 chance)
+        tasks[task] = TaskPoints(task=task, flops=np.array([float(r["flops"]) for r in rs]),
+                                 acc=np.array([float(r["acc"]) for r in rs]),
+                                 nll=np.array([float(r["nll"]) for r in rs]), chance=chance)
     return tasks
 
 
@@ -64,7 +64,7 @@ def _sigmoid(nll, k, m, chance):
     return chance + (1 - chance) / (1 + np.exp(np.clip(k * (nll - m), -50, 50)))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TaskLaw:
     log_a: float
     alpha: float
@@ -86,10 +86,10 @@ def fit_task(p: TaskPoints) -> TaskLaw:
     (log_a, alpha), _ = curve_fit(_power, np.log(p.flops), np.log(p.nll), p0=(float(np.log(p.nll).mean()), 0.05))
     (k, m), _ = curve_fit(lambda x, k, m: _sigmoid(x, k, m, p.chance), p.nll, p.acc,
                           p0=(1.0, float(np.median(p.nll))), maxfev=20000)
-    return TaskLaw(float(log_a), float(alpha), float(k), float(m), p.chance)
+    return TaskLaw(log_a=float(log_a), alpha=float(alpha), k=float(k), m=float(m), chance=p.chance)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TaskPrediction:
     task: str
     flops: float
@@ -114,7 +114,7 @@ def predict_task(p: TaskPoints, flops: float, bootstrap: int = 1000, seed: int =
         if len(set(p.flops[idx])) < 3:
             continue
         try:
-            b = fit_task(TaskPoints(p.task, p.flops[idx], p.acc[idx], p.nll[idx], p.chance))
+            b = fit_task(TaskPoints(task=p.task, flops=p.flops[idx], acc=p.acc[idx], nll=p.nll[idx], chance=p.chance))
         except (RuntimeError, ValueError):  # curve_fit found no optimum on this resample: skip it
             continue
         nlls.append(float(b.nll(flops)))
@@ -122,7 +122,8 @@ def predict_task(p: TaskPoints, flops: float, bootstrap: int = 1000, seed: int =
     if not nlls:
         raise DataError(f"task {p.task}: no bootstrap resample could be fitted; add runs")
     q = lambda xs: (float(np.percentile(xs, 2.5)), float(np.percentile(xs, 97.5)))  # noqa: E731
-    return TaskPrediction(p.task, flops, float(law.nll(flops)), q(nlls), float(law.acc(flops)), q(accs), law)
+    return TaskPrediction(task=p.task, flops=flops, nll=float(law.nll(flops)), nll_interval=q(nlls),
+                          acc=float(law.acc(flops)), acc_interval=q(accs), law=law)
 
 
 def jaggedness(p: TaskPoints, jump_share: float = 0.5) -> dict[str, bool]:
@@ -147,10 +148,7 @@ def plot_tasks(tasks: dict[str, TaskPoints], laws: dict[str, TaskLaw], out_dir: 
                observed: dict[str, tuple[float, float, float]] | None = None) -> Path:
     """Per task: accuracy (discontinuous) and correct-answer NLL (continuous) against compute, with fits;
     `observed` marks a held-out run (flops, acc, nll)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out = Path(out_dir) / "tasks.png"
     fig, axes = plt.subplots(2, len(tasks), figsize=(3.6 * len(tasks), 6), squeeze=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
 from flopwise.config import Config
+from flopwise.model.layers import Span
 from flopwise.model.transformer import document_ids, document_positions
 from flopwise.parallel.apply import compiles
 from flopwise.parallel.context import ContextParallel
@@ -58,7 +60,10 @@ class Engine:
         lo = par.layout
         self.local_batch = cfg.train.global_batch // lo.dp
         self.n_micro = self.local_batch // cfg.train.micro_batch
+        # This rank's one context-parallel sharder: it cuts each batch and gives the model its span
         self.cp = ContextParallel(par.rank("cp"), lo.cp, par.group("cp")) if lo.cp > 1 else None
+        # A later pipeline stage's input under sequence parallel is 1/tp of the sequence: its span says how long
+        self.split_hidden = lo.pp > 1 and lo.sequence_parallel
         self.parts = [m for _, m in parts]
         # Compiled, the loss never materialises the fp32 copy of the logits nor a separate
         # log-softmax pass (at vocab 512 eager log_softmax forward + backward was 22% of a ladder
@@ -88,19 +93,29 @@ class Engine:
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.loss(logits, targets)
 
-    def _inputs(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """Inputs and targets (this rank's context shard), and the model's keyword inputs: document
-        ids and positions over the whole sequence, with data.document_mask."""
-        x, y = batch[:, :-1], batch[:, 1:]
-        extra = {}
+    def model_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Whole (b, s) input sequences -> this rank's tokens (its context shard) and the model's
+        keyword inputs, made once per batch: with data.document_mask, the document ids (and
+        positions) over the whole sequence; the span of the sequence the model computes where its
+        input does not show it (a context-parallel shard; a later stage under sequence parallel)."""
+        extra: dict[str, Any] = {}
         if self.eos is not None:
             docs = document_ids(x, self.eos)
             extra["documents"] = docs.to(self.device)
             if self.cfg.data.reset_positions:
                 extra["positions"] = document_positions(docs).to(self.device)
         if self.cp is not None:
-            x, y = self.cp.shard(x), self.cp.shard(y)
-        return x.to(self.device), y.to(self.device), extra
+            extra["span"] = self.cp.span(x.shape[1], self.device)
+            x = self.cp.shard(x)
+        elif self.split_hidden:
+            extra["span"] = Span.after(0, x.shape[1], self.device)
+        return x.to(self.device), extra
+
+    def _inputs(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """Inputs and targets (this rank's context shard), and the model's keyword inputs."""
+        x, extra = self.model_inputs(batch[:, :-1])
+        y = batch[:, 1:]
+        return x, (self.cp.shard(y) if self.cp is not None else y).to(self.device), extra
 
     def forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
         """Backpropagate this rank's share of a global batch; returns the global mean loss."""
@@ -120,15 +135,16 @@ class Engine:
                         model.set_requires_gradient_sync(last)
                     sync = last or not isinstance(model, DistributedDataParallel)
                     with contextlib.nullcontext() if sync else model.no_sync():
-                        logits = model(xm, **{k: v[i:i + mb] for k, v in extra.items()})
+                        logits = model(xm, **_rows(extra, i, i + mb))
                         loss = self.loss(logits, ym) * (xm.shape[0] / self.local_batch)
                         loss.backward()
                     local += _local(loss.detach())
         return all_mean(local, self.par)
 
-    def _pipeline(self, x: torch.Tensor, y: torch.Tensor, extra: dict[str, torch.Tensor], train: bool) -> torch.Tensor:
+    def _pipeline(self, x: torch.Tensor, y: torch.Tensor, extra: dict[str, Any], train: bool) -> torch.Tensor:
         """Run the schedule; the mean micro-batch loss, shared from the last stage to every pp rank.
-        `extra` (document ids, positions) goes to every stage, cut into micro-batches like x."""
+        `extra` goes to every stage: document ids and positions cut into micro-batches like x, the
+        span (not a tensor) whole to each."""
         losses: list[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
         args = (x,) if self.first else ()
@@ -169,6 +185,11 @@ class Engine:
         if math.isfinite(max_norm):
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
         return norm
+
+
+def _rows(extra: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
+    """The keyword inputs of batch rows [start, stop): per-row tensors cut, the span kept."""
+    return {k: v[start:stop] if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from flopwise.hardware import Hardware, identify_gpu
+from flopwise.outputs import pyplot, read_records
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -106,19 +107,10 @@ class MetricsWriter:
             self.tb.close()
 
 
-def read_metrics(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def plot_loss_curve(metrics_path: Path, out_png: Path, title: str = "") -> Path:
-    import matplotlib
+    plt = pyplot()
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = read_metrics(metrics_path)
+    records = read_records(metrics_path)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)

@@ -25,7 +25,7 @@ from rich.markup import escape
 from flopwise.config import Config
 from flopwise.errors import CheckpointError
 from flopwise.plan.reliability import DEFAULT_GPU_MTBF_HOURS, daly_interval
-from flopwise.train import checkpoint
+from flopwise.checkpoints import checkpoint
 from flopwise.train.faults import Faults
 
 AUTO_PROBE_STEP = 5  # interval=auto: the first save, after enough steps for a median step time

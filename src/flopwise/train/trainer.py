@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -28,24 +27,26 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from flopwise.build import Run, build_run, restore
 from flopwise.config import Config, config_hash, to_toml
 from flopwise.data.loader import eval_batches
 from flopwise.data.mixture import Source
 from flopwise.data.shards import read_index
 from flopwise.errors import DataError, TrainingStopped
 from flopwise.eval.generate import generate
-from flopwise.eval.tasks import evaluate_task, load_task
+from flopwise.eval.tasks import evaluate_task
+from flopwise.data.tasks import load_task
 from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import cluster_catalogue
 from flopwise.parallel.apply import compiles
 from flopwise.plan.layout import Layout
-from flopwise.train import checkpoint
+from flopwise.checkpoints import checkpoint
 from flopwise.train.engine import Engine, autocast
 from flopwise.train.faults import Faults, nan_grad, poison
 from flopwise.train.guard import Verdict
-from flopwise.train.metrics import MetricsWriter, Peak, checked_peak, device_peak, plot_loss_curve, read_metrics
+from flopwise.outputs import read_records
+from flopwise.train.metrics import MetricsWriter, Peak, checked_peak, device_peak, plot_loss_curve
 from flopwise.train.optim import lr_at, step_unless
+from flopwise.train.run import Run, restore
 from flopwise.train.saver import Saver
 from flopwise.train.watch import Watch, is_timeout
 
@@ -289,17 +290,15 @@ class _Loop:
         return None
 
 
-def train(cfg: Config, console: Console | None = None) -> TrainResult:
-    """Train on this process, or as one rank of a torchrun/srun job (rank 0 writes logs and metrics)."""
-    t_start = time.perf_counter()
-    is_main = os.environ.get("RANK", "0") == "0"
-    console = (console or Console()) if is_main else Console(quiet=True)
-    run = build_run(cfg, console)
+def train(run: Run, console: Console, started: float | None = None) -> TrainResult:
+    """Train a built run on this process, or as one rank of a torchrun/srun job (rank 0 writes logs
+    and metrics); `started`: when building it began (perf_counter), for the run's wall time."""
+    t_start = time.perf_counter() if started is None else started
     cfg, par, run_dir = run.cfg, run.par, Path(run.cfg.run.dir)
     metrics_path = run_dir / "metrics.jsonl"
     if run.resumed_from is not None:
         if par.is_main:
-            kept = [r for r in read_metrics(metrics_path) if r["step"] <= run.start_step]
+            kept = [r for r in read_records(metrics_path) if r["step"] <= run.start_step]
             metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         console.print(f"[bold]resumed[/] from {run.resumed_from} at step {run.start_step} "
                       f"(written by layout {Layout.from_json(run.resumed_layout or {}).name()})")
@@ -336,7 +335,7 @@ def _result(run: Run, loop: _Loop, preempted: int | None, seconds: float) -> Tra
     cfg, par, run_dir = run.cfg, run.par, Path(run.cfg.run.dir)
     metrics_path = run_dir / "metrics.jsonl"
     plot = None
-    if par.is_main and metrics_path.exists() and read_metrics(metrics_path):
+    if par.is_main and metrics_path.exists() and read_records(metrics_path):
         plot = plot_loss_curve(metrics_path, run_dir / "loss.png",
                                title=f"{cfg.run.name}: {count_params(cfg.model).total / 1e6:.1f}M params")
     sample = ""

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from flopwise.errors import CheckpointError
 from flopwise.model.init import canonical_name
 from flopwise.parallel.data import local_optimizer
-from flopwise.train import rundir
+from flopwise.checkpoints import rundir
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
@@ -61,11 +61,6 @@ FORMAT = 2  # 1: manifest without format/config hash/layout (still readable)
 
 def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:

@@ -26,7 +26,7 @@ from flopwise.config import config_hash, to_toml, validate
 from flopwise.errors import CheckpointError
 from flopwise.plan.layout import Layout
 from flopwise.plan.planner import layout_config
-from flopwise.train import checkpoint
+from flopwise.checkpoints import checkpoint
 
 
 @cache

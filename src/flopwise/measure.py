@@ -2,7 +2,7 @@
 set, per rank, what the engine holds and sends beside what the planner predicts (plan.rank).
 
     parent:  measure(path, overrides, nproc, steps) -> report (launches torchrun, compares)
-    ranks:   python -m flopwise.train.measure CONFIG.toml OUT.json STEPS
+    ranks:   python -m flopwise.measure CONFIG.toml OUT.json STEPS
 
 Each rank builds the run as `flopwise train` does (flopwise.build.build_run) and takes the
 trainer's own steps (train_step). Measured: parameters at rest, gradients when the optimizer
@@ -23,7 +23,8 @@ from typing import Any
 import torch.distributed as dist
 from rich.console import Console
 
-from flopwise.build import Run, build_run
+from flopwise.build import build_run
+from flopwise.train.run import Run
 from flopwise.config import load_config, load_tree, to_toml, validate
 from flopwise.errors import ConfigError, FlopwiseError
 from flopwise.parallel import accounting as acc
@@ -106,7 +107,7 @@ def measure(path: str | None, overrides: list[str], nproc: int | None = None, st
         config.write_text(to_toml(cfg))
         env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world)), **os.environ}
         r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                            str(world), "-m", "flopwise.train.measure", str(config), str(out), str(steps)],
+                            str(world), "-m", "flopwise.measure", str(config), str(out), str(steps)],
                            capture_output=True, text=True, env=env)
         if r.returncode != 0 or not out.exists():
             errors = [ln for ln in r.stderr.splitlines() if "Error: " in ln and "ChildFailedError" not in ln]

@@ -25,7 +25,7 @@ from rich.console import Console
 from flopwise.config import Config, to_toml, validate
 from flopwise.errors import ConfigError
 from flopwise.flops import scaling_flops, scaling_tokens
-from flopwise.plan.fit import load_law
+from flopwise.plan.fit import fitted_law
 from flopwise.plan.scaling import choose_shape, get_law
 
 if TYPE_CHECKING:
@@ -48,8 +48,7 @@ def plan_ladder(base: Config, budgets: list[float], sizes: int, spread: float, l
     (sizes that round to the same shape are kept once)."""
     if sizes < 1 or spread < 1:
         raise ConfigError("--sizes must be >= 1 and --spread >= 1")
-    fitted = load_law(law_name.split(":", 1)[1]) if law_name.startswith("fitted:") else None
-    law = get_law(law_name, fitted)
+    law = get_law(law_name, fitted_law(law_name))
     out = Path(out)
     tokens_per_step = base.train.global_batch * base.data.seq_len
     runs = []
@@ -86,16 +85,16 @@ def _data_dir(base: Config, out: Path) -> Path:
 
 
 def is_finished(run: LadderRun) -> bool:
-    from flopwise.train.metrics import read_metrics
+    from flopwise.outputs import read_records
 
-    rows = read_metrics(Path(run.config.run.dir) / "metrics.jsonl")
+    rows = read_records(Path(run.config.run.dir) / "metrics.jsonl")
     return any(r.get("step") == run.steps and "val_loss" in r for r in rows)
 
 
 def final_val_loss(run: LadderRun) -> float:
-    from flopwise.train.metrics import read_metrics
+    from flopwise.outputs import read_records
 
-    rows = read_metrics(Path(run.config.run.dir) / "metrics.jsonl")
+    rows = read_records(Path(run.config.run.dir) / "metrics.jsonl")
     return [r["val_loss"] for r in rows if "val_loss" in r][-1]
 
 
@@ -126,7 +125,7 @@ def _train_one(config: Config, threads: int | None) -> TrainResult:
     """One ladder run, logged to its folder's .train.log; `threads` set (in a worker) before any work."""
     import torch
 
-    from flopwise.train.trainer import train
+    from flopwise.launch import train
 
     if threads:
         torch.set_num_threads(threads)

@@ -1,5 +1,6 @@
-"""Hugging Face `config.json` <-> flopwise ModelConfig, both ways. Pure Python (no torch), so the
-config tree can resolve `model.init_from="hf:PATH"` like a preset.
+"""Hugging Face `config.json` <-> flopwise `model.*` fields, both ways. Pure Python (no torch) and
+below the config tree (it imports no flopwise type), so flopwise.config can resolve
+`model.init_from="hf:PATH"` like a preset and validate the fields it gets.
 
 Every field that would change the computation is mapped or refused with a clear error; a
 conversion never silently drops one.
@@ -16,37 +17,21 @@ from flopwise.errors import CheckpointError
 LLAMA_LIKE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
-def _fail(path, msg: str):
+def refuse(path, msg: str):
     raise CheckpointError(f"Hugging Face folder {path}: {msg}")
 
 
 def read_hf_config(path: str | Path) -> dict:
     p = Path(path) / "config.json"
     if not p.is_file():
-        _fail(Path(path), "no config.json")
+        refuse(Path(path), "no config.json")
     try:
         cfg = json.loads(p.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError):
-        _fail(Path(path), "config.json is not valid JSON")
+        refuse(Path(path), "config.json is not valid JSON")
     if not isinstance(cfg, dict):
-        _fail(Path(path), "config.json is not a JSON object")
+        refuse(Path(path), "config.json is not a JSON object")
     return cfg
-
-
-def model_fields_from_hf(path: str | Path) -> dict:
-    """The flopwise `model.*` keys that reproduce the HF model in `path`."""
-    from pydantic import ValidationError
-
-    try:
-        return model_config_from_hf(read_hf_config(path), path).model_dump(exclude_none=True)
-    except KeyError as e:
-        _fail(Path(path), f"config.json lacks {e}")
-    except ValidationError as e:
-        err = e.errors()[0]
-        _fail(Path(path), f"config.json gives model.{'.'.join(map(str, err['loc']))}: "
-                          f"{err['msg'].removeprefix('Value error, ')}")
-    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
-        _fail(Path(path), f"config.json has a malformed field ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
 
 
 # --- config ----------------------------------------------------------------------------------
@@ -61,28 +46,28 @@ def _rope(cfg: dict, path) -> tuple[float, dict | None]:
     if kind == "default":
         return float(theta), None
     if kind != "llama3":
-        _fail(path, f"rope type {kind!r} is not supported (only default and llama3)")
+        refuse(path, f"rope type {kind!r} is not supported (only default and llama3)")
     src = {**legacy, **rp}
     return float(theta), dict(factor=src["factor"], low_freq_factor=src["low_freq_factor"],
                               high_freq_factor=src["high_freq_factor"],
                               original_max_seq_len=src["original_max_position_embeddings"])
 
 
-def model_config_from_hf(cfg: dict, path: Any = ""):
-    from flopwise.config import ModelConfig
-
+def model_fields(cfg: dict, path: Any = "") -> dict:
+    """The flopwise `model.*` fields of an HF config.json (not yet validated: flopwise.config does
+    that); a field that would change the computation and has no flopwise equivalent is refused."""
     mt = cfg.get("model_type")
     if mt in LLAMA_LIKE:
         if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias") or (
                 cfg.get("attention_bias") and mt != "qwen3"):
-            _fail(path, "biases or a non-SiLU activation in a Llama-family config are not supported")
+            refuse(path, "biases or a non-SiLU activation in a Llama-family config are not supported")
         if cfg.get("attention_bias"):
-            _fail(path, "attention_bias=true is not supported")
+            refuse(path, "attention_bias=true is not supported")
         theta, scaling = _rope(cfg, path)
         window = cfg.get("sliding_window") if (mt == "mistral" or cfg.get("use_sliding_window")) else None
         if mt == "qwen3" and cfg.get("use_sliding_window"):
-            _fail(path, "Qwen3 sliding-window layers (use_sliding_window=true) are not supported")
-        return ModelConfig(arch=mt, n_layers=cfg["num_hidden_layers"], d_model=cfg["hidden_size"],
+            refuse(path, "Qwen3 sliding-window layers (use_sliding_window=true) are not supported")
+        return dict(arch=mt, n_layers=cfg["num_hidden_layers"], d_model=cfg["hidden_size"],
                            n_heads=cfg["num_attention_heads"],
                            n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
                            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
@@ -92,19 +77,19 @@ def model_config_from_hf(cfg: dict, path: Any = ""):
                            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
     if mt == "gpt2":
         if cfg.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-            _fail(path, f"GPT-2 activation {cfg.get('activation_function')!r} is not supported (gelu_new)")
+            refuse(path, f"GPT-2 activation {cfg.get('activation_function')!r} is not supported (gelu_new)")
         if cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("reorder_and_upcast_attn"):
-            _fail(path, "scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
-        return ModelConfig(arch="gpt2", n_layers=cfg["n_layer"], d_model=cfg["n_embd"], n_heads=cfg["n_head"],
+            refuse(path, "scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
+        return dict(arch="gpt2", n_layers=cfg["n_layer"], d_model=cfg["n_embd"], n_heads=cfg["n_head"],
                            ffn_dim=cfg.get("n_inner") or 4 * cfg["n_embd"], vocab_size=cfg["vocab_size"],
                            max_seq_len=cfg["n_positions"], norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
                            tie_embeddings=bool(cfg.get("tie_word_embeddings", True)))
     if mt == "gpt_neox":
         if cfg.get("hidden_act", "gelu") != "gelu":
-            _fail(path, f"GPT-NeoX activation {cfg.get('hidden_act')!r} is not supported (gelu)")
+            refuse(path, f"GPT-NeoX activation {cfg.get('hidden_act')!r} is not supported (gelu)")
         theta, scaling = _rope({**cfg, "rope_theta": cfg.get("rotary_emb_base", cfg.get("rope_theta", 10000.0))}, path)
         rp = cfg.get("rope_parameters") or {}
-        return ModelConfig(arch="neox", n_layers=cfg["num_hidden_layers"], d_model=cfg["hidden_size"],
+        return dict(arch="neox", n_layers=cfg["num_hidden_layers"], d_model=cfg["hidden_size"],
                            n_heads=cfg["num_attention_heads"], ffn_dim=cfg["intermediate_size"],
                            vocab_size=cfg["vocab_size"], max_seq_len=cfg["max_position_embeddings"],
                            norm_eps=cfg.get("layer_norm_eps", 1e-5), rope_theta=theta, rope_scaling=scaling,
@@ -114,17 +99,18 @@ def model_config_from_hf(cfg: dict, path: Any = ""):
                            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
     if mt == "opt":
         if not cfg.get("do_layer_norm_before", True) or cfg.get("word_embed_proj_dim", cfg["hidden_size"]) != cfg["hidden_size"]:
-            _fail(path, "OPT with post-layer-norm or a projected embedding (opt-350m style) is not supported")
+            refuse(path, "OPT with post-layer-norm or a projected embedding (opt-350m style) is not supported")
         if cfg.get("activation_function", "relu") != "relu" or not cfg.get("enable_bias", True):
-            _fail(path, "OPT without biases or with a non-ReLU activation is not supported")
-        return ModelConfig(arch="opt", n_layers=cfg["num_hidden_layers"], d_model=cfg["hidden_size"],
+            refuse(path, "OPT without biases or with a non-ReLU activation is not supported")
+        return dict(arch="opt", n_layers=cfg["num_hidden_layers"], d_model=cfg["hidden_size"],
                            n_heads=cfg["num_attention_heads"], ffn_dim=cfg["ffn_dim"], vocab_size=cfg["vocab_size"],
                            max_seq_len=cfg["max_position_embeddings"],
                            tie_embeddings=bool(cfg.get("tie_word_embeddings", True)))
-    _fail(path, f"model_type {mt!r} is not supported (supported: llama, mistral, qwen3, gpt2, gpt_neox, opt)")
+    refuse(path, f"model_type {mt!r} is not supported (supported: llama, mistral, qwen3, gpt2, gpt_neox, opt)")
 
 
 def hf_config_from_model(m, eos_id: int | None = None) -> dict:
+    """The HF config.json of a flopwise ModelConfig `m` (any object with its fields)."""
     def check(cond: bool, what: str):
         if not cond:
             raise CheckpointError(f"to_hf: arch {m.arch!r} with {what} has no Hugging Face equivalent")
