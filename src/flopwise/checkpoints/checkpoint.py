@@ -51,16 +51,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from flopwise.errors import CheckpointError
 from flopwise.model.init import canonical_name
 from flopwise.parallel.data import local_optimizer
+from flopwise.parallel.mesh import is_rank0
 from flopwise.checkpoints import rundir
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
 DCP_METADATA = ".metadata"
 FORMAT = 2  # 1: manifest without format/config hash/layout (still readable)
-
-
-def _is_main() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
@@ -133,7 +130,7 @@ def _run_on_main(fn: Callable[[], None]) -> str | None:
     """Run a rank-0-only file operation; every rank gets its error (or None), so all ranks agree
     on whether the checkpoint was written instead of rank 0 failing alone and the rest hanging."""
     reason = None
-    if _is_main():
+    if is_rank0():
         try:
             fn()
         except OSError as e:
@@ -277,7 +274,7 @@ def scratch_dir(run_dir: str | Path, step: int) -> Path:
 
 def abandon(tmp: Path) -> None:
     """Remove a failed write's partial folder (rank 0)."""
-    if _is_main():
+    if is_rank0():
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -69,11 +69,13 @@ class Parallel:
 
     @property
     def is_main(self) -> bool:
-        return not dist.is_initialized() or dist.get_rank() == 0
+        return is_rank0()
 
-    @property
-    def last_stage(self) -> bool:
-        return self.rank("pp") == self.layout.pp - 1
+
+def is_rank0() -> bool:
+    """This process is rank 0 of the job (or the only process): the one that writes shared files
+    and reports. (Before the process group exists, flopwise.launch reads torchrun's RANK instead.)"""
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def init(cfg: Config, device: torch.device) -> Parallel:

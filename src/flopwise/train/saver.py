@@ -22,10 +22,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from rich.console import Console
 from rich.markup import escape
 
+from flopwise.checkpoints import checkpoint
 from flopwise.config import Config
 from flopwise.errors import CheckpointError
+from flopwise.parallel.mesh import is_rank0
 from flopwise.plan.reliability import DEFAULT_GPU_MTBF_HOURS, daly_interval
-from flopwise.checkpoints import checkpoint
 from flopwise.train.faults import Faults
 
 AUTO_PROBE_STEP = 5  # interval=auto: the first save, after enough steps for a median step time
@@ -55,7 +56,7 @@ class Saver:
         if c.async_save:
             self.async_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="flopwise-checkpoint")
-        self.is_main = not dist.is_initialized() or dist.get_rank() == 0
+        self.is_main = is_rank0()
 
     def due(self, done: int, last: bool) -> bool:
         if last:
