@@ -100,7 +100,7 @@ def main() -> None:
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
     }
     plan = evaluate(cfg.model, get_hardware("h200"), lo, seq, a.batch,  # what flopwise plan says of this run
-                    compile=cfg.train.compile, steps=cfg.train.steps)
+                    compile=cfg.train.compile, steps=cfg.train.steps, dtype=cfg.train.dtype)
     rank = predict_rank(cfg, lo, 0, 0, 0, cpu=not cuda)
     result["predicted"] = {"step_s": plan.step_time, "tokens_per_s": plan.tokens_per_s, "mfu": plan.mfu,
                            "memory_bytes": plan.memory, "rank_bytes": {"params": rank.params, "grads": rank.grads,
