@@ -128,20 +128,22 @@ def transformers_step(shape: dict, dtype: str) -> Callable[[torch.Tensor], None]
     return peer_step(model, opt, loss_of, dtype)
 
 
-def nanogpt_step(path: str, shape: dict, dtype: str) -> Callable[[torch.Tensor], None]:
+def nanogpt_step(path: str, shape: dict, dtype: str, device: torch.device = torch.device("cpu"),
+                 compile: bool = False) -> Callable[[torch.Tensor], None]:
     spec = importlib.util.spec_from_file_location("nanogpt_model", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     s = shape
     with contextlib.redirect_stdout(None):  # it prints its parameter counts
         model = mod.GPT(mod.GPTConfig(block_size=s["seq"], vocab_size=s["vocab_size"], n_layer=s["n_layers"],
-                                      n_head=s["n_heads"], n_embd=s["d_model"], dropout=0.0, bias=False))
-        opt = model.configure_optimizers(WD, LR, BETAS, "cpu")
+                                      n_head=s["n_heads"], n_embd=s["d_model"], dropout=0.0, bias=False)).to(device)
+        opt = model.configure_optimizers(WD, LR, BETAS, device.type)  # fused AdamW on CUDA
+    forward = torch.compile(model) if compile else model
 
     def loss_of(x, y):
-        return model(x.contiguous(), y.contiguous())[1]  # its own loss, as its train.py uses it
+        return forward(x.contiguous(), y.contiguous())[1]  # its own loss, as its train.py uses it
 
-    return peer_step(model, opt, loss_of, dtype)
+    return peer_step(model, opt, loss_of, dtype, device.type)
 
 
 def measure(args, shape: dict, dtype: str, fpt: float) -> dict:

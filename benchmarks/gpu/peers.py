@@ -18,8 +18,6 @@ dense bf16 peak, identified from its driver name as the trainer does.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.util
 import json
 import statistics
 import sys
@@ -30,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train_cpu import BETAS, LR, WD, flopwise_config, flopwise_step, fused_adamw, peer_step  # noqa: E402
+from train_cpu import flopwise_config, flopwise_step, fused_adamw, nanogpt_step, peer_step  # noqa: E402
 
 from flopwise.flops import flops_per_token, mfu  # noqa: E402
 from flopwise.hardware import CATALOGUE  # noqa: E402
@@ -63,19 +61,6 @@ def transformers_step(shape: dict, device: torch.device) -> Callable[[torch.Tens
     opt = fused_adamw(model)
     compiled = torch.compile(model) if device.type == "cuda" else model
     return peer_step(model, opt, lambda x, y: compiled(input_ids=x, labels=x).loss, "bf16", device.type)
-
-
-def nanogpt_step(path: str, shape: dict, device: torch.device) -> Callable[[torch.Tensor], None]:
-    spec = importlib.util.spec_from_file_location("nanogpt_model", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    s = shape
-    with contextlib.redirect_stdout(None):  # it prints its parameter counts
-        model = mod.GPT(mod.GPTConfig(block_size=s["seq"], vocab_size=s["vocab_size"], n_layer=s["n_layers"],
-                                      n_head=s["n_heads"], n_embd=s["d_model"], dropout=0.0, bias=False)).to(device)
-        opt = model.configure_optimizers(WD, LR, BETAS, device.type)  # fused AdamW on CUDA
-    compiled = torch.compile(model) if device.type == "cuda" else model
-    return peer_step(model, opt, lambda x, y: compiled(x.contiguous(), y.contiguous())[1], "bf16", device.type)
 
 
 def timed(step: Callable[[torch.Tensor], None], shape: dict, device: torch.device, steps: int, warmup: int) -> dict:
@@ -111,7 +96,7 @@ def main() -> None:
               f"{'compiled' if device.type == 'cuda' else 'eager'}, fused AdamW, clip 1.0", "pairs": {}}
     pairs = {"llama": ("transformers", transformers_step)}
     if a.nanogpt:
-        pairs["gpt"] = ("nanogpt", lambda s, d: nanogpt_step(a.nanogpt, s, d))
+        pairs["gpt"] = ("nanogpt", lambda s, d: nanogpt_step(a.nanogpt, s, "bf16", d, compile=d.type == "cuda"))
     for name, (peer, build_peer) in pairs.items():
         shape = {**SHAPES[name], **(TINY if a.tiny else {})}
         shape["n_kv_heads"] = min(shape["n_kv_heads"], shape["n_heads"])
