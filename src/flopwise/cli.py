@@ -28,6 +28,8 @@ app.add_typer(scale_app, name="scale")
 app.add_typer(convert_app, name="convert")
 checkpoint_app = typer.Typer(no_args_is_help=True, help="Consolidate sharded checkpoints.")
 app.add_typer(checkpoint_app, name="checkpoint")
+hardware_app = typer.Typer(no_args_is_help=True, help="Measure this machine for the planner.")
+app.add_typer(hardware_app, name="hardware")
 console = Console()
 
 DEFAULT_CONFIG = "demo"
@@ -529,16 +531,27 @@ def plan_cmd(
     measure: bool = typer.Option(False, "--measure", help="run the config's own layout (parallel.*) for a few steps "
                                  "under torchrun here and print predicted vs measured per rank (no search)"),
     steps: int = typer.Option(3, "--steps", help="steps to run with --measure (the last is measured, and one more "
-                              "counts collectives; DDP syncs its bucket order once, in the second)"),
+                              "counts collectives; DDP syncs its bucket order once, in the second); as many more "
+                              "are timed (the median is reported) and 3 more profiled"),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="processes for --measure (default: the product of "
                                         "the parallel degrees)"),
+    hf: Optional[Path] = typer.Option(None, "--hf", help="plan the model of a Hugging Face folder or config.json "
+                                      "(replaces the config's model.*; model.* overrides still apply)"),
+    max_mb: bool = typer.Option(False, "--max-micro-batch", help="for the config's own layout (parallel.*, no "
+                                "search): the largest micro-batch that fits per recompute policy"),
 ) -> None:
     """Predict memory, step time, MFU, days and GPU-hours of every layout; rank them."""
-    from flopwise.config import load_tree, split_cli_args, to_toml, validate
+    from flopwise.config import split_cli_args, to_toml, validate
     from flopwise.data.mixture import draws, prepared_sources
-    from flopwise.plan.planner import layout_config, plan
+    from flopwise.errors import ConfigError
+    from flopwise.plan.planner import layout_config, max_micro_batch, plan, plan_tree
 
     path, overrides = split_cli_args(args)
+    if measure and max_mb:
+        raise ConfigError("--measure and --max-micro-batch: choose one")
+    if measure and hf:
+        raise ConfigError("--measure runs a config file, not --hf: write one with `flopwise plan --hf PATH "
+                          "--out-config FILE`, then run `flopwise plan FILE --measure`")
     if measure:
         from flopwise.measure import measure as run_measure
 
@@ -551,34 +564,54 @@ def plan_cmd(
     for target, option in ((out_config, "--out-config"), (plot, "--plot")):
         if target:
             check_writable(target, option)
-    tree = load_tree(path, overrides)
+    tree = plan_tree(path, overrides, hf)
     cfg = validate(tree)
+    if max_mb:
+        if out_config or plot:
+            raise ConfigError("--max-micro-batch prints a table only: drop --out-config and --plot")
+        limits = max_micro_batch(cfg)
+        if as_json:
+            typer.echo(json.dumps(limits.to_json(), indent=1))
+        else:
+            _print_max_micro_batch(limits, _model_name(cfg, hf))
+        return
     sources = prepared_sources(cfg)
-    report = plan(cfg, tree, mixture=(lambda tokens: draws(sources, tokens)) if sources else None)
+    report = plan(cfg, tree, mixture=(lambda tokens: draws(sources, tokens)) if sources else None, hf=hf)
     best = report.best
     if out_config and best.fits:
         write_text(out_config, to_toml(layout_config(report.cfg, best.layout)), "--out-config")
     if plot:
         from flopwise.plan.plot import plot_memory
 
-        plot_memory(report.result.ranked[:top], plot, f"{report.cfg.model.preset or 'model'} on "
+        plot_memory(report.result.ranked[:top], plot, f"{_model_name(report.cfg, hf)} on "
                     f"{report.cfg.cluster.gpus} × {report.hardware.name}")
     if as_json:
         typer.echo(json.dumps(report.to_json(top), indent=1))
         return
-    _print_plan(report, top)
+    _print_plan(report, top, _model_name(report.cfg, hf))
     if out_config:
         console.print(f"wrote {out_config}" if best.fits else "[red]no layout fits: --out-config not written[/]")
     if plot:
         console.print(f"plot: {plot}")
 
 
-def _print_plan(report, top: int) -> None:
+def _model_name(cfg, hf: Path | None) -> str:
+    return f"{hf} ({cfg.model.arch})" if hf else cfg.model.preset or "model"
+
+
+def _print_plan(report, top: int, name: str) -> None:
     cfg, hw = report.cfg, report.hardware
-    console.print(f"{cfg.model.preset or 'model'}: {_human(report.params)} params, "
+    console.print(f"{escape(name)}: {_human(report.params)} params ({report.params:,}), "
                   f"{report.flops_per_token:.3g} FLOPs/token at seq {cfg.data.seq_len}; batch "
                   f"{cfg.train.global_batch} seqs; {cfg.cluster.gpus} × {hw.name}; {_human(report.tokens)} tokens; "
                   f"searched {report.result.evaluated} layouts, {report.result.fitting} fit")
+    src = report.hf
+    if src and src["elements"] is not None:
+        same = src["elements"] == report.params
+        console.print(f"HF weights: {src['tensors']} tensors, {src['elements']:,} elements "
+                      + ("= the parameter count" if same else
+                         f"[yellow]≠ the parameter count ({src['elements'] - report.params:+,}): tensors this model "
+                         "does not hold (buffers such as attention masks or rotary tables) or a misread config[/]"))
     table = Table(title="layouts, best first" if report.best.fits else "NOTHING FITS: smallest first")
     for col in ("dp(rep)", "zero", "tp", "pp", "cp", "schedule", "mb", "recompute", "GiB", "step s", "tok/s",
                 "MFU", "HFU", "days", "GPU-h", "why not first"):
@@ -588,10 +621,13 @@ def _print_plan(report, top: int) -> None:
         j = e.to_json(report.tokens, cfg.cluster.gpus)
         sched = (lo.pp_schedule + (f"×{lo.virtual_stages}" if lo.virtual_stages > 1 else "")) if lo.pp > 1 else "–"
         table.add_row(f"{lo.dp}({lo.dp_replicate})", str(lo.zero), str(lo.tp) + ("sp" if lo.sequence_parallel else ""),
-                      str(lo.pp), str(lo.cp), sched, str(lo.micro_batch), lo.recompute,
+                      str(lo.pp), str(lo.cp), sched, str(lo.micro_batch),
+                      lo.recompute + ({"rowwise": " +fp8r", "tensorwise": " +fp8t"}.get(e.float8, "")),
                       f"{e.memory['total'] / 2**30:.1f}", f"{e.step_time:.3g}", _human(e.tokens_per_s),
                       f"{e.mfu:.1%}", f"{e.hfu:.1%}", f"{j['train_days']:.1f}", _human(j["gpu_hours"]), why)
     console.print(table)
+    if note := report.float8_note():
+        console.print(note)
     b = report.best
     console.print("time of the best step: " + ", ".join(f"{k} {v:.3g} s" for k, v in b.time.items() if v))
     r = report.reliability
@@ -607,20 +643,57 @@ def _print_plan(report, top: int) -> None:
     console.print(f"[dim]stack: {cfg.plan.stack}; memory keeps a {0.1:.0%} fit margin and a 1 GiB runtime reserve[/]")
 
 
+def _print_max_micro_batch(r, name: str) -> None:
+    """The largest micro-batch per recompute policy, the next valid one and why it is refused."""
+    lo, gib = r.layout, 2**30
+    table = Table(title=f"largest micro-batch that fits: {escape(name)}, {lo.name()} on {lo.world} × "
+                        f"{r.hardware.name} ({r.usable_memory / gib:.1f} GiB usable), global batch "
+                        f"{r.cfg.train.global_batch}, seq {r.cfg.data.seq_len}")
+    for col in ("recompute", "max mb", "GiB", "next mb", "GiB ", "past the batch"):
+        table.add_column(col, justify="left" if col == "recompute" else "right")
+    for lim in r.limits:
+        beyond = "–"
+        if lim.beyond:
+            mb, gb = lim.beyond
+            beyond = f"{'≥ ' if lim.beyond_capped else ''}{mb} (batch {gb})"
+        elif lim.micro_batch is not None and lim.next_micro_batch is None:
+            beyond = f"{lim.micro_batch} (no larger one fits)"
+        table.add_row(lim.recompute, str(lim.micro_batch) if lim.micro_batch else "[red]none fits[/]",
+                      f"{lim.memory / gib:.2f}" if lim.memory else "–",
+                      str(lim.next_micro_batch) if lim.next_micro_batch else "– (batch limit)",
+                      f"{lim.next_memory / gib:.2f}" if lim.next_memory else "–", beyond)
+    console.print(table)
+    a = r.to_json()["assumptions"]
+    console.print(f"[dim]valid micro-batches: {', '.join(map(str, r.valid))} (they divide the per-rank batch "
+                  f"{r.cfg.train.global_batch // lo.dp} and keep the pipeline's rules); GiB: the search's per-device "
+                  f"total (worst rank, {a['runtime_reserve_bytes'] / gib:g} GiB runtime reserve included) against "
+                  f"{1 - a['fit_margin']:.0%} of memory; past the batch: when every valid one fits, the largest "
+                  "that would with train.global_batch raised (same micro-batches per step)[/]")
+
+
 def _print_measured(r: dict) -> None:
-    """Per rank, predicted beside measured: model-state and activation bytes, collective elements per step."""
+    """Per rank, predicted beside measured: model-state and activation bytes, collective elements
+    and seconds per step; then the step's components."""
+    from flopwise.measure import QUANTITIES
+
+    def row(table: Table, rank: str | None, name: str, v: dict, fmt: str, last: bool = False) -> None:
+        """One quantity; `rank` None: a table without the rank column."""
+        ratio = f"{v['measured'] / v['predicted']:.3f}" if v["predicted"] else "–"
+        cells = [name, "–" if v["predicted"] is None else format(v["predicted"], fmt), format(v["measured"], fmt), ratio]
+        table.add_row(*([] if rank is None else [rank]), *cells, end_section=last)
+
     table = Table(title=f"{r['layout']} on {r['world']} local processes: planner vs engine "
                         f"(last of {r['steps']} steps, {r['dtype']})")
     for col in ("rank", "quantity", "predicted", "measured", "measured/predicted"):
         table.add_column(col, justify="left" if col == "quantity" else "right")
     for rank in r["ranks"]:
-        from flopwise.measure import QUANTITIES
-        rows = [(f"{q} bytes", rank[q]) for q in QUANTITIES if q != "gathered" or rank[q]["predicted"] or rank[q]["measured"]]
-        rows += [(f"{k} elements", v) for k, v in rank["collectives"].items()]
-        for i, (name, v) in enumerate(rows):
-            ratio = f"{v['measured'] / v['predicted']:.3f}" if v["predicted"] else "–"
-            table.add_row(str(rank["rank"]) if i == 0 else "", name, f"{v['predicted']:,.0f}", f"{v['measured']:,}",
-                          ratio, end_section=i == len(rows) - 1)
+        rows = [(f"{q} bytes", rank[q], ",.0f") for q in QUANTITIES
+                if q != "gathered" or rank[q]["predicted"] or rank[q]["measured"]]
+        rows += [(f"{k} elements", v, ",.0f") for k, v in rank["collectives"].items()]
+        rows += [("step time s", {"predicted": r["step_time_s"]["predicted"],
+                                  "measured": rank["step_time_s"]["measured"]}, ".4g")]
+        for i, (name, v, fmt) in enumerate(rows):
+            row(table, str(rank["rank"]) if i == 0 else "", name, v, fmt, i == len(rows) - 1)
         if rank["layers"]["predicted"] != rank["layers"]["measured"]:
             console.print(f"[red]rank {rank['rank']}: planner's layers {rank['layers']['predicted']}, engine's "
                           f"{rank['layers']['measured']}[/]")
@@ -628,7 +701,57 @@ def _print_measured(r: dict) -> None:
     console.print("[dim]params at rest, grads as the optimizer steps, optimizer: AdamW moments; activations: peak "
                   "saved for backward (the planner's: this engine's, eager or compiled as the run is); gathered: "
                   "FSDP2's all-gathered parameters then; peak: the step's high-water mark above the resident states; "
-                  "collectives: elements per step by kind, single-element ones (loss, norm, flags) left out[/]")
+                  "collectives: elements per step by kind, single-element ones (loss, norm, flags) left out; step "
+                  "time: the median of the timed steps[/]")
+    parts = Table(title=f"step time s by component: rank {r['components_rank']}'s profiled step (torch.profiler)")
+    for col in ("component", "predicted", "measured", "measured/predicted"):
+        parts.add_column(col, justify="left" if col == "component" else "right")
+    items = list(r["step_time_components_s"].items())
+    for i, (name, v) in enumerate(items):
+        row(parts, None, name.replace("_", " "), v, ".4g", i == len(items) - 1)
+    row(parts, None, "step (median, slowest rank)", r["step_time_s"], ".4g")
+    console.print(parts)
+    console.print(f"[dim]{r['step_time_note']}[/]")
+
+
+@hardware_app.command("calibrate")
+def hardware_calibrate(
+    args: Optional[list[str]] = typer.Argument(None, help="[CONFIG] [key=value ...]: the model whose GEMM and attention "
+                                               "shapes are measured, and train.dtype (default: demo)"),
+    out: Path = typer.Option(Path("hardware.toml"), "--out", help="hardware TOML to write (an entry in a file "
+                             "flopwise wrote before is replaced, the others kept)"),
+    nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="local ranks for the collectives (default: 2 "
+                                        "on a CPU, every GPU on CUDA; 1 skips them)"),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda or auto"),
+) -> None:
+    """Measure GEMMs, attention, element-wise bandwidth, the optimizer step and collectives here;
+    write a hardware entry that `cluster.hardware_file=FILE` makes the planner use."""
+    import torch
+    from rich.progress import Progress
+
+    from flopwise.calibrate import calibrate, save, steps_of
+
+    check_writable(out, "--out")
+    if device not in ("auto", "cpu", "cuda"):
+        raise FlopwiseError(f"--device {device}: choose cpu, cuda or auto")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise FlopwiseError("--device cuda: no CUDA device here; use --device cpu")
+    dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
+    ranks = nproc or (torch.cuda.device_count() if dev.type == "cuda" else 2)
+    cfg = _config(args)
+    started = time.perf_counter()
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("calibrating", total=steps_of(cfg, ranks, dev))
+        hw = calibrate(cfg, dev, ranks, lambda what: bar.update(task, advance=1, description=what))
+    save(hw, out)
+    c = hw.calibration
+    effs = [r[3] for r in c.gemm]
+    console.print(f"{hw.name}: {hw.peak_flops[c.dtype] / 1e12:.3g} TFLOP/s {c.dtype} peak; {len(c.gemm)} GEMMs at "
+                  f"{min(effs):.0%}-{max(effs):.0%} of it; attention {len(c.attention)} shapes; element-wise "
+                  f"{min(b for _, b in c.elementwise) / 1e9:.3g}-{max(b for _, b in c.elementwise) / 1e9:.3g} GB/s; "
+                  f"{len(c.collectives)} collectives over {hw.devices_per_node} ranks; "
+                  f"{time.perf_counter() - started:.0f} s")
+    console.print(f"wrote {out}: plan with cluster.hardware={hw.name} cluster.hardware_file={out}")
 
 
 @app.command("audit")

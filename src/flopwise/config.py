@@ -175,6 +175,10 @@ class TrainConfig(Section):
     micro_batch: int | None = Field(None, ge=1, description="sequences per forward/backward on one rank; "
                                     "default: the largest divisor of global_batch up to 16")
     dtype: Literal["bf16", "fp32"] = Field("bf16", description="bf16 autocast (fp32 master weights) or fp32")
+    float8: Literal["none", "rowwise", "tensorwise"] = Field("none", description="the blocks' linear layers in "
+                                                             "float8 (torchao; embedding and head stay in train.dtype); "
+                                                             "needs a GPU of compute capability >= 8.9")
+    float8_emulate: bool = Field(False, description="with train.float8: torchao's emulation (any device, slow; tests)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     compile: bool | Literal["auto"] = Field("auto", description="torch.compile each block and the loss; auto: "
                                             "for runs of >= 1000 steps on one process or plain data parallel")
@@ -184,6 +188,11 @@ class TrainConfig(Section):
     sample_prompt: str = "Romeo.\n"
     eval_tasks: list[str] = Field(default_factory=list, description="task names run at every evaluation")
     eval_task_limit: int = Field(100, ge=1, description="examples per task during training")
+    preflight: bool = Field(True, description="before preparing data or allocating, predict every rank's peak "
+                            "memory with the planner and refuse (exit 2, with the nearest change that fits) a run "
+                            "that will not fit its devices")
+    memory_snapshot: bool = Field(False, description="CUDA: record the allocator's history from the start, so an "
+                                  "out-of-memory step also writes memory_snapshot.pickle (pytorch.org/memory_viz)")
 
 
 class OptimConfig(Section):
@@ -280,6 +289,8 @@ class PlanConfig(Section):
     tokens: float | None = Field(None, gt=0, description="training token budget; default 20 tokens per parameter")
     stack: Literal["flopwise", "megatron-2021", "megatron-2022"] = Field("flopwise", description="software assumptions of the "
                                                         "step-time model (see flopwise.plan.perf)")
+    float8: bool = Field(False, description="let the layout search also consider train.float8 for the "
+                         "blocks' linear layers (hardware with a float8 peak)")
 
 
 class Config(Section):

@@ -12,6 +12,7 @@ import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from flopwise.calibration import Calibration, calibration_toml, parse_calibration
 from flopwise.errors import ConfigError
 
 GB = 1e9
@@ -40,6 +41,7 @@ class Hardware:
     notes: str = ""
     matmul_efficiency: float = A100_GEMM  # achievable share of peak for large dense GEMMs (chip + BLAS)
     extra: dict = field(default_factory=dict)
+    calibration: Calibration | None = None  # measured tables (`flopwise hardware calibrate`), else the above
 
     def peak(self, dtype: str) -> float | None:
         return self.peak_flops.get(dtype)
@@ -144,16 +146,49 @@ def cluster_hardware(cluster) -> Hardware:
     return replace(hw, devices_per_node=cluster.gpus_per_node) if cluster.gpus_per_node else hw
 
 
+NUMBERS = ("memory_bytes", "memory_bw", "intra_node_bw", "inter_node_bw")
+
+
 def load_catalogue(path: str | Path) -> dict[str, Hardware]:
-    """The built-in catalogue plus the entries of a TOML file (one table per device)."""
+    """The built-in catalogue plus the entries of a TOML file (one table per device; an entry
+    named like a built-in one replaces it). Every field is checked, so a bad or partial file fails
+    in one line naming the field instead of planning with a hole in it."""
     try:
         data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"hardware file {path}: cannot read ({e})") from None
     cat = dict(CATALOGUE)
     for name, fields in data.items():
+        where = f"hardware file {path}: [{name}]"
+        if not isinstance(fields, dict):
+            raise ConfigError(f"{where}: a table of fields is needed")
+        fields = dict(fields)
+        peaks = fields.get("peak_flops")
+        if not isinstance(peaks, dict) or not all(_positive(v) for v in peaks.values()):
+            raise ConfigError(f"{where}.peak_flops: a table of dtype = FLOP/s (positive numbers) is needed")
+        for key in NUMBERS:
+            if key in fields and not (_positive(fields[key]) or (name == "cpu" and fields[key] == 0)):
+                raise ConfigError(f"{where}.{key}: a positive number is needed, got {fields[key]!r}")
+        if "calibration" in fields:
+            fields["calibration"] = parse_calibration(f"{where}.calibration", fields["calibration"])
         try:
             cat[name] = Hardware(name=name, **fields)
         except TypeError as e:
-            raise ConfigError(f"hardware file {path}: [{name}] {e}") from None
+            raise ConfigError(f"{where}: {e}") from None
     return cat
+
+
+def hardware_toml(hw: Hardware) -> dict:
+    """A hardware entry as a TOML table `load_catalogue` reads back."""
+    out = {"peak_flops": dict(hw.peak_flops), "memory_bytes": hw.memory_bytes, "memory_bw": hw.memory_bw,
+           "intra_node_bw": hw.intra_node_bw, "inter_node_bw": hw.inter_node_bw,
+           "devices_per_node": hw.devices_per_node, "source": hw.source, "matmul_efficiency": hw.matmul_efficiency}
+    if hw.notes:
+        out["notes"] = hw.notes
+    if hw.calibration:
+        out["calibration"] = calibration_toml(hw.calibration)
+    return out
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0

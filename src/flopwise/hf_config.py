@@ -22,7 +22,8 @@ def refuse(path, msg: str):
 
 
 def read_hf_config(path: str | Path) -> dict:
-    p = Path(path) / "config.json"
+    """The config.json of an HF folder, or `path` itself when it is a JSON file."""
+    p = Path(path) if Path(path).is_file() else Path(path) / "config.json"
     if not p.is_file():
         refuse(Path(path), "no config.json")
     try:
@@ -32,6 +33,45 @@ def read_hf_config(path: str | Path) -> dict:
     if not isinstance(cfg, dict):
         refuse(Path(path), "config.json is not a JSON object")
     return cfg
+
+
+MAX_HEADER = 100_000_000  # bytes: the safetensors format's own limit on a header (MAX_HEADER_SIZE)
+
+
+def weight_files(path: str | Path) -> list[str]:
+    """The safetensors files of an HF folder, as transformers and interop.hf read them: the index's
+    shards, else model.safetensors; none for a bare config."""
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+            refuse(folder, "model.safetensors.index.json has no weight_map of tensor -> file")
+        if not all(isinstance(f, str) and Path(f).name == f for f in files):
+            refuse(folder, "model.safetensors.index.json names a file outside the folder")
+        return files
+    return ["model.safetensors"] if (folder / "model.safetensors").is_file() else []
+
+
+def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in an HF folder's safetensors files, read from their headers
+    alone (an 8-byte little-endian length, then JSON): a 70B checkpoint costs kilobytes, not its
+    weights. A tensor stored once (tied weights) is counted once."""
+    folder, shapes = Path(path), {}
+    for name in weight_files(folder):
+        try:
+            with open(folder / name, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                if not 0 < n <= MAX_HEADER:
+                    raise ValueError(f"header length {n}")
+                header = json.loads(f.read(n))
+            for key, entry in header.items():
+                if key != "__metadata__":
+                    shapes[key] = tuple(int(d) for d in entry["shape"])
+        except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            refuse(folder, f"{name} is not a readable safetensors file ({type(e).__name__}: {str(e)[:80]})")
+    return shapes
 
 
 # --- config ----------------------------------------------------------------------------------

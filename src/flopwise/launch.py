@@ -4,12 +4,15 @@ train it. One rank of a torchrun/srun job does the same; only rank 0 prints."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 
+import torch.distributed as dist
 from rich.console import Console
 
 from flopwise.build import build_run
 from flopwise.config import Config
+from flopwise.train.preflight import WillNotFit
 from flopwise.train.trainer import TrainResult
 from flopwise.train.trainer import train as train_run
 
@@ -20,7 +23,18 @@ def is_main_process() -> bool:
 
 
 def train(cfg: Config, console: Console | None = None) -> TrainResult:
-    """Build this rank's run from `cfg` and train it (other ranks print nothing)."""
+    """Build this rank's run from `cfg` and train it (other ranks print nothing). A run the
+    pre-flight refuses stops every rank of a job together with exit 2, once rank 0 has said why."""
     started = time.perf_counter()
     console = (console or Console()) if is_main_process() else Console(quiet=True)
-    return train_run(build_run(cfg, console), console, started)
+    try:
+        run = build_run(cfg, console)
+    except WillNotFit as e:
+        if not dist.is_initialized():
+            raise
+        if is_main_process():  # before any rank exits: torchrun stops the others when one does
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        dist.barrier()
+        sys.stdout.flush()
+        os._exit(2)  # all at once: a rank still shutting down when another has exited is stopped by torchrun
+    return train_run(run, console, started)

@@ -8,43 +8,73 @@ Each rank builds the run as `flopwise train` does (flopwise.build.build_run) and
 trainer's own steps (train_step). Measured: parameters at rest, gradients when the optimizer
 steps, AdamW moments after it, the peak of saved activations, and the elements of each kind of
 collective in the last step. The joint tests (tests/dist/jobs.py) measure through `measure_rank`.
+
+Time: the memory steps (the first of which compiles) warm up; then `steps` more are timed by
+the wall clock, each from a barrier to the device drained, and PROFILED more (taking turns with
+them) under torch.profiler split a step into components (`step_components`), set beside the
+planner's time model (plan.perf.estimate of this exact layout on cluster.hardware).
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
+import itertools
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch.autograd.profiler_util import FunctionEvent
+from torch.profiler import ProfilerActivity, profile, record_function
 from rich.console import Console
 
 from flopwise.build import build_run
 from flopwise.train.run import Run
-from flopwise.config import load_config, load_tree, to_toml, validate
+from flopwise.config import Config, load_config, load_tree, to_toml, validate
 from flopwise.errors import ConfigError, FlopwiseError
+from flopwise.hardware import cluster_hardware
 from flopwise.parallel import accounting as acc
 from flopwise.parallel.data import local_optimizer
 from flopwise.parallel.mesh import layout_of
-from flopwise.plan.planner import resolve_layout
+from flopwise.plan.layout import Layout
+from flopwise.plan.perf import STACKS, Estimate, estimate, model_shape
+from flopwise.plan.planner import plan_hardware, resolve_layout
 from flopwise.plan.rank import predict_rank
 from flopwise.train.faults import Faults
 from flopwise.train.trainer import train_step
 
 MAX_RANKS = 8  # processes one CPU machine runs for a measurement (gloo)
 QUANTITIES = ("params", "grads", "optimizer", "activations", "gathered", "peak")
+# The step's components, measured and predicted: the planner's Estimate.time terms that make each
+COMPONENTS = {"matmul": ("matmul",), "attention": ("attention",), "other_compute": ("other_compute", "grad_accum"),
+              "optimizer": ("optimizer",), "exposed_comm": ("tp_comm", "dp_comm", "pp_comm", "cp_comm"),
+              "pipeline_bubble": ("pp_bubble",)}
+STEP_SCOPE = "flopwise.step"  # the record_function around the profiled step
+PROFILED = 3  # profiled steps, of which the median one is split into components
+_MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
+               "aten::_addmm_activation"}
+_MATMUL_NODES = ("MmBackward", "AddmmBackward", "BmmBackward", "BaddbmmBackward", "LinearBackward", "MatmulBackward")
+_COMM_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::", "gloo:", "nccl:", "record_param_comms")
+_P2P = ("send", "recv", "recv_", "recv_any_source_")
 
 
-def measure_rank(run: Run, steps: int) -> dict[str, Any]:
+def measure_rank(run: Run, steps: int, timed: int = 0) -> dict[str, Any]:
     """This rank's mesh coordinates, its layers, and what it holds and sends over `steps` training
     steps: parameters at rest (after the build), gradient bytes as the optimizer steps, optimizer
     moments after the last step, the peak saved activations, FSDP2's all-gathered parameters then
     and the high-water mark of all memory in the last step, and collective
-    elements by kind in one step more."""
+    elements by kind in one step more. With `timed` > 0, also the wall time of that many steps
+    after the memory steps (which warm up and compile) and the components of a profiled one."""
     engine, opt, par = run.engine, run.optimizer, run.par
     plain = [getattr(m, "module", m) for m in engine.parts]  # DDP's wrapped module
     out: dict[str, Any] = {"pp_rank": par.rank("pp"), "shard_rank": par.rank("shard"), "dp_rank": par.rank("dp_cp"),
@@ -53,21 +83,176 @@ def measure_rank(run: Run, steps: int) -> dict[str, Any]:
     grads: list[int] = []
     hook = local_optimizer(opt).register_step_pre_hook(lambda *_: grads.append(acc.grad_bytes(engine.parts)))
     faults = Faults()
+    step = itertools.count(run.start_step)
     try:
-        for i in range(steps):
+        for _ in range(steps):
             with acc.SavedBytes(*engine.parts) as saved, acc.PeakMemory(par.device) as peak:
-                train_step(run, run.start_step + i, faults)
+                train_step(run, next(step), faults)
             out["activations"], out["gathered"], out["peak"] = saved.bytes, saved.gathered, peak.bytes
+        if timed:  # before the counted step, under whose dispatch mode compiled blocks run eagerly
+            out.update(time_steps(run, step, faults, timed))
         # CommCounter is a dispatch mode, under which compiled blocks run eagerly (and save what eager
         # saves): the collectives get a step of their own
         with acc.CommCounter() as comm:
-            train_step(run, run.start_step + steps, faults)
+            train_step(run, next(step), faults)
         out["collectives"] = comm.volumes()
     finally:
         hook.remove()
     out["grads"] = grads[-1]
     out["optimizer"] = acc.optimizer_bytes(local_optimizer(opt))
     return out
+
+
+def time_steps(run: Run, step: Iterator[int], faults: Faults, n: int) -> dict[str, Any]:
+    """The wall time of `n` steps and their median, and PROFILED steps under torch.profiler (kept
+    out of the median: the profiler adds its own overhead), the one of median wall time split into
+    components (one step: its components add up to its wall time). Timed and profiled steps take
+    turns, so that a neighbour's burst on a shared machine falls on both alike."""
+    cuda = run.par.device.type == "cuda"
+    times, profiled = [], []
+    for i in range(max(n, PROFILED)):
+        if i < n:
+            times.append(timed_step(run, next(step), faults))
+        if i < PROFILED:
+            with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+                profiled.append((timed_step(run, next(step), faults, scope=STEP_SCOPE), prof))
+    wall, prof = sorted(profiled, key=lambda p: p[0])[PROFILED // 2]
+    return {"step_time_s": {"measured": statistics.median(times), "steps": times}, "profiled_step_s": wall,
+            "components": step_components(prof.events(), wall, cuda, bubble=run.par.size("pp") > 1)}
+
+
+def timed_step(run: Run, step: int, faults: Faults, scope: str | None = None) -> float:
+    """Wall seconds of training step `step` on this rank: every rank starts it together (a
+    barrier) and the clock stops when this rank's device has finished it."""
+    device = run.par.device
+    if dist.is_initialized():
+        dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    with record_function(scope) if scope else contextlib.nullcontext():
+        train_step(run, step, faults)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def _category(e: FunctionEvent) -> str:
+    """The component an event's own time belongs to, by its name and its callers' (the first that
+    classifies, in this order: communication, optimizer, attention, matmul; else other compute).
+    Communication comes first because DTensor and ZeRO issue collectives from inside matmuls and the
+    optimizer step; the gradient-clipping norm (foreach kernels) is the optimizer's, as the planner
+    books its read of the gradients there."""
+    names = []
+    while e is not None and e.name != STEP_SCOPE:
+        names.append(e.name.removeprefix("autograd::engine::evaluate_function: "))
+        e = e.cpu_parent
+    if any(n.startswith(_COMM_PREFIXES) for n in names):
+        return "exposed_comm"
+    if any(n.startswith(("Optimizer.step#", "aten::_foreach_", "aten::_fused_adam")) for n in names):
+        return "optimizer"
+    if any("scaleddotproduct" in n.lower().replace("_", "") for n in names):
+        return "attention"
+    if any(n in _MATMUL_OPS or n.startswith(_MATMUL_NODES) for n in names):
+        return "matmul"
+    return "other_compute"
+
+
+def step_components(events: list[FunctionEvent], wall: float, cuda: bool, bubble: bool) -> dict[str, float]:
+    """Seconds of one profiled step by component; they sum to its wall time.
+
+    On a CPU, each operator's own time on the step's thread (its span less its children's, so
+    nothing counts twice) goes to its `_category`, except that where an operator's own time lies
+    between its children while a collective is in flight (the async gloo events of its worker
+    threads), the rank is waiting for it: exposed communication. Point-to-point transfers are left
+    out of that: a pipeline stage waiting on a receive waits for its neighbour's compute (bubble).
+    On a GPU, each operator's own kernels' device time goes to its category; collective kernels may
+    overlap compute, so theirs is an upper bound of the exposed. What is left of the wall time is
+    the pipeline bubble (pp > 1) or, with no pipeline, idle: host work outside operators and waits
+    the profiler sees no collective for."""
+    scope = next(e for e in events if e.name == STEP_SCOPE)
+    start, end = scope.time_range.start, scope.time_range.end
+    flight = _merged([(e.time_range.start, e.time_range.end) for e in events
+                      if e.is_async and e.name.startswith(_COMM_PREFIXES) and not e.name.endswith(_P2P)])
+    out = dict.fromkeys([*COMPONENTS][:-1], 0.0)
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU or e.is_async or not start <= e.time_range.start <= end:
+            continue
+        if cuda:
+            if e is not scope:
+                out[_category(e)] += e.self_device_time_total / 1e6
+            continue
+        if e.thread != scope.thread:
+            continue
+        waiting = sum(_overlap(gap, flight) for gap in _gaps(e)) if e.cpu_children else 0.0
+        out["exposed_comm"] += waiting / 1e6
+        if e is not scope:
+            out[_category(e)] += (e.self_cpu_time_total - waiting) / 1e6
+    out["pipeline_bubble" if bubble else "idle"] = wall - sum(out.values())
+    return out
+
+
+def _gaps(e: FunctionEvent) -> list[tuple[float, float]]:
+    """The stretches of an event's span (µs) that none of its children cover."""
+    out, at = [], e.time_range.start
+    for c in sorted(e.cpu_children, key=lambda c: c.time_range.start):
+        if c.time_range.start > at:
+            out.append((at, c.time_range.start))
+        at = max(at, c.time_range.end)
+    if e.time_range.end > at:
+        out.append((at, e.time_range.end))
+    return out
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _overlap(span: tuple[float, float], merged: list[tuple[float, float]]) -> float:
+    """Length of `span` that the disjoint, sorted `merged` spans cover."""
+    a, b = span
+    i = max(0, bisect.bisect_right(merged, (a, math.inf)) - 1)
+    total = 0.0
+    for lo, hi in merged[i:]:
+        if lo >= b:
+            break
+        total += max(0.0, min(b, hi) - max(a, lo))
+    return total
+
+
+def predicted_time(cfg: Config, lo: Layout) -> tuple[Estimate | None, str | None]:
+    """The planner's step for this exact layout on cluster.hardware (this engine's stack, the run's
+    dtype, compile setting, length, sequence and batch), or None and why not."""
+    try:
+        hw = plan_hardware(cfg)
+    except ConfigError:
+        return None, (f"cluster.hardware={cfg.cluster.hardware} has no peak FLOP/s to predict time from: run "
+                      "`flopwise hardware calibrate --out hw.toml` and pass cluster.hardware_file=hw.toml")
+    seq = cfg.data.seq_len
+    return estimate(model_shape(cfg.model, seq, cfg.data.document_mask), hw, lo, seq, cfg.train.global_batch,
+                    STACKS["flopwise"], compile=cfg.train.compile, steps=cfg.train.steps, dtype=cfg.train.dtype,
+                    float8=cfg.train.float8), None
+
+
+def component_times(est: Estimate | None, measured: dict[str, float], last: str) -> dict[str, dict[str, float | None]]:
+    """Predicted beside measured per component (`COMPONENTS`); the measured side's `last` is the
+    bubble (pp > 1) or idle, both set beside the planner's bubble."""
+    names = {c: c for c in COMPONENTS} | {"pipeline_bubble": last}
+    return {names[c]: {"predicted": sum(est.time[k] for k in keys) if est else None, "measured": measured[names[c]]}
+            for c, keys in COMPONENTS.items()}
+
+
+def rank_threads(cfg: Config, world: int) -> int:
+    """Threads per rank on a CPU: as many as the calibration's device had (a CPU device is one rank
+    of `hardware calibrate --nproc`, so prediction and measurement run alike), else a fair share."""
+    cal = cluster_hardware(cfg.cluster).calibration
+    return cal.threads if cal and cal.threads else max(1, (os.cpu_count() or 1) // world)
 
 
 def gather(obj: Any) -> list[Any]:
@@ -81,7 +266,7 @@ def gather(obj: Any) -> list[Any]:
 
 def _rank_main(config: str, out: str, steps: int) -> None:
     run = build_run(load_config(config), Console(quiet=True))
-    ranks = gather(measure_rank(run, steps))
+    ranks = gather(measure_rank(run, steps, timed=steps))
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(out).write_text(json.dumps(ranks))
     if dist.is_initialized():
@@ -105,7 +290,7 @@ def measure(path: str | None, overrides: list[str], nproc: int | None = None, st
     with tempfile.TemporaryDirectory(prefix="flopwise-measure-") as tmp:
         config, out = Path(tmp) / "config.toml", Path(tmp) / "measured.json"
         config.write_text(to_toml(cfg))
-        env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world)), **os.environ}
+        env = {"OMP_NUM_THREADS": str(rank_threads(cfg, world)), **os.environ}
         r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                             str(world), "-m", "flopwise.measure", str(config), str(out), str(steps)],
                            capture_output=True, text=True, env=env)
@@ -122,9 +307,24 @@ def measure(path: str | None, overrides: list[str], nproc: int | None = None, st
                       "layers": {"predicted": want.layers, "measured": m["layers"]},
                       **{q: {"predicted": getattr(want, q), "measured": m[q]} for q in QUANTITIES},
                       "collectives": {k: {"predicted": want.collectives.get(k, 0), "measured": m["collectives"].get(k, 0)}
-                                      for k in kinds}})
+                                      for k in kinds},
+                      "step_time_s": m["step_time_s"], "profiled_step_s": m["profiled_step_s"],
+                      "step_time_components_s": m["components"]})
+    est, why = predicted_time(cfg, lo)
+    # every step starts from a barrier, so the slowest rank's time is the step's
+    slowest = statistics.median(max(r) for r in zip(*(m["step_time_s"]["steps"] for m in measured)))
+    # the rank that paces the step: the busiest in its profiled step (least bubble or idle)
+    last = "pipeline_bubble" if lo.pp > 1 else "idle"
+    pacing = min(ranks, key=lambda r: r["step_time_components_s"][last])
+    time_ = {"step_time_s": {"predicted": est.step_time if est else None, "measured": slowest},
+             "step_time_note": f"measured: the median over {steps} timed steps of the slowest rank's wall time "
+             f"(each step starts from a barrier); components: rank {pacing['rank']}'s profiled step; predicted: "
+             + (why or f"plan.perf.estimate of {lo.name()} on {cfg.cluster.hardware}"
+                + (f" ({cfg.cluster.hardware_file})" if cfg.cluster.hardware_file else "")),
+             "step_time_components_s": component_times(est, pacing["step_time_components_s"], last),
+             "components_rank": pacing["rank"]}
     return {"layout": lo.name(), "parallel": lo.to_json(), "world": world, "steps": steps, "dtype": cfg.train.dtype,
-            "seq_len": cfg.data.seq_len, "global_batch": cfg.train.global_batch, "ranks": ranks}
+            "seq_len": cfg.data.seq_len, "global_batch": cfg.train.global_batch, **time_, "ranks": ranks}
 
 
 if __name__ == "__main__":

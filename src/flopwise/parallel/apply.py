@@ -1,9 +1,9 @@
 """`parallelize`: the one step that applies everything that is not the model itself.
 
-Order (as in torchtitan): tensor/sequence parallel -> activation checkpointing -> compile -> FSDP2,
-all on the meta device; then each rank allocates and initialises only what it holds
-(flopwise.model.init: the values do not depend on the layout); DDP, which needs real tensors and
-keeps whole replicas anyway, wraps last. Pipeline splitting happens before, in
+Order (as in torchtitan): float8 linears (torchao) -> tensor/sequence parallel -> activation
+checkpointing -> compile -> FSDP2, all on the meta device; then each rank allocates and initialises
+only what it holds (flopwise.model.init: the values do not depend on the layout); DDP, which needs
+real tensors and keeps whole replicas anyway, wraps last. Pipeline splitting happens before, in
 flopwise.parallel.pipeline; each stage module goes through this same function. Context parallel
 changes no module: the engine's one ContextParallel shards each batch and hands the model the span
 it computes (flopwise.parallel.context).
@@ -18,6 +18,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from flopwise.config import Config
 from flopwise.model.transformer import Transformer, materialise
 from flopwise.parallel.data import apply_ddp, apply_fsdp, apply_replicate, uses_ddp, uses_replicate
+from flopwise.parallel.float8 import apply_float8
 from flopwise.parallel.mesh import Parallel
 from flopwise.plan.layout import Layout, compiles as layout_compiles
 from flopwise.parallel.tensor import apply_tp, keep_embedding_grad_sharded
@@ -53,6 +54,7 @@ def apply_compile(model: Transformer) -> None:
 
 def parallelize(model: Transformer, cfg: Config, par: Parallel) -> nn.Module:
     """A meta-device model (or pipeline stage) -> this rank's parallelized, initialised module."""
+    apply_float8(model, cfg, par.layout, par.device)
     if par.size("tp") > 1:
         apply_tp(model, par.mesh["tp"], cfg.parallel.sequence_parallel)
     apply_recompute(model, cfg.parallel.recompute)

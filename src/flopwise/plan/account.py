@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from flopwise.config import Config, ModelConfig
+from flopwise.plan.float8 import float8_all_gather
 from flopwise.plan.layout import Layout, compiles
 from flopwise.plan.memory import (autocast_weight_copy_bytes, end_activation_bytes, engine_precision,
                                   gathered_param_bytes, in_flight_microbatches, loss_working_bytes, memo,
@@ -33,11 +34,13 @@ class EngineRun:
     steps: float = math.inf  # the run's length (train.steps; the planner: its token budget's steps)
     document_mask: bool = False  # data.document_mask
     cpu: bool = False  # the engine on CPUs: its attention core computes in fp32, RMSNorm is composite ops
+    float8: str = "none"  # train.float8: the recipe of the blocks' float8 linears
 
     @classmethod
     def of(cls, cfg: Config, cpu: bool = False) -> "EngineRun":
         return cls(model=cfg.model, seq=cfg.data.seq_len, global_batch=cfg.train.global_batch, dtype=cfg.train.dtype,
-                   compile=cfg.train.compile, steps=cfg.train.steps, document_mask=cfg.data.document_mask, cpu=cpu)
+                   compile=cfg.train.compile, steps=cfg.train.steps, document_mask=cfg.data.document_mask, cpu=cpu,
+                   float8=cfg.train.float8)
 
 
 @dataclass(kw_only=True, slots=True)  # not frozen: a search builds tens of thousands
@@ -59,9 +62,9 @@ def rank_memory(run: EngineRun, lo: Layout, *, layers: int, embedding: bool, hea
     shard, `dp_rank` its ZeRO-1 share. `cache`: one dict per run (a search shares it across
     layouts): the tensor walks are memoised by what they depend on."""
     m, fsdp2, n_micro = run.model, lo.fsdp2, lo.microbatches(run.global_batch)
-    compiled = compiles(run.compile, run.steps, lo)
-    precision = memo(cache, ("precision", fsdp2, compiled),
-                     lambda: engine_precision(run.dtype, fsdp2, run.cpu, compiled))
+    compiled, float8 = compiles(run.compile, run.steps, lo), run.float8 != "none"
+    precision = memo(cache, ("precision", fsdp2, compiled, float8),
+                     lambda: engine_precision(run.dtype, fsdp2, run.cpu, compiled, float8))
     states = memo(cache, ("states", layers, embedding, head, lo.tp, lo.zero, lo.world > 1, lo.dp_shard * lo.cp,
                           lo.dp * lo.cp, shard_rank, dp_rank),
                   lambda: rank_model_states(m, lo, layers, embedding, head, shard_rank=shard_rank, dp_rank=dp_rank,
@@ -75,12 +78,14 @@ def rank_memory(run: EngineRun, lo: Layout, *, layers: int, embedding: bool, hea
                                                             head, precision)))
     gathered = 0.0
     if fsdp2 and not lo.reshards_params:
-        gathered = memo(cache, ("gathered", layers, embedding, head, lo.tp, lo.zero >= 2, lo.dp_shard * lo.cp),
-                        lambda: gathered_param_bytes(m, lo, layers, embedding, head, run.dtype, cache))
+        f8_gather = float8_all_gather(run.float8, lo)
+        gathered = memo(cache, ("gathered", layers, embedding, head, lo.tp, lo.zero >= 2, lo.dp_shard * lo.cp, f8_gather),
+                        lambda: gathered_param_bytes(m, lo, layers, embedding, head, run.dtype, cache, f8_gather))
     other = gathered
     if run.dtype == "bf16" and not fsdp2:  # autocast's bf16 weights; compiled blocks keep theirs in `acts`
         kept = 0 if compiled else layers
-        other += memo(cache, ("copies", kept, head, lo.tp), lambda: autocast_weight_copy_bytes(m, kept, head, lo.tp))
+        other += memo(cache, ("copies", kept, head, lo.tp, float8),
+                      lambda: autocast_weight_copy_bytes(m, kept, head, lo.tp, float8))
     # the loss's working set and ZeRO-3's re-gathered blocks come one after the other in backward
     work = memo(cache, ("work", fsdp2, compiled, lo.cp, lo.micro_batch, lo.tp, lo.reshards_params, head),
                 lambda: max(loss_working_bytes(m, run.seq // lo.cp, lo.micro_batch, lo.tp, precision) if head else 0.0,

@@ -77,21 +77,26 @@ class SavedPrecision:
     compiled: bool = False
     cpu: bool = False  # on a CPU RMSNorm is composite ops (it keeps x·rstd in fp32 too; CUDA's fused
     # kernel keeps its input and rstd), and a compiled checkpoint saves the CPU generator's state
+    float8: bool = False  # the blocks' float8 linears (train.float8) keep their weights, not a bf16 cast
 
 
 KORTHIKANTI = SavedPrecision()
 
 
-def engine_precision(dtype: str, fsdp: bool, cpu: bool = False, compiled: bool = False) -> SavedPrecision:
+def engine_precision(dtype: str, fsdp: bool, cpu: bool = False, compiled: bool = False,
+                     float8: bool = False) -> SavedPrecision:
     """This engine's activations: fp32 throughout; or bf16 autocast over an fp32 residual stream
     (fp32 master weights); or, under FSDP2 with bf16 param_dtype, bf16 throughout (FSDP2 casts
     each block's inputs to bf16, so the residual stream is bf16). On a CPU the attention core runs
     in fp32 whatever the dtype (model.layers.CoreAttention). `compiled`: the blocks (and the loss)
-    are torch.compile'd (plan.layout.compiles)."""
+    are torch.compile'd (plan.layout.compiles). `float8`: the blocks' linears run in float8
+    (train.float8, torchao): eager, they keep exactly what autocast's linears keep (torchao saves
+    the high-precision input, cast to the autocast dtype, and the weight itself; measured with
+    SavedBytes); they make no bf16 weight copy."""
     if dtype == "fp32":
-        return SavedPrecision(compute=4, residual=4, engine=True, compiled=compiled, cpu=cpu)
+        return SavedPrecision(compute=4, residual=4, engine=True, compiled=compiled, cpu=cpu, float8=float8)
     return SavedPrecision(compute=2, residual=2 if fsdp else 4, engine=True, attention=4 if cpu else 0,
-                          compiled=compiled, cpu=cpu)
+                          compiled=compiled, cpu=cpu, float8=float8)
 
 
 # torch.get_rng_state(): the CPU generator's state, which a compiled checkpoint saves as a tensor
@@ -178,6 +183,9 @@ def _compiled_layer(m, s, b, tp, rep_div, recompute, flash, drop, a, precision, 
     out = a * sb * hq if recompute == "none" else 0
     split = a * sb * (hq + 2 * hkv) + out + mlp + attn_extra + _kv_gathered_bytes(m, sb, a, cp)
     weights = e * count_params(m).layer_matmul / m.n_layers / tp if casts else 0.0
+    if casts and precision.float8:  # float8 linears cast their weights afresh in backward (an upper
+        # bound: torchao's emulation on a CPU keeps less still, the partitioner recomputing more)
+        weights -= e * sum(math.prod(s) for _, s in block_linears(m, tp) if float8_eligible(s))
     rng = CHECKPOINT_RNG_STATE_BYTES if recompute == "selective" and precision.cpu else 0
     return replicated, 2 * e * sbh, split, _engine_extra_bytes(m, s, precision, a, cp, mask_keys, recompute) + weights + rng
 
@@ -286,7 +294,7 @@ def end_activation_bytes(m: ModelConfig, seq: int, micro_batch: int, tp: int, ha
     and what the loss keeps: the eager loss its fp32 log-softmax over the vocabulary (split over
     tp); the compiled one (`precision.compiled`, without tensor parallel) the logits themselves in
     the compute dtype and two fp32 per-token statistics (max and log-sum-exp), never an fp32 copy."""
-    s, b, h = seq, micro_batch, m.d_model
+    s, b = seq, micro_batch
     sb, sbh = s * b, s * b * m.d_model
     e, r = precision.compute, precision.residual
     out = 8 * sb if has_embedding else 0.0
@@ -340,17 +348,39 @@ def step_peak_bytes(grads: float, grads_held: bool, activations: float, other: f
     return other + max(activations + (grads if grads_held else 0.0), grads)
 
 
-def autocast_weight_copy_bytes(m: ModelConfig, layers: int, head: bool, tp: int = 1) -> float:
+def autocast_weight_copy_bytes(m: ModelConfig, layers: int, head: bool, tp: int = 1, float8: bool = False) -> float:
     """The bf16 copies autocast makes of the fp32 weights a rank multiplies with: each linear's
     weight and bias in its `layers` blocks (their tensor-parallel slices) and the head's matrix (tied
     or not); the embedding lookup and the norms read the fp32 parameters. Autocast caches them for
     its whole region, one step in this engine (Engine.forward_backward), so they count once, not
     per micro-batch. None under FSDP2 with bf16 param_dtype (the parameters are bf16 already).
     Compiled blocks make and keep their own casts per micro-batch (`activation_bytes_per_layer`):
-    a compiled rank books only its head here (layers=0)."""
+    a compiled rank books only its head here (layers=0). `float8`: the blocks' float8 linears
+    (train.float8) make no such copy (torchao casts their fp32 weights to float8 at each use)."""
     block = sum(math.prod(_tp_local(n, s, tp)) for n, s in param_shapes(m.model_copy(update={"n_layers": 1}))
                 if n.startswith("layers.0.") and any(k in n for k in _LINEAR))
+    if float8:
+        block -= sum(math.prod(s) for _, s in block_linears(m, tp) if float8_eligible(s))
     return 2 * (layers * block + (m.vocab_size * m.d_model / tp if head else 0))
+
+
+# torch._scaled_mm's operands need both dims of a float8 weight to be multiples of 16
+FLOAT8_MULTIPLE = 16
+
+
+def block_linears(m: ModelConfig, tp: int = 1) -> list[tuple[str, tuple[int, ...]]]:
+    """(name in the block, tensor-parallel local (out, in) shape) of each linear one block applies to
+    its tokens (the attention and MLP projections; not the relative-position table's)."""
+    return [(n.removeprefix("layers.0.").removesuffix(".weight"), _tp_local(n, s, tp))
+            for n, s in param_shapes(m.model_copy(update={"n_layers": 1}))
+            if n.startswith("layers.0.") and n.endswith(".weight") and any(k in n for k in _LINEAR)
+            and "pos_proj" not in n]
+
+
+def float8_eligible(shape: tuple[int, ...]) -> bool:
+    """Whether a linear of this (out, in) weight runs in float8 under train.float8 (else it stays in
+    train.dtype; parallel.float8 converts exactly these)."""
+    return all(d % FLOAT8_MULTIPLE == 0 for d in shape)
 
 
 def _chunk_rows(rows: int, n: int, rank: int) -> int:
@@ -413,7 +443,7 @@ def zero1_rank_loads(m: ModelConfig, lo, layers: int, has_embedding: bool, has_h
 
 
 def gathered_param_bytes(m: ModelConfig, lo, layers: int, has_embedding: bool, has_head: bool,
-                         dtype: str = "bf16", cache: dict | None = None) -> float:
+                         dtype: str = "bf16", cache: dict | None = None, float8_gather: bool = False) -> float:
     """Bytes of FSDP2's all-gathered (unsharded) parameters one rank holds when its saved
     activations peak, apart from the fp32 shards the optimizer steps: each tensor's all-gather
     output, dim 0 padded to a multiple of the dp_shard·cp ranks, in the compute dtype (FSDP2's bf16
@@ -422,13 +452,19 @@ def gathered_param_bytes(m: ModelConfig, lo, layers: int, has_embedding: bool, h
     the root (embedding, final norm, head) after the model's, before the loss saves its tensors;
     what it re-gathers in backward is `regathered_bytes`. ZeRO-0 with tensor parallel runs on
     FSDP2's replicate: one whole gathered copy. None under DDP (ZeRO 0/1 compute with the fp32
-    parameters)."""
+    parameters). `float8_gather`: tensorwise float8 with torchao's float8 all-gather: the blocks'
+    float8 linear weights are gathered in 1 byte per element instead (their one scale each is
+    metadata of a few bytes, not counted)."""
     if not lo.fsdp2 or lo.reshards_params:
         return 0.0
     n = lo.dp_shard * lo.cp if lo.zero >= 2 else 1  # replicate's shard dim is 1
     e = 2 if dtype == "bf16" else 4
     mine = rank_tensors(m, lo.tp, layers, has_embedding, has_head, cache)
-    return e * sum(count * -(-s[0] // n) * n * math.prod(s[1:]) for s, _, count in mine)
+    out = e * sum(count * -(-s[0] // n) * n * math.prod(s[1:]) for s, _, count in mine)
+    if float8_gather:
+        f8 = [s for _, s in block_linears(m, lo.tp) if float8_eligible(s)]
+        out -= layers * (e - 1) * sum(-(-s[0] // n) * n * math.prod(s[1:]) for s in f8)
+    return out
 
 
 def rank_param_count(m: ModelConfig, lo, layers: int, has_embedding: bool, has_head: bool,

@@ -74,8 +74,9 @@ from flopwise.hardware import Hardware
 from flopwise.plan.account import EngineRun, busiest_dp_rank, rank_memory
 from flopwise.plan.comm import (dp_collectives, pp_boundary_elements, ring_time, sp_regather_elements,
                                 tied_embedding_elements)
+from flopwise.plan.float8 import cast_bytes
 from flopwise.plan.layout import Layout, stage_ids, stage_sizes
-from flopwise.plan.memory import (KORTHIKANTI, memo, model_state_bytes, rank_activation_bytes, regathered_bytes,
+from flopwise.plan.memory import (KORTHIKANTI, float8_eligible, memo, model_state_bytes, rank_activation_bytes, regathered_bytes,
                                   step_peak_bytes)
 
 MEM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for streaming kernels (STREAM-like copies)
@@ -176,13 +177,27 @@ def model_shape(m: ModelConfig, seq_len: int, document_mask: bool = False) -> Sh
 
 
 def gemm_time(mm: float, kk: float, nn: float, hw: Hardware, peak: float, count: float = 1) -> float:
-    """Roofline time of `count` (M×K)·(K×N) 16-bit GEMMs."""
+    """Roofline time of `count` (M×K)·(K×N) 16-bit GEMMs: at the calibrated efficiency of that shape
+    when the hardware entry was measured (`flopwise hardware calibrate`), else the chip's one."""
     flops = 2 * mm * kk * nn
     nbytes = ACT_BYTES * (mm * kk + kk * nn + mm * nn)
-    return count * max(flops / (hw.matmul_efficiency * peak), nbytes / (MEM_EFFICIENCY * hw.memory_bw))
+    eta = hw.calibration.gemm_efficiency(mm, nn, kk) if hw.calibration else hw.matmul_efficiency
+    return count * max(flops / (eta * peak), nbytes / (MEM_EFFICIENCY * hw.memory_bw))
 
 
-def stream_time(nbytes: float, hw: Hardware) -> float:
+def gemm_fwd_bwd(shapes: list[tuple[float, float, float]], hw: Hardware, peak: float) -> tuple[float, float]:
+    """Forward and backward time of (M, K, N) products: backward is the data gradient
+    (M×N)·(N×K) and the weight gradient (K×M)·(M×N), each timed at its own shape."""
+    fwd = sum(gemm_time(m, k, n, hw, peak) for m, k, n in shapes)
+    bwd = sum(gemm_time(m, n, k, hw, peak) + gemm_time(k, m, n, hw, peak) for m, k, n in shapes)
+    return fwd, bwd
+
+
+def stream_time(nbytes: float, hw: Hardware, tensor_bytes: float | None = None) -> float:
+    """Memory-bound work: at the bandwidth measured for tensors of `tensor_bytes` when calibrated
+    (small tensors stream slower: launch and cache effects), else a share of nominal HBM bandwidth."""
+    if hw.calibration and tensor_bytes:
+        return nbytes / hw.calibration.stream_bandwidth(tensor_bytes)
     return nbytes / (MEM_EFFICIENCY * hw.memory_bw)
 
 
@@ -192,33 +207,88 @@ def link_bw(hw: Hardware, group_span: int) -> float:
     return LINK_EFFICIENCY * nominal
 
 
+def comm_time(hw: Hardware, kind: str, n: int, nbytes: float, group_span: int) -> float:
+    """One collective over n ranks spanning `group_span` devices: the latency and bandwidth fitted
+    to the calibrated measurements of that kind within a node, else the α-β ring model on the
+    nominal links."""
+    fit = hw.calibration.collective(kind) if hw.calibration and group_span <= hw.devices_per_node else None
+    if kind == "send_recv":
+        if fit:
+            return fit[0] + nbytes / fit[1]
+        return ring_time("all_gather", 2, 2 * nbytes, link_bw(hw, group_span))  # latency + bytes / bw
+    if fit:
+        return ring_time(kind, n, nbytes, fit[1], fit[0])
+    return ring_time(kind, n, nbytes, link_bw(hw, group_span))
+
+
 @dataclass(frozen=True, kw_only=True)
 class LayerTimes:
-    fwd: float  # compute of one layer forward, one micro-batch
-    bwd: float
-    attn_fwd: float  # attention-core forward (what selective recompute re-runs)
+    """One layer, one micro-batch: compute by kind (GEMMs, attention core, element-wise) per direction."""
+
+    gemm_fwd: float
+    gemm_bwd: float
+    attn_fwd: float  # attention core (what selective recompute re-runs)
+    attn_bwd: float
+    other_fwd: float  # element-wise and memory-bound work
+    other_bwd: float
     tp_fwd: float  # tensor-parallel communication of one forward
     tp_bwd: float
     cp_fwd: float
     cp_bwd: float
 
+    @property
+    def fwd(self) -> float:
+        return self.gemm_fwd + self.attn_fwd + self.other_fwd
 
-def layer_times(sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: int, cp: int, sp: bool) -> LayerTimes:
+    @property
+    def bwd(self) -> float:
+        return self.gemm_bwd + self.attn_bwd + self.other_bwd
+
+
+def layer_elementwise_bytes(sh: Shape, tokens: float, tp: int, sp: bool) -> tuple[float, float]:
+    """(bytes one layer's forward element-wise work moves, bytes of one b·s·h activation). In
+    elements per token: 2 norms (r+w), 2 residual adds (2r+w), 2 dropouts (r+w+½ mask) on the
+    sequence-parallel part; activation (r+w per input) and rotary on the tensor-parallel part.
+    Backward moves about twice as much."""
+    h = sh.d_model
+    seq_part = 2 * 2 * h + 2 * 3 * h + (2 * 2.5 * h if sh.dropout else 0)
+    tp_part = (sh.ffn_in + 1) * sh.ffn + 2 * (sh.hq + sh.hkv)
+    return ACT_BYTES * tokens * (seq_part / (tp if sp else 1) + tp_part / tp), ACT_BYTES * tokens * h
+
+
+def logits_tensor_bytes(sh: Shape, tokens: float, tp: int) -> float:
+    """One fp32 logits tensor (the loss's softmax input); the loss reads and writes it about three
+    times over forward and backward."""
+    return 4 * tokens * sh.vocab / tp
+
+
+def layer_times(sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: int, cp: int, sp: bool,
+                float8: str = "none", fsdp2: bool = False) -> LayerTimes:
+    """`float8` (train.float8): the block's linears whose local dims are multiples of 16 run their
+    three GEMMs at the fp8 peak (at the same calibrated efficiency: one table per chip), plus the
+    amax and cast kernels around them (plan.float8.cast_bytes; weights cast from fp32 masters, or
+    from FSDP2's bf16 gathered copy)."""
     peak = hw.peak_16bit
     tokens = mb * seq / cp
     h, hq, hkv, f = sh.d_model, sh.hq, sh.hkv, sh.ffn
     kv_local = hkv / tp if sh.n_kv_heads >= tp else sh.head_dim  # replicated kv heads when tp > n_kv
-    gemms = (gemm_time(tokens, h, (hq + 2 * kv_local * tp) / tp, hw, peak)
-             + gemm_time(tokens, hq / tp, h, hw, peak)
-             + gemm_time(tokens, h, sh.ffn_in * f / tp, hw, peak)
-             + gemm_time(tokens, f / tp, h, hw, peak)
-             + (gemm_time(tokens, h, hq / tp, hw, peak) if sh.relative else 0.0))
+    shapes = [(tokens, h, (hq + 2 * kv_local * tp) / tp), (tokens, hq / tp, h), (tokens, h, sh.ffn_in * f / tp),
+              (tokens, f / tp, h)] + ([(tokens, h, hq / tp)] if sh.relative else [])
+    low = float8 != "none"
+    fp8 = [s for s in shapes if low and float8_eligible((int(s[2]), int(s[1])))]
+    gemm_f, gemm_b = gemm_fwd_bwd([s for s in shapes if s not in fp8], hw, peak)
+    if fp8:  # a device without an fp8 peak runs float8 emulated (train.float8_emulate): 16-bit GEMMs
+        f8_f, f8_b = gemm_fwd_bwd(fp8, hw, hw.peak("fp8") or peak)
+        gemm_f, gemm_b = gemm_f + f8_f, gemm_b + f8_b
     heads = mb * sh.n_heads / tp
     q_len, context = seq / cp, min(seq, sh.window or seq)
     score_flops = 2 * 2 * heads * q_len * context * sh.head_dim * (1.5 if sh.relative else 1)
     if stack.flash_attention:
-        attn_f = score_flops / (hw.matmul_efficiency * peak)
-        attn_b = 2 * attn_f + attn_f  # dQ, dK, dV plus the scores the fused kernel recomputes
+        # dQ, dK, dV plus the scores the fused kernel recomputes: 3x the forward's FLOPs
+        eta_f, eta_b = (hw.calibration.attention_efficiency(context, sh.head_dim) if hw.calibration
+                        else (hw.matmul_efficiency, hw.matmul_efficiency))
+        attn_f = score_flops / (eta_f * peak)
+        attn_b = 3 * score_flops / (eta_b * peak)
     else:
         elements = heads * q_len * context
         softmax_f = (4 + (5 if sh.dropout else 0)) * elements  # scale-mask-softmax r/w, dropout r/w + mask
@@ -227,25 +297,19 @@ def layer_times(sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: in
                        + gemm_time(q_len, context, sh.head_dim, hw, peak, heads))
         attn_f = score_gemms + stream_time(softmax_f, hw)
         attn_b = 2 * score_gemms + stream_time(softmax_b, hw)
-    # Element-wise traffic in elements per token, forward: 2 norms (r+w), 2 residual adds (2r+w),
-    # 2 dropouts (r+w+½ mask) on the sequence-parallel part; activation (r+w per input) and rotary
-    # on the tensor-parallel part. Backward moves about twice as much.
-    seq_part = 2 * 2 * h + 2 * 3 * h + (2 * 2.5 * h if sh.dropout else 0)
-    tp_part = (sh.ffn_in + 1) * f + 2 * (hq + hkv)
-    ew = ACT_BYTES * tokens * (seq_part / (tp if sp else 1) + tp_part / tp)
-    fwd = gemms + attn_f + stream_time(ew, hw)
-    bwd = 2 * gemms + attn_b + stream_time(2 * ew, hw)
-    act = ACT_BYTES * tokens * h
+    ew, act = layer_elementwise_bytes(sh, tokens, tp, sp)
+    cast_f, cast_b = cast_bytes(sh.config, tokens, tp, float8, weight_bytes=2 if fsdp2 else 4) if low else (0.0, 0.0)
     # Two collectives of b·s·h per direction; with SP each all-reduce becomes AG + RS of the same bytes.
-    tp_one = ring_time("all_reduce", tp, act, link_bw(hw, tp))
+    tp_one = comm_time(hw, "all_reduce", tp, act, tp)
     regather = sp and not stack.engine_activations  # Megatron saved only the sequence shard
-    tp_regather = 2 * ring_time("all_gather", tp, ACT_BYTES * sp_regather_elements(seq / cp, mb, h, 1) / 2,
-                                link_bw(hw, tp)) if regather else 0.0  # two all-gathers, one per input
+    tp_regather = 2 * comm_time(hw, "all_gather", tp, ACT_BYTES * sp_regather_elements(seq / cp, mb, h, 1) / 2,
+                                tp) if regather else 0.0  # two all-gathers, one per input
     kv_bytes = ACT_BYTES * mb * seq * 2 * kv_local
-    cp_bw = link_bw(hw, tp * cp)
-    return LayerTimes(fwd=fwd, bwd=bwd, attn_fwd=attn_f, tp_fwd=2 * tp_one, tp_bwd=2 * tp_one + tp_regather,
-                      cp_fwd=ring_time("all_gather", cp, kv_bytes, cp_bw),
-                      cp_bwd=ring_time("reduce_scatter", cp, kv_bytes, cp_bw))
+    return LayerTimes(gemm_fwd=gemm_f, gemm_bwd=gemm_b, attn_fwd=attn_f, attn_bwd=attn_b,
+                      other_fwd=stream_time(ew + cast_f, hw, act), other_bwd=stream_time(2 * ew + cast_b, hw, act),
+                      tp_fwd=2 * tp_one, tp_bwd=2 * tp_one + tp_regather,
+                      cp_fwd=comm_time(hw, "all_gather", cp, kv_bytes, tp * cp),
+                      cp_bwd=comm_time(hw, "reduce_scatter", cp, kv_bytes, tp * cp))
 
 
 @dataclass(kw_only=True)
@@ -256,7 +320,8 @@ class Estimate:
     # reserve), step_peak (allocated at the step's high-water mark above the resident model states, without
     # the reserve: what `plan --measure` calls peak) and total (what must fit)
     memory: dict
-    time: dict  # compute, tp_comm, dp_comm, pp_bubble, pp_comm, cp_comm, grad_accum, optimizer (s per step)
+    time: dict  # s per step: matmul, attention, other_compute, tp_comm, dp_comm, pp_bubble, pp_comm, cp_comm,
+    # grad_accum, optimizer
     step_time: float
     tokens_per_s: float
     model_tflops: float  # per device
@@ -265,13 +330,14 @@ class Estimate:
     hfu: float
     usable_memory: float
     reason: str = ""  # why it does not fit
+    float8: str = "none"  # train.float8 the estimate is for
 
     def to_json(self, tokens: float | None = None, gpus: int | None = None) -> dict:
         out = {**self.layout.to_json(), "fits": self.fits,
                "memory_per_gpu_bytes": {k: round(v) for k, v in self.memory.items()},
                "step_time_s": self.step_time, "time_breakdown_s": self.time, "tokens_per_s": self.tokens_per_s,
                "model_tflops_per_gpu": self.model_tflops, "hardware_tflops_per_gpu": self.hardware_tflops,
-               "mfu": self.mfu, "hfu": self.hfu}
+               "mfu": self.mfu, "hfu": self.hfu, "float8": self.float8}
         if tokens is not None and gpus is not None:
             seconds = tokens / self.tokens_per_s
             out["train_days"] = seconds / 86400
@@ -307,8 +373,9 @@ def rank_loads(sh: Shape, lo: Layout, balanced: bool) -> list[RankLoad]:
 
 def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, stack: Stack,
              cache: dict | None = None, compile: bool | str = "auto", steps: float = math.inf,
-             dtype: str = "bf16") -> Estimate:
-    """Memory and time of one optimizer step (global_batch sequences of seq tokens).
+             dtype: str = "bf16", float8: str = "none") -> Estimate:
+    """Memory and time of one optimizer step (global_batch sequences of seq tokens), with the
+    blocks' linears in float8 under `float8` (train.float8's recipe).
 
     `cache` (one dict per search over a fixed model, hardware, stack, seq, batch, compile, steps and
     dtype) memoises per-layer times and the per-rank tensor walks. `compile`, `steps` and `dtype`
@@ -318,15 +385,15 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     loads = memo(cache, ("loads", lo.pp, lo.pp_schedule, lo.virtual_stages, lo.tp),
                  lambda: first_ranks(rank_loads(sh, lo, stack.balanced_stages)))
     if stack.engine_activations:
-        run = memo(cache, ("run", seq, global_batch, compile, steps, dtype), lambda: EngineRun(
+        run = memo(cache, ("run", seq, global_batch, compile, steps, dtype, float8), lambda: EngineRun(
             model=sh.config, seq=seq, global_batch=global_batch, dtype=dtype, compile=compile, steps=steps,
-            document_mask=sh.document_mask))
+            document_mask=sh.document_mask, float8=float8))
         memory, opt_elements = engine_memory(run, lo, stack, loads, cache)
     else:
         memory, opt_elements = published_memory(sh, lo, seq, global_batch, stack, loads)
     usable = hw.memory_bytes * (1 - FIT_MARGIN)
     fits = memory["total"] <= usable
-    time = step_times(sh, hw, lo, seq, global_batch, stack, [load for load, _ in loads], opt_elements, cache)
+    time = step_times(sh, hw, lo, seq, global_batch, stack, [load for load, _ in loads], opt_elements, cache, float8)
     step = sum(time.values())
     tokens = global_batch * seq
     gpus, peak = lo.world, hw.peak_16bit
@@ -336,7 +403,8 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
                     model_tflops=model_f / step / gpus / 1e12, hardware_tflops=hw_f / step / gpus / 1e12,
                     mfu=mfu(tokens / step, sh.model_flops_token["none"], peak, gpus),
                     hfu=mfu(tokens / step, sh.model_flops_token[lo.recompute], peak, gpus), usable_memory=usable,
-                    reason="" if fits else f"needs {memory['total'] / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable")
+                    reason="" if fits else f"needs {memory['total'] / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable",
+                    float8=float8)
 
 
 def first_ranks(loads: list[RankLoad]) -> list[tuple[RankLoad, int]]:
@@ -396,39 +464,48 @@ def published_memory(sh: Shape, lo: Layout, seq: int, global_batch: int, stack: 
 
 
 def step_times(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, stack: Stack,
-               loads: list[RankLoad], opt_elements: float, cache: dict | None) -> dict[str, float]:
+               loads: list[RankLoad], opt_elements: float, cache: dict | None, float8: str = "none") -> dict[str, float]:
     """Seconds per step by term; the slowest pipeline rank sets the pace."""
     n_micro = lo.microbatches(global_batch)
     v = lo.virtual_stages if lo.pp > 1 else 1
     tokens_mb = lo.micro_batch * seq / lo.cp
-    lt = memo(cache, (lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel),
-              lambda: layer_times(sh, hw, stack, seq, lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel))
-    recompute_f = {"none": 0.0, "selective": lt.attn_fwd, "full": lt.fwd}[lo.recompute]
-    recompute_tp = lt.tp_fwd if lo.recompute == "full" else 0.0
-    recompute_cp = lt.cp_fwd if lo.recompute == "full" else 0.0
-    logits_t = 3 * gemm_time(tokens_mb, sh.d_model, sh.vocab / lo.tp, hw, hw.peak_16bit) \
-        + stream_time(12 * tokens_mb * sh.vocab / lo.tp, hw)  # fwd+bwd GEMMs, fp32 cross-entropy traffic
+    lt = memo(cache, (lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel, float8, float8 != "none" and lo.fsdp2),
+              lambda: layer_times(sh, hw, stack, seq, lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel, float8,
+                                  lo.fsdp2))
+    recompute = lo.recompute
+    recompute_tp = lt.tp_fwd if recompute == "full" else 0.0
+    recompute_cp = lt.cp_fwd if recompute == "full" else 0.0
+    # the output layer: fwd + bwd GEMMs, and the fp32 cross-entropy's traffic
+    logits_mm = sum(gemm_fwd_bwd([(tokens_mb, sh.d_model, sh.vocab / lo.tp)], hw, hw.peak_16bit))
+    # at the streaming rate of this micro-batch's activations, as the layers' element-wise work
+    logits_other = stream_time(3 * logits_tensor_bytes(sh, tokens_mb, lo.tp), hw, ACT_BYTES * tokens_mb * sh.d_model)
 
-    def micro_batch_times(load: RankLoad) -> tuple[float, float, float]:
-        compute = load.layers * (lt.fwd + lt.bwd + recompute_f) + (logits_t if load.head else 0.0)
-        # + the vocab-parallel embedding's output all-reduce and the head's input-gradient all-reduce
-        tp = load.layers * (lt.tp_fwd + lt.tp_bwd + recompute_tp) + lt.tp_fwd
-        return compute, tp, load.layers * (lt.cp_fwd + lt.cp_bwd + recompute_cp)
+    def micro_batch_times(load: RankLoad) -> dict[str, float]:
+        n, full = load.layers, recompute == "full"
+        return {"matmul": n * (lt.gemm_fwd * (1 + full) + lt.gemm_bwd) + (logits_mm if load.head else 0.0),
+                "attention": n * (lt.attn_fwd * (1 + (recompute != "none")) + lt.attn_bwd),
+                "other_compute": n * (lt.other_fwd * (1 + full) + lt.other_bwd) + (logits_other if load.head else 0.0),
+                # + the vocab-parallel embedding's output all-reduce and the head's input-gradient all-reduce
+                "tp_comm": n * (lt.tp_fwd + lt.tp_bwd + recompute_tp) + lt.tp_fwd,
+                "cp_comm": n * (lt.cp_fwd + lt.cp_bwd + recompute_cp)}
 
-    slowest = max(loads, key=lambda load: sum(micro_batch_times(load)))
-    mb_compute, mb_tp, mb_cp = micro_batch_times(slowest)
-    mb_total = mb_compute + mb_tp + mb_cp
+    slowest = max(loads, key=lambda load: sum(micro_batch_times(load).values()))
+    mb_times = micro_batch_times(slowest)
+    mb_total = sum(mb_times.values())
     mb_pp, pp_step = pipeline_comm_times(sh, hw, lo, stack, seq)
     bubble_share = {"gpipe": 1.0, "1f1b": 1.0, "interleaved-1f1b": 1 / v, "zero-bubble": 1 / 3, "dualpipev": 1 / 3}
     bubble = (lo.pp - 1) * (mb_total + mb_pp) * bubble_share[lo.pp_schedule]
     psi = max(load.params for load in loads)
     shard = lo.dp_shard
     held_grads = psi / shard if lo.zero >= 2 and lo.pp == 1 else psi  # reduce-scattered every micro-batch
-    return {"compute": n_micro * mb_compute, "tp_comm": n_micro * mb_tp,
+    accum_bytes = stack.grad_accum_bytes * held_grads
+    optimizer = (hw.calibration.optimizer_seconds(opt_elements) if hw.calibration
+                 else stream_time(stack.optimizer_bytes * opt_elements, hw))
+    return {**{k: n_micro * t for k, t in mb_times.items()},
             "dp_comm": data_parallel_time(hw, lo, stack, psi, n_micro, mb_total, slowest.layers, lt),
-            "pp_bubble": bubble, "pp_comm": n_micro * mb_pp + pp_step, "cp_comm": n_micro * mb_cp,
-            "grad_accum": (n_micro - 1) * stream_time(stack.grad_accum_bytes * held_grads, hw),
-            "optimizer": stream_time(stack.optimizer_bytes * opt_elements, hw)}
+            "pp_bubble": bubble, "pp_comm": n_micro * mb_pp + pp_step,
+            "grad_accum": (n_micro - 1) * stream_time(accum_bytes, hw, accum_bytes),
+            "optimizer": optimizer}
 
 
 def pipeline_comm_times(sh: Shape, hw: Hardware, lo: Layout, stack: Stack, seq: int) -> tuple[float, float]:
@@ -445,13 +522,13 @@ def pipeline_comm_times(sh: Shape, hw: Hardware, lo: Layout, stack: Stack, seq: 
     send = ACT_BYTES * pp_boundary_elements(seq_local, lo.micro_batch, sh.d_model, lo.tp, sliced)
     whole = ACT_BYTES * pp_boundary_elements(seq_local, lo.micro_batch, sh.d_model, 1)
     pp_span = lo.tp * lo.cp * lo.dp  # stage neighbours are this many ranks apart in the mesh
-    exchange = ring_time("all_gather", 2, 2 * send, link_bw(hw, pp_span + 1))  # one send, latency + bytes/bw
+    exchange = comm_time(hw, "send_recv", 2, send, pp_span + 1)
     if stack.pp_scatter_gather and not lo.sequence_parallel:
-        exchange += ring_time("all_gather", lo.tp, whole, link_bw(hw, lo.tp))
+        exchange += comm_time(hw, "all_gather", lo.tp, whole, lo.tp)
     per_step = 0.0
     if sh.config.tie_embeddings:
         table = stack.grad_reduce_bytes * tied_embedding_elements(sh.vocab, sh.d_model, lo.tp)
-        per_step = ring_time("all_reduce", 2, table, link_bw(hw, pp_span * (lo.pp - 1) + 1))
+        per_step = comm_time(hw, "all_reduce", 2, table, pp_span * (lo.pp - 1) + 1)
     return 2 * v * exchange, per_step
 
 
@@ -462,24 +539,26 @@ def data_parallel_time(hw: Hardware, lo: Layout, stack: Stack, psi: float, n_mic
     if lo.dp == 1:
         return 0.0
     span_shard = lo.tp * lo.cp * lo.dp_shard
-    bw = {"shard": link_bw(hw, span_shard), "replicate": link_bw(hw, span_shard * lo.dp_replicate),
-          "all": link_bw(hw, lo.tp * lo.cp * lo.dp)}
+    spans = {"shard": span_shard, "replicate": span_shard * lo.dp_replicate, "all": lo.tp * lo.cp * lo.dp}
     sizes = {"shard": lo.dp_shard, "replicate": lo.dp_replicate, "all": lo.dp}
     per = {"step": 0.0, "micro": 0.0}
     for c in dp_collectives(psi, lo.zero, zero1_broadcast=stack.zero1_broadcast, gather_per_micro=stack.fsdp2,
                             pipelined=lo.pp > 1, hsdp=lo.dp_replicate > 1):
         nbytes = c.elements * (stack.grad_reduce_bytes if c.gradients else ACT_BYTES)
-        per[c.when] += ring_time(c.kind, sizes[c.group], nbytes, bw[c.group])
+        per[c.when] += comm_time(hw, c.kind, sizes[c.group], nbytes, spans[c.group])
     # Overlap windows: the last micro-batch's backward for once-per-step traffic; every
-    # micro-batch's compute for per-micro-batch traffic (FSDP prefetching).
-    exposed_step = max(0.0, per["step"] - stack.dp_overlap * rank_layers * lt.bwd)
-    exposed_micro = n_micro * max(0.0, per["micro"] - stack.dp_overlap * mb_total)
+    # micro-batch's compute for per-micro-batch traffic (FSDP prefetching); a calibrated device
+    # hides only the share it was measured to (a CPU whose cores all compute: little).
+    hides = stack.dp_overlap * (hw.calibration.overlap if hw.calibration else 1.0)
+    exposed_step = max(0.0, per["step"] - hides * rank_layers * lt.bwd)
+    exposed_micro = n_micro * max(0.0, per["micro"] - hides * mb_total)
     return exposed_step + exposed_micro
 
 
 def evaluate(m: ModelConfig, hw: Hardware, lo: Layout, seq: int, global_batch: int,
              stack: str | Stack = "flopwise", compile: bool | str = "auto", steps: float = math.inf,
-             dtype: str = "bf16") -> Estimate:
+             dtype: str = "bf16", float8: str = "none") -> Estimate:
     st = STACKS[stack] if isinstance(stack, str) else stack
-    return estimate(model_shape(m, seq), hw, lo, seq, global_batch, st, compile=compile, steps=steps, dtype=dtype)
+    return estimate(model_shape(m, seq), hw, lo, seq, global_batch, st, compile=compile, steps=steps, dtype=dtype,
+                    float8=float8)
 

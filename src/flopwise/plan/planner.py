@@ -7,18 +7,23 @@ of them given, exactly that layout is evaluated.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from flopwise.flops import count_params
-from flopwise.config import Config, validate
+from flopwise.config import Config, apply_override, hf_model_fields, load_tree, validate
 from flopwise.errors import ConfigError
 from flopwise.hardware import Hardware, cluster_hardware
-from flopwise.plan.layout import Layout
-from flopwise.plan.perf import FIT_MARGIN, LINK_EFFICIENCY, MEM_EFFICIENCY, RUNTIME_RESERVE, STACKS, Estimate, model_shape
+from flopwise.hf_config import read_hf_config, tensor_shapes
+from flopwise.plan.float8 import RECIPES
+from flopwise.plan.layout import Layout, check_layout
+from flopwise.plan.perf import (FIT_MARGIN, LINK_EFFICIENCY, MEM_EFFICIENCY, RUNTIME_RESERVE, STACKS, Estimate, Shape,
+                                estimate, model_shape)
 from flopwise.plan.reliability import Reliability, reliability
-from flopwise.plan.search import SearchResult, search, why_slower
+from flopwise.plan.search import RECOMPUTE_ORDER, SearchResult, search, why_slower
 
 PARALLEL_KEYS = ("dp", "dp_replicate", "zero", "tp", "pp", "cp", "pp_schedule", "virtual_stages",
                  "sequence_parallel", "recompute")
@@ -55,10 +60,27 @@ class PlanReport:
     reliability: Reliability | None
     fixed: dict
     data: list | None = None  # SourceDraw per source, when data.path / data.sources are prepared folders
+    hf: dict | None = None  # `hf_source` of `flopwise plan --hf PATH`
 
     @property
     def best(self) -> Estimate | None:
         return self.result.best
+
+    def float8_note(self) -> str | None:
+        """With plan.float8: whether float8 pays for this shape, fastest fitting layout with and without."""
+        if not self.cfg.plan.float8:
+            return None
+        if not self.hardware.peak("fp8"):
+            return f"plan.float8: {self.hardware.name} has no fp8 peak (no float8 tensor cores); not weighed"
+        best = self.result.best_by_float8
+        low = min((e for k, e in best.items() if k != "none"), key=lambda e: e.step_time, default=None)
+        high = best.get("none")
+        if not low or not high:
+            return None
+        gain = high.step_time / low.step_time
+        verdict = "pays" if gain > 1 else "does not pay for this shape (casts cost more than the faster GEMMs save)"
+        return (f"float8 {verdict}: best float8 ({low.float8}) {low.tokens_per_s:,.0f} tok/s vs best "
+                f"{self.cfg.train.dtype} {high.tokens_per_s:,.0f} tok/s ({gain:.2f}x)")
 
     def reasons(self) -> list[str]:
         best = self.best
@@ -71,6 +93,8 @@ class PlanReport:
         for e, why in list(zip(self.result.ranked, self.reasons()))[:top]:
             layouts.append({**e.to_json(self.tokens, gpus), "why": why})
         return {
+            "params": self.params,
+            "hf": self.hf,
             "model": {"params": self.params, "non_embedding_params": self.non_embedding,
                       "flops_per_token": self.flops_per_token, "seq_len": self.cfg.data.seq_len,
                       "global_batch": self.cfg.train.global_batch},
@@ -85,6 +109,7 @@ class PlanReport:
             "reliability": self.reliability.to_json() if self.reliability else None,
             "assumptions": assumptions(self.cfg.plan.stack),
             "data": [d.__dict__ for d in self.data] if self.data else None,
+            "float8": self.float8_note(),
         }
 
 
@@ -94,19 +119,55 @@ def assumptions(stack: str) -> dict:
             "flop_convention": "6·(matmul params) + 12·L·s·h_attn per token (flopwise.flops); MFU excludes recompute"}
 
 
+def plan_tree(path: str | None, overrides: list[str], hf: str | Path | None = None) -> dict[str, Any]:
+    """The key tree `flopwise plan` plans: the config file, its model section replaced by the one
+    a Hugging Face config.json (`hf`: a folder or the file) gives, then the overrides, so that
+    model.* overrides still apply on top of the HF model."""
+    tree = load_tree(path)
+    if hf is not None:
+        tree["model"] = hf_model_fields(hf)
+    for item in overrides:
+        apply_override(tree, item)
+    return tree
+
+
+def hf_source(path: str | Path) -> dict:
+    """What `plan --hf` read: the model_type and, for a folder with weights, its safetensors tensors
+    and their elements (from the headers), which the exact parameter count must equal."""
+    cfg = read_hf_config(path)
+    shapes = tensor_shapes(path) if Path(path).is_dir() else {}
+    elements = sum(math.prod(s) for s in shapes.values())
+    return {"path": str(path), "model_type": cfg.get("model_type"), "architectures": cfg.get("architectures"),
+            "tensors": len(shapes) if shapes else None, "elements": elements if shapes else None}
+
+
+def float8_choices(cfg: Config, hw: Hardware) -> tuple[str, ...]:
+    """The float8 recipes the search weighs: the run's train.float8, and with plan.float8 every
+    recipe too where the hardware has an fp8 peak (float8 tensor cores)."""
+    extra = RECIPES if cfg.plan.float8 and hw.peak("fp8") else ()
+    return tuple(dict.fromkeys((cfg.train.float8, "none" if extra else cfg.train.float8, *extra)))
+
+
+def planned_tokens(cfg: Config, sh: Shape) -> float:
+    """The planned run's tokens: its length decides train.compile=auto for every estimate."""
+    return cfg.plan.tokens or DEFAULT_TOKENS_PER_PARAM * sh.params
+
+
 def plan(cfg: Config, tree: dict[str, Any] | None = None, keep: int = 50,
-         mixture: Callable[[float], list] | None = None) -> PlanReport:
+         mixture: Callable[[float], list] | None = None, hf: str | Path | None = None) -> PlanReport:
     """Search layouts for `cfg` on cluster.gpus devices of cluster.hardware. `mixture(tokens)`: what
-    the run draws from each data source (the CLI passes data.mixture's draws; the planner reads no data)."""
+    the run draws from each data source (the CLI passes data.mixture's draws; the planner reads no data);
+    `hf`: the Hugging Face folder or config.json the model came from (`plan_tree`)."""
     hw = plan_hardware(cfg)
     seq, batch = cfg.data.seq_len, cfg.train.global_batch
     sh = model_shape(cfg.model, seq, cfg.data.document_mask)
     fixed = fixed_keys(tree or {})
-    tokens = cfg.plan.tokens or DEFAULT_TOKENS_PER_PARAM * sh.params
+    tokens = planned_tokens(cfg, sh)
     # the planned run's length decides train.compile=auto, as train.steps does for the engine; its
     # train.dtype decides what the engine holds (fp32 or bf16 autocast)
     result = search(sh, hw, cfg.cluster.gpus, seq, batch, STACKS[cfg.plan.stack], fixed, keep,
-                    compile=cfg.train.compile, steps=tokens / (seq * batch), dtype=cfg.train.dtype)
+                    compile=cfg.train.compile, steps=tokens / (seq * batch), dtype=cfg.train.dtype,
+                    float8=float8_choices(cfg, hw))
     if not result.ranked:
         why = result.refused or "check that the degrees multiply to cluster.gpus and divide train.global_batch"
         raise ConfigError(f"no valid layout for {cfg.cluster.gpus} devices with {fixed or 'nothing fixed'}: {why}")
@@ -119,7 +180,7 @@ def plan(cfg: Config, tree: dict[str, Any] | None = None, keep: int = 50,
     return PlanReport(cfg=cfg, hardware=hw, result=result, tokens=tokens, params=sh.params,
                       non_embedding=count_params(cfg.model).non_embedding,
                       flops_per_token=sh.model_flops_token["none"], reliability=rel, fixed=fixed,
-                      data=mixture(tokens) if mixture else None)
+                      data=mixture(tokens) if mixture else None, hf=hf_source(hf) if hf is not None else None)
 
 
 def layout_config(cfg: Config, lo: Layout) -> Config:
@@ -143,3 +204,109 @@ def resolve_layout(cfg: Config, tree: dict[str, Any], world: int) -> Config:
                           f"({report.best.reason}); add devices or shrink the model or micro-batch")
     return layout_config(cfg, report.best.layout)
 
+
+def config_layout(cfg: Config, world: int) -> Layout:
+    """The layout the config's parallel.* and train.micro_batch give on `world` devices (dp: what
+    the other degrees leave), as the engine reads them (parallel.mesh.layout_of), unchecked."""
+    p = cfg.parallel
+    dp = p.dp if p.dp is not None else max(1, world // (p.tp * p.pp * p.cp))
+    return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, dp_replicate=p.dp_replicate, zero=p.zero,
+                  pp_schedule=p.pp_schedule, virtual_stages=p.virtual_stages, micro_batch=cfg.train.micro_batch,
+                  recompute=p.recompute, sequence_parallel=p.sequence_parallel)
+
+
+@dataclass(kw_only=True)
+class MicroBatchLimit:
+    """The largest micro-batch that fits under one recompute policy, and what stops the next one."""
+
+    recompute: str
+    micro_batch: int | None  # the largest valid micro-batch that fits (None: not even the smallest)
+    memory: float | None  # its bytes per device: the search's `total` (reserve included)
+    next_micro_batch: int | None  # the next valid micro-batch, which does not fit (None: there is none)
+    next_memory: float | None
+    # when every valid micro-batch fits: the largest that would, with train.global_batch raised to
+    # keep the same number of micro-batches per step (None: a valid one does not fit)
+    beyond: tuple[int, int] | None = None
+    beyond_capped: bool = False  # `beyond` stopped at MAX_BEYOND, not at the memory
+
+    def to_json(self) -> dict:
+        return {"recompute": self.recompute, "micro_batch": self.micro_batch, "memory_bytes": self.memory,
+                "next_micro_batch": self.next_micro_batch, "next_memory_bytes": self.next_memory,
+                "beyond": {"micro_batch": self.beyond[0], "global_batch": self.beyond[1],
+                           "capped": self.beyond_capped} if self.beyond else None}
+
+
+@dataclass(kw_only=True)
+class MicroBatchReport:
+    cfg: Config
+    hardware: Hardware
+    layout: Layout  # the config's, at its own micro-batch and recompute
+    valid: list[int]  # the micro-batches the layout rules allow at train.global_batch
+    usable_memory: float
+    limits: list[MicroBatchLimit]
+    params: int
+
+    def to_json(self) -> dict:
+        return {"params": self.params, "layout": {**self.layout.to_json(), "name": self.layout.name()},
+                "world": self.layout.world, "hardware": self.hardware.name, "memory_bytes": self.hardware.memory_bytes,
+                "usable_memory_bytes": self.usable_memory, "global_batch": self.cfg.train.global_batch,
+                "valid_micro_batches": self.valid, "limits": [lim.to_json() for lim in self.limits],
+                "assumptions": assumptions(self.cfg.plan.stack)}
+
+
+MAX_BEYOND = 1 << 16  # micro-batches looked at past the global batch
+
+
+def max_micro_batch(cfg: Config) -> MicroBatchReport:
+    """Per recompute policy, the largest micro-batch the config's own layout fits, by the estimate
+    the search ranks by (same stack, dtype, compile decision, fit margin and runtime reserve).
+    Valid micro-batches divide the per-rank batch and keep the pipeline's micro-batch rules
+    (plan.layout.check_layout); memory need not grow with them (one micro-batch holds no
+    accumulated gradients), so every one is evaluated."""
+    hw = plan_hardware(cfg)
+    seq, batch, stack = cfg.data.seq_len, cfg.train.global_batch, STACKS[cfg.plan.stack]
+    sh = model_shape(cfg.model, seq, cfg.data.document_mask)
+    world, engine = cfg.cluster.gpus, stack.name == "flopwise"
+    base = config_layout(cfg, world)
+    reasons = {mb: check_layout(replace(base, micro_batch=mb), cfg.model, seq, batch, world, engine)
+               for mb in range(1, max(1, batch // base.dp) + 1) if batch % (base.dp * mb) == 0}
+    valid = [mb for mb, why in reasons.items() if why is None]
+    if not valid:
+        why = next(iter(reasons.values()), None) or check_layout(base, cfg.model, seq, batch, world, engine)
+        raise ConfigError(f"--max-micro-batch: no micro-batch runs {base.name()} on {world} devices: {why}")
+    caches: dict[int, dict] = {}
+
+    def total(mb: int, rc: str, gb: int = batch) -> Estimate:  # steps: the run length plan() decides compile by
+        return estimate(sh, hw, replace(base, micro_batch=mb, recompute=rc), seq, gb, stack,
+                        cache=caches.setdefault(gb, {}), compile=cfg.train.compile,
+                        steps=planned_tokens(cfg, sh) / (seq * gb), dtype=cfg.train.dtype,
+                        float8=cfg.train.float8)
+
+    limits = []
+    for rc in RECOMPUTE_ORDER:
+        est = {mb: total(mb, rc) for mb in valid}
+        fit = [mb for mb in valid if est[mb].fits]
+        best = max(fit, default=None)
+        above = [mb for mb in valid if best is None or mb > best]
+        nxt = above[0] if above else None
+        lim = MicroBatchLimit(recompute=rc, micro_batch=best, memory=est[best].memory["total"] if best else None,
+                              next_micro_batch=nxt, next_memory=est[nxt].memory["total"] if nxt else None)
+        if best is not None and nxt is None:  # the batch, not the memory, is the limit
+            per_step = batch // (base.dp * best)  # micro-batches per step, kept as the batch grows
+
+            def fits(mb: int) -> bool:
+                return total(mb, rc, base.dp * mb * per_step).fits
+
+            lo, hi = best, best + 1  # lo fits; find an hi that does not, then bisect
+            while hi <= MAX_BEYOND and fits(hi):
+                lo, hi = hi, 2 * hi
+            capped = hi > MAX_BEYOND
+            hi = min(hi, MAX_BEYOND + 1)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+            if lo > best:
+                lim.beyond, lim.beyond_capped = (lo, base.dp * lo * per_step), capped and lo == MAX_BEYOND
+        limits.append(lim)
+    return MicroBatchReport(cfg=cfg, hardware=hw, layout=base, valid=valid, usable_memory=est[valid[0]].usable_memory,
+                            limits=limits, params=sh.params)

@@ -17,7 +17,7 @@ always smaller. Hybrid sharding is tried with the shard group that fills one nod
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from flopwise.hardware import Hardware
 from flopwise.plan.layout import FIXED_VIRTUAL_STAGES, SCHEDULES, Layout, check_layout
@@ -33,6 +33,7 @@ class SearchResult:
     evaluated: int
     fitting: int
     refused: str | None = None  # why the last layout `check_layout` refused was refused
+    best_by_float8: dict = field(default_factory=dict)  # recipe -> its fastest fitting estimate
 
     @property
     def best(self) -> Estimate | None:
@@ -122,9 +123,9 @@ def _schedules(pp: int, n_layers: int, fixed: dict, balanced: bool = True) -> li
 
 def search(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, stack: Stack,
            fixed: dict | None = None, keep: int = 50, compile: bool | str = "auto",
-           steps: float = math.inf, dtype: str = "bf16") -> SearchResult:
-    """Every valid layout's estimate, the fitting ones fastest first (`compile`, `steps`, `dtype`:
-    the run's, as plan.perf.estimate)."""
+           steps: float = math.inf, dtype: str = "bf16", float8: tuple[str, ...] = ("none",)) -> SearchResult:
+    """Every valid layout's estimate under each float8 recipe of `float8`, the fitting ones fastest
+    first (`compile`, `steps`, `dtype`: the run's, as plan.perf.estimate)."""
     fixed = dict(fixed or {})
     cache: dict = {}
     fits: list[Estimate] = []
@@ -136,18 +137,23 @@ def search(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, sta
         if (reason := check_layout(base, sh.config, seq, global_batch, engine=stack.name == "flopwise")) is not None:
             refused = reason
             continue
-        for rc in recomputes:
-            est = estimate(sh, hw, replace(base, recompute=rc), seq, global_batch, stack, cache=cache,
-                           compile=compile, steps=steps, dtype=dtype)
-            evaluated += 1
-            if est.fits:
-                fits.append(est)
-                break
-            if not fits:
-                misses.append(est)
+        for f8 in float8:
+            for rc in recomputes:
+                est = estimate(sh, hw, replace(base, recompute=rc), seq, global_batch, stack, cache=cache,
+                               compile=compile, steps=steps, dtype=dtype, float8=f8)
+                evaluated += 1
+                if est.fits:
+                    fits.append(est)
+                    break
+                if not fits:
+                    misses.append(est)
     fits.sort(key=lambda e: (-e.tokens_per_s, e.memory["total"]))  # on a tie, the headroom
     if fits:
-        return SearchResult(ranked=fits[:keep], evaluated=evaluated, fitting=len(fits), refused=refused)
+        best_by = {}
+        for e in fits:
+            best_by.setdefault(e.float8, e)
+        return SearchResult(ranked=fits[:keep], evaluated=evaluated, fitting=len(fits), refused=refused,
+                            best_by_float8=best_by)
     misses.sort(key=lambda e: e.memory["total"])
     return SearchResult(ranked=misses[:keep], evaluated=evaluated, fitting=0, refused=refused)
 

@@ -65,6 +65,13 @@ def device_peak(catalogue: dict[str, Hardware], dtype: str, device: torch.device
     return Peak(measure_matmul_peak(dtype, device), f"measured {dtype} matmul ceiling on this {device.type}", True)
 
 
+def mfu_basis(dtype: str, float8: str) -> str | None:
+    """What MFU divides by when the blocks' linears run in float8 (None otherwise): still model
+    FLOPs over the train.dtype peak, so runs with and without float8 compare; the float8 matmuls'
+    own peak is twice that, so MFU here measures the speed-up, not how busy the float8 units are."""
+    return None if float8 == "none" else f"{dtype} dense peak (float8 {float8} linears)"
+
+
 def checked_peak(peak: Peak, achieved: float, dtype: str, device: torch.device, tries: int = 3) -> Peak:
     """`peak` again, or a re-measured ceiling when a step's achieved model FLOP/s per device reached
     a measured one (it was timed while something else used the machine): the best of up to `tries`

@@ -38,14 +38,16 @@ from flopwise.data.tasks import load_task
 from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import cluster_catalogue
 from flopwise.parallel.apply import compiles
+from flopwise.plan.float8 import unconverted_linears
 from flopwise.plan.layout import Layout
 from flopwise.checkpoints import checkpoint
 from flopwise.train.engine import Engine, autocast
 from flopwise.train.faults import Faults, nan_grad, poison
 from flopwise.train.guard import Verdict
 from flopwise.outputs import read_records
-from flopwise.train.metrics import MetricsWriter, Peak, checked_peak, device_peak, plot_loss_curve
+from flopwise.train.metrics import MetricsWriter, Peak, checked_peak, device_peak, mfu_basis, plot_loss_curve
 from flopwise.train.optim import lr_at, step_unless
+from flopwise.train.preflight import explain_oom
 from flopwise.train.run import Run, restore
 from flopwise.train.saver import Saver
 from flopwise.train.watch import Watch, is_timeout
@@ -193,10 +195,12 @@ class _Loop:
         steps = max(1, done - step0)
         self.tps = steps * self.tokens_per_step / max(now - t0, 1e-9)
         self.mfu = self.measure_mfu(done)
+        basis = mfu_basis(self.cfg.train.dtype, self.cfg.train.float8)
         self.write({"step": done, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": self.tps, "mfu": self.mfu,
                     "peak_flops": self.peak.flops, "peak_source": self.peak.source,
                     "tokens": done * self.tokens_per_step, "step_time_s": (now - t0) / steps,
-                    "epochs_by_source": self.run.loader.epochs_by_source(), **self.ranks})
+                    "epochs_by_source": self.run.loader.epochs_by_source(), **self.ranks,
+                    **({"mfu_basis": basis} if basis else {})})
         if not self.console.is_terminal:  # a log file gets lines, a terminal gets the live bar
             self.console.print(f"step {done}/{self.cfg.train.steps} loss {loss:.4f} lr {lr:.2e} grad_norm {norm:.3f} "
                                f"{self.tps:,.0f} tok/s MFU {percent(self.mfu)}", highlight=False)
@@ -260,7 +264,10 @@ class _Loop:
         while step < self.end:
             done = step + 1
             self.watch.beat(done)
-            values, lr = train_step(self.run, step, self.faults, self.watch)
+            try:
+                values, lr = train_step(self.run, step, self.faults, self.watch)
+            except torch.cuda.OutOfMemoryError as e:  # oom.json says where, beside the planner's breakdown
+                raise explain_oom(self.cfg, self.run.par, done, e) from None
             pending.append((done, lr, values))
             step = done
             do_eval, do_save = self.due(done)
@@ -312,6 +319,12 @@ def train(run: Run, console: Console, started: float | None = None) -> TrainResu
                   f"non-embedding), {loop.fpt / 1e6:.1f} MFLOP/token (model FLOPs, 6N + attention); "
                   f"{par.device.type} {cfg.train.dtype}{' compiled' if compiles(cfg, lo) else ''}; MFU vs {loop.peak.flops / 1e9:,.0f} GFLOP/s ({loop.peak.source}"
                   f"{f' × {lo.world}' if lo.world > 1 else ''})")
+    if cfg.train.float8 != "none":
+        kept = ", ".join(["embedding", "head", *unconverted_linears(cfg.model, lo.tp)])
+        console.print(f"[bold]float8[/] {cfg.train.float8} (torchao{', emulated' if cfg.train.float8_emulate else ''}) "
+                      f"on the blocks' linears; in {cfg.train.dtype}: {kept}. MFU stays model FLOPs over the "
+                      f"{cfg.train.dtype} peak, so it compares with runs without float8 (their speed-up shows in it); "
+                      "the float8 matmuls' own peak is twice that")
     if lo.world > 1:
         console.print(f"[bold]layout[/] {lo.name()} on {lo.world} processes "
                       f"({dist.get_backend()}), {run.engine.n_micro} micro-batches of {cfg.train.micro_batch} per rank")

@@ -1,0 +1,372 @@
+"""`flopwise hardware calibrate`: measure the machine it runs on, for the planner's time model.
+
+    parent:  calibrate(cfg, device, nproc, progress) -> Hardware (its `calibration` filled)
+    ranks:   python -m flopwise.calibrate OUT.json BACKEND   (collectives, under torchrun)
+
+Measured in the run's training dtype (train.dtype), for the GEMM and attention shapes the given
+config's model produces (default: the embedded demo) at the micro-batches and tensor-parallel
+degrees a layout search on this machine tries, plus a coarse grid so other models interpolate:
+- the dense peak: the best square product (train.metrics.measure_matmul_peak, the MFU ceiling);
+- each GEMM (M×K)·(K×N), forward and both backward transposes, as a share of that peak;
+- SDPA causal attention forward and backward by sequence length and head dim;
+- element-wise work: the config's model forward + backward (train.engine.lm_loss) at several
+  token counts, less what the GEMM and attention tables predict for it, over the planner's own
+  element-wise bytes (plan.perf): the bandwidth streaming work reaches in this engine here;
+- one fused AdamW step with gradient clipping (train.optim) by parameter count;
+- all-reduce, all-gather, reduce-scatter and send/recv by message size over N local ranks
+  (gloo on CPU, NCCL on GPU), in a torchrun of this module.
+Timings are medians of repeats after a warm-up; the GPU is synchronised around each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import tomli_w
+import tomllib
+import torch
+
+from flopwise.calibration import COLLECTIVES, Calibration
+from flopwise.config import Config
+from flopwise.errors import ConfigError, FlopwiseError
+from flopwise.hardware import CATALOGUE, Hardware, hardware_toml, identify_gpu
+from flopwise.outputs import check_writable, write_text
+from flopwise.model.layers import CoreAttention
+from flopwise.model.transformer import build_model
+from flopwise.plan.layout import Layout
+from flopwise.plan.perf import STACKS, estimate, layer_elementwise_bytes, logits_tensor_bytes, model_shape
+from flopwise.train.engine import lm_loss
+from flopwise.train.metrics import DTYPES, measure_matmul_peak
+from flopwise.train.optim import build_optimizer
+
+Progress = Callable[[str], None]
+CPU_FLOP_CAP = 2e10  # largest product timed on a CPU (a few tenths of a second each)
+MESSAGE_BYTES = {"cpu": [2**k for k in range(12, 25, 3)], "cuda": [2**k for k in range(16, 31, 2)]}
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 1,
+          before: Callable[[], object] | None = None) -> float:
+    """Median seconds of `fn` over `repeats` after `warmup` calls (the GPU synchronised around each;
+    `before` runs untimed ahead of each, e.g. a barrier that starts all ranks together)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if before:
+            before()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gemm_shapes(cfg: Config, tps: tuple[int, ...], micro_batches: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(m, n, k) of every product one layer and the output layer run, forward and both backward
+    transposes, at the given tensor-parallel degrees and micro-batches, plus a coarse grid."""
+    m = cfg.model
+    hq, hkv, seq = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, cfg.data.seq_len
+    out = set()
+    for tp in tps:
+        for mb in micro_batches:
+            t = mb * seq
+            for k, n in ((m.d_model, (hq + 2 * hkv) // tp), (hq // tp, m.d_model),
+                         (m.d_model, (2 if m.mlp == "swiglu" else 1) * m.ffn_dim // tp), (m.ffn_dim // tp, m.d_model),
+                         (m.d_model, m.vocab_size // tp)):
+                out |= {(t, n, k), (t, k, n), (k, n, t)}  # forward (t×k)·(k×n); data grad; weight grad
+    for d in (256, 1024, 4096):
+        for e in (256, 1024, 4096):
+            for t in (512, 4096, 32768):
+                out.add((t, e, d))
+    return sorted(s for s in out if min(s) >= 1)
+
+
+def measure_gemms(shapes, dtype: torch.dtype, device: torch.device, peak: float, progress: Progress) -> list:
+    rows = []
+    for m, n, k in shapes:
+        flops = 2 * m * n * k
+        if device.type == "cpu" and flops > CPU_FLOP_CAP:
+            continue
+        a = torch.full((m, k), 0.5, dtype=dtype, device=device)
+        b = torch.full((k, n), 0.25, dtype=dtype, device=device)
+        sec = timed(lambda: a @ b, device, repeats=3 if flops > 1e9 else 7)
+        rows.append([m, n, k, round(flops / sec / peak, 4)])
+        progress(f"gemm {m}x{k}x{n}")
+    return rows
+
+
+def measure_attention(head_dims, seqs, dtype: torch.dtype, device: torch.device, peak: float,
+                      progress: Progress) -> list:
+    """The engine's attention core (model.layers.CoreAttention: SDPA, causal; in fp32 on a CPU)
+    forward and backward; shares of peak in the planner's FLOPs (forward: 4·s²·d per head over
+    the full context, backward: three times that, as plan.perf counts a fused kernel)."""
+    rows = []
+    core = CoreAttention(0.0)
+    budget = 2**21 if device.type == "cpu" else 2**26  # query elements per call
+    gen = torch.Generator(device=device).manual_seed(0)
+    for d in head_dims:
+        for s in seqs:
+            bh = max(1, budget // (s * d))
+            q, k, v = (torch.randn((1, bh, s, d), generator=gen, dtype=dtype, device=device).requires_grad_()
+                       for _ in range(3))
+            grad = torch.ones((1, bh, s, d), dtype=dtype, device=device)
+            fwd = timed(lambda: core(q, k, v, None, True), device)
+            both = timed(lambda: torch.autograd.grad(core(q, k, v, None, True), (q, k, v), grad), device)
+            flops = 4 * bh * s * s * d
+            rows.append([s, d, round(flops / fwd / peak, 4), round(3 * flops / max(both - fwd, 0.1 * fwd) / peak, 4)])
+            progress(f"attention seq {s} head dim {d}")
+    return rows
+
+
+def measure_elementwise(cfg: Config, partial: Hardware, device: torch.device, micro_batches: tuple[int, ...],
+                        progress: Progress) -> list:
+    """The model's forward + backward less the planner's GEMM and attention time for it (from
+    the tables just measured), as the bandwidth of the planner's element-wise bytes."""
+    m, seq, dtype = cfg.model, cfg.data.seq_len, cfg.train.dtype
+    model = build_model(m, device)
+    sh = model_shape(m, seq)
+    rows = []
+    for mb in micro_batches:
+        batch = torch.randint(0, m.vocab_size, (mb, seq + 1), generator=torch.Generator().manual_seed(0))
+
+        def step():
+            lm_loss(model, batch, device, dtype).backward()
+            model.zero_grad(set_to_none=True)
+
+        sec = timed(step, device, repeats=3)
+        t = estimate(sh, partial, Layout(micro_batch=mb), seq, mb, STACKS["flopwise"], dtype=dtype).time
+        other = max(sec - t["matmul"] - t["attention"], 0.05 * sec)
+        fwd_bytes, tensor = layer_elementwise_bytes(sh, mb * seq, 1, False)
+        logits = logits_tensor_bytes(sh, mb * seq, 1)
+        nbytes = m.n_layers * 3 * fwd_bytes + 3 * logits
+        rows.append([tensor, round(nbytes / other)])
+        progress(f"element-wise at micro-batch {mb}")
+    return rows
+
+
+def measure_optimizer(cfg: Config, device: torch.device, sizes, progress: Progress) -> list:
+    rows = []
+    for n in sizes:
+        w = torch.nn.Linear(1024, max(1, n // 1024), bias=False, device=device)
+        w.weight.grad = torch.full_like(w.weight, 1e-3)
+        opt = build_optimizer(w, cfg.optim)
+
+        def step():
+            params = [p for p in w.parameters()]
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            torch.nn.utils.clip_grads_with_norm_(params, cfg.optim.grad_clip or 1.0, norm, foreach=True)
+            opt.step()
+
+        rows.append([w.weight.numel(), timed(step, device)])
+        progress(f"AdamW over {w.weight.numel():,} parameters")
+    return rows
+
+
+def measure_collectives(nproc: int, threads: int, device: torch.device, progress: Progress) -> dict:
+    """Each collective by message size over `nproc` local ranks (of `threads` threads each on a CPU),
+    and how much of one hides behind compute (`overlap`), in a torchrun of this module."""
+    if nproc < 2:
+        return {"collectives": {}, "overlap": 1.0}
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    with tempfile.TemporaryDirectory(prefix="flopwise-calibrate-") as tmp:
+        out = Path(tmp) / "collectives.json"
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads or 1)}
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                            str(nproc), "-m", "flopwise.calibrate", str(out), backend],
+                           capture_output=True, text=True, env=env)
+        if r.returncode != 0 or not out.exists():
+            tail = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]
+            raise FlopwiseError(f"the collectives run on {nproc} ranks failed (exit {r.returncode}): {tail}")
+        progress(f"collectives over {nproc} ranks")
+        return json.loads(out.read_text())
+
+
+def _collectives_rank(out: str, backend: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    rows: dict[str, list] = {k: [] for k in COLLECTIVES}
+    for nbytes in MESSAGE_BYTES[device.type]:
+        n = nbytes // 4
+        full = torch.ones(n, device=device)
+        part = torch.ones(n // world, device=device)
+        ops = {"all_reduce": lambda: dist.all_reduce(full),
+               "all_gather": lambda: dist.all_gather_into_tensor(full[: part.numel() * world], part),
+               "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full[: part.numel() * world]),
+               "send_recv": lambda: (dist.send(full, 1) if rank == 0 else dist.recv(full, 0)) if rank < 2 else None}
+        for kind, op in ops.items():
+            rows[kind].append([world if kind != "send_recv" else 2, nbytes, timed(op, device, before=dist.barrier)])
+    hidden = overlap(device)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"collectives": rows, "overlap": hidden}))
+    dist.destroy_process_group()
+
+
+def overlap(device: torch.device) -> float:
+    """The share of an all-reduce that hides behind matmuls running meanwhile on the same rank
+    (DDP/FSDP overlap gradient traffic with backward this way): 1 when the two take no longer than
+    the longer alone, 0 when they take as long as one after the other. A GPU has copy engines and
+    spare SMs for NCCL; a CPU rank whose cores all compute has nothing left to move the bytes."""
+    import torch.distributed as dist
+
+    n = 512 if device.type == "cpu" else 8192
+    a = torch.full((n, n), 0.5, device=device)
+    buf = torch.ones((16 if device.type == "cpu" else 256) * 2**20 // 4, device=device)
+    reps = max(1, int(timed(lambda: dist.all_reduce(buf), device, before=dist.barrier)
+                      / timed(lambda: a @ a, device)))  # as much compute as communication
+
+    def compute():
+        for _ in range(reps):
+            a @ a
+
+    def both():
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+
+    t_c = timed(compute, device, before=dist.barrier)
+    t_m = timed(lambda: dist.all_reduce(buf), device, before=dist.barrier)
+    t_both = timed(both, device, before=dist.barrier)
+    return max(0.0, min(1.0, (t_c + t_m - t_both) / min(t_c, t_m)))
+
+
+def device_entry(device: torch.device) -> tuple[str, Hardware]:
+    """The catalogue entry the calibration replaces: `cpu`, or the GPU's (identified by name and
+    memory), else a new entry named after the driver's name."""
+    if device.type == "cpu":
+        return "cpu", CATALOGUE["cpu"]
+    props = torch.cuda.get_device_properties(device)
+    name = identify_gpu(props.name, props.total_memory)
+    if name:
+        return name, CATALOGUE[name]
+    slug = "-".join(props.name.lower().replace("nvidia", "").split())
+    return slug, Hardware(slug, {}, float(props.total_memory), 0.0, 0.0, 0.0, torch.cuda.device_count(),
+                          f"measured: {props.name}")
+
+
+def host_memory_bytes() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024.0
+    return 0.0
+
+
+def stream_bandwidth(device: torch.device) -> float:
+    """Achieved bytes/s of a large fp32 copy (read + write): the memory side of the roofline."""
+    n = (1 << 26) if device.type == "cpu" else (1 << 28)
+    a, b = torch.ones(n, device=device), torch.empty(n, device=device)
+    return 8 * n / timed(lambda: b.copy_(a), device)
+
+
+def calibrate(cfg: Config, device: torch.device, nproc: int, progress: Progress) -> Hardware:
+    """A hardware entry for `device` with a calibration measured here (see the module docstring).
+    On a CPU one device is one of `nproc` ranks: the compute is measured on its share of the cores."""
+    threads = max(1, (os.cpu_count() or 1) // nproc) if device.type == "cpu" else 0
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+        torch.set_flush_denormal(True)  # as flopwise.build runs a CPU rank
+    try:
+        return _calibrate(cfg, device, nproc, threads, progress)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _calibrate(cfg: Config, device: torch.device, nproc: int, threads: int, progress: Progress) -> Hardware:
+    dtype_name = cfg.train.dtype
+    dtype = DTYPES[dtype_name]
+    name, base = device_entry(device)
+    peak = measure_matmul_peak(dtype_name, device)
+    progress(f"peak {peak / 1e12:.3g} TFLOP/s")
+    mb = cfg.train.micro_batch or 1
+    micro_batches = tuple(sorted({max(1, mb // 4), max(1, mb // 2), mb}))
+    tps = tuple(t for t in (1, 2, 4, 8) if t <= max(nproc, 1))
+    gemm = measure_gemms(gemm_shapes(cfg, tps, micro_batches), dtype, device, peak, progress)
+    seqs = sorted({s for s in (128, 256, 512, 1024, 2048, 4096) if device.type == "cuda" or s <= 1024}
+                  | {cfg.data.seq_len})
+    attention = measure_attention(sorted({cfg.model.head_dim, 64, 128}), seqs, dtype, device, peak, progress)
+    bw = stream_bandwidth(device)
+    measured = measure_collectives(nproc, threads, device, progress)
+    collectives = measured["collectives"]
+    hw = replace(base, peak_flops={**base.peak_flops, dtype_name: peak}, memory_bw=bw, devices_per_node=max(nproc, 1),
+                 memory_bytes=base.memory_bytes or host_memory_bytes(),
+                 intra_node_bw=base.intra_node_bw or bw, inter_node_bw=base.inter_node_bw or bw,
+                 source=f"measured by flopwise hardware calibrate on {platform.node()} "
+                        f"({nproc} ranks{f' of {threads} threads' if threads else ''}, torch {torch.__version__}) at "
+                        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
+    stub = Calibration(dtype=dtype_name, gemm=tuple(map(tuple, gemm)), attention=tuple(map(tuple, attention)),
+                       elementwise=((1.0, bw),), optimizer=((1.0, 1.0),))
+    elementwise = measure_elementwise(cfg, replace(hw, calibration=stub), device, micro_batches, progress)
+    sizes = [2**20, 2**22, 2**24] if device.type == "cpu" else [2**24, 2**26, 2**28]
+    optimizer = measure_optimizer(cfg, device, sizes, progress)
+    cal = Calibration(dtype=dtype_name, gemm=stub.gemm, attention=stub.attention,
+                      elementwise=tuple(map(tuple, elementwise)), optimizer=tuple(map(tuple, optimizer)),
+                      collectives=tuple((k, tuple(map(tuple, v))) for k, v in sorted(collectives.items()) if v),
+                      source=f"{cfg.model.preset or 'model'} shapes, seq {cfg.data.seq_len}", threads=threads,
+                      overlap=round(measured["overlap"], 3))
+    return replace(hw, calibration=cal)
+
+
+def steps_of(cfg: Config, nproc: int, device: torch.device) -> int:
+    """How many measurements calibrate takes (for the progress bar)."""
+    mb = cfg.train.micro_batch or 1
+    micro_batches = tuple(sorted({max(1, mb // 4), max(1, mb // 2), mb}))
+    tps = tuple(t for t in (1, 2, 4, 8) if t <= max(nproc, 1))
+    gemms = [s for s in gemm_shapes(cfg, tps, micro_batches) if device.type != "cpu" or 2 * s[0] * s[1] * s[2] <= CPU_FLOP_CAP]
+    seqs = {s for s in (128, 256, 512, 1024, 2048, 4096) if device.type == "cuda" or s <= 1024} | {cfg.data.seq_len}
+    return 1 + len(gemms) + len(seqs) * len({cfg.model.head_dim, 64, 128}) + len(micro_batches) + 3 + (nproc >= 2)
+
+
+def save(hw: Hardware, path: str | Path) -> Path:
+    """Write `hw` into a hardware TOML, replacing its entry in a file flopwise wrote before (other
+    entries kept) and refusing a file it did not write. Table rows go one per line."""
+    path = check_writable(path, "--out")
+    tree = {}
+    if path.exists():
+        try:
+            tree = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--out {path}: not a hardware TOML ({e}); choose another path") from None
+    tree[hw.name] = hardware_toml(hw)
+    parts = []
+    for name, entry in tree.items():
+        entry = dict(entry)
+        cal = entry.pop("calibration", None)
+        parts.append(tomli_w.dumps({name: entry}))
+        if cal:
+            colls = cal.pop("collectives", {})
+            lines = [f"[{name}.calibration]"]
+            for key, value in cal.items():
+                lines.append(f"{key} = " + (_rows(value) if isinstance(value, list) else json.dumps(value)))
+            if colls:
+                lines.append(f"\n[{name}.calibration.collectives]")
+                lines += [f"{kind} = {_rows(rows)}" for kind, rows in colls.items()]
+            parts.append("\n".join(lines) + "\n")
+    return write_text(path, "\n".join(parts), "--out")
+
+
+def _rows(rows: list[list[float]]) -> str:
+    return "[\n" + "".join(f"  [{', '.join(repr(x) for x in row)}],\n" for row in rows) + "]"
+
+
+if __name__ == "__main__":
+    _collectives_rank(sys.argv[1], sys.argv[2])

@@ -1,0 +1,78 @@
+"""float8 training (train.float8, torchao's dynamic scaling) as the planner books it. Pure Python.
+
+Which of a block's linears run in float8 (plan.memory.float8_eligible: both weight dims multiples
+of 16, the rest stay in train.dtype), whether FSDP2 gathers their weights in float8, and the HBM
+bytes the amax and cast kernels around each float8 matmul move, for the step-time model. The bytes
+those linears keep for backward are plan.memory's (`engine_precision(..., float8=True)`).
+"""
+
+from __future__ import annotations
+
+from flopwise.config import ModelConfig
+from flopwise.plan.memory import block_linears, float8_eligible
+
+RECIPES = ("rowwise", "tensorwise")
+SCALE_BYTES = 4  # torchao keeps every scale in fp32
+
+
+def float8_all_gather(recipe: str, lo) -> bool:
+    """Whether FSDP2 all-gathers the float8 linears' weights in float8 (torchao's
+    enable_fsdp_float8_all_gather): tensorwise scaling only (one scale per weight, computed over
+    the shards), under fully_shard (ZeRO 2/3 on more than one rank). `lo`: a plan.layout.Layout."""
+    return recipe == "tensorwise" and lo.zero >= 2 and lo.world > 1
+
+
+def unconverted_linears(m: ModelConfig, tp: int = 1) -> list[str]:
+    """The block linears that stay in train.dtype under train.float8 (a weight dim, tensor-parallel
+    local, not a multiple of 16), named as in the banner."""
+    return [name for name, shape in block_linears(m, tp) if not float8_eligible(shape)]
+
+
+def _cast(n: float, rows: float, hp_bytes: float, recipe: str) -> float:
+    """One dynamic float8 cast of an n-element high-precision tensor: a pass that reads it for its
+    amax (torchao's tensor_to_amax: per tensor, or per row for rowwise), and a pass that reads it
+    again and writes it in float8 (1 byte per element) with its fp32 scales (one, or one per row)."""
+    scales = rows if recipe == "rowwise" else 1
+    return 2 * hp_bytes * n + n + SCALE_BYTES * scales
+
+
+def cast_bytes(model: ModelConfig, tokens: float, tp: int, recipe: str, *, weight_bytes: float = 2,
+               hp_bytes: float = 2) -> tuple[float, float]:
+    """HBM bytes one layer's amax and cast kernels move (forward, backward) on one rank, for
+    `tokens` tokens (b·s/cp of a micro-batch) through the block's float8 linears (tensor-parallel
+    local shapes). `hp_bytes`: the activations' and gradients' element size (bf16 autocast: 2);
+    `weight_bytes`: the weight's (fp32 master weights: 4; FSDP2's bf16 gathered copy: 2). Each
+    cast is `_cast`: read for the amax, read again and write float8. Per linear of weight N×K with
+    input X (T×K) and output gradient G (T×N), from torchao.float8.float8_linear
+    (matmul_with_hp_or_float8_args), which saves X and W in high precision and casts afresh in
+    backward:
+
+    - forward, both recipes: cast X (scaled per row of X under rowwise) and W (per row of W).
+    - backward, tensorwise: cast G once, used by both gemms: grad_input = G·W and
+      grad_weight = Gᵀ·X, the latter needing Gᵀ row-major, one more read and write of the float8
+      G (torch._scaled_mm takes its first operand row-major); recast W and X (their scales are
+      per tensor, so the same scale, but the float8 copies were not kept).
+    - backward, rowwise: G cast twice, per row for grad_input and per column for grad_weight
+      (each written in the layout its gemm reads); W recast per column (of K) for grad_input and
+      X per column (of K) for grad_weight.
+
+    Under FSDP2's float8 all-gather (tensorwise) the weight's cast happens on the shard before the
+    gather instead; the bytes are the same over the dp ranks, so they are booked here per rank as
+    if unsharded (an upper bound of 1/dp of the weight terms). The layer's bias adds stay in high
+    precision and are not counted. Compiled blocks fuse the casts into neighbouring kernels only
+    partly; eager ones run them as separate kernels, as counted here."""
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe {recipe!r}: expected one of {RECIPES}")
+    t = tokens
+    fwd = bwd = 0.0
+    for n_out, k_in in (s for _, s in block_linears(model, tp) if float8_eligible(s)):
+        x, w, g = t * k_in, n_out * k_in, t * n_out
+        fwd += _cast(x, t, hp_bytes, recipe) + _cast(w, n_out, weight_bytes, recipe)
+        if recipe == "tensorwise":
+            bwd += _cast(g, t, hp_bytes, recipe) + 2 * g + _cast(w, n_out, weight_bytes, recipe) \
+                + _cast(x, t, hp_bytes, recipe)
+        else:
+            bwd += (_cast(g, t, hp_bytes, recipe) + _cast(g, n_out, hp_bytes, recipe)
+                    + _cast(w, k_in, weight_bytes, recipe) + _cast(x, k_in, hp_bytes, recipe))
+    return fwd, bwd
+
