@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flopwise.config import Config
 from flopwise.errors import ConfigError
-from flopwise.plan.layout import Layout, check_layout
+from flopwise.plan.layout import Layout, check_layout, config_layout
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -31,12 +31,7 @@ def world_size() -> int:
 
 def layout_of(cfg: Config, world: int) -> Layout:
     """The layout the config asks for on `world` processes; dp defaults to what is left."""
-    p = cfg.parallel
-    others = p.tp * p.pp * p.cp
-    dp = p.dp if p.dp is not None else max(1, world // others)
-    lo = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, dp_replicate=p.dp_replicate, zero=p.zero,
-                pp_schedule=p.pp_schedule, virtual_stages=p.virtual_stages, micro_batch=cfg.train.micro_batch,
-                recompute=p.recompute, sequence_parallel=p.sequence_parallel)
+    lo = config_layout(cfg, world)
     reason = check_layout(lo, cfg.model, cfg.data.seq_len, cfg.train.global_batch, world,
                           pp_layers=cfg.parallel.pp_layers)
     if reason and world == 1 and lo.world > 1:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from flopwise.config import ModelConfig
+from flopwise.config import Config, ModelConfig
 from flopwise.flops import count_params
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev")
@@ -243,3 +243,13 @@ def compiles(setting: bool | str, steps: float, lo: Layout) -> bool:
     if setting != "auto":
         return bool(setting)
     return steps >= COMPILE_MIN_STEPS and lo.tp == lo.pp == lo.cp == 1
+
+
+def config_layout(cfg: Config, world: int) -> Layout:
+    """The layout the config's parallel.* and train.micro_batch give on `world` devices (dp: what
+    the other degrees leave), unchecked (the engine's parallel.mesh.layout_of checks it)."""
+    p = cfg.parallel
+    dp = p.dp if p.dp is not None else max(1, world // (p.tp * p.pp * p.cp))
+    return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, dp_replicate=p.dp_replicate, zero=p.zero,
+                  pp_schedule=p.pp_schedule, virtual_stages=p.virtual_stages, micro_batch=cfg.train.micro_batch,
+                  recompute=p.recompute, sequence_parallel=p.sequence_parallel)

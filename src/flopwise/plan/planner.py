@@ -19,7 +19,7 @@ from flopwise.errors import ConfigError
 from flopwise.hardware import Hardware, cluster_hardware
 from flopwise.hf_config import read_hf_config, tensor_shapes
 from flopwise.plan.float8 import RECIPES
-from flopwise.plan.layout import Layout, check_layout
+from flopwise.plan.layout import Layout, check_layout, config_layout
 from flopwise.plan.perf import (FIT_MARGIN, LINK_EFFICIENCY, MEM_EFFICIENCY, RUNTIME_RESERVE, STACKS, Estimate, Shape,
                                 estimate, model_shape)
 from flopwise.plan.reliability import Reliability, reliability
@@ -203,16 +203,6 @@ def resolve_layout(cfg: Config, tree: dict[str, Any], world: int) -> Config:
         raise ConfigError(f"parallel.layout=auto: no layout fits {world} × {report.hardware.name} "
                           f"({report.best.reason}); add devices or shrink the model or micro-batch")
     return layout_config(cfg, report.best.layout)
-
-
-def config_layout(cfg: Config, world: int) -> Layout:
-    """The layout the config's parallel.* and train.micro_batch give on `world` devices (dp: what
-    the other degrees leave), as the engine reads them (parallel.mesh.layout_of), unchecked."""
-    p = cfg.parallel
-    dp = p.dp if p.dp is not None else max(1, world // (p.tp * p.pp * p.cp))
-    return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, dp_replicate=p.dp_replicate, zero=p.zero,
-                  pp_schedule=p.pp_schedule, virtual_stages=p.virtual_stages, micro_batch=cfg.train.micro_batch,
-                  recompute=p.recompute, sequence_parallel=p.sequence_parallel)
 
 
 @dataclass(kw_only=True)
