@@ -28,6 +28,7 @@ FAMILIES = {
         LLAMA, rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                                     high_freq_factor=4.0, original_max_position_embeddings=16))),
     "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(LLAMA, sliding_window=8)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", LLAMA),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(LLAMA, head_dim=32, tie_word_embeddings=True)),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64)),
     "neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(vocab_size=V, hidden_size=64, intermediate_size=256,

@@ -25,6 +25,7 @@ FAMILIES = {  # name: (config class, model class, config kwargs, max shard size 
     "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", dict(SMALL, num_key_value_heads=2), None),
     "llama-tied-sharded": ("LlamaConfig", "LlamaForCausalLM", dict(SMALL, tie_word_embeddings=True), "20KB"),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(SMALL, num_key_value_heads=2, sliding_window=32), None),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(SMALL, num_key_value_heads=2), None),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(SMALL, num_key_value_heads=2, head_dim=16), None),
     "neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(SMALL, rotary_pct=0.5), None),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64,
@@ -102,11 +103,11 @@ def test_hf_config_json_alone(checkpoints, tmp_path):
 
 
 def test_hf_unknown_architecture_is_one_line(tmp_path):
-    """Qwen2 (bias on q, k, v only) has no flopwise equivalent: one line naming it and the supported ones."""
-    save(tmp_path, ("Qwen2Config", "Qwen2ForCausalLM", dict(SMALL, num_key_value_heads=2), None))
+    """A state-space model has no flopwise equivalent: one line naming it and the supported ones."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 32, "vocab_size": V}))
     r = flopwise("plan", *PLAN, "--hf", str(tmp_path))
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    assert "'qwen2'" in r.stderr and "supported: llama, mistral, qwen3, gpt2, gpt_neox, opt" in r.stderr
+    assert "'mamba'" in r.stderr and "supported: llama, mistral, qwen2, qwen3, gpt2, gpt_neox, opt" in r.stderr
 
 
 def test_hf_missing_field_is_one_line(checkpoints, tmp_path):

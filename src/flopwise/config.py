@@ -62,6 +62,7 @@ class ModelConfig(Section):
     qk_norm: bool = False
     sliding_window: int | None = Field(None, ge=1)
     bias: bool = False
+    qkv_bias: bool = Field(False, description="biases on the q, k and v projections only (Qwen2)")
     parallel_block: bool = False
     embed_norm: bool = False
     dropout: float = Field(0.0, ge=0, lt=1)

@@ -53,6 +53,8 @@ def count_params(m: ModelConfig) -> ParamCount:
     layer_other = 2 * _norm(m, d)
     if m.bias:
         layer_other += hq + 2 * hkv + d + n_ffn_in * f + d
+    elif m.qkv_bias:
+        layer_other += hq + 2 * hkv
     if m.qk_norm:
         layer_other += 2 * m.head_dim
     if m.pos == "relative":
@@ -74,8 +76,8 @@ def param_shapes(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     module). A tied head is the embedding's parameter, listed once."""
     d, hq, hkv, f = m.d_model, m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.ffn_dim
 
-    def linear(name: str, n_in: int, n_out: int) -> list:
-        return [(f"{name}.weight", (n_out, n_in))] + ([(f"{name}.bias", (n_out,))] if m.bias else [])
+    def linear(name: str, n_in: int, n_out: int, bias: bool = m.bias) -> list:
+        return [(f"{name}.weight", (n_out, n_in))] + ([(f"{name}.bias", (n_out,))] if bias else [])
 
     def norm(name: str) -> list:
         return [(f"{name}.weight", (d,))] + ([(f"{name}.bias", (d,))] if m.norm == "layernorm" and m.bias else [])
@@ -90,7 +92,9 @@ def param_shapes(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
         out += norm(p + "attention_norm")
         if m.pos == "relative":  # a module's own parameters come before its submodules'
             out += [(p + "attention.pos_bias_u", (m.n_heads, m.head_dim)), (p + "attention.pos_bias_v", (m.n_heads, m.head_dim))]
-        out += linear(p + "attention.wq", d, hq) + linear(p + "attention.wk", d, hkv) + linear(p + "attention.wv", d, hkv)
+        qkv = m.bias or m.qkv_bias
+        out += (linear(p + "attention.wq", d, hq, qkv) + linear(p + "attention.wk", d, hkv, qkv)
+                + linear(p + "attention.wv", d, hkv, qkv))
         out += linear(p + "attention.wo", hq, d)
         if m.qk_norm:
             out += [(p + "attention.q_norm.weight", (m.head_dim,)), (p + "attention.k_norm.weight", (m.head_dim,))]

@@ -14,7 +14,8 @@ from typing import Any
 
 from flopwise.errors import CheckpointError
 
-LLAMA_LIKE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+LLAMA_LIKE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+              "qwen3": "Qwen3ForCausalLM"}
 
 
 def refuse(path, msg: str):
@@ -105,8 +106,8 @@ def model_fields(cfg: dict, path: Any = "") -> dict:
             refuse(path, "attention_bias=true is not supported")
         theta, scaling = _rope(cfg, path)
         window = cfg.get("sliding_window") if (mt == "mistral" or cfg.get("use_sliding_window")) else None
-        if mt == "qwen3" and cfg.get("use_sliding_window"):
-            refuse(path, "Qwen3 sliding-window layers (use_sliding_window=true) are not supported")
+        if mt in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+            refuse(path, f"{mt} sliding-window layers (use_sliding_window=true) are not supported")
         return dict(arch=mt, n_layers=cfg["num_hidden_layers"], d_model=cfg["hidden_size"],
                            n_heads=cfg["num_attention_heads"],
                            n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
@@ -114,7 +115,7 @@ def model_fields(cfg: dict, path: Any = "") -> dict:
                            ffn_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
                            max_seq_len=cfg["max_position_embeddings"], norm_eps=cfg.get("rms_norm_eps", 1e-6),
                            rope_theta=theta, rope_scaling=scaling, sliding_window=window,
-                           tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+                           tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=mt == "qwen2")
     if mt == "gpt2":
         if cfg.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
             refuse(path, f"GPT-2 activation {cfg.get('activation_function')!r} is not supported (gelu_new)")
@@ -146,7 +147,7 @@ def model_fields(cfg: dict, path: Any = "") -> dict:
                            n_heads=cfg["num_attention_heads"], ffn_dim=cfg["ffn_dim"], vocab_size=cfg["vocab_size"],
                            max_seq_len=cfg["max_position_embeddings"],
                            tie_embeddings=bool(cfg.get("tie_word_embeddings", True)))
-    refuse(path, f"model_type {mt!r} is not supported (supported: llama, mistral, qwen3, gpt2, gpt_neox, opt)")
+    refuse(path, f"model_type {mt!r} is not supported (supported: llama, mistral, qwen2, qwen3, gpt2, gpt_neox, opt)")
 
 
 def hf_config_from_model(m, eos_id: int | None = None) -> dict:
@@ -162,6 +163,7 @@ def hf_config_from_model(m, eos_id: int | None = None) -> dict:
         check(m.norm == "rmsnorm" and m.mlp == "swiglu" and m.pos == "rope" and not m.bias and not m.parallel_block
               and not m.embed_norm and m.rotary_pct == 1.0, "these norm/mlp/pos/bias settings")
         check(m.qk_norm == (m.arch == "qwen3"), f"qk_norm={m.qk_norm}")
+        check(m.qkv_bias == (m.arch == "qwen2"), f"qkv_bias={m.qkv_bias}")
         check(m.arch == "mistral" or not m.sliding_window, "a sliding window")
         rope = {"rope_type": "default", "rope_theta": m.rope_theta}
         legacy_scaling = None
@@ -179,7 +181,7 @@ def hf_config_from_model(m, eos_id: int | None = None) -> dict:
             cfg["rope_scaling"] = legacy_scaling
         if m.arch == "mistral":
             cfg["sliding_window"] = m.sliding_window
-        if m.arch == "qwen3":
+        if m.arch in ("qwen2", "qwen3"):
             cfg.update(use_sliding_window=False, sliding_window=None)
         return cfg
     if m.arch == "gpt2":
@@ -206,4 +208,4 @@ def hf_config_from_model(m, eos_id: int | None = None) -> dict:
                 "max_position_embeddings": m.max_seq_len, "word_embed_proj_dim": m.d_model,
                 "do_layer_norm_before": True, "activation_function": "relu", "enable_bias": True}
     raise CheckpointError(f"to_hf: arch {m.arch!r} has no Hugging Face export here "
-                          "(supported: llama, mistral, qwen3, gpt2, neox, opt)")
+                          "(supported: llama, mistral, qwen2, qwen3, gpt2, neox, opt)")

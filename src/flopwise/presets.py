@@ -27,6 +27,9 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     # Jiang et al. 2023: Llama with sliding-window attention.
     "mistral": dict(norm="rmsnorm", mlp="swiglu", pos="rope", bias=False, tie_embeddings=False, norm_eps=1e-5,
                     sliding_window=4096),
+    # Yang et al. 2024 (Qwen2 technical report): Llama-like plus biases on the q, k and v projections.
+    "qwen2": dict(norm="rmsnorm", mlp="swiglu", pos="rope", bias=False, qkv_bias=True, rope_theta=1_000_000.0,
+                  tie_embeddings=False, norm_eps=1e-6),
     # Qwen3 technical report 2025: Llama-like plus RMSNorm on q and k per head.
     "qwen3": dict(norm="rmsnorm", mlp="swiglu", pos="rope", bias=False, qk_norm=True, rope_theta=1_000_000.0,
                   tie_embeddings=False, norm_eps=1e-6),

@@ -58,6 +58,8 @@ def _names(m: ModelConfig) -> list[tuple[str, str]]:
                       (f + "feed_forward.w2.weight", h + "mlp.down_proj.weight"),
                       (f + "attention_norm.weight", h + "input_layernorm.weight"),
                       (f + "ffn_norm.weight", h + "post_attention_layernorm.weight")]
+            if m.qkv_bias:
+                pairs += [(f + f"attention.w{x}.bias", h + f"self_attn.{x}_proj.bias") for x in "qkv"]
             if m.qk_norm:
                 pairs += [(f + "attention.q_norm.weight", h + "self_attn.q_norm.weight"),
                           (f + "attention.k_norm.weight", h + "self_attn.k_norm.weight")]

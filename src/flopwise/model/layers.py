@@ -164,9 +164,9 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = m.head_dim
         hq, hkv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
-        self.wq = nn.Linear(m.d_model, hq, bias=m.bias)
-        self.wk = nn.Linear(m.d_model, hkv, bias=m.bias)
-        self.wv = nn.Linear(m.d_model, hkv, bias=m.bias)
+        self.wq = nn.Linear(m.d_model, hq, bias=m.bias or m.qkv_bias)
+        self.wk = nn.Linear(m.d_model, hkv, bias=m.bias or m.qkv_bias)
+        self.wv = nn.Linear(m.d_model, hkv, bias=m.bias or m.qkv_bias)
         self.wo = nn.Linear(hq, m.d_model, bias=m.bias)
         self.q_norm = nn.RMSNorm(m.head_dim, eps=m.norm_eps) if m.qk_norm else None
         self.k_norm = nn.RMSNorm(m.head_dim, eps=m.norm_eps) if m.qk_norm else None
