@@ -38,13 +38,13 @@ import tomllib
 import torch
 
 from flopwise.calibration import COLLECTIVES, Calibration
-from flopwise.config import Config
+from flopwise.config import Config, load_config, to_toml, validate
 from flopwise.errors import ConfigError, FlopwiseError
 from flopwise.hardware import CATALOGUE, Hardware, hardware_toml, identify_gpu
 from flopwise.outputs import check_writable, write_text
 from flopwise.model.layers import CoreAttention
 from flopwise.model.transformer import build_model
-from flopwise.plan.layout import Layout
+from flopwise.plan.layout import Layout, check_layout, config_layout
 from flopwise.plan.perf import STACKS, estimate, layer_elementwise_bytes, logits_tensor_bytes, model_shape
 from flopwise.train.engine import lm_loss
 from flopwise.train.metrics import DTYPES, measure_matmul_peak
@@ -132,30 +132,69 @@ def measure_attention(head_dims, seqs, dtype: torch.dtype, device: torch.device,
     return rows
 
 
-def measure_elementwise(cfg: Config, partial: Hardware, device: torch.device, micro_batches: tuple[int, ...],
-                        progress: Progress) -> list:
-    """The model's forward + backward less the planner's GEMM and attention time for it (from
-    the tables just measured), as the bandwidth of the planner's element-wise bytes."""
-    m, seq, dtype = cfg.model, cfg.data.seq_len, cfg.train.dtype
-    model = build_model(m, device)
+def elementwise_row(cfg: Config, partial: Hardware, tp: int, mb: int, seconds: float) -> list:
+    """(tp, activation bytes, achieved bandwidth) from a measured forward + backward of one
+    micro-batch: what the planner's GEMM, attention and tensor-parallel all-reduce time for it
+    (from the tables and fits just measured) leaves, over the planner's element-wise bytes."""
+    m, seq = cfg.model, cfg.data.seq_len
     sh = model_shape(m, seq)
-    rows = []
+    t = estimate(sh, partial, Layout(tp=tp, micro_batch=mb), seq, mb, STACKS["flopwise"], dtype=cfg.train.dtype).time
+    other = max(seconds - t["matmul"] - t["attention"] - t["tp_comm"], 0.05 * seconds)
+    fwd_bytes, tensor = layer_elementwise_bytes(sh, mb * seq, tp, False)
+    nbytes = m.n_layers * 3 * fwd_bytes + 3 * logits_tensor_bytes(sh, mb * seq, tp)
+    return [tp, tensor, round(nbytes / other)]
+
+
+def model_seconds(cfg: Config, device: torch.device, micro_batches: tuple[int, ...], progress: Progress) -> dict:
+    """Seconds of the config's model forward + backward (train.engine.lm_loss) per micro-batch."""
+    m = cfg.model
+    model = build_model(m, device)
+    out = {}
     for mb in micro_batches:
-        batch = torch.randint(0, m.vocab_size, (mb, seq + 1), generator=torch.Generator().manual_seed(0))
+        batch = torch.randint(0, m.vocab_size, (mb, cfg.data.seq_len + 1), generator=torch.Generator().manual_seed(0))
 
         def step():
-            lm_loss(model, batch, device, dtype).backward()
+            lm_loss(model, batch, device, cfg.train.dtype).backward()
             model.zero_grad(set_to_none=True)
 
-        sec = timed(step, device, repeats=3)
-        t = estimate(sh, partial, Layout(micro_batch=mb), seq, mb, STACKS["flopwise"], dtype=dtype).time
-        other = max(sec - t["matmul"] - t["attention"], 0.05 * sec)
-        fwd_bytes, tensor = layer_elementwise_bytes(sh, mb * seq, 1, False)
-        logits = logits_tensor_bytes(sh, mb * seq, 1)
-        nbytes = m.n_layers * 3 * fwd_bytes + 3 * logits
-        rows.append([tensor, round(nbytes / other)])
-        progress(f"element-wise at micro-batch {mb}")
-    return rows
+        out[mb] = timed(step, device, repeats=3)
+        progress(f"model forward + backward at micro-batch {mb}")
+    return out
+
+
+def tp_config(cfg: Config, tp: int) -> Config | None:
+    """The config at tensor-parallel degree `tp`, one micro-batch per step, or None if its model
+    does not split that way."""
+    d = cfg.model_dump(mode="json", exclude_none=True, by_alias=True)
+    d["parallel"] = {**d["parallel"], "tp": tp, "dp": 1, "pp": 1, "cp": 1, "zero": 0, "sequence_parallel": False}
+    mb = cfg.train.micro_batch or 1
+    d["train"] = {**d["train"], "global_batch": mb, "micro_batch": mb}
+    try:
+        tp_cfg = validate(d)
+        check = check_layout(config_layout(tp_cfg, tp), tp_cfg.model, tp_cfg.data.seq_len, mb, tp)
+    except (ConfigError, ValueError):
+        return None
+    return None if check else tp_cfg
+
+
+def _tp_seconds(config: str, device: torch.device) -> float:
+    """One rank of the engine's tensor-parallel forward + backward of one micro-batch (flopwise.build)."""
+    import torch.distributed as dist
+
+    from flopwise.build import build_engine
+    from flopwise.parallel import mesh
+
+    cfg = load_config(config)
+    engine, _ = build_engine(cfg, mesh.init(cfg, device))
+    batch = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1),
+                          generator=torch.Generator().manual_seed(0))
+
+    def step():
+        engine.forward_backward(batch)
+        for p in engine.modules.parameters():
+            p.grad = None
+
+    return timed(step, device, repeats=3, before=dist.barrier)
 
 
 def measure_optimizer(cfg: Config, device: torch.device, sizes, progress: Progress) -> list:
@@ -176,26 +215,28 @@ def measure_optimizer(cfg: Config, device: torch.device, sizes, progress: Progre
     return rows
 
 
-def measure_collectives(nproc: int, threads: int, device: torch.device, progress: Progress) -> dict:
-    """Each collective by message size over `nproc` local ranks (of `threads` threads each on a CPU),
-    and how much of one hides behind compute (`overlap`), in a torchrun of this module."""
+def measure_ranks(nproc: int, threads: int, device: torch.device, tp_cfg: Config | None, progress: Progress) -> dict:
+    """Over `nproc` local ranks (of `threads` threads each on a CPU), in a torchrun of this module:
+    each collective by message size, how much of one hides behind compute (`overlap`), and the
+    engine's forward + backward at tensor-parallel degree nproc (`tp_seconds`, given `tp_cfg`)."""
     if nproc < 2:
-        return {"collectives": {}, "overlap": 1.0}
+        return {"collectives": {}, "overlap": 1.0, "tp_seconds": None}
     backend = "nccl" if device.type == "cuda" else "gloo"
     with tempfile.TemporaryDirectory(prefix="flopwise-calibrate-") as tmp:
-        out = Path(tmp) / "collectives.json"
+        out, config = Path(tmp) / "collectives.json", Path(tmp) / "tp.toml"
+        config.write_text(to_toml(tp_cfg) if tp_cfg else "")
         env = {**os.environ, "OMP_NUM_THREADS": str(threads or 1)}
         r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                            str(nproc), "-m", "flopwise.calibrate", str(out), backend],
+                            str(nproc), "-m", "flopwise.calibrate", str(out), backend, str(config) if tp_cfg else ""],
                            capture_output=True, text=True, env=env)
         if r.returncode != 0 or not out.exists():
             tail = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]
             raise FlopwiseError(f"the collectives run on {nproc} ranks failed (exit {r.returncode}): {tail}")
-        progress(f"collectives over {nproc} ranks")
+        progress(f"collectives{', tensor parallel' if tp_cfg else ''} over {nproc} ranks")
         return json.loads(out.read_text())
 
 
-def _collectives_rank(out: str, backend: str) -> None:
+def _collectives_rank(out: str, backend: str, config: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group(backend)
@@ -215,8 +256,11 @@ def _collectives_rank(out: str, backend: str) -> None:
         for kind, op in ops.items():
             rows[kind].append([world if kind != "send_recv" else 2, nbytes, timed(op, device, before=dist.barrier)])
     hidden = overlap(device)
+    if device.type == "cpu":
+        torch.set_flush_denormal(True)  # as flopwise.build runs a CPU rank
+    tp_seconds = _tp_seconds(config, device) if config else None
     if rank == 0:
-        Path(out).write_text(json.dumps({"collectives": rows, "overlap": hidden}))
+        Path(out).write_text(json.dumps({"collectives": rows, "overlap": hidden, "tp_seconds": tp_seconds}))
     dist.destroy_process_group()
 
 
@@ -305,7 +349,8 @@ def _calibrate(cfg: Config, device: torch.device, nproc: int, threads: int, prog
                   | {cfg.data.seq_len})
     attention = measure_attention(sorted({cfg.model.head_dim, 64, 128}), seqs, dtype, device, peak, progress)
     bw = stream_bandwidth(device)
-    measured = measure_collectives(nproc, threads, device, progress)
+    tp_cfg = tp_config(cfg, nproc) if nproc >= 2 else None
+    measured = measure_ranks(nproc, threads, device, tp_cfg, progress)
     collectives = measured["collectives"]
     hw = replace(base, peak_flops={**base.peak_flops, dtype_name: peak}, memory_bw=bw, devices_per_node=max(nproc, 1),
                  memory_bytes=base.memory_bytes or host_memory_bytes(),
@@ -314,13 +359,18 @@ def _calibrate(cfg: Config, device: torch.device, nproc: int, threads: int, prog
                         f"({nproc} ranks{f' of {threads} threads' if threads else ''}, torch {torch.__version__}) at "
                         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
     stub = Calibration(dtype=dtype_name, gemm=tuple(map(tuple, gemm)), attention=tuple(map(tuple, attention)),
-                       elementwise=((1.0, bw),), optimizer=((1.0, 1.0),))
-    elementwise = measure_elementwise(cfg, replace(hw, calibration=stub), device, micro_batches, progress)
+                       elementwise=((1.0, 1.0, bw),), optimizer=((1.0, 1.0),),
+                       collectives=tuple((k, tuple(map(tuple, v))) for k, v in sorted(collectives.items()) if v))
+    partial = replace(hw, calibration=stub)
+    elementwise = [elementwise_row(cfg, partial, 1, mb, sec)
+                   for mb, sec in model_seconds(cfg, device, micro_batches, progress).items()]
+    if measured["tp_seconds"]:
+        elementwise.append(elementwise_row(tp_cfg, partial, nproc, mb, measured["tp_seconds"]))
     sizes = [2**20, 2**22, 2**24] if device.type == "cpu" else [2**24, 2**26, 2**28]
     optimizer = measure_optimizer(cfg, device, sizes, progress)
     cal = Calibration(dtype=dtype_name, gemm=stub.gemm, attention=stub.attention,
                       elementwise=tuple(map(tuple, elementwise)), optimizer=tuple(map(tuple, optimizer)),
-                      collectives=tuple((k, tuple(map(tuple, v))) for k, v in sorted(collectives.items()) if v),
+                      collectives=stub.collectives,
                       source=f"{cfg.model.preset or 'model'} shapes, seq {cfg.data.seq_len}", threads=threads,
                       overlap=round(measured["overlap"], 3))
     return replace(hw, calibration=cal)
@@ -369,4 +419,4 @@ def _rows(rows: list[list[float]]) -> str:
 
 
 if __name__ == "__main__":
-    _collectives_rank(sys.argv[1], sys.argv[2])
+    _collectives_rank(sys.argv[1], sys.argv[2], sys.argv[3])

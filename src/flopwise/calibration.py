@@ -10,9 +10,11 @@ link rates):
 - attention: (sequence, head dim, forward share, backward share) of SDPA causal attention, shares of
   the peak in the planner's attention FLOPs (forward: the score and value products; backward: twice
   those plus the recomputed scores of a fused kernel);
-- elementwise: (bytes of one activation tensor, achieved bytes/s) of the engine's own block with
-  its matmuls and attention taken out, in the planner's byte count (`plan.perf` element-wise terms):
-  what streaming work really costs at that size, launch overheads and casts included;
+- elementwise: (tensor-parallel degree, bytes of one activation tensor, achieved bytes/s) of the
+  engine's own forward + backward (under its tensor parallel for a degree > 1) with the GEMM and
+  attention tables' time (and, at tp > 1, the fitted all-reduces) taken out, in the planner's byte
+  count (`plan.perf` element-wise terms): what everything else really costs at that size and
+  degree, launch overheads, casts and DTensor's per-op dispatch included;
 - optimizer: (parameters, seconds) of one fused AdamW step with gradient clipping;
 - collectives: per kind, (ranks, bytes, seconds); the planner fits latency and bandwidth of the
   ring model (`plan.comm.ring_time`) to them;
@@ -37,7 +39,7 @@ class Calibration:
     dtype: str
     gemm: tuple[tuple[float, float, float, float], ...]
     attention: tuple[tuple[float, float, float, float], ...]
-    elementwise: tuple[tuple[float, float], ...]
+    elementwise: tuple[tuple[float, float, float], ...]
     optimizer: tuple[tuple[float, float], ...]
     collectives: tuple[tuple[str, tuple[tuple[float, float, float], ...]], ...] = ()
     source: str = ""
@@ -52,9 +54,12 @@ class Calibration:
         fwd, bwd = _idw(self.attention, (seq, head_dim))
         return fwd, bwd
 
-    def stream_bandwidth(self, tensor_bytes: float) -> float:
-        """Achieved bytes/s of element-wise work whose tensors are `tensor_bytes` each."""
-        return _interp_log(self.elementwise, tensor_bytes)
+    def stream_bandwidth(self, tensor_bytes: float, tp: int = 1) -> float:
+        """Achieved bytes/s of element-wise work whose tensors are `tensor_bytes` each, at the
+        largest measured tensor-parallel degree up to `tp` (the smallest measured one below it)."""
+        degrees = sorted({r[0] for r in self.elementwise})
+        at = max((d for d in degrees if d <= tp), default=degrees[0])
+        return _interp_log([(b, bw) for d, b, bw in self.elementwise if d == at], tensor_bytes)
 
     def optimizer_seconds(self, params: float) -> float:
         """One AdamW step over `params` elements: linear between measured sizes, and in proportion
@@ -162,7 +167,7 @@ def parse_calibration(where: str, data) -> Calibration:
     return Calibration(
         dtype=str(data["dtype"]), gemm=_rows(f"{where}.gemm", data["gemm"], 4),
         attention=_rows(f"{where}.attention", data["attention"], 4),
-        elementwise=_rows(f"{where}.elementwise", data["elementwise"], 2),
+        elementwise=_rows(f"{where}.elementwise", data["elementwise"], 3),
         optimizer=_rows(f"{where}.optimizer", data["optimizer"], 2),
         collectives=tuple((k, _rows(f"{where}.collectives.{k}", v, 3)) for k, v in sorted(colls.items())),
         source=str(data.get("source", "")), threads=_threads(where, data.get("threads", 0)),

@@ -748,7 +748,7 @@ def hardware_calibrate(
     effs = [r[3] for r in c.gemm]
     console.print(f"{hw.name}: {hw.peak_flops[c.dtype] / 1e12:.3g} TFLOP/s {c.dtype} peak; {len(c.gemm)} GEMMs at "
                   f"{min(effs):.0%}-{max(effs):.0%} of it; attention {len(c.attention)} shapes; element-wise "
-                  f"{min(b for _, b in c.elementwise) / 1e9:.3g}-{max(b for _, b in c.elementwise) / 1e9:.3g} GB/s; "
+                  f"{min(r[2] for r in c.elementwise) / 1e9:.3g}-{max(r[2] for r in c.elementwise) / 1e9:.3g} GB/s; "
                   f"{len(c.collectives)} collectives over {hw.devices_per_node} ranks; "
                   f"{time.perf_counter() - started:.0f} s")
     console.print(f"wrote {out}: plan with cluster.hardware={hw.name} cluster.hardware_file={out}")

@@ -10,7 +10,7 @@ import time
 import torch.distributed as dist
 from rich.console import Console
 
-from flopwise.build import build_run
+from flopwise.build import build_run, subnormals_flushed
 from flopwise.config import Config
 from flopwise.train.preflight import WillNotFit
 from flopwise.train.trainer import TrainResult
@@ -27,6 +27,11 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
     pre-flight refuses stops every rank of a job together with exit 2, once rank 0 has said why."""
     started = time.perf_counter()
     console = (console or Console()) if is_main_process() else Console(quiet=True)
+    with subnormals_flushed():
+        return _train(cfg, console, started)
+
+
+def _train(cfg: Config, console: Console, started: float) -> TrainResult:
     try:
         run = build_run(cfg, console)
     except WillNotFit as e:

@@ -193,11 +193,12 @@ def gemm_fwd_bwd(shapes: list[tuple[float, float, float]], hw: Hardware, peak: f
     return fwd, bwd
 
 
-def stream_time(nbytes: float, hw: Hardware, tensor_bytes: float | None = None) -> float:
-    """Memory-bound work: at the bandwidth measured for tensors of `tensor_bytes` when calibrated
-    (small tensors stream slower: launch and cache effects), else a share of nominal HBM bandwidth."""
+def stream_time(nbytes: float, hw: Hardware, tensor_bytes: float | None = None, tp: int = 1) -> float:
+    """Memory-bound work: at the bandwidth measured for tensors of `tensor_bytes` at tensor-parallel
+    degree `tp` when calibrated (small tensors stream slower: launch and cache effects; sharded ones
+    pay DTensor's dispatch), else a share of nominal HBM bandwidth."""
     if hw.calibration and tensor_bytes:
-        return nbytes / hw.calibration.stream_bandwidth(tensor_bytes)
+        return nbytes / hw.calibration.stream_bandwidth(tensor_bytes, tp)
     return nbytes / (MEM_EFFICIENCY * hw.memory_bw)
 
 
@@ -306,7 +307,7 @@ def layer_times(sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: in
                                 tp) if regather else 0.0  # two all-gathers, one per input
     kv_bytes = ACT_BYTES * mb * seq * 2 * kv_local
     return LayerTimes(gemm_fwd=gemm_f, gemm_bwd=gemm_b, attn_fwd=attn_f, attn_bwd=attn_b,
-                      other_fwd=stream_time(ew + cast_f, hw, act), other_bwd=stream_time(2 * ew + cast_b, hw, act),
+                      other_fwd=stream_time(ew + cast_f, hw, act, tp), other_bwd=stream_time(2 * ew + cast_b, hw, act, tp),
                       tp_fwd=2 * tp_one, tp_bwd=2 * tp_one + tp_regather,
                       cp_fwd=comm_time(hw, "all_gather", cp, kv_bytes, tp * cp),
                       cp_bwd=comm_time(hw, "reduce_scatter", cp, kv_bytes, tp * cp))
@@ -478,7 +479,8 @@ def step_times(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int,
     # the output layer: fwd + bwd GEMMs, and the fp32 cross-entropy's traffic
     logits_mm = sum(gemm_fwd_bwd([(tokens_mb, sh.d_model, sh.vocab / lo.tp)], hw, hw.peak_16bit))
     # at the streaming rate of this micro-batch's activations, as the layers' element-wise work
-    logits_other = stream_time(3 * logits_tensor_bytes(sh, tokens_mb, lo.tp), hw, ACT_BYTES * tokens_mb * sh.d_model)
+    logits_other = stream_time(3 * logits_tensor_bytes(sh, tokens_mb, lo.tp), hw, ACT_BYTES * tokens_mb * sh.d_model,
+                               lo.tp)
 
     def micro_batch_times(load: RankLoad) -> dict[str, float]:
         n, full = load.layers, recompute == "full"
