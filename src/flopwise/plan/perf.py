@@ -83,6 +83,7 @@ MEM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for streaming kerne
 LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth over the nominal per-direction link rate
 FIT_MARGIN = 0.10  # share of device memory left free for fragmentation and allocator slack
 RUNTIME_RESERVE = 1.0 * 2**30  # CUDA context, NCCL and cuBLAS workspaces per device
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default (this engine's ZeRO 0/1 gradient all-reduce)
 ACT_BYTES = 2  # 16-bit activations
 
 
@@ -543,18 +544,25 @@ def data_parallel_time(hw: Hardware, lo: Layout, stack: Stack, psi: float, n_mic
     span_shard = lo.tp * lo.cp * lo.dp_shard
     spans = {"shard": span_shard, "replicate": span_shard * lo.dp_replicate, "all": lo.tp * lo.cp * lo.dp}
     sizes = {"shard": lo.dp_shard, "replicate": lo.dp_replicate, "all": lo.dp}
-    per = {"step": 0.0, "micro": 0.0}
+    per = {"step": 0.0, "micro": 0.0, "after_step": 0.0}
+    # ZeroRedundancyOptimizer broadcasts the updated fp32 master weights after the optimizer step
+    param_bytes = stack.param_bytes if lo.zero == 1 and stack.zero1_broadcast else ACT_BYTES
     for c in dp_collectives(psi, lo.zero, zero1_broadcast=stack.zero1_broadcast, gather_per_micro=stack.fsdp2,
                             pipelined=lo.pp > 1, hsdp=lo.dp_replicate > 1):
-        nbytes = c.elements * (stack.grad_reduce_bytes if c.gradients else ACT_BYTES)
-        per[c.when] += comm_time(hw, c.kind, sizes[c.group], nbytes, spans[c.group])
+        nbytes = c.elements * (stack.grad_reduce_bytes if c.gradients else param_bytes)
+        when = "after_step" if c.when == "step" and not c.gradients and lo.zero == 1 and stack.zero1_broadcast \
+            else c.when  # nothing to hide it behind: it follows the optimizer step
+        per[when] += comm_time(hw, c.kind, sizes[c.group], nbytes, spans[c.group])
     # Overlap windows: the last micro-batch's backward for once-per-step traffic; every
     # micro-batch's compute for per-micro-batch traffic (FSDP prefetching); a calibrated device
     # hides only the share it was measured to (a CPU whose cores all compute: little).
     hides = stack.dp_overlap * (hw.calibration.overlap if hw.calibration else 1.0)
     exposed_step = max(0.0, per["step"] - hides * rank_layers * lt.bwd)
+    if stack.fsdp2 and lo.zero <= 1 and lo.tp == 1:  # DDP: the last bucket is ready only when backward ends
+        last = min(DDP_BUCKET_BYTES, psi * stack.grad_reduce_bytes)
+        exposed_step = max(exposed_step, comm_time(hw, "all_reduce", sizes["all"], last, spans["all"]))
     exposed_micro = n_micro * max(0.0, per["micro"] - hides * mb_total)
-    return exposed_step + exposed_micro
+    return exposed_step + exposed_micro + per["after_step"]
 
 
 def evaluate(m: ModelConfig, hw: Hardware, lo: Layout, seq: int, global_batch: int,
