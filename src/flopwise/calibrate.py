@@ -99,8 +99,6 @@ def measure_gemms(shapes, dtype: torch.dtype, device: torch.device, peak: float,
     rows = []
     for m, n, k in shapes:
         flops = 2 * m * n * k
-        if device.type == "cpu" and flops > CPU_FLOP_CAP:
-            continue
         a = torch.full((m, k), 0.5, dtype=dtype, device=device)
         b = torch.full((k, n), 0.25, dtype=dtype, device=device)
         sec = timed(lambda: a @ b, device, repeats=3 if flops > 1e9 else 7)
@@ -335,19 +333,37 @@ def calibrate(cfg: Config, device: torch.device, nproc: int, progress: Progress)
         torch.set_num_threads(before)
 
 
-def _calibrate(cfg: Config, device: torch.device, nproc: int, threads: int, progress: Progress) -> Hardware:
-    dtype_name = cfg.train.dtype
-    dtype = DTYPES[dtype_name]
-    name, base = device_entry(device)
-    peak = measure_matmul_peak(dtype_name, device)
-    progress(f"peak {peak / 1e12:.3g} TFLOP/s")
+def sweep(cfg: Config, nproc: int, device: torch.device) -> dict:
+    """What calibrate measures for `cfg` on `nproc` ranks of `device`: micro-batches, the GEMM
+    shapes (capped on a CPU), attention's sequence lengths and head dims."""
     mb = cfg.train.micro_batch or 1
     micro_batches = tuple(sorted({max(1, mb // 4), max(1, mb // 2), mb}))
     tps = tuple(t for t in (1, 2, 4, 8) if t <= max(nproc, 1))
-    gemm = measure_gemms(gemm_shapes(cfg, tps, micro_batches), dtype, device, peak, progress)
+    gemms = [s for s in gemm_shapes(cfg, tps, micro_batches)
+             if device.type != "cpu" or 2 * s[0] * s[1] * s[2] <= CPU_FLOP_CAP]
     seqs = sorted({s for s in (128, 256, 512, 1024, 2048, 4096) if device.type == "cuda" or s <= 1024}
                   | {cfg.data.seq_len})
-    attention = measure_attention(sorted({cfg.model.head_dim, 64, 128}), seqs, dtype, device, peak, progress)
+    return {"micro_batches": micro_batches, "gemms": gemms, "seqs": seqs,
+            "head_dims": sorted({cfg.model.head_dim, 64, 128})}
+
+
+def steps_of(cfg: Config, nproc: int, device: torch.device) -> int:
+    """How many measurements calibrate takes (for the progress bar)."""
+    s = sweep(cfg, nproc, device)
+    return 1 + len(s["gemms"]) + len(s["seqs"]) * len(s["head_dims"]) + len(s["micro_batches"]) + 3 + (nproc >= 2)
+
+
+def _calibrate(cfg: Config, device: torch.device, nproc: int, threads: int, progress: Progress) -> Hardware:
+    dtype_name = cfg.train.dtype
+    dtype = DTYPES[dtype_name]
+    _, base = device_entry(device)
+    peak = measure_matmul_peak(dtype_name, device)
+    progress(f"peak {peak / 1e12:.3g} TFLOP/s")
+    mb = cfg.train.micro_batch or 1
+    s = sweep(cfg, nproc, device)
+    micro_batches = s["micro_batches"]
+    gemm = measure_gemms(s["gemms"], dtype, device, peak, progress)
+    attention = measure_attention(s["head_dims"], s["seqs"], dtype, device, peak, progress)
     bw = stream_bandwidth(device)
     tp_cfg = tp_config(cfg, nproc) if nproc >= 2 else None
     measured = measure_ranks(nproc, threads, device, tp_cfg, progress)
@@ -374,16 +390,6 @@ def _calibrate(cfg: Config, device: torch.device, nproc: int, threads: int, prog
                       source=f"{cfg.model.preset or 'model'} shapes, seq {cfg.data.seq_len}", threads=threads,
                       overlap=round(measured["overlap"], 3))
     return replace(hw, calibration=cal)
-
-
-def steps_of(cfg: Config, nproc: int, device: torch.device) -> int:
-    """How many measurements calibrate takes (for the progress bar)."""
-    mb = cfg.train.micro_batch or 1
-    micro_batches = tuple(sorted({max(1, mb // 4), max(1, mb // 2), mb}))
-    tps = tuple(t for t in (1, 2, 4, 8) if t <= max(nproc, 1))
-    gemms = [s for s in gemm_shapes(cfg, tps, micro_batches) if device.type != "cpu" or 2 * s[0] * s[1] * s[2] <= CPU_FLOP_CAP]
-    seqs = {s for s in (128, 256, 512, 1024, 2048, 4096) if device.type == "cuda" or s <= 1024} | {cfg.data.seq_len}
-    return 1 + len(gemms) + len(seqs) * len({cfg.model.head_dim, 64, 128}) + len(micro_batches) + 3 + (nproc >= 2)
 
 
 def save(hw: Hardware, path: str | Path) -> Path:
