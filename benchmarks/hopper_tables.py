@@ -1,0 +1,120 @@
+"""The built-in H100/H200 efficiency tables, derived from the one H200 profile this project recorded,
+and the planner's step time beside every recorded H200 run, before and after them.
+
+    python benchmarks/hopper_tables.py
+
+Source: `benchmarks/gpu/llama1b.py --zero 3 --profile` on a lent H200 (2026-12-04, torch 2.11.0+cu130,
+cuBLAS nvjet GEMM kernels, cuDNN SDPA; benchmarks/results/gpu_llama1b_z3_b8.json): one compiled step of
+a 1.1B Llama (16 x 2048, 32 heads of 64, 8 kv heads, SwiGLU 8192, vocab 32000) at 8 x 2048 tokens,
+208.96 ms of kernels. Each kernel class's measured time is set beside the planner's time for the same
+work at unit efficiency (GEMMs, attention forward and backward) or at the nominal HBM bandwidth
+(element-wise work: the planner's byte count of the layers and the loss), so each table row is the
+share of the peak (or the bytes/s) this chip and its libraries really gave on this model's shapes:
+- GEMMs: aten::mm, all 339 products of the step (7 per layer forward, 14 backward, the head's 3);
+- attention: cuDNN flash forward and backward, at seq 2048, head dim 64 (causal; shares of the peak in
+  the planner's full-score FLOP count, as `hardware calibrate` measures them);
+- element-wise: the kernels left after GEMMs, attention, the fused AdamW and FSDP2's copies on its
+  one-rank mesh (`aten::copy_`, a cost the planner does not book for a one-rank run);
+- optimizer: the fused AdamW kernel over the model's 1.104B fp32 parameters.
+One shape per table: these are points, not curves (`flopwise hardware calibrate --device cuda` on a GPU
+measures the curves). The H100 SXM has the same GH100 compute (132 SMs, 989.4 TFLOP/s dense bf16) and
+libraries, so it shares the compute shares; its memory-bound rates scale with HBM bandwidth (3.35 vs
+4.8 TB/s). Published large-GEMM ceilings agree on the compute side: H100 SXM 792.1 TFLOP/s = 80.1% of
+989 at its best shape (S. Bekman, ml-engineering, "Maximum Achievable Matmul FLOPS", CUDA 12.1),
+torchao's roofline 0.78 for large inputs (torchao/testing/training/roofline_utils.py), and this H200's
+own 742-820 TFLOP/s on 4096^2 and 8192^2 products (75-83%).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+from flopwise.calibration import Calibration
+from flopwise.config import load_config
+from flopwise.hardware import get_hardware
+from flopwise.parallel import mesh
+from flopwise.plan.perf import ACT_BYTES, MEM_EFFICIENCY, evaluate, layer_times, model_shape, STACKS
+
+RESULTS = Path(__file__).parent / "results"
+PROFILED = RESULTS / "gpu_llama1b_z3_b8.json"
+RUNS = ["gpu_llama1b_z3_b8", "gpu_llama1b_z3_b16", "gpu_llama1b_z0_b8", "gpu_llama1b_z0_b8_eager"]
+SHAPE_1B = ["model.n_layers=16", "model.d_model=2048", "model.n_heads=32", "model.n_kv_heads=8", "model.ffn_dim=8192",
+            "model.vocab_size=32000", "model.max_seq_len=2048", "data.seq_len=2048"]
+KERNELS = {"mm": "aten::mm", "attn_fwd": "aten::_cudnn_attention_forward", "attn_bwd": "aten::_cudnn_attention_backward",
+           "adamw": "aten::_fused_adamw_", "copy": "aten::copy_"}
+
+
+def self_cuda_ms(table: str) -> dict[str, float]:
+    """Self CUDA time (ms) of the kernel classes in a torch.profiler key_averages table, and the total."""
+    out = {}
+    for key, name in KERNELS.items():
+        row = next(line for line in table.splitlines() if line.strip().startswith(name + " "))
+        cells = re.split(r"\s{2,}", row.strip())
+        out[key] = _ms(cells[6])  # Name, Self CPU %, Self CPU, CPU total %, CPU total, CPU time avg, Self CUDA
+    out["total"] = _ms(re.search(r"Self CUDA time total: (\S+)", table).group(1))
+    return out
+
+
+def _ms(cell: str) -> float:
+    value, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", cell).groups()
+    return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
+
+
+def run_config(batch: int, zero: int, compile_: bool):
+    return load_config(None, [*SHAPE_1B, f"train.global_batch={batch}", f"train.micro_batch={batch}",
+                              'train.dtype="bf16"', f"train.compile={'true' if compile_ else 'false'}",
+                              f"parallel.zero={zero}", 'train.device="cuda"', 'cluster.hardware="h200"'])
+
+
+def predict(cfg, hw):
+    lo = mesh.layout_of(cfg, 1)
+    return evaluate(cfg.model, hw, lo, cfg.data.seq_len, cfg.train.global_batch, compile=cfg.train.compile,
+                    steps=cfg.train.steps, dtype=cfg.train.dtype)
+
+
+def derive() -> Calibration:
+    """The H200 table from the recorded profile (see the module docstring)."""
+    run = json.loads(PROFILED.read_text())
+    k = self_cuda_ms(run["profile_top_kernels"])
+    cfg = run_config(run["batch"], 3, True)
+    unit = replace(get_hardware("h200"), calibration=None, matmul_efficiency=1.0)
+    at_unit = predict(cfg, unit).time  # GEMMs at the full peak; element-wise at MEM_EFFICIENCY x HBM
+    sh = model_shape(cfg.model, cfg.data.seq_len)
+    lt = layer_times(sh, unit, STACKS["flopwise"], cfg.data.seq_len, run["batch"], 1, 1, False)
+    n = cfg.model.n_layers
+    elementwise_ms = k["total"] - k["mm"] - k["attn_fwd"] - k["attn_bwd"] - k["adamw"] - k["copy"]
+    stream_bytes = at_unit["other_compute"] * MEM_EFFICIENCY * unit.memory_bw
+    tokens = run["batch"] * cfg.data.seq_len
+    return Calibration(
+        dtype="bf16",
+        gemm=((tokens, cfg.model.ffn_dim, cfg.model.d_model, round(1e3 * at_unit["matmul"] / k["mm"], 3)),),
+        attention=((cfg.data.seq_len, cfg.model.head_dim, round(1e3 * n * lt.attn_fwd / k["attn_fwd"], 3),
+                    round(1e3 * n * lt.attn_bwd / k["attn_bwd"], 3)),),
+        elementwise=((1, ACT_BYTES * tokens * cfg.model.d_model, float(f"{1e3 * stream_bytes / elementwise_ms:.3g}")),),
+        optimizer=((run["params"], round(k["adamw"] * 1e-3, 5)),),
+        source="derived from benchmarks/results/gpu_llama1b_z3_b8.json (benchmarks/hopper_tables.py)")
+
+
+def main() -> None:
+    print("derived H200 table:", derive())
+    print("built-in H200:      ", get_hardware("h200").calibration)
+    print("run: measured step | predicted before (A100's 0.75, nominal HBM) | after (built-in tables)")
+    before_hw = replace(get_hardware("h200"), calibration=None, matmul_efficiency=0.75)
+    rows = []
+    for name in RUNS:
+        run = json.loads((RESULTS / f"{name}.json").read_text())
+        zero = 3 if "fsdp2" in run["layout"] else 0
+        cfg = run_config(run["batch"], zero, run["compile"])
+        before, after = predict(cfg, before_hw).step_time, predict(cfg, get_hardware("h200")).step_time
+        m = run["median_step_s"]
+        rows.append({"run": name, "measured_s": m, "before_s": before, "after_s": after})
+        print(f"  {name:26s} {1e3 * m:6.1f} ms | {1e3 * before:6.1f} ({m / before:.3f}) | {1e3 * after:6.1f} "
+              f"({m / after:.3f})   measured/predicted")
+    (RESULTS / "hopper_tables.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
