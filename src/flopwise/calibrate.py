@@ -21,6 +21,7 @@ Timings are medians of repeats after a warm-up; the GPU is synchronised around e
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -45,7 +46,7 @@ from flopwise.outputs import check_writable, write_text
 from flopwise.model.layers import CoreAttention
 from flopwise.model.transformer import build_model
 from flopwise.plan.layout import Layout, check_layout, config_layout
-from flopwise.plan.perf import STACKS, estimate, layer_elementwise_bytes, logits_tensor_bytes, model_shape
+from flopwise.plan.perf import STACKS, eager_precision, estimate, layer_elementwise_bytes, loss_bytes, model_shape
 from flopwise.train.engine import lm_loss
 from flopwise.train.metrics import DTYPES, measure_matmul_peak
 from flopwise.train.optim import build_optimizer
@@ -136,10 +137,12 @@ def elementwise_row(cfg: Config, partial: Hardware, tp: int, mb: int, seconds: f
     (from the tables and fits just measured) leaves, over the planner's element-wise bytes."""
     m, seq = cfg.model, cfg.data.seq_len
     sh = model_shape(m, seq)
-    t = estimate(sh, partial, Layout(tp=tp, micro_batch=mb), seq, mb, STACKS["flopwise"], dtype=cfg.train.dtype).time
+    lo, stack = Layout(tp=tp, micro_batch=mb), STACKS["flopwise"]
+    t = estimate(sh, partial, lo, seq, mb, stack, compile=False, dtype=cfg.train.dtype).time
     other = max(seconds - t["matmul"] - t["attention"] - t["tp_comm"], 0.05 * seconds)
-    fwd_bytes, tensor = layer_elementwise_bytes(sh, mb * seq, tp, False)
-    nbytes = m.n_layers * 3 * fwd_bytes + 3 * logits_tensor_bytes(sh, mb * seq, tp)
+    eager = eager_precision(stack, False, math.inf, lo, cfg.train.dtype)  # model_seconds runs the blocks eager
+    fwd, bwd, tensor = layer_elementwise_bytes(sh, mb * seq, tp, False, eager)
+    nbytes = m.n_layers * (fwd + bwd) + loss_bytes(sh, mb * seq, tp, eager)
     return [tp, tensor, round(nbytes / other)]
 
 

@@ -74,10 +74,10 @@ from flopwise.hardware import Hardware
 from flopwise.plan.account import EngineRun, busiest_dp_rank, rank_memory
 from flopwise.plan.comm import (dp_collectives, pp_boundary_elements, ring_time, sp_regather_elements,
                                 tied_embedding_elements)
-from flopwise.plan.float8 import cast_bytes
-from flopwise.plan.layout import Layout, stage_ids, stage_sizes
-from flopwise.plan.memory import (KORTHIKANTI, float8_eligible, memo, model_state_bytes, rank_activation_bytes, regathered_bytes,
-                                  step_peak_bytes)
+from flopwise.plan.float8 import cast_bytes, scaled_mm_speed
+from flopwise.plan.layout import Layout, compiles, stage_ids, stage_sizes
+from flopwise.plan.memory import (KORTHIKANTI, engine_precision, float8_eligible, memo, model_state_bytes,
+                                  rank_activation_bytes, regathered_bytes, step_peak_bytes)
 
 MEM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for streaming kernels (STREAM-like copies)
 LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth over the nominal per-direction link rate
@@ -247,27 +247,98 @@ class LayerTimes:
         return self.gemm_bwd + self.attn_bwd + self.other_bwd
 
 
-def layer_elementwise_bytes(sh: Shape, tokens: float, tp: int, sp: bool) -> tuple[float, float]:
-    """(bytes one layer's forward element-wise work moves, bytes of one b·s·h activation). In
-    elements per token: 2 norms (r+w), 2 residual adds (2r+w), 2 dropouts (r+w+½ mask) on the
-    sequence-parallel part; activation (r+w per input) and rotary on the tensor-parallel part.
-    Backward moves about twice as much."""
+def layer_elementwise_bytes(sh: Shape, tokens: float, tp: int, sp: bool,
+                            eager: tuple[int, int] | None = None) -> tuple[float, float, float]:
+    """(bytes one layer's forward element-wise work moves, its backward's, bytes of one b·s·h
+    activation).
+
+    Fused (torch.compile'd blocks, Megatron's kernels; `eager` None), in 2-byte elements per token:
+    2 norms (r+w), 2 residual adds (2r+w), 2 dropouts (r+w+½ mask) on the sequence-parallel part;
+    activation (r+w per input) and rotary on the tensor-parallel part; backward about twice that.
+
+    Eager (this engine's blocks op by op; `eager` = (compute, residual) bytes per element of its
+    precision, plan.memory.engine_precision): every PyTorch kernel reads its inputs and writes its
+    output (`_eager_layer_bytes`)."""
     h = sh.d_model
+    act = ACT_BYTES * tokens * h
+    if eager:
+        seq_f, seq_b, tp_f, tp_b = _eager_layer_bytes(sh, *eager)
+        div = tp if sp else 1
+        return tokens * (seq_f / div + tp_f / tp), tokens * (seq_b / div + tp_b / tp), act
     seq_part = 2 * 2 * h + 2 * 3 * h + (2 * 2.5 * h if sh.dropout else 0)
     tp_part = (sh.ffn_in + 1) * sh.ffn + 2 * (sh.hq + sh.hkv)
-    return ACT_BYTES * tokens * (seq_part / (tp if sp else 1) + tp_part / tp), ACT_BYTES * tokens * h
+    fwd = ACT_BYTES * tokens * (seq_part / (tp if sp else 1) + tp_part / tp)
+    return fwd, 2 * fwd, act
 
 
-def logits_tensor_bytes(sh: Shape, tokens: float, tp: int) -> float:
-    """One fp32 logits tensor (the loss's softmax input); the loss reads and writes it about three
-    times over forward and backward."""
-    return 4 * tokens * sh.vocab / tp
+def _eager_layer_bytes(sh: Shape, e: int, r: int) -> tuple[float, float, float, float]:
+    """Bytes per token one eager layer's element-wise kernels move: (forward, backward) of the
+    sequence-parallel part (norms, residual adds, dropouts, autocast's casts of the linears'
+    inputs) and of the tensor-parallel part (rotary, the MLP's activation), for the engine's
+    model.layers code under autocast (e-byte compute over an r-byte residual stream; e == r: no
+    casts). Counted from the ops, not fitted:
+    - norm (RMSNorm/LayerNorm; in fp32 under autocast, its fp32-listed op): read r, write n bytes;
+      backward reads its output gradient and input, writes the input gradient.
+    - a residual add reads r + e, writes r; backward adds the two gradients of the stream (3r) and,
+      under autocast, casts the branch's gradient to e (r + e).
+    - autocast casts each linear's input separately (q, k, v; w1 and w3): n + e each, and in
+      backward the cast's gradient back (e + n) and the sum of the consumers' gradients (3n each).
+    - rotary (apply_rope) on q and k: neg of one half, cat, two casts to fp32, two products with
+      the tables, their sum, the cast back; backward the same chain reversed plus the sum of its
+      two paths.
+    - SwiGLU: silu (r+w) and the product (2r+w); backward both products and silu's gradient.
+    - dropout (p > 0): read, write, a 1-byte mask, and the same in backward.
+    Not counted (the same compiled and eager, or below this count's resolution): weight casts and
+    their gradients, bias adds (fused into the GEMMs), layout copies around the attention core."""
+    m = sh.config
+    h = sh.d_model
+    casts = e != r
+    n = 4 if casts else r  # a norm's output: fp32 under autocast
+    consumers = (3, 2 if m.mlp == "swiglu" else 1)  # linears reading each norm's output
+    norms_f = 2 * (r + n)
+    norms_b = 2 * (2 * n + r)
+    adds_f = 2 * (2 * r + e)
+    adds_b = 2 * (3 * r + (r + e if casts else 0))
+    cast_f = sum(consumers) * (n + e) if casts else 0
+    cast_b = (sum(consumers) * (e + n) if casts else 0) + sum(c - 1 for c in consumers) * 3 * n
+    drop = 2 * (2 * e + 1) if sh.dropout else 0
+    rope_elems = (sh.hq + sh.hkv) if m.pos == "rope" else 0
+    up = (4 + e) if e < 4 else 0  # a cast to fp32 (none when already fp32)
+    rope_f = e + 2 * e + 2 * up + 2 * 8 + 12 + up
+    rope_b = up + 2 * 8 + 2 * up + e + 2 * e + 3 * e
+    act_f, act_b = (5 * e, 9 * e) if m.mlp == "swiglu" else (2 * e, 3 * e)
+    seq_f = (norms_f + adds_f + cast_f + drop) * h
+    seq_b = (norms_b + adds_b + cast_b + drop) * h
+    return seq_f, seq_b, rope_elems * rope_f + act_f * sh.ffn, rope_elems * rope_b + act_b * sh.ffn
+
+
+def eager_precision(stack: Stack, compile: bool | str, steps: float, lo: Layout, dtype: str) -> tuple[int, int] | None:
+    """(compute, residual) bytes per element when this engine runs the layout's blocks op by op
+    (train.compile off, or `auto` declining it: plan.layout.compiles), else None (fused)."""
+    if not stack.engine_activations or compiles(compile, steps, lo):
+        return None
+    precision = engine_precision(dtype, lo.fsdp2)
+    return precision.compute, precision.residual
+
+
+def loss_bytes(sh: Shape, tokens: float, tp: int, eager: tuple[int, int] | None = None) -> float:
+    """HBM bytes of the loss over forward and backward (train.engine: cross-entropy of the logits in
+    fp32). Fused: the fp32 logits read and written about three times. Eager: the cast to fp32
+    (none in fp32), log-softmax (r+w), its gradient (two reads, one write) after the NLL's scatter
+    into a zeroed tensor, the gradient's cast back."""
+    per = 4 * tokens * sh.vocab / tp
+    if not eager:
+        return 3 * per
+    cast = (4 + eager[0]) / 4 if eager[0] < 4 else 0
+    return per * (2 * cast + 2 + 1 + 3)
 
 
 def layer_times(sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: int, cp: int, sp: bool,
-                float8: str = "none", fsdp2: bool = False) -> LayerTimes:
-    """`float8` (train.float8): the block's linears whose local dims are multiples of 16 run their
-    three GEMMs at the fp8 peak (at the same calibrated efficiency: one table per chip), plus the
+                float8: str = "none", fsdp2: bool = False, eager: tuple[int, int] | None = None) -> LayerTimes:
+    """`eager`: this engine's blocks run op by op, (compute, residual) bytes per element
+    (`layer_elementwise_bytes`); None: fused element-wise work. `float8` (train.float8): the block's linears whose local dims are multiples of 16 run their
+    three GEMMs at the fp8 peak (at the same calibrated efficiency: one table per chip; rowwise's
+    forward at plan.float8.scaled_mm_speed of it), plus the
     amax and cast kernels around them (plan.float8.cast_bytes; weights cast from fp32 masters, or
     from FSDP2's bf16 gathered copy)."""
     peak = hw.peak_16bit
@@ -281,7 +352,9 @@ def layer_times(sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: in
     gemm_f, gemm_b = gemm_fwd_bwd([s for s in shapes if s not in fp8], hw, peak)
     if fp8:  # a device without an fp8 peak runs float8 emulated (train.float8_emulate): 16-bit GEMMs
         f8_f, f8_b = gemm_fwd_bwd(fp8, hw, hw.peak("fp8") or peak)
-        gemm_f, gemm_b = gemm_f + f8_f, gemm_b + f8_b
+        # the recipe's kernels beside tensorwise cuBLAS (rowwise: a slower CUTLASS forward)
+        speed_f, speed_b = scaled_mm_speed(float8) if hw.peak("fp8") else (1.0, 1.0)
+        gemm_f, gemm_b = gemm_f + f8_f / speed_f, gemm_b + f8_b / speed_b
     heads = mb * sh.n_heads / tp
     q_len, context = seq / cp, min(seq, sh.window or seq)
     score_flops = 2 * 2 * heads * q_len * context * sh.head_dim * (1.5 if sh.relative else 1)
@@ -299,7 +372,7 @@ def layer_times(sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: in
                        + gemm_time(q_len, context, sh.head_dim, hw, peak, heads))
         attn_f = score_gemms + stream_time(softmax_f, hw)
         attn_b = 2 * score_gemms + stream_time(softmax_b, hw)
-    ew, act = layer_elementwise_bytes(sh, tokens, tp, sp)
+    ew_f, ew_b, act = layer_elementwise_bytes(sh, tokens, tp, sp, eager)
     cast_f, cast_b = cast_bytes(sh.config, tokens, tp, float8, weight_bytes=2 if fsdp2 else 4) if low else (0.0, 0.0)
     # Two collectives of b·s·h per direction; with SP each all-reduce becomes AG + RS of the same bytes.
     tp_one = comm_time(hw, "all_reduce", tp, act, tp)
@@ -308,7 +381,7 @@ def layer_times(sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: in
                                 tp) if regather else 0.0  # two all-gathers, one per input
     kv_bytes = ACT_BYTES * mb * seq * 2 * kv_local
     return LayerTimes(gemm_fwd=gemm_f, gemm_bwd=gemm_b, attn_fwd=attn_f, attn_bwd=attn_b,
-                      other_fwd=stream_time(ew + cast_f, hw, act, tp), other_bwd=stream_time(2 * ew + cast_b, hw, act, tp),
+                      other_fwd=stream_time(ew_f + cast_f, hw, act, tp), other_bwd=stream_time(ew_b + cast_b, hw, act, tp),
                       tp_fwd=2 * tp_one, tp_bwd=2 * tp_one + tp_regather,
                       cp_fwd=comm_time(hw, "all_gather", cp, kv_bytes, tp * cp),
                       cp_bwd=comm_time(hw, "reduce_scatter", cp, kv_bytes, tp * cp))
@@ -395,7 +468,8 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
         memory, opt_elements = published_memory(sh, lo, seq, global_batch, stack, loads)
     usable = hw.memory_bytes * (1 - FIT_MARGIN)
     fits = memory["total"] <= usable
-    time = step_times(sh, hw, lo, seq, global_batch, stack, [load for load, _ in loads], opt_elements, cache, float8)
+    time = step_times(sh, hw, lo, seq, global_batch, stack, [load for load, _ in loads], opt_elements, cache, float8,
+                      eager_precision(stack, compile, steps, lo, dtype))
     step = sum(time.values())
     tokens = global_batch * seq
     gpus, peak = lo.world, hw.peak_16bit
@@ -466,21 +540,22 @@ def published_memory(sh: Shape, lo: Layout, seq: int, global_batch: int, stack: 
 
 
 def step_times(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, stack: Stack,
-               loads: list[RankLoad], opt_elements: float, cache: dict | None, float8: str = "none") -> dict[str, float]:
-    """Seconds per step by term; the slowest pipeline rank sets the pace."""
+               loads: list[RankLoad], opt_elements: float, cache: dict | None, float8: str = "none",
+               eager: tuple[int, int] | None = None) -> dict[str, float]:
+    """Seconds per step by term; the slowest pipeline rank sets the pace. `eager`: layer_times'."""
     n_micro = lo.microbatches(global_batch)
     v = lo.virtual_stages if lo.pp > 1 else 1
     tokens_mb = lo.micro_batch * seq / lo.cp
-    lt = memo(cache, (lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel, float8, float8 != "none" and lo.fsdp2),
+    lt = memo(cache, (lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel, float8, float8 != "none" and lo.fsdp2, eager),
               lambda: layer_times(sh, hw, stack, seq, lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel, float8,
-                                  lo.fsdp2))
+                                  lo.fsdp2, eager))
     recompute = lo.recompute
     recompute_tp = lt.tp_fwd if recompute == "full" else 0.0
     recompute_cp = lt.cp_fwd if recompute == "full" else 0.0
     # the output layer: fwd + bwd GEMMs, and the fp32 cross-entropy's traffic
     logits_mm = sum(gemm_fwd_bwd([(tokens_mb, sh.d_model, sh.vocab / lo.tp)], hw, hw.peak_16bit))
     # at the streaming rate of this micro-batch's activations, as the layers' element-wise work
-    logits_other = stream_time(3 * logits_tensor_bytes(sh, tokens_mb, lo.tp), hw, ACT_BYTES * tokens_mb * sh.d_model,
+    logits_other = stream_time(loss_bytes(sh, tokens_mb, lo.tp, eager), hw, ACT_BYTES * tokens_mb * sh.d_model,
                                lo.tp)
 
     def micro_batch_times(load: RankLoad) -> dict[str, float]:
