@@ -28,10 +28,13 @@ def test_built_in_h200_tables_are_the_recorded_profile():
     assert _rows(get_hardware("h200").calibration) == pytest.approx(_rows(hopper_tables.derive()), rel=2e-3)
 
 
-@pytest.mark.parametrize("run", ["gpu_llama1b_z3_b16", "gpu_llama1b_z0_b8"])
-def test_h200_step_time_of_runs_the_tables_were_not_taken_from(run):
-    """Within 8% of the measured step (A100's assumed shares left it 9-10% optimistic on both)."""
+@pytest.mark.parametrize(("run", "within"), [("gpu_llama1b_z3_b16", 0.08), ("gpu_llama1b_z0_b8", 0.08),
+                                             ("gpu_llama1b_z0_b8_eager", 0.10)])
+def test_h200_step_time_of_runs_the_tables_were_not_taken_from(run, within):
+    """measured/predicted: 1.05, 1.05 and 1.08 (A100's assumed shares left the compiled runs 1.09-1.10).
+    The eager run's element-wise kernels are the planner's op-by-op count (compiled blocks fuse
+    them), fitted to nothing here; it read 1.40 before that count."""
     rec = json.loads((BENCHMARKS / "results" / f"{run}.json").read_text())
     cfg = hopper_tables.run_config(rec["batch"], 3 if "fsdp2" in rec["layout"] else 0, rec["compile"])
     predicted = hopper_tables.predict(cfg, get_hardware("h200")).step_time
-    assert rec["median_step_s"] / predicted == pytest.approx(1.0, abs=0.08)
+    assert rec["median_step_s"] / predicted == pytest.approx(1.0, abs=within)
