@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _out import report  # benchmarks/gpu/_out.py: this script's folder is on sys.path
+
 SHAPES = {
     "a": ["model.n_layers=28", "model.d_model=3072", "model.n_heads=24", "model.n_kv_heads=8", "model.ffn_dim=8192"],
     "b": ["model.n_layers=8", "model.d_model=4096", "model.n_heads=32", "model.n_kv_heads=8", "model.ffn_dim=14336"],
@@ -142,10 +144,7 @@ def main() -> None:
     summary = [{k: r.get(k) for k in ("shape", "recipe", "tokens_per_s", "speedup", "predicted_speedup",
                                       "peak_memory_bytes", "predicted_peak_bytes", "tail_loss", "tail_loss_vs_bf16",
                                       "error")} for r in results]
-    print(json.dumps(summary, indent=1))
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(results, indent=1) + "\n")
+    report(results, a.out, shown=summary)
 
 
 if __name__ == "__main__":

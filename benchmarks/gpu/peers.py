@@ -18,7 +18,6 @@ dense bf16 peak, identified from its driver name as the trainer does.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _out import report  # noqa: E402  (benchmarks/gpu/_out.py: this script's folder is on sys.path)
 from train_cpu import flopwise_config, flopwise_step, fused_adamw, nanogpt_step, peer_step  # noqa: E402
 
 from flopwise.flops import flops_per_token, mfu  # noqa: E402
@@ -118,10 +118,7 @@ def main() -> None:
         row["ratio"] = row["flopwise"]["tokens_per_s"] / row[peer]["tokens_per_s"]
         print(f"{name}: flopwise x{row['ratio']:.2f} vs {peer}", flush=True)
         result["pairs"][name] = row
-    print(json.dumps(result, indent=1))
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(result, indent=1) + "\n")
+    report(result, a.out)
 
 
 if __name__ == "__main__":

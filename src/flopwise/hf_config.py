@@ -39,39 +39,48 @@ def read_hf_config(path: str | Path) -> dict:
 MAX_HEADER = 100_000_000  # bytes: the safetensors format's own limit on a header (MAX_HEADER_SIZE)
 
 
-def weight_files(path: str | Path) -> list[str]:
-    """The safetensors files of an HF folder, as transformers and interop.hf read them: the index's
-    shards, else model.safetensors; none for a bare config."""
+def _header_shapes(folder: Path, name: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the tensors in one safetensors file, from its header alone (an 8-byte
+    little-endian length, then JSON): a 70B checkpoint costs kilobytes, not its weights."""
+    try:
+        with open(folder / name, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= MAX_HEADER:
+                raise ValueError(f"header length {n}")
+            header = json.loads(f.read(n))
+        return {key: tuple(int(d) for d in entry["shape"]) for key, entry in header.items() if key != "__metadata__"}
+    except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        refuse(folder, f"{name} is not a readable safetensors file ({type(e).__name__}: {str(e)[:80]})")
+
+
+def weight_map(path: str | Path) -> dict[str, str]:
+    """HF tensor name -> the safetensors file holding it, as transformers reads a folder: the
+    index's weight_map, else the names in model.safetensors; empty for a bare config. The one
+    reader of the index, for the planner (torch-free) and interop.hf's loader alike."""
     folder = Path(path)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
-            files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+            files = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(files, dict) or not all(isinstance(f, str) for f in files.values()):
+                raise TypeError
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError):
             refuse(folder, "model.safetensors.index.json has no weight_map of tensor -> file")
-        if not all(isinstance(f, str) and Path(f).name == f for f in files):
-            refuse(folder, "model.safetensors.index.json names a file outside the folder")
+        outside = sorted(f for f in set(files.values()) if Path(f).name != f)
+        if outside:
+            refuse(folder, f"model.safetensors.index.json names a file outside the folder: {outside[0]!r}")
         return files
-    return ["model.safetensors"] if (folder / "model.safetensors").is_file() else []
+    if (folder / "model.safetensors").is_file():
+        return dict.fromkeys(_header_shapes(folder, "model.safetensors"), "model.safetensors")
+    return {}
 
 
 def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor in an HF folder's safetensors files, read from their headers
-    alone (an 8-byte little-endian length, then JSON): a 70B checkpoint costs kilobytes, not its
-    weights. A tensor stored once (tied weights) is counted once."""
+    alone. A tensor stored once (tied weights) is counted once."""
     folder, shapes = Path(path), {}
-    for name in weight_files(folder):
-        try:
-            with open(folder / name, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                if not 0 < n <= MAX_HEADER:
-                    raise ValueError(f"header length {n}")
-                header = json.loads(f.read(n))
-            for key, entry in header.items():
-                if key != "__metadata__":
-                    shapes[key] = tuple(int(d) for d in entry["shape"])
-        except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-            refuse(folder, f"{name} is not a readable safetensors file ({type(e).__name__}: {str(e)[:80]})")
+    for name in sorted(set(weight_map(folder).values())):
+        shapes.update(_header_shapes(folder, name))
     return shapes
 
 

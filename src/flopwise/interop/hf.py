@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from flopwise.config import ModelConfig, hf_model_fields
 from flopwise.model.init import canonical_name, global_box
-from flopwise.hf_config import LLAMA_LIKE, hf_config_from_model, refuse
+from flopwise.hf_config import LLAMA_LIKE, hf_config_from_model, refuse, weight_map
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "generation_config.json")
@@ -183,26 +183,6 @@ def _recipes(m: ModelConfig) -> list[tuple[str, list[str], Callable[..., torch.T
     return out
 
 
-def _weight_files(path: Path) -> dict[str, str]:
-    """HF tensor name -> the safetensors file (in `path`) that holds it."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise TypeError
-        except (ValueError, KeyError, TypeError):
-            refuse(path, "model.safetensors.index.json has no weight_map of tensor -> file")
-        for name in set(weight_map.values()):
-            if Path(name).name != name:
-                refuse(path, f"index names a file outside the folder: {name!r}")
-        return weight_map
-    if not (path / "model.safetensors").is_file():
-        refuse(path, "no model.safetensors or model.safetensors.index.json (pickled .bin weights are refused)")
-    with _open(path, "model.safetensors") as f:
-        return {k: "model.safetensors" for k in f.keys()}
-
-
 def _open(path: Path, name: str):
     try:
         return safe_open(str(path / name), framework="pt")
@@ -215,7 +195,9 @@ def load_hf_weights(modules: list[nn.Module], path: str | Path) -> None:
     """Overwrite the parameters these modules hold (whole tensors, or this rank's DTensor shards
     under any layout) with their values in an HF folder, reading only the slices held."""
     path = Path(path)
-    files = _weight_files(path)
+    files = weight_map(path)
+    if not files:
+        refuse(path, "no model.safetensors or model.safetensors.index.json with tensors (pickled .bin weights are refused)")
     plain = modules[0].module if hasattr(modules[0], "module") else modules[0]
     m = plain.cfg
     sources = _sources(m)
