@@ -1,6 +1,6 @@
 """`flopwise plan --hf` on real checkpoints built offline with transformers (the exact parameter
 count against the checkpoint's own tensors), and `flopwise plan --max-micro-batch` against the
-layout search's own verdict on a small made-up device."""
+layout search's own verdict on a small made-up device and against the engine's measured memory."""
 
 import json
 import os
@@ -13,9 +13,14 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
+from rich.console import Console  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from flopwise.config import load_tree, validate  # noqa: E402
+from conftest import tiny_overrides  # noqa: E402
+from flopwise.build import build_run  # noqa: E402
+from flopwise.config import load_config, load_tree, validate  # noqa: E402
+from flopwise.measure import measure_rank  # noqa: E402
+from flopwise.plan.perf import FIT_MARGIN, RUNTIME_RESERVE  # noqa: E402
 from flopwise.plan.planner import plan  # noqa: E402
 
 V = 97
@@ -183,3 +188,47 @@ def test_max_micro_batch_past_the_batch_and_pipeline_rules(tiny_device):
                   "--max-micro-batch", "--json")
     assert pp.returncode == 0, pp.stderr
     assert json.loads(pp.stdout)["valid_micro_batches"] == [1, 2, 4, 8, 16, 32]
+
+
+# One process, ZeRO-0, no recompute, eager, at a global batch whose divisors 5 and 6 are neighbours.
+# LayerNorm and fp32 because the planner books the GPU engine, and only there does the CPU engine
+# demo-tiny's own RMSNorm and bf16 autocast, under which a CPU keeps more than a GPU (RMSNorm's
+# composite ops keep the fp32 normalised input; the attention core computes in fp32): the `cpu`
+# entry books the CPU engine's tensors (plan.memory.engine_precision)
+JOINT = {"train.dtype": '"bf16"', "data.seq_len": 128, "train.global_batch": 60,
+         "train.compile": "false", "parallel.zero": 0, "parallel.recompute": '"none"', "train.steps": 4,
+         "optim.warmup_steps": 1, "checkpoint.resume": '"none"'}
+
+
+def test_max_micro_batch_is_where_the_engines_measured_memory_runs_out(tiny_data, tmp_path):
+    """`plan --max-micro-batch` against the engine's measured memory (`plan --measure`'s path on one
+    process: build_run, then measure_rank's steps under PeakMemory): the parameters, the AdamW
+    moments and the second step's high-water mark above them (which holds the gradients).
+
+    The budget (the device's usable memory less the planner's runtime reserve, a CUDA context a CPU
+    does not allocate) sits halfway between the measured totals at micro-batch 5 and 6, one
+    sequence's activations (~2.4 MB of ~15 MB) apart: the answer is 5 only if the planner's bytes
+    are within half a sequence's activations of the engine's at both, and an error larger than that,
+    either way, moves the answer off the measured boundary. Before the `cpu` entry booked a CPU's
+    tensors the planner answered 6 here (13.5 MB booked for 6, 15.2 MB measured, 14.2 MB budget)."""
+    measured: dict[int, int] = {}
+
+    def total(mb: int) -> int:
+        if mb not in measured:
+            keys = tiny_overrides(tmp_path / f"mb{mb}", tiny_data, **JOINT, **{"train.micro_batch": mb})
+            m = measure_rank(build_run(load_config(None, keys), Console(quiet=True)), 2)
+            measured[mb] = m["params"] + m["optimizer"] + m["peak"]
+        return measured[mb]
+
+    budget = (total(5) + total(6)) / 2
+    memory = (budget + RUNTIME_RESERVE) / (1 - FIT_MARGIN)
+    cpu = TINY.replace("[tiny]", "[cpu]").replace("memory_bytes = 1.5e9", f"memory_bytes = {memory!r}")
+    (tmp_path / "hw.toml").write_text(cpu)
+    r = flopwise("plan", *tiny_overrides(tmp_path / "plan", tiny_data, **JOINT), "cluster.hardware=cpu",
+                 f'cluster.hardware_file="{tmp_path / "hw.toml"}"', "--max-micro-batch", "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["usable_memory_bytes"] - got["assumptions"]["runtime_reserve_bytes"] == pytest.approx(budget)
+    lim = next(lim for lim in got["limits"] if lim["recompute"] == "none")
+    mb, nxt = lim["micro_batch"], lim["next_micro_batch"]
+    assert total(mb) <= budget < total(nxt), (lim, measured, budget)

@@ -456,13 +456,14 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     dtype) memoises per-layer times and the per-rank tensor walks. `compile`, `steps` and `dtype`
     (train.compile, the run's length, by default a long one, and train.dtype) are the run's: they
     say what this engine keeps (plan.layout.compiles; fp32 or bf16 autocast); the step time does not
-    model compilation. The published stacks keep 16-bit parameters whatever `dtype` says."""
+    model compilation. The published stacks keep 16-bit parameters whatever `dtype` says. The `cpu`
+    entry books what this engine keeps on a CPU (EngineRun.cpu)."""
     loads = memo(cache, ("loads", lo.pp, lo.pp_schedule, lo.virtual_stages, lo.tp),
                  lambda: first_ranks(rank_loads(sh, lo, stack.balanced_stages)))
     if stack.engine_activations:
         run = memo(cache, ("run", seq, global_batch, compile, steps, dtype, float8), lambda: EngineRun(
             model=sh.config, seq=seq, global_batch=global_batch, dtype=dtype, compile=compile, steps=steps,
-            document_mask=sh.document_mask, float8=float8))
+            document_mask=sh.document_mask, float8=float8, cpu=hw.name == "cpu"))
         memory, opt_elements = engine_memory(run, lo, stack, loads, cache)
     else:
         memory, opt_elements = published_memory(sh, lo, seq, global_batch, stack, loads)

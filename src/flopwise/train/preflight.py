@@ -148,7 +148,7 @@ def nearest_fit(cfg: Config, user: Layout, hw: Hardware, budget: float, cpu: boo
             elif r.ranked:
                 least = min(least, r.ranked[0].memory["total"])
     fits.sort(key=lambda e: (*_distance(e.layout, user), -e.tokens_per_s))
-    for e in fits:  # the search books a GPU's attention; a CPU's computes in fp32: confirm with this engine's
+    for e in fits:  # the search books a CPU's tensors only for the `cpu` entry: confirm with this engine's
         total = worst_rank_total(cfg, e.layout, cpu) if cpu else e.memory["total"]
         if total <= budget:
             return e.layout, total
