@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from flopwise.errors import ConfigError
 
@@ -57,9 +58,7 @@ class Calibration:
     def stream_bandwidth(self, tensor_bytes: float, tp: int = 1) -> float:
         """Achieved bytes/s of element-wise work whose tensors are `tensor_bytes` each, at the
         largest measured tensor-parallel degree up to `tp` (the smallest measured one below it)."""
-        degrees = sorted({r[0] for r in self.elementwise})
-        at = max((d for d in degrees if d <= tp), default=degrees[0])
-        return _interp_log([(b, bw) for d, b, bw in self.elementwise if d == at], tensor_bytes)
+        return _stream(self.elementwise, tensor_bytes, tp)
 
     def optimizer_seconds(self, params: float) -> float:
         """One AdamW step over `params` elements: linear between measured sizes, and in proportion
@@ -78,6 +77,14 @@ class Calibration:
         return self._fits[kind]
 
 
+@lru_cache(maxsize=65536)
+def _stream(rows, tensor_bytes: float, tp: int) -> float:
+    degrees = sorted({r[0] for r in rows})
+    at = max((d for d in degrees if d <= tp), default=degrees[0])
+    return _interp_log([(b, bw) for d, b, bw in rows if d == at], tensor_bytes)
+
+
+@lru_cache(maxsize=65536)  # a search asks for the same few shapes thousands of times
 def _idw(rows, point) -> tuple[float, ...]:
     """Inverse-squared-distance weighted mean of the rows' values, distance in log space."""
     logp = [math.log(max(x, 1.0)) for x in point]
