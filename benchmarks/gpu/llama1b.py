@@ -4,6 +4,7 @@ mixed-precision policy, fp32 master weights), FSDP2 over a one-rank mesh, per-bl
     python benchmarks/gpu/llama1b.py [--steps 20] [--batch 8] [--out benchmarks/results/gpu_llama1b.json]
     python benchmarks/gpu/llama1b.py --zero 0 --profile       # autocast without FSDP2; top kernels
     python benchmarks/gpu/llama1b.py --tiny --steps 3        # the same code path on CPU (CI-sized)
+    python benchmarks/gpu/llama1b.py --hardware-file gpu.toml  # also predict from `hardware calibrate`'s tables
 
 Reports tokens/s (median step over the timed steps, after compile warm-up), MFU against the
 catalogue's dense bf16 peak and against a bf16 matmul ceiling measured here, and peak memory.
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from flopwise.build import build_engine
 from flopwise.config import load_config
 from flopwise.flops import count_params, flops_per_token, mfu
-from flopwise.hardware import get_hardware
+from flopwise.hardware import get_hardware, load_catalogue
 from flopwise.parallel import mesh
 from flopwise.plan.perf import evaluate
 from flopwise.plan.rank import predict_rank
@@ -50,6 +51,8 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="no torch.compile (what the planner's eager activation model books)")
     ap.add_argument("--profile", action="store_true", help="after timing, profile one step: top kernels by time")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--hardware-file", type=Path, default=None, help="a `flopwise hardware calibrate` TOML: its h200 "
+                    "entry's prediction is reported too (`predicted_calibrated`)")
     a = ap.parse_args()
     cuda = torch.cuda.is_available() and not a.tiny
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -105,6 +108,11 @@ def main() -> None:
     result["predicted"] = {"step_s": plan.step_time, "tokens_per_s": plan.tokens_per_s, "mfu": plan.mfu,
                            "memory_bytes": plan.memory, "rank_bytes": {"params": rank.params, "grads": rank.grads,
                            "optimizer": rank.optimizer, "activations": rank.activations}}
+    if a.hardware_file:  # the same prediction from this GPU's own tables
+        mine = evaluate(cfg.model, load_catalogue(a.hardware_file)["h200"], lo, seq, a.batch, compile=cfg.train.compile,
+                        steps=cfg.train.steps, dtype=cfg.train.dtype)
+        result["predicted_calibrated"] = {"step_s": mine.step_time, "tokens_per_s": mine.tokens_per_s, "mfu": mine.mfu,
+                                          "time_breakdown_s": mine.time}
     print(json.dumps(result, indent=1))
     if a.profile:  # where a step's time goes, per kernel (profile before optimising)
         from torch.profiler import ProfilerActivity, profile
