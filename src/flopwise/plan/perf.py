@@ -336,11 +336,11 @@ def loss_bytes(sh: Shape, tokens: float, tp: int, eager: tuple[int, int] | None 
 def layer_times(sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: int, cp: int, sp: bool,
                 float8: str = "none", fsdp2: bool = False, eager: tuple[int, int] | None = None) -> LayerTimes:
     """`eager`: this engine's blocks run op by op, (compute, residual) bytes per element
-    (`layer_elementwise_bytes`); None: fused element-wise work. `float8` (train.float8): the block's linears whose local dims are multiples of 16 run their
-    three GEMMs at the fp8 peak (at the same calibrated efficiency: one table per chip; rowwise's
-    forward at plan.float8.scaled_mm_speed of it), plus the
-    amax and cast kernels around them (plan.float8.cast_bytes; weights cast from fp32 masters, or
-    from FSDP2's bf16 gathered copy)."""
+    (`layer_elementwise_bytes`); None: fused element-wise work. `float8` (train.float8): the
+    block's linears whose local dims are multiples of 16 run their three GEMMs at the fp8 peak (at
+    the same calibrated efficiency: one table per chip; rowwise's forward at
+    plan.float8.scaled_mm_speed of it), plus the amax and cast kernels around them
+    (plan.float8.cast_bytes; weights cast from fp32 masters, or from FSDP2's bf16 gathered copy)."""
     peak = hw.peak_16bit
     tokens = mb * seq / cp
     h, hq, hkv, f = sh.d_model, sh.hq, sh.hkv, sh.ffn
