@@ -49,7 +49,7 @@ def _header_shapes(folder: Path, name: str) -> dict[str, tuple[int, ...]]:
                 raise ValueError(f"header length {n}")
             header = json.loads(f.read(n))
         return {key: tuple(int(d) for d in entry["shape"]) for key, entry in header.items() if key != "__metadata__"}
-    except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError, OverflowError) as e:
         refuse(folder, f"{name} is not a readable safetensors file ({type(e).__name__}: {str(e)[:80]})")
 
 
