@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,13 +37,14 @@ from flopwise.calibration import Calibration
 from flopwise.config import load_config
 from flopwise.hardware import get_hardware
 from flopwise.parallel import mesh
-from flopwise.plan.perf import ACT_BYTES, MEM_EFFICIENCY, evaluate, layer_times, model_shape, STACKS
+from flopwise.plan.perf import ACT_BYTES, MEM_EFFICIENCY, STACKS, evaluate, layer_times, model_shape
+
+sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+from llama1b import SHAPE_1B  # noqa: E402  (the recorded runs' model: one definition)
 
 RESULTS = Path(__file__).parent / "results"
 PROFILED = RESULTS / "gpu_llama1b_z3_b8.json"
 RUNS = ["gpu_llama1b_z3_b8", "gpu_llama1b_z3_b16", "gpu_llama1b_z0_b8", "gpu_llama1b_z0_b8_eager"]
-SHAPE_1B = ["model.n_layers=16", "model.d_model=2048", "model.n_heads=32", "model.n_kv_heads=8", "model.ffn_dim=8192",
-            "model.vocab_size=32000", "model.max_seq_len=2048", "data.seq_len=2048"]
 KERNELS = {"mm": "aten::mm", "attn_fwd": "aten::_cudnn_attention_forward", "attn_bwd": "aten::_cudnn_attention_backward",
            "adamw": "aten::_fused_adamw_", "copy": "aten::copy_"}
 
