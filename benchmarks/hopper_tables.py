@@ -37,7 +37,9 @@ from flopwise.calibration import Calibration
 from flopwise.config import load_config
 from flopwise.hardware import get_hardware
 from flopwise.parallel import mesh
-from flopwise.plan.perf import ACT_BYTES, MEM_EFFICIENCY, STACKS, evaluate, layer_times, model_shape
+from flopwise.flops import count_params
+from flopwise.plan.comm import dp_collectives, fsdp_copy_bytes
+from flopwise.plan.perf import ACT_BYTES, MEM_EFFICIENCY, STACKS, evaluate, layer_times, model_shape, stream_time
 
 sys.path.insert(0, str(Path(__file__).parent / "gpu"))
 from llama1b import SHAPE_1B  # noqa: E402  (the recorded runs' model: one definition)
@@ -45,6 +47,9 @@ from llama1b import SHAPE_1B  # noqa: E402  (the recorded runs' model: one defin
 RESULTS = Path(__file__).parent / "results"
 PROFILED = RESULTS / "gpu_llama1b_z3_b8.json"
 RUNS = ["gpu_llama1b_z3_b8", "gpu_llama1b_z3_b16", "gpu_llama1b_z0_b8", "gpu_llama1b_z0_b8_eager"]
+# engine.clip_grad_norm's foreach kernels per fp32 gradient element: the norm reads it (4), the clip
+# multiplies it in place (4 + 4); `hardware calibrate` times them with the AdamW step, as one row
+CLIP_BYTES = 12
 KERNELS = {"mm": "aten::mm", "attn_fwd": "aten::_cudnn_attention_forward", "attn_bwd": "aten::_cudnn_attention_backward",
            "adamw": "aten::_fused_adamw_", "copy": "aten::copy_"}
 
@@ -71,10 +76,22 @@ def run_config(batch: int, zero: int, compile_: bool):
                               f"parallel.zero={zero}", 'train.device="cuda"', 'cluster.hardware="h200"'])
 
 
-def predict(cfg, hw):
+def predict(cfg, hw) -> tuple[float, float]:
+    """(planner's step time, its FSDP2 copy bytes) for a recorded run. The benchmark runs FSDP2 on a
+    one-rank mesh, which the engine never does (plan.layout.Layout.fsdp2 needs two ranks): there its
+    copies (plan.comm's rule for one rank, streamed at the rate of the planner's other memory-bound
+    work) replace autocast's weight casts (its parameters are bf16 already)."""
     lo = mesh.layout_of(cfg, 1)
-    return evaluate(cfg.model, hw, lo, cfg.data.seq_len, cfg.train.global_batch, compile=cfg.train.compile,
-                    steps=cfg.train.steps, dtype=cfg.train.dtype)
+    est = evaluate(cfg.model, hw, lo, cfg.data.seq_len, cfg.train.global_batch, compile=cfg.train.compile,
+                   steps=cfg.train.steps, dtype=cfg.train.dtype)
+    if cfg.parallel.zero < 2:
+        return est.step_time, 0.0
+    n_micro = lo.microbatches(cfg.train.global_batch)
+    copies = fsdp_copy_bytes(dp_collectives(count_params(cfg.model).total, cfg.parallel.zero, gather_per_micro=True),
+                             1, n_micro, compute_bytes=ACT_BYTES, reduce_bytes=STACKS["flopwise"].grad_reduce_bytes)
+    nbytes = n_micro * copies["micro"] + copies["step"]
+    block = ACT_BYTES * model_shape(cfg.model, cfg.data.seq_len).layer_params
+    return est.step_time - est.time["weight_casts"] + stream_time(nbytes, hw, block), nbytes
 
 
 def derive() -> Calibration:
@@ -83,20 +100,24 @@ def derive() -> Calibration:
     k = self_cuda_ms(run["profile_top_kernels"])
     cfg = run_config(run["batch"], 3, True)
     unit = replace(get_hardware("h200"), calibration=None, matmul_efficiency=1.0)
-    at_unit = predict(cfg, unit).time  # GEMMs at the full peak; element-wise at MEM_EFFICIENCY x HBM
+    lo = mesh.layout_of(cfg, 1)
+    at_unit = evaluate(cfg.model, unit, lo, cfg.data.seq_len, cfg.train.global_batch, compile=True).time
+    # GEMMs at the full peak; element-wise at MEM_EFFICIENCY x HBM
     sh = model_shape(cfg.model, cfg.data.seq_len)
     lt = layer_times(sh, unit, STACKS["flopwise"], cfg.data.seq_len, run["batch"], 1, 1, False)
     n = cfg.model.n_layers
-    elementwise_ms = k["total"] - k["mm"] - k["attn_fwd"] - k["attn_bwd"] - k["adamw"] - k["copy"]
-    stream_bytes = at_unit["other_compute"] * MEM_EFFICIENCY * unit.memory_bw
+    memory_bound_ms = k["total"] - k["mm"] - k["attn_fwd"] - k["attn_bwd"] - k["adamw"]
+    clip_bytes = CLIP_BYTES * run["params"]
+    stream_bytes = at_unit["other_compute"] * MEM_EFFICIENCY * unit.memory_bw + predict(cfg, unit)[1] + clip_bytes
+    rate = float(f"{1e3 * stream_bytes / memory_bound_ms:.3g}")
     tokens = run["batch"] * cfg.data.seq_len
     return Calibration(
         dtype="bf16",
         gemm=((tokens, cfg.model.ffn_dim, cfg.model.d_model, round(1e3 * at_unit["matmul"] / k["mm"], 3)),),
         attention=((cfg.data.seq_len, cfg.model.head_dim, round(1e3 * n * lt.attn_fwd / k["attn_fwd"], 3),
                     round(1e3 * n * lt.attn_bwd / k["attn_bwd"], 3)),),
-        elementwise=((1, ACT_BYTES * tokens * cfg.model.d_model, float(f"{1e3 * stream_bytes / elementwise_ms:.3g}")),),
-        optimizer=((run["params"], round(k["adamw"] * 1e-3, 5)),),
+        elementwise=((1, ACT_BYTES * tokens * cfg.model.d_model, rate),),
+        optimizer=((run["params"], round(k["adamw"] * 1e-3 + clip_bytes / rate, 5)),),
         source="derived from benchmarks/results/gpu_llama1b_z3_b8.json (benchmarks/hopper_tables.py)")
 
 
@@ -110,7 +131,7 @@ def main() -> None:
         run = json.loads((RESULTS / f"{name}.json").read_text())
         zero = 3 if "fsdp2" in run["layout"] else 0
         cfg = run_config(run["batch"], zero, run["compile"])
-        before, after = predict(cfg, before_hw).step_time, predict(cfg, get_hardware("h200")).step_time
+        before, after = predict(cfg, before_hw)[0], predict(cfg, get_hardware("h200"))[0]
         m = run["median_step_s"]
         rows.append({"run": name, "measured_s": m, "before_s": before, "after_s": after})
         print(f"  {name:26s} {1e3 * m:6.1f} ms | {1e3 * before:6.1f} ({m / before:.3f}) | {1e3 * after:6.1f} "

@@ -230,7 +230,7 @@ def test_plan_cli_json_and_out_config(tmp_path):
     assert set(lay["memory_per_gpu_bytes"]) == {"params", "grads", "optimizer", "activations", "other", "step_peak",
                                                 "total"}
     assert set(lay["time_breakdown_s"]) == {"matmul", "attention", "other_compute", "tp_comm", "dp_comm", "pp_bubble", "pp_comm", "cp_comm",
-                                            "grad_accum", "optimizer"}
+                                            "grad_accum", "fsdp_copies", "weight_casts", "optimizer"}
     assert lay["gpu_hours"] == pytest.approx(1e12 / lay["tokens_per_s"] * 64 / 3600)
     assert len(j["layouts"]) == 3 and j["layouts"][0]["tokens_per_s"] >= j["layouts"][1]["tokens_per_s"]
     written = load_config(out)

@@ -42,6 +42,10 @@ LAYOUTS = {
     "pp2xdp2-zbv-zero2": {"parallel.pp": 2, "parallel.zero": 2, "parallel.pp_schedule": '"zero-bubble"',
                           "parallel.virtual_stages": 2},
     "dp4-zero1-recompute": {"parallel.zero": 1, "parallel.recompute": '"full"'},
+    # bf16: FSDP2 casts the fp32 shards before it gathers; tensorwise float8 gathers the linears in float8
+    "dp4-zero3-bf16": {"parallel.zero": 3, "train.dtype": '"bf16"'},
+    "dp4-zero3-float8": {"parallel.zero": 3, "train.dtype": '"bf16"', "train.float8": '"tensorwise"',
+                         "train.float8_emulate": "true"},
 }
 
 
@@ -90,6 +94,7 @@ def test_rank_model_states_equal_the_engines_bytes(family, layout, measured, tin
         assert want.layers == r["layers"]
         assert (r["params"], r["grads"], r["optimizer"]) == (want.params, want.grads, want.optimizer), r
         assert r["gathered"] == want.gathered, r  # FSDP2's all-gathered copies at the activation peak
+        assert r["fsdp_copies"] == want.fsdp_copies, r  # FSDP2's copy kernels' bytes in a step
     if lo.zero == 1:
         # The step model books the busiest dp rank's whole-tensor ZeRO-1 share (not Ψ/N): the largest
         # measured, of the pipeline rank whose memory it reports.

@@ -28,13 +28,16 @@ def test_built_in_h200_tables_are_the_recorded_profile():
     assert _rows(get_hardware("h200").calibration) == pytest.approx(_rows(hopper_tables.derive()), rel=2e-3)
 
 
-@pytest.mark.parametrize(("run", "within"), [("gpu_llama1b_z3_b16", 0.08), ("gpu_llama1b_z0_b8", 0.08),
-                                             ("gpu_llama1b_z0_b8_eager", 0.10)])
+@pytest.mark.parametrize(("run", "within"), [("gpu_llama1b_z3_b16", 0.05), ("gpu_llama1b_z0_b8", 0.05),
+                                             ("gpu_llama1b_z0_b8_eager", 0.13)])
 def test_h200_step_time_of_runs_the_tables_were_not_taken_from(run, within):
-    """measured/predicted: 1.05, 1.05 and 1.08 (A100's assumed shares left the compiled runs 1.09-1.10).
-    The eager run's element-wise kernels are the planner's op-by-op count (compiled blocks fuse
-    them), fitted to nothing here; it read 1.40 before that count."""
+    """measured/predicted: 1.038, 1.043 and 1.111 (A100's assumed shares left the compiled runs
+    1.09-1.10). One memory-bound rate, from the compiled profile, where a third of that time is
+    large copies (FSDP2's, the clip's foreach kernels); the eager run's element-wise work is the
+    planner's op-by-op count, fitted to nothing here, in many smaller kernels that this rate
+    overrates (1.40 before that count; 1.08 while FSDP2's copies, autocast's weight casts and the
+    clip went unbooked and the rate absorbed the compiled runs' missing bytes)."""
     rec = json.loads((BENCHMARKS / "results" / f"{run}.json").read_text())
     cfg = hopper_tables.run_config(rec["batch"], 3 if "fsdp2" in rec["layout"] else 0, rec["compile"])
-    predicted = hopper_tables.predict(cfg, get_hardware("h200")).step_time
+    predicted, _ = hopper_tables.predict(cfg, get_hardware("h200"))
     assert rec["median_step_s"] / predicted == pytest.approx(1.0, abs=within)

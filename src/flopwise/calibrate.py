@@ -46,7 +46,8 @@ from flopwise.outputs import check_writable, write_text
 from flopwise.model.layers import CoreAttention
 from flopwise.model.transformer import build_model
 from flopwise.plan.layout import Layout, check_layout, config_layout
-from flopwise.plan.perf import STACKS, eager_precision, estimate, layer_elementwise_bytes, loss_bytes, model_shape
+from flopwise.plan.perf import (STACKS, eager_precision, estimate, layer_elementwise_bytes, loss_bytes, model_shape,
+                                weight_cast_bytes)
 from flopwise.train.engine import lm_loss
 from flopwise.train.metrics import DTYPES, measure_matmul_peak
 from flopwise.train.optim import build_optimizer
@@ -134,7 +135,8 @@ def measure_attention(head_dims, seqs, dtype: torch.dtype, device: torch.device,
 def elementwise_row(cfg: Config, partial: Hardware, tp: int, mb: int, seconds: float) -> list:
     """(tp, activation bytes, achieved bandwidth) from a measured forward + backward of one
     micro-batch: what the planner's GEMM, attention and tensor-parallel all-reduce time for it
-    (from the tables and fits just measured) leaves, over the planner's element-wise bytes."""
+    (from the tables and fits just measured) leaves, over the planner's element-wise bytes (with
+    autocast's weight casts: the model runs with fp32 parameters)."""
     m, seq = cfg.model, cfg.data.seq_len
     sh = model_shape(m, seq)
     lo, stack = Layout(tp=tp, micro_batch=mb), STACKS["flopwise"]
@@ -142,7 +144,8 @@ def elementwise_row(cfg: Config, partial: Hardware, tp: int, mb: int, seconds: f
     other = max(seconds - t["matmul"] - t["attention"] - t["tp_comm"], 0.05 * seconds)
     eager = eager_precision(stack, False, math.inf, lo, cfg.train.dtype)  # model_seconds runs the blocks eager
     fwd, bwd, tensor = layer_elementwise_bytes(sh, mb * seq, tp, False, eager)
-    nbytes = m.n_layers * (fwd + bwd) + loss_bytes(sh, mb * seq, tp, eager)
+    casts = weight_cast_bytes(m, tp, m.n_layers, True, 1, False) if cfg.train.dtype == "bf16" else 0.0
+    nbytes = m.n_layers * (fwd + bwd) + loss_bytes(sh, mb * seq, tp, eager) + casts
     return [tp, tensor, round(nbytes / other)]
 
 

@@ -688,7 +688,7 @@ def _print_measured(r: dict) -> None:
         table.add_column(col, justify="left" if col == "quantity" else "right")
     for rank in r["ranks"]:
         rows = [(f"{q} bytes", rank[q], ",.0f") for q in QUANTITIES
-                if q != "gathered" or rank[q]["predicted"] or rank[q]["measured"]]
+                if q not in ("gathered", "fsdp_copies") or rank[q]["predicted"] or rank[q]["measured"]]
         rows += [(f"{k} elements", v, ",.0f") for k, v in rank["collectives"].items()]
         rows += [("step time s", {"predicted": r["step_time_s"]["predicted"],
                                   "measured": rank["step_time_s"]["measured"]}, ".4g")]
@@ -701,6 +701,7 @@ def _print_measured(r: dict) -> None:
     console.print("[dim]params at rest, grads as the optimizer steps, optimizer: AdamW moments; activations: peak "
                   "saved for backward (the planner's: this engine's, eager or compiled as the run is); gathered: "
                   "FSDP2's all-gathered parameters then; peak: the step's high-water mark above the resident states; "
+                  "fsdp_copies: what FSDP2's copy kernels read and write around its collectives in a step; "
                   "collectives: elements per step by kind, single-element ones (loss, norm, flags) left out; step "
                   "time: the median of the timed steps[/]")
     parts = Table(title=f"step time s by component: rank {r['components_rank']}'s profiled step (torch.profiler)")

@@ -22,12 +22,12 @@ TB = 1e12
 # Achievable dense-GEMM share of peak. A100: calibrated on the one published per-layer timing on
 # that chip, Korthikanti et al. 2022 Table 4 (a 22B layer, tp 8, micro-batch 4: forward 7.7 ms),
 # which the planner's layer model reproduces at 0.75; a microbenchmark, not one of the end-to-end
-# runs the planner is validated against. H100 SXM and H200: measured (`_hopper`). Other chips: U, assumed
+# runs the planner is validated against. H100 SXM and H200: measured (`hopper_calibration`). Other chips: U, assumed
 # the same until measured (`flopwise hardware calibrate` on one; put the figure in a catalogue TOML).
 A100_GEMM = 0.75
 
 
-def _hopper(hbm_bw: float, source: str) -> Calibration:
+def hopper_calibration(hbm_bw: float, source: str) -> Calibration:
     """Hopper tables measured on this project's H200 (2026-12-04, torch 2.11, cuBLAS, cuDNN SDPA):
     benchmarks/hopper_tables.py derives every row from the kernel profile of a compiled 1.1B Llama
     step (benchmarks/results/gpu_llama1b_z3_b8.json) beside the planner's time for the same work,
@@ -36,11 +36,14 @@ def _hopper(hbm_bw: float, source: str) -> Calibration:
     attention's backward ran at 0.64 of the peak, not 0.75. An H100 SXM has the same GH100 compute
     and libraries, so the same compute shares (published large-GEMM ceilings agree: H100 SXM 792
     TFLOP/s = 80% of peak, ml-engineering's MAMF table; torchao's roofline 0.78); its memory-bound
-    rates (element-wise work, the fused AdamW) scale with its HBM bandwidth. `flopwise hardware
-    calibrate --device cuda` measures full tables on the user's own GPU."""
+    rates scale with its HBM bandwidth. The memory-bound rate (3.96 TB/s on the H200) is every
+    memory-bound byte the planner books in that step (element-wise work, FSDP2's copies, the clip)
+    over those kernels' time; the optimizer row is the fused AdamW's time plus the clip's bytes at
+    that rate, as `hardware calibrate` times the two together. `flopwise hardware calibrate --device
+    cuda` measures full tables on the user's own GPU."""
     scale = hbm_bw / H200_HBM
     return Calibration(dtype="bf16", gemm=((16384, 8192, 2048, HOPPER_GEMM),), attention=((2048, 64, 0.736, 0.643),),
-                       elementwise=((1, 67108864, 3.28e12 * scale),), optimizer=((1104218112, 0.00886 / scale),),
+                       elementwise=((1, 67108864, 3.96e12 * scale),), optimizer=((1104218112, 0.01221 / scale),),
                        source=source)
 
 
@@ -89,7 +92,8 @@ CATALOGUE: dict[str, Hardware] = {h.name: h for h in [
              80 * GiB, 3350 * GB, 450 * GB, 50 * GB, 8,
              "V2: NVIDIA H100 datasheet (989 dense bf16); NVLink4 900 GB/s bidirectional; "
              "V: Llama 3 paper, 400 Gb/s per GPU RoCE/IB", matmul_efficiency=HOPPER_GEMM,
-             calibration=_hopper(3350 * GB, "D: the H200's measured compute shares; memory-bound rates x 3.35/4.8 TB/s")),
+             calibration=hopper_calibration(3350 * GB, "D: the H200's measured compute shares; memory-bound rates "
+                                            "x 3.35/4.8 TB/s")),
     Hardware("h100-pcie", {"bf16": 756.5e12, "fp16": 756.5e12, "fp8": 1513e12, "tf32": 378e12, "fp32": 51.2e12},
              80 * GiB, 2000 * GB, 300 * GB, 50 * GB, 8,
              "V2: NVIDIA H100 datasheet, PCIe column (1,513 TFLOP/s bf16 with sparsity = 756.5 dense; "
@@ -100,7 +104,8 @@ CATALOGUE: dict[str, Hardware] = {h.name: h for h in [
     Hardware("h200", {"bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12, "tf32": 494.7e12, "fp32": 66.9e12},
              141 * GB, 4800 * GB, 450 * GB, 50 * GB, 8,
              "V2: NVIDIA H200 datasheet / MLCommons system description (141 GB HBM3e, 4.8 TB/s)",
-             matmul_efficiency=HOPPER_GEMM, calibration=_hopper(H200_HBM, "measured: this project's H200 profile")),
+             matmul_efficiency=HOPPER_GEMM,
+             calibration=hopper_calibration(H200_HBM, "measured: this project's H200 profile")),
     Hardware("h200-nvl", {"bf16": 835.5e12, "fp16": 835.5e12, "fp8": 1670.5e12, "tf32": 417.5e12, "fp32": 60e12},
              141 * GB, 4800 * GB, 450 * GB, 50 * GB, 8,
              "V2: NVIDIA H200 NVL datasheet (1,671 TFLOP/s bf16 with sparsity = 835.5 dense; 141 GB, 4.8 TB/s)"),

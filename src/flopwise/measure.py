@@ -54,9 +54,10 @@ from flopwise.train.faults import Faults
 from flopwise.train.trainer import train_step
 
 MAX_RANKS = 8  # processes one CPU machine runs for a measurement (gloo)
-QUANTITIES = ("params", "grads", "optimizer", "activations", "gathered", "peak")
+QUANTITIES = ("params", "grads", "optimizer", "activations", "gathered", "peak", "fsdp_copies")
 # The step's components, measured and predicted: the planner's Estimate.time terms that make each
-COMPONENTS = {"matmul": ("matmul",), "attention": ("attention",), "other_compute": ("other_compute", "grad_accum"),
+COMPONENTS = {"matmul": ("matmul",), "attention": ("attention",),
+              "other_compute": ("other_compute", "grad_accum", "fsdp_copies", "weight_casts"),
               "optimizer": ("optimizer",), "exposed_comm": ("tp_comm", "dp_comm", "pp_comm", "cp_comm"),
               "pipeline_bubble": ("pp_bubble",)}
 STEP_SCOPE = "flopwise.step"  # the record_function around the profiled step
@@ -72,9 +73,10 @@ def measure_rank(run: Run, steps: int, timed: int = 0) -> dict[str, Any]:
     """This rank's mesh coordinates, its layers, and what it holds and sends over `steps` training
     steps: parameters at rest (after the build), gradient bytes as the optimizer steps, optimizer
     moments after the last step, the peak saved activations, FSDP2's all-gathered parameters then
-    and the high-water mark of all memory in the last step, and collective
-    elements by kind in one step more. With `timed` > 0, also the wall time of that many steps
-    after the memory steps (which warm up and compile) and the components of a profiled one."""
+    and the high-water mark of all memory in the last step, and collective elements by kind and
+    the bytes FSDP2 copies around them in one step more. With `timed` > 0, also the wall time of
+    that many steps after the memory steps (which warm up and compile) and the components of a
+    profiled one."""
     engine, opt, par = run.engine, run.optimizer, run.par
     plain = [getattr(m, "module", m) for m in engine.parts]  # DDP's wrapped module
     out: dict[str, Any] = {"pp_rank": par.rank("pp"), "shard_rank": par.rank("shard"), "dp_rank": par.rank("dp_cp"),
@@ -93,9 +95,9 @@ def measure_rank(run: Run, steps: int, timed: int = 0) -> dict[str, Any]:
             out.update(time_steps(run, step, faults, timed))
         # CommCounter is a dispatch mode, under which compiled blocks run eagerly (and save what eager
         # saves): the collectives get a step of their own
-        with acc.CommCounter() as comm:
+        with acc.CommCounter() as comm, acc.FsdpCopyBytes() as copies:
             train_step(run, next(step), faults)
-        out["collectives"] = comm.volumes()
+        out["collectives"], out["fsdp_copies"] = comm.volumes(), sum(copies.bytes.values())
     finally:
         hook.remove()
     out["grads"] = grads[-1]

@@ -4,6 +4,7 @@
 forward: gathered under ZeRO ≤ 2, shards under ZeRO-3), gradients and optimizer state on this rank.
 `CommCounter`: every collective and point-to-point op that passes through the dispatcher
 (c10d and functional collectives: DDP's reducer, FSDP2, DTensor, pipelining all do), with bytes.
+`FsdpCopyBytes`: the bytes FSDP2 copies around its collectives, to check against plan/comm.py.
 `SavedBytes`: bytes autograd keeps for backward (activations), to check against plan/memory.py.
 `PeakMemory`: the high-water mark of everything allocated on the rank's device during a step.
 """
@@ -188,6 +189,43 @@ class CommCounter(TorchDispatchMode):
                 self.elements[kind] += n
                 self.sizes[kind].append(n)
         return out
+
+
+class FsdpCopyBytes(TorchDispatchMode):
+    """Bytes FSDP2's copy kernels read and write around its collectives (torch.distributed.fsdp's
+    _fsdp_collectives): the foreach cast of the fp32 shards to the compute dtype, the copy into
+    the all-gather buffer (fsdp.all_gather_copy_in), the split of the gathered buffer into the
+    parameters (fsdp.split_with_sizes_copy), the gradients' concatenation into the reduce buffer
+    (fsdp.chunk_cat) and, with no group to scatter over, that buffer's copy into the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: dict[str, int] = defaultdict(int)
+        self._reduce_input: tuple[int, int] | None = None  # the last chunk_cat's output, until the next op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.ops.aten._foreach_copy_.default and len({_storage(t).data_ptr() for t in args[0]}) == 1:
+            self.bytes["cast"] += _nbytes(args[0]) + _nbytes(args[1])  # into one flat buffer: FSDP2's
+        elif func is torch.ops.fsdp.all_gather_copy_in.default:
+            inputs, buffer = args[0], args[1]
+            self.bytes["copy_in"] += _nbytes(inputs) + sum(t.numel() for t in inputs) * buffer.element_size()
+        elif func is torch.ops.fsdp.split_with_sizes_copy.default:
+            self.bytes["copy_out"] += _nbytes(args[:1]) + _nbytes(kwargs["out"])
+        elif func is torch.ops.aten.copy_.default and self._reduce_input is not None \
+                and (args[1].data_ptr(), args[1].numel()) == self._reduce_input:
+            self.bytes["reduce_copy"] += _nbytes(args[:2])
+        if func is torch.ops.fsdp.chunk_cat.default:
+            self.bytes["chunk_cat"] += _nbytes(args[0]) + _nbytes([kwargs["out"]])
+            self._reduce_input = (kwargs["out"].data_ptr(), kwargs["out"].numel())
+        elif func is not torch.ops.aten.empty.memory_format:  # FSDP2 allocates the output in between
+            self._reduce_input = None
+        return out
+
+
+def _nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
 
 
 def _tensors(x) -> list[torch.Tensor]:

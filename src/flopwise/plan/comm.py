@@ -112,3 +112,35 @@ def dp_collectives(psi: float, zero: int, *, zero1_broadcast: bool = False, gath
     if hsdp:
         out.append(Collective(kind="all_reduce", elements=psi, when=micro, group="replicate", gradients=True))
     return out
+
+
+def fsdp_copy_bytes(collectives: list[Collective], shard: int, n_micro: int, *, compute_bytes: int,
+                    reduce_bytes: int, master_bytes: int = 4, float8_elements: float = 0.0) -> dict[str, float]:
+    """HBM bytes FSDP2 copies around its data-parallel collectives (`dp_collectives`' list), by when
+    they run ("micro", "step"), on one rank of a `shard`-rank shard group (dp_shard · cp). From
+    torch.distributed.fsdp's foreach_all_gather, foreach_all_gather_copy_out and foreach_reduce:
+
+    - each parameter all-gather: the fp32 shards cast to the compute dtype (one foreach copy; none
+      when they already are), copied into the all-gather buffer, and the gathered buffer split into
+      the parameters (split_with_sizes_copy): read + write of the shard, the shard, the whole.
+      `float8_elements` of them (torchao's float8 all-gather) are gathered at 1 byte, cast by
+      torchao (plan.float8's cast bytes), not by the foreach copy. A one-rank shard group gathers
+      nothing (FSDPParamGroup.unshard): each parameter is cast and copied into its unsharded tensor;
+    - each gradient reduction (reduce-scatter; the all-reduce of FSDP2's replicate): the
+      gradients concatenated into one buffer in the reduce dtype (chunk_cat: read the gradients,
+      write fp32), from the compute dtype or, accumulated over micro-batches before a per-step
+      reduction, from the reduce dtype; with no shard group to scatter over (one rank, replicate)
+      the buffer is copied into the output besides.
+    HSDP's all-reduce across replicas works in place on that output: nothing more."""
+    out = {"micro": 0.0, "step": 0.0}
+    for c in collectives:
+        if c.kind == "all_gather" and not c.gradients:
+            plain = c.elements - float8_elements
+            gathered = compute_bytes * plain + float8_elements
+            cast = (master_bytes + compute_bytes) * plain / shard if compute_bytes != master_bytes else 0.0
+            out[c.when] += cast + 2 * gathered * (1 if shard == 1 else 1 + 1 / shard)
+        elif c.gradients and (c.kind == "reduce_scatter" or c.group == "all"):
+            grads = reduce_bytes if c.when == "step" and n_micro > 1 else compute_bytes
+            alone = c.kind != "reduce_scatter" or shard == 1
+            out[c.when] += (grads + reduce_bytes + 2 * reduce_bytes * alone) * c.elements
+    return out

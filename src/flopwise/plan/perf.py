@@ -72,12 +72,13 @@ from flopwise.config import ModelConfig
 from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import Hardware
 from flopwise.plan.account import EngineRun, busiest_dp_rank, rank_memory
-from flopwise.plan.comm import (dp_collectives, pp_boundary_elements, ring_time, sp_regather_elements,
-                                tied_embedding_elements)
-from flopwise.plan.float8 import cast_bytes, scaled_mm_speed
+from flopwise.plan.comm import (dp_collectives, fsdp_copy_bytes, pp_boundary_elements, ring_time,
+                                sp_regather_elements, tied_embedding_elements)
+from flopwise.plan.float8 import cast_bytes, float8_all_gather, scaled_mm_speed
 from flopwise.plan.layout import Layout, compiles, stage_ids, stage_sizes
-from flopwise.plan.memory import (KORTHIKANTI, engine_precision, float8_eligible, memo, model_state_bytes,
-                                  rank_activation_bytes, regathered_bytes, step_peak_bytes)
+from flopwise.plan.memory import (KORTHIKANTI, autocast_weight_copy_bytes, block_linears, engine_precision,
+                                  float8_eligible, memo, model_state_bytes, rank_activation_bytes, regathered_bytes,
+                                  step_peak_bytes)
 
 MEM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for streaming kernels (STREAM-like copies)
 LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth over the nominal per-direction link rate
@@ -396,7 +397,7 @@ class Estimate:
     # the reserve: what `plan --measure` calls peak) and total (what must fit)
     memory: dict
     time: dict  # s per step: matmul, attention, other_compute, tp_comm, dp_comm, pp_bubble, pp_comm, cp_comm,
-    # grad_accum, optimizer
+    # grad_accum, fsdp_copies, weight_casts, optimizer
     step_time: float
     tokens_per_s: float
     model_tflops: float  # per device
@@ -470,7 +471,7 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     usable = hw.memory_bytes * (1 - FIT_MARGIN)
     fits = memory["total"] <= usable
     time = step_times(sh, hw, lo, seq, global_batch, stack, [load for load, _ in loads], opt_elements, cache, float8,
-                      eager_precision(stack, compile, steps, lo, dtype))
+                      eager_precision(stack, compile, steps, lo, dtype), dtype)
     step = sum(time.values())
     tokens = global_batch * seq
     gpus, peak = lo.world, hw.peak_16bit
@@ -542,7 +543,7 @@ def published_memory(sh: Shape, lo: Layout, seq: int, global_batch: int, stack: 
 
 def step_times(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, stack: Stack,
                loads: list[RankLoad], opt_elements: float, cache: dict | None, float8: str = "none",
-               eager: tuple[int, int] | None = None) -> dict[str, float]:
+               eager: tuple[int, int] | None = None, dtype: str = "bf16") -> dict[str, float]:
     """Seconds per step by term; the slowest pipeline rank sets the pace. `eager`: layer_times'."""
     n_micro = lo.microbatches(global_batch)
     v = lo.virtual_stages if lo.pp > 1 else 1
@@ -574,7 +575,8 @@ def step_times(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int,
     mb_pp, pp_step = pipeline_comm_times(sh, hw, lo, stack, seq)
     bubble_share = {"gpipe": 1.0, "1f1b": 1.0, "interleaved-1f1b": 1 / v, "zero-bubble": 1 / 3, "dualpipev": 1 / 3}
     bubble = (lo.pp - 1) * (mb_total + mb_pp) * bubble_share[lo.pp_schedule]
-    psi = max(load.params for load in loads)
+    biggest = max(loads, key=lambda load: load.params)
+    psi = biggest.params
     shard = lo.dp_shard
     held_grads = psi / shard if lo.zero >= 2 and lo.pp == 1 else psi  # reduce-scattered every micro-batch
     accum_bytes = stack.grad_accum_bytes * held_grads
@@ -584,7 +586,61 @@ def step_times(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int,
             "dp_comm": data_parallel_time(hw, lo, stack, psi, n_micro, mb_total, slowest.layers, lt),
             "pp_bubble": bubble, "pp_comm": n_micro * mb_pp + pp_step,
             "grad_accum": (n_micro - 1) * stream_time(accum_bytes, hw, accum_bytes),
+            "fsdp_copies": fsdp_copy_time(sh, hw, lo, stack, biggest, n_micro, float8, dtype),
+            "weight_casts": weight_cast_time(sh, hw, lo, stack, slowest, n_micro, float8, dtype, eager is None),
             "optimizer": optimizer}
+
+
+def fsdp_copy_time(sh: Shape, hw: Hardware, lo: Layout, stack: Stack, load: RankLoad, n_micro: int,
+                   float8: str, dtype: str) -> float:
+    """FSDP2's copies around its collectives on a rank with `load` (`fsdp_copies`), at the streaming
+    rate of one block's gathered parameters."""
+    if not (stack.engine_activations and lo.fsdp2):
+        return 0.0
+    nbytes = fsdp_copies(sh.config, lo, load.params, load.layers, n_micro, float8, dtype)
+    block = engine_precision(dtype, True).compute * sh.layer_params / lo.tp
+    return n_micro * stream_time(nbytes["micro"], hw, block) + stream_time(nbytes["step"], hw, block)
+
+
+def weight_cast_time(sh: Shape, hw: Hardware, lo: Layout, stack: Stack, load: RankLoad, n_micro: int,
+                     float8: str, dtype: str, compiled: bool) -> float:
+    """bf16 autocast's casts of this engine's fp32 weights (`weight_cast_bytes`; none under FSDP2,
+    whose gathered parameters are bf16 already), at the streaming rate of one block's weights."""
+    if not stack.engine_activations or dtype != "bf16" or lo.fsdp2:
+        return 0.0
+    nbytes = weight_cast_bytes(sh.config, lo.tp, load.layers, load.head, n_micro, compiled, float8 != "none")
+    return stream_time(nbytes, hw, ACT_BYTES * sh.layer_params / lo.tp)
+
+
+def weight_cast_bytes(m: ModelConfig, tp: int, layers: int, head: bool, n_micro: int, compiled: bool,
+                      float8: bool = False) -> float:
+    """HBM bytes per step of bf16 autocast's weight casts over fp32 parameters: each linear weight
+    of a rank's `layers` blocks and head (those plan.memory.autocast_weight_copy_bytes copies: not
+    the float8 ones, whose casts plan.float8 books) read in fp32 and written in bf16, once a step
+    (autocast caches the casts over the engine's forward_backward; compiled blocks cast inside their
+    graphs, every micro-batch), and every linear's bf16 gradient (float8 ones' too) cast back to its
+    fp32 parameter's dtype every micro-batch: 6 bytes an element each way."""
+    blocks = autocast_weight_copy_bytes(m, layers, False, tp, float8) / 2
+    head_elements = autocast_weight_copy_bytes(m, 0, head, tp) / 2
+    cast = 6 * (blocks * (n_micro if compiled else 1) + head_elements)
+    return cast + 6 * n_micro * (autocast_weight_copy_bytes(m, layers, False, tp) / 2 + head_elements)
+
+
+def fsdp_copies(m: ModelConfig, lo: Layout, psi: float, layers: int, n_micro: int, float8: str = "none",
+                dtype: str = "bf16") -> dict[str, float]:
+    """HBM bytes this engine's FSDP2 (lo.fsdp2) copies around the data-parallel collectives of a rank
+    with `psi` parameters (its stages, tensor-parallel local) in `layers` blocks, per micro-batch and
+    per step (plan.comm.fsdp_copy_bytes); none under DDP. The published stacks' flat buffers are
+    their collectives' own: nothing to copy."""
+    if not lo.fsdp2:
+        return {"micro": 0.0, "step": 0.0}
+    stack = STACKS["flopwise"]
+    f8 = layers * sum(math.prod(s) for _, s in block_linears(m, lo.tp) if float8_eligible(s)) \
+        if float8_all_gather(float8, lo) else 0.0
+    collectives = dp_collectives(psi, lo.zero, zero1_broadcast=stack.zero1_broadcast, gather_per_micro=stack.fsdp2,
+                                 pipelined=lo.pp > 1, hsdp=lo.dp_replicate > 1)
+    return fsdp_copy_bytes(collectives, lo.dp_shard * lo.cp, n_micro, float8_elements=f8,
+                           compute_bytes=engine_precision(dtype, True).compute, reduce_bytes=stack.grad_reduce_bytes)
 
 
 def pipeline_comm_times(sh: Shape, hw: Hardware, lo: Layout, stack: Stack, seq: int) -> tuple[float, float]:

@@ -1,7 +1,8 @@
 """One rank of this engine as the planner predicts it: the layers it runs, the bytes of its
-parameters, gradients, optimizer state and saved activations, and the elements each kind of
-collective moves in one optimizer step. Pure Python: `flopwise plan --measure` sets these beside
-the engine's own counts (flopwise.measure), and the joint tests assert them equal.
+parameters, gradients, optimizer state and saved activations, the elements each kind of
+collective moves in one optimizer step and the bytes FSDP2 copies around them. Pure Python:
+`flopwise plan --measure` sets these beside the engine's own counts (flopwise.measure), and the
+joint tests assert them equal.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from flopwise.plan.account import EngineRun, rank_memory
 from flopwise.plan.comm import dp_collectives, pp_boundary_elements, tp_allreduce_elements
 from flopwise.plan.layout import Layout, stage_ids, stage_sizes
 from flopwise.plan.memory import rank_param_count
-from flopwise.plan.perf import STACKS
+from flopwise.plan.perf import STACKS, fsdp_copies
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +27,7 @@ class RankPrediction:
     gathered: float  # FSDP2's all-gathered parameters when the activations peak
     peak: float  # allocated at the step's high-water mark, above the resident model states
     collectives: dict[str, float]  # kind -> elements per step
+    fsdp_copies: float  # bytes FSDP2's copy kernels move per step (plan.comm.fsdp_copy_bytes)
 
 
 def rank_layers(cfg: Config, lo: Layout, pp_rank: int) -> tuple[list[int], bool, bool]:
@@ -47,9 +49,12 @@ def predict_rank(cfg: Config, lo: Layout, pp_rank: int, shard_rank: int, dp_rank
     mem = rank_memory(EngineRun.of(cfg, cpu), lo, layers=len(layers), embedding=emb, head=head, pp_rank=pp_rank,
                       shard_rank=shard_rank, dp_rank=dp_rank, flash=STACKS["flopwise"].flash_attention)
     psi = rank_param_count(cfg.model, lo, len(layers), emb, head)
+    n_micro = lo.microbatches(cfg.train.global_batch)
+    copies = fsdp_copies(cfg.model, lo, psi, len(layers), n_micro, cfg.train.float8, cfg.train.dtype)
     return RankPrediction(layers=layers, params=mem.params, grads=mem.grads, optimizer=mem.optimizer,
                           activations=mem.activations, gathered=mem.gathered, peak=mem.peak,
-                          collectives=step_collectives(cfg, lo, pp_rank, psi, len(layers)))
+                          collectives=step_collectives(cfg, lo, pp_rank, psi, len(layers)),
+                          fsdp_copies=n_micro * copies["micro"] + copies["step"])
 
 
 def step_collectives(cfg: Config, lo: Layout, pp_rank: int, psi: int, n_layers: int) -> dict[str, float]:
