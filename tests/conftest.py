@@ -1,4 +1,7 @@
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +35,25 @@ def tiny_overrides(run_dir, data_dir, **extra) -> list[str]:
     }
     base.update({k: v for k, v in extra.items()})
     return [f"{k}={v}" for k, v in base.items()]
+
+
+WORKER = Path(__file__).parent / "dist" / "worker.py"
+
+
+def run_jobs(n: int, jobs: list[dict], tmp: Path, port: int, timeout: int = 600) -> dict:
+    """Run `jobs` in one torchrun launch of `n` gloo ranks (tests/dist/worker.py); their results by
+    name. A job that fails on any rank fails the launch with that rank's trace."""
+    spec, out = tmp / f"jobs{port}.json", tmp / f"out{port}.json"
+    spec.write_text(json.dumps(jobs))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
+                        "--master-port", str(port), str(WORKER), str(spec), str(out)],
+                       capture_output=True, text=True, timeout=timeout, env=env)
+    errors = [json.loads(f.read_text()) for f in sorted(tmp.glob(f"{out.name}.rank*.error"))]
+    assert not errors, "\n".join(f"job {e['job']}: {e['error']}\n{e['trace']}" for e in errors)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="session")

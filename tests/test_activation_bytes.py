@@ -10,7 +10,7 @@ config.
 import pytest
 import torch
 
-from conftest import tiny_overrides
+from conftest import run_jobs, tiny_overrides
 from flopwise.config import ModelConfig
 from flopwise.model.transformer import build_model
 from flopwise.parallel.accounting import SavedBytes
@@ -150,12 +150,10 @@ def _dist_overrides(family: str, layout: str, n_layers: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def measured_dist(tmp_path_factory) -> dict:
-    from test_scale_true import torchrun
-
     tmp = tmp_path_factory.mktemp("activations")
     jobs = [{"name": f"{f}-{lo}-{n}", "kind": "activations", "overrides": _dist_overrides(f, lo, n)}
             for f, lo in DIST_CASES for n in (2, 4)]
-    return torchrun(2, jobs, tmp, 29691)
+    return run_jobs(2, jobs, tmp, 29691)
 
 
 @pytest.mark.slow

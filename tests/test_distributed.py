@@ -4,17 +4,15 @@ Each torchrun launch runs many layouts (tests/dist/worker.py); the single-proces
 in this process. fp32 throughout, so the tolerance is 1e-5 relative (reduction order only).
 """
 
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from rich.console import Console
 
-from conftest import tiny_overrides
+from conftest import run_jobs, tiny_overrides
 from flopwise.config import load_config
 from flopwise.errors import CheckpointError
 from flopwise.flops import count_params
@@ -27,7 +25,6 @@ from flopwise.build import build_engine
 from flopwise.launch import train
 
 pytestmark = pytest.mark.slow
-WORKER = Path(__file__).parent / "dist" / "worker.py"
 STEPS = 3
 
 
@@ -37,18 +34,6 @@ def base(run_dir, data, **extra) -> list[str]:
           "train.eval_every": 0, "checkpoint.interval": 0, "train.eval_batches": 1}
     kw.update(extra)
     return tiny_overrides(run_dir, data, **kw)
-
-
-def torchrun(n: int, jobs: list[dict], tmp: Path, timeout: int = 600) -> dict:
-    spec, out = tmp / f"jobs{n}.json", tmp / f"out{n}.json"
-    spec.write_text(json.dumps(jobs))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
-                        "--master-port", str(29500 + n), str(WORKER), str(spec), str(out)],
-                       capture_output=True, text=True, timeout=timeout, env=env)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(out.read_text())
 
 
 LAYOUTS = {
@@ -161,13 +146,8 @@ def runs(tiny_data, tiny_mix, tiny_docs, tmp_path_factory) -> dict:
     }
     results = {"_chain": chain, "_tmp": tmp}
     for world, jobs in launches.items():
-        results.update(torchrun(world, jobs, tmp))
+        results.update(run_jobs(world, jobs, tmp, 29500 + world))
     return results
-
-
-def ok(r: dict) -> dict:
-    assert "error" not in r, r.get("trace")
-    return r
 
 
 def single(run_dir, data, **extra):
@@ -182,29 +162,29 @@ def reference(tiny_data, tmp_path_factory) -> list[float]:
 @pytest.mark.parametrize("name", [n for w in sorted(LAYOUTS) for n in LAYOUTS[w]])
 def test_layout_matches_single_process(name, runs, reference):
     """fp32: the per-step losses of every layout equal one process's within 1e-5 relative."""
-    assert ok(runs[name])["losses"] == pytest.approx(reference, rel=1e-5)
+    assert runs[name]["losses"] == pytest.approx(reference, rel=1e-5)
 
 
 @pytest.mark.parametrize("world", [4, 8])
 def test_auto_layout_trains_and_matches_single_process(world, runs, reference, tiny_data, tmp_path):
     """parallel.layout=auto on 4 and 8 ranks, for a GQA and an MHA model: the planner's choice
     passes the engine's checks, trains, and reproduces one process's losses."""
-    assert ok(runs[f"auto{world}-gqa"])["losses"] == pytest.approx(reference, rel=1e-5)
+    assert runs[f"auto{world}-gqa"]["losses"] == pytest.approx(reference, rel=1e-5)
     mha = single(tmp_path, tiny_data, **MHA).losses
-    assert ok(runs[f"auto{world}-mha"])["losses"] == pytest.approx(mha, rel=1e-5)
+    assert runs[f"auto{world}-mha"]["losses"] == pytest.approx(mha, rel=1e-5)
 
 
 @pytest.mark.parametrize("name", list(BF16))
 def test_bf16_layout_matches_single_process(name, runs, tiny_data, tmp_path):
     ref = single(tmp_path, tiny_data, **{"train.dtype": '"bf16"'}).losses
-    assert ok(runs[name])["losses"] == pytest.approx(ref, rel=1e-3)
+    assert runs[name]["losses"] == pytest.approx(ref, rel=1e-3)
 
 
 @pytest.mark.parametrize("zero", range(4))
 def test_model_state_bytes_match_zero_formulas(zero, runs):
     """Parameters, gradients and Adam moments per rank = the ZeRO paper's sharded forms (fp32: 4Ψ
     params, 4Ψ grads, K = 8 for the two moments), the function the planner uses, within 5%."""
-    r = ok(runs[f"memory-zero{zero}"])
+    r = runs[f"memory-zero{zero}"]
     want = model_state_bytes(r["psi"], zero, shard=2, k=8, param_bytes=4, grad_bytes=4)
     for rank in r["ranks"]:
         assert rank["params"] == pytest.approx(want.params, rel=0.05)
@@ -221,7 +201,7 @@ def _psi(tiny_data) -> int:
 def test_data_parallel_traffic_matches_zero(zero, runs, tiny_data):
     """One step's data-parallel collectives move the ZeRO paper's 2Ψ (stages 0-2) or 3Ψ (stage 3),
     counting an all-reduce as 2× its buffer (reduce-scatter + all-gather)."""
-    r = ok(runs[f"comm-zero{zero}"])
+    r = runs[f"comm-zero{zero}"]
     psi = _psi(tiny_data)
     grads_allreduced = sum(n for n in r["sizes"].get("all_reduce", []) if n > 1)  # not the loss/norm scalars
     volume = 2 * grads_allreduced + r["elements"].get("all_gather", 0) + r["elements"].get("reduce_scatter", 0)
@@ -234,7 +214,7 @@ def test_data_parallel_traffic_matches_zero(zero, runs, tiny_data):
 def test_tensor_parallel_traffic_matches_megatron(sp, runs, tiny_data):
     """4 all-reduces of b·s·h per layer per micro-batch (reduce-scatter + all-gather pairs under
     sequence parallel), plus the embedding's forward and the head's input-gradient reductions."""
-    r = ok(runs["comm-tp2-sp" if sp else "comm-tp2"])
+    r = runs["comm-tp2-sp" if sp else "comm-tp2"]
     m = load_config(None, base("/tmp", tiny_data)).model
     bsh = 4 * 32 * m.d_model
     per_layer = tp_allreduce_elements(32, 4, m.d_model, m.n_layers) / bsh
@@ -245,7 +225,7 @@ def test_tensor_parallel_traffic_matches_megatron(sp, runs, tiny_data):
 
 def test_pipeline_traffic_is_one_activation_per_microbatch(runs, tiny_data):
     """Stage 0 sends b·s·h activations and receives b·s·h gradients once per micro-batch."""
-    r = ok(runs["comm-pp2"])
+    r = runs["comm-pp2"]
     m = load_config(None, base("/tmp", tiny_data)).model
     bsh = pp_boundary_elements(32, 2, m.d_model)
     n_micro = 8 // 2
@@ -269,7 +249,7 @@ def test_resharding_chain_continues_the_run(runs, reference, tiny_data, tmp_path
     dp goes 4 -> 2 -> 2 -> 1), and the exported checkpoint resumes too."""
     full = single(tmp_path / "full", tiny_data, **{"train.steps": CHAIN_STEPS}).losses
     chain = runs["_chain"]
-    got = ok(runs["chain-zero3-dp4"])["losses"] + ok(runs["chain-tp2-dp2"])["losses"] + ok(runs["chain-pp2-tp2-dp2"])["losses"]
+    got = runs["chain-zero3-dp4"]["losses"] + runs["chain-tp2-dp2"]["losses"] + runs["chain-pp2-tp2-dp2"]["losses"]
     last = single(chain, tiny_data, **{"train.steps": CHAIN_STEPS, "checkpoint.keep": 10}).losses
     assert got + last == pytest.approx(full, rel=1e-5)
 
@@ -278,8 +258,8 @@ def test_resharding_chain_continues_the_run(runs, reference, tiny_data, tmp_path
 def test_mixture_resume_is_bitwise_under_the_layout(name, runs, tiny_data, tiny_mix, tmp_path):
     """A two-source mixture stopped after step 2 and resumed gives the uninterrupted run's losses
     bit for bit, and both equal one process's."""
-    full = ok(runs[f"mix-{name}-full"])["losses"]
-    assert ok(runs[f"mix-{name}-part"])["losses"] + ok(runs[f"mix-{name}-rest"])["losses"] == full
+    full = runs[f"mix-{name}-full"]["losses"]
+    assert runs[f"mix-{name}-part"]["losses"] + runs[f"mix-{name}-rest"]["losses"] == full
     one = single(tmp_path, tiny_data, **{"data.sources": tiny_mix, "train.steps": 4}).losses
     assert full == pytest.approx(one, rel=1e-5)
 
@@ -291,7 +271,7 @@ def masked_reference(tiny_docs, tmp_path_factory) -> list[float]:
 
 @pytest.mark.parametrize("name", MASK_LAYOUTS)
 def test_document_mask_layout_matches_single_process(name, runs, masked_reference, tiny_docs, tmp_path):
-    assert ok(runs[f"mask-{name}"])["losses"] == pytest.approx(masked_reference, rel=1e-5)
+    assert runs[f"mask-{name}"]["losses"] == pytest.approx(masked_reference, rel=1e-5)
     unmasked = single(tmp_path, tiny_docs).losses  # the data has boundaries in its windows: the mask matters
     assert unmasked != pytest.approx(masked_reference, rel=1e-5)
 
@@ -303,14 +283,14 @@ def alibi_reference(tiny_data, tmp_path_factory) -> list[float]:
 
 @pytest.mark.parametrize("name", [n for w in sorted(ALIBI_LAYOUTS) for n in ALIBI_LAYOUTS[w]])
 def test_alibi_layout_matches_single_process(name, runs, alibi_reference):
-    assert ok(runs[f"alibi-{name}"])["losses"] == pytest.approx(alibi_reference, rel=1e-5)
+    assert runs[f"alibi-{name}"]["losses"] == pytest.approx(alibi_reference, rel=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["tp2-dp2", "pp2-tp2-dp2"])
 def test_resharded_state_is_exactly_equal(layout, runs, tiny_data):
     """A checkpoint loaded into another layout and written back holds bit-identical model and
     optimizer state."""
-    ok(runs[f"reshard-{layout}"])
+    runs[f"reshard-{layout}"]
     src = _state(runs["_chain"] / "checkpoints" / "step-00000002", tiny_data)
     back = _state(runs["_tmp"] / f"reshard-{layout}", tiny_data)
     assert src.keys() == back.keys() and any(k.endswith("exp_avg") for k in src)

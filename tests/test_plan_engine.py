@@ -13,14 +13,13 @@ import sys
 
 import pytest
 
-from conftest import tiny_overrides
+from conftest import run_jobs, tiny_overrides
 from flopwise.config import load_config
 from flopwise.flops import count_params
 from flopwise.hardware import get_hardware
 from flopwise.parallel.mesh import layout_of
 from flopwise.plan.perf import evaluate
 from flopwise.plan.rank import predict_rank
-from test_scale_true import torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +61,7 @@ def measured(tiny_data, tmp_path_factory) -> dict:
     jobs += [{"name": f"comm-zero{z}", "kind": "comm", "overrides": tiny_overrides(tmp / f"comm{z}", tiny_data, **{
         "parallel.zero": z, "train.micro_batch": 1, "train.global_batch": 8})} for z in range(4)]
     jobs += [{"name": f"peak-{name}", "kind": "demo_states", "overrides": _peak_overrides(tmp, name)} for name in PEAK]
-    return {"_tmp": tmp, **torchrun(4, jobs, tmp, 29621)}
+    return {"_tmp": tmp, **run_jobs(4, jobs, tmp, 29621)}
 
 
 # Demo-model layouts on 4 ranks for the high-water mark, with the tolerance each is held to

@@ -6,7 +6,6 @@ in-memory exporters, SDPA on expanded K/V, the process's own resident-memory hig
 
 import json
 import math
-import os
 import subprocess
 import sys
 import textwrap
@@ -17,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 
-from conftest import tiny_overrides
+from conftest import run_jobs, tiny_overrides
 from flopwise.build import build_engine
 from flopwise.config import ModelConfig, load_config, to_toml
 from flopwise.eval.load import load_for_inference
@@ -32,24 +31,6 @@ from flopwise.checkpoints import checkpoint
 from flopwise.train.engine import lm_loss
 from flopwise.checkpoints.export import export_checkpoint
 from flopwise.launch import train
-
-WORKER = Path(__file__).parent / "dist" / "worker.py"
-
-
-def torchrun(n: int, jobs: list[dict], tmp: Path, port: int, timeout: int = 600) -> dict:
-    spec, out = tmp / f"jobs{port}.json", tmp / f"out{port}.json"
-    spec.write_text(json.dumps(jobs))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
-                        "--master-port", str(port), str(WORKER), str(spec), str(out)],
-                       capture_output=True, text=True, timeout=timeout, env=env)
-    assert r.returncode == 0, r.stderr[-4000:]
-    results = json.loads(out.read_text())
-    for name, res in results.items():
-        assert "error" not in res, f"{name}: {res.get('trace')}"
-    return results
-
 
 # --- one process -----------------------------------------------------------------------------
 
@@ -101,7 +82,7 @@ def test_one_host_sync_per_log_step(tiny_data, tmp_path):
             r = train(cfg, Console(quiet=True))
         return c.count, r.losses
 
-    (short, losses10), (long, losses20) = run(10), run(20)
+    (short, _), (long, losses20) = run(10), run(20)
     assert long - short == 2
     assert len(losses20) == 20 and all(math.isfinite(x) for x in losses20)
 
@@ -209,8 +190,8 @@ def sharded(tiny_data, tmp_path_factory) -> dict:
     hf_job = _layout_overrides(tmp, tiny_data, "hf-tp2xdp2-zero3", **{
         "parallel.tp": 2, "parallel.zero": 3, "model.init_from": f'"hf:{hf}"'})
     results = {"_tmp": tmp, "_hf": hf}
-    results.update(torchrun(2, [_layout_overrides(tmp, tiny_data, n, **x) for n, x in LAYOUTS[2].items()], tmp, 29611))
-    results.update(torchrun(4, [_layout_overrides(tmp, tiny_data, n, **x) for n, x in LAYOUTS[4].items()] + [hf_job],
+    results.update(run_jobs(2, [_layout_overrides(tmp, tiny_data, n, **x) for n, x in LAYOUTS[2].items()], tmp, 29611))
+    results.update(run_jobs(4, [_layout_overrides(tmp, tiny_data, n, **x) for n, x in LAYOUTS[4].items()] + [hf_job],
                             tmp, 29612))
     return results
 
@@ -262,7 +243,7 @@ def test_building_a_half_billion_model_on_four_ranks_holds_a_quarter_each(tmp_pa
           'train.dtype="fp32"', f'run.dir="{tmp_path}"']
     cfg = load_config(None, ov)
     full = sum(p.numel() for p in build_model(cfg.model, "meta").parameters()) * 4
-    r = torchrun(4, [{"name": "mem", "kind": "build_memory", "overrides": ov}], tmp_path, 29613)["mem"]
+    r = run_jobs(4, [{"name": "mem", "kind": "build_memory", "overrides": ov}], tmp_path, 29613)["mem"]
     for added in r["peak_added_bytes"]:
         assert added < full / 4 + 200 * 2**20, (added, full)
 

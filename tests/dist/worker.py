@@ -3,10 +3,17 @@
     torchrun --nproc-per-node N tests/dist/worker.py JOBS.json OUT.json
 
 JOBS.json is a list of {"name", "kind", "overrides": [key=value, ...]}; rank 0 writes
-{name: result} to OUT.json. Kinds are the functions in flopwise_dist_jobs.
+{name: result} to OUT.json. Kinds are the functions in tests/dist/jobs.py.
+
+A job that raises on a rank ends the launch at once: the rank writes the error to
+OUT.json.rank<r>.error and exits non-zero, and torchrun stops the others. Carrying on is not
+safe: the other ranks may be waiting in one of the job's collectives, which would hang them until
+WORKER_HANG_S (or pair their next collective with the wrong one).
 """
 
+import faulthandler
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -18,15 +25,17 @@ import jobs  # noqa: E402
 
 
 def main(spec: str, out: str) -> None:
-    import faulthandler, os
     faulthandler.dump_traceback_later(int(os.environ.get("WORKER_HANG_S", "500")), exit=True)
     dist.init_process_group("gloo")
     results = {}
     for job in json.loads(Path(spec).read_text()):
         try:
             results[job["name"]] = getattr(jobs, job["kind"])(job["overrides"])
-        except Exception as e:  # one broken layout must not hide the others' results
-            results[job["name"]] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+        except Exception as e:
+            error = {"job": job["name"], "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+            Path(f"{out}.rank{dist.get_rank()}.error").write_text(json.dumps(error))
+            sys.stderr.flush()
+            os._exit(1)
         dist.barrier()
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
