@@ -43,6 +43,7 @@ LAYOUTS = {
     "dp4-zero1-recompute": {"parallel.zero": 1, "parallel.recompute": '"full"'},
     # bf16: FSDP2 casts the fp32 shards before it gathers; tensorwise float8 gathers the linears in float8
     "dp4-zero3-bf16": {"parallel.zero": 3, "train.dtype": '"bf16"'},
+    "tp2xdp2-zero0-bf16": {"parallel.tp": 2, "parallel.zero": 0, "train.dtype": '"bf16"'},  # replicate's unshard casts
     "dp4-zero3-float8": {"parallel.zero": 3, "train.dtype": '"bf16"', "train.float8": '"tensorwise"',
                          "train.float8_emulate": "true"},
 }

@@ -95,7 +95,7 @@ def measure_rank(run: Run, steps: int, timed: int = 0) -> dict[str, Any]:
             out.update(time_steps(run, step, faults, timed))
         # CommCounter is a dispatch mode, under which compiled blocks run eagerly (and save what eager
         # saves): the collectives get a step of their own
-        with acc.CommCounter() as comm, acc.FsdpCopyBytes() as copies:
+        with acc.CommCounter() as comm, acc.FsdpCopyBytes(engine.parts) as copies:
             train_step(run, next(step), faults)
         out["collectives"], out["fsdp_copies"] = comm.volumes(), sum(copies.bytes.values())
     finally:

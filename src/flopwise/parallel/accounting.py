@@ -196,12 +196,17 @@ class FsdpCopyBytes(TorchDispatchMode):
     _fsdp_collectives): the foreach cast of the fp32 shards to the compute dtype, the copy into
     the all-gather buffer (fsdp.all_gather_copy_in), the split of the gathered buffer into the
     parameters (fsdp.split_with_sizes_copy), the gradients' concatenation into the reduce buffer
-    (fsdp.chunk_cat) and, with no group to scatter over, that buffer's copy into the output."""
+    (fsdp.chunk_cat) and, with no group to scatter over, that buffer's copy into the output. Groups
+    of `modules` whose shard group is one rank (FSDP2's replicate; fully_shard over one rank)
+    unshard without a collective (FSDPParamGroup.wait_for_unshard): each shard cast to the compute
+    dtype on its own, then copied into the unsharded tensor; those are counted too."""
 
-    def __init__(self):
+    def __init__(self, modules=()):
         super().__init__()
         self.bytes: dict[str, int] = defaultdict(int)
         self._reduce_input: tuple[int, int] | None = None  # the last chunk_cat's output, until the next op
+        self._unshard_inputs = _one_rank_shards(modules)  # data pointers a one-rank unshard reads
+        self._casts: set[int] = set()  # its casts' outputs, until copied
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -216,12 +221,30 @@ class FsdpCopyBytes(TorchDispatchMode):
         elif func is torch.ops.aten.copy_.default and self._reduce_input is not None \
                 and (args[1].data_ptr(), args[1].numel()) == self._reduce_input:
             self.bytes["reduce_copy"] += _nbytes(args[:2])
+        elif func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self._unshard_inputs:
+            self.bytes["unshard_cast"] += _nbytes([args[0], out])
+            self._casts.add(out.data_ptr())  # what the copy below reads
+        elif func is torch.ops.aten.copy_.default and (args[1].data_ptr() in self._unshard_inputs
+                                                       or args[1].data_ptr() in self._casts):
+            self._casts.discard(args[1].data_ptr())
+            self.bytes["unshard_copy"] += _nbytes(args[:2])
         if func is torch.ops.fsdp.chunk_cat.default:
             self.bytes["chunk_cat"] += _nbytes(args[0]) + _nbytes([kwargs["out"]])
             self._reduce_input = (kwargs["out"].data_ptr(), kwargs["out"].numel())
         elif func is not torch.ops.aten.empty.memory_format:  # FSDP2 allocates the output in between
             self._reduce_input = None
         return out
+
+
+def _one_rank_shards(modules) -> set[int]:
+    """Data pointers of the sharded parameters of `modules`' FSDP2 groups whose all-gather group is
+    one rank (no FSDPMeshInfo, as under replicate, or a shard mesh of size 1)."""
+    ptrs: set[int] = set()
+    for m in (x for part in modules for x in part.modules()):
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        if group is not None and getattr(group.mesh_info, "shard_mesh_size", 1) == 1:
+            ptrs |= {p._sharded_param_data.data_ptr() for p in group.fsdp_params}
+    return ptrs
 
 
 def _nbytes(ts) -> int:

@@ -72,7 +72,7 @@ from flopwise.config import ModelConfig
 from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import Hardware
 from flopwise.plan.account import EngineRun, busiest_dp_rank, rank_memory
-from flopwise.plan.comm import (dp_collectives, fsdp_copy_bytes, pp_boundary_elements, ring_time,
+from flopwise.plan.comm import (Collective, dp_collectives, fsdp_copy_bytes, pp_boundary_elements, ring_time,
                                 sp_regather_elements, tied_embedding_elements)
 from flopwise.plan.float8 import cast_bytes, float8_all_gather, scaled_mm_speed
 from flopwise.plan.layout import Layout, compiles, stage_ids, stage_sizes
@@ -639,7 +639,14 @@ def fsdp_copies(m: ModelConfig, lo: Layout, psi: float, layers: int, n_micro: in
         if float8_all_gather(float8, lo) else 0.0
     collectives = dp_collectives(psi, lo.zero, zero1_broadcast=stack.zero1_broadcast, gather_per_micro=stack.fsdp2,
                                  pipelined=lo.pp > 1, hsdp=lo.dp_replicate > 1)
-    return fsdp_copy_bytes(collectives, lo.dp_shard * lo.cp, n_micro, float8_elements=f8,
+    shard = lo.dp_shard * lo.cp
+    if lo.zero == 0:  # FSDP2's replicate: a one-rank shard group, which unshards (casts and copies)
+        # every parameter before each micro-batch's forward, once a step under a pipeline schedule
+        # (it keeps them unsharded across the micro-batches), and gathers nothing
+        collectives.append(Collective(kind="all_gather", elements=psi, when="step" if lo.pp > 1 else "micro",
+                                      group="shard", gradients=False))
+        shard = 1
+    return fsdp_copy_bytes(collectives, shard, n_micro, float8_elements=f8,
                            compute_bytes=engine_precision(dtype, True).compute, reduce_bytes=stack.grad_reduce_bytes)
 
 
