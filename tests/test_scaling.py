@@ -85,6 +85,7 @@ def test_shape_is_hardware_friendly():
     assert s.d_model % 128 == 0 and s.head_dim == 128 and s.n_heads * s.head_dim == s.d_model
     assert 32 <= s.d_model / s.n_layers <= 128 and s.ffn_dim % 256 == 0
     assert abs(s.params / 70e9 - 1) < 0.03
+    assert 64 <= s.d_model / s.n_layers <= 110  # the range of Chinchilla's Table A9 models
 
 
 def test_batch_and_lr_rule_and_written_config(tmp_path):

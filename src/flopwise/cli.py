@@ -30,7 +30,8 @@ checkpoint_app = typer.Typer(no_args_is_help=True, help="Consolidate sharded che
 app.add_typer(checkpoint_app, name="checkpoint")
 hardware_app = typer.Typer(no_args_is_help=True, help="Measure this machine for the planner.")
 app.add_typer(hardware_app, name="hardware")
-console = Console()
+# Piped or logged, rich would lay tables out at 80 columns and cut numbers to "4…": never cut them
+console = Console() if sys.stdout.isatty() else Console(width=200)
 
 DEFAULT_CONFIG = "demo"
 ARGS_HELP = "[CONFIG] [key=value ...]: a TOML file or built-in name (default: demo), then overrides"
@@ -476,7 +477,13 @@ def scale_sweep(
     from flopwise.sweep import budgets_from, launch_commands, plan_ladder, run_ladder, write_configs
 
     base = _config(args)
-    runs = plan_ladder(base, budgets_from(budgets), sizes, spread, law, out)
+    planned = budgets_from(budgets)
+    runs = plan_ladder(base, planned, sizes, spread, law, out)
+    if len(runs) < len(planned) * sizes:  # printed first: `scale fit` needs enough distinct points
+        Console(stderr=True, soft_wrap=True).print(
+            f"[yellow]note[/]: {len(runs)} runs, not {len(planned)} budgets × {sizes} sizes: "
+            f"{len(planned) * sizes - len(runs)} of them round to a shape already in their budget (small models) "
+            "and are trained once; widen --spread for more distinct sizes")
     if emit:
         for cmd in launch_commands(write_configs(runs, out), nproc):
             typer.echo(cmd)

@@ -206,9 +206,20 @@ class ChosenShape:
     non_embedding_params: int
 
 
+# Shapes within this share of the target parameter count are as good for the law (its loss is flat
+# there), so among them the most usual aspect ratio wins (ASPECT_CENTRE); with none that close,
+# the closest
+SHAPE_TOLERANCE = 0.02
+# d_model/n_layers a shape leans to: the geometric centre of Chinchilla's Table A9 models (64-110);
+# Llama 2 7B-70B (102-128) and GPT-3 13B-175B (128-133) sit above it, inside Kaplan §3.1's flat range
+ASPECT_CENTRE = math.sqrt(64 * 110)
+
+
 def choose_shape(target: float, vocab_size: int, count_embeddings: bool, mlp: str = "swiglu",
                  aspect: tuple[float, float] = (32, 128)) -> ChosenShape:
-    """A Llama-style shape whose parameter count is closest to `target`.
+    """A Llama-style shape whose parameter count is within SHAPE_TOLERANCE of `target` (else the
+    closest), and among those the one whose d_model/n_layers is nearest ASPECT_CENTRE (the closest
+    count alone picks extremes of the range for large targets: 130 × 6656 for 70B).
 
     d_model is a multiple of 128 (of 32 below 512 for tiny CPU models), head_dim 128 (64 below
     d_model 1024, 32 below 256), ffn 8/3·d rounded up to 256 (to 32 below d_model 1024) for
@@ -219,7 +230,7 @@ def choose_shape(target: float, vocab_size: int, count_embeddings: bool, mlp: st
     from flopwise.config import ModelConfig
     from flopwise.flops import count_params
 
-    best = None
+    shapes = []  # (|log(count/target)|, n_layers, d_model, head_dim, ffn)
     for n_layers in range(1, 513):
         for d in range(32, 131073, 32):
             if d >= 512 and d % 128:
@@ -231,14 +242,15 @@ def choose_shape(target: float, vocab_size: int, count_embeddings: bool, mlp: st
             ffn = unit * math.ceil(8 * d / 3 / unit) if mlp == "swiglu" else 4 * d
             approx = n_layers * (4 * d * d + (3 if mlp == "swiglu" else 2) * d * ffn)
             approx += vocab_size * d * 2 if count_embeddings else 0
-            err = abs(math.log(approx / target))
-            if best is None or err < best[0]:
-                best = (err, n_layers, d, head_dim, ffn)
+            shapes.append((abs(math.log(approx / target)), n_layers, d, head_dim, ffn))
             if approx > 3 * target:
                 break
-    if best is None:
+    if not shapes:
         raise ConfigError(f"no shape near {target:.3g} parameters within aspect ratio {aspect}")
-    _, n_layers, d, head_dim, ffn = best
+    closest = min(shapes)[0]
+    _, n_layers, d, head_dim, ffn = min(
+        (s for s in shapes if s[0] <= max(closest, SHAPE_TOLERANCE)),
+        key=lambda s: (abs(math.log(s[2] / s[1] / ASPECT_CENTRE)), s[0]))
     m = ModelConfig(arch="llama", n_layers=n_layers, d_model=d, n_heads=d // head_dim, head_dim=head_dim,
                     ffn_dim=ffn, vocab_size=vocab_size, max_seq_len=8192, mlp=mlp)
     c = count_params(m)
