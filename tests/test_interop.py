@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import tiny_overrides  # noqa: E402
 from flopwise.config import load_config  # noqa: E402
-from flopwise.errors import CheckpointError  # noqa: E402
+from flopwise.errors import CheckpointError, ConfigError  # noqa: E402
 from flopwise.eval.generate import generate  # noqa: E402
 from flopwise.interop.convert import export_hf, import_hf  # noqa: E402
 from flopwise.interop.hf import from_hf, to_hf  # noqa: E402
@@ -119,6 +119,16 @@ def test_import_then_continue_training_from_hf(tiny_data, tmp_path):
         logits = ref(input_ids=batch[:, :-1]).logits
     first = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
     assert result.losses[0] == pytest.approx(first, rel=1e-5)  # step 1 ran on the HF weights
+
+
+def test_continued_pretraining_keeps_the_hf_tokenizer(tmp_path):
+    """The demo config with model.init_from takes the HF folder's tokenizer; a bpe: spec (a new
+    tokenizer, whose ids the HF embeddings were not trained on) is refused in one line."""
+    hf_model("llama").save_pretrained(tmp_path / "hf")
+    init = f'model.init_from="hf:{tmp_path / "hf"}"', "data.seq_len=32"
+    assert load_config("demo", [*init]).data.tokenizer == str(tmp_path / "hf" / "tokenizer.json")
+    with pytest.raises(ConfigError, match="ids mean nothing to the embeddings"):
+        load_config("demo", [*init, 'data.tokenizer="bpe:4096"'])
 
 
 def test_unsupported_fields_are_refused(tmp_path):

@@ -232,6 +232,26 @@ def test_sigterm_checkpoints_exits_and_resumes_exactly(tiny_data, tmp_path, monk
     assert a["rng"] == b["rng"] and a["guard"] == b["guard"] and len(a["guard"]["losses"]) == 8
 
 
+def test_ctrl_c_checkpoints_and_what_a_rerun_of_that_folder_may_do(tiny_data, tmp_path, monkeypatch):
+    """A first Ctrl-C stops at the next sync point with a checkpoint (the summary counts the steps
+    done), a second stops at once; then in that folder resume=none is refused before anything is
+    touched, a checkpoint past train.steps is refused, and one at train.steps trains nothing."""
+    kw = {"train.steps": 8, "checkpoint.interval": 0, "train.eval_every": 0}
+    r, out = run(tmp_path / "r", tiny_data, "sigint:step=5", monkeypatch, **kw)
+    assert (r.preempted, r.signal, r.steps, r.checkpoint.name) == (5, "SIGINT", 5, "step-00000005")
+    assert "Ctrl-C again to stop now" in out
+    with pytest.raises(KeyboardInterrupt):  # the second one comes before the next sync point
+        run(tmp_path / "twice", tiny_data, "sigint:step=2, sigint:step=3", monkeypatch, **{**kw, "log.every": 10})
+    metrics = (tmp_path / "r" / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match="holds an earlier run's checkpoints"):
+        run(tmp_path / "r", tiny_data, "", monkeypatch, **{**kw, "checkpoint.resume": '"none"'})
+    assert (tmp_path / "r" / "metrics.jsonl").read_text() == metrics
+    with pytest.raises(ConfigError, match="at step 5, past train.steps=4"):
+        run(tmp_path / "r", tiny_data, "", monkeypatch, **{**kw, "train.steps": 4, "optim.warmup_steps": 1})
+    done, out = run(tmp_path / "r", tiny_data, "", monkeypatch, **{**kw, "train.steps": 5})
+    assert "nothing to train" in out and done.steps == 5 and not done.losses
+
+
 def test_async_checkpoints_resume_bitwise(tiny_data, tmp_path, monkeypatch):
     kw = {"train.steps": 8, "checkpoint.interval": 2, "checkpoint.async": "true"}
     run(tmp_path / "split", tiny_data, **{**kw, "train.stop_after": 5})

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from conftest import tiny_overrides
 from flopwise.config import ModelConfig, OptimConfig, load_config
-from flopwise.errors import CheckpointError, ConfigError
+from flopwise.errors import CheckpointError, ConfigError, DataError
 from flopwise.model.transformer import build_model
 from flopwise.parallel.apply import apply_recompute
 from flopwise.checkpoints import checkpoint
@@ -88,9 +88,27 @@ def test_grad_accumulation_equals_one_big_batch(tiny_data, tmp_path):
     assert a.losses == pytest.approx(b.losses, rel=1e-5)
 
 
-def test_tensorboard_logging(tiny_data, tmp_path):
+def test_one_document_has_no_validation_split_and_is_refused_before_step_one(tmp_path):
+    """A split holds whole documents: one document leaves validation empty, and every run
+    evaluates at its end, so the run stops before training rather than after it."""
+    from flopwise.data.shards import resolve_input
+
+    (tmp_path / "book.txt").write_text(resolve_input("builtin:alice").read_text())
+    cfg = load_config(None, tiny_overrides(tmp_path / "run", "x", **{"data.path": f'"{tmp_path / "book.txt"}"',
+                                                                      "data.tokenizer": '"bpe:512"'}))
+    with pytest.raises(DataError, match="no validation split of one data.seq_len=32 sequence"):
+        train(cfg, Console(quiet=True))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_tensorboard_logging(tiny_data, tmp_path, monkeypatch):
     run(tmp_path, tiny_data, **{"log.tensorboard": "true", "train.steps": 2})
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    # without the extra installed: one line before the run folder exists
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install 'flopwise\[tensorboard\]'"):
+        run(tmp_path / "none", tiny_data, **{"log.tensorboard": "true", "train.steps": 2})
+    assert not (tmp_path / "none").exists()
 
 
 def test_bf16_autocast_trains(tiny_data, tmp_path):

@@ -38,6 +38,7 @@ from flopwise.plan.planner import resolve_layout
 from flopwise.checkpoints import checkpoint
 from flopwise.train.engine import Engine
 from flopwise.train.guard import Guard
+from flopwise.train.metrics import check_tensorboard
 from flopwise.train.optim import build_optimizer
 from flopwise.parallel.float8 import check_float8
 from flopwise.train.preflight import oom_names, preflight, record_history
@@ -175,6 +176,7 @@ def build_run(cfg: Config, console: Console) -> Run:
     cfg = resolve_layout(cfg, cfg.model_dump(exclude_unset=True), mesh.world_size())
     par = mesh.init(cfg, resolve_device(cfg.train.device))
     check_float8(cfg, par.device)  # before anything is written
+    check_tensorboard(cfg.log.tensorboard)
     if (fits := preflight(cfg, par)) is not None:
         console.print(fits, highlight=False)
     record_history(cfg, par.device)
@@ -193,7 +195,10 @@ def build_run(cfg: Config, console: Console) -> Run:
                          dp_rank=par.rank("dp"), dp_size=par.layout.dp)
     run = Run(cfg, par, engine, optimizer, loader, sources, index, tokenizer_of(sources[0].data_dir),
               Guard(cfg.guard), fingerprint(sources))
-    run.resumed_from = _resume_point(cfg, run_dir, console)
-    if run.resumed_from is not None:
-        resume(run, run.resumed_from, console)
+    run.resumed_from = resume_from = _resume_point(cfg, run_dir, console)
+    if resume_from is not None:
+        resume(run, resume_from, console)
+        if run.start_step > cfg.train.steps:
+            raise ConfigError(f"checkpoint {resume_from} is at step {run.start_step}, past train.steps="
+                              f"{cfg.train.steps}; raise train.steps to continue it, or start a new run.dir")
     return run

@@ -55,7 +55,8 @@ def train(args: Optional[list[str]] = typer.Argument(None, help=ARGS_HELP)) -> N
         return
     console.print(summary_table(result))
     if result.preempted is not None:
-        console.print(f"[bold]preempted[/] by {result.signal or 'a signal to another rank'} at step {result.preempted}: checkpoint "
+        verb = "stopped" if result.signal == "SIGINT" else "preempted"
+        console.print(f"[bold]{verb}[/] by {result.signal or 'a signal to another rank'} at step {result.preempted}: checkpoint "
                       f"{result.checkpoint} written; run the same command again to continue")
     if result.sample:
         console.rule("sample")

@@ -311,6 +311,10 @@ class Config(Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":
         m, t = self.model, self.train
+        if m.init_from and (self.data.tokenizer or "").startswith("bpe:"):
+            raise ValueError(f"data.tokenizer={self.data.tokenizer} trains a new tokenizer, whose ids mean nothing to "
+                             f"the embeddings of model.init_from={m.init_from}; leave data.tokenizer unset (the "
+                             "default with init_from is its folder's tokenizer.json)")
         if self.data.tokenizer is None:
             hf_dir = m.init_from[3:] if m.init_from else None
             self.data.tokenizer = str(Path(hf_dir) / "tokenizer.json") if hf_dir else "bpe:4096"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from flopwise.errors import ConfigError
 from flopwise.hardware import Hardware, identify_gpu
 from flopwise.outputs import pyplot, read_records
 
@@ -84,6 +85,17 @@ def checked_peak(peak: Peak, achieved: float, dtype: str, device: torch.device, 
         if best > achieved:
             break
     return Peak(best, peak.source, True)
+
+
+def check_tensorboard(enabled: bool) -> None:
+    """log.tensorboard needs the tensorboard package (an extra): say so before the run folder is made."""
+    if not enabled:
+        return
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise ConfigError("log.tensorboard=true needs tensorboard: pip install 'flopwise[tensorboard]' "
+                          "(or set log.tensorboard=false)") from None
 
 
 class MetricsWriter:

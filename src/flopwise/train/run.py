@@ -66,10 +66,10 @@ def check_resumable(ckpt: Path, state: dict, cfg: Config, data_fp: str) -> list[
     if fixed:
         diff = ", ".join(f"{k}={saved.get(k)!r} there, {now.get(k)!r} here" for k in fixed[:4])
         raise CheckpointError(f"checkpoint {ckpt} is of another run ({diff}); resume with the same values, or start "
-                              "fresh with checkpoint.resume=none or another run.dir")
+                              "fresh in another run.dir")
     if state.get("data_fingerprint") not in (None, data_fp):
         raise CheckpointError(f"checkpoint {ckpt} was trained on other data (data fingerprint differs from "
-                              "index.json here); point data.path at its data, or checkpoint.resume=none")
+                              "index.json here); point data.path at its data, or start fresh in another run.dir")
     return changed
 
 

@@ -31,7 +31,7 @@ from flopwise.config import Config, config_hash, to_toml
 from flopwise.data.loader import eval_batches
 from flopwise.data.mixture import Source
 from flopwise.data.shards import read_index
-from flopwise.errors import DataError, TrainingStopped
+from flopwise.errors import ConfigError, DataError, TrainingStopped
 from flopwise.eval.generate import generate
 from flopwise.eval.tasks import evaluate_task
 from flopwise.data.tasks import load_task
@@ -76,16 +76,23 @@ class TrainResult:
     async_save_s: list[float] = field(default_factory=list)  # async: call to complete, in the background
 
 
+def eval_sources(sources: list[Source], seq_len: int) -> list[Source]:
+    """The sources whose validation split holds one sequence (more than data.seq_len tokens), which
+    evaluation reads; refused when none does (a split holds whole documents: one document, none)."""
+    usable = [s for s in sources if read_index(s.data_dir)["splits"]["val"]["tokens"] > seq_len]
+    if not usable:
+        where = "no source of data.sources has" if len(sources) > 1 else f"data {sources[0].data_dir} has no"
+        raise DataError(f"{where} validation split of one data.seq_len={seq_len} sequence (it holds whole documents, "
+                        "data.val_fraction of them); give more documents or raise data.val_fraction")
+    return usable
+
+
 def evaluate(engine: Engine, sources: list[Source], cfg: Config) -> tuple[float, dict[str, float]]:
     """Mean loss over the first validation windows of each source, in micro-batches (a pipeline
     evaluates micro_batch × its number of micro-batches at a time); the mixture's loss is the
     weight-averaged mean of the sources' that have a validation split (of one sequence or more)."""
     rows = cfg.train.micro_batch * (engine.n_micro if engine.schedule is not None else 1)
-    if len(sources) > 1:
-        sources = [s for s in sources if read_index(s.data_dir)["splits"]["val"]["tokens"] > cfg.data.seq_len]
-        if not sources:
-            raise DataError(f"data.sources: no source has a validation split of one data.seq_len={cfg.data.seq_len} "
-                            "sequence; raise data.val_fraction (or give a source with more documents)")
+    sources = eval_sources(sources, cfg.data.seq_len)
     by_source = {}
     for s in sources:
         losses = [engine.eval_loss(b) for b in eval_batches(s.data_dir, cfg.data.seq_len, rows, cfg.train.eval_batches)]
@@ -303,6 +310,13 @@ def train(run: Run, console: Console, started: float | None = None) -> TrainResu
     t_start = time.perf_counter() if started is None else started
     cfg, par, run_dir = run.cfg, run.par, Path(run.cfg.run.dir)
     metrics_path = run_dir / "metrics.jsonl"
+    if cfg.checkpoint.resume == "none" and (done := checkpoint.list_complete(run_dir)):  # starting over beside them
+        # would replace the earlier run's metrics and leave its checkpoints for the next resume
+        raise ConfigError(f"checkpoint.resume=none, but run.dir={run_dir} holds an earlier run's checkpoints "
+                          f"(newest {done[-1].name}); choose a new run.dir, or delete {run_dir / 'checkpoints'} "
+                          "to start over there")
+    if run.engine.can_eval:  # every run evaluates at its end: refuse before step 1, not after the last
+        eval_sources(run.sources, cfg.data.seq_len)
     if run.resumed_from is not None:
         if par.is_main:
             kept = [r for r in read_records(metrics_path) if r["step"] <= run.start_step]
@@ -314,6 +328,9 @@ def train(run: Run, console: Console, started: float | None = None) -> TrainResu
     if par.is_main:
         (run_dir / "config.toml").write_text(to_toml(cfg))
     loop = _Loop(run, console)
+    if run.start_step >= loop.end:
+        console.print(f"[bold]complete[/]: the checkpoint is at step {run.start_step}, where this run ends "
+                      "(train.steps, train.stop_after): nothing to train; raise them to continue")
     n_params, lo = count_params(cfg.model), par.layout
     console.print(f"[bold]model[/] {n_params.total / 1e6:.2f}M params ({n_params.non_embedding / 1e6:.2f}M "
                   f"non-embedding), {loop.fpt / 1e6:.1f} MFLOP/token (model FLOPs, 6N + attention); "
@@ -360,7 +377,8 @@ def _result(run: Run, loop: _Loop, preempted: int | None, seconds: float) -> Tra
     if loop.val_loss is None and run.start_step == loop.end and run.engine.can_eval:
         loop.val_loss = evaluate(run.engine, run.sources, cfg)[0]
     final_loss = loop.losses[-1] if loop.losses else float("nan")
-    return TrainResult(run_dir=run_dir, steps=loop.end, tokens=loop.end * loop.tokens_per_step, train_loss=final_loss,
+    reached = loop.end if preempted is None else preempted
+    return TrainResult(run_dir=run_dir, steps=reached, tokens=reached * loop.tokens_per_step, train_loss=final_loss,
                        val_loss=loop.val_loss, unigram_entropy=run.index["unigram_entropy_nats"], tokens_per_s=loop.tps,
                        mfu=loop.mfu, peak=loop.peak, seconds=seconds, checkpoint=loop.saver.last, plot=plot,
                        sample=sample, losses=loop.losses, is_main=par.is_main, preempted=preempted,
@@ -375,11 +393,12 @@ def summary_table(r: TrainResult) -> Table:
     t = Table(title="run summary", show_header=False)
     t.add_row("run dir", str(r.run_dir))
     t.add_row("steps / tokens", f"{r.steps:,} / {r.tokens:,}")
-    t.add_row("final train loss", f"{r.train_loss:.4f}")
+    trained = bool(r.losses)  # a run resumed at its last step trains nothing
+    t.add_row("final train loss", f"{r.train_loss:.4f}" if trained else "– (no step trained here)")
     if r.val_loss is not None:
         t.add_row("val loss (ppl)", f"{r.val_loss:.4f} ({math.exp(r.val_loss):.1f})")
     t.add_row("unigram entropy of the data", f"{r.unigram_entropy:.4f} nats/token")
-    t.add_row("throughput", f"{r.tokens_per_s:,.0f} tokens/s")
+    t.add_row("throughput", f"{r.tokens_per_s:,.0f} tokens/s" if trained else "–")
     t.add_row("MFU (model FLOPs)", f"{percent(r.mfu)} of {r.peak.flops / 1e9:,.0f} GFLOP/s per device ({r.peak.source})")
     t.add_row("wall time", f"{r.seconds:.1f} s")
     t.add_row("checkpoint", str(r.checkpoint))

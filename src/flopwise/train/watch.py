@@ -1,8 +1,8 @@
 """What every rank watches while it trains: preemption signals, hung steps, and each other.
 
-- SIGTERM / SIGUSR1 (SLURM's warning signal, `--signal=USR1@120`) only set a flag: training goes
-  on to the next sync point (a log, eval or checkpoint step), where every rank learns of it and
-  the job checkpoints and exits 0.
+- SIGTERM / SIGUSR1 (SLURM's warning signal, `--signal=USR1@120`) and a first Ctrl-C (SIGINT)
+  only set a flag: training goes on to the next sync point (a log, eval or checkpoint step), where
+  every rank learns of it and the job checkpoints and exits 0. A second Ctrl-C stops at once.
 - A watchdog thread dumps every thread's Python stack (faulthandler) to stderr and to
   `<run.dir>/hang-rank{R}.txt` when a step has run `watchdog.hang_factor` × the median step time
   (and at least `watchdog.min_s`). A hung collective then fails after
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from flopwise.config import WatchdogConfig
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 @dataclass
@@ -75,6 +75,11 @@ class Watch:
             signal.signal(s, handler)
 
     def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            if self.signal == "SIGINT":  # asked twice: stop now, losing the steps since the last checkpoint
+                raise KeyboardInterrupt
+            self.report("Ctrl-C: stopping at the next log step with a checkpoint; Ctrl-C again to stop now "
+                        "without one")
         self.signal = signal.Signals(signum).name
 
     def beat(self, step: int) -> None:
