@@ -236,6 +236,8 @@ def test_plan_cli_json_and_out_config(tmp_path):
     written = load_config(out)
     assert (written.parallel.tp, written.parallel.pp, written.train.micro_batch) == (lay["tp"], lay["pp"],
                                                                                      lay["micro_batch"])
+    # training the written config trains the planned tokens (plan.tokens=1e12), not the base config's steps
+    assert written.train.steps * 256 * 4096 == pytest.approx(1e12, rel=1e-3)
     assert (tmp_path / "mem.png").stat().st_size > 1000
 
 
@@ -253,6 +255,80 @@ def test_audit_cli_catalogue_json():
     assert {"gpt3-175b", "palm-540b", "llama3-405b", "opt-175b", "bloom-176b"} <= set(rows)
     assert all(v["verdict"] in ("plausible", "optimistic", "impossible", "underdetermined") for v in rows.values())
     assert rows["chinchilla-70b"]["verdict"] == "underdetermined"
+
+
+def one_line_error(r, *names):
+    """A user error as the house prints it: exit 2, one line naming what to fix, no traceback."""
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    assert all(name in lines[0] for name in names), r.stderr
+    return lines[0]
+
+
+CLAIM_70B = {"preset": "llama3-70b", "hardware": "h100-sxm", "tokens": "15e12", "devices": "1024", "days": "60"}
+
+
+@pytest.mark.parametrize("word, named", [
+    ("tokens=-15e12", "tokens="), ("days=-1", "days="), ("days=nan", "days="), ("days=0", "days="),
+    ("days=inf", "days="), ("devices=1.5", "devices="), ("devices=0", "devices="), ("devices=true", "devices="),
+    ("seq_len=0", "seq_len="), ("tokens=abc", "tokens="), ("stated_mfu=-0.4", "stated_mfu="),
+    ("preset=nope", "preset="), ("hardware=nope", "hardware="), ("hardware=cpu", "hardware="),
+    ("hardware=[1]", "hardware="), ("stated=1", "'stated'"), ("name=x", "'name'"), ("source=x", "'source'"), ("status=V", "'status'")])
+def test_audit_claim_values_are_type_and_range_checked(word, named):
+    """Each of these once gave a verdict (a negative or NaN MFU called plausible, 1.5 devices read
+    as 1, 0 devices called underdetermined) or a traceback; now a ConfigError naming the key."""
+    from flopwise.errors import ConfigError
+
+    key = word.partition("=")[0]
+    items = [f"{k}={v}" for k, v in CLAIM_70B.items() if k != key] + [word]
+    with pytest.raises(ConfigError, match=named):
+        parse_claim(items)
+
+
+def test_audit_claim_counts_and_catalogue_names():
+    claim = parse_claim([f"{k}={v}" for k, v in {**CLAIM_70B, "devices": "1e3"}.items()])
+    assert claim["devices"] == 1000 and isinstance(claim["devices"], int)
+    from flopwise.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="days=0"):  # a dict passed to the library is checked too
+        audit_claim({"name": "claim", "status": "claim", "preset": "llama3-70b", "hardware": "h100-sxm",
+                     "tokens": 15e12, "devices": 1024, "days": 0})
+    # a bare word names a catalogue entry: Llama 3 405B's published 15.6T tokens on 16,384 H100s
+    entry = parse_claim(["llama3-405b"])
+    assert (entry["name"], entry["tokens"], entry["devices"], entry["hardware"]) == ("llama3-405b", 15.6e12, 16384,
+                                                                                      "h100-sxm")
+    with pytest.raises(ConfigError, match="one catalogue entry alone"):
+        parse_claim(["llama3-405b", "devices=8"])
+
+
+def test_audit_cli_bad_claims_are_one_line():
+    one_line_error(run_cli("audit", *(f"{k}={v}" for k, v in {**CLAIM_70B, "days": "0"}.items())), "days=0")
+    one_line_error(run_cli("audit", *(f"{k}={v}" for k, v in {**CLAIM_70B, "hardware": "nope"}.items())),
+                   "hardware='nope'")
+    one_line_error(run_cli("audit", "nope"), "'nope'", "llama3-405b")
+    r = run_cli("audit", "llama3-405b", "--json")
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(r.stdout)
+    assert row["name"] == "llama3-405b" and row["tokens"] == 15.6e12
+
+
+def test_plan_empty_hardware_file_is_named(tmp_path):
+    empty = tmp_path / "empty.toml"
+    empty.write_text("# no entry\n")
+    one_line_error(run_cli("plan", f"cluster.hardware_file={empty}"), f"cluster.hardware_file={empty}",
+                   "no hardware entry")
+
+
+def test_plan_measure_nproc_below_one_is_refused():
+    """--nproc 0 once fell back to the default process count, -1 said "world size is -1"."""
+    from flopwise.errors import ConfigError
+    from flopwise.measure import measure
+
+    for n in ("0", "-1"):
+        r = run_cli("plan", "--measure", "--nproc", n)
+        assert r.returncode == 2 and "--nproc" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    with pytest.raises(ConfigError, match="--nproc=0"):
+        measure(None, [], 0)
 
 
 @pytest.mark.parametrize("case", ["llama3-405b/16384", "llama3-70b/1024", "megatron-1t/3072"])

@@ -193,3 +193,29 @@ def test_fit_input_errors(tmp_path):
     r = subprocess.run([sys.executable, "-m", "flopwise", "scale", "optimal", "--flops", "1e21", "--law", "nope"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "unknown" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("kwargs, option", [
+    ({"flops": math.nan}, "--flops nan"), ({"flops": math.inf}, "--flops inf"), ({"flops": -1.0}, "--flops -1"),
+    ({"flops": 1e21, "unique_tokens": 0.0}, "--unique-tokens 0"),
+    ({"flops": 1e21, "unique_tokens": math.nan}, "--unique-tokens nan"),
+    ({"flops": 1e21, "inference_tokens": -1e13}, "--inference-tokens -1e"),
+    ({"flops": 1e21, "inference_tokens": math.nan}, "--inference-tokens nan")])
+def test_allocate_checks_its_budget_and_token_counts(kwargs, option):
+    """Each once crashed inside the optimiser (math domain error, ZeroDivisionError in
+    effective_tokens) or was accepted (negative inference tokens)."""
+    from flopwise.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=option):
+        allocate(**kwargs)
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--flops", "nan"], "--flops nan"), (["--flops", "1e21", "--unique-tokens", "0"], "--unique-tokens 0"),
+    (["--gpu-hours", "-5", "--hardware", "h100-sxm"], "--gpu-hours -5"),
+    (["--gpu-hours", "5", "--hardware", "nope"], "--hardware 'nope'")])
+def test_scale_optimal_bad_budgets_are_one_line(args, named):
+    r = subprocess.run([sys.executable, "-m", "flopwise", "scale", "optimal", *args], capture_output=True, text=True)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and named in lines[0], r.stderr
+    assert "--flops" not in lines[0] or args[0] == "--flops"  # --gpu-hours -5 once blamed --flops

@@ -74,3 +74,52 @@ def test_cli_predict_task(tmp_path):
     rec = json.loads((tmp_path / "o" / "prediction.json").read_text())["tasks"]["t"]
     assert rec["nll_interval_95"][0] <= np.exp(3.0) * 1e15 ** -0.08 <= rec["nll_interval_95"][1]
     assert (tmp_path / "o" / "tasks.png").is_file()
+
+
+def write_table(path):
+    p = synthetic()
+    rows = ["name,flops,task,acc,nll,chance"] + [f"r{i},{c},t,{a},{n},0.25" for i, (c, a, n)
+                                                   in enumerate(zip(p.flops, p.acc, p.nll))]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_table_that_is_not_a_csv_or_holds_bad_values(tmp_path):
+    """A pickle once raised UnicodeDecodeError; a negative FLOP count or text reached the log."""
+    import pickle
+
+    (tmp_path / "t.pkl").write_bytes(pickle.dumps({"flops": [1e12, 1e13]}))
+    with pytest.raises(DataError, match="not a CSV"):
+        read_task_table(tmp_path / "t.pkl")
+    for bad, message in (("r,abc,t,0.5,1.0,0.25", "row 1: non-numeric"), ("r,-1,t,0.5,1.0,0.25", "row 1: needs"),
+                         ("r,1e12,t,1.5,1.0,0.25", "row 1: needs"), ("r,1e12,t,0.5,0,0.25", "row 1: needs")):
+        (tmp_path / "bad.csv").write_text(f"name,flops,task,acc,nll,chance\n{bad}\n")
+        with pytest.raises(DataError, match=message):
+            read_task_table(tmp_path / "bad.csv")
+
+
+@pytest.mark.parametrize("flops", ["-1", "nan", "0"])
+def test_cli_predict_task_bad_flops_writes_nothing(tmp_path, flops):
+    """--flops -1 once exited 0 with NaN predictions, a RuntimeWarning and both files written."""
+    import subprocess
+    import sys
+
+    table = write_table(tmp_path / "t.csv")
+    r = subprocess.run([sys.executable, "-m", "flopwise", "scale", "predict-task", str(table), "--flops", flops,
+                        "--out", str(tmp_path / "o"), "--bootstrap", "10"], capture_output=True, text=True)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and f"--flops {flops}" in lines[0], r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_predict_task_pickle_table_is_one_line(tmp_path):
+    import pickle
+    import subprocess
+    import sys
+
+    (tmp_path / "t.pkl").write_bytes(pickle.dumps([1, 2, 3]))
+    r = subprocess.run([sys.executable, "-m", "flopwise", "scale", "predict-task", str(tmp_path / "t.pkl"),
+                        "--flops", "1e15", "--out", str(tmp_path / "o")], capture_output=True, text=True)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "not a CSV" in lines[0], r.stderr
+    assert not (tmp_path / "o").exists()

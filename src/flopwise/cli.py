@@ -46,7 +46,7 @@ def _config(args: list[str] | None):
 
 @app.command()
 def train(args: Optional[list[str]] = typer.Argument(None, help=ARGS_HELP)) -> None:
-    """Train a model (default: a small GPT on the embedded Shakespeare corpus)."""
+    """Train a model (default: a small Llama-style model on the embedded Shakespeare corpus)."""
     from flopwise.launch import train as run_training
     from flopwise.train.trainer import summary_table
 
@@ -331,14 +331,16 @@ def scale_optimal(
     inference_tokens: float = typer.Option(0.0, "--inference-tokens", help="lifetime inference tokens to serve"),
     unique_tokens: Optional[str] = typer.Option(None, "--unique-tokens", help="unique training tokens available: a "
                                                 "number, or prepared data dirs (comma-separated) to count"),
-    vocab_size: int = typer.Option(32000, "--vocab-size"),
-    seq_len: int = typer.Option(4096, "--seq-len", help="sequence length of the written config"),
+    vocab_size: int = typer.Option(32000, "--vocab-size", min=2),
+    seq_len: int = typer.Option(4096, "--seq-len", min=1, help="sequence length of the written config"),
     as_json: bool = typer.Option(False, "--json"),
     out_config: Optional[Path] = typer.Option(None, "--out-config", help="write a training TOML for the first law"),
 ) -> None:
     """Model size, tokens, shape, batch and LR for a compute budget under a scaling law."""
+    import math
+
     from flopwise.errors import ConfigError
-    from flopwise.hardware import get_hardware
+    from flopwise.hardware import CATALOGUE, get_hardware
     from flopwise.plan.fit import fitted_law
     from flopwise.plan.scaling import allocate
 
@@ -348,6 +350,10 @@ def scale_optimal(
     if (flops is None) == (gpu_hours is None):
         raise ConfigError("give exactly one of --flops or --gpu-hours (with --hardware and --mfu)")
     if flops is None:
+        if not (math.isfinite(gpu_hours) and gpu_hours > 0):
+            raise ConfigError(f"--gpu-hours {gpu_hours:g}: expected a finite number of device-hours > 0")
+        if hardware not in CATALOGUE:
+            raise ConfigError(f"--hardware {hardware!r}: unknown (known: {', '.join(CATALOGUE)})")
         hw = get_hardware(hardware)
         if not hw.peak_16bit:
             raise ConfigError(f"--hardware {hw.name}: no 16-bit dense peak in the catalogue to turn --gpu-hours into "
@@ -541,8 +547,8 @@ def plan_cmd(
     steps: int = typer.Option(3, "--steps", help="steps to run with --measure (the last is measured, and one more "
                               "counts collectives; DDP syncs its bucket order once, in the second); as many more "
                               "are timed (the median is reported) and 3 more profiled"),
-    nproc: Optional[int] = typer.Option(None, "--nproc", help="processes for --measure (default: the product of "
-                                        "the parallel degrees)"),
+    nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="processes for --measure (default: the "
+                                        "product of the parallel degrees)"),
     hf: Optional[Path] = typer.Option(None, "--hf", help="plan the model of a Hugging Face folder or config.json "
                                       "(replaces the config's model.*; model.* overrides still apply)"),
     max_mb: bool = typer.Option(False, "--max-micro-batch", help="for the config's own layout (parallel.*, no "
@@ -552,7 +558,8 @@ def plan_cmd(
     from flopwise.config import split_cli_args, to_toml, validate
     from flopwise.data.mixture import draws, prepared_sources
     from flopwise.errors import ConfigError
-    from flopwise.plan.planner import layout_config, max_micro_batch, plan, plan_tree
+    from flopwise.hardware import CATALOGUE, load_catalogue
+    from flopwise.plan.planner import max_micro_batch, plan, plan_tree, planned_run_config
 
     path, overrides = split_cli_args(args)
     if measure and max_mb:
@@ -574,6 +581,11 @@ def plan_cmd(
             check_writable(target, option)
     tree = plan_tree(path, overrides, hf)
     cfg = validate(tree)
+    hw_file = cfg.cluster.hardware_file
+    if hw_file and all(CATALOGUE.get(name) is hw for name, hw in load_catalogue(hw_file).items()):
+        raise ConfigError(f"cluster.hardware_file={hw_file}: the file holds no hardware entry; measure one with "
+                          "`flopwise hardware calibrate --out FILE` and plan with cluster.hardware_file=FILE "
+                          "cluster.hardware=NAME (the name it prints), or drop cluster.hardware_file")
     if max_mb:
         if out_config or plot:
             raise ConfigError("--max-micro-batch prints a table only: drop --out-config and --plot")
@@ -587,7 +599,7 @@ def plan_cmd(
     report = plan(cfg, tree, mixture=(lambda tokens: draws(sources, tokens)) if sources else None, hf=hf)
     best = report.best
     if out_config and best.fits:
-        write_text(out_config, to_toml(layout_config(report.cfg, best.layout)), "--out-config")
+        write_text(out_config, to_toml(planned_run_config(report)), "--out-config")
     if plot:
         from flopwise.plan.plot import plot_memory
 
@@ -598,7 +610,8 @@ def plan_cmd(
         return
     _print_plan(report, top, _model_name(report.cfg, hf))
     if out_config:
-        console.print(f"wrote {out_config}" if best.fits else "[red]no layout fits: --out-config not written[/]")
+        console.print(f"wrote {out_config} (train.steps for the planned {_human(report.tokens)} tokens)" if best.fits
+                      else "[red]no layout fits: --out-config not written[/]")
     if plot:
         console.print(f"plot: {plot}")
 
@@ -611,7 +624,8 @@ def _print_plan(report, top: int, name: str) -> None:
     cfg, hw = report.cfg, report.hardware
     console.print(f"{escape(name)}: {_human(report.params)} params ({report.params:,}), "
                   f"{report.flops_per_token:.3g} FLOPs/token at seq {cfg.data.seq_len}; batch "
-                  f"{cfg.train.global_batch} seqs; {cfg.cluster.gpus} × {hw.name}; {_human(report.tokens)} tokens; "
+                  f"{cfg.train.global_batch} seqs; {cfg.cluster.gpus} × {hw.name}; {_human(report.tokens)} tokens "
+                  f"({'plan.tokens' if cfg.plan.tokens else 'plan.tokens unset: 20 per parameter'}); "
                   f"searched {report.result.evaluated} layouts, {report.result.fitting} fit")
     src = report.hf
     if src and src["elements"] is not None:

@@ -281,10 +281,13 @@ def measure(path: str | None, overrides: list[str], nproc: int | None = None, st
     parallel degrees) for `steps` steps; per rank, predicted and measured values side by side."""
     if steps < 1:
         raise ConfigError(f"--steps={steps}: measure at least one step")
+    if nproc is not None and nproc < 1:
+        raise ConfigError(f"--nproc={nproc}: run at least one process (or leave --nproc out for the product of "
+                          "the parallel degrees)")
     tree = load_tree(path, [*overrides, 'checkpoint.resume="none"'])
     cfg = validate(tree)
     p = cfg.parallel
-    world = nproc or (p.dp or 1) * p.tp * p.pp * p.cp
+    world = (p.dp or 1) * p.tp * p.pp * p.cp if nproc is None else nproc
     if world > MAX_RANKS:
         raise ConfigError(f"--measure runs one process per rank on this machine: {world} ranks asked, at most "
                           f"{MAX_RANKS}; lower the parallel.* degrees (or --nproc)")

@@ -14,6 +14,7 @@ count, sequence and batch; and a verdict:
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
@@ -22,12 +23,18 @@ from typing import Any
 from flopwise.config import ModelConfig, parse_value, validate
 from flopwise.errors import ConfigError
 from flopwise.flops import count_params, flops_per_token, mfu, scaling_flops
-from flopwise.hardware import get_hardware
+from flopwise.hardware import CATALOGUE, get_hardware
+from flopwise.presets import PRESETS
 
 PLANNER_BAND = 0.10  # the planner's validated error on published throughput (tests/test_plan_validation.py)
-CLAIM_KEYS = {"name", "preset", "params", "tokens", "hardware", "devices", "assumed_devices", "seq_len",
-              "batch_tokens", "days", "device_hours", "tokens_per_s_per_device", "tflops_per_device",
-              "stated_mfu", "stated_flops", "stated", "source", "status"}
+# What a claim may state: counts are whole numbers >= 1, amounts finite numbers > 0 (an example each)
+COUNT_KEYS = {"devices": "devices=1024", "assumed_devices": "assumed_devices=1024", "seq_len": "seq_len=8192"}
+AMOUNT_KEYS = {"params": "params=70e9", "tokens": "tokens=15e12", "batch_tokens": "batch_tokens=16e6",
+               "days": "days=54", "device_hours": "device_hours=6.4e6", "tokens_per_s_per_device":
+               "tokens_per_s_per_device=380", "tflops_per_device": "tflops_per_device=400",
+               "stated_mfu": "stated_mfu=0.41", "stated_flops": "stated_flops=3.8e25"}
+USER_KEYS = {"preset", "hardware", *COUNT_KEYS, *AMOUNT_KEYS}
+CLAIM_KEYS = USER_KEYS | {"name", "stated", "source", "status"}  # the last four: the catalogue's bookkeeping
 
 
 def catalogue() -> dict[str, dict[str, Any]]:
@@ -36,17 +43,54 @@ def catalogue() -> dict[str, dict[str, Any]]:
 
 
 def parse_claim(items: list[str]) -> dict[str, Any]:
-    """key=value words into a claim; a bare word names a catalogue entry."""
+    """key=value words into a checked claim, or one bare word alone naming a catalogue entry
+    (its published numbers are not mixed with a user's: which time basis wins would be hidden)."""
+    keys = ", ".join(sorted(USER_KEYS))
+    bare = [item for item in items if "=" not in item]
+    if bare:
+        entries = catalogue()
+        unknown = [b for b in bare if b not in entries]
+        if unknown:
+            raise ConfigError(f"audit claim {unknown[0]!r}: neither key=value (keys: {keys}) nor a catalogue entry "
+                              f"({', '.join(entries)})")
+        if len(items) > 1:
+            raise ConfigError(f"audit {' '.join(items)}: give one catalogue entry alone (or nothing for all of them), "
+                              "or a claim of key=value words only")
+        return check_claim(entries[bare[0]])
     claim: dict[str, Any] = {"name": "claim", "stated": [], "source": "user claim", "status": "claim"}
     for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"audit claim {item!r}: expected key=value (keys: {', '.join(sorted(CLAIM_KEYS))})")
-        if key not in CLAIM_KEYS:
-            raise ConfigError(f"audit claim: unknown key {key!r} (keys: {', '.join(sorted(CLAIM_KEYS))})")
+        key, _, value = item.partition("=")
+        if key not in USER_KEYS:
+            raise ConfigError(f"audit claim: unknown key {key!r} (keys: {keys})")
         claim[key] = parse_value(value)
         claim["stated"].append(key)
-    return claim
+    return check_claim(claim)
+
+
+def check_claim(claim: dict[str, Any]) -> dict[str, Any]:
+    """The claim with every stated number type- and range-checked (counts made int): a negative,
+    zero, NaN or text value would otherwise turn into a wrong MFU and verdict, or a crash."""
+    where = "audit claim" if claim.get("status") == "claim" else f"audit catalogue entry {claim.get('name')}"
+    out = dict(claim)
+    for key, value in claim.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        shown = f"{value:.6g}" if number else repr(value)
+        if key in COUNT_KEYS:
+            if not (number and math.isfinite(value) and value >= 1 and float(value).is_integer()):
+                raise ConfigError(f"{where}: {key}={shown}: expected a whole number >= 1, e.g. {COUNT_KEYS[key]}")
+            out[key] = int(value)
+        elif key in AMOUNT_KEYS:
+            if not (number and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{where}: {key}={shown}: expected a finite number > 0, e.g. {AMOUNT_KEYS[key]}")
+        elif key == "preset" and (not isinstance(value, str) or value not in PRESETS):
+            raise ConfigError(f"{where}: preset={value!r}: unknown preset (list them with `flopwise presets`)")
+        elif key == "hardware":
+            known = [name for name, hw in CATALOGUE.items() if hw.peak_16bit]
+            if value not in known:
+                peakless = isinstance(value, str) and value in CATALOGUE
+                what = "has no 16-bit dense peak to state an MFU against" if peakless else "unknown hardware"
+                raise ConfigError(f"{where}: hardware={value!r}: {what} (known: {', '.join(known)})")
+    return out
 
 
 @dataclass(kw_only=True)
@@ -72,15 +116,16 @@ class ClaimVerdict:
 
 def _model(claim: dict) -> tuple[ModelConfig | None, float | None]:
     if "preset" in claim:
-        return ModelConfig(preset=claim["preset"], max_seq_len=max(2048, int(claim.get("seq_len", 2048)))), None
+        return ModelConfig(preset=claim["preset"], max_seq_len=max(2048, claim.get("seq_len", 2048))), None
     if "params" in claim:
         return None, float(claim["params"])
     return None, None
 
 
 def audit_claim(claim: dict, predict: bool = True) -> ClaimVerdict:
+    claim = check_claim(claim)
     m, params = _model(claim)
-    seq = int(claim.get("seq_len", 2048))
+    seq = claim.get("seq_len", 2048)
     notes: list[str] = []
     if m is not None:
         params = count_params(m).total

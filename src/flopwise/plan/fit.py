@@ -44,6 +44,15 @@ class Points:
         return Points(params=self.params[idx], tokens=self.tokens[idx], loss=self.loss[idx])
 
 
+def read_csv_rows(path: Path, what: str) -> list[dict[str, str]]:
+    """A CSV file's rows as dicts; a file that is not UTF-8 CSV text (a pickle, a PNG) fails in one
+    line naming `what` instead of a decoding traceback."""
+    try:
+        return list(csv.DictReader(path.read_text(encoding="utf-8").splitlines()))
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise DataError(f"{what} {path}: not a CSV ({e})") from None
+
+
 def read_points(path: str | Path) -> Points:
     """A CSV with params,tokens,loss (or params,flops,loss: tokens = flops / 6·params; Epoch AI's
     `Model Size`/`Training FLOP` column names are accepted), or a folder
@@ -53,10 +62,7 @@ def read_points(path: str | Path) -> Points:
         return _points_from_runs(p)
     if not p.is_file():
         raise DataError(f"scale fit input {p}: no such file or directory")
-    try:
-        rows = list(csv.DictReader(p.read_text(encoding="utf-8").splitlines()))
-    except (UnicodeDecodeError, csv.Error) as e:
-        raise DataError(f"scale fit input {p}: not a CSV ({e})") from None
+    rows = read_csv_rows(p, "scale fit input")
     aliases = {"Model Size": "params", "Training FLOP": "flops"}  # Epoch AI's Chinchilla extraction
     rows = [{aliases.get(k, k): v for k, v in r.items()} for r in rows]
     if not rows or "params" not in rows[0] or "loss" not in rows[0] or not ({"tokens", "flops"} & set(rows[0])):

@@ -191,6 +191,17 @@ def layout_config(cfg: Config, lo: Layout) -> Config:
     return validate(tree)
 
 
+def planned_run_config(report: PlanReport) -> Config:
+    """The run `report` planned, as a training config (plan --out-config): its best layout, and
+    train.steps for the planned tokens, so training it trains what was timed."""
+    cfg = layout_config(report.cfg, report.best.layout)
+    steps = max(1, round(report.tokens / (cfg.data.seq_len * cfg.train.global_batch)))
+    tree = cfg.model_dump(mode="json", exclude_none=True)
+    tree["train"]["steps"] = steps
+    tree["optim"]["warmup_steps"] = min(cfg.optim.warmup_steps, steps)
+    return validate(tree)
+
+
 def resolve_layout(cfg: Config, tree: dict[str, Any], world: int) -> Config:
     """parallel.layout=auto: fill the unset degrees with the planner's best layout for `world`."""
     if cfg.parallel.layout != "auto":

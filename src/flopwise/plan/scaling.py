@@ -295,8 +295,14 @@ class Allocation:
 def allocate(flops: float, law_name: str = "chinchilla-3", inference_tokens: float = 0.0,
              unique_tokens: float | None = None, vocab_size: int = 32000,
              fitted: ParametricLaw | None = None) -> Allocation:
-    if flops <= 0:
-        raise ConfigError("--flops must be positive")
+    if not (math.isfinite(flops) and flops > 0):
+        raise ConfigError(f"--flops {flops:g}: expected a finite budget > 0 in FLOPs, e.g. --flops 1e21")
+    if not (math.isfinite(inference_tokens) and inference_tokens >= 0):
+        raise ConfigError(f"--inference-tokens {inference_tokens:g}: expected a finite token count >= 0 "
+                          "(0: training cost only)")
+    if unique_tokens is not None and not (math.isfinite(unique_tokens) and unique_tokens > 0):
+        raise ConfigError(f"--unique-tokens {unique_tokens:g}: expected a finite token count > 0 (or prepared "
+                          "data dirs holding tokens)")
     law = get_law(law_name, fitted)
     notes: list[str] = []
     n, d = law.frontier(flops)

@@ -12,15 +12,16 @@ Input: a CSV with one row per (run, task): name, flops, task, acc, nll[, chance,
 
 from __future__ import annotations
 
-import csv
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from scipy.optimize import curve_fit
 
-from flopwise.errors import DataError
+from flopwise.errors import ConfigError, DataError
 from flopwise.outputs import pyplot, save_figure
+from flopwise.plan.fit import read_csv_rows
 
 FIELDS = ("name", "flops", "task", "acc", "nll")
 
@@ -38,21 +39,29 @@ def read_task_table(path: str | Path) -> dict[str, TaskPoints]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"task table {path}: no such file")
-    with path.open() as f:
-        rows = list(csv.DictReader(f))
+    rows = read_csv_rows(path, "task table")
     missing = [k for k in FIELDS if rows and k not in rows[0]]
     if not rows or missing:
         raise DataError(f"task table {path}: needs columns {', '.join(FIELDS)} (missing: {', '.join(missing) or 'rows'})")
     out: dict[str, list[dict]] = {}
-    for r in rows:
-        out.setdefault(r["task"], []).append(r)
+    for row, r in enumerate(rows, start=1):
+        try:
+            values = {k: float(r[k] or "nan") for k in ("flops", "acc", "nll")}
+            values["chance"] = float(r.get("chance") or 0)
+        except ValueError as e:
+            raise DataError(f"task table {path} row {row}: non-numeric value ({e})") from None
+        # flops and NLL are fitted in log space; accuracy and chance are shares
+        if not (values["flops"] > 0 and 0 < values["nll"] < np.inf and 0 <= values["acc"] <= 1
+                and 0 <= values["chance"] < 1):
+            raise DataError(f"task table {path} row {row}: needs flops > 0, nll > 0 (finite), acc in [0, 1] and "
+                            f"chance in [0, 1) (got {', '.join(f'{k}={v:g}' for k, v in values.items())})")
+        out.setdefault(r["task"], []).append(values)
     tasks = {}
     for task, rs in out.items():
-        rs.sort(key=lambda r: float(r["flops"]))
-        chance = float(rs[0].get("chance") or 0.0)
-        tasks[task] = TaskPoints(task=task, flops=np.array([float(r["flops"]) for r in rs]),
-                                 acc=np.array([float(r["acc"]) for r in rs]),
-                                 nll=np.array([float(r["nll"]) for r in rs]), chance=chance)
+        rs.sort(key=lambda r: r["flops"])
+        tasks[task] = TaskPoints(task=task, flops=np.array([r["flops"] for r in rs]),
+                                 acc=np.array([r["acc"] for r in rs]),
+                                 nll=np.array([r["nll"] for r in rs]), chance=rs[0]["chance"])
     return tasks
 
 
@@ -106,6 +115,9 @@ class TaskPrediction:
 
 def predict_task(p: TaskPoints, flops: float, bootstrap: int = 1000, seed: int = 0) -> TaskPrediction:
     """The two-step prediction at `flops`, with a 95% interval from bootstrap refits of the runs."""
+    if not (math.isfinite(flops) and flops > 0):  # the power law takes log(flops): NaN otherwise
+        raise ConfigError(f"--flops {flops:g}: expected the training FLOPs to predict at, finite and > 0 "
+                          "(e.g. --flops 1e21)")
     law = fit_task(p)
     rng = np.random.default_rng(seed)
     nlls, accs = [], []
