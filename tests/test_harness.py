@@ -42,6 +42,17 @@ def test_lm_eval_scores_equal_flopwise_eval_and_hf(tiny_data, tmp_path):
         for m in metrics:  # contexts ending in whitespace included (speaker task: "\n\n")
             assert ours[name][f"{m},none"] == own[m], (name, m)
             assert hf[name][f"{m},none"] == own[m], (name, m)
+    # a context longer than the model's window: cut from the left to leave max_gen_toks, as lm-eval's hf model cuts
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    ctx = "Alice was beginning to get very tired of sitting by her sister on the bank. " * 30 + "Alice"
+    assert len(tok.encode(ctx).ids) > 2 * model.cfg.max_seq_len
+    req = [Instance("generate_until", {}, (ctx, {"until": ["\n\n"], "max_gen_toks": 12}), 0)]
+    hf_lm = HFLM(pretrained=str(hf_dir), dtype="float32", device="cpu", batch_size=1)
+    assert hf_lm.max_length == model.cfg.max_seq_len
+    (out,) = FlopwiseLM(str(tmp_path / "run")).generate_until(req)
+    assert out and [out] == hf_lm.generate_until(req)  # 12 tokens each (was "": no room left after the context)
 
 
 def test_rolling_and_generation_against_direct_computation(tiny_data, tmp_path):
@@ -71,6 +82,10 @@ def test_rolling_and_generation_against_direct_computation(tiny_data, tmp_path):
     (out,) = lm.generate_until([Instance("generate_until", {}, ("Alice", {"until": ["\n"], "max_gen_toks": 12}), 0)])
     full = lm.tok.decode(generate(lm.model, lm.tok.encode("Alice").ids, 12, temperature=0.0, stop_id=lm.eos))
     assert out == full.split("\n")[0]
+    from flopwise.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"max_gen_toks={L} leaves no room .*max_seq_len={L}"):
+        lm.generate_until([Instance("generate_until", {}, ("Alice", {"until": ["\n"], "max_gen_toks": L}), 0)])
 
 
 def test_flopwise_lm_eval_keeps_the_users_include_paths(tiny_data, tmp_path):
@@ -105,3 +120,35 @@ def test_flopwise_lm_eval_keeps_the_users_include_paths(tiny_data, tmp_path):
         own = evaluate_task(model, tok, *load_task(str(folders[name] / f"{name}.jsonl")), limit=10)
         assert results[name]["acc,none"] == own["acc"], name
     assert f"{TASK_PREFIX}alice-lastword" in results
+
+
+def test_readme_lm_eval_command_with_batch_size_in_model_args(tiny_data, tmp_path):
+    """README's `--model_args path=runs/demo,batch_size=16`: lm-eval's CLI also passes its own batch_size
+    (default 1), max_batch_size and device (default cuda:0); model_args wins, as the user wrote it."""
+    import json
+    import subprocess
+    import sys
+
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    from flopwise.errors import ConfigError
+
+    run = tmp_path / "run"
+    train(load_config(None, tiny_overrides(run, tiny_data, **{"train.steps": 6})), Console(file=open(os.devnull, "w")))
+    cli = EvaluatorConfig()  # what the CLI passes when not told
+    passed = {"batch_size": cli.batch_size, "max_batch_size": cli.max_batch_size, "device": cli.device}
+    lm = FlopwiseLM.create_from_arg_string(f"path={run},batch_size=16", passed)
+    assert lm.batch == 16 and lm.model.tok_embeddings.weight.device.type == "cpu"
+    assert FlopwiseLM.create_from_arg_string(f"path={run}", passed).batch == cli.batch_size
+    with pytest.raises(ConfigError, match="--model_args batchsize: .*batch_size"):
+        FlopwiseLM.create_from_arg_string(f"path={run},batchsize=16", passed)
+    tasks = ["shakespeare-cloze", "shakespeare-speaker"]
+    out = subprocess.run([sys.executable, "-m", "flopwise", "lm-eval", "--model", "flopwise", "--model_args",
+                          f"path={run},batch_size=16", "--tasks", ",".join(TASK_PREFIX + t for t in tasks),
+                          "--limit", "100", "--output_path", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(next((tmp_path / "out").rglob("results*.json")).read_text())["results"]
+    model, _, tok = load_for_inference(run)
+    for t in tasks:
+        assert results[TASK_PREFIX + t]["acc,none"] == evaluate_task(model, tok, *load_task(t), limit=100)["acc"], t

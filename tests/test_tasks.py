@@ -118,6 +118,20 @@ def test_bad_task_files(tmp_path):
         load_task("no-such-task")
 
 
+def test_a_task_file_mixing_multiple_choice_and_cloze_is_refused_at_load(tmp_path):
+    """Was: loaded, then a TypeError in the summary (the kind taken from the first example only)."""
+    mc, cloze = '{"context": "a", "choices": [" b", " c"], "gold": 0}', '{"context": "a", "target": " b"}'
+    f = tmp_path / "mixed.jsonl"
+    for lines, msg in [([mc, "", mc, cloze], "line 4 is cloze but line 1 is multiple choice"),
+                       (["", cloze, mc], "line 3 is multiple choice but line 2 is cloze")]:
+        f.write_text("\n".join(lines) + "\n")
+        with pytest.raises(DataError, match=f"task file {f}: {msg}; .* in a file of their own"):
+            load_task(str(f))
+    r = subprocess.run([sys.executable, "-m", "flopwise", "eval", str(tmp_path / "no-run"), "--tasks", str(f)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "line 3 is multiple choice" in r.stderr
+
+
 def test_tasks_cli_and_during_training(tiny_data, tmp_path):
     cfg = load_config(None, tiny_overrides(tmp_path, tiny_data, **{"train.eval_tasks": '["alice-lastword"]',
                                                                    "train.eval_task_limit": 10}))

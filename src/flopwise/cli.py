@@ -318,6 +318,10 @@ def generate(
     out = run_generate(model, ids, max_new_tokens, temperature, top_k, top_p, seed, use_cache=not no_cache,
                        stop_id=eos_id(tok))
     typer.echo(tok.decode(ids + out))
+    if len(out) < max_new_tokens and len(ids) + len(out) == cfg.model.max_seq_len:
+        Console(stderr=True, soft_wrap=True).print(f"[yellow]note[/]: stopped after {len(out)} new tokens at the "
+                                                   f"model's context limit (max_seq_len={cfg.model.max_seq_len}, "
+                                                   f"the prompt is {len(ids)} tokens)")
 
 
 @scale_app.command("optimal")

@@ -48,7 +48,7 @@ def load_task(spec: str) -> tuple[str, list[Example]]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"task file {path}: not UTF-8 text (byte {e.start}); save it as UTF-8 JSONL") from None
-    examples = []
+    examples, first_line = [], 0
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -68,6 +68,11 @@ def load_task(spec: str) -> tuple[str, list[Example]]:
             examples.append(Example(rec["context"], target=rec["target"]))
         else:
             raise DataError(f"task file {path}: line {n} needs 'choices' + 'gold' or a string 'target'")
+        first_line = first_line or n
+        if (examples[-1].choices is None) != (examples[0].choices is None):  # one kind per task: one set of metrics
+            kinds = ("multiple choice", "cloze") if examples[0].choices else ("cloze", "multiple choice")
+            raise DataError(f"task file {path}: line {n} is {kinds[1]} but line {first_line} is {kinds[0]}; "
+                            f"a task is one kind: put the {kinds[1]} examples in a file of their own")
     if not examples:
         raise DataError(f"task file {path}: no examples")
     return path.stem, examples

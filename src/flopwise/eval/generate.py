@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from flopwise.errors import DataError
 from flopwise.model.layers import KVCache
 from flopwise.model.transformer import Transformer
 
@@ -26,19 +27,33 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top
     return torch.multinomial(logits.softmax(-1), 1, generator=gen).squeeze(-1)
 
 
+def room(max_seq_len: int, n_prompt: int) -> int:
+    """New tokens that fit after a prompt of `n_prompt` tokens: prompt and output together fill at
+    most max_seq_len (transformers' `max_length` convention; positions past it do not exist here)."""
+    if n_prompt == 0:
+        raise DataError("the prompt is empty (0 tokens): give generation some text to continue")
+    if n_prompt >= max_seq_len:
+        raise DataError(f"the prompt is {n_prompt} tokens but the model's context, max_seq_len={max_seq_len}, holds "
+                        f"prompt and output together: shorten the prompt to at most {max_seq_len - 1} tokens")
+    return max_seq_len - n_prompt
+
+
 @torch.no_grad()
 def generate(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              use_cache: bool = True, stop_id: int | None = None) -> list[int]:
-    """Continue `prompt`; stops at max_new_tokens, at `stop_id`, or at the model's max_seq_len."""
+    """Continue `prompt`; stops at max_new_tokens, at `stop_id`, or when prompt and output fill the
+    model's max_seq_len (`room`), with or without the cache.
+
+    A prompt that leaves no room is an error, not cut to its last tokens: transformers' `generate`
+    never drops prompt tokens either (truncation is the tokenizer's opt-in) and only warns past the
+    model's length, and a silently shortened prompt conditions the output on less than the user
+    wrote. Callers that want lm-eval's left cut (the harness) make it before calling."""
     model.eval()
     device = model.tok_embeddings.weight.device
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    limit = model.cfg.max_seq_len
-    ids = list(prompt)[-limit:]
-    if not ids:
-        raise ValueError("generate needs a non-empty prompt")
-    n_new = min(max_new_tokens, limit - len(ids)) if use_cache else max_new_tokens
+    ids = list(prompt)
+    n_new = min(max_new_tokens, room(model.cfg.max_seq_len, len(ids)))
     cache = KVCache(model.cfg, 1, len(ids) + n_new, device, model.tok_embeddings.weight.dtype) if use_cache else None
     step_input = torch.tensor([ids], device=device)
     out = []
@@ -46,7 +61,7 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, tempera
         if cache is not None:
             logits = model(step_input, cache)[:, -1]
         else:
-            logits = model(torch.tensor([(ids + out)[-limit:]], device=device))[:, -1]
+            logits = model(torch.tensor([ids + out], device=device))[:, -1]
         nxt = int(sample_next(logits, temperature, top_k, top_p, gen))
         out.append(nxt)
         if nxt == stop_id:

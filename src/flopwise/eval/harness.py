@@ -13,6 +13,7 @@ concatenated, exactly as `flopwise eval` does, so the two report the same number
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 import tempfile
@@ -21,9 +22,10 @@ from pathlib import Path
 import lm_eval.models  # noqa: F401  (fills the registry first: registering into an empty one hides "hf")
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 
 from flopwise.data.tasks import builtin_tasks, load_task
+from flopwise.errors import ConfigError
 from flopwise.eval.tasks import encode_pair, score
 
 TASK_PREFIX = "flopwise_"
@@ -34,7 +36,9 @@ class FlopwiseLM(LM):
     """A flopwise checkpoint (or run dir: its newest checkpoint), consolidated for inference."""
 
     def __init__(self, path: str, batch_size: int | str = 8, device: str | None = None, max_gen_toks: int = 64,
-                 **_unused) -> None:
+                 max_batch_size: int | None = None) -> None:
+        """`max_batch_size` is accepted because lm-eval's CLI always passes it; there is no auto
+        batching here (`batch_size=auto` means 8)."""
         super().__init__()
         from flopwise.data.tokenizer import eos_id
         from flopwise.eval.load import load_for_inference
@@ -47,6 +51,23 @@ class FlopwiseLM(LM):
         self.eos = eos_id(self.tok)
         self.batch = 8 if str(batch_size).startswith("auto") else int(batch_size)
         self.max_gen_toks = int(max_gen_toks)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> FlopwiseLM:
+        """lm-eval's CLI passes its own batch_size, max_batch_size and device (its defaults 1 and
+        cuda:0 included) beside model_args, and its base class fails on a key given twice; here a
+        key in model_args wins, so `--model_args path=runs/demo,batch_size=16` means 16."""
+        known = [k for k in inspect.signature(cls.__init__).parameters if k != "self"]
+        unknown = [k for k in arg_dict if k not in known]
+        if unknown or "path" not in arg_dict:
+            raise ConfigError(f"--model_args {unknown[0] if unknown else 'has no path'}: the flopwise model takes "
+                              f"{', '.join(known)} (path=RUN_OR_CHECKPOINT required)")
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> FlopwiseLM:
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     def _enc(self, text: str) -> list[int]:
         return self.tok.encode(text).ids
@@ -67,15 +88,21 @@ class FlopwiseLM(LM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuation with the KV cache, cut at the first stop string."""
+        """Greedy continuation with the KV cache, cut at the first stop string. As lm-eval's `hf`
+        model does, a context is cut from the left to leave room for max_gen_toks new tokens."""
         from flopwise.eval.generate import generate
 
         out = []
         for ctx, kwargs in (r.args for r in requests):
             until = kwargs.get("until", [])
             until = [until] if isinstance(until, str) else list(until)
-            ids = generate(self.model, self._enc(ctx) or [self.eos], int(kwargs.get("max_gen_toks", self.max_gen_toks)),
-                           temperature=0.0, stop_id=self.eos)
+            n_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
+            keep = self.model.cfg.max_seq_len - n_new
+            if keep < 1:
+                raise ConfigError(f"max_gen_toks={n_new} leaves no room for a context in the model's "
+                                  f"max_seq_len={self.model.cfg.max_seq_len}: ask for fewer new tokens")
+            ids = generate(self.model, (self._enc(ctx) or [self.eos])[-keep:], n_new, temperature=0.0,
+                           stop_id=self.eos)
             text = self.tok.decode([i for i in ids if i != self.eos])
             cuts = [text.index(s) for s in until if s and s in text]
             out.append(text[:min(cuts)] if cuts else text)
