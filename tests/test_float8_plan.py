@@ -91,3 +91,24 @@ def test_rowwise_linear_speedups_match_torchaos_table_where_float8_can_pay():
     assert len(logs) == 144
     assert statistics.median(abs(x) for x in logs) <= 0.10
     assert abs(statistics.fmean(logs)) <= 0.08
+
+
+def test_plan_says_whether_the_float8_asked_for_pays():
+    """`flopwise plan` with train.float8 set (no search over it) sets its best layout beside the same
+    layout without float8, and its verdict agrees with torchao's published figures: Llama 3 8B on 8
+    H100s pays (the e2e table: rowwise 1.10x); GPT-2 124M does not (its linears are 768 and 3072
+    wide: in the per-shape table every cell with K = 1024 and N <= 4096 at M = 8192, its 8 x 1024
+    tokens, is below 1)."""
+    from flopwise.config import load_config
+    from flopwise.plan.planner import plan
+
+    _, table = plan_float8_linear.published()
+    cells = [pub for (m, k, n), pub in table.items() if m == 8192 and k == 1024 and n <= 4096]
+    assert len(cells) == 3 and max(cells) < 1
+    assert PUBLISHED["rowwise"] > PUBLISHED["none"]
+    for preset, seq, pays in [("llama3-8b", 8192, True), ("gpt2-124m", 1024, False)]:
+        cfg = load_config(None, [f'model.preset="{preset}"', f"data.seq_len={seq}", "train.global_batch=64",
+                                 'cluster.hardware="h100-sxm"', "cluster.gpus=8", 'train.float8="rowwise"'])
+        note = plan(cfg, keep=1).float8_note()
+        assert note.startswith("float8 pays" if pays else "float8 does not pay"), note
+        assert "the same layout in bf16" in note

@@ -67,11 +67,14 @@ class PlanReport:
         return self.result.best
 
     def float8_note(self) -> str | None:
-        """With plan.float8: whether float8 pays for this shape, fastest fitting layout with and without."""
-        if not self.cfg.plan.float8:
+        """Whether float8 pays for this shape: with plan.float8, the fastest fitting layout with and
+        without it; with train.float8 alone, its best layout beside the same layout without it."""
+        searched = self.cfg.plan.float8
+        if not searched and self.cfg.train.float8 == "none":
             return None
         if not self.hardware.peak("fp8"):
-            return f"plan.float8: {self.hardware.name} has no fp8 peak (no float8 tensor cores); not weighed"
+            return (f"plan.float8: {self.hardware.name} has no fp8 peak (no float8 tensor cores); not weighed"
+                    if searched else None)
         best = self.result.best_by_float8
         low = min((e for k, e in best.items() if k != "none"), key=lambda e: e.step_time, default=None)
         high = best.get("none")
@@ -79,8 +82,9 @@ class PlanReport:
             return None
         gain = high.step_time / low.step_time
         verdict = "pays" if gain > 1 else "does not pay for this shape (casts cost more than the faster GEMMs save)"
-        return (f"float8 {verdict}: best float8 ({low.float8}) {low.tokens_per_s:,.0f} tok/s vs best "
-                f"{self.cfg.train.dtype} {high.tokens_per_s:,.0f} tok/s ({gain:.2f}x)")
+        plain = f"best {self.cfg.train.dtype}" if searched else f"the same layout in {self.cfg.train.dtype}"
+        return (f"float8 {verdict}: best float8 ({low.float8}) {low.tokens_per_s:,.0f} tok/s vs {plain} "
+                f"{high.tokens_per_s:,.0f} tok/s ({gain:.2f}x)")
 
     def reasons(self) -> list[str]:
         best = self.best
@@ -172,6 +176,11 @@ def plan(cfg: Config, tree: dict[str, Any] | None = None, keep: int = 50,
         why = result.refused or "check that the degrees multiply to cluster.gpus and divide train.global_batch"
         raise ConfigError(f"no valid layout for {cfg.cluster.gpus} devices with {fixed or 'nothing fixed'}: {why}")
     best = result.best
+    if cfg.train.float8 != "none" and not cfg.plan.float8 and hw.peak("fp8") and best.fits:
+        # whether the float8 asked for pays: the same layout without it, beside (one estimate, no search)
+        result.best_by_float8["none"] = estimate(sh, hw, best.layout, seq, batch, STACKS[cfg.plan.stack],
+                                                 compile=cfg.train.compile, steps=tokens / (seq * batch),
+                                                 dtype=cfg.train.dtype)
     rel = None
     if best.fits:
         c = cfg.cluster
