@@ -294,3 +294,47 @@ def test_a_bytearray_opcode_is_refused_before_the_unpickler_allocates_it(two_ste
         assert _one_line(e.value)
         assert checkpoint.latest(run, verify_checksums=False) == first
     assert "SystemError" not in capsys.readouterr().err
+
+
+# --- user-testing follow-up: failed or refused writes leave nothing behind ---------------------
+
+def test_convert_from_hf_of_a_damaged_folder_writes_nothing(tmp_path):
+    """Before: `convert from-hf BAD OUT` with a truncated safetensors file failed after claiming
+    OUT, leaving OUT/flopwise-run.json (and the folder) behind."""
+    from flopwise.interop.convert import import_hf
+
+    hf = _tiny_hf(tmp_path / "hf")
+    weights = hf / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    out = tmp_path / "out"
+    with pytest.raises((CheckpointError, ConfigError)) as e:
+        import_hf(hf, out)
+    assert _one_line(e.value) and not out.exists()
+    run = tmp_path / "run"  # a flopwise run folder keeps exactly what it had
+    cfg = _cfg(tmp_path)
+    _save(run, 3, cfg, tmp_path)
+    before = {p.relative_to(run).as_posix(): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises((CheckpointError, ConfigError)):
+        import_hf(hf, run)
+    assert {p.relative_to(run).as_posix(): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_checkpoint_writes_under_a_file_are_one_line_naming_the_option(tmp_path):
+    """Before: a run folder, --out or OUT under an existing file ended in NotADirectoryError /
+    FileExistsError tracebacks (train's claim, export, from-hf). Paths under a file are what stop
+    root, which these tests run as (chmod does not)."""
+    from flopwise.interop.convert import import_hf
+
+    cfg = _cfg(tmp_path)
+    src = _save(tmp_path / "src", 2, cfg, tmp_path)
+    hf = _tiny_hf(tmp_path / "hf")
+    blocker = tmp_path / "afile"
+    blocker.write_text("mine")
+    for write, option in ((lambda: rundir.claim(blocker / "run", ["checkpoints"]), "run.dir"),
+                          (lambda: export_checkpoint(src, blocker / "run"), "--out"),
+                          (lambda: import_hf(hf, blocker / "run"), "OUT")):
+        with pytest.raises(ConfigError, match=f"^{option} .*afile is a file, not a folder") as e:
+            write()
+        assert _one_line(e.value)
+    assert blocker.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "hf", "src", "tokenizer.json"]

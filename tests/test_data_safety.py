@@ -3,6 +3,7 @@ flopwise's own outputs are: index.json, config.json, step-N, metrics.jsonl ...),
 those files byte for byte as it was, whatever the command's exit code."""
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_overrides
+from flopwise.errors import ConfigError
 
 # a user's files, several named as what flopwise writes
 SENTINELS = [
@@ -113,3 +115,248 @@ def test_to_hf_replaces_only_a_folder_it_exported(trained, tmp_path):
     out = flopwise("convert", "to-hf", trained / "run", hf, cwd=tmp_path)
     assert out.returncode == 2 and "README.md" in out.stderr and "Traceback" not in out.stderr
     assert (hf / "README.md").read_text() == "my model card"
+
+
+# --- user-testing follow-up: each breach below was reproduced before its fix ---------------------
+
+def _main(argv: list, capsys, monkeypatch) -> tuple[int, str]:
+    """`flopwise ARGV` in this process, through cli.main (the top-level handler the console script
+    runs): its exit code and stderr."""
+    from flopwise.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["flopwise", *map(str, argv)])
+    capsys.readouterr()
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    return code, capsys.readouterr().err
+
+
+def _one_line_exit_2(code: int, err: str, *words: str) -> None:
+    """The command failed with exit 2 and one error line, its last (a progress line may precede it)."""
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err and lines[-1].startswith("error: "), (code, err)
+    assert [line for line in lines if line.startswith("error: ")] == lines[-1:], err
+    assert all(w in lines[-1] for w in words), (words, lines[-1])
+
+
+def _ladder_base(tmp_path, data):
+    from flopwise.config import load_config
+
+    return load_config(None, tiny_overrides(tmp_path / "base", data, **{"train.global_batch": 8, "train.micro_batch": 8}))
+
+
+def test_scale_sweep_replaces_its_own_configs_and_table_but_never_a_users(tiny_data, tmp_path, capsys, monkeypatch):
+    """Before: `scale sweep --out DIR` (and --emit) overwrote the user's DIR/runs.csv and
+    DIR/configs/NAME.toml, and wrote configs without flopwise's mark."""
+    from rich.console import Console
+
+    from flopwise.outputs import TOML_HEADER
+    from flopwise.plan.fit import read_points
+    from flopwise.sweep import collect, plan_ladder, run_ladder
+
+    out = tmp_path / "ladder"
+    argv = ["scale", "sweep", *tiny_overrides(tmp_path / "base", tiny_data), "--budgets", "2e9", "--sizes", 2,
+            "--out", out, "--emit"]
+    for _ in range(2):  # the second run replaces the first's configs
+        code, err = _main(argv, capsys, monkeypatch)
+        assert code == 0, err
+    configs = sorted((out / "configs").iterdir())
+    assert configs and all(p.read_text().startswith(TOML_HEADER) for p in configs)
+    configs[-1].write_text("# my own ladder config\n")
+    code, err = _main(argv, capsys, monkeypatch)
+    _one_line_exit_2(code, err, "--out", configs[-1].name)
+    assert configs[-1].read_text() == "# my own ladder config\n"
+
+    base = _ladder_base(tmp_path, tiny_data)
+    mine = tmp_path / "mine"
+    runs = plan_ladder(base, [2e9], sizes=2, spread=4.0, out=mine)
+    (mine).mkdir()
+    (mine / "runs.csv").write_text("my,own,table\n")
+    with pytest.raises(ConfigError, match="--out .*runs.csv"):
+        run_ladder(base, runs, mine, Console(file=open(os.devnull, "w")))
+    assert sorted(p.name for p in mine.iterdir()) == ["runs.csv"]  # refused before any data or training
+    assert (mine / "runs.csv").read_text() == "my,own,table\n"
+
+    theirs = tmp_path / "theirs"  # flopwise's own table is replaced, and `scale fit` reads it
+    for r in runs:
+        Path(r.config.run.dir).mkdir(parents=True)
+        (Path(r.config.run.dir) / "metrics.jsonl").write_text(json.dumps({"step": r.steps, "val_loss": 3.5}) + "\n")
+    for _ in range(2):
+        table = collect(runs, theirs)
+    pts = read_points(table)
+    assert sorted(pts.params.tolist()) == sorted(r.params for r in runs) and set(pts.loss.tolist()) == {3.5}
+
+
+def test_scale_sweep_refuses_a_budget_below_one_step(tiny_data, tmp_path, capsys, monkeypatch):
+    """Before: `--budgets 1e3` gave steps=1, a run of ~1e8 FLOPs against a budget of 1e3."""
+    from flopwise.sweep import plan_ladder
+
+    out = tmp_path / "ladder"
+    code, err = _main(["scale", "sweep", *tiny_overrides(tmp_path / "base", tiny_data), "--budgets", "1e3,2e9",
+                       "--out", out, "--emit"], capsys, monkeypatch)
+    _one_line_exit_2(code, err, "--budgets", "smallest budget")
+    assert not out.exists()
+    smallest = float(err.split("smallest budget that gives each size a step is ")[1].split()[0])
+    base = _ladder_base(tmp_path, tiny_data)
+    runs = plan_ladder(base, [smallest], sizes=5, spread=8.0, out=out)
+    tokens_per_step = base.train.global_batch * base.data.seq_len
+    assert runs and all(r.steps >= 1 and 6 * r.params * tokens_per_step <= smallest for r in runs)
+
+
+@pytest.mark.parametrize("name", ["plan-out-config", "plan-plot", "scale-fit-out", "scale-fit-plots",
+                                  "predict-task", "contamination", "calibrate", "data-prepare", "train",
+                                  "sweep-emit", "sweep", "to-hf", "data-mix"])
+def test_an_output_under_a_file_is_one_line_exit_2(name, tiny_data, tmp_path, capsys, monkeypatch):
+    """Before: each of these ended in a Python traceback (NotADirectoryError / FileExistsError).
+    Paths under an existing *file* are what stop root (the tests run as root, which chmod does not
+    stop); the EACCES case is the next test's. Nothing is created, and the work never starts."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("a user's file where a folder would go\n")
+    f = blocker / "sub"
+    csv_in = Path(__file__).parent / "data" / "chinchilla_svg_extracted_data.csv"
+    tiny = tiny_overrides(f / "run", tiny_data)
+    argv, option = {
+        "plan-out-config": (["plan", 'model.preset="demo-tiny"', "--out-config", f / "x.toml"], "--out-config"),
+        "plan-plot": (["plan", 'model.preset="demo-tiny"', "--plot", f / "x.png"], "--plot"),
+        "scale-fit-out": (["scale", "fit", csv_in, "--bootstrap", 0, "--out", f / "law.json"], "--out"),
+        "scale-fit-plots": (["scale", "fit", csv_in, "--bootstrap", 0, "--plots", f], "--plots"),
+        "predict-task": (["scale", "predict-task", csv_in, "--flops", "1e20", "--out", f], "--out"),
+        "contamination": (["data", "contamination", tiny_data, "--tasks", "alice-lastword", "--ids-out",
+                           f / "ids.json"], "--ids-out"),
+        "calibrate": (["hardware", "calibrate", "--out", f / "hw.toml", "--nproc", 1], "--out"),
+        "data-prepare": (["data", "prepare", "builtin:alice", "--out", f, "--train-tokenizer", 300], "--out"),
+        "train": (["train", *tiny], "run.dir"),
+        "sweep-emit": (["scale", "sweep", *tiny, "--budgets", "2e9", "--sizes", 2, "--out", f, "--emit"], "--out"),
+        "sweep": (["scale", "sweep", *tiny, "--budgets", "2e9", "--sizes", 2, "--out", f], "--out"),
+        "to-hf": (["convert", "to-hf", tmp_path / "no-such-checkpoint", f / "hf"], "OUT_DIR"),
+        "data-mix": (["data", "mix", *tiny_overrides(f / "run", "builtin:alice")], "run.dir"),
+    }[name]
+    import flopwise.calibrate
+    import flopwise.data.pipeline
+
+    def never(*a, **k):
+        raise AssertionError("the work started before the output was checked")
+
+    monkeypatch.setattr(flopwise.calibrate, "calibrate", never)
+    monkeypatch.setattr(flopwise.data.pipeline, "survey", never)
+    code, err = _main(argv, capsys, monkeypatch)
+    _one_line_exit_2(code, err, option, "afile is a file, not a folder")
+    assert blocker.read_text() == "a user's file where a folder would go\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_an_output_folder_the_os_refuses_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    """EACCES/EPERM/EROFS: root is not stopped by chmod, so the OS's refusal is simulated where the
+    writers try the folder (tempfile.mkstemp, the probe `check_folder` creates). A write refused
+    later (os.replace) is the same one line, and leaves neither a half file nor its temporary."""
+    import errno
+    import tempfile
+
+    import flopwise.outputs
+    from flopwise.outputs import write_text
+
+    real = tempfile.mkstemp
+
+    def refuse(*a, dir=None, **k):
+        if str(dir).startswith(str(tmp_path / "ro")):
+            raise PermissionError(errno.EACCES, "Permission denied", str(dir))
+        return real(*a, dir=dir, **k)
+
+    (tmp_path / "ro").mkdir()
+    monkeypatch.setattr(flopwise.outputs.tempfile, "mkstemp", refuse)
+    for argv, option in ((["plan", 'model.preset="demo-tiny"', "--out-config", tmp_path / "ro" / "x.toml"], "--out-config"),
+                         (["data", "prepare", "builtin:alice", "--out", tmp_path / "ro" / "d"], "--out"),
+                         (["hardware", "calibrate", "--out", tmp_path / "ro" / "hw.toml"], "--out")):
+        code, err = _main(argv, capsys, monkeypatch)
+        _one_line_exit_2(code, err, option, "Permission denied", "permissions")
+    assert list((tmp_path / "ro").iterdir()) == []
+
+    kept = write_text(tmp_path / "x.toml", "a = 1\n", "--out-config")
+    before = kept.read_bytes()
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(flopwise.outputs.os, "replace", full)
+    with pytest.raises(ConfigError, match="--out-config .*No space left.*free space") as e:
+        write_text(kept, "a = 2\n", "--out-config")
+    assert "\n" not in str(e.value) and kept.read_bytes() == before and sorted(tmp_path.iterdir()) == [tmp_path / "ro", kept]
+
+
+def test_an_os_refusal_no_writer_caught_is_still_one_line(capsys, monkeypatch):
+    """The last line of defence: cli.main turns an OSError meaning "cannot write here" into one
+    line with exit 2 (other OSErrors keep their traceback: they are bugs)."""
+    import errno
+
+    import flopwise.cli
+
+    def denied(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied", "/somewhere/out.json")
+
+    def broken(*a, **k):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(flopwise.cli, "app", denied)
+    code, err = _main(["any"], capsys, monkeypatch)
+    _one_line_exit_2(code, err, "/somewhere/out.json", "Permission denied")
+    monkeypatch.setattr(flopwise.cli, "app", broken)
+    with pytest.raises(OSError, match="Input/output"):
+        _main(["any"], capsys, monkeypatch)
+
+
+def test_data_prepare_force_never_replaces_a_file_and_the_refusal_lists_what_force_deletes(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """Before: --force deleted a user's plain file at --out, and the refusal without --force did
+    not say which files --force would delete."""
+    text = tmp_path / "t.txt"
+    text.write_text("some text to tokenize, and more text after it.\n" * 20)
+    plain = tmp_path / "notes"
+    plain.write_text("my notes\n")
+    code, err = _main(["data", "prepare", text, "--out", plain, "--train-tokenizer", 300, "--force"], capsys, monkeypatch)
+    _one_line_exit_2(code, err, "--out", "not a folder")
+    assert plain.read_text() == "my notes\n"
+    folder = tmp_path / "mine"
+    for i in range(5):
+        (folder / f"sub{i % 2}").mkdir(parents=True, exist_ok=True)
+        (folder / f"sub{i % 2}" / f"f{i}.txt").write_text("mine")
+    code, err = _main(["data", "prepare", text, "--out", folder, "--train-tokenizer", 300], capsys, monkeypatch)
+    _one_line_exit_2(code, err, "--force", "deleting its 5 files (sub0/f0.txt, sub0/f2.txt, sub0/f4.txt and 2 more)")
+    assert len(list(folder.rglob("*.txt"))) == 5
+
+
+@pytest.mark.parametrize("option", [("--filter", "nope"), ("--dedup", "nope"), ("--decontaminate", "nope")])
+def test_data_prepare_checks_its_options_before_creating_anything(option, tmp_path, capsys, monkeypatch):
+    """Before: --decontaminate nope left --out with manifest.json, tokenizer.json and work/."""
+    text = tmp_path / "t.txt"
+    text.write_text("some text to tokenize.\n" * 20)
+    code, err = _main(["data", "prepare", text, "--out", tmp_path / "d", "--train-tokenizer", 300, *option],
+                      capsys, monkeypatch)
+    _one_line_exit_2(code, err, "nope")
+    assert not (tmp_path / "d").exists()
+
+
+def test_data_mix_claims_the_run_folder_it_prepares_data_in(tmp_path, capsys, monkeypatch):
+    """Before: `data mix` prepared <run.dir>/data without recording it as flopwise's, so the next
+    `train` refused the folder; a user's data there was refused naming --out and --force, options
+    data mix does not have."""
+    from flopwise.build import claim_run_dir
+    from flopwise.config import load_config
+
+    overrides = tiny_overrides(tmp_path / "run", "builtin:alice", **{"data.tokenizer": '"bpe:300"'})
+    code, err = _main(["data", "mix", *overrides], capsys, monkeypatch)
+    assert code == 0, err
+    claim_run_dir(load_config(None, overrides), tmp_path / "run", 1)  # what `train` does first: accepted
+    user = tmp_path / "user"
+    (user / "data").mkdir(parents=True)
+    (user / "data" / "notes.txt").write_text("mine")
+    for run_dir in (user, tmp_path / "run"):  # a user's data folder; a user's file in flopwise's
+        if run_dir != user:
+            (run_dir / "data" / "notes.txt").write_text("mine")
+        code, err = _main(["data", "mix", *tiny_overrides(run_dir, "builtin:alice", **{"data.tokenizer": '"bpe:300"'})],
+                          capsys, monkeypatch)
+        _one_line_exit_2(code, err, "run.dir")
+        assert "--force" not in err and "--out" not in err
+        assert (run_dir / "data" / "notes.txt").read_text() == "mine"

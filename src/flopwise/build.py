@@ -76,9 +76,9 @@ def claim_run_dir(cfg: Config, run_dir: Path, world: int) -> None:
     claim(run_dir, [*TRAIN_WRITES, *data, *per_rank])
 
 
-def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, console: Console) -> Path:
+def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, console: Console, setting: str) -> Path:
     """A prepared data dir as given, or the raw input `path` prepared under `out` (kept while its
-    recipe is unchanged)."""
+    recipe is unchanged); `setting` names the option that chose `out`'s folder, for a refusal."""
     if is_prepared(path):
         return Path(path)
     recipe = {"inputs": [path], "tokenizer": tokenizer, "val_fraction": cfg.data.val_fraction, "seed": cfg.run.seed,
@@ -91,7 +91,8 @@ def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, console: Consol
         except ValueError:  # recorded in the manifest, so flopwise's, yet unreadable: prepare again
             pass
     console.print(f"[bold]preparing data[/] {path} -> {out} (tokenizer {tokenizer})")
-    stats = prepare([path], out, tokenizer=tokenizer, val_fraction=cfg.data.val_fraction, seed=cfg.run.seed)
+    stats = prepare([path], out, tokenizer=tokenizer, val_fraction=cfg.data.val_fraction, seed=cfg.run.seed,
+                    setting=setting)
     add_to_manifest(out, DATA_MANIFEST, "recipe.json", json.dumps(recipe).encode())  # the folder stays provably flopwise's
     console.print(f"  {stats.documents} documents, {stats.tokens:,} tokens ({stats.splits['train']:,} train / "
                   f"{stats.splits['val']:,} val), {stats.bytes / 1e6:.1f} MB in {stats.seconds:.1f} s "
@@ -99,16 +100,20 @@ def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, console: Consol
     return out
 
 
-def ensure_data(cfg: Config, run_dir: Path, console: Console) -> list[Source]:
+def ensure_data(cfg: Config, run_dir: Path, console: Console, setting: str = "run.dir") -> list[Source]:
     """The mixture's sources as prepared data dirs. Raw inputs are prepared under <run.dir>/data
-    (one source) or <run.dir>/data-NAME; the first fixes the tokenizer (bpe:VOCAB is trained on it)
-    and every later raw source is tokenized with it."""
+    (one source) or <run.dir>/data-NAME, claimed in the run folder first (rundir.claim: so `data
+    mix` or a sweep leaves a folder that `train` accepts as flopwise's); the first fixes the
+    tokenizer (bpe:VOCAB is trained on it) and every later raw source is tokenized with it.
+    `setting`: the option that chose `run_dir` (run.dir; a sweep's --out), named in a refusal."""
     mixture = cfg.data.mixture
     tokenizer = cfg.data.tokenizer
+    if raw := [data_dir_name(cfg, s.label) for s in mixture if not is_prepared(s.path)]:
+        claim(run_dir, raw, setting)
     sources = []
     for s in mixture:
         out = run_dir / data_dir_name(cfg, s.label)
-        d = _prepared(s.path, out, tokenizer, cfg, console)
+        d = _prepared(s.path, out, tokenizer, cfg, console, setting)
         if not sources:  # a plain name inside the folder, checked before anything reads or copies it
             tokenizer = str(tokenizer_path(d).resolve())
         sources.append(Source(s.label, d, s.weight))

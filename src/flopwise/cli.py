@@ -785,7 +785,8 @@ def hardware_calibrate(
 def audit_cmd(
     claim: Optional[list[str]] = typer.Argument(None, help="key=value claim (preset or params, tokens, hardware, "
                                                 "devices, days | device_hours | tokens_per_s_per_device, seq_len, "
-                                                "batch_tokens); none: the bundled catalogue"),
+                                                "batch_tokens); or one catalogue entry's name (e.g. llama3-405b); "
+                                                "none: the whole bundled catalogue"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Check published (or your) training claims: FLOPs, implied MFU, planner's best MFU, verdict."""
@@ -817,6 +818,15 @@ def main() -> None:
         app()
     except FlopwiseError as e:
         Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {escape(str(e))}", markup=True, highlight=False)
+        sys.exit(2)
+    except OSError as e:  # a write the OS refused that no writer turned into its option's error: still one line
+        from flopwise.outputs import UNWRITABLE
+
+        if e.errno not in UNWRITABLE:
+            raise
+        Console(stderr=True, soft_wrap=True).print(
+            f"[red]error:[/] {escape(str(e.filename or 'a path'))}: {escape(e.strerror or type(e).__name__)}; choose a "
+            "path you can write, fix its permissions or free space there", markup=True, highlight=False)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

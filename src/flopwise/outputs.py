@@ -2,22 +2,33 @@
 never over a file flopwise did not write.
 
 What flopwise writes there carries its mark, so a rerun may replace its own output: a TOML starts
-with TOML_HEADER, a JSON record holds "written_by", a PNG has a "Software: flopwise" text chunk.
+with TOML_HEADER, a JSON record holds "written_by", a CSV table's last column is "written_by", a PNG
+has a "Software: flopwise" text chunk.
 Anything else already at the path is refused in one line before the file is written; writes go
-through a temporary file and a rename, so a failed write leaves no half file.
+through a temporary file and a rename, so a failed write leaves no half file. A path that cannot be
+written (a read-only folder, a file where a folder is needed) is a one-line ConfigError naming the
+option, found before a command's work starts (`check_folder`, `check_writable`: they try it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import csv
+import errno
+import io
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from flopwise.errors import ConfigError, DataError
 
 TOML_HEADER = "# written by flopwise; a later flopwise command may replace this file\n"
 PNG_SOFTWARE = "flopwise"
-WRITTEN_BY = "written_by"
+WRITTEN_BY = "written_by"  # a JSON record's key; a CSV table's last column (its rows: "flopwise COMMAND")
+# OS errors that mean "this path cannot be written by you here": the user's to fix, so one line, not a traceback
+UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR, errno.ENOSPC,
+              errno.EDQUOT}
 
 
 def is_ours(path: Path) -> bool:
@@ -35,36 +46,92 @@ def is_ours(path: Path) -> bool:
         return head.startswith(TOML_HEADER.encode())
     if path.suffix.lower() == ".png":
         return b"tEXtSoftware\x00" + PNG_SOFTWARE.encode() in head
+    if path.suffix.lower() == ".csv":
+        header = next(csv.reader(head.decode("utf-8", "replace").splitlines()[:1]), [])
+        return bool(header) and header[-1] == WRITTEN_BY
     return False
 
 
+def cannot_write(option: str, path: Path, e: OSError) -> ConfigError:
+    """The one-line error for an OS refusal to write `path` (given as `option`): the reason and the fix."""
+    above = next((p for p in [path, *path.parents] if p.exists() or p.is_symlink()), None)
+    if above is not None and above != path and not above.is_dir():
+        why, fix = f"{above} is a file, not a folder", "choose a path under a folder"
+    elif e.errno in (errno.ENOSPC, errno.EDQUOT):
+        why, fix = e.strerror or "no space left", "free space there or choose another path"
+    else:
+        why = f"{e.strerror or type(e).__name__}: {e.filename or path}"
+        fix = "choose a path you can write, or fix that folder's permissions"
+    return ConfigError(f"{option} {path}: cannot write there ({why}); {fix}")
+
+
+def _try_writing(folder: Path, option: str, named: Path) -> None:
+    """Create and remove a probe file in `folder`, or in the nearest folder above it that exists
+    (where the command would create it): the OS's own answer, for any cause, with nothing left."""
+    above = next(p for p in [folder.absolute(), *folder.absolute().parents] if p.exists() or p.is_symlink())
+    try:
+        if not above.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(above))
+        fd, probe = tempfile.mkstemp(prefix=".flopwise-probe-", dir=above)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:  # named by the folder, not by the probe's random name
+        raise cannot_write(option, named, OSError(e.errno, e.strerror, str(above))) from None
+
+
+def check_folder(path: str | Path, option: str) -> Path:
+    """`path`, if a command can create it as a folder or write into it (tried: `_try_writing`)."""
+    path = Path(path)
+    if (path.exists() or path.is_symlink()) and not path.is_dir():
+        raise ConfigError(f"{option} {path}: is a file, not a folder; choose a folder")
+    _try_writing(path, option, path)
+    return path
+
+
 def check_writable(path: str | Path, option: str) -> Path:
-    """`path`, if a command may write there: nothing is there, or a file flopwise wrote."""
+    """`path`, if a command may write there: nothing is there, or a file flopwise wrote; and its
+    folder can be written (tried: `_try_writing`)."""
     path = Path(path)
     if (path.exists() or path.is_symlink()) and not is_ours(path):
         raise ConfigError(f"{option} {path}: something flopwise did not write is already there; "
                           "choose another path or move it away")
+    _try_writing(path.parent, option, path)
     return path
 
 
-def _replace(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _replace(path: Path, data: bytes, option: str) -> None:
     tmp = path.with_name(f".{path.name}.flopwise-tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):  # if it was made
+            tmp.unlink()
+        raise cannot_write(option, path, e) from None
 
 
 def write_text(path: str | Path, text: str, option: str) -> Path:
     """Write a text file (a TOML gets flopwise's header line, so a rerun may replace it)."""
     path = check_writable(path, option)
-    _replace(path, ((TOML_HEADER if path.suffix.lower() == ".toml" else "") + text).encode())
+    _replace(path, ((TOML_HEADER if path.suffix.lower() == ".toml" else "") + text).encode(), option)
     return path
 
 
 def write_json(path: str | Path, record: dict, option: str, command: str) -> Path:
     """Write a JSON record marked as written by `flopwise COMMAND`."""
     path = check_writable(path, option)
-    _replace(path, (json.dumps({WRITTEN_BY: f"flopwise {command}", **record}, indent=1) + "\n").encode())
+    _replace(path, (json.dumps({WRITTEN_BY: f"flopwise {command}", **record}, indent=1) + "\n").encode(), option)
+    return path
+
+
+def write_csv(path: str | Path, header: list[str], rows: list[list], option: str, command: str) -> Path:
+    """Write a CSV table marked as flopwise's: a last column `written_by`, "flopwise COMMAND" in every row."""
+    path = check_writable(path, option)
+    text = io.StringIO()
+    csv.writer(text, lineterminator="\n").writerows([[*header, WRITTEN_BY],
+                                                     *([*row, f"flopwise {command}"] for row in rows)])
+    _replace(path, text.getvalue().encode(), option)
     return path
 
 
@@ -100,8 +167,13 @@ def read_records(path: str | Path) -> list[dict]:
 def save_figure(fig, path: str | Path, option: str, **savefig) -> Path:
     """Save a matplotlib figure as a PNG marked as flopwise's."""
     path = check_writable(path, option)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.flopwise-tmp.png")
-    fig.savefig(tmp, metadata={"Software": PNG_SOFTWARE}, **savefig)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(tmp, metadata={"Software": PNG_SOFTWARE}, **savefig)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):  # if it was made
+            tmp.unlink()
+        raise cannot_write(option, path, e) from None
     return path

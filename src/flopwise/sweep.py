@@ -11,7 +11,6 @@ embedding rows would otherwise be most of N and bend the fit.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import multiprocessing
@@ -25,6 +24,7 @@ from rich.console import Console
 from flopwise.config import Config, to_toml, validate
 from flopwise.errors import ConfigError
 from flopwise.flops import scaling_flops, scaling_tokens
+from flopwise.outputs import check_folder, check_writable, read_records, write_csv, write_text
 from flopwise.plan.fit import fitted_law
 from flopwise.plan.scaling import choose_shape, get_law
 
@@ -45,23 +45,27 @@ class LadderRun:
 def plan_ladder(base: Config, budgets: list[float], sizes: int, spread: float, law_name: str = "chinchilla-3",
                 out: str | Path = "runs/ladder") -> list[LadderRun]:
     """Configs for every (budget, size): sizes spaced geometrically over [N_opt/√spread, N_opt·√spread]
-    (sizes that round to the same shape are kept once)."""
+    (sizes that round to the same shape are kept once). A budget too small for one training step of
+    one of its sizes is refused, naming the smallest budget that gives each of them a step."""
     if sizes < 1 or spread < 1:
         raise ConfigError("--sizes must be >= 1 and --spread >= 1")
     law = get_law(law_name, fitted_law(law_name))
     out = Path(out)
     tokens_per_step = base.train.global_batch * base.data.seq_len
+    shapes = {budget: _shapes(law, budget, sizes, spread, base.model.vocab_size) for budget in budgets}
+    for budget in budgets:
+        if not _one_step_each(shapes[budget], budget, tokens_per_step):
+            smallest = _smallest_budget(law, budget, sizes, spread, base.model.vocab_size, tokens_per_step)
+            largest = max(s.non_embedding_params for s in shapes[budget])
+            raise ConfigError(f"--budgets {budget:g}: too small for one training step of its models ({largest:,} "
+                              f"non-embedding params × {tokens_per_step:,} tokens per step is "
+                              f"{scaling_flops(largest, tokens_per_step):.3g} FLOPs); the smallest budget that gives "
+                              f"each size a step is {smallest:.2g} (or lower train.global_batch / data.seq_len)")
     runs = []
     for budget in budgets:
-        n_opt, _ = law.frontier(budget)
-        for k in range(sizes):
-            frac = 0.5 if sizes == 1 else k / (sizes - 1)
-            target = n_opt * spread ** (frac - 0.5)
-            shape = choose_shape(target, base.model.vocab_size, count_embeddings=False)
+        for shape in shapes[budget]:
             n = shape.non_embedding_params
-            if any(r.budget == budget and r.params == n for r in runs):
-                continue  # tiny targets can round to the same shape
-            steps = max(1, round(scaling_tokens(budget, n) / tokens_per_step))
+            steps = round(scaling_tokens(budget, n) / tokens_per_step)
             name = f"C{budget:.0e}-N{n / 1e6:.3f}M".replace("+", "")
             tree = json.loads(base.model_dump_json(exclude_none=True))
             tree["run"].update(name=name, dir=str(out / name))
@@ -78,6 +82,41 @@ def plan_ladder(base: Config, budgets: list[float], sizes: int, spread: float, l
     return runs
 
 
+def _shapes(law, budget: float, sizes: int, spread: float, vocab: int) -> list:
+    """One budget's model shapes, smallest first (tiny targets can round to the same shape: kept once)."""
+    n_opt, _ = law.frontier(budget)
+    shapes = []
+    for k in range(sizes):
+        frac = 0.5 if sizes == 1 else k / (sizes - 1)
+        shape = choose_shape(n_opt * spread ** (frac - 0.5), vocab, count_embeddings=False)
+        if all(s.non_embedding_params != shape.non_embedding_params for s in shapes):
+            shapes.append(shape)
+    return shapes
+
+
+def _one_step_each(shapes: list, budget: float, tokens_per_step: int) -> bool:
+    return all(scaling_tokens(budget, s.non_embedding_params) >= tokens_per_step for s in shapes)
+
+
+def _smallest_budget(law, budget: float, sizes: int, spread: float, vocab: int, tokens_per_step: int) -> float:
+    """The smallest budget (2 significant digits, rounded up) at which every size of the ladder gets
+    one step: a decade search, then bisection in log space."""
+    def ok(c: float) -> bool:
+        return _one_step_each(_shapes(law, c, sizes, spread, vocab), c, tokens_per_step)
+
+    lo, hi = budget, budget * 10
+    while not ok(hi):
+        lo, hi = hi, hi * 10
+    while hi / lo > 1.001:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    exponent = math.floor(math.log10(hi))
+    mantissa = math.ceil(hi / 10**exponent * 10) / 10
+    while not ok(mantissa * 10**exponent):  # shape rounding can make a step or two non-monotone
+        mantissa += 0.1
+    return round(mantissa, 1) * 10**exponent
+
+
 def _data_dir(base: Config, out: Path) -> Path:
     """The ladder shares one prepared copy of the data: the given dir, or <out>/data."""
     given = Path(base.data.path)
@@ -85,51 +124,54 @@ def _data_dir(base: Config, out: Path) -> Path:
 
 
 def is_finished(run: LadderRun) -> bool:
-    from flopwise.outputs import read_records
-
     rows = read_records(Path(run.config.run.dir) / "metrics.jsonl")
     return any(r.get("step") == run.steps and "val_loss" in r for r in rows)
 
 
 def final_val_loss(run: LadderRun) -> float:
-    from flopwise.outputs import read_records
-
     rows = read_records(Path(run.config.run.dir) / "metrics.jsonl")
     return [r["val_loss"] for r in rows if "val_loss" in r][-1]
 
 
+def _config_path(r: LadderRun, out: Path) -> Path:
+    return out / "configs" / f"{r.name}.toml"
+
+
+def check_outputs(runs: list[LadderRun], out: Path, table: bool) -> None:
+    """Before any work: `out` can be written, and no user's file holds a config (or, `table`, the
+    runs.csv) the sweep writes there; flopwise's own are replaced."""
+    check_folder(out, "--out")
+    for path in [_config_path(r, out) for r in runs] + ([out / "runs.csv"] if table else []):
+        check_writable(path, "--out")
+
+
 def write_configs(runs: list[LadderRun], out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for r in runs:
-        p = out / "configs" / f"{r.name}.toml"
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(to_toml(r.config))
-        paths.append(p)
-    return paths
+    """Each run's config TOML under <out>/configs (marked as flopwise's, so a rerun replaces it)."""
+    check_outputs(runs, out, table=False)
+    return [write_text(_config_path(r, out), to_toml(r.config), "--out") for r in runs]
 
 
 def collect(runs: list[LadderRun], out: Path) -> Path:
-    table = out / "runs.csv"
-    with open(table, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["name", "budget", "params", "tokens", "flops", "loss"])
-        for r in runs:
-            if is_finished(r):
-                w.writerow([r.name, f"{r.budget:.6g}", r.params, r.tokens, scaling_flops(r.params, r.tokens),
-                            f"{final_val_loss(r):.6f}"])
-    return table
+    """<out>/runs.csv: one row per finished run (marked as flopwise's, so a rerun replaces it)."""
+    rows = [[r.name, f"{r.budget:.6g}", r.params, r.tokens, scaling_flops(r.params, r.tokens), f"{final_val_loss(r):.6f}"]
+            for r in runs if is_finished(r)]
+    return write_csv(out / "runs.csv", ["name", "budget", "params", "tokens", "flops", "loss"], rows, "--out",
+                     "scale sweep")
 
 
 def _train_one(config: Config, threads: int | None) -> TrainResult:
-    """One ladder run, logged to its folder's .train.log; `threads` set (in a worker) before any work."""
+    """One ladder run, logged to train.log in its run folder (claimed there as flopwise's, like the
+    rest of the run's files); `threads` set (in a worker) before any work."""
     import torch
 
+    from flopwise.checkpoints.rundir import claim
     from flopwise.launch import train
 
     if threads:
         torch.set_num_threads(threads)
-    with open(Path(config.run.dir).parent / ".train.log", "a") as log:
+    run_dir = Path(config.run.dir)
+    claim(run_dir, ["train.log"])
+    with open(run_dir / "train.log", "a") as log:
         return train(config, Console(file=log))
 
 
@@ -145,7 +187,8 @@ def run_ladder(base: Config, runs: list[LadderRun], out: Path, console: Console,
 
     from flopwise.build import ensure_data
 
-    ensure_data(base, out, console)
+    check_outputs(runs, out, table=True)  # before hours of training, not after
+    ensure_data(base, out, console, "--out")
     write_configs(runs, out)
     todo = []
     for i, r in enumerate(runs, 1):

@@ -26,7 +26,8 @@ from flopwise.config import config_hash, to_toml, validate
 from flopwise.errors import CheckpointError
 from flopwise.plan.layout import Layout
 from flopwise.plan.planner import layout_config
-from flopwise.checkpoints import checkpoint
+from flopwise.checkpoints import checkpoint, rundir
+from flopwise.outputs import check_folder
 
 
 @cache
@@ -129,6 +130,8 @@ def export_checkpoint(path: str | Path, out: str | Path, force: bool = False) ->
     except (KeyError, TypeError, ValueError, OverflowError):
         raise CheckpointError(f"checkpoint {ckpt}: state.json holds no valid step (damaged); "
                               "use another checkpoint") from None
+    rundir.check_claim(out, ["checkpoints"], "--out")  # a refusal names this command's option
+    check_folder(out, "--out")
     checkpoint.claim_step(out, step, force)
     state.update(config=to_toml(cfg), config_hash=config_hash(cfg), layout={**Layout(micro_batch=1).to_json(), "world_size": 1},
                  exported_from=str(ckpt))

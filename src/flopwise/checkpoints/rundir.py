@@ -9,12 +9,14 @@ this?" is answered by flopwise-run.json, never by the file names themselves.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
 from flopwise.errors import ConfigError
+from flopwise.outputs import cannot_write
 
 RUN_FILE = "flopwise-run.json"
 FORMAT = "flopwise-run/1"
@@ -36,19 +38,34 @@ def claimed(run_dir: Path) -> set[str]:
     return set(names)
 
 
-def claim(run_dir: str | Path, names: Iterable[str]) -> None:
-    """Record that flopwise writes `names` at the top of `run_dir` (creating it); refuse in one line
-    if one of them is already there and no earlier claim records it."""
+def check_claim(run_dir: str | Path, names: Iterable[str], option: str = "run.dir") -> set[str]:
+    """What `claim` checks, writing nothing: the names flopwise already claimed in `run_dir`; refused
+    in one line (naming `option`, the setting that chose the folder) if one of `names` is already
+    there and no earlier claim records it."""
     run_dir = Path(run_dir)
-    owned, names = claimed(run_dir), set(names)
-    foreign = sorted(n for n in names - owned if (run_dir / n).exists() or (run_dir / n).is_symlink())
+    owned = claimed(run_dir)
+    foreign = sorted(n for n in set(names) - owned if (run_dir / n).exists() or (run_dir / n).is_symlink())
     if foreign:
-        raise ConfigError(f"run folder {run_dir} holds {', '.join(foreign)}, which flopwise did not write there "
-                          f"(its {RUN_FILE} does not list {'it' if len(foreign) == 1 else 'them'}): choose a new or "
-                          "empty folder, or move them away")
+        raise ConfigError(f"run folder {run_dir} ({option}) holds {', '.join(foreign)}, which flopwise did not write "
+                          f"there (its {RUN_FILE} does not list {'it' if len(foreign) == 1 else 'them'}): choose a new "
+                          f"or empty folder for {option}, or move them away")
+    return owned
+
+
+def claim(run_dir: str | Path, names: Iterable[str], option: str = "run.dir") -> None:
+    """Record that flopwise writes `names` at the top of `run_dir` (creating it); refuse in one line
+    if one of them is already there and no earlier claim records it (`check_claim`), or if the
+    folder cannot be written (naming `option`)."""
+    run_dir, names = Path(run_dir), set(names)
+    owned = check_claim(run_dir, names, option)
     if names <= owned:
         return
-    run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / (RUN_FILE + ".tmp")
-    tmp.write_text(json.dumps({"format": FORMAT, "writes": sorted(owned | names)}, indent=1) + "\n")
-    os.replace(tmp, run_dir / RUN_FILE)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"format": FORMAT, "writes": sorted(owned | names)}, indent=1) + "\n")
+        os.replace(tmp, run_dir / RUN_FILE)
+    except OSError as e:
+        with contextlib.suppress(OSError):  # if it was made
+            tmp.unlink()
+        raise cannot_write(option, run_dir, e) from None

@@ -68,9 +68,10 @@ import numpy as np
 
 from flopwise.data.shards import (DATA_MANIFEST, FORMAT, WORK, PrepareStats, dtype_for_vocab, input_files,
                                   read_documents, val_documents)
-from flopwise.manifest import file_record, remove_all_but, why_not_ours, write_manifest
+from flopwise.manifest import file_record, files_under, remove_all_but, why_not_ours, write_manifest
 from flopwise.data.tokenizer import EOS, eos_id, load_tokenizer, parse_tokenizer_spec, train_bpe
 from flopwise.errors import DataError
+from flopwise.outputs import check_folder
 
 SAMPLE_BYTES = 200 * 10**6  # tokenizer training sample: the first 200 MB of documents, in order
 CHUNK_BYTES = 1 << 20  # a task may start at a file's first document or every ~1 MiB inside a file
@@ -250,7 +251,7 @@ def _progress_loop(work: Path, total: int, progress: Callable, stop: threading.E
 def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val_fraction: float = 0.05,
             seed: int = 0, progress: Callable[[str, int, int, int], None] | None = None, force: bool = False,
             workers: int | None = None, tasks: int | None = None, filters: list[str] | str = (),
-            dedup: list[str] | str = (), decontaminate: list[str] | str = ()) -> PrepareStats:
+            dedup: list[str] | str = (), decontaminate: list[str] | str = (), setting: str | None = None) -> PrepareStats:
     """Tokenize `inputs` into numbered shards in `out` (see the module docstring for the stages).
 
     workers: processes (default: all cores); tasks: pipeline tasks = shard files per split
@@ -259,24 +260,35 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
     progress(stage, input bytes done, input bytes total, tokens written).
     An unfinished prepare in `out` with the same inputs and settings is resumed; any other folder
     whose manifest shows flopwise wrote every file in it is replaced; anything else, or an input
-    inside `out`, is refused unless `force` (which replaces the folder but keeps the inputs in it).
+    inside `out`, is refused unless `force` (which replaces the folder but keeps the inputs in it;
+    never a file). Every option is checked, and `out` tried for writing, before anything is written.
+    `setting`: the config key that chose `out` (a run's data folder, where there is no --out or
+    --force to name), or None for the command line's --out.
     With workers > 1 the worker processes are spawned and import the caller's main module: call
     this from a script under `if __name__ == "__main__":` (the CLI and `flopwise train` do)."""
+    from flopwise.data.steps import Whitespace
+
     t0 = time.perf_counter()
     out = Path(out)
     filters, dedup = _parse("--filter", filters, FILTERS), _parse("--dedup", dedup, DEDUPS)
     decontaminate = [t.strip() for t in (decontaminate.split(",") if isinstance(decontaminate, str) else decontaminate)
                      if t.strip()]
+    words = Whitespace()
+    quality = _filter_steps(filters, words, decontaminate)  # built once, now: an unknown task fails here
     workers = workers or os.cpu_count() or 1
     if workers < 1:
         raise DataError(f"--workers {workers}: must be at least 1")
     spec = parse_tokenizer_spec(tokenizer)
     given = load_tokenizer(spec) if not isinstance(spec, int) else None
     files = [f for s in inputs for f in input_files(s)]
-    keep = _inputs_kept(out, files, spec if given else None, force)
+    keep = _inputs_kept(out, files, spec if given else None, force, setting)
     reason = why_not_ours(out, DATA_MANIFEST)
     if reason and not force:
-        raise DataError(_refusal(out, reason))
+        raise DataError(_refusal(out, reason, keep, setting))
+    if out.is_symlink() or (out.exists() and not out.is_dir()):  # --force replaces a folder, never a file
+        raise DataError(f"--out {out}: is a file, not a folder; --force replaces only a folder: choose another "
+                        "--out, or move the file away")
+    check_folder(out, setting or "--out")
     key = {"format": FORMAT, "inputs": _input_key(files), "tokenizer": str(spec),
            "tokenizer_file": _input_key([spec]) if given else None, "val_fraction": val_fraction, "seed": seed,
            "filters": filters, "dedup": dedup, "decontaminate": decontaminate}
@@ -288,11 +300,11 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
         except (OSError, ValueError):  # none, or not readable: start afresh
             plan = None
     if not isinstance(plan, dict) or plan.get("key") != key or not (out / "tokenizer.json").is_file():
-        plan = _fresh_plan(inputs, out, spec, given, key, keep, force, workers, tasks, val_fraction, seed)
+        plan = _fresh_plan(inputs, out, spec, given, key, keep, force, workers, tasks, val_fraction, seed, setting)
     tok = load_tokenizer(out / "tokenizer.json")
     dtype = dtype_for_vocab(tok.get_vocab_size())
 
-    quality, deduped = _run_stages(out, plan, filters, dedup, decontaminate, dtype, workers, progress)
+    quality, deduped = _run_stages(out, plan, quality, words, dedup, dtype, workers, progress)
     report = _report(work, plan, filters, quality, deduped, decontaminate)
     meta = _finish(out, plan, tok, dtype, seed, val_fraction, report)
     if progress:
@@ -302,14 +314,14 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
 
 
 def _fresh_plan(inputs: list[str], out: Path, spec, given, key: dict, keep: set[Path], force: bool, workers: int,
-                tasks: int | None, val_fraction: float, seed: int) -> dict:
+                tasks: int | None, val_fraction: float, seed: int, setting: str | None) -> dict:
     """Survey the inputs, train or take the tokenizer, clear `out` (keeping `keep`) and write the
     manifest, tokenizer, validation ids and the task plan: a prepare that a rerun can resume."""
     work = out / WORK
     s = survey(inputs)
     tok = given or train_bpe(sample_texts(s.files), spec)
     if not force and (reason := why_not_ours(out, DATA_MANIFEST)):  # again: the survey and training may have taken hours
-        raise DataError(_refusal(out, reason))
+        raise DataError(_refusal(out, reason, keep, setting))
     remove_all_but(out, keep)
     n_tasks = tasks or max(workers, math.ceil(s.bytes / TASK_BYTES))
     unchecked, folders = _claims(n_tasks)
@@ -328,10 +340,11 @@ def _fresh_plan(inputs: list[str], out: Path, spec, given, key: dict, keep: set[
     return plan
 
 
-def _run_stages(out: Path, plan: dict, filters: list[str], dedup: list[str], decontaminate: list[str], dtype,
+def _run_stages(out: Path, plan: dict, quality: list, words, dedup: list[str], dtype,
                 workers: int, progress) -> tuple[list[str], list[str]]:
-    """Deduplicate (if asked) and tokenize into shards with datatrove, resuming finished tasks; the
-    names of the quality and dedup stages that ran, for the report."""
+    """Deduplicate (if asked) and tokenize into shards with datatrove, resuming finished tasks;
+    `quality`: the (name, filter) steps (`_filter_steps`), `words` their word splitter. The names of
+    the quality and dedup stages that ran, for the report."""
     work, n_tasks = out / WORK, len(plan["tasks"])
     from datatrove.pipeline.dedup import (ExactDedupFilter, ExactDedupSignature, ExactFindDedups,
                                           MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter,
@@ -340,10 +353,8 @@ def _run_stages(out: Path, plan: dict, filters: list[str], dedup: list[str], dec
     from datatrove.pipeline.dedup.minhash import MinhashConfig
     from datatrove.utils.hashing import HashConfig
 
-    from flopwise.data.steps import OrdinalReader, ShardWriter, Tally, Whitespace, normalized_text
+    from flopwise.data.steps import OrdinalReader, ShardWriter, Tally, normalized_text
 
-    words = Whitespace()
-    quality = _filter_steps(filters, words, decontaminate)  # built once: the task grams load here
     exact_cfg = ExactDedupConfig(content_getter=normalized_text)
     # sha1, not the default xxhash: datatrove hashes str shingles, which xxhash >= 3.5 refuses
     minhash_cfg = MinhashConfig(**MINHASH, hash_config=HashConfig(precision=64, hash_fc="sha1"))
@@ -428,7 +439,7 @@ def _shard_records(out: Path, work: Path, n_tasks: int) -> dict[str, dict]:
     return records
 
 
-def _inputs_kept(out: Path, files: list[Path], tokenizer: Path | None, force: bool) -> set[Path]:
+def _inputs_kept(out: Path, files: list[Path], tokenizer: Path | None, force: bool, setting: str | None) -> set[Path]:
     """The inputs (and a given tokenizer file) that lie inside `out`, which no prepare may delete:
     refused unless --force, which replaces the rest of the folder around them; never inside its work
     folder (which prepare removes when it finishes) nor `out` itself."""
@@ -437,17 +448,37 @@ def _inputs_kept(out: Path, files: list[Path], tokenizer: Path | None, force: bo
     for f in inputs:
         if f == root or f.is_relative_to(scratch):
             where = "--out itself" if f == root else "inside its work folder"
-            raise DataError(f"--out {out}: input {f} is {where}, which prepare replaces; choose another --out")
+            raise DataError(f"{_where(out, setting)}: input {f} is {where}, which prepare replaces; "
+                            f"choose another {setting or '--out'}")
     inside = [f for f in inputs[:len(files)] if f.is_relative_to(root)]
     if inside and not force:
-        raise DataError(f"--out {out}: input {inside[0]} is inside it and preparing there would delete it; "
-                        "choose another --out, or pass --force to replace the folder but keep its inputs")
+        fix = (f"move the input elsewhere, or set {setting} to another folder" if setting else
+               "choose another --out, or pass --force to replace the folder but keep its inputs")
+        raise DataError(f"{_where(out, setting)}: input {inside[0]} is inside it and preparing there would delete it; "
+                        + fix)
     return {f for f in inputs if f.is_relative_to(root)}
 
 
-def _refusal(out: Path, reason: str) -> str:
-    return (f"--out {out}: {reason}; flopwise replaces only a folder whose {DATA_MANIFEST.name} shows it wrote every file in "
-            "it: choose another folder, or pass --force to replace it (its inputs are kept)")
+def _where(out: Path, setting: str | None) -> str:
+    return f"data folder {out} (from {setting})" if setting else f"--out {out}"
+
+
+def _refusal(out: Path, reason: str, keep: set[Path], setting: str | None) -> str:
+    """Why `out` is not replaced, and what replacing it would delete: --force's (the command line's)
+    files listed by name, so it is never passed blind; a run's data folder has no --force."""
+    head = (f"{_where(out, setting)}: {reason}; flopwise replaces only a folder whose {DATA_MANIFEST.name} shows it "
+            "wrote every file in it: ")
+    if setting:
+        return head + f"set {setting} to a new or empty folder, or move the files in {out} away"
+    if out.is_symlink() or not out.is_dir():
+        return head + "choose another --out, or move the file away"
+    try:
+        doomed = [p.relative_to(out).as_posix() for p in files_under(out) if p.resolve() not in keep]
+    except OSError:
+        return head + "choose another folder"
+    shown = ", ".join(doomed[:3]) + (f" and {len(doomed) - 3} more" if len(doomed) > 3 else "")
+    return head + (f"choose another folder, or pass --force to replace it, deleting its {len(doomed)} "
+                   f"file{'s' if len(doomed) != 1 else ''} ({shown}){'; its inputs are kept' if keep else ''}")
 
 
 def _index(out: Path, work: Path, plan: dict, tok, dtype: np.dtype, seed: int, val_fraction: float) -> dict:

@@ -11,7 +11,8 @@ from flopwise.data.tokenizer import EOS, eos_id, load_tokenizer
 from flopwise.errors import CheckpointError
 from flopwise.interop.hf import from_hf, write_hf
 from flopwise.manifest import ManifestKind, file_record, files_under, why_not_ours, write_manifest
-from flopwise.checkpoints import checkpoint
+from flopwise.outputs import check_folder
+from flopwise.checkpoints import checkpoint, rundir
 from flopwise.checkpoints.export import CheckpointTensors, checkpoint_config
 
 
@@ -25,8 +26,15 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
     added beside the checkpoints already in <out>, none of which is deleted; a step-00000000
     already there is refused unless `force` (then replaced)."""
     hf_dir = Path(hf_dir)
-    checkpoint.claim_step(out, 0, force)
+    out = Path(out)
+    # every refusal before anything is written: the output folder's (which write nothing while they
+    # refuse: an existing `checkpoints` is flopwise's claimed one or refused), then the HF folder's
+    rundir.check_claim(out, ["checkpoints"], "OUT")
+    check_folder(out, "OUT")
+    if (out / "checkpoints").exists():
+        checkpoint.claim_step(out, 0, force)
     model, m = from_hf(hf_dir)
+    checkpoint.claim_step(out, 0, force)
     tree = {"run": {"name": hf_dir.name, "dir": str(out)}, "model": m.model_dump(exclude_none=True),
             "data": {"seq_len": min(m.max_seq_len, 2048), "tokenizer": str(hf_dir / "tokenizer.json")}}
     cfg = validate(tree)
@@ -43,6 +51,7 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 
     if reason := why_not_ours(out_dir, HF_MANIFEST):
         raise CheckpointError(f"convert to-hf: {out_dir} {reason}; flopwise writes a Hugging Face folder only into a "
                               "new or empty one, or one it exported before: choose another folder")
+    check_folder(out_dir, "OUT_DIR")
     src = checkpoint.resolve(ckpt)
     cfg = checkpoint_config(src, checkpoint.read_state(src))
     tok = load_tokenizer(src / "tokenizer.json")
