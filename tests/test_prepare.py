@@ -347,6 +347,18 @@ def test_prepare_never_deletes_its_inputs_inside_out(tmp_path, words):
     assert read_index(out)["sources"] == [str(corpus)]
 
 
+def test_cli_prepare_splits_as_train_does_by_default(tmp_path, words):
+    """`data prepare` without --seed/--val-fraction makes the split `flopwise train` of the embedded
+    default makes (demo.toml's run.seed and data.val_fraction), the one the built-in Shakespeare
+    tasks hold out; with seed 0 (its old default) a hand-prepared corpus held the tasks' plays."""
+    from flopwise.config import load_config
+
+    out = tmp_path / "data"
+    assert _cli_prepare([words], out).exit_code == 0
+    demo = load_config("demo")
+    assert (read_index(out)["seed"], read_index(out)["val_fraction"]) == (demo.run.seed, demo.data.val_fraction)
+
+
 def test_prepare_replaces_its_own_earlier_output(tmp_path, words):
     """An earlier, untouched flopwise output is replaced without --force (here: another seed)."""
     out = tmp_path / "data"

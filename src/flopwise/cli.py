@@ -111,8 +111,10 @@ def data_prepare(
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="an existing tokenizer.json"),
     train_tokenizer: int = typer.Option(4096, "--train-tokenizer",
                                         help="train a byte-level BPE of this vocab size (on the first 200 MB)"),
-    val_fraction: float = typer.Option(0.05, "--val-fraction", min=0.0, max=0.99),
-    seed: int = typer.Option(0, "--seed"),
+    val_fraction: Optional[float] = typer.Option(None, "--val-fraction", min=0.0, max=0.99,
+                                                 help="documents held out for validation (default: data.val_fraction's)"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="seed of the split (default: run.seed's, so the split "
+                                       "is the one `flopwise train` makes, which the built-in tasks hold out)"),
     workers: Optional[int] = typer.Option(None, "--workers", min=1, help="processes (default: all cores)"),
     filters: str = typer.Option("", "--filter", help="quality filters: gopher,c4"),
     dedup: str = typer.Option("", "--dedup", help="deduplication: exact,minhash"),
@@ -124,8 +126,11 @@ def data_prepare(
     in parallel (datatrove), optionally quality-filtered and deduplicated, with a report."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from flopwise.config import DataConfig, RunConfig
     from flopwise.data.pipeline import prepare
 
+    val_fraction = DataConfig.model_fields["val_fraction"].default if val_fraction is None else val_fraction
+    seed = RunConfig.model_fields["seed"].default if seed is None else seed
     spec = str(tokenizer) if tokenizer else f"bpe:{train_tokenizer}"
     started = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[rate]}"),

@@ -22,6 +22,7 @@ that declares one is refused, and every file the metadata reads must be in the m
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import hashlib
 import io
@@ -270,6 +271,16 @@ def scratch_dir(run_dir: str | Path, step: int) -> Path:
     except OSError as e:
         raise CheckpointError(f"cannot write a checkpoint under {root} ({e.strerror or e}); "
                               "nothing was written") from None
+
+
+@contextlib.contextmanager
+def without_process_group():
+    """DCP warns "torch.distributed is disabled ... assuming the intent is to load in a single
+    process" on every save and load without a process group, which is how the one-process tools
+    (export, convert, eval) use it on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def abandon(tmp: Path) -> None:

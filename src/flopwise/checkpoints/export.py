@@ -76,7 +76,8 @@ class CheckpointTensors(checkpoint.SafeReader):
             raise CheckpointError(f"checkpoint {self.dir}: no tensor {missing[0]!r}")
         out = {k: torch.empty(specs[k].size, dtype=specs[k].properties.dtype) for k in keys}
         try:
-            dcp.load(out, storage_reader=self)
+            with checkpoint.without_process_group():
+                dcp.load(out, storage_reader=self)
         except Exception as e:  # DCP wraps every rank's failure in its own exception type
             raise CheckpointError(f"checkpoint {self.dir}: cannot read {keys[0]!r} ({checkpoint.reason(e)})") from None
         return out
@@ -137,7 +138,8 @@ def export_checkpoint(path: str | Path, out: str | Path, force: bool = False) ->
                  exported_from=str(ckpt))
     tmp = checkpoint.scratch_dir(out, step)
     try:
-        dcp.save(_meta_state(source), storage_writer=FileSystemWriter(str(tmp)), planner=_FetchingPlanner(source))
+        with checkpoint.without_process_group():
+            dcp.save(_meta_state(source), storage_writer=FileSystemWriter(str(tmp)), planner=_FetchingPlanner(source))
     except Exception as e:
         checkpoint.abandon(tmp)
         raise CheckpointError(f"export of {ckpt} failed ({checkpoint.reason(e)})") from None
