@@ -95,3 +95,17 @@ def test_a_bad_or_partial_file_fails_in_one_line_naming_the_field(calibrated, tm
         load_catalogue(bad)
     r = flopwise("plan", "demo", f'cluster.hardware_file="{bad}"')
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_a_busy_machine_is_said_before_timing(monkeypatch):
+    """calibrate and plan --measure warn when the 1-minute load average reaches the core count
+    (another process holds the cores; what they time is then slower than the machine)."""
+    import os
+
+    from flopwise.hardware import busy_note
+
+    cores = os.cpu_count() or 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (cores + 0.5, 1.0, 1.0))
+    assert f"load average {cores + 0.5:.1f} on {cores} cores" in busy_note("the tables")
+    monkeypatch.setattr(os, "getloadavg", lambda: (cores - 0.5, 9.0, 9.0))
+    assert busy_note("the tables") is None

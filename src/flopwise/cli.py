@@ -567,7 +567,7 @@ def plan_cmd(
     from flopwise.config import split_cli_args, to_toml, validate
     from flopwise.data.mixture import draws, prepared_sources
     from flopwise.errors import ConfigError
-    from flopwise.hardware import CATALOGUE, load_catalogue
+    from flopwise.hardware import CATALOGUE, busy_note, load_catalogue
     from flopwise.plan.planner import max_micro_batch, plan, plan_tree, planned_run_config
 
     path, overrides = split_cli_args(args)
@@ -579,6 +579,8 @@ def plan_cmd(
     if measure:
         from flopwise.measure import measure as run_measure
 
+        if note := busy_note("the measured step times"):
+            Console(stderr=True, soft_wrap=True).print(f"[yellow]note[/]: {note}")
         measured = run_measure(path, overrides, nproc, steps)
         if as_json:
             typer.echo(json.dumps(measured, indent=1))
@@ -619,7 +621,8 @@ def plan_cmd(
         return
     _print_plan(report, top, _model_name(report.cfg, hf))
     if out_config:
-        console.print(f"wrote {out_config} (train.steps for the planned {_human(report.tokens)} tokens)" if best.fits
+        console.print(f"wrote {out_config}: the best layout and train.steps for the planned {_human(report.tokens)} "
+                      "tokens; data.*, optim.* and run.* as in the config given (check optim.lr and data.path)" if best.fits
                       else "[red]no layout fits: --out-config not written[/]")
     if plot:
         console.print(f"plot: {plot}")
@@ -762,6 +765,7 @@ def hardware_calibrate(
     from rich.progress import Progress
 
     from flopwise.calibrate import calibrate, save, steps_of
+    from flopwise.hardware import busy_note
 
     check_writable(out, "--out")
     if device not in ("auto", "cpu", "cuda"):
@@ -771,6 +775,8 @@ def hardware_calibrate(
     dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
     ranks = nproc or (torch.cuda.device_count() if dev.type == "cuda" else 2)
     cfg = _config(args)
+    if note := busy_note("the tables measured now (and every plan made from them)"):
+        Console(stderr=True, soft_wrap=True).print(f"[yellow]note[/]: {note}")
     started = time.perf_counter()
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("calibrating", total=steps_of(cfg, ranks, dev))

@@ -8,6 +8,7 @@ Extend with a TOML file whose tables have the same field names (`load_catalogue`
 
 from __future__ import annotations
 
+import os
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -220,3 +221,18 @@ def hardware_toml(hw: Hardware) -> dict:
 
 def _positive(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
+def busy_note(what: str) -> str | None:
+    """A one-line warning when other processes keep this machine's cores busy (1-minute load average
+    at least its core count) before `what` times anything: what it measures then is the share of the
+    machine it got, slower than the machine."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # no load average on this platform
+        return None
+    cores = os.cpu_count() or 1
+    if load < cores:
+        return None
+    return (f"this machine is busy (1-minute load average {load:.1f} on {cores} cores): {what} will read slower "
+            "than the machine is; rerun it when the machine is quiet")

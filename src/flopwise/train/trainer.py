@@ -50,7 +50,7 @@ from flopwise.train.optim import lr_at, step_unless
 from flopwise.train.preflight import explain_oom
 from flopwise.train.run import Run, restore
 from flopwise.train.saver import Saver
-from flopwise.train.watch import Watch, is_timeout
+from flopwise.train.watch import Watch, is_timeout, peer_lost
 
 
 @dataclass(kw_only=True)
@@ -74,6 +74,7 @@ class TrainResult:
     signal: str | None = None
     save_s: list[float] = field(default_factory=list)   # how long each checkpoint save blocked training
     async_save_s: list[float] = field(default_factory=list)  # async: call to complete, in the background
+    layout: str = "single"  # plan.layout.Layout.name() of the layout that ran
 
 
 def eval_sources(sources: list[Source], seq_len: int) -> list[Source]:
@@ -154,6 +155,7 @@ class _Loop:
         self.losses: list[float] = []
         self.val_loss: float | None = None
         self.tps = 0.0
+        self.rates: list[tuple[float, float | None]] = []  # (tokens/s, MFU) of each log interval
         self.mfu: float | None = None
         self.ranks: dict = {}  # per-rank busy times of the last sync, logged with the metrics
         self.window = (run.start_step, time.perf_counter())  # (step, time) of the last log record
@@ -202,6 +204,7 @@ class _Loop:
         steps = max(1, done - step0)
         self.tps = steps * self.tokens_per_step / max(now - t0, 1e-9)
         self.mfu = self.measure_mfu(done)
+        self.rates.append((self.tps, self.mfu))
         basis = mfu_basis(self.cfg.train.dtype, self.cfg.train.float8)
         self.write({"step": done, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": self.tps, "mfu": self.mfu,
                     "peak_flops": self.peak.flops, "peak_source": self.peak.source,
@@ -338,8 +341,8 @@ def train(run: Run, console: Console, started: float | None = None) -> TrainResu
     n_params, lo = count_params(cfg.model), par.layout
     console.print(f"[bold]model[/] {n_params.total / 1e6:.2f}M params ({n_params.non_embedding / 1e6:.2f}M "
                   f"non-embedding), {loop.fpt / 1e6:.1f} MFLOP/token (model FLOPs, 6N + attention); "
-                  f"{par.device.type} {cfg.train.dtype}{' compiled' if compiles(cfg, lo) else ''}; MFU vs {loop.peak.flops / 1e9:,.0f} GFLOP/s ({loop.peak.source}"
-                  f"{f' × {lo.world}' if lo.world > 1 else ''})")
+                  f"{par.device.type} {cfg.train.dtype}{' compiled' if compiles(cfg, lo) else ''}; MFU vs {loop.peak.flops / 1e9:,.0f} GFLOP/s "
+                  f"per device ({loop.peak.source})")
     if cfg.train.float8 != "none":
         kept = ", ".join(["embedding", "head", *unconverted_linears(cfg.model, lo.tp)])
         console.print(f"[bold]float8[/] {cfg.train.float8} (torchao{', emulated' if cfg.train.float8_emulate else ''}) "
@@ -347,14 +350,21 @@ def train(run: Run, console: Console, started: float | None = None) -> TrainResu
                       f"{cfg.train.dtype} peak, so it compares with runs without float8 (their speed-up shows in it); "
                       "the float8 matmuls' own peak is twice that")
     if lo.world > 1:
-        console.print(f"[bold]layout[/] {lo.name()} on {lo.world} processes "
+        console.print(f"[bold]layout[/] {layout_label(lo)} on {lo.world} processes "
                       f"({dist.get_backend()}), {run.engine.n_micro} micro-batches of {cfg.train.micro_batch} per rank")
+    if not run.engine.can_eval:
+        console.print(f"[yellow]note[/]: no validation in this run: torch's {lo.pp_schedule} schedule deadlocks in eval "
+                      "(see Engine.can_eval); export the checkpoint and run `flopwise eval` on it")
     try:
         with loop.watch, _progress(console) as bar:
             preempted = loop(bar)
     except RuntimeError as e:
         if not is_timeout(e):
             raise
+        if peer_lost(e):  # at once, not after the timeout: no hang, so no stack dumps either
+            raise TrainingStopped(f"rank {loop.rank}: another rank's connection closed at step {loop.watch.step} "
+                                  "(that process died: its own output says why); restart resumes from the last "
+                                  "complete checkpoint") from None
         raise TrainingStopped(f"rank {loop.rank}: a collective timed out at step {loop.watch.step} after "
                               f"watchdog.collective_timeout_s={cfg.watchdog.collective_timeout_s:g} s (a rank hung "
                               f"or died; see {run_dir}/hang-rank*.txt); restart resumes from the last complete "
@@ -382,11 +392,21 @@ def _result(run: Run, loop: _Loop, preempted: int | None, seconds: float) -> Tra
         loop.val_loss = evaluate(run.engine, run.sources, cfg)[0]
     final_loss = loop.losses[-1] if loop.losses else float("nan")
     reached = loop.end if preempted is None else preempted
+    # the run's speed is the median log interval's: the last one alone may be a checkpoint's or a straggler's
+    tps = statistics.median(r for r, _ in loop.rates) if loop.rates else 0.0
+    mfus = [m for _, m in loop.rates if m is not None]
     return TrainResult(run_dir=run_dir, steps=reached, tokens=reached * loop.tokens_per_step, train_loss=final_loss,
-                       val_loss=loop.val_loss, unigram_entropy=run.index["unigram_entropy_nats"], tokens_per_s=loop.tps,
-                       mfu=loop.mfu, peak=loop.peak, seconds=seconds, checkpoint=loop.saver.last, plot=plot,
+                       val_loss=loop.val_loss, unigram_entropy=run.index["unigram_entropy_nats"], tokens_per_s=tps,
+                       mfu=statistics.median(mfus) if mfus else None, peak=loop.peak, layout=layout_label(par.layout), seconds=seconds, checkpoint=loop.saver.last, plot=plot,
                        sample=sample, losses=loop.losses, is_main=par.is_main, preempted=preempted,
                        signal=loop.watch.signal, save_s=loop.saver.write_s, async_save_s=loop.saver.async_s)
+
+
+def layout_label(lo: Layout) -> str:
+    """"pp2 1f1b", "tp2 sp", "dp2 zero3": the degrees with sequence parallelism and the pipeline
+    schedule (Layout.name's detail line, less the micro-batch and recompute the banner gives apart)."""
+    detail = lo.name(detail=True).split("\n")[1].split()[:-2]
+    return " ".join([lo.name(), *detail])
 
 
 def percent(x: float | None) -> str:
@@ -402,8 +422,10 @@ def summary_table(r: TrainResult) -> Table:
     if r.val_loss is not None:
         t.add_row("val loss (ppl)", f"{r.val_loss:.4f} ({math.exp(r.val_loss):.1f})")
     t.add_row("unigram entropy of the data", f"{r.unigram_entropy:.4f} nats/token")
-    t.add_row("throughput", f"{r.tokens_per_s:,.0f} tokens/s" if trained else "–")
-    t.add_row("MFU (model FLOPs)", f"{percent(r.mfu)} of {r.peak.flops / 1e9:,.0f} GFLOP/s per device ({r.peak.source})")
+    t.add_row("layout", r.layout)
+    t.add_row("throughput", f"{r.tokens_per_s:,.0f} tokens/s (median log interval)" if trained else "–")
+    t.add_row("MFU (model FLOPs)", f"{percent(r.mfu)} of {r.peak.flops / 1e9:,.0f} GFLOP/s per device ({r.peak.source}; "
+              "median log interval)")
     t.add_row("wall time", f"{r.seconds:.1f} s")
     t.add_row("checkpoint", str(r.checkpoint))
     if r.save_s:

@@ -142,6 +142,15 @@ class Watch:
         return sync, host[:n]
 
 
+PEER_LOST = ("connection closed by peer", "connection reset by peer")
+
+
+def peer_lost(e: BaseException) -> bool:
+    """A collective that failed because another rank's process went away (gloo's wording), rather
+    than one that waited out the timeout."""
+    return any(p in str(e).lower() for p in PEER_LOST)
+
+
 def is_timeout(e: BaseException) -> bool:
     """A collective that gave up waiting (a rank hung or died), as gloo and NCCL report it: their
     distributed error types, or gloo's "Timed out waiting" / NCCL watchdog wording. Any other
@@ -150,5 +159,4 @@ def is_timeout(e: BaseException) -> bool:
     if isinstance(e, getattr(torch.distributed, "DistBackendError", ())):
         return True
     return isinstance(e, RuntimeError) and any(p in text for p in (
-        "timed out waiting", "collective operation timeout", "gloo timeout", "wait timeout", "connection closed by peer",
-        "connection reset by peer"))
+        "timed out waiting", "collective operation timeout", "gloo timeout", "wait timeout", *PEER_LOST))
