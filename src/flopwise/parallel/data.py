@@ -15,6 +15,8 @@ reduction (mesh dim "dp_cp" / "shard").
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -57,11 +59,17 @@ def apply_replicate(model: Transformer, par: Parallel, dtype: str) -> nn.Module:
     return model
 
 
+# torch 2.13 renamed DDP's per-forward buffer sync (broadcast_buffers, now deprecated with a warning)
+_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                   if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+                   else {"broadcast_buffers": False})
+
+
 def apply_ddp(model: nn.Module, par: Parallel) -> nn.Module:
-    # broadcast_buffers=False: the buffers (rope tables, ALiBi slopes) are computed, identical everywhere.
+    # no buffer sync in forward: the buffers (rope tables, ALiBi slopes) are computed, identical everywhere.
     # gradient_as_bucket_view: the gradients are views of DDP's all-reduce buckets, not a second fp32
     # copy of them (the planner books one Ψ of gradients, held all step)
-    return DistributedDataParallel(model, process_group=par.group("dp_cp"), broadcast_buffers=False,
+    return DistributedDataParallel(model, process_group=par.group("dp_cp"), **_NO_BUFFER_SYNC,
                                    gradient_as_bucket_view=True,
                                    device_ids=[par.device.index] if par.device.type == "cuda" else None)
 
