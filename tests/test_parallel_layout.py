@@ -11,7 +11,8 @@ from flopwise.parallel.context import ContextParallel
 from flopwise.parallel.mesh import layout_of
 from flopwise.model.layers import Span
 from flopwise.model.transformer import build_model, document_ids, document_positions
-from flopwise.plan.layout import balanced_stages
+from flopwise.parallel.pipeline import SCHEDULE_CLASSES
+from flopwise.plan.layout import FIXED_VIRTUAL_STAGES, SCHEDULES, Layout, balanced_stages, check_layout
 
 
 def cfg(**kw):
@@ -33,11 +34,61 @@ def test_dp_defaults_to_what_is_left():
     ({"parallel.tp": 4}, 4, "exceeds model.n_kv_heads=2"),
     ({"parallel.tp": 2, "parallel.zero": 1}, 4, "use parallel.zero=0, 2 or 3"),
     ({"parallel.pp": 2, "parallel.pp_layers": "[1, 2]"}, 2, "pp_layers"),
+    # the tester's DualPipeV run: torch refused it on every rank after the process groups were up
+    ({"parallel.pp": 2, "parallel.pp_schedule": '"dualpipev"', "parallel.virtual_stages": 2, "train.micro_batch": 4},
+     2, r"dualpipev needs at least 4 micro-batches.*gives 2; set train.micro_batch=2"),
+    ({"parallel.pp": 4, "train.micro_batch": 1, "train.global_batch": 2}, 4,
+     r"1f1b needs at least 4 micro-batches.*raise train.global_batch to 4"),
 ])
 def test_unrunnable_layouts_get_one_line_errors(kw, world, match):
     with pytest.raises(ConfigError, match=match) as e:
         layout_of(cfg(**kw), world)
     assert "\n" not in str(e.value)
+
+
+def torch_takes(schedule: str, pp: int, v: int, n_micro: int) -> bool:
+    """Whether torch's own class for `schedule` (the engine's SCHEDULE_CLASSES) builds a schedule for
+    n_micro micro-batches on pp ranks with v stages each: torch's dry-run helper constructs it with
+    mock stages, so the constructor's checks run without a process group."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    try:
+        get_schedule_ops(SCHEDULE_CLASSES[schedule], pp, n_micro, num_stages_per_rank=v)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("schedule, v", [(s, v) for s in SCHEDULES
+                                         for v in ([2, 3] if s == "interleaved-1f1b" else
+                                                   [FIXED_VIRTUAL_STAGES.get(s, 1)])])
+def test_micro_batch_counts_check_layout_takes_are_torchs(schedule, v):
+    """For every schedule the engine offers, on pp = 2..4 and 1..3·pp+1 micro-batches, check_layout
+    accepts exactly the counts torch's schedule class accepts (so the smallest too): a run is refused
+    in one line before any process group exists, and the search never offers what torch refuses."""
+    m = ModelConfig(preset="demo-tiny", n_layers=12, tie_embeddings=False)
+    for pp in (2, 3, 4):
+        for n in range(1, 3 * pp + 2):
+            lo = Layout(pp=pp, pp_schedule=schedule, virtual_stages=v)
+            ours = check_layout(lo, m, 32, n, world=pp)
+            assert (ours is None) == torch_takes(schedule, pp, v, n), (schedule, pp, v, n, ours)
+
+
+def test_searched_dualpipev_layouts_are_ones_torch_builds():
+    """The tester's `flopwise plan ... parallel.pp_schedule=dualpipev` (llama3-70b, 256 H100s, batch
+    32) listed layouts with fewer micro-batches than DualPipeV's 2·pp stages; every one it lists now
+    builds in torch."""
+    from flopwise.hardware import get_hardware
+    from flopwise.plan.perf import STACKS, model_shape
+    from flopwise.plan.search import search
+
+    m = ModelConfig(preset="llama3-70b", max_seq_len=8192)
+    res = search(model_shape(m, 8192), get_hardware("h100-sxm"), 256, 8192, 32, STACKS["flopwise"],
+                 {"pp_schedule": "dualpipev"}, keep=10**6)
+    piped = [e.layout for e in res.ranked if e.layout.pp > 1]
+    assert res.fitting and piped
+    for lo in {(lo.pp, lo.microbatches(32)) for lo in piped}:
+        assert torch_takes("dualpipev", lo[0], 2, lo[1]), lo
 
 
 def test_stages_balance_parameters_not_layers():

@@ -3,12 +3,14 @@ the layout search, reliability maths, the audit and the CLI."""
 
 import json
 import math
+import re
 import subprocess
 import sys
 
 import pytest
 
 from flopwise.config import ModelConfig, load_config, load_tree, validate
+from flopwise.errors import ConfigError
 from flopwise.flops import flops_per_token
 from flopwise.hardware import get_hardware
 from flopwise.plan.audit import audit_claim, catalogue, parse_claim
@@ -208,6 +210,51 @@ def test_layout_auto_fills_degrees():
     eight = resolve_layout(validate(tree), tree, 8)
     p = eight.parallel
     assert p.dp * p.tp * p.pp * p.cp == 8 and p.layout == "manual"
+
+
+def test_search_offers_no_hsdp_with_shard_groups_of_one_rank():
+    """On 2 processes layout=auto picked `dp2·hsdp2 zero2`: HSDP over shard groups of one rank, which
+    shards nothing under a ZeRO-2 label. The search skips such layouts; asked for explicitly the engine
+    runs them (FSDP2 fully_shard over a (2, 1) mesh trains on gloo), so check_layout accepts them."""
+    from flopwise.parallel.mesh import layout_of
+
+    tree = load_tree(None, ["parallel.layout=auto", "cluster.hardware=h100-sxm"])
+    cfg = validate(tree)
+    report = plan(cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"gpus": 2})}), tree, keep=10**6)
+    assert report.result.fitting
+    assert not [e.layout.name() for e in report.result.ranked
+                if e.layout.dp_replicate == e.layout.dp > 1 and e.layout.cp == 1 and e.layout.zero >= 2]
+    assert resolve_layout(cfg, tree, 2).parallel.dp_replicate == 1
+    asked = load_config(None, ["parallel.zero=2", "parallel.dp_replicate=2", "train.micro_batch=8"])
+    assert layout_of(asked, 2).name() == "dp2·hsdp2 zero2"
+
+
+def test_no_layout_error_names_the_causes_most_common_first():
+    """The tester's llama3-8b on 64 H100s with tp=2 and zero=1 said only the last refusal, '1
+    micro-batches for pp=2: lower train.micro_batch' at micro-batch 1. Now: the rules that ruled the
+    layouts out, counted, most common first, among them the engine's ZeRO-1 + tp limit and the demo
+    config's batch of 16."""
+    tree = load_tree(None, ["model.preset=llama3-8b", "cluster.hardware=h100-sxm", "cluster.gpus=64",
+                            "parallel.tp=2", "parallel.zero=1"])
+    with pytest.raises(ConfigError) as e:
+        plan(validate(tree), tree)
+    msg = str(e.value)
+    assert "\n" not in msg and "parallel.zero=1 with parallel.tp=2" in msg and "train.global_batch=16" in msg
+    counts = [int(c) for c in re.findall(r"(?:: |; )(\d+)× ", msg)]
+    assert 2 <= len(counts) <= 3 and counts == sorted(counts, reverse=True), msg
+
+
+def test_plan_prints_wall_clock_with_failures():
+    """Days and GPU-hours are failure-free; the reliability line adds the days with failures (days
+    over goodput), and the JSON carries them."""
+    args = ["plan", "model.preset=llama3-8b", "data.seq_len=4096", "train.global_batch=256",
+            "cluster.hardware=h100-sxm", "cluster.gpus=64", "plan.tokens=1e12", "--top", "1"]
+    j = json.loads(run_cli(*args, "--json").stdout)
+    rel, days = j["reliability"], j["layouts"][0]["train_days"]
+    assert rel["wall_days"] == pytest.approx(days / rel["goodput"]) and rel["wall_days"] > days
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    assert f"{rel['wall_days']:.1f} days of wall-clock with them ({days:.1f} without)" in " ".join(r.stdout.split())
 
 
 def run_cli(*args):

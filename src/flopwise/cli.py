@@ -666,9 +666,11 @@ def _print_plan(report, top: int, name: str) -> None:
     console.print("time of the best step: " + ", ".join(f"{k} {v:.3g} s" for k, v in b.time.items() if v))
     r = report.reliability
     if r:
+        days = b.to_json(report.tokens, cfg.cluster.gpus)["train_days"]
         console.print(f"checkpoint {r.checkpoint_bytes / 1e12:.2f} TB, write {r.write_s:.0f} s; cluster MTBF "
                       f"{r.cluster_mtbf_h:.2f} h; Young/Daly interval {r.interval_daly_s / 60:.0f} min; expected "
-                      f"goodput {r.goodput:.1%}, {r.failures_expected:.0f} failures over the run")
+                      f"goodput {r.goodput:.1%}, {r.failures_expected:.0f} failures over the run: {r.wall_days:.1f} "
+                      f"days of wall-clock with them ({days:.1f} without)")
         console.print(f"[dim]failure rate: {r.failure_source}[/]")
     for d in report.data or []:
         warn = " [yellow](over 4 epochs: repeats add little)[/]" if d.over_repeated else ""

@@ -139,6 +139,36 @@ def stage_ids(rank: int, lo: Layout) -> list[int]:
     return [rank + i * lo.pp for i in range(lo.n_stages // lo.pp)]
 
 
+def min_microbatches(schedule: str, pp: int) -> int:
+    """The fewest micro-batches per step torch 2.13's class for `schedule` takes on pp ranks
+    (torch/distributed/pipelining/schedules.py): Schedule1F1B.__init__ refuses fewer than its
+    stages (one per rank: pp), ScheduleDualPipeV.__init__ fewer than its stages (two per rank:
+    2·pp); ScheduleGPipe has no check (fill-drain), ScheduleZBVZeroBubble pads to 2·pp − 1 and drops
+    the padding, and ScheduleInterleaved1F1B takes any count its rounds, max(1, n // pp), divide."""
+    return {"1f1b": pp, "dualpipev": 2 * pp}.get(schedule, 1)
+
+
+def schedule_microbatches(lo: Layout, global_batch: int) -> str | None:
+    """Why torch's schedule class would refuse this step's micro-batch count (None: it takes it),
+    with the train.micro_batch or train.global_batch that fixes it."""
+    n, dp, mb, sched = lo.microbatches(global_batch), lo.dp, lo.micro_batch, lo.pp_schedule
+    given = f"train.global_batch={global_batch} / (dp={dp} · train.micro_batch={mb}) gives {n}"
+    need = min_microbatches(sched, lo.pp)
+    if n < need:
+        what = {"1f1b": f"one per stage, pp={lo.pp}", "dualpipev": f"one per stage, 2·pp={need}"}[sched]
+        smaller = next((b for b in range(mb - 1, 0, -1)
+                        if global_batch % (dp * b) == 0 and global_batch // (dp * b) >= need), None)
+        fix = (f"set train.micro_batch={smaller}" if smaller else
+               f"raise train.global_batch to {need * dp * mb} (a multiple of dp·micro_batch={dp * mb})")
+        return f"parallel.pp_schedule={sched} needs at least {need} micro-batches per step ({what}): {given}; {fix}"
+    rounds = max(1, n // lo.pp)  # ScheduleInterleaved1F1B.__init__'s number_of_rounds
+    if sched == "interleaved-1f1b" and n % rounds:
+        return (f"parallel.pp_schedule=interleaved-1f1b runs the micro-batches in max(1, n // pp={lo.pp}) = {rounds} "
+                f"rounds, which must divide them: {given}; change train.micro_batch or train.global_batch so the "
+                f"count is at most pp or a multiple of its rounds (e.g. a multiple of pp={lo.pp})")
+    return None
+
+
 def check_layout(layout: Layout, m: ModelConfig, seq_len: int, global_batch: int, world: int | None = None,
                  engine: bool = True, pp_layers: tuple[int, ...] | list[int] | None = None) -> str | None:
     """None if the layout can run (on this engine, unless engine=False: a published stack's layout),
@@ -174,12 +204,12 @@ def check_layout(layout: Layout, m: ModelConfig, seq_len: int, global_batch: int
         return f"parallel.virtual_stages={lo.virtual_stages} needs pp_schedule interleaved-1f1b, zero-bubble or dualpipev"
     if lo.pp * lo.virtual_stages > m.n_layers:
         return f"pp·virtual_stages={lo.pp * lo.virtual_stages} exceeds model.n_layers={m.n_layers}"
-    if lo.pp > 1 and lo.pp_schedule == "interleaved-1f1b" and lo.microbatches(global_batch) % lo.pp:
-        return (f"interleaved-1f1b needs the number of micro-batches ({lo.microbatches(global_batch)}) to be a "
-                f"multiple of pp={lo.pp}")
-    if lo.pp > 1 and lo.microbatches(global_batch) < lo.pp:
-        return (f"{lo.microbatches(global_batch)} micro-batches for pp={lo.pp} stages: lower train.micro_batch "
-                "so there are at least pp micro-batches")
+    if lo.pp > 1 and engine and (reason := schedule_microbatches(lo, global_batch)):
+        return reason
+    n_micro = lo.microbatches(global_batch)
+    if lo.pp > 1 and not engine and (n_micro < lo.pp or lo.pp_schedule == "interleaved-1f1b" and n_micro % lo.pp):
+        return (f"{n_micro} micro-batches for pp={lo.pp}: the published stacks run at least pp, interleaved a "
+                "multiple of pp (Megatron-LM's check); change train.micro_batch or train.global_batch")
     if engine:
         return engine_limits(lo, m, pp_layers)
     if lo.pp > 1 and m.n_layers % lo.n_stages:

@@ -173,7 +173,8 @@ def plan(cfg: Config, tree: dict[str, Any] | None = None, keep: int = 50,
                     compile=cfg.train.compile, steps=tokens / (seq * batch), dtype=cfg.train.dtype,
                     float8=float8_choices(cfg, hw))
     if not result.ranked:
-        why = result.refused or "check that the degrees multiply to cluster.gpus and divide train.global_batch"
+        why = ("; ".join(f"{n}× {reason}" for n, reason in result.refused[:3]) if result.refused else
+               "check that the degrees multiply to cluster.gpus and divide train.global_batch")
         raise ConfigError(f"no valid layout for {cfg.cluster.gpus} devices with {fixed or 'nothing fixed'}: {why}")
     best = result.best
     if cfg.train.float8 != "none" and not cfg.plan.float8 and hw.peak("fp8") and best.fits:

@@ -13,6 +13,7 @@
   τ = √(2δM)·(1 + ⅓√(δ/2M) + δ/(18M)) − δ for δ < 2M, else M.
 - Goodput: the share of wall time doing new work, 1 − δ/τ − (R + τ/2)/M to first order: each
   interval pays one write, each failure pays a restart R and on average half an interval redone.
+  The expected wall-clock is the failure-free time over the goodput.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Reliability:
     restart_s: float
     goodput: float
     failures_expected: float  # over the training run
+    wall_days: float  # expected wall-clock days with failures, checkpoints and restarts: failure-free days / goodput
     failure_source: str
 
     def to_json(self) -> dict:
@@ -69,4 +71,4 @@ def reliability(params: float, gpus: int, train_seconds: float, storage_gbps_per
     source = FAILURE_SOURCE if gpu_mtbf_hours is None else f"cluster.gpu_mtbf_hours={gpu_mtbf_hours:g}"
     return Reliability(checkpoint_bytes=ckpt, write_s=write_s, cluster_mtbf_h=mtbf_h,
                        interval_young_s=math.sqrt(2 * write_s * mtbf_s), interval_daly_s=tau, restart_s=restart_s,
-                       goodput=good, failures_expected=wall / mtbf_s, failure_source=source)
+                       goodput=good, failures_expected=wall / mtbf_s, wall_days=wall / 86400, failure_source=source)

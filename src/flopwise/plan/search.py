@@ -11,12 +11,17 @@ latency than it saves in norm and dropout traffic, which this rule does not look
 first that fits is kept: a heavier recompute with everything else equal is never faster. ZeRO-0
 is searched only when dp = 1: with dp > 1 stage 1 moves the same bytes (reduce-scatter +
 16-bit all-gather instead of an all-reduce) and shards the optimizer, so it is never slower and
-always smaller. Hybrid sharding is tried with the shard group that fills one node.
+always smaller. Under pipelining only micro-batches that leave at least pp micro-batches are
+tried: GPipe, ZB-V and interleaved 1F1B take fewer, but then the stages idle most of the step
+(asked for with train.micro_batch, check_layout still judges them by torch's rules). Hybrid sharding is tried with the shard group that
+fills one node, never with shard groups of one rank (dp_replicate = dp, cp = 1), which replicate
+everything under a ZeRO-2/3 label and pay FSDP2's costs (asked for explicitly, the engine runs it).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, replace
 
 from flopwise.hardware import Hardware
@@ -32,7 +37,8 @@ class SearchResult:
     ranked: list[Estimate]  # fitting layouts, fastest first (or the closest misses if none fits)
     evaluated: int
     fitting: int
-    refused: str | None = None  # why the last layout `check_layout` refused was refused
+    # why `check_layout` refused layouts: (count, an example) per kind of reason, most common first
+    refused: list[tuple[int, str]] = field(default_factory=list)
     best_by_float8: dict = field(default_factory=dict)  # recipe -> its fastest fitting estimate
 
     @property
@@ -71,11 +77,10 @@ def candidates(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int,
                 dp = rest // pp
                 if "dp" in fixed and fixed["dp"] != dp:
                     continue
-                if global_batch % dp:
-                    continue
                 per_rank = global_batch // dp
-                mbs = [fixed["micro_batch"]] if "micro_batch" in fixed else \
-                    [b for b in _divisors(per_rank) if b <= MAX_MICRO_BATCH]
+                mbs = [b for b in _divisors(per_rank) if b <= MAX_MICRO_BATCH and per_rank // b >= pp]
+                if "micro_batch" in fixed or global_batch % dp:  # a dp that does not divide the batch is
+                    mbs = [fixed.get("micro_batch", 1)]  # yielded once, for check_layout to name
                 sps = [fixed["sequence_parallel"]] if "sequence_parallel" in fixed else [tp > 1]
                 zeros = [fixed["zero"]] if "zero" in fixed else ([0] if dp == 1 else [1, 2, 3])
                 reps = [fixed["dp_replicate"]] if "dp_replicate" in fixed else _replicas(dp, tp * cp, hw)
@@ -84,6 +89,8 @@ def candidates(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int,
                         for rep in reps:
                             if rep > 1 and zero == 0:
                                 continue  # replicated DP is already "all replicas"
+                            if "dp_replicate" not in fixed and rep == dp and cp == 1 and zero >= 2:
+                                continue  # shard groups of one rank
                             for mb in mbs:
                                 for sp in sps:
                                     yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, dp_replicate=rep, zero=zero,
@@ -132,10 +139,10 @@ def search(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, sta
     misses: list[Estimate] = []
     evaluated = 0
     recomputes = [fixed["recompute"]] if "recompute" in fixed else list(RECOMPUTE_ORDER)
-    refused = None
+    kinds: dict[str, list] = {}  # a refusal's rule (before its ": ", numbers blanked) -> [count, first example]
     for base in candidates(sh, hw, world, seq, global_batch, fixed, stack.balanced_stages):
         if (reason := check_layout(base, sh.config, seq, global_batch, engine=stack.name == "flopwise")) is not None:
-            refused = reason
+            kinds.setdefault(re.sub(r"\d+", "#", reason.split(": ")[0]), [0, reason])[0] += 1
             continue
         for f8 in float8:
             for rc in recomputes:
@@ -148,6 +155,7 @@ def search(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, sta
                 if not fits:
                     misses.append(est)
     fits.sort(key=lambda e: (-e.tokens_per_s, e.memory["total"]))  # on a tie, the headroom
+    refused = sorted(((n, why) for n, why in kinds.values()), key=lambda r: -r[0])
     if fits:
         best_by = {}
         for e in fits:
