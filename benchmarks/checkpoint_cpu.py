@@ -49,19 +49,20 @@ def data(tmp: Path) -> Path:
     return out
 
 
-def one_process(tmp: Path, d: Path, mode: str) -> dict:
+def one_process(tmp: Path, d: Path, mode: str, repeat: int = 0) -> dict:
     kw = {**MODEL, "train.steps": STEPS, "checkpoint.interval": EVERY if mode != "none" else 0,
           "checkpoint.async": "true" if mode == "async" else "false", "checkpoint.keep": 1,
           "checkpoint.resume": '"none"'}
-    r = train(load_config(None, tiny_overrides(tmp / mode, d, **kw)), Console(file=io.StringIO()))
-    size = sum(p.stat().st_size for p in checkpoint.latest(tmp / mode).iterdir())
+    run_dir = tmp / mode / str(repeat)  # a fresh run each repeat (resume=none refuses a folder with checkpoints)
+    r = train(load_config(None, tiny_overrides(run_dir, d, **kw)), Console(file=io.StringIO()))
+    size = sum(p.stat().st_size for p in checkpoint.latest(run_dir).iterdir())
     return {"train_s": r.seconds, "checkpoint_mb": size / 1e6, "save_blocking_s": r.save_s,
             "async_complete_s": r.async_save_s}
 
 
 def median_run(tmp: Path, d: Path, mode: str) -> dict:
     """REPEATS runs of one mode: the median training time, every save's times."""
-    runs = [one_process(tmp, d, mode) for _ in range(REPEATS)]
+    runs = [one_process(tmp, d, mode, i) for i in range(REPEATS)]
     return {"train_s": statistics.median(r["train_s"] for r in runs), "train_s_all": [r["train_s"] for r in runs],
             "checkpoint_mb": runs[0]["checkpoint_mb"],
             "save_blocking_s": [x for r in runs for x in r["save_blocking_s"]],

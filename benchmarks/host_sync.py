@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,10 +49,12 @@ def main() -> None:
 
         prepare(["builtin:shakespeare"], Path(a.data), tokenizer="bpe:4096", val_fraction=0.05, seed=0)
     rows = []
-    for _ in range(a.rounds):
-        short, _ = run(a.steps, a.data, Path("runs/host_sync/short"))
-        long, tps = run(2 * a.steps, a.data, Path("runs/host_sync/long"))
-        rows.append({"syncs_per_step": (long - short) / a.steps, "tokens_per_s": tps, "steps_per_s": tps / (8 * 256)})
+    with tempfile.TemporaryDirectory(prefix="host_sync-") as tmp:  # fresh runs (resume=none refuses old ones)
+        for k in range(a.rounds):
+            short, _ = run(a.steps, a.data, Path(tmp) / f"short{k}")
+            long, tps = run(2 * a.steps, a.data, Path(tmp) / f"long{k}")
+            rows.append({"syncs_per_step": (long - short) / a.steps, "tokens_per_s": tps,
+                         "steps_per_s": tps / (8 * 256)})
     result = {"steps": a.steps, "rounds": rows, "median_steps_per_s": statistics.median(r["steps_per_s"] for r in rows),
               "syncs_per_step": rows[-1]["syncs_per_step"], "time": time.strftime("%Y-%m-%d %H:%M")}
     print(json.dumps(result, indent=1))

@@ -105,7 +105,6 @@ def test_plan_says_whether_the_float8_asked_for_pays():
     _, table = plan_float8_linear.published()
     cells = [pub for (m, k, n), pub in table.items() if m == 8192 and k == 1024 and n <= 4096]
     assert len(cells) == 3 and max(cells) < 1
-    assert PUBLISHED["rowwise"] > PUBLISHED["none"]
     for preset, seq, pays in [("llama3-8b", 8192, True), ("gpt2-124m", 1024, False)]:
         cfg = load_config(None, [f'model.preset="{preset}"', f"data.seq_len={seq}", "train.global_batch=64",
                                  'cluster.hardware="h100-sxm"', "cluster.gpus=8", 'train.float8="rowwise"'])

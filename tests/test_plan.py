@@ -362,8 +362,7 @@ def test_audit_cli_bad_claims_are_one_line():
 def test_plan_empty_hardware_file_is_named(tmp_path):
     empty = tmp_path / "empty.toml"
     empty.write_text("# no entry\n")
-    one_line_error(run_cli("plan", f"cluster.hardware_file={empty}"), f"cluster.hardware_file={empty}",
-                   "no hardware entry")
+    one_line_error(run_cli("plan", f"cluster.hardware_file={empty}"), f"hardware file {empty}", "no hardware entry")
 
 
 def test_plan_measure_nproc_below_one_is_refused():

@@ -213,7 +213,7 @@ def test_allocate_checks_its_budget_and_token_counts(kwargs, option):
 @pytest.mark.parametrize("args, named", [
     (["--flops", "nan"], "--flops nan"), (["--flops", "1e21", "--unique-tokens", "0"], "--unique-tokens 0"),
     (["--gpu-hours", "-5", "--hardware", "h100-sxm"], "--gpu-hours -5"),
-    (["--gpu-hours", "5", "--hardware", "nope"], "--hardware 'nope'")])
+    (["--gpu-hours", "5", "--hardware", "nope"], "--hardware: unknown hardware 'nope'")])
 def test_scale_optimal_bad_budgets_are_one_line(args, named):
     r = subprocess.run([sys.executable, "-m", "flopwise", "scale", "optimal", *args], capture_output=True, text=True)
     lines = r.stderr.strip().splitlines()

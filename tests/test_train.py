@@ -105,6 +105,12 @@ def test_one_document_has_no_validation_split_and_is_refused_before_step_one(tmp
     assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_a_sample_prompt_the_context_cannot_take_is_refused_before_step_one(tiny_data, tmp_path):
+    with pytest.raises(ConfigError, match="train.sample_prompt is 0 tokens: it needs 1 to model.max_seq_len-1"):
+        run(tmp_path, tiny_data, **{"train.sample_prompt": '""', "train.sample_tokens": 8})
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_tensorboard_logging(tiny_data, tmp_path, monkeypatch):
     run(tmp_path, tiny_data, **{"log.tensorboard": "true", "train.steps": 2})
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

@@ -349,7 +349,7 @@ def scale_optimal(
     import math
 
     from flopwise.errors import ConfigError
-    from flopwise.hardware import CATALOGUE, get_hardware
+    from flopwise.hardware import get_hardware
     from flopwise.plan.fit import fitted_law
     from flopwise.plan.scaling import allocate
 
@@ -361,9 +361,7 @@ def scale_optimal(
     if flops is None:
         if not (math.isfinite(gpu_hours) and gpu_hours > 0):
             raise ConfigError(f"--gpu-hours {gpu_hours:g}: expected a finite number of device-hours > 0")
-        if hardware not in CATALOGUE:
-            raise ConfigError(f"--hardware {hardware!r}: unknown (known: {', '.join(CATALOGUE)})")
-        hw = get_hardware(hardware)
+        hw = get_hardware(hardware, option="--hardware")
         if not hw.peak_16bit:
             raise ConfigError(f"--hardware {hw.name}: no 16-bit dense peak in the catalogue to turn --gpu-hours into "
                               "FLOPs; choose an accelerator (e.g. h100-sxm) or give --flops")
@@ -567,7 +565,7 @@ def plan_cmd(
     from flopwise.config import split_cli_args, to_toml, validate
     from flopwise.data.mixture import draws, prepared_sources
     from flopwise.errors import ConfigError
-    from flopwise.hardware import CATALOGUE, busy_note, load_catalogue
+    from flopwise.hardware import busy_note
     from flopwise.plan.planner import max_micro_batch, plan, plan_tree, planned_run_config
 
     path, overrides = split_cli_args(args)
@@ -592,11 +590,6 @@ def plan_cmd(
             check_writable(target, option)
     tree = plan_tree(path, overrides, hf)
     cfg = validate(tree)
-    hw_file = cfg.cluster.hardware_file
-    if hw_file and all(CATALOGUE.get(name) is hw for name, hw in load_catalogue(hw_file).items()):
-        raise ConfigError(f"cluster.hardware_file={hw_file}: the file holds no hardware entry; measure one with "
-                          "`flopwise hardware calibrate --out FILE` and plan with cluster.hardware_file=FILE "
-                          "cluster.hardware=NAME (the name it prints), or drop cluster.hardware_file")
     if max_mb:
         if out_config or plot:
             raise ConfigError("--max-micro-batch prints a table only: drop --out-config and --plot")

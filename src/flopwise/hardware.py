@@ -156,10 +156,11 @@ def identify_gpu(device_name: str, memory_bytes: float) -> str | None:
     return None
 
 
-def get_hardware(name: str, catalogue: dict[str, Hardware] | None = None) -> Hardware:
+def get_hardware(name: str, catalogue: dict[str, Hardware] | None = None, option: str = "cluster.hardware") -> Hardware:
+    """A catalogue entry; an unknown name is one line naming `option` (the key or flag that gave it)."""
     cat = catalogue or CATALOGUE
     if name not in cat:
-        raise ConfigError(f"cluster.hardware: unknown hardware {name!r} (known: {', '.join(cat)})")
+        raise ConfigError(f"{option}: unknown hardware {name!r} (known: {', '.join(cat)})")
     return cat[name]
 
 
@@ -186,6 +187,10 @@ def load_catalogue(path: str | Path) -> dict[str, Hardware]:
         data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"hardware file {path}: cannot read ({e})") from None
+    if not data:
+        raise ConfigError(f"hardware file {path}: holds no hardware entry; measure one with `flopwise hardware "
+                          "calibrate --out FILE` (a new file) and give cluster.hardware=NAME (the name it prints), "
+                          "or drop cluster.hardware_file")
     cat = dict(CATALOGUE)
     for name, fields in data.items():
         where = f"hardware file {path}: [{name}]"

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from flopwise.config import Config, to_toml, validate
-from flopwise.errors import ConfigError
+from flopwise.errors import ConfigError, TrainingStopped
 from flopwise.flops import scaling_flops, scaling_tokens
 from flopwise.outputs import check_folder, check_writable, read_records, write_csv, write_text
 from flopwise.plan.fit import fitted_law
@@ -201,6 +201,9 @@ def run_ladder(base: Config, runs: list[LadderRun], out: Path, console: Console,
         console.print(f"[{i}/{len(runs)}] {r.name}: {r.params:,} params, {r.tokens:,} tokens, {r.steps} steps")
 
     def finished(r: LadderRun, result: TrainResult) -> None:
+        if result.preempted is not None:  # Ctrl-C or SIGTERM: the run checkpointed; the ladder stops here
+            raise TrainingStopped(f"{r.name} stopped by {result.signal or 'a signal'} at step {result.preempted} "
+                                  "(checkpoint written); run the same command again to continue the ladder")
         console.print(f"    {r.name}: val loss {result.val_loss:.4f}, {result.tokens_per_s:,.0f} tok/s, "
                       f"{result.seconds:.0f} s")
 

@@ -12,8 +12,9 @@ first that fits is kept: a heavier recompute with everything else equal is never
 is searched only when dp = 1: with dp > 1 stage 1 moves the same bytes (reduce-scatter +
 16-bit all-gather instead of an all-reduce) and shards the optimizer, so it is never slower and
 always smaller. Under pipelining only micro-batches that leave at least pp micro-batches are
-tried: GPipe, ZB-V and interleaved 1F1B take fewer, but then the stages idle most of the step
-(asked for with train.micro_batch, check_layout still judges them by torch's rules). Hybrid sharding is tried with the shard group that
+tried (GPipe, ZB-V and interleaved 1F1B take fewer, but then the stages idle most of the step);
+where none does, micro-batch 1 is judged (check_layout's torch rule, then this floor, unless the
+schedule or micro-batch is fixed) so the refusal is counted. Hybrid sharding is tried with the shard group that
 fills one node, never with shard groups of one rank (dp_replicate = dp, cp = 1), which replicate
 everything under a ZeRO-2/3 label and pay FSDP2's costs (asked for explicitly, the engine runs it).
 """
@@ -78,7 +79,8 @@ def candidates(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int,
                 if "dp" in fixed and fixed["dp"] != dp:
                     continue
                 per_rank = global_batch // dp
-                mbs = [b for b in _divisors(per_rank) if b <= MAX_MICRO_BATCH and per_rank // b >= pp]
+                # at least pp micro-batches; none can: micro-batch 1 alone, for check_layout to judge by the schedule
+                mbs = [b for b in _divisors(per_rank) if b <= MAX_MICRO_BATCH and per_rank // b >= pp] or [1]
                 if "micro_batch" in fixed or global_batch % dp:  # a dp that does not divide the batch is
                     mbs = [fixed.get("micro_batch", 1)]  # yielded once, for check_layout to name
                 sps = [fixed["sequence_parallel"]] if "sequence_parallel" in fixed else [tp > 1]
@@ -141,7 +143,13 @@ def search(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, sta
     recomputes = [fixed["recompute"]] if "recompute" in fixed else list(RECOMPUTE_ORDER)
     kinds: dict[str, list] = {}  # a refusal's rule (before its ": ", numbers blanked) -> [count, first example]
     for base in candidates(sh, hw, world, seq, global_batch, fixed, stack.balanced_stages):
-        if (reason := check_layout(base, sh.config, seq, global_batch, engine=stack.name == "flopwise")) is not None:
+        reason = check_layout(base, sh.config, seq, global_batch, engine=stack.name == "flopwise")
+        if reason is None and base.pp > 1 and base.microbatches(global_batch) < base.pp \
+                and not {"micro_batch", "pp_schedule"} & fixed.keys():
+            reason = (f"{base.microbatches(global_batch)} micro-batches for pp={base.pp}: searched with at least pp "
+                      "(fewer idle the stages most of the step); raise train.global_batch, or fix "
+                      "parallel.pp_schedule=gpipe to plan with fewer")
+        if reason is not None:
             kinds.setdefault(re.sub(r"\d+", "#", reason.split(": ")[0]), [0, reason])[0] += 1
             continue
         for f8 in float8:

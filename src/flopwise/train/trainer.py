@@ -320,10 +320,11 @@ def train(run: Run, console: Console, started: float | None = None) -> TrainResu
                           "to start over there")
     if run.engine.can_eval:  # every run evaluates at its end: refuse before step 1, not after the last
         eval_sources(run.sources, cfg.data.seq_len)
-    if cfg.train.sample_tokens and len(run.tokenizer.encode(cfg.train.sample_prompt).ids) >= cfg.model.max_seq_len:
-        raise ConfigError(f"train.sample_prompt is {len(run.tokenizer.encode(cfg.train.sample_prompt).ids)} tokens, "
-                          f"no room left in model.max_seq_len={cfg.model.max_seq_len}; shorten it or set "
-                          "train.sample_tokens=0")
+    if cfg.train.sample_tokens and par.layout.world == 1:  # the end-of-run sample (one process only)
+        n = len(run.tokenizer.encode(cfg.train.sample_prompt).ids)
+        if not 0 < n < cfg.model.max_seq_len:
+            raise ConfigError(f"train.sample_prompt is {n} tokens: it needs 1 to model.max_seq_len-1="
+                              f"{cfg.model.max_seq_len - 1}; change it or set train.sample_tokens=0")
     if run.resumed_from is not None:
         if par.is_main:
             kept = [r for r in read_records(metrics_path) if r["step"] <= run.start_step]
