@@ -12,7 +12,6 @@ option, found before a command's work starts (`check_folder`, `check_writable`: 
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import errno
 import io
@@ -22,13 +21,13 @@ import tempfile
 from pathlib import Path
 
 from flopwise.errors import ConfigError, DataError
+from flopwise.manifest import UNWRITABLE, cannot_write, real_path, write_nofollow
+
+__all__ = ["UNWRITABLE", "cannot_write"]  # the CLI's one-line OS errors, kept where they were
 
 TOML_HEADER = "# written by flopwise; a later flopwise command may replace this file\n"
 PNG_SOFTWARE = "flopwise"
 WRITTEN_BY = "written_by"  # a JSON record's key; a CSV table's last column (its rows: "flopwise COMMAND")
-# OS errors that mean "this path cannot be written by you here": the user's to fix, so one line, not a traceback
-UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR, errno.ENOSPC,
-              errno.EDQUOT}
 
 
 def is_ours(path: Path) -> bool:
@@ -52,19 +51,6 @@ def is_ours(path: Path) -> bool:
     return False
 
 
-def cannot_write(option: str, path: Path, e: OSError) -> ConfigError:
-    """The one-line error for an OS refusal to write `path` (given as `option`): the reason and the fix."""
-    above = next((p for p in [path, *path.parents] if p.exists() or p.is_symlink()), None)
-    if above is not None and above != path and not above.is_dir():
-        why, fix = f"{above} is a file, not a folder", "choose a path under a folder"
-    elif e.errno in (errno.ENOSPC, errno.EDQUOT):
-        why, fix = e.strerror or "no space left", "free space there or choose another path"
-    else:
-        why = f"{e.strerror or type(e).__name__}: {e.filename or path}"
-        fix = "choose a path you can write, or fix that folder's permissions"
-    return ConfigError(f"{option} {path}: cannot write there ({why}); {fix}")
-
-
 def _try_writing(folder: Path, option: str, named: Path) -> None:
     """Create and remove a probe file in `folder`, or in the nearest folder above it that exists
     (where the command would create it): the OS's own answer, for any cause, with nothing left."""
@@ -81,9 +67,10 @@ def _try_writing(folder: Path, option: str, named: Path) -> None:
 
 def check_folder(path: str | Path, option: str) -> Path:
     """`path`, if a command can create it as a folder or write into it (tried: `_try_writing`)."""
-    path = Path(path)
-    if (path.exists() or path.is_symlink()) and not path.is_dir():
-        raise ConfigError(f"{option} {path}: is a file, not a folder; choose a folder")
+    path = real_path(path)
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        what = "a symbolic link" if path.is_symlink() else "a file"
+        raise ConfigError(f"{option} {path}: is {what}, not a folder; choose a folder")
     _try_writing(path, option, path)
     return path
 
@@ -91,8 +78,11 @@ def check_folder(path: str | Path, option: str) -> Path:
 def check_writable(path: str | Path, option: str) -> Path:
     """`path`, if a command may write there: nothing is there, or a file flopwise wrote; and its
     folder can be written (tried: `_try_writing`)."""
-    path = Path(path)
-    if (path.exists() or path.is_symlink()) and not is_ours(path):
+    path = real_path(path)
+    if path.is_symlink():
+        raise ConfigError(f"{option} {path}: is a symbolic link, and flopwise never writes through one; "
+                          "choose another path or move it away")
+    if path.exists() and not is_ours(path):
         raise ConfigError(f"{option} {path}: something flopwise did not write is already there; "
                           "choose another path or move it away")
     _try_writing(path.parent, option, path)
@@ -100,14 +90,10 @@ def check_writable(path: str | Path, option: str) -> Path:
 
 
 def _replace(path: Path, data: bytes, option: str) -> None:
-    tmp = path.with_name(f".{path.name}.flopwise-tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        write_nofollow(path, data)
     except OSError as e:
-        with contextlib.suppress(OSError):  # if it was made
-            tmp.unlink()
         raise cannot_write(option, path, e) from None
 
 
@@ -167,13 +153,12 @@ def read_records(path: str | Path) -> list[dict]:
 def save_figure(fig, path: str | Path, option: str, **savefig) -> Path:
     """Save a matplotlib figure as a PNG marked as flopwise's."""
     path = check_writable(path, option)
-    tmp = path.with_name(f".{path.name}.flopwise-tmp.png")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(tmp, metadata={"Software": PNG_SOFTWARE}, **savefig)
-        os.replace(tmp, path)
-    except OSError as e:
-        with contextlib.suppress(OSError):  # if it was made
-            tmp.unlink()
-        raise cannot_write(option, path, e) from None
+    _replace(path, png_bytes(fig, **savefig), option)
     return path
+
+
+def png_bytes(fig, **savefig) -> bytes:
+    """A matplotlib figure as PNG bytes marked as flopwise's (written by the caller, no symlink followed)."""
+    data = io.BytesIO()
+    fig.savefig(data, format="png", metadata={"Software": PNG_SOFTWARE}, **savefig)
+    return data.getvalue()

@@ -68,7 +68,8 @@ import numpy as np
 
 from flopwise.data.shards import (DATA_MANIFEST, FORMAT, WORK, PrepareStats, dtype_for_vocab, input_files,
                                   read_documents, val_documents)
-from flopwise.manifest import file_record, files_under, remove_all_but, why_not_ours, write_manifest
+from flopwise.manifest import (LOCK, file_record, files_under, folder_lock, real_path, remove_all_but, why_not_ours,
+                               write_manifest)
 from flopwise.data.tokenizer import EOS, eos_id, load_tokenizer, parse_tokenizer_spec, train_bpe
 from flopwise.errors import DataError
 from flopwise.outputs import check_folder
@@ -269,7 +270,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
     from flopwise.data.steps import Whitespace
 
     t0 = time.perf_counter()
-    out = Path(out)
+    out = real_path(out)
     filters, dedup = _parse("--filter", filters, FILTERS), _parse("--dedup", dedup, DEDUPS)
     decontaminate = [t.strip() for t in (decontaminate.split(",") if isinstance(decontaminate, str) else decontaminate)
                      if t.strip()]
@@ -281,36 +282,37 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
     spec = parse_tokenizer_spec(tokenizer)
     given = load_tokenizer(spec) if not isinstance(spec, int) else None
     files = [f for s in inputs for f in input_files(s)]
-    keep = _inputs_kept(out, files, spec if given else None, force, setting)
-    reason = why_not_ours(out, DATA_MANIFEST)
-    if reason and not force:
-        raise DataError(_refusal(out, reason, keep, setting))
-    if out.is_symlink() or (out.exists() and not out.is_dir()):  # --force replaces a folder, never a file
-        raise DataError(f"--out {out}: is a file, not a folder; --force replaces only a folder: choose another "
-                        "--out, or move the file away")
-    check_folder(out, setting or "--out")
-    key = {"format": FORMAT, "inputs": _input_key(files), "tokenizer": str(spec),
-           "tokenizer_file": _input_key([spec]) if given else None, "val_fraction": val_fraction, "seed": seed,
-           "filters": filters, "dedup": dedup, "decontaminate": decontaminate}
-    work = out / WORK
-    plan = None
-    if reason is None:  # resume only a folder the manifest vouches for
-        try:
-            plan = json.loads((work / "plan.json").read_text())
-        except (OSError, ValueError):  # none, or not readable: start afresh
-            plan = None
-    if not isinstance(plan, dict) or plan.get("key") != key or not (out / "tokenizer.json").is_file():
-        plan = _fresh_plan(inputs, out, spec, given, key, keep, force, workers, tasks, val_fraction, seed, setting)
-    tok = load_tokenizer(out / "tokenizer.json")
-    dtype = dtype_for_vocab(tok.get_vocab_size())
+    with folder_lock(out, setting or "--out"):  # one writer per folder, for the whole prepare
+        keep = _inputs_kept(out, files, spec if given else None, force, setting)
+        reason = why_not_ours(out, DATA_MANIFEST)
+        if reason and not force:
+            raise DataError(_refusal(out, reason, keep, setting))
+        if out.is_symlink() or (out.exists() and not out.is_dir()):  # --force replaces a folder, never a file
+            raise DataError(f"--out {out}: is a file, not a folder; --force replaces only a folder: choose another "
+                            "--out, or move the file away")
+        check_folder(out, setting or "--out")
+        key = {"format": FORMAT, "inputs": _input_key(files), "tokenizer": str(spec),
+               "tokenizer_file": _input_key([spec]) if given else None, "val_fraction": val_fraction, "seed": seed,
+               "filters": filters, "dedup": dedup, "decontaminate": decontaminate}
+        work = out / WORK
+        plan = None
+        if reason is None:  # resume only a folder the manifest vouches for
+            try:
+                plan = json.loads((work / "plan.json").read_text())
+            except (OSError, ValueError):  # none, or not readable: start afresh
+                plan = None
+        if not isinstance(plan, dict) or plan.get("key") != key or not (out / "tokenizer.json").is_file():
+            plan = _fresh_plan(inputs, out, spec, given, key, keep, force, workers, tasks, val_fraction, seed, setting)
+        tok = load_tokenizer(out / "tokenizer.json")
+        dtype = dtype_for_vocab(tok.get_vocab_size())
 
-    quality, deduped = _run_stages(out, plan, quality, words, dedup, dtype, workers, progress)
-    report = _report(work, plan, filters, quality, deduped, decontaminate)
-    meta = _finish(out, plan, tok, dtype, seed, val_fraction, report)
-    if progress:
-        progress("tokenize", plan["bytes"], plan["bytes"], meta["counts"]["tokens"])
-    return PrepareStats(meta["counts"]["documents"], meta["counts"]["tokens"], meta["counts"]["bytes"],
-                        time.perf_counter() - t0, {s: e["tokens"] for s, e in meta["splits"].items()}, report)
+        quality, deduped = _run_stages(out, plan, quality, words, dedup, dtype, workers, progress)
+        report = _report(work, plan, filters, quality, deduped, decontaminate)
+        meta = _finish(out, plan, tok, dtype, seed, val_fraction, report)
+        if progress:
+            progress("tokenize", plan["bytes"], plan["bytes"], meta["counts"]["tokens"])
+        return PrepareStats(meta["counts"]["documents"], meta["counts"]["tokens"], meta["counts"]["bytes"],
+                            time.perf_counter() - t0, {s: e["tokens"] for s, e in meta["splits"].items()}, report)
 
 
 def _fresh_plan(inputs: list[str], out: Path, spec, given, key: dict, keep: set[Path], force: bool, workers: int,
@@ -473,7 +475,7 @@ def _refusal(out: Path, reason: str, keep: set[Path], setting: str | None) -> st
     if out.is_symlink() or not out.is_dir():
         return head + "choose another --out, or move the file away"
     try:
-        doomed = [p.relative_to(out).as_posix() for p in files_under(out) if p.resolve() not in keep]
+        doomed = [p.relative_to(out).as_posix() for p in files_under(out) if p.resolve() not in keep and p != out / LOCK]
     except OSError:
         return head + "choose another folder"
     shown = ", ".join(doomed[:3]) + (f" and {len(doomed) - 3} more" if len(doomed) > 3 else "")
