@@ -28,7 +28,7 @@ from flopwise.data.mixture import Source, check_tokenizers, fingerprint
 from flopwise.data.pipeline import prepare
 from flopwise.data.shards import DATA_MANIFEST, FORMAT, read_index, tokenizer_of, tokenizer_path
 from flopwise.errors import ConfigError
-from flopwise.manifest import add_to_manifest, why_not_ours
+from flopwise.manifest import add_to_manifest, real_path, why_not_ours
 from flopwise.model.transformer import build_model
 from flopwise.parallel import mesh
 from flopwise.parallel.apply import parallelize
@@ -176,7 +176,7 @@ def build_run(cfg: Config, console: Console) -> Run:
     """Resolve the layout, join the job, check that every rank fits its device (train.preflight:
     before the run folder or the data exist), prepare data, build this rank's shards, and restore
     the newest checkpoint (checkpoint.resume)."""
-    run_dir = Path(cfg.run.dir)
+    run_dir = real_path(cfg.run.dir)
     torch.manual_seed(cfg.run.seed)
     cfg = resolve_layout(cfg, cfg.model_dump(exclude_unset=True), mesh.world_size())
     par = mesh.init(cfg, resolve_device(cfg.train.device))

@@ -172,7 +172,10 @@ def data_mix(
 
     cfg = _config(args)
     planned = tokens if tokens is not None else cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len
-    rows = draws(ensure_data(cfg, Path(cfg.run.dir), Console(stderr=True)), planned)
+    from flopwise.manifest import folder_lock
+
+    with folder_lock(cfg.run.dir, "run.dir") as run_dir:  # one writer per folder (its data is prepared there)
+        rows = draws(ensure_data(cfg, run_dir, Console(stderr=True)), planned)
     if as_json:
         typer.echo(json.dumps([r.__dict__ for r in rows], indent=1))
         return

@@ -3,6 +3,7 @@ train it. One rank of a torchrun/srun job does the same; only rank 0 prints."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -12,6 +13,7 @@ from rich.console import Console
 
 from flopwise.build import build_run, subnormals_flushed
 from flopwise.config import Config
+from flopwise.manifest import folder_lock, real_path
 from flopwise.train.preflight import WillNotFit
 from flopwise.train.trainer import TrainResult
 from flopwise.train.trainer import train as train_run
@@ -24,10 +26,13 @@ def is_main_process() -> bool:
 
 def train(cfg: Config, console: Console | None = None) -> TrainResult:
     """Build this rank's run from `cfg` and train it (other ranks print nothing). A run the
-    pre-flight refuses stops every rank of a job together with exit 2, once rank 0 has said why."""
+    pre-flight refuses stops every rank of a job together with exit 2, once rank 0 has said why.
+    run.dir is taken in its real absolute form (what every check and writer sees), and rank 0 holds
+    its lock for the whole run (one writer per folder; the other ranks never wait on it)."""
     started = time.perf_counter()
     console = (console or Console()) if is_main_process() else Console(quiet=True)
-    with subnormals_flushed():
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": str(real_path(cfg.run.dir))})})
+    with subnormals_flushed(), (folder_lock(cfg.run.dir, "run.dir") if is_main_process() else contextlib.nullcontext()):
         return _train(cfg, console, started)
 
 

@@ -145,7 +145,7 @@ def folder_lock(folder: str | Path, option: str) -> Iterator[Path]:
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
         raise ConfigError(f"{option} {folder}: is {'a symbolic link' if folder.is_symlink() else 'a file'}, "
                           "not a folder; choose a folder")
-    made = not folder.exists()
+    made = [p for p in [folder, *folder.parents] if not p.exists()]  # removed at the end if still empty
     try:
         folder.mkdir(parents=True, exist_ok=True)
         while True:
@@ -162,9 +162,7 @@ def folder_lock(folder: str | Path, option: str) -> Iterator[Path]:
                     break
             os.close(fd)
     except OSError as e:
-        if made:
-            with contextlib.suppress(OSError):
-                folder.rmdir()
+        _remove_empty(made)
         raise cannot_write(option, folder, e) from None
     stale = _pid_in(fd)
     if stale is not None and stale != os.getpid():
@@ -179,9 +177,16 @@ def folder_lock(folder: str | Path, option: str) -> Iterator[Path]:
         with contextlib.suppress(OSError):
             os.unlink(folder / LOCK)
         os.close(fd)
-        if made:
-            with contextlib.suppress(OSError):  # only if empty
-                folder.rmdir()
+        _remove_empty(made)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders a lock created (deepest first) that are still empty."""
+    for p in folders:
+        try:
+            p.rmdir()
+        except OSError:
+            return
 
 
 def ends_sha256(path: str | Path) -> str:

@@ -107,8 +107,13 @@ def write_text(path: str | Path, text: str, option: str) -> Path:
 def write_json(path: str | Path, record: dict, option: str, command: str) -> Path:
     """Write a JSON record marked as written by `flopwise COMMAND`."""
     path = check_writable(path, option)
-    _replace(path, (json.dumps({WRITTEN_BY: f"flopwise {command}", **record}, indent=1) + "\n").encode(), option)
+    _replace(path, json_record(record, command), option)
     return path
+
+
+def json_record(record: dict, command: str) -> bytes:
+    """A JSON record's bytes, marked as written by `flopwise COMMAND`."""
+    return (json.dumps({WRITTEN_BY: f"flopwise {command}", **record}, indent=1) + "\n").encode()
 
 
 def write_csv(path: str | Path, header: list[str], rows: list[list], option: str, command: str) -> Path:

@@ -164,15 +164,13 @@ def _train_one(config: Config, threads: int | None) -> TrainResult:
     rest of the run's files); `threads` set (in a worker) before any work."""
     import torch
 
-    from flopwise.checkpoints.rundir import claim
+    from flopwise.checkpoints.rundir import Appender, claim
     from flopwise.launch import train
 
     if threads:
         torch.set_num_threads(threads)
-    run_dir = Path(config.run.dir)
-    claim(run_dir, ["train.log"])
-    with open(run_dir / "train.log", "a") as log:
-        return train(config, Console(file=log))
+    run_dir = claim(config.run.dir, ["train.log"])
+    return train(config, Console(file=Appender(run_dir, "train.log")))
 
 
 def run_ladder(base: Config, runs: list[LadderRun], out: Path, console: Console, jobs: int = 1) -> Path:

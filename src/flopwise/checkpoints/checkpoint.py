@@ -65,6 +65,15 @@ def step_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step-{step:08d}"
 
 
+def _no_link(root: Path) -> Path:
+    """A run's checkpoints folder, refused in one line if it is a symlink: retention and writes never
+    act on what a link points to (a user's folders there may look like checkpoint temporaries)."""
+    if root.is_symlink():
+        raise CheckpointError(f"{root} is a symbolic link; flopwise never writes or deletes through one: "
+                              "move it away (or make it a real folder)")
+    return root
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -144,6 +153,10 @@ def _run_on_main(fn: Callable[[], None]) -> str | None:
 
 
 def _fresh(tmp: Path) -> None:
+    if tmp.parent.is_symlink():  # an OSError: every rank is told (_run_on_main), and the save fails in one line
+        raise OSError(errno.ELOOP, "a symbolic link: flopwise never writes through one", str(tmp.parent))
+    if tmp.is_symlink():
+        tmp.unlink()
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
 
@@ -258,7 +271,7 @@ def scratch_dir(run_dir: str | Path, step: int) -> Path:
     """A new, empty folder beside step-N to write it in (single process: export, import), named
     uniquely so that no folder or file already there is reused or deleted; a leftover of an
     interrupted write is a step-*.tmp, which retention clears."""
-    root = Path(run_dir) / "checkpoints"
+    root = _no_link(Path(run_dir) / "checkpoints")
     try:
         root.mkdir(parents=True, exist_ok=True)
         while True:  # not tempfile.mkdtemp: its mode 0700 would leave the checkpoint unreadable to a group
@@ -388,8 +401,10 @@ def prune(run_dir: str | Path, keep: int, protect: Path | None = None) -> None:
     when this runs)."""
     failed: list[str] = []
     old_ones = [p for p in list_complete(run_dir)[:-max(1, keep)] if protect is None or p != Path(protect)]
-    for old in [*old_ones, *(Path(run_dir) / "checkpoints").glob("step-*.tmp")]:
-        shutil.rmtree(old, onerror=lambda _fn, path, info: failed.append(f"{path} ({info[1]})"))
+    root = _no_link(Path(run_dir) / "checkpoints")
+    for old in [*old_ones, *root.glob("step-*.tmp")]:
+        if not old.is_symlink():  # a link there is not flopwise's to delete, nor what it points to
+            shutil.rmtree(old, onerror=lambda _fn, path, info: failed.append(f"{path} ({info[1]})"))
     if failed:  # the new checkpoint is complete; say what could not be cleared, and go on
         warnings.warn(f"checkpoint retention could not delete {failed[0]}" + (f" and {len(failed) - 1} more"
                       if len(failed) > 1 else "") + "; free the space by hand", stacklevel=2)

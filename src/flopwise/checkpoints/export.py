@@ -27,6 +27,7 @@ from flopwise.errors import CheckpointError
 from flopwise.plan.layout import Layout
 from flopwise.plan.planner import layout_config
 from flopwise.checkpoints import checkpoint, rundir
+from flopwise.manifest import folder_lock, real_path
 from flopwise.outputs import check_folder
 
 
@@ -131,8 +132,14 @@ def export_checkpoint(path: str | Path, out: str | Path, force: bool = False) ->
     except (KeyError, TypeError, ValueError, OverflowError):
         raise CheckpointError(f"checkpoint {ckpt}: state.json holds no valid step (damaged); "
                               "use another checkpoint") from None
+    out = real_path(out)
     rundir.check_claim(out, ["checkpoints"], "--out")  # a refusal names this command's option
     check_folder(out, "--out")
+    with folder_lock(out, "--out"):
+        return _export(ckpt, source, state, cfg, step, out, force)
+
+
+def _export(ckpt: Path, source: CheckpointTensors, state: dict, cfg, step: int, out: Path, force: bool) -> Path:
     checkpoint.claim_step(out, step, force)
     state.update(config=to_toml(cfg), config_hash=config_hash(cfg), layout={**Layout(micro_batch=1).to_json(), "world_size": 1},
                  exported_from=str(ckpt))

@@ -10,7 +10,8 @@ from flopwise.config import to_toml, validate
 from flopwise.data.tokenizer import EOS, eos_id, load_tokenizer
 from flopwise.errors import CheckpointError
 from flopwise.interop.hf import from_hf, write_hf
-from flopwise.manifest import ManifestKind, file_record, files_under, why_not_ours, write_manifest
+from flopwise.manifest import (LOCK, ManifestKind, file_record, files_under, folder_lock, real_path, why_not_ours,
+                               write_manifest)
 from flopwise.outputs import check_folder
 from flopwise.checkpoints import checkpoint, rundir
 from flopwise.checkpoints.export import CheckpointTensors, checkpoint_config
@@ -26,7 +27,13 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
     added beside the checkpoints already in <out>, none of which is deleted; a step-00000000
     already there is refused unless `force` (then replaced)."""
     hf_dir = Path(hf_dir)
-    out = Path(out)
+    out = real_path(out)
+    rundir.check_claim(out, ["checkpoints"], "OUT")  # before the lock creates the folder
+    with folder_lock(out, "OUT"):
+        return _import_hf(hf_dir, out, force)
+
+
+def _import_hf(hf_dir: Path, out: Path, force: bool) -> Path:
     # every refusal before anything is written: the output folder's (which write nothing while they
     # refuse: an existing `checkpoints` is flopwise's claimed one or refused), then the HF folder's
     rundir.check_claim(out, ["checkpoints"], "OUT")
@@ -47,7 +54,12 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
 def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
     """flopwise checkpoint (any layout) -> HF folder that `AutoModelForCausalLM.from_pretrained`
     loads as is, streamed: one safetensors shard in memory at a time (or the largest tensor)."""
-    out_dir = Path(out_dir)
+    out_dir = real_path(out_dir)
+    with folder_lock(out_dir, "OUT_DIR"):
+        return _export_hf(ckpt, out_dir, max_shard_bytes)
+
+
+def _export_hf(ckpt: str | Path, out_dir: Path, max_shard_bytes: int) -> Path:
     if reason := why_not_ours(out_dir, HF_MANIFEST):
         raise CheckpointError(f"convert to-hf: {out_dir} {reason}; flopwise writes a Hugging Face folder only into a "
                               "new or empty one, or one it exported before: choose another folder")
@@ -70,6 +82,6 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token, "bos_token": eos_token,
         "model_max_length": cfg.model.max_seq_len, "clean_up_tokenization_spaces": False}, indent=1))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "bos_token_id": eos}, indent=1))
-    written = [p for p in files_under(out) if p.name not in (HF_MANIFEST.name, HF_MANIFEST.name + ".tmp")]
+    written = [p for p in files_under(out) if p.relative_to(out).as_posix() not in (HF_MANIFEST.name, LOCK)]
     write_manifest(out, HF_MANIFEST, {p.relative_to(out).as_posix(): file_record(p) for p in written}, complete=True)
     return out

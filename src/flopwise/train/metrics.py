@@ -11,7 +11,8 @@ import torch
 
 from flopwise.errors import ConfigError
 from flopwise.hardware import Hardware, identify_gpu
-from flopwise.outputs import pyplot, read_records
+from flopwise.checkpoints import rundir
+from flopwise.outputs import png_bytes, pyplot, read_records
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -103,7 +104,7 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool = True):
         self.enabled = enabled
-        self.path = run_dir / "metrics.jsonl"
+        self.run_dir = run_dir
         self.tb = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -113,8 +114,7 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        rundir.append(self.run_dir, "metrics.jsonl", (json.dumps(record) + "\n").encode())
         if self.tb is not None:
             prefix = f"{record['task']}/" if "task" in record else ""
             for k, v in record.items():
@@ -126,7 +126,8 @@ class MetricsWriter:
             self.tb.close()
 
 
-def plot_loss_curve(metrics_path: Path, out_png: Path, title: str = "") -> Path:
+def plot_loss_curve(metrics_path: Path, title: str = "") -> bytes:
+    """The loss curve of a metrics file, as PNG bytes (the run folder's writer stores them)."""
     plt = pyplot()
 
     records = read_records(metrics_path)
@@ -143,6 +144,6 @@ def plot_loss_curve(metrics_path: Path, out_png: Path, title: str = "") -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out_png)
+    png = png_bytes(fig)
     plt.close(fig)
-    return out_png
+    return png

@@ -19,6 +19,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
@@ -29,7 +30,8 @@ import torch.distributed as dist
 from flopwise.config import Config
 from flopwise.errors import FlopwiseError
 from flopwise.hardware import Hardware, cluster_catalogue, identify_gpu
-from flopwise.outputs import write_json
+from flopwise.checkpoints import rundir
+from flopwise.outputs import json_record
 from flopwise.parallel.mesh import Parallel, is_rank0
 from flopwise.plan.account import EngineRun
 from flopwise.plan.layout import Layout
@@ -248,8 +250,9 @@ def explain_oom(cfg: Config, par: Parallel, step: int, error: BaseException) -> 
     stats = torch.cuda.memory_stats(par.device) if par.device.type == "cuda" else None
     snapshot = None
     if stats is not None and cfg.train.memory_snapshot:
-        snapshot = run_dir / snapshot_name
-        torch.cuda.memory._dump_snapshot(str(snapshot))
+        with tempfile.TemporaryDirectory() as tmp:  # torch writes a path; the run folder gets its bytes
+            torch.cuda.memory._dump_snapshot(f"{tmp}/{snapshot_name}")
+            snapshot = rundir.replace(run_dir, snapshot_name, Path(tmp, snapshot_name).read_bytes())
     requested = _requested(str(error))
     share = 1.0
     if stats and requested:
@@ -258,7 +261,7 @@ def explain_oom(cfg: Config, par: Parallel, step: int, error: BaseException) -> 
     budget = RUNTIME_RESERVE + (predicted["total"] - RUNTIME_RESERVE) * share * (1 - FIT_MARGIN)
     hw = search_hardware(cfg, par.device)
     change = describe_change(cfg, lo, hw.name, nearest_fit(cfg, lo, hw, budget, cpu))
-    report = write_json(run_dir / report_name, {
+    report = rundir.replace(run_dir, report_name, json_record({
         "step": step, "micro_batch": micro, "phase": phase, "rank": rank, "device": str(par.device),
         "error": str(error).splitlines()[0] if str(error) else type(error).__name__,
         "layout": lo.to_json(), "requested_bytes": requested,
@@ -269,7 +272,7 @@ def explain_oom(cfg: Config, par: Parallel, step: int, error: BaseException) -> 
         "memory_stats_note": None if stats is not None else f"no CUDA allocator on {par.device}: memory_stats is null",
         "memory_snapshot": snapshot.name if snapshot else None,
         "suggestion": change,
-    }, "oom.json", "train")
+    }, "train"))
     where = f"step {step}" + (f", micro-batch {micro}" if micro is not None else "") + (f", {phase}" if phase else "")
     files = f"{report}" + (f" and {snapshot} (open at pytorch.org/memory_viz)" if snapshot else
                            " (train.memory_snapshot=true also records the allocator's history)")

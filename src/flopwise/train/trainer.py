@@ -40,7 +40,7 @@ from flopwise.hardware import cluster_catalogue
 from flopwise.parallel.apply import compiles
 from flopwise.plan.float8 import unconverted_linears
 from flopwise.plan.layout import Layout
-from flopwise.checkpoints import checkpoint
+from flopwise.checkpoints import checkpoint, rundir
 from flopwise.train.engine import Engine, autocast
 from flopwise.train.faults import Faults, nan_grad, poison
 from flopwise.train.guard import Verdict
@@ -246,8 +246,7 @@ class _Loop:
                   "windows": {k: v.tolist() for k, v in run.loader.by_source(ids).items()},
                   "documents": run.loader.documents(ids)}
         if run.par.is_main:
-            with open(self.run_dir / "skipped.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+            rundir.append(self.run_dir, "skipped.jsonl", (json.dumps(record) + "\n").encode())
         self.write({"step": bad_step, "event": "rollback", "rolled_back_to": back, "skipped_batches": n})
         self.console.print(f"[yellow]guard[/]: step {bad_step}: {escape(reason)}; rolled back to step {back} and "
                            f"skipped {n} batches ({sum(map(len, record['documents'].values()))} documents, listed in "
@@ -328,13 +327,13 @@ def train(run: Run, console: Console, started: float | None = None) -> TrainResu
     if run.resumed_from is not None:
         if par.is_main:
             kept = [r for r in read_records(metrics_path) if r["step"] <= run.start_step]
-            metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            rundir.replace(run_dir, "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in kept).encode())
         console.print(f"[bold]resumed[/] from {run.resumed_from} at step {run.start_step} "
                       f"(written by layout {Layout.from_json(run.resumed_layout or {}).name()})")
     elif par.is_main:
-        metrics_path.unlink(missing_ok=True)
+        rundir.remove(run_dir, "metrics.jsonl")
     if par.is_main:
-        (run_dir / "config.toml").write_text(to_toml(cfg))
+        rundir.replace(run_dir, "config.toml", to_toml(cfg).encode())
     loop = _Loop(run, console)
     if run.start_step >= loop.end:
         console.print(f"[bold]complete[/]: the checkpoint is at step {run.start_step}, where this run ends "
@@ -381,8 +380,8 @@ def _result(run: Run, loop: _Loop, preempted: int | None, seconds: float) -> Tra
     metrics_path = run_dir / "metrics.jsonl"
     plot = None
     if par.is_main and metrics_path.exists() and read_records(metrics_path):
-        plot = plot_loss_curve(metrics_path, run_dir / "loss.png",
-                               title=f"{cfg.run.name}: {count_params(cfg.model).total / 1e6:.1f}M params")
+        png = plot_loss_curve(metrics_path, title=f"{cfg.run.name}: {count_params(cfg.model).total / 1e6:.1f}M params")
+        plot = rundir.replace(run_dir, "loss.png", png)
     sample = ""
     if cfg.train.sample_tokens and par.layout.world == 1:
         prompt = run.tokenizer.encode(cfg.train.sample_prompt).ids

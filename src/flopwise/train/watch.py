@@ -22,6 +22,7 @@ import faulthandler
 import signal
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from flopwise.checkpoints import rundir
 from flopwise.config import WatchdogConfig
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -112,10 +114,12 @@ class Watch:
     def _dump(self, step: int, elapsed: float) -> None:
         median = self.median_step_s()
         why = f"step {step} has run {elapsed:.1f} s" + (f" (median step {median:.2f} s)" if median else "")
-        with open(self.dump_path, "w") as f:
-            f.write(f"rank {self.rank}: {why}\n")
+        with tempfile.TemporaryFile("w+b") as f:  # faulthandler needs a real file; the run folder gets its bytes
+            f.write(f"rank {self.rank}: {why}\n".encode())
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+            f.seek(0)
+            rundir.replace(self.dump_path.parent, self.dump_path.name, f.read())
         self.report(f"watchdog: rank {self.rank}: {why}; every thread's stack is in {self.dump_path}")
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
