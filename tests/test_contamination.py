@@ -108,7 +108,8 @@ def test_prepared_folder_and_cli_json(planted, tmp_path):
     rows = json.loads(r.output)
     assert rows == [{"task": t, "examples": len(tasks[t]), "contaminated": len(truth[t]),
                      "share": len(truth[t]) / len(tasks[t])} for t in ALL]
-    assert json.loads(ids.read_text()) == truth
+    written = json.loads(ids.read_text())
+    assert written.pop("written_by").startswith("flopwise data contamination") and written == truth
     r = CliRunner().invoke(app, ["data", "contamination", str(data), "--tasks", "alice-lastword"])
     assert r.exit_code == 0 and "training documents contain a task n-gram" in r.output
 

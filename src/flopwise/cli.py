@@ -211,7 +211,7 @@ def data_contamination(
         check_writable(ids_out, "--ids-out")
     report = measure(data, [load_task(t.strip()) for t in tasks.split(",") if t.strip()], n)
     if ids_out:
-        write_text(ids_out, json.dumps(dict(zip(report.tasks, report.contaminated)), indent=1), "--ids-out")
+        write_json(ids_out, dict(zip(report.tasks, report.contaminated)), "--ids-out", "data contamination")
     if as_json:
         typer.echo(json.dumps(report.rows(), indent=1))
         return

@@ -1,13 +1,17 @@
 """Files a command writes at a path its user names (--out-config, --ids-out, --out, --plot, --plots):
 never over a file flopwise did not write.
 
-What flopwise writes there carries its mark, so a rerun may replace its own output: a TOML starts
-with TOML_HEADER, a JSON record holds "written_by", a CSV table's last column is "written_by", a PNG
-has a "Software: flopwise" text chunk.
-Anything else already at the path is refused in one line before the file is written; writes go
-through a temporary file and a rename, so a failed write leaves no half file. A path that cannot be
-written (a read-only folder, a file where a folder is needed) is a one-line ConfigError naming the
-option, found before a command's work starts (`check_folder`, `check_writable`: they try it).
+"Did flopwise write this?" is answered by content: each such file carries its own record, a seal
+("flopwise-sha256:" and the sha256 of the file's real path and its bytes, the seal's digits zeroed)
+placed where its format allows a note: a TOML's first comment line (TOML_HEADER), a JSON record's
+"written_by", a CSV table's last header cell, a PNG text chunk. A file whose seal verifies is
+flopwise's, unchanged, at the place it was written, so a rerun may replace it; anything else at the
+path (a user's file, a flopwise file edited since, or one copied from elsewhere, a symlink) is
+refused in one line before the file is written. Paths are resolved to their real absolute form
+first (`manifest.real_path`); writes go through a temporary file (no symlink followed) and a rename,
+so a failed write leaves no half file. A path that cannot be written (a read-only folder, a file
+where a folder is needed) is a one-line ConfigError naming the option, found before a command's
+work starts (`check_folder`, `check_writable`: they try it).
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ import csv
 import errno
 import io
 import json
+import hashlib
 import os
+import re
 import tempfile
+import zlib
 from pathlib import Path
 
 from flopwise.errors import ConfigError, DataError
@@ -25,30 +32,46 @@ from flopwise.manifest import UNWRITABLE, cannot_write, real_path, write_nofollo
 
 __all__ = ["UNWRITABLE", "cannot_write"]  # the CLI's one-line OS errors, kept where they were
 
-TOML_HEADER = "# written by flopwise; a later flopwise command may replace this file\n"
+SEAL = "flopwise-sha256:"
+PLACEHOLDER = SEAL + "0" * 64  # what a writer puts where the seal goes; `seal` fills in the digest
+_SEALED = re.compile(rb"flopwise-sha256:([0-9a-f]{64})")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SEALED_MAX_BYTES = 256 << 20  # larger files at an output path are nobody's flopwise output
+TOML_HEADER = "# written by flopwise; a later flopwise command may replace this file while it is unchanged: "
 PNG_SOFTWARE = "flopwise"
 WRITTEN_BY = "written_by"  # a JSON record's key; a CSV table's last column (its rows: "flopwise COMMAND")
 
 
+def _digest(path: Path, data: bytes, at: int) -> str:
+    """The seal of `data` at `path` (its seal at offset `at`, and a PNG chunk's CRC after it, masked)."""
+    end = at + len(PLACEHOLDER)
+    masked = data[:at] + PLACEHOLDER.encode() + data[end + (4 if data.startswith(PNG_MAGIC) else 0):]
+    return hashlib.sha256(os.fsencode(path) + b"\0" + masked).hexdigest()
+
+
+def seal(path: Path, data: bytes) -> bytes:
+    """`data` (holding PLACEHOLDER once) with its seal for `path` filled in (and a PNG text chunk's CRC
+    made right again)."""
+    at = data.index(PLACEHOLDER.encode())
+    end = at + len(PLACEHOLDER)
+    data = data[:at] + (SEAL + _digest(path, data, at)).encode() + data[end:]
+    if data.startswith(PNG_MAGIC):
+        chunk = data.rfind(b"tEXt", 0, at)
+        data = data[:end] + zlib.crc32(data[chunk:end]).to_bytes(4, "big") + data[end + 4:]
+    return data
+
+
 def is_ours(path: Path) -> bool:
-    """`path` is a file that carries flopwise's mark for its kind."""
-    if path.is_symlink() or not path.is_file():
-        return False
+    """`path` is a file flopwise wrote there, unchanged since: its seal verifies."""
+    path = real_path(path)
     try:
-        head = path.open("rb").read(4096)
-        if path.suffix.lower() == ".json":
-            record = json.loads(path.read_text(encoding="utf-8"))
-            return isinstance(record, dict) and str(record.get(WRITTEN_BY, "")).startswith("flopwise")
-    except (OSError, ValueError):
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > SEALED_MAX_BYTES:
+            return False
+        data = path.read_bytes()
+    except OSError:
         return False
-    if path.suffix.lower() == ".toml":
-        return head.startswith(TOML_HEADER.encode())
-    if path.suffix.lower() == ".png":
-        return b"tEXtSoftware\x00" + PNG_SOFTWARE.encode() in head
-    if path.suffix.lower() == ".csv":
-        header = next(csv.reader(head.decode("utf-8", "replace").splitlines()[:1]), [])
-        return bool(header) and header[-1] == WRITTEN_BY
-    return False
+    found = _SEALED.search(data)
+    return found is not None and found.group(1).decode() == _digest(path, data, found.start())
 
 
 def _try_writing(folder: Path, option: str, named: Path) -> None:
@@ -92,15 +115,15 @@ def check_writable(path: str | Path, option: str) -> Path:
 def _replace(path: Path, data: bytes, option: str) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_nofollow(path, data)
+        write_nofollow(path, seal(path, data))
     except OSError as e:
         raise cannot_write(option, path, e) from None
 
 
 def write_text(path: str | Path, text: str, option: str) -> Path:
-    """Write a text file (a TOML gets flopwise's header line, so a rerun may replace it)."""
+    """Write a TOML file with flopwise's header line (its seal, so a rerun may replace it)."""
     path = check_writable(path, option)
-    _replace(path, ((TOML_HEADER if path.suffix.lower() == ".toml" else "") + text).encode(), option)
+    _replace(path, (TOML_HEADER + PLACEHOLDER + "\n" + text).encode(), option)
     return path
 
 
@@ -112,15 +135,16 @@ def write_json(path: str | Path, record: dict, option: str, command: str) -> Pat
 
 
 def json_record(record: dict, command: str) -> bytes:
-    """A JSON record's bytes, marked as written by `flopwise COMMAND`."""
-    return (json.dumps({WRITTEN_BY: f"flopwise {command}", **record}, indent=1) + "\n").encode()
+    """A JSON record's bytes, marked as written by `flopwise COMMAND` (with a seal to fill in)."""
+    return (json.dumps({WRITTEN_BY: f"flopwise {command}; {PLACEHOLDER}", **record}, indent=1) + "\n").encode()
 
 
 def write_csv(path: str | Path, header: list[str], rows: list[list], option: str, command: str) -> Path:
-    """Write a CSV table marked as flopwise's: a last column `written_by`, "flopwise COMMAND" in every row."""
+    """Write a CSV table marked as flopwise's: a last column `written_by` (its header cell holds the
+    seal), "flopwise COMMAND" in every row."""
     path = check_writable(path, option)
     text = io.StringIO()
-    csv.writer(text, lineterminator="\n").writerows([[*header, WRITTEN_BY],
+    csv.writer(text, lineterminator="\n").writerows([[*header, f"{WRITTEN_BY} {PLACEHOLDER}"],
                                                      *([*row, f"flopwise {command}"] for row in rows)])
     _replace(path, text.getvalue().encode(), option)
     return path
@@ -165,5 +189,5 @@ def save_figure(fig, path: str | Path, option: str, **savefig) -> Path:
 def png_bytes(fig, **savefig) -> bytes:
     """A matplotlib figure as PNG bytes marked as flopwise's (written by the caller, no symlink followed)."""
     data = io.BytesIO()
-    fig.savefig(data, format="png", metadata={"Software": PNG_SOFTWARE}, **savefig)
+    fig.savefig(data, format="png", metadata={"Software": PNG_SOFTWARE, "Comment": PLACEHOLDER}, **savefig)
     return data.getvalue()
