@@ -133,16 +133,16 @@ def _dotdot(tmp_path: Path, name: str) -> Path:
 
 
 DOTDOT = {  # command -> (argv given the target path, the user's files under t/ it would replace)
-    "train": (lambda p, m, d: ["train", *tiny_overrides(p, d, **{"train.steps": 1})], "run", ["config.toml", "metrics.jsonl"]),
+    "train": (lambda p, m, d: ["train", *tiny_overrides(p, d, **{"train.steps": 2})], "run", ["config.toml", "metrics.jsonl"]),
     "data-prepare": (lambda p, m, d: ["data", "prepare", "builtin:alice", "--out", p, "--train-tokenizer", 300], "data",
                      ["index.json", "notes.txt"]),
     "data-mix": (lambda p, m, d: ["data", "mix", *tiny_overrides(p, "builtin:alice", **{"data.tokenizer": '"bpe:300"'})],
                  "run", ["data/notes.txt"]),
     "convert-to-hf": (lambda p, m, d: ["convert", "to-hf", m / "run", p], "hf", ["model.safetensors", "config.json"]),
     "convert-from-hf": (lambda p, m, d: ["convert", "from-hf", m / "hf", p, "--force"], "run",
-                        ["checkpoints/step-00000000/notes.txt"]),
+                        ["flopwise-run.json"]),
     "checkpoint-export": (lambda p, m, d: ["checkpoint", "export", m / "run", "--out", p, "--force"], "run",
-                          ["checkpoints/step-00000002/notes.txt"]),
+                          ["flopwise-run.json"]),
     "out-config": (lambda p, m, d: ["scale", "optimal", "--flops", "1e15", "--out-config", p], "config.toml", [""]),
     "plan-out-config": (lambda p, m, d: ["plan", 'model.preset="demo-tiny"', "--out-config", p], "config.toml", [""]),
     "ids-out": (lambda p, m, d: ["data", "contamination", d, "--tasks", "alice-lastword", "--ids-out", p], "ids.json",
@@ -313,7 +313,7 @@ def holder(tmp_path):
 
 
 LOCKED = {  # command -> (argv given the folder, the folder whose lock it takes)
-    "train": lambda f, m, d: ["train", *tiny_overrides(f, d, **{"train.steps": 1})],
+    "train": lambda f, m, d: ["train", *tiny_overrides(f, d, **{"train.steps": 2})],
     "data-prepare": lambda f, m, d: ["data", "prepare", "builtin:alice", "--out", f, "--train-tokenizer", 300],
     "data-mix": lambda f, m, d: ["data", "mix", *tiny_overrides(f, "builtin:alice", **{"data.tokenizer": '"bpe:300"'})],
     "convert-to-hf": lambda f, m, d: ["convert", "to-hf", m / "run", f],
