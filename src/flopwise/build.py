@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -172,10 +173,11 @@ def subnormals_flushed():
         torch.set_flush_denormal(before)
 
 
-def build_run(cfg: Config, console: Console) -> Run:
+def build_run(cfg: Config, console: Console, lock: Callable[[], object] = lambda: None) -> Run:
     """Resolve the layout, join the job, check that every rank fits its device (train.preflight:
     before the run folder or the data exist), prepare data, build this rank's shards, and restore
-    the newest checkpoint (checkpoint.resume)."""
+    the newest checkpoint (checkpoint.resume). `lock`: takes the run folder's lock (rank 0, before
+    its first write; the caller holds it to the command's end)."""
     run_dir = real_path(cfg.run.dir)
     torch.manual_seed(cfg.run.seed)
     cfg = resolve_layout(cfg, cfg.model_dump(exclude_unset=True), mesh.world_size())
@@ -186,6 +188,7 @@ def build_run(cfg: Config, console: Console) -> Run:
         console.print(fits, highlight=False)
     record_history(cfg, par.device)
     if par.is_main:
+        lock()
         claim_run_dir(cfg, run_dir, par.layout.world)
         sources = ensure_data(cfg, run_dir, console)
     mesh.barrier()

@@ -7,6 +7,7 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 from rich.console import Console
@@ -28,17 +29,18 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
     """Build this rank's run from `cfg` and train it (other ranks print nothing). A run the
     pre-flight refuses stops every rank of a job together with exit 2, once rank 0 has said why.
     run.dir is taken in its real absolute form (what every check and writer sees), and rank 0 holds
-    its lock for the whole run (one writer per folder; the other ranks never wait on it)."""
+    its lock from its first write (after the pre-flight) to the end (one writer per folder; the other
+    ranks never wait on it)."""
     started = time.perf_counter()
     console = (console or Console()) if is_main_process() else Console(quiet=True)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": str(real_path(cfg.run.dir))})})
-    with subnormals_flushed(), (folder_lock(cfg.run.dir, "run.dir") if is_main_process() else contextlib.nullcontext()):
-        return _train(cfg, console, started)
+    with subnormals_flushed(), contextlib.ExitStack() as held:
+        return _train(cfg, console, started, lambda: held.enter_context(folder_lock(cfg.run.dir, "run.dir")))
 
 
-def _train(cfg: Config, console: Console, started: float) -> TrainResult:
+def _train(cfg: Config, console: Console, started: float, lock: Callable[[], object]) -> TrainResult:
     try:
-        run = build_run(cfg, console)
+        run = build_run(cfg, console, lock)
     except WillNotFit as e:
         if not dist.is_initialized():
             raise
