@@ -104,6 +104,79 @@ def test_a_slow_writing_command_leaves_every_user_file_intact(name, trained, tin
     _check(name, SLOW[name], trained, tiny_data, tmp_path)
 
 
+# --- the same property where the checks once looked at names and places (issue 39) -------------
+# symlinks: every user file is a link to one outside (written through before); dotdot: the folder is
+# named through a folder that does not exist and back (DIR/missing/../user: checks skipped before);
+# crafted: the folder holds records written by hand that list the user's files with their right
+# sizes and hashes (trusted by their presence before); locked: another process holds the folders'
+# locks. In each, every user byte must stay as it was, and nothing ends in a traceback.
+VARIANTS = ("symlinks", "dotdot", "crafted", "locked")
+HOLD = """
+import contextlib, sys, time
+from flopwise.manifest import folder_lock
+with contextlib.ExitStack() as held:
+    for f in sys.argv[1:]:
+        held.enter_context(folder_lock(f, "test"))
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def _record(p: Path) -> dict:
+    return {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+
+
+def _craft(u: Path) -> None:
+    """Hand-written records in `u` that claim the user's files (what a copied or forged record says)."""
+    rel = [r for r in SENTINELS if (u / r).is_file()]
+    (u / "manifest.json").write_text(json.dumps({
+        "format": "flopwise-data-manifest/1", "complete": False, "files": {}, "unchecked": rel,
+        "folders": ["checkpoints", "src", "data", "hf", "ladder"]}))
+    (u / "flopwise-run.json").write_text(json.dumps({
+        "format": "flopwise-run/2", "writes": ["config.toml", "metrics.jsonl", "loss.png", "checkpoints", "data"],
+        "files": {n: _record(u / n) for n in ("config.toml", "metrics.jsonl", "loss.png")}}))
+    (u / "hf" / "flopwise-manifest.json").write_text(json.dumps({
+        "format": "flopwise-hf-manifest/1", "complete": True, "unchecked": [], "folders": [],
+        "files": {n: _record(u / "hf" / n) for n in ("config.json", "model.safetensors")}}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", list(commands(Path("u"), Path("m"), Path("d"))))
+def test_no_writing_command_loses_a_user_byte_through_links_paths_records_or_a_second_writer(
+        name, variant, trained, tiny_data, tmp_path):
+    u = tmp_path / "user"
+    holder = None
+    if variant == "symlinks":
+        outside = tmp_path / "outside"
+        seed_user_tree(outside)
+        for rel in SENTINELS:
+            (u / rel).parent.mkdir(parents=True, exist_ok=True)
+            (u / rel).symlink_to(outside / rel)
+        before, watched = hashes(outside), outside
+    else:
+        seed_user_tree(u)
+        if variant == "crafted":
+            _craft(u)
+        before, watched = hashes(u), u
+    links = {rel: os.readlink(u / rel) for rel in SENTINELS if (u / rel).is_symlink()}
+    if variant == "locked":
+        holder = subprocess.Popen([sys.executable, "-c", HOLD, u, u / "hf", u / "data", u / "ladder"],
+                                  stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().strip() == "held"
+    given = tmp_path / "missing" / ".." / "user" if variant == "dotdot" else u
+    try:
+        out = flopwise(*commands(given, trained, tiny_data)[name], cwd=tmp_path)
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+    changed = {k for k, v in hashes(watched).items() if before[k] != v}
+    assert not changed, f"{name}/{variant} (exit {out.returncode}) changed {sorted(changed)}: {out.stderr[-800:]}"
+    assert links == {rel: os.readlink(u / rel) for rel in links if (u / rel).is_symlink()}
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
 def test_to_hf_replaces_only_a_folder_it_exported(trained, tmp_path):
     """A second export into its own folder replaces it; once the user adds or changes a file there,
     the folder is theirs and the export is refused in one line, with their files intact."""

@@ -501,11 +501,14 @@ def scale_sweep(
             f"[yellow]note[/]: {len(runs)} runs, not {len(planned)} budgets × {sizes} sizes: "
             f"{len(planned) * sizes - len(runs)} of them round to a shape already in their budget (small models) "
             "and are trained once; widen --spread for more distinct sizes")
-    if emit:
-        for cmd in launch_commands(write_configs(runs, out), nproc):
-            typer.echo(cmd)
-        return
-    table = run_ladder(base, runs, out, console, jobs)
+    from flopwise.manifest import folder_lock
+
+    with folder_lock(out, "--out"):  # one sweep writes a ladder folder (each run locks its own)
+        if emit:
+            for cmd in launch_commands(write_configs(runs, out), nproc):
+                typer.echo(cmd)
+            return
+        table = run_ladder(base, runs, out, console, jobs)
     console.print(f"collected {table}; fit it with: flopwise scale fit {table}")
 
 

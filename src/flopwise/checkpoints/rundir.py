@@ -41,15 +41,15 @@ def _read(run_dir: Path) -> dict | None:
         record = json.loads(path.read_text(encoding="utf-8")) if path.is_file() and not path.is_symlink() else None
     except (OSError, ValueError):
         record = None
-    ok = (isinstance(record, dict) and record.get("format") == FORMAT and isinstance(record.get("files"), dict)
-          and isinstance(record.get("writes"), list) and all(isinstance(n, str) for n in record["writes"]))
-    if not ok:
+    if not (isinstance(record, dict) and record.get("format") == FORMAT and isinstance(record.get("files"), dict)
+            and isinstance(record.get("writes"), list) and all(isinstance(n, str) for n in record["writes"])):
         raise ConfigError(f"run folder {run_dir}: {RUN_FILE} is not a flopwise run record (of this version); "
                           "choose a new or empty folder, or move that file away")
     if not written_for(record, run_dir):
-        raise ConfigError(f"run folder {run_dir}: {RUN_FILE} was written for {record['folder'].get('path', 'another folder') if isinstance(record.get('folder'), dict) else 'another folder'}, "
-                          "not this one (a copied run folder proves nothing): choose a new or empty folder, or "
-                          "move the copied files away")
+        bound = record.get("folder")
+        where = bound.get("path") if isinstance(bound, dict) and bound.get("path") else "another folder"
+        raise ConfigError(f"run folder {run_dir}: {RUN_FILE} was written for {where}, not this one (a copied run "
+                          "folder proves nothing): choose a new or empty folder, or move the copied files away")
     return record
 
 
