@@ -170,14 +170,17 @@ def test_a_path_through_a_missing_folder_and_back_is_checked_where_it_lands(name
 
 def test_real_path_takes_dotdot_after_symlinks_and_keeps_a_final_link(tmp_path):
     """`..` after a symlinked folder climbs from where the link points (as the OS does); `~` is
-    expanded; the last name stays as given, so a link there is refused, never followed."""
+    expanded; a last name linking to a folder is that folder (the user named it), one linking to
+    a file stays as given, so the checks refuse it and nothing is written through it."""
     from flopwise.manifest import real_path
 
     (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "link").symlink_to(tmp_path / "a" / "b")
+    (tmp_path / "file-link").symlink_to(_user(tmp_path / "a" / "f"))
     assert real_path(tmp_path / "link" / ".." / "x") == tmp_path.resolve() / "a" / "x"
     assert real_path(tmp_path / "no" / "such" / ".." / ".." / "x") == tmp_path.resolve() / "x"
-    assert real_path(tmp_path / "link") == tmp_path.resolve() / "link"
+    assert real_path(tmp_path / "link") == tmp_path.resolve() / "a" / "b"
+    assert real_path(tmp_path / "file-link") == tmp_path.resolve() / "file-link"
     assert real_path("~/x") == Path(os.path.expanduser("~")).resolve() / "x"
 
 

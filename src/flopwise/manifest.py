@@ -50,10 +50,10 @@ class ManifestKind:
 def real_path(path: str | Path) -> Path:
     """An output path in its real absolute form, before any check: `~` expanded, symlinked parent
     folders resolved and `..` taken after them (`DIR/missing/../x` is DIR/x, where a writer that
-    creates `missing` lands); the last name is kept as given (a symlink there is refused by the
-    check, never followed)."""
+    creates `missing` lands). A last name that links to a folder is that folder (the user named it);
+    one that links to anything else stays as given (refused by the checks, never written through)."""
     p = Path(os.path.expanduser(os.fspath(path)))
-    if p.name in ("", ".", ".."):
+    if p.name in ("", ".", "..") or (p.is_symlink() and p.is_dir()):
         return Path(os.path.realpath(p))
     return Path(os.path.realpath(p.parent)) / p.name
 
