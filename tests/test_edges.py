@@ -1,0 +1,115 @@
+"""Nothing lost at the edges (issue 39, items 5-8): values that are not numbers, buffers the pre-flight
+must book, inputs skipped without a word, orphaned workers, and tracebacks where one line is promised.
+Each case ends in one line, exit 2, with the user's bytes intact."""
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+
+from flopwise.config import load_config
+from flopwise.errors import ConfigError
+from flopwise.hardware import CATALOGUE, Hardware, hardware_toml, load_catalogue
+
+ENV = {**os.environ, "COLUMNS": "400"}
+
+
+def flopwise(*args: str, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flopwise", *args], capture_output=True, text=True, cwd=cwd,
+                          env=ENV, timeout=timeout)
+
+
+def one_line(r: subprocess.CompletedProcess) -> str:
+    """The single error line of a refused command (exit 2, no traceback)."""
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(lines) == 1, (r.returncode, r.stderr[-3000:])
+    return lines[0]
+
+
+# --- Every number is a number -------------------------------------------------------------------
+
+@pytest.mark.parametrize("override", ["optim.lr=inf", "optim.weight_decay=inf", "model.init_std=inf",
+                                      "model.init_std=nan", "guard.spike_zscore=nan", "plan.tokens=inf",
+                                      "watchdog.min_s=-inf", 'data.sources=[{path="x", weight=nan}]',
+                                      "model.rope_scaling={factor=inf, low_freq_factor=1, high_freq_factor=4, "
+                                      "original_max_seq_len=8}"])
+def test_a_non_finite_config_value_is_refused_naming_its_field(override):
+    """inf and nan are floats to TOML and pass `gt=0`: `optim.lr=inf` trained to NaN checkpoints, exit 0."""
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match="finite number") as e:
+        load_config(None, [override])
+    assert key.split(".")[-1] in str(e.value) or key in str(e.value)
+
+
+def test_every_float_field_of_the_config_tree_refuses_nan():
+    """One mechanism for the whole tree, so a field added later is covered too: every float field refuses nan."""
+    from flopwise.config import Config, Section
+
+    def float_fields(model, prefix):
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, Section):
+                yield from float_fields(ann, f"{prefix}{name}.")
+            elif "float" in str(ann):
+                yield f"{prefix}{name}"
+
+    keys = list(float_fields(Config, ""))
+    assert len(keys) >= 20 and "optim.lr" in keys
+    for key in keys:
+        with pytest.raises(ConfigError, match=f"{key}: Input should be a finite number"):
+            load_config(None, [f"{key}=nan"])
+
+
+def test_the_cli_refuses_lr_inf_in_one_line(tmp_path):
+    line = one_line(flopwise("train", "optim.lr=inf", f"run.dir={str(tmp_path / 'run')!r}", cwd=tmp_path))
+    assert "optim.lr" in line and "finite" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+HW = """[mine]
+peak_flops = {{bf16 = 1e15}}
+memory_bytes = 80e9
+memory_bw = 3e12
+intra_node_bw = 4e11
+inter_node_bw = 5e10
+devices_per_node = 8
+source = "mine"
+{extra}
+"""
+
+
+@pytest.mark.parametrize("extra, field", [
+    ("matmul_efficiency = nan", "matmul_efficiency"), ("matmul_efficiency = inf", "matmul_efficiency"),
+    ("matmul_efficiency = 1.5", "matmul_efficiency"), ("devices_per_node = 0", "devices_per_node"),
+    ("[mine.calibration]\ndtype = 'bf16'\ngemm = [[64, 64, 64, nan]]\nattention = [[64, 64, 0.5, 0.5]]\n"
+     "elementwise = [[1, 1e6, 1e10]]\noptimizer = [[1e6, 0.01]]", "calibration.gemm[0]"),
+    ("[mine.calibration]\ndtype = 'bf16'\ngemm = [[64, 64, 64, 0.5]]\nattention = [[64, 64, 0.5, 0.5]]\n"
+     "elementwise = [[1, 1e6, inf]]\noptimizer = [[1e6, 0.01]]", "calibration.elementwise[0]"),
+    ("[mine.calibration]\ndtype = 'bf16'\ngemm = [[64, 64, 64, 0.5]]\nattention = [[64, 64, 0.5, 0.5]]\n"
+     "elementwise = [[1, 1e6, 1e10]]\noptimizer = [[1e6, 0.01]]\noverlap = nan", "calibration.overlap")])
+def test_a_non_finite_hardware_field_is_refused_naming_it(tmp_path, extra, field):
+    """A NaN efficiency gave a NaN plan, exit 0; inf passed every `> 0` check."""
+    path = tmp_path / "hw.toml"
+    text = HW.format(extra=extra)
+    if field == "devices_per_node":
+        text = text.replace("devices_per_node = 8\n", "")
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(f"[mine].{field}")):
+        load_catalogue(path)
+    r = flopwise("plan", "cluster.hardware=mine", f"cluster.hardware_file={str(path)!r}")
+    assert field.split("[")[0] in one_line(r)
+    assert path.read_text() == text
+
+
+def test_every_builtin_hardware_entry_passes_the_file_checks(tmp_path):
+    """The catalogue is held to what a hardware file is: each entry, written out, loads back unchanged."""
+    import tomli_w
+
+    path = tmp_path / "all.toml"
+    path.write_text(tomli_w.dumps({n: hardware_toml(hw) for n, hw in CATALOGUE.items()}))
+    loaded = load_catalogue(path)
+    for name, hw in CATALOGUE.items():
+        assert all(getattr(loaded[name], f.name) == getattr(hw, f.name) for f in fields(Hardware)), name
