@@ -113,3 +113,31 @@ def test_every_builtin_hardware_entry_passes_the_file_checks(tmp_path):
     loaded = load_catalogue(path)
     for name, hw in CATALOGUE.items():
         assert all(getattr(loaded[name], f.name) == getattr(hw, f.name) for f in fields(Hardware)), name
+
+
+# --- Tracebacks where one line is promised ------------------------------------------------------
+
+def test_calibrate_in_fp32_is_refused_before_measuring(tmp_path):
+    """`train.dtype="fp32"` crashed after 60-90 s of measuring: the planner times compute against the
+    16-bit peak, which an fp32 calibration of the CPU entry lacks (TypeError in plan.perf.gemm_time)."""
+    r = flopwise("hardware", "calibrate", 'train.dtype="fp32"', "--out", str(tmp_path / "hw.toml"), cwd=tmp_path,
+                 timeout=60)
+    assert "train.dtype=fp32" in one_line(r)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_calibrate_out_over_its_own_file_keeps_the_users_comments(tmp_path):
+    """A rewrite from what tomllib read dropped every comment the user had added: now refused, bytes kept."""
+    from dataclasses import replace
+
+    from flopwise.calibrate import save
+
+    path = tmp_path / "hw.toml"
+    save(replace(CATALOGUE["h100-sxm"], name="mine"), path)
+    save(replace(CATALOGUE["h200"], name="mine"), path)  # flopwise's own file, no comment: replaced
+    assert load_catalogue(path)["mine"].memory_bytes == CATALOGUE["h200"].memory_bytes
+    text = path.read_text().replace("[mine]\n", "[mine]\n# measured on node 7 after the BIOS update\n", 1)
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="line 3 holds a comment"):
+        save(replace(CATALOGUE["h100-sxm"], name="mine"), path)
+    assert path.read_text() == text

@@ -759,7 +759,7 @@ def hardware_calibrate(
     import torch
     from rich.progress import Progress
 
-    from flopwise.calibrate import calibrate, save, steps_of
+    from flopwise.calibrate import calibrate, require_bf16, save, steps_of
     from flopwise.hardware import busy_note
 
     check_writable(out, "--out")
@@ -770,6 +770,7 @@ def hardware_calibrate(
     dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
     ranks = nproc or (torch.cuda.device_count() if dev.type == "cuda" else 2)
     cfg = _config(args)
+    require_bf16(cfg)
     if note := busy_note("the tables measured now (and every plan made from them)"):
         Console(stderr=True, soft_wrap=True).print(f"[yellow]note[/]: {note}")
     started = time.perf_counter()
