@@ -141,3 +141,44 @@ def test_calibrate_out_over_its_own_file_keeps_the_users_comments(tmp_path):
     with pytest.raises(ConfigError, match="line 3 holds a comment"):
         save(replace(CATALOGUE["h100-sxm"], name="mine"), path)
     assert path.read_text() == text
+
+
+# --- The pre-flight books the buffers that grow with max_seq_len --------------------------------
+
+def _measured_buffer_bytes(m) -> int:
+    """What the engine's built model holds in buffers (RoPE tables, distance embeddings, slopes)."""
+    from flopwise.model.transformer import build_model
+
+    return sum(b.numel() * b.element_size() for b in build_model(m, "cpu").buffers())
+
+
+@pytest.mark.parametrize("extra", [{}, {"model.rotary_pct": 0.5}, {"model.pos": '"relative"'},
+                                   {"model.pos": '"alibi"'}])
+def test_the_account_books_the_buffers_the_engine_holds(extra):
+    """The per-rank account (what pre-flight and the layout search compare with memory) grows with
+    model.max_seq_len by what the built model measurably holds more: before, by nothing at all."""
+    from flopwise.plan.layout import config_layout
+    from flopwise.plan.memory import buffer_bytes
+    from flopwise.train.preflight import rank_memory_total
+
+    base = ["model.preset=\"demo-tiny\"", "data.seq_len=32", 'train.dtype="fp32"',
+            *(f"{k}={v}" for k, v in extra.items())]
+    cfgs = [load_config(None, [*base, f"model.max_seq_len={n}"]) for n in (64, 4096)]
+    measured = [_measured_buffer_bytes(c.model) for c in cfgs]
+    assert [buffer_bytes(c.model, c.model.n_layers) for c in cfgs] == measured
+    lo = config_layout(cfgs[0], 1)
+    totals = [rank_memory_total(c, lo, 0, True)["total"] for c in cfgs]
+    assert totals[1] - totals[0] == measured[1] - measured[0]
+    if extra.get("model.pos") in (None, '"relative"'):
+        assert measured[1] > measured[0]
+
+
+def test_a_huge_max_seq_len_is_refused_before_allocating(tmp_path):
+    """`model.max_seq_len=1e8` passed the pre-flight ("needs 1.0 GiB"), prepared data, then allocated
+    12.8 GB for RoPE's angles: its 25.6 GB of cos/sin tables were in no account."""
+    from test_preflight import max_rss_of
+
+    r, peak = max_rss_of([sys.executable, "-m", "flopwise", "train", "model.max_seq_len=1e8"], tmp_path)
+    line = one_line(r)
+    assert line.startswith("error: train.preflight: will not fit") and "GiB" in line
+    assert list(tmp_path.iterdir()) == [] and peak < 2 * 2**30
