@@ -182,3 +182,55 @@ def test_a_huge_max_seq_len_is_refused_before_allocating(tmp_path):
     line = one_line(r)
     assert line.startswith("error: train.preflight: will not fit") and "GiB" in line
     assert list(tmp_path.iterdir()) == [] and peak < 2 * 2**30
+
+
+# --- No orphans ---------------------------------------------------------------------------------
+
+def _children(pid: int) -> set[int]:
+    kids = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids |= {int(x) for x in f.read().split()}
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stopped_sweep_stops_its_workers_and_says_so(sig, tiny_data, tmp_path):
+    """`scale sweep --jobs 2` stopped by SIGTERM left its workers training with no parent, then idle,
+    and a rerun trained beside them. Now each worker's trainer gets the signal (checkpoint, stop), the
+    sweep waits for them and says so in one line, exit 2."""
+    import signal
+    import time
+
+    from conftest import tiny_overrides
+
+    out = tmp_path / "ladder"
+    over = tiny_overrides(tmp_path / "base", tiny_data, **{"train.global_batch": 8, "train.micro_batch": 8})
+    proc = subprocess.Popen([sys.executable, "-m", "flopwise", "scale", "sweep", *over, "--budgets", "1e11",
+                             "--sizes", "2", "--spread", "4", "--jobs", "2", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(out.glob("C*/metrics.jsonl"))) < 2:  # both workers are training
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.5)
+        workers = _children(proc.pid)
+        assert len(workers) >= 2
+        proc.send_signal(getattr(signal, sig))
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    line = one_line(subprocess.CompletedProcess(proc.args, proc.returncode, "", err))
+    assert f"scale sweep stopped by {sig}: its 2 worker process(es) stopped too" in line, line
+    assert line.count("with a checkpoint") == 2, line
+    assert not [p for p in workers if _alive(p)]
