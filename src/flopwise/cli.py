@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -820,21 +821,34 @@ def audit_cmd(
                   "include downtime, so implied MFU below the planner's is expected.[/]")
 
 
+# paths no command can use, whatever it does with them: the OS's reason and the fix
+BAD_PATHS = {errno.ENAMETOOLONG: "choose a shorter name (at most 255 bytes per part of a path)",
+             errno.ELOOP: "a symbolic link there points back round to itself: fix or remove the link"}
+
+
+def _refuse(message: str) -> NoReturn:
+    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {escape(message)}", markup=True, highlight=False)
+    sys.exit(2)
+
+
 def main() -> None:
     try:
         app()
     except FlopwiseError as e:
-        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {escape(str(e))}", markup=True, highlight=False)
-        sys.exit(2)
-    except OSError as e:  # a write the OS refused that no writer turned into its option's error: still one line
+        _refuse(str(e))
+    except OSError as e:  # a path the OS refused that no command turned into its option's error: still one line
         from flopwise.outputs import UNWRITABLE
 
+        where = f"{e.filename or 'a path'}: {e.strerror or type(e).__name__}"
+        if e.errno in BAD_PATHS:
+            _refuse(f"{where}; {BAD_PATHS[e.errno]}")
         if e.errno not in UNWRITABLE:
             raise
-        Console(stderr=True, soft_wrap=True).print(
-            f"[red]error:[/] {escape(str(e.filename or 'a path'))}: {escape(e.strerror or type(e).__name__)}; choose a "
-            "path you can write, fix its permissions or free space there", markup=True, highlight=False)
-        sys.exit(2)
+        _refuse(f"{where}; choose a path you can write, fix its permissions or free space there")
+    except RuntimeError as e:  # pathlib's resolve() of a symlink loop before Python 3.13 (then OSError ELOOP)
+        if not str(e).startswith("Symlink loop from "):
+            raise
+        _refuse(f"{str(e).removeprefix('Symlink loop from ').strip(chr(39))}: {BAD_PATHS[errno.ELOOP]}")
     except KeyboardInterrupt:
         sys.exit(130)
     finally:
