@@ -2,6 +2,7 @@
 must book, inputs skipped without a word, orphaned workers, and tracebacks where one line is promised.
 Each case ends in one line, exit 2, with the user's bytes intact."""
 
+import json
 import os
 import re
 import subprocess
@@ -234,3 +235,67 @@ def test_a_stopped_sweep_stops_its_workers_and_says_so(sig, tiny_data, tmp_path)
     assert f"scale sweep stopped by {sig}: its 2 worker process(es) stopped too" in line, line
     assert line.count("with a checkpoint") == 2, line
     assert not [p for p in workers if _alive(p)]
+
+
+def test_a_negative_seed_is_refused_in_the_config():
+    """numpy's generators refused run.seed=-1 with a ValueError traceback after the build."""
+    with pytest.raises(ConfigError, match="run.seed: Input should be greater than or equal to 0"):
+        load_config(None, ["run.seed=-1"])
+
+
+def test_a_lone_surrogate_in_a_jsonl_line_is_one_line(tmp_path):
+    """JSON's escape of half a surrogate pair parses to a str that cannot be encoded: a traceback."""
+    src = tmp_path / "in.jsonl"
+    text = '{"text": "fine"}\n{"text": "half \\ud800 a pair"}\n'
+    src.write_text(text)
+    line = one_line(flopwise("data", "prepare", str(src), "--out", str(tmp_path / "out"), "--workers", "1"))
+    assert "line 2" in line and "lone surrogate (\\ud800)" in line
+    assert src.read_text() == text and not (tmp_path / "out").exists()
+
+
+def test_nan_rows_in_scale_fit_are_named(tmp_path):
+    rows = ["params,tokens,loss", "1e6,2e7,3.3", "2e6,4e7,nan", "4e6,8e7,2.9", "8e6,1.6e8,2.7", "1.6e7,3.2e8,2.5",
+            "3.2e7,6.4e8,2.4", "5e6,2e8,2.6"]
+    path = tmp_path / "points.csv"
+    path.write_text("\n".join(rows) + "\n")
+    line = one_line(flopwise("scale", "fit", str(path), cwd=tmp_path))
+    assert "row 3" in line and "finite positive" in line and "nan" in line
+
+
+@pytest.mark.parametrize("kind", ["long", "loop"])
+def test_unusable_paths_are_one_line(kind, tmp_path):
+    """A name over 255 bytes and a symlink loop as --out or run.dir were OSError/RuntimeError tracebacks."""
+    (tmp_path / "in.txt").write_text("some text to prepare\n")
+    if kind == "loop":
+        (tmp_path / "a").symlink_to("b")
+        (tmp_path / "b").symlink_to("a")
+    bad = str(tmp_path / ("x" * 300 if kind == "long" else "a"))
+    line = one_line(flopwise("data", "prepare", str(tmp_path / "in.txt"), "--out", bad, "--workers", "1"))
+    assert ("shorter name" if kind == "long" else "points back round to itself") in line
+    if kind == "long":
+        r = flopwise("train", f"run.dir={bad!r}", "train.steps=2", "optim.warmup_steps=1", cwd=tmp_path)
+        assert "shorter name" in one_line(r)
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["in.txt"] if kind == "long" else ["a", "b", "in.txt"])
+
+
+def test_resume_keeps_the_notes_a_user_added_to_metrics(tmp_path, tiny_data):
+    """A note without a step in metrics.jsonl (`{"note": ...}`) was a KeyError traceback on resume;
+    now it is kept, byte for byte, with the records up to the resumed step."""
+    import io
+
+    from rich.console import Console
+
+    from conftest import tiny_overrides
+    from flopwise.launch import train
+
+    over = tiny_overrides(tmp_path / "run", tiny_data, **{"train.steps": 4, "checkpoint.interval": 2,
+                                                          "train.eval_every": 0})
+    train(load_config(None, [*over, "train.stop_after=3"]), Console(file=io.StringIO()))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    note = '{"note":  "lr looked high here, kept going"}\n'
+    metrics.write_text("".join(lines[:1]) + note + "".join(lines[1:]))
+    train(load_config(None, over), Console(file=io.StringIO()))
+    after = metrics.read_text()
+    assert note in after and after.index(note) < after.index('"step": 2')
+    assert [r["step"] for r in map(json.loads, after.splitlines()) if "loss" in r] == [1, 2, 3, 4]

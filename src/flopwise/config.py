@@ -28,7 +28,7 @@ class Section(BaseModel):
 class RunConfig(Section):
     name: str = "demo"
     dir: str = "runs/demo"
-    seed: int = 1337
+    seed: int = Field(1337, ge=0, lt=2**63, description="seeds every generator (torch and numpy take 0 to 2^63-1)")
 
 
 class RopeScaling(Section):

@@ -83,6 +83,12 @@ def _jsonl_documents(path: Path, start: int, line: int) -> Iterator[tuple[int, i
                 raise DataError(f"data file {path}: line {n} is not JSON") from None
             if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
                 raise DataError(f"data file {path}: line {n} has no string field 'text'")
+            try:
+                rec["text"].encode("utf-8")
+            except UnicodeEncodeError as e:  # a JSON escape of half a surrogate pair: not text, no token for it
+                raise DataError(f"data file {path}: line {n}: 'text' holds a lone surrogate "
+                                f"(\\u{ord(rec['text'][e.start]):04x}), which is not Unicode text; fix the line's "
+                                "escapes") from None
             if rec["text"].strip():
                 yield here, n, rec["text"]
 
