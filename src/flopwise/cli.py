@@ -129,6 +129,7 @@ def data_prepare(
 
     from flopwise.config import DataConfig, RunConfig
     from flopwise.data.pipeline import prepare
+    from flopwise.data.shards import skipped_note
 
     val_fraction = DataConfig.model_fields["val_fraction"].default if val_fraction is None else val_fraction
     seed = RunConfig.model_fields["seed"].default if seed is None else seed
@@ -158,6 +159,8 @@ def data_prepare(
     console.print(f"{stats.documents} documents, {stats.tokens:,} tokens (train {stats.splits['train']:,}, "
                   f"val {stats.splits['val']:,}), {stats.bytes:,} bytes in {stats.seconds:.1f} s "
                   f"= {stats.tokens_per_s:,.0f} tokens/s -> {out} (report.json)")
+    if report.get("skipped"):
+        console.print(f"[yellow]skipped[/]: {escape(skipped_note(report['skipped']))} (report.json: skipped)")
 
 
 @data_app.command("mix")
