@@ -355,3 +355,29 @@ def test_the_prepare_summary_names_what_was_skipped(tmp_path):
     r = flopwise("data", "prepare", str(src), "--out", str(tmp_path / "out"), "--workers", "1")
     assert r.returncode == 0, r.stderr
     assert f"skipped: 1 files of another type (not .txt, .md, .jsonl, .parquet) ({src / 'table.csv'})" in r.stdout
+
+
+def test_eval_and_generate_say_which_checkpoint_they_use_and_why(tmp_path, tiny_data):
+    """A run whose newest checkpoint is damaged: eval and generate used the older one without a word."""
+    import io
+
+    from rich.console import Console
+
+    from conftest import tiny_overrides
+    from flopwise.launch import train
+
+    run = tmp_path / "run"
+    train(load_config(None, tiny_overrides(run, tiny_data, **{"train.steps": 4, "checkpoint.interval": 2,
+                                                              "train.eval_every": 0})), Console(file=io.StringIO()))
+    newest = run / "checkpoints" / "step-00000004"
+    r = flopwise("generate", str(run), "--prompt", "Alice", "--max-new-tokens", "2")
+    assert r.returncode == 0 and f"note: using step-00000004, the newest checkpoint of {run}" in r.stderr, r.stderr
+    shard = max((p for p in newest.rglob("*") if p.is_file() and p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    for args in (["generate", str(run), "--prompt", "Alice", "--max-new-tokens", "2"],
+                 ["eval", str(run), "--tasks", "alice-lastword"]):
+        r = flopwise(*args)
+        assert r.returncode == 0, r.stderr
+        assert "note: skipping damaged checkpoint step-00000004 (" in r.stderr and "using step-00000002" in r.stderr

@@ -260,7 +260,7 @@ def eval_cmd(
 
         dirty = measure(clean_against, loaded).contaminated
         clean = [set(range(len(ex))) - set(d) for (_, ex), d in zip(loaded, dirty)]
-    model, cfg, tok = load_for_inference(ckpt)
+    model, cfg, tok = load_for_inference(ckpt, report=_note)
     if text is not None:
         result = text_loss(model, tok.encode(read_text(text)).ids, cfg.data.seq_len, batch)
         if as_json:
@@ -322,7 +322,7 @@ def generate(
     from flopwise.eval.generate import generate as run_generate
     from flopwise.eval.load import load_for_inference
 
-    model, cfg, tok = load_for_inference(ckpt)
+    model, cfg, tok = load_for_inference(ckpt, report=_note)
     ids = tok.encode(prompt).ids
     out = run_generate(model, ids, max_new_tokens, temperature, top_k, top_p, seed, use_cache=not no_cache,
                        stop_id=eos_id(tok))
@@ -827,6 +827,11 @@ def audit_cmd(
 # paths no command can use, whatever it does with them: the OS's reason and the fix
 BAD_PATHS = {errno.ENAMETOOLONG: "choose a shorter name (at most 255 bytes per part of a path)",
              errno.ELOOP: "a symbolic link there points back round to itself: fix or remove the link"}
+
+
+def _note(message: str) -> None:
+    """A one-line note on stderr (stdout stays the command's output)."""
+    Console(stderr=True, soft_wrap=True).print(f"[yellow]note[/]: {escape(message)}", markup=True, highlight=False)
 
 
 def _refuse(message: str) -> NoReturn:
