@@ -381,3 +381,12 @@ def test_eval_and_generate_say_which_checkpoint_they_use_and_why(tmp_path, tiny_
         r = flopwise(*args)
         assert r.returncode == 0, r.stderr
         assert "note: skipping damaged checkpoint step-00000004 (" in r.stderr and "using step-00000002" in r.stderr
+
+
+def test_a_huge_tokenizer_vocab_is_refused_before_the_rust_trainer_aborts(tmp_path):
+    """`--train-tokenizer 1e10` was a Rust abort ("memory allocation of 566935683088 bytes failed")."""
+    (tmp_path / "in.txt").write_text("a little text\n")
+    line = one_line(flopwise("data", "prepare", str(tmp_path / "in.txt"), "--out", str(tmp_path / "out"),
+                             "--workers", "1", "--train-tokenizer", "10000000000"))
+    assert "tokenizer vocab 10000000000" in line and "1,048,576" in line
+    assert not (tmp_path / "out").exists()
