@@ -390,3 +390,17 @@ def test_a_huge_tokenizer_vocab_is_refused_before_the_rust_trainer_aborts(tmp_pa
                              "--workers", "1", "--train-tokenizer", "10000000000"))
     assert "tokenizer vocab 10000000000" in line and "1,048,576" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_with_ids_beyond_its_vocabulary_is_refused_at_load(tmp_path, tiny_data):
+    """A token id >= the vocab size overflowed the shard dtype or indexed past the token counts and the
+    embedding (IndexError); now the tokenizer is refused when loaded, by every command."""
+    tok = json.loads((tiny_data / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab[max(vocab, key=vocab.get)] = 5000
+    path = tmp_path / "sparse.json"
+    path.write_text(json.dumps(tok))
+    (tmp_path / "in.txt").write_text("Alice was beginning to get very tired of sitting by her sister\n")
+    line = one_line(flopwise("data", "prepare", str(tmp_path / "in.txt"), "--out", str(tmp_path / "out"),
+                             "--workers", "1", "--tokenizer", str(path)))
+    assert f"tokenizer {path}: token id 5000 is beyond its vocabulary of 512 entries" in line

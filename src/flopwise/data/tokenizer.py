@@ -131,8 +131,19 @@ def load_tokenizer(path: str | Path) -> GuardedTokenizer:
     tok = guarded(raw, p)
     _whole_documents(tok, p)
     _probe(tok)
+    _dense_ids(tok, p)
     eos_id(tok, p)
     return tok
+
+
+def _dense_ids(tok: GuardedTokenizer, p: Path) -> None:
+    """Every token id below the vocab size: shards, token counts and the embedding have that many
+    rows (an id beyond was an IndexError or overflow in the tokenize stage, or in training)."""
+    size = tok.get_vocab_size()
+    top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= size:
+        raise DataError(f"tokenizer {p}: token id {top} is beyond its vocabulary of {size} entries (ids must run "
+                        f"0..{size - 1}); fix the ids in the file or train a new tokenizer")
 
 
 def _whole_documents(tok: GuardedTokenizer, p: Path) -> None:
