@@ -21,7 +21,7 @@ ENV = {**os.environ, "COLUMNS": "400"}
 
 def flopwise(*args: str, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flopwise", *args], capture_output=True, text=True, cwd=cwd,
-                          env=ENV, timeout=timeout)
+                          env=ENV, timeout=timeout, check=False)
 
 
 def one_line(r: subprocess.CompletedProcess) -> str:
@@ -36,8 +36,8 @@ def one_line(r: subprocess.CompletedProcess) -> str:
 @pytest.mark.parametrize("override", ["optim.lr=inf", "optim.weight_decay=inf", "model.init_std=inf",
                                       "model.init_std=nan", "guard.spike_zscore=nan", "plan.tokens=inf",
                                       "watchdog.min_s=-inf", 'data.sources=[{path="x", weight=nan}]',
-                                      "model.rope_scaling={factor=inf, low_freq_factor=1, high_freq_factor=4, "
-                                      "original_max_seq_len=8}"])
+                                      ("model.rope_scaling={factor=inf, low_freq_factor=1, high_freq_factor=4, "
+                                       "original_max_seq_len=8}")])
 def test_a_non_finite_config_value_is_refused_naming_its_field(override):
     """inf and nan are floats to TOML and pass `gt=0`: `optim.lr=inf` trained to NaN checkpoints, exit 0."""
     key = override.split("=")[0]
@@ -83,15 +83,16 @@ source = "mine"
 """
 
 
+CAL = ("[mine.calibration]\ndtype = 'bf16'\ngemm = [[64, 64, 64, {gemm}]]\nattention = [[64, 64, 0.5, 0.5]]\n"
+       "elementwise = [[1, 1e6, {bw}]]\noptimizer = [[1e6, 0.01]]")
+
+
 @pytest.mark.parametrize("extra, field", [
     ("matmul_efficiency = nan", "matmul_efficiency"), ("matmul_efficiency = inf", "matmul_efficiency"),
     ("matmul_efficiency = 1.5", "matmul_efficiency"), ("devices_per_node = 0", "devices_per_node"),
-    ("[mine.calibration]\ndtype = 'bf16'\ngemm = [[64, 64, 64, nan]]\nattention = [[64, 64, 0.5, 0.5]]\n"
-     "elementwise = [[1, 1e6, 1e10]]\noptimizer = [[1e6, 0.01]]", "calibration.gemm[0]"),
-    ("[mine.calibration]\ndtype = 'bf16'\ngemm = [[64, 64, 64, 0.5]]\nattention = [[64, 64, 0.5, 0.5]]\n"
-     "elementwise = [[1, 1e6, inf]]\noptimizer = [[1e6, 0.01]]", "calibration.elementwise[0]"),
-    ("[mine.calibration]\ndtype = 'bf16'\ngemm = [[64, 64, 64, 0.5]]\nattention = [[64, 64, 0.5, 0.5]]\n"
-     "elementwise = [[1, 1e6, 1e10]]\noptimizer = [[1e6, 0.01]]\noverlap = nan", "calibration.overlap")])
+    (CAL.format(gemm="nan", bw="1e10") + "\n", "calibration.gemm[0]"),
+    (CAL.format(gemm="0.5", bw="inf") + "\n", "calibration.elementwise[0]"),
+    (CAL.format(gemm="0.5", bw="1e10") + "\noverlap = nan", "calibration.overlap")])
 def test_a_non_finite_hardware_field_is_refused_naming_it(tmp_path, extra, field):
     """A NaN efficiency gave a NaN plan, exit 0; inf passed every `> 0` check."""
     path = tmp_path / "hw.toml"
@@ -284,9 +285,9 @@ def test_resume_keeps_the_notes_a_user_added_to_metrics(tmp_path, tiny_data):
     now it is kept, byte for byte, with the records up to the resumed step."""
     import io
 
+    from conftest import tiny_overrides
     from rich.console import Console
 
-    from conftest import tiny_overrides
     from flopwise.launch import train
 
     over = tiny_overrides(tmp_path / "run", tiny_data, **{"train.steps": 4, "checkpoint.interval": 2,
@@ -361,9 +362,9 @@ def test_eval_and_generate_say_which_checkpoint_they_use_and_why(tmp_path, tiny_
     """A run whose newest checkpoint is damaged: eval and generate used the older one without a word."""
     import io
 
+    from conftest import tiny_overrides
     from rich.console import Console
 
-    from conftest import tiny_overrides
     from flopwise.launch import train
 
     run = tmp_path / "run"

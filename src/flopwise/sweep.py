@@ -23,7 +23,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from rich.console import Console
 
@@ -305,7 +305,7 @@ class _Forward:
         self.workers = 0  # signalled at the first signal
         self._previous: dict = {}
 
-    def __enter__(self) -> "_Forward":
+    def __enter__(self) -> Self:
         for s in (signal.SIGINT, signal.SIGTERM):
             self._previous[s] = signal.signal(s, self._on_signal)
         return self
