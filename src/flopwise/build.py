@@ -27,7 +27,7 @@ from flopwise.config import Config
 from flopwise.data.loader import TokenLoader
 from flopwise.data.mixture import Source, check_tokenizers, fingerprint
 from flopwise.data.pipeline import prepare
-from flopwise.data.shards import DATA_MANIFEST, FORMAT, read_index, tokenizer_of, tokenizer_path
+from flopwise.data.shards import DATA_MANIFEST, FORMAT, read_index, skipped_note, tokenizer_of, tokenizer_path
 from flopwise.errors import ConfigError
 from flopwise.manifest import add_to_manifest, real_path, why_not_ours
 from flopwise.model.transformer import build_model
@@ -98,6 +98,8 @@ def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, console: Consol
     console.print(f"  {stats.documents} documents, {stats.tokens:,} tokens ({stats.splits['train']:,} train / "
                   f"{stats.splits['val']:,} val), {stats.bytes / 1e6:.1f} MB in {stats.seconds:.1f} s "
                   f"({stats.tokens_per_s / 1e3:.0f}k tokens/s)")
+    if stats.report.get("skipped"):
+        console.print(f"  [yellow]skipped[/]: {escape(skipped_note(stats.report['skipped']))} (report.json: skipped)")
     return out
 
 

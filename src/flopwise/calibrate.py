@@ -42,7 +42,7 @@ from flopwise.calibration import COLLECTIVES, Calibration
 from flopwise.config import Config, load_config, to_toml, validate
 from flopwise.errors import ConfigError, FlopwiseError
 from flopwise.hardware import CATALOGUE, Hardware, hardware_toml, identify_gpu
-from flopwise.outputs import check_writable, write_text
+from flopwise.outputs import TOML_HEADER, check_writable, write_text
 from flopwise.model.layers import CoreAttention
 from flopwise.model.transformer import build_model
 from flopwise.plan.layout import Layout, check_layout, config_layout
@@ -144,7 +144,7 @@ def elementwise_row(cfg: Config, partial: Hardware, tp: int, mb: int, seconds: f
     other = max(seconds - t["matmul"] - t["attention"] - t["tp_comm"], 0.05 * seconds)
     eager = eager_precision(stack, False, math.inf, lo, cfg.train.dtype)  # model_seconds runs the blocks eager
     fwd, bwd, tensor = layer_elementwise_bytes(sh, mb * seq, tp, False, eager)
-    casts = weight_cast_bytes(m, tp, m.n_layers, True, 1, False) if cfg.train.dtype == "bf16" else 0.0
+    casts = weight_cast_bytes(m, tp, m.n_layers, True, 1, False)
     nbytes = m.n_layers * (fwd + bwd) + loss_bytes(sh, mb * seq, tp, eager) + casts
     return [tp, tensor, round(nbytes / other)]
 
@@ -325,9 +325,21 @@ def stream_bandwidth(device: torch.device) -> float:
     return 8 * n / timed(lambda: b.copy_(a), device)
 
 
+def require_bf16(cfg: Config) -> None:
+    """Only bf16 is measured: the planner reads every table as a share of the 16-bit peak
+    (`Hardware.peak_16bit`), so fp32 tables would be misread, and a CPU entry with only an fp32 peak
+    is refused by `plan` (an fp32 calibration crashed after a minute of measuring)."""
+    if cfg.train.dtype != "bf16":
+        raise ConfigError(f"train.dtype={cfg.train.dtype}: hardware calibrate measures the bf16 tables the planner "
+                          "reads (it times every run's compute against the 16-bit peak); drop train.dtype or set "
+                          "train.dtype=\"bf16\"")
+
+
 def calibrate(cfg: Config, device: torch.device, nproc: int, progress: Progress) -> Hardware:
     """A hardware entry for `device` with a calibration measured here (see the module docstring).
-    On a CPU one device is one of `nproc` ranks: the compute is measured on its share of the cores."""
+    On a CPU one device is one of `nproc` ranks: the compute is measured on its share of the cores.
+    """
+    require_bf16(cfg)
     threads = max(1, (os.cpu_count() or 1) // nproc) if device.type == "cpu" else 0
     before = torch.get_num_threads()
     if threads:
@@ -408,6 +420,9 @@ def save(hw: Hardware, path: str | Path) -> Path:
             tree = tomllib.loads(path.read_text(encoding="utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"--out {path}: not a hardware TOML ({e}); choose another path") from None
+        if line := _comment_line(path.read_text(encoding="utf-8")):
+            raise ConfigError(f"--out {path}: line {line} holds a comment that rewriting the file would drop; "
+                              "choose another path, or move the comment out of the file")
     tree[hw.name] = hardware_toml(hw)
     parts = []
     for name, entry in tree.items():
@@ -424,6 +439,26 @@ def save(hw: Hardware, path: str | Path) -> Path:
                 lines += [f"{kind} = {_rows(rows)}" for kind, rows in colls.items()]
             parts.append("\n".join(lines) + "\n")
     return write_text(path, "\n".join(parts), "--out")
+
+
+def _comment_line(text: str) -> int | None:
+    """The number of the first line holding a TOML comment other than flopwise's header line (tomllib
+    reads comments away, so a rewrite from what it read would lose them). A `#` inside a one-line
+    string is not a comment; one inside a multi-line string counts as one (a refusal, never a loss)."""
+    for number, line in enumerate(text.splitlines(), 1):
+        if number == 1 and line + "\n" == TOML_HEADER:
+            continue
+        quote, escaped = "", False
+        for ch in line:
+            if quote:
+                if ch == quote and not escaped:
+                    quote = ""
+                escaped = quote == '"' and ch == "\\" and not escaped
+            elif ch in "\"'":
+                quote = ch
+            elif ch == "#":
+                return number
+    return None
 
 
 def _rows(rows: list[list[float]]) -> str:

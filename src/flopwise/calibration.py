@@ -143,6 +143,18 @@ def _fit_ring(kind: str, rows) -> tuple[float, float]:
     return alpha, 1.0 / inv_bw
 
 
+def positive_number(x) -> bool:
+    """A finite number > 0 (TOML reads `inf` and `nan` as floats: neither is a measurement)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def share(where: str, value) -> float:
+    """A finite share between 0 and 1, or one line naming `where`."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
+        raise ConfigError(f"{where}: a share between 0 and 1 is needed, got {value!r}")
+    return float(value)
+
+
 def _rows(where: str, value, width: int) -> tuple[tuple[float, ...], ...]:
     if not isinstance(value, list) or not value:
         raise ConfigError(f"{where}: a non-empty list of [{width} numbers] rows is needed (run `flopwise hardware "
@@ -150,7 +162,7 @@ def _rows(where: str, value, width: int) -> tuple[tuple[float, ...], ...]:
     out = []
     for i, row in enumerate(value):
         if (not isinstance(row, list) or len(row) != width
-                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in row)):
+                or not all(positive_number(x) for x in row)):
             raise ConfigError(f"{where}[{i}]: expected {width} positive numbers, got {row!r}")
         out.append(tuple(float(x) for x in row))
     return tuple(out)
@@ -178,13 +190,7 @@ def parse_calibration(where: str, data) -> Calibration:
         optimizer=_rows(f"{where}.optimizer", data["optimizer"], 2),
         collectives=tuple((k, _rows(f"{where}.collectives.{k}", v, 3)) for k, v in sorted(colls.items())),
         source=str(data.get("source", "")), threads=_threads(where, data.get("threads", 0)),
-        overlap=_share(where, data.get("overlap", 1.0)))
-
-
-def _share(where: str, value) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
-        raise ConfigError(f"{where}.overlap: a share between 0 and 1 is needed, got {value!r}")
-    return float(value)
+        overlap=share(f"{where}.overlap", data.get("overlap", 1.0)))
 
 
 def _threads(where: str, value) -> int:

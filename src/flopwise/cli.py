@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -128,6 +129,7 @@ def data_prepare(
 
     from flopwise.config import DataConfig, RunConfig
     from flopwise.data.pipeline import prepare
+    from flopwise.data.shards import skipped_note
 
     val_fraction = DataConfig.model_fields["val_fraction"].default if val_fraction is None else val_fraction
     seed = RunConfig.model_fields["seed"].default if seed is None else seed
@@ -157,6 +159,8 @@ def data_prepare(
     console.print(f"{stats.documents} documents, {stats.tokens:,} tokens (train {stats.splits['train']:,}, "
                   f"val {stats.splits['val']:,}), {stats.bytes:,} bytes in {stats.seconds:.1f} s "
                   f"= {stats.tokens_per_s:,.0f} tokens/s -> {out} (report.json)")
+    if report.get("skipped"):
+        console.print(f"[yellow]skipped[/]: {escape(skipped_note(report['skipped']))} (report.json: skipped)")
 
 
 @data_app.command("mix")
@@ -259,7 +263,7 @@ def eval_cmd(
 
         dirty = measure(clean_against, loaded).contaminated
         clean = [set(range(len(ex))) - set(d) for (_, ex), d in zip(loaded, dirty)]
-    model, cfg, tok = load_for_inference(ckpt)
+    model, cfg, tok = load_for_inference(ckpt, report=_note)
     if text is not None:
         result = text_loss(model, tok.encode(read_text(text)).ids, cfg.data.seq_len, batch)
         if as_json:
@@ -321,7 +325,7 @@ def generate(
     from flopwise.eval.generate import generate as run_generate
     from flopwise.eval.load import load_for_inference
 
-    model, cfg, tok = load_for_inference(ckpt)
+    model, cfg, tok = load_for_inference(ckpt, report=_note)
     ids = tok.encode(prompt).ids
     out = run_generate(model, ids, max_new_tokens, temperature, top_k, top_p, seed, use_cache=not no_cache,
                        stop_id=eos_id(tok))
@@ -765,7 +769,7 @@ def hardware_calibrate(
     import torch
     from rich.progress import Progress
 
-    from flopwise.calibrate import calibrate, save, steps_of
+    from flopwise.calibrate import calibrate, require_bf16, save, steps_of
     from flopwise.hardware import busy_note
 
     check_writable(out, "--out")
@@ -776,6 +780,7 @@ def hardware_calibrate(
     dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
     ranks = nproc or (torch.cuda.device_count() if dev.type == "cuda" else 2)
     cfg = _config(args)
+    require_bf16(cfg)
     if note := busy_note("the tables measured now (and every plan made from them)"):
         Console(stderr=True, soft_wrap=True).print(f"[yellow]note[/]: {note}")
     started = time.perf_counter()
@@ -825,21 +830,39 @@ def audit_cmd(
                   "include downtime, so implied MFU below the planner's is expected.[/]")
 
 
+# paths no command can use, whatever it does with them: the OS's reason and the fix
+BAD_PATHS = {errno.ENAMETOOLONG: "choose a shorter name (at most 255 bytes per part of a path)",
+             errno.ELOOP: "a symbolic link there points back round to itself: fix or remove the link"}
+
+
+def _note(message: str) -> None:
+    """A one-line note on stderr (stdout stays the command's output)."""
+    Console(stderr=True, soft_wrap=True).print(f"[yellow]note[/]: {escape(message)}", markup=True, highlight=False)
+
+
+def _refuse(message: str) -> NoReturn:
+    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {escape(message)}", markup=True, highlight=False)
+    sys.exit(2)
+
+
 def main() -> None:
     try:
         app()
     except FlopwiseError as e:
-        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {escape(str(e))}", markup=True, highlight=False)
-        sys.exit(2)
-    except OSError as e:  # a write the OS refused that no writer turned into its option's error: still one line
+        _refuse(str(e))
+    except OSError as e:  # a path the OS refused that no command turned into its option's error: still one line
         from flopwise.outputs import UNWRITABLE
 
+        where = f"{e.filename or 'a path'}: {e.strerror or type(e).__name__}"
+        if e.errno in BAD_PATHS:
+            _refuse(f"{where}; {BAD_PATHS[e.errno]}")
         if e.errno not in UNWRITABLE:
             raise
-        Console(stderr=True, soft_wrap=True).print(
-            f"[red]error:[/] {escape(str(e.filename or 'a path'))}: {escape(e.strerror or type(e).__name__)}; choose a "
-            "path you can write, fix its permissions or free space there", markup=True, highlight=False)
-        sys.exit(2)
+        _refuse(f"{where}; choose a path you can write, fix its permissions or free space there")
+    except RuntimeError as e:  # pathlib's resolve() of a symlink loop before Python 3.13 (then OSError ELOOP)
+        if not str(e).startswith("Symlink loop from "):
+            raise
+        _refuse(f"{str(e).removeprefix('Symlink loop from ').strip(chr(39))}: {BAD_PATHS[errno.ELOOP]}")
     except KeyboardInterrupt:
         sys.exit(130)
     finally:

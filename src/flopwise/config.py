@@ -20,13 +20,15 @@ from flopwise.presets import ARCH_DEFAULTS, PRESETS
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Every config table: unknown keys and non-finite floats (inf, nan) are refused in every field."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class RunConfig(Section):
     name: str = "demo"
     dir: str = "runs/demo"
-    seed: int = 1337
+    seed: int = Field(1337, ge=0, lt=2**63, description="seeds every generator (torch and numpy take 0 to 2^63-1)")
 
 
 class RopeScaling(Section):
@@ -227,7 +229,7 @@ class ParallelConfig(Section):
 
 
 class CheckpointConfig(Section):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
 
     interval: int | Literal["auto"] = Field(0, description="steps between checkpoints; 0 = only at the end; "
                                             "auto = Young/Daly interval from the measured write time and "

@@ -13,7 +13,7 @@ import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from flopwise.calibration import Calibration, calibration_toml, parse_calibration
+from flopwise.calibration import Calibration, calibration_toml, parse_calibration, positive_number
 from flopwise.errors import ConfigError
 
 GB = 1e9
@@ -198,11 +198,17 @@ def load_catalogue(path: str | Path) -> dict[str, Hardware]:
             raise ConfigError(f"{where}: a table of fields is needed")
         fields = dict(fields)
         peaks = fields.get("peak_flops")
-        if not isinstance(peaks, dict) or not all(_positive(v) for v in peaks.values()):
+        if not isinstance(peaks, dict) or not all(positive_number(v) for v in peaks.values()):
             raise ConfigError(f"{where}.peak_flops: a table of dtype = FLOP/s (positive numbers) is needed")
         for key in NUMBERS:
-            if key in fields and not (_positive(fields[key]) or (name == "cpu" and fields[key] == 0)):
+            if key in fields and not (positive_number(fields[key]) or (name == "cpu" and fields[key] == 0)):
                 raise ConfigError(f"{where}.{key}: a positive number is needed, got {fields[key]!r}")
+        eff = fields.get("matmul_efficiency", A100_GEMM)
+        if not (positive_number(eff) and eff <= 1):
+            raise ConfigError(f"{where}.matmul_efficiency: a share of the peak in (0, 1] is needed, got {eff!r}")
+        dpn = fields.get("devices_per_node", 1)
+        if not isinstance(dpn, int) or isinstance(dpn, bool) or dpn < 1:
+            raise ConfigError(f"{where}.devices_per_node: a whole number >= 1 is needed, got {dpn!r}")
         if "calibration" in fields:
             fields["calibration"] = parse_calibration(f"{where}.calibration", fields["calibration"])
         try:
@@ -222,10 +228,6 @@ def hardware_toml(hw: Hardware) -> dict:
     if hw.calibration:
         out["calibration"] = calibration_toml(hw.calibration)
     return out
-
-
-def _positive(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
 
 
 def busy_note(what: str) -> str | None:

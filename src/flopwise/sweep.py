@@ -11,13 +11,19 @@ embedding rows would otherwise be most of N and bend the fit.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import math
 import multiprocessing
-from concurrent.futures import ProcessPoolExecutor, as_completed
+import os
+import signal
+import sys
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from rich.console import Console
 
@@ -162,15 +168,20 @@ def collect(runs: list[LadderRun], out: Path) -> Path:
 def _train_one(config: Config, threads: int | None) -> TrainResult:
     """One ladder run, logged to train.log in its run folder (claimed there as flopwise's, like the
     rest of the run's files); `threads` set (in a worker) before any work."""
-    import torch
+    global _busy
+    _busy = True
+    try:
+        import torch
 
-    from flopwise.checkpoints.rundir import Appender, claim
-    from flopwise.launch import train
+        from flopwise.checkpoints.rundir import Appender, claim
+        from flopwise.launch import train
 
-    if threads:
-        torch.set_num_threads(threads)
-    run_dir = claim(config.run.dir, ["train.log"])
-    return train(config, Console(file=Appender(run_dir, "train.log")))
+        if threads:
+            torch.set_num_threads(threads)
+        run_dir = claim(config.run.dir, ["train.log"])
+        return train(config, Console(file=Appender(run_dir, "train.log")))
+    finally:
+        _busy = False
 
 
 def run_ladder(base: Config, runs: list[LadderRun], out: Path, console: Console, jobs: int = 1) -> Path:
@@ -212,18 +223,111 @@ def run_ladder(base: Config, runs: list[LadderRun], out: Path, console: Console,
         return collect(runs, out)
     threads = max(1, torch.get_num_threads() // jobs)
     todo.sort(key=lambda ir: (-ir[1].budget, -ir[1].tokens))
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pending = {}
-        for i, r in todo:
-            started(i, r)
-            pending[pool.submit(_train_one, r.config, threads)] = r
+    queue, pending, stopped = iter(todo), {}, []
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init) as pool, \
+            _Forward() as stop:
+
+        def submit_next() -> None:  # one run per free worker: nothing waits queued to start after a signal
+            for i, r in queue:
+                started(i, r)
+                pending[pool.submit(_train_one, r.config, threads)] = r
+                return
+
+        for _ in range(jobs):
+            submit_next()
         try:
-            for done in as_completed(pending):
-                finished(pending[done], done.result())
+            while pending:
+                for done in wait(pending, return_when=FIRST_COMPLETED).done:
+                    r = pending.pop(done)
+                    result = _result(done, stop.signal)
+                    if stop.signal:
+                        stopped.append(_stopped_run(r, result))
+                        continue
+                    finished(r, result)
+                    submit_next()
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)
+            stop.forward(signal.SIGTERM)  # a worker's error ends the others' runs too, with checkpoints
             raise
+    if stop.signal:
+        raise TrainingStopped(f"scale sweep stopped by {stop.signal}: its {stop.workers} worker process(es) stopped "
+                              f"too ({'; '.join(stopped)}); run the same command again to continue the ladder")
     return collect(runs, out)
+
+
+_busy = False  # a worker is running a ladder run (else it waits for one)
+
+
+def _worker_init() -> None:
+    """A sweep worker leads its own process group, so a terminal's Ctrl-C reaches the sweep alone (which
+    passes one signal on to each worker's group: a second Ctrl-C would make a trainer stop without a
+    checkpoint), and on Linux it gets SIGTERM if the sweep dies without a word. A signal before the
+    trainer's own handler (train.watch) is in place ends the run's setup; an idle worker ignores it (its
+    death would break the pool and leave the busy ones unable to hand back their results)."""
+    os.setpgrp()
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _worker_signal)
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _worker_signal(signum, frame) -> None:
+    if _busy:
+        raise KeyboardInterrupt
+
+
+def _stopped_run(r: LadderRun, result: TrainResult | None) -> str:
+    if result is None:
+        return f"{r.name}: stopped before training"
+    if result.preempted is None:
+        return f"{r.name}: finished"
+    return f"{r.name}: stopped at step {result.preempted} with a checkpoint"
+
+
+def _result(done, stop: str | None) -> TrainResult | None:
+    """A finished future's result; after a signal a worker killed before its trainer caught it is None."""
+    try:
+        return done.result()
+    except (BrokenProcessPool, KeyboardInterrupt):
+        if stop:
+            return None
+        raise
+
+
+class _Forward:
+    """While active, SIGINT and SIGTERM to the sweep are passed on to its workers' process groups
+    (their trainers checkpoint and stop) instead of ending the sweep at once and orphaning them."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self.workers = 0  # signalled at the first signal
+        self._previous: dict = {}
+
+    def __enter__(self) -> Self:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self._previous[s] = signal.signal(s, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        """Each signal once to each worker (a second Ctrl-C stops its trainer without a checkpoint)."""
+        workers = self.forward(signum)
+        if self.signal is None:
+            self.signal, self.workers = signal.Signals(signum).name, workers
+
+    @staticmethod
+    def forward(signum: int) -> int:
+        children = multiprocessing.active_children()
+        for child in children:
+            try:  # its group, with whatever it started; one that has not run _worker_init yet, itself
+                os.killpg(child.pid, signum)
+            except ProcessLookupError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, signum)
+        return len(children)
 
 
 def launch_commands(paths: list[Path], nproc: int = 1) -> list[str]:

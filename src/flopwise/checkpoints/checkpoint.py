@@ -595,16 +595,19 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
-def resolve(path: str | Path) -> Path:
-    """A checkpoint folder, or a run folder (-> its newest complete checkpoint)."""
+def resolve(path: str | Path, report: Callable[[str], None] | None = None) -> Path:
+    """A checkpoint folder, or a run folder (-> its newest complete checkpoint). `report` hears,
+    for a run folder, which checkpoint is used and why (each damaged newer one named)."""
     p = Path(path)
     if (p / MANIFEST).exists():
         if reason := verify(p):
             raise CheckpointError(f"checkpoint {p}: damaged ({reason})")
         return p
-    found = latest(p)
+    found = latest(p, report=report)
     if found is None:
         raise CheckpointError(f"{p}: no complete checkpoint here (expected a run dir or a step-N folder)")
+    if report is not None and found == _candidates(p)[-1]:
+        report(f"using {found.name}, the newest checkpoint of {p}")
     return found
 
 

@@ -66,8 +66,8 @@ from pathlib import Path
 
 import numpy as np
 
-from flopwise.data.shards import (DATA_MANIFEST, FORMAT, WORK, PrepareStats, dtype_for_vocab, input_files,
-                                  read_documents, val_documents)
+from flopwise.data.shards import (DATA_MANIFEST, FORMAT, WORK, PrepareStats, Skipped, dtype_for_vocab, input_files,
+                                  read_documents, skipped_note, val_documents)
 from flopwise.manifest import (LOCK, file_record, files_under, folder_lock, real_path, remove_all_but, why_not_ours,
                                write_manifest)
 from flopwise.data.tokenizer import EOS, eos_id, load_tokenizer, parse_tokenizer_spec, train_bpe
@@ -96,17 +96,20 @@ class Survey:
     documents: int
     bytes: int
     chunks: list[list[int]]  # [ordinal, file index, position, line, bytes before]
+    skipped: Skipped  # what the walk and the readers left out, by reason
 
 
 def survey(inputs: list[str]) -> Survey:
     """Counts every input's documents in one streaming pass (and validates them: a bad line is a
-    DataError here, before any worker starts)."""
-    files = [f for spec in inputs for f in input_files(spec)]
-    s = Survey([str(f) for f in files], [], 0, 0, [])
+    DataError here, before any worker starts), and what it leaves out (`input_files`, binary
+    Parquet rows): named in the summary and report.json, and in the refusal if no text is left."""
+    skipped: Skipped = {}
+    files = [f for spec in inputs for f in input_files(spec, skipped)]
+    s = Survey([str(f) for f in files], [], 0, 0, [], skipped)
     last = -CHUNK_BYTES
     for fi, path in enumerate(files):
         first = True
-        for pos, line, text in read_documents(path):
+        for pos, line, text in read_documents(path, skipped=skipped):
             if first or s.bytes - last >= CHUNK_BYTES:
                 s.chunks.append([s.documents, fi, pos, line, s.bytes])
                 last = s.bytes
@@ -116,7 +119,8 @@ def survey(inputs: list[str]) -> Survey:
             s.documents += 1
             s.bytes += len(text.encode())
     if not s.documents:
-        raise DataError(f"data input {', '.join(inputs)}: contains no text")
+        raise DataError(f"data input {', '.join(inputs)}: contains no text"
+                        + (f" (skipped: {skipped_note(skipped)})" if skipped else ""))
     return s
 
 
@@ -336,7 +340,7 @@ def _fresh_plan(inputs: list[str], out: Path, spec, given, key: dict, keep: set[
     np.save(work / "val.npy", np.asarray(sorted(val_documents(s.documents, val_fraction, seed)), dtype=np.int64))
     write_manifest(out, DATA_MANIFEST, _records(out, ["tokenizer.json", f"{WORK}/val.npy"]), unchecked, folders)
     plan = {"key": key, "files": s.files, "sources": s.sources, "documents": s.documents, "bytes": s.bytes,
-            "tasks": plan_tasks(s, n_tasks)}
+            "skipped": s.skipped, "tasks": plan_tasks(s, n_tasks)}
     (work / "plan.json.tmp").write_text(json.dumps(plan))
     os.replace(work / "plan.json.tmp", work / "plan.json")  # last: the plan means "resumable"
     return plan
@@ -548,7 +552,8 @@ def _report(work: Path, plan: dict, filters: list[str], filter_names: list[str],
     for line in (work / "wall.jsonl").read_text().splitlines():
         entry = json.loads(line)
         wall[entry["stage"]] = round(wall.get(entry["stage"], 0) + entry["seconds"], 2)
-    return {"documents_in": count(first, "documents"), "bytes_in": count(first, "bytes"), "stages": rows,
+    return {"documents_in": count(first, "documents"), "bytes_in": count(first, "bytes"),
+            "skipped": plan.get("skipped", {}), "stages": rows,
             "wall_seconds": wall,
             "documents_kept": count(last, "documents"), "bytes_kept": count(last, "bytes"),
             "settings": {"filters": filters, "dedup": dedup_names, "decontaminate": decontaminate,

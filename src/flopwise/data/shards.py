@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import resources
@@ -83,11 +84,31 @@ def _jsonl_documents(path: Path, start: int, line: int) -> Iterator[tuple[int, i
                 raise DataError(f"data file {path}: line {n} is not JSON") from None
             if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
                 raise DataError(f"data file {path}: line {n} has no string field 'text'")
+            try:
+                rec["text"].encode("utf-8")
+            except UnicodeEncodeError as e:  # a JSON escape of half a surrogate pair: not text, no token for it
+                raise DataError(f"data file {path}: line {n}: 'text' holds a lone surrogate "
+                                f"(\\u{ord(rec['text'][e.start]):04x}), which is not Unicode text; fix the line's "
+                                "escapes") from None
             if rec["text"].strip():
                 yield here, n, rec["text"]
 
 
-def _parquet_documents(path: Path, start: int) -> Iterator[tuple[int, int, str]]:
+Skipped = dict[str, list[str]]  # what an input walk left out: reason -> the paths (and counts) it names
+
+
+def skip(skipped: Skipped | None, reason: str, what: str) -> None:
+    if skipped is not None:
+        skipped.setdefault(reason, []).append(what)
+
+
+def skipped_note(skipped: Skipped) -> str:
+    """`skipped` in a few words for a summary or an error line: reasons, counts, the first names."""
+    return "; ".join(f"{len(names)} {reason} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                     for reason, names in skipped.items())
+
+
+def _parquet_documents(path: Path, start: int, skipped: Skipped | None = None) -> Iterator[tuple[int, int, str]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -106,35 +127,63 @@ def _parquet_documents(path: Path, start: int) -> Iterator[tuple[int, int, str]]
             groups.append(g)
         else:
             row += n
+    wrong = 0
     for batch in pf.iter_batches(columns=["text"], row_groups=groups, batch_size=4096):
         for text in batch.column(0).to_pylist():
             if row >= start and isinstance(text, str) and text.strip():
                 yield row, row + 1, text
+            if row >= start and text is not None and not isinstance(text, str):  # binary: not text
+                wrong += 1
             row += 1
+    if wrong:
+        skip(skipped, "Parquet files with rows whose text is not a string", f"{path}: {wrong} of its rows")
 
 
-def read_documents(path: Path, start: int = 0, line: int = 1) -> Iterator[tuple[int, int, str]]:
+def read_documents(path: Path, start: int = 0, line: int = 1,
+                   skipped: Skipped | None = None) -> Iterator[tuple[int, int, str]]:
     """(position, line, text) of every non-empty document of one file from position `start` on: a
     JSONL line (its byte offset and line number), a Parquet row (its index), or a whole text file
-    (position 0). Streamed: one document in memory at a time."""
+    (position 0). Streamed: one document in memory at a time. Parquet rows whose text is binary are
+    left out and counted in `skipped`."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         yield from _jsonl_documents(path, start, line)
     elif suffix == ".parquet":
-        yield from _parquet_documents(path, start)
+        yield from _parquet_documents(path, start, skipped)
     elif start == 0:
         text = read_text(path)
         if text.strip():
             yield 0, 1, text
 
 
-def input_files(spec: str) -> list[Path]:
-    """The files of one input, in the order documents are numbered: folders are walked sorted."""
+def input_files(spec: str, skipped: Skipped | None = None) -> list[Path]:
+    """The files of one input, in the order documents are numbered: folders are walked sorted
+    (symlinked folders are not entered). What the walk leaves out (unreadable folders, broken
+    links, files of another type) goes into `skipped`; nothing usable left is a DataError saying so."""
     root = resolve_input(spec)
-    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+    left: Skipped = {}
+    if root.is_dir():
+        found = []
+        for folder, _, names in os.walk(root, onerror=lambda e: skip(left, "unreadable folders", str(e.filename))):
+            for name in names:
+                p = Path(folder) / name
+                if p.is_file():
+                    found.append(p)
+                else:
+                    skip(left, "broken or looping links and special files", str(p))
+        files = sorted(found)
+    else:
+        files = [root]
+    for f in files:
+        if f.suffix.lower() not in TEXT_SUFFIXES | {".jsonl", ".parquet"}:
+            skip(left, "files of another type (not .txt, .md, .jsonl, .parquet)", str(f))
     files = [f for f in files if f.suffix.lower() in TEXT_SUFFIXES | {".jsonl", ".parquet"}]
     if not files:
-        raise DataError(f"data input {spec}: no .txt, .jsonl or .parquet files found")
+        raise DataError(f"data input {spec}: no .txt, .jsonl or .parquet files found"
+                        + (f" (skipped: {skipped_note(left)})" if left else ""))
+    for reason, names in left.items():
+        for name in names:
+            skip(skipped, reason, name)
     return files
 
 

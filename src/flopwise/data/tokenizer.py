@@ -33,6 +33,7 @@ from flopwise.errors import DataError
 
 EOS = "<|endoftext|>"
 MIN_VOCAB = 257  # 256 byte symbols + EOS
+MAX_VOCAB = 2**20  # 4x the largest published vocabulary (Gemma's 262,144)
 # what a corpus may hold: words, punctuation, doubled spaces, tab, newline, digits, accents, CJK, emoji
 PROBE = "Hello, world!  Two  spaces,\ttab\nnew line; 0123456789 café naïve 中文 🙂 end "
 
@@ -92,10 +93,17 @@ def guarded(tok: Tokenizer | GuardedTokenizer, where: str | Path = "tokenizer") 
     return tok if isinstance(tok, GuardedTokenizer) else GuardedTokenizer(tok, where)
 
 
+def bpe_vocab(vocab_size: int) -> int:
+    """A vocab size a BPE can be trained to: at least the 256 bytes + EOS, at most MAX_VOCAB (the
+    trainer allocates per entry up front: 1e10 was a Rust abort, 'memory allocation of 566 GB failed')."""
+    if not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
+        raise DataError(f"tokenizer vocab {vocab_size}: a byte-level BPE needs {MIN_VOCAB} (256 bytes + EOS) to "
+                        f"{MAX_VOCAB:,} entries (the largest published vocabularies are ~256k); use e.g. bpe:4096")
+    return vocab_size
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int) -> GuardedTokenizer:
-    if vocab_size < MIN_VOCAB:
-        raise DataError(f"tokenizer vocab {vocab_size}: a byte-level BPE needs at least {MIN_VOCAB} "
-                        "(256 bytes + EOS); use e.g. bpe:4096")
+    bpe_vocab(vocab_size)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -123,8 +131,19 @@ def load_tokenizer(path: str | Path) -> GuardedTokenizer:
     tok = guarded(raw, p)
     _whole_documents(tok, p)
     _probe(tok)
+    _dense_ids(tok, p)
     eos_id(tok, p)
     return tok
+
+
+def _dense_ids(tok: GuardedTokenizer, p: Path) -> None:
+    """Every token id below the vocab size: shards, token counts and the embedding have that many
+    rows (an id beyond was an IndexError or overflow in the tokenize stage, or in training)."""
+    size = tok.get_vocab_size()
+    top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= size:
+        raise DataError(f"tokenizer {p}: token id {top} is beyond its vocabulary of {size} entries (ids must run "
+                        f"0..{size - 1}); fix the ids in the file or train a new tokenizer")
 
 
 def _whole_documents(tok: GuardedTokenizer, p: Path) -> None:
@@ -211,7 +230,7 @@ def parse_tokenizer_spec(spec: str) -> int | Path:
     """`bpe:VOCAB` -> the vocab size to train; anything else -> a tokenizer.json path."""
     if spec.startswith("bpe:"):
         try:
-            return int(spec[4:])
+            return bpe_vocab(int(spec[4:]))
         except ValueError:
             raise DataError(f"data.tokenizer {spec!r}: expected bpe:VOCAB with an integer, e.g. bpe:4096") from None
     return Path(spec)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -13,9 +14,11 @@ from flopwise.checkpoints import checkpoint
 from flopwise.checkpoints.export import checkpoint_config
 
 
-def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transformer, Config, GuardedTokenizer]:
-    """(model, config, tokenizer) of a checkpoint folder or a run folder, in eval mode."""
-    ckpt = checkpoint.resolve(path)
+def load_for_inference(path: str | Path, device: str = "cpu",
+                       report: Callable[[str], None] | None = None) -> tuple[Transformer, Config, GuardedTokenizer]:
+    """(model, config, tokenizer) of a checkpoint folder or a run folder, in eval mode; `report`
+    hears which checkpoint of a run folder is used and why (a damaged newer one is skipped)."""
+    ckpt = checkpoint.resolve(path, report)
     cfg = checkpoint_config(ckpt, checkpoint.read_state(ckpt))
     model = build_model(cfg.model, torch.device(device))
     checkpoint.load(ckpt, model)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from flopwise.config import Config, ModelConfig
 from flopwise.plan.float8 import float8_all_gather
 from flopwise.plan.layout import Layout, compiles
-from flopwise.plan.memory import (autocast_weight_copy_bytes, end_activation_bytes, engine_precision,
+from flopwise.plan.memory import (autocast_weight_copy_bytes, buffer_bytes, end_activation_bytes, engine_precision,
                                   gathered_param_bytes, in_flight_microbatches, loss_working_bytes, memo,
                                   rank_activation_bytes, rank_model_states, rank_param_count, regathered_bytes,
                                   step_grads, step_peak_bytes, zero1_rank_loads)
@@ -51,6 +51,7 @@ class RankMemory:
     activations: float  # saved for backward at the rank's peak
     gathered: float  # FSDP2's all-gathered parameters when the activations peak
     other: float  # gathered copies, autocast's weight copies, the loss's or ZeRO-3's working set
+    buffers: float  # computed buffers held from the build on (RoPE tables: grow with model.max_seq_len)
     step_grads: float  # gradient bytes the step allocates (DDP's bucket views: none)
     peak: float  # allocated at the step's high-water mark, above the resident model states
 
@@ -92,8 +93,8 @@ def rank_memory(run: EngineRun, lo: Layout, *, layers: int, embedding: bool, hea
                             regathered_bytes(rank_param_count(m, lo, 1, False, False, cache), lo, precision.compute)))
     grads, held = step_grads(lo, n_micro, states.grads)
     return RankMemory(params=states.params, grads=states.grads, optimizer=states.optimizer, activations=acts,
-                      gathered=gathered, other=other + work, step_grads=grads,
-                      peak=step_peak_bytes(grads, held, acts, other + work))
+                      gathered=gathered, other=other + work, buffers=buffer_bytes(m, layers, lo.tp),
+                      step_grads=grads, peak=step_peak_bytes(grads, held, acts, other + work))
 
 
 def busiest_dp_rank(m: ModelConfig, lo: Layout, layers: int, embedding: bool, head: bool,

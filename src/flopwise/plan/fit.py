@@ -74,9 +74,19 @@ def read_points(path: str | Path) -> Points:
              else scaling_tokens(np.array([float(r["flops"]) for r in rows]), n))
     except (TypeError, ValueError) as e:
         raise DataError(f"scale fit input {p}: non-numeric value ({e})") from None
-    if (n <= 0).any() or (d <= 0).any() or (loss <= 0).any():
-        raise DataError(f"scale fit input {p}: params, tokens and loss must all be positive")
-    return Points(params=n, tokens=d, loss=loss)
+    return _checked(Points(params=n, tokens=d, loss=loss), f"scale fit input {p}: row", 2)
+
+
+def _checked(pts: Points, where: str, first: int) -> Points:
+    """`pts` if every value is a finite positive number (NaN passed `<= 0` checks and broke the fit);
+    else one line naming the first bad row (`first`: the number of row 0)."""
+    good = np.isfinite(pts.params) & np.isfinite(pts.tokens) & np.isfinite(pts.loss)
+    good &= (pts.params > 0) & (pts.tokens > 0) & (pts.loss > 0)
+    if not good.all():
+        i = int(np.argmin(good))
+        raise DataError(f"{where} {i + first}: params, tokens and loss must be finite positive numbers (got "
+                        f"{pts.params[i]:g}, {pts.tokens[i]:g}, {pts.loss[i]:g}); fix or remove it")
+    return pts
 
 
 def _points_from_runs(root: Path) -> Points:
@@ -96,7 +106,7 @@ def _points_from_runs(root: Path) -> Points:
     if len(rows) < 3:
         raise DataError(f"scale fit input {root}: found {len(rows)} finished flopwise runs; need at least 3")
     n, d, loss = (np.array(c, dtype=float) for c in zip(*rows))
-    return Points(params=n, tokens=d, loss=loss)
+    return _checked(Points(params=n, tokens=d, loss=loss), f"scale fit input {root}: run", 1)
 
 
 def _huber(r: np.ndarray, delta: float) -> tuple[np.ndarray, np.ndarray]:

@@ -307,6 +307,17 @@ def end_activation_bytes(m: ModelConfig, seq: int, micro_batch: int, tp: int, ha
     return out
 
 
+def buffer_bytes(m: ModelConfig, layers: int, tp: int = 1) -> float:
+    """The engine's computed buffers (fp32, resident from the build on): RoPE's cos and sin tables
+    and Transformer-XL's distance embeddings (one table per block) hold a row per position up to
+    model.max_seq_len on every rank; ALiBi's slopes, this rank's heads. A large max_seq_len makes
+    these, not the parameters, the bytes that do not fit (1e8 positions: 51 GB of RoPE tables)."""
+    rows = 2 * m.max_seq_len * m.rotary_dim if m.pos == "rope" else 0
+    rows += layers * m.max_seq_len * m.d_model if m.pos == "relative" else 0
+    rows += m.n_heads // tp if m.pos == "alibi" else 0
+    return 4.0 * rows
+
+
 def loss_working_bytes(m: ModelConfig, seq: int, micro_batch: int, tp: int, precision: SavedPrecision) -> float:
     """What the last stage holds at the step's high-water mark beyond the saved tensors: the head's
     logits (compute dtype), kept from the forward until the loss's backward has used them, and the

@@ -507,8 +507,8 @@ def engine_memory(run: EngineRun, lo: Layout, stack: Stack, loads: list[tuple[Ra
                         shard_rank=0, dp_rank=dp_rank, flash=stack.flash_attention, cache=cache)
         opt_elements = max(opt_elements, r.optimizer / stack.optimizer_state_bytes)
         mem = {"params": r.params, "grads": r.grads, "optimizer": r.optimizer, "activations": r.activations,
-               "other": r.other + RUNTIME_RESERVE, "step_peak": r.peak,
-               "total": r.params + r.optimizer + r.grads - r.step_grads + r.peak + RUNTIME_RESERVE}
+               "other": r.other + r.buffers + RUNTIME_RESERVE, "step_peak": r.peak,
+               "total": r.params + r.optimizer + r.grads - r.step_grads + r.peak + r.buffers + RUNTIME_RESERVE}
         if worst is None or mem["total"] > worst["total"]:
             worst = mem
     return worst, opt_elements

@@ -131,6 +131,7 @@ def plot_loss_curve(metrics_path: Path, title: str = "") -> bytes:
     plt = pyplot()
 
     records = read_records(metrics_path)
+    records = [r for r in records if isinstance(r.get("step"), (int, float))]  # not a note the user added
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
