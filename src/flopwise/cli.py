@@ -37,20 +37,26 @@ DEFAULT_CONFIG = "demo"
 ARGS_HELP = "[CONFIG] [key=value ...]: a TOML file or built-in name (default: demo), then overrides"
 
 
-def _config(args: list[str] | None):
+def _config(args: list[str] | None, applied: list[str] | None = None):
     from flopwise.config import load_config, split_cli_args
 
     path, overrides = split_cli_args(args)
-    return load_config(path or DEFAULT_CONFIG, overrides)
+    return load_config(path or DEFAULT_CONFIG, overrides, applied)
 
 
 @app.command()
 def train(args: Optional[list[str]] = typer.Argument(None, help=ARGS_HELP)) -> None:
     """Train a model (default: a small Llama-style model on the embedded Shakespeare corpus)."""
+    from flopwise.launch import is_main_process
     from flopwise.launch import train as run_training
     from flopwise.train.trainer import summary_table
 
-    result = run_training(_config(args), console)
+    applied: list[str] = []
+    cfg = _config(args, applied)
+    if applied and is_main_process():
+        console.print(f"[bold]continued pre-training[/] defaults (docs/continued-pretraining.md; Gupta et al. 2023, "
+                      f"Ibrahim et al. 2024), set where you gave none: {' '.join(applied)}", highlight=False)
+    result = run_training(cfg, console)
     if not result.is_main:
         return
     console.print(summary_table(result))
@@ -108,9 +114,10 @@ def _human(n: float) -> str:
 def data_prepare(
     inputs: list[str] = typer.Argument(..., help="text files, folders, .jsonl (text field), .parquet, or builtin:NAME"),
     out: Path = typer.Option(..., "--out", help="output folder (an unfinished prepare there is resumed)"),
-    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="an existing tokenizer.json"),
-    train_tokenizer: int = typer.Option(4096, "--train-tokenizer",
-                                        help="train a byte-level BPE of this vocab size (on the first 200 MB)"),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="an existing tokenizer.json, or a Hugging "
+                                             "Face model folder (its tokenizer: for continuing that model)"),
+    train_tokenizer: Optional[int] = typer.Option(None, "--train-tokenizer", help="train a byte-level BPE of this "
+                                                  "vocab size (on the first 200 MB); default 4096 without --tokenizer"),
     val_fraction: Optional[float] = typer.Option(None, "--val-fraction", min=0.0, max=0.99,
                                                  help="documents held out for validation (default: data.val_fraction's)"),
     seed: Optional[int] = typer.Option(None, "--seed", help="seed of the split (default: run.seed's, so the split "
@@ -131,7 +138,11 @@ def data_prepare(
 
     val_fraction = DataConfig.model_fields["val_fraction"].default if val_fraction is None else val_fraction
     seed = RunConfig.model_fields["seed"].default if seed is None else seed
-    spec = str(tokenizer) if tokenizer else f"bpe:{train_tokenizer}"
+    if tokenizer is not None and train_tokenizer is not None:
+        from flopwise.errors import ConfigError
+        raise ConfigError(f"--tokenizer {tokenizer} and --train-tokenizer {train_tokenizer} conflict: give one "
+                          "(--tokenizer uses that tokenizer, --train-tokenizer trains a new one)")
+    spec = str(tokenizer) if tokenizer else f"bpe:{train_tokenizer or 4096}"
     started = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[rate]}"),
                   TimeElapsedColumn(), console=console) as bar:
@@ -232,6 +243,8 @@ def eval_cmd(
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="first N examples of each task"),
     as_json: bool = typer.Option(False, "--json"),
     batch: int = typer.Option(8, "--batch", min=1),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="--text: tokens per scored window (default: "
+                                          "the model's context, model.max_seq_len); compare losses at one window"),
     clean_against: Optional[str] = typer.Option(None, "--clean-against", help="training data (a prepared folder or "
                                                 "raw inputs): also score the examples without a 13-gram in it"),
 ) -> None:
@@ -258,12 +271,17 @@ def eval_cmd(
         clean = [set(range(len(ex))) - set(d) for (_, ex), d in zip(loaded, dirty)]
     model, cfg, tok = load_for_inference(ckpt)
     if text is not None:
-        result = text_loss(model, tok.encode(read_text(text)).ids, cfg.data.seq_len, batch)
+        if seq_len is not None and seq_len > cfg.model.max_seq_len:
+            raise ConfigError(f"--seq-len {seq_len}: beyond the model's context (model.max_seq_len="
+                              f"{cfg.model.max_seq_len}); give at most that")
+        window = seq_len or cfg.model.max_seq_len
+        result = {**text_loss(model, tok.encode(read_text(text)).ids, window, batch), "seq_len": window}
         if as_json:
             typer.echo(json.dumps(result))
         else:
+            how = "--seq-len" if seq_len else "the model's context, model.max_seq_len; --seq-len to change"
             console.print(f"{text}: loss {result['loss']:.4f} nats/token, ppl {result['ppl']:.2f} over "
-                          f"{result['tokens']:,} tokens")
+                          f"{result['tokens']:,} tokens, in windows of {window} tokens ({how})", highlight=False)
         return
     from rich.progress import Progress
 
@@ -314,14 +332,15 @@ def generate(
     no_cache: bool = typer.Option(False, "--no-cache", help="recompute the full context each token"),
 ) -> None:
     """Sample a continuation of a prompt with a KV cache."""
-    from flopwise.data.tokenizer import eos_id
+    from flopwise.checkpoints.checkpoint import resolve
+    from flopwise.data.tokenizer import special_ids
     from flopwise.eval.generate import generate as run_generate
     from flopwise.eval.load import load_for_inference
 
     model, cfg, tok = load_for_inference(ckpt)
     ids = tok.encode(prompt).ids
     out = run_generate(model, ids, max_new_tokens, temperature, top_k, top_p, seed, use_cache=not no_cache,
-                       stop_id=eos_id(tok))
+                       stop_id=special_ids(tok, resolve(ckpt))["eos"])  # the model's own end token
     typer.echo(tok.decode(ids + out))
     if len(out) < max_new_tokens and len(ids) + len(out) == cfg.model.max_seq_len:
         Console(stderr=True, soft_wrap=True).print(f"[yellow]note[/]: stopped after {len(out)} new tokens at the "
