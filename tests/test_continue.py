@@ -234,3 +234,46 @@ def test_export_refuses_tensors_that_do_not_match_the_config(instruct, tmp_path)
     assert isinstance(r.exception, CheckpointError), r.output
     assert "weight is [512, 64], its config implies [600, 64]; nothing was written" in str(r.exception)
     assert not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_is_acknowledged_during_a_step_and_a_second_one_stops_at_once(tmp_path):
+    """Trap 7: Python runs a signal handler only between bytecodes, so a Ctrl-C in a long step (one
+    C call: here a chain of matmuls holding the main thread for seconds) was acknowledged only
+    when the step ended, and a second one in that time was merged into the first."""
+    import signal
+    import threading
+    import time
+
+    from flopwise.config import WatchdogConfig
+    from flopwise.train.watch import Watch
+
+    said, aborted = [], []
+    watch = Watch(WatchdogConfig(), tmp_path, 0, torch.device("cpu"), report=lambda m: said.append(time.monotonic()))
+    watch.abort = lambda: aborted.append(time.monotonic())
+    q = torch.linalg.qr(torch.randn(600, 600))[0]  # orthogonal: the product stays finite
+    t = time.monotonic()
+    q @ q
+    k = max(3, int(4.0 / max(time.monotonic() - t, 1e-4)))  # about 4 s of one C call
+    kill = lambda: os.kill(os.getpid(), signal.SIGINT)  # noqa: E731
+    with watch:
+        threading.Timer(0.3, kill).start()
+        threading.Timer(0.9, kill).start()
+        t0 = time.monotonic()
+        torch.linalg.multi_dot([q] * k)
+        t1 = time.monotonic()
+    assert t1 - t0 > 1.5, "the C call was too short to tell"
+    assert len(said) == 2 and said[0] < t1 - 0.5 and aborted and aborted[0] < t1 - 0.2
+    assert watch.signal == "SIGINT"
+
+
+def test_ctrl_c_checkpoints_at_the_end_of_the_step(tiny_data, tmp_path, monkeypatch):
+    """One process: a Ctrl-C in step 3 checkpoints at step 3, not at the next log step (50)."""
+    from conftest import tiny_overrides
+
+    from flopwise.launch import train
+
+    monkeypatch.setenv("FLOPWISE_FAULTS", "sigint:step=3")
+    cfg = load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{
+        "train.steps": 50, "log.every": 50, "train.eval_every": 0, "checkpoint.interval": 0}))
+    result = train(cfg, _quiet())
+    assert result.preempted == 3 and result.checkpoint is not None and result.checkpoint.name == "step-00000003"

@@ -307,7 +307,9 @@ class _Loop:
             pending.append((done, lr, values))
             step = done
             do_eval, do_save = self.due(done)
-            if not (do_eval or do_save or done % self.cfg.log.every == 0 or done == self.end):
+            # a signal on one process: checkpoint at this step's end (ranks learn of one at a sync point)
+            signalled = self.watch.signal is not None and self.run.par.layout.world == 1
+            if not (do_eval or do_save or signalled or done % self.cfg.log.every == 0 or done == self.end):
                 continue
             sync, host = self.watch.sync(self.saver.poll(), torch.stack([v for _, _, v in pending]))
             self.ranks = {"rank_step_s": sync.rank_s, "slowest_rank": sync.slowest} if len(sync.rank_s) > 1 else {}
