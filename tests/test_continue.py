@@ -277,3 +277,17 @@ def test_ctrl_c_checkpoints_at_the_end_of_the_step(tiny_data, tmp_path, monkeypa
         "train.steps": 50, "log.every": 50, "train.eval_every": 0, "checkpoint.interval": 0}))
     result = train(cfg, _quiet())
     assert result.preempted == 3 and result.checkpoint is not None and result.checkpoint.name == "step-00000003"
+
+
+def test_plan_says_whether_it_assumes_compile_and_answers_uncalibrated_on_a_cpu(instruct):
+    """Trap 6: with plan.tokens unset the planner books a compiled run (20 tokens per parameter is
+    >= 1000 steps) where `flopwise train` with train.steps=300 runs eager, and said nothing; on a
+    CPU without a calibration file it refused to plan at all. Small plans printed "0.0 days"."""
+    out = " ".join(cli("plan", f'model.init_from="hf:{instruct}"', "train.steps=300", "train.global_batch=1",
+                       "data.seq_len=16", "--top", "1").output.split())
+    assert "torch.compile assumed (train.compile=auto and the planned run is" in out
+    assert "`flopwise train` with train.steps=300 would not compile" in out
+    assert "uncalibrated: UNCALIBRATED nominal rates" in out and "flopwise hardware calibrate --out cpu.toml" in out
+    assert "0.0 days" not in out and "0.00 TB" not in out
+    eager = " ".join(cli("plan", f'model.init_from="hf:{instruct}"', "train.compile=false", "--top", "1").output.split())
+    assert "torch.compile not assumed (train.compile=false)" in eager

@@ -103,6 +103,23 @@ def presets(as_json: bool = typer.Option(False, "--json", help="print a JSON lis
     console.print(table)
 
 
+def _duration(days: float) -> str:
+    """A duration in the unit that shows it: "3.2 days", "5.1 h", "12 min", "40 s" (a small plan
+    printed "0.0 days")."""
+    for unit, per_day, fmt in (("days", 1, ".1f"), ("h", 24, ".1f"), ("min", 1440, ".0f")):
+        if days * per_day >= 1:
+            return f"{days * per_day:{fmt}} {unit}"
+    return f"{days * 86400:.0f} s"
+
+
+def _size(n: float) -> str:
+    """Bytes in the decimal unit that shows them: "1.30 TB", "538 MB" (a small plan printed "0.00 TB")."""
+    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= div:
+            return f"{n / div:.3g} {unit}"
+    return f"{n / 1e3:.3g} kB"
+
+
 def _human(n: float) -> str:
     for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= div:
@@ -645,6 +662,8 @@ def _model_name(cfg, hf: Path | None) -> str:
 
 
 def _print_plan(report, top: int, name: str) -> None:
+    from flopwise.plan.planner import compile_note
+
     cfg, hw = report.cfg, report.hardware
     console.print(f"{escape(name)}: {_human(report.params)} params ({report.params:,}), "
                   f"{report.flops_per_token:.3g} FLOPs/token at seq {cfg.data.seq_len}; batch "
@@ -660,7 +679,7 @@ def _print_plan(report, top: int, name: str) -> None:
                          "does not hold (buffers such as attention masks or rotary tables) or a misread config[/]"))
     table = Table(title="layouts, best first" if report.best.fits else "NOTHING FITS: smallest first")
     for col in ("dp(rep)", "zero", "tp", "pp", "cp", "schedule", "mb", "recompute", "GiB", "step s", "tok/s",
-                "MFU", "HFU", "days", "GPU-h", "why not first"):
+                "MFU", "HFU", "time", "GPU-h", "why not first"):
         table.add_column(col, no_wrap=col != "why not first")
     for e, why in list(zip(report.result.ranked, report.reasons()))[:top]:
         lo = e.layout
@@ -670,19 +689,22 @@ def _print_plan(report, top: int, name: str) -> None:
                       str(lo.pp), str(lo.cp), sched, str(lo.micro_batch),
                       lo.recompute + ({"rowwise": " +fp8r", "tensorwise": " +fp8t"}.get(e.float8, "")),
                       f"{e.memory['total'] / 2**30:.1f}", f"{e.step_time:.3g}", _human(e.tokens_per_s),
-                      f"{e.mfu:.1%}", f"{e.hfu:.1%}", f"{j['train_days']:.1f}", _human(j["gpu_hours"]), why)
+                      f"{e.mfu:.1%}", f"{e.hfu:.1%}", _duration(j["train_days"]), _human(j["gpu_hours"]), why)
     console.print(table)
     if note := report.float8_note():
         console.print(note)
     b = report.best
     console.print("time of the best step: " + ", ".join(f"{k} {v:.3g} s" for k, v in b.time.items() if v))
+    console.print(compile_note(cfg, report.tokens, b.layout), highlight=False)
+    if hw.extra.get("uncalibrated"):
+        console.print(f"[yellow]uncalibrated[/]: {escape(hw.source)}", highlight=False)
     r = report.reliability
     if r:
         days = b.to_json(report.tokens, cfg.cluster.gpus)["train_days"]
-        console.print(f"checkpoint {r.checkpoint_bytes / 1e12:.2f} TB, write {r.write_s:.0f} s; cluster MTBF "
+        console.print(f"checkpoint {_size(r.checkpoint_bytes)}, write {r.write_s:.0f} s; cluster MTBF "
                       f"{r.cluster_mtbf_h:.2f} h; Young/Daly interval {r.interval_daly_s / 60:.0f} min; expected "
-                      f"goodput {r.goodput:.1%}, {r.failures_expected:.0f} failures over the run: {r.wall_days:.1f} "
-                      f"days of wall-clock with them ({days:.1f} without)")
+                      f"goodput {r.goodput:.1%}, {r.failures_expected:.0f} failures over the run: "
+                      f"{_duration(r.wall_days)} of wall-clock with them ({_duration(days)} without)")
         console.print(f"[dim]failure rate: {r.failure_source}[/]")
     for d in report.data or []:
         warn = " [yellow](over 4 epochs: repeats add little)[/]" if d.over_repeated else ""
