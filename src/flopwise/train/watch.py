@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import _thread
 import faulthandler
 import os
 import select
@@ -42,6 +43,7 @@ import torch.distributed as dist
 from flopwise.config import WatchdogConfig
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+ABORT_GRACE_S = 1.0  # a second Ctrl-C: how long the main thread has to take its KeyboardInterrupt
 
 
 @dataclass
@@ -71,6 +73,7 @@ class Watch:
         self._wakeup: tuple[int, int] | None = None  # (read, write) ends of the signals' wake-up pipe
         self._previous_fd = -1
         self._interrupts = 0
+        self._aborting = False
         self.abort = self._exit_now  # the second Ctrl-C's action (a test replaces it)
 
     def __enter__(self) -> "Watch":
@@ -97,10 +100,13 @@ class Watch:
 
     def _on_signal(self, signum, frame) -> None:
         """Python's handler, run once the main thread is back in bytecode; with the wake-up pipe
-        the watchdog thread has already acted on the signal."""
+        the watchdog thread has already acted on the signal (and asks for a KeyboardInterrupt here
+        after a second Ctrl-C: `_exit_now`)."""
         if self._wakeup is None and signum == signal.SIGINT:
             self._interrupt()
         self.signal = signal.Signals(signum).name
+        if self._aborting and signum == signal.SIGINT:
+            raise KeyboardInterrupt
 
     def _signalled(self, data: bytes) -> None:
         """Signal numbers read from the wake-up pipe (watchdog thread), as they arrive."""
@@ -120,11 +126,17 @@ class Watch:
             self.abort()
 
     def _exit_now(self) -> None:
+        """The second Ctrl-C: a KeyboardInterrupt in the main thread as soon as it runs Python again
+        (the usual way out, with its clean-up); if a long step keeps it in C code, the process
+        ends (exit 130) after ABORT_GRACE_S."""
+        self._aborting = True
         if threading.current_thread() is threading.main_thread():
             raise KeyboardInterrupt
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
+        _thread.interrupt_main()  # runs _on_signal(SIGINT) in the main thread, which raises
+        if not self._stop.wait(ABORT_GRACE_S):  # still in the step
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
 
     def beat(self, step: int) -> None:
         """Step `step` starts now (the previous one ended)."""
