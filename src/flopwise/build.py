@@ -133,7 +133,8 @@ def check_init_tokenizer(cfg: Config, data_dir: Path) -> GuardedTokenizer | None
         return None
     model_tok = load_tokenizer(hf / "tokenizer.json")
     if diff := tokenizer_difference(tokenizer_of(data_dir), model_tok):
-        raise DataError(f"data {data_dir} was tokenized with another tokenizer than model.init_from={cfg.model.init_from} "
+        raise DataError(f"data {data_dir} was tokenized with another tokenizer than "
+                        f"model.init_from={cfg.model.init_from} "
                         f"({diff}): its token ids mean other tokens to the model; prepare the data with "
                         f"`flopwise data prepare INPUTS --tokenizer {hf} --out DIR`, or give data.path raw text "
                         "(data.tokenizer unset: the model's)")
@@ -148,11 +149,12 @@ def loaded_line(cfg: Config, tok: GuardedTokenizer | None) -> str:
         tokens = "no tokenizer.json there (the data's is not checked against it)"
     else:
         ids = special_ids(tok, hf)
-        tokens = (f"tokenizer {hf / 'tokenizer.json'} ({tok.get_vocab_size():,} tokens; bos {tok.id_to_token(ids['bos'])!r}="
-                  f"{ids['bos']}, eos {tok.id_to_token(ids['eos'])!r}={ids['eos']})")
+        tokens = (f"tokenizer {hf / 'tokenizer.json'} ({tok.get_vocab_size():,} tokens; "
+                  f"bos {tok.id_to_token(ids['bos'])!r}={ids['bos']}, "
+                  f"eos {tok.id_to_token(ids['eos'])!r}={ids['eos']})")
     return (f"[bold]loaded[/] {escape(cfg.model.init_from)}: {cfg.model.arch}, {params:,} parameters, "
-            f"context {cfg.model.max_seq_len}; {escape(tokens)}; training at lr {o.lr:g} (warm-up {o.warmup_steps} steps, "
-            f"{o.schedule} to {o.min_lr:g}), seq_len {cfg.data.seq_len}")
+            f"context {cfg.model.max_seq_len}; {escape(tokens)}; training at lr {o.lr:g} "
+            f"(warm-up {o.warmup_steps} steps, {o.schedule} to {o.min_lr:g}), seq_len {cfg.data.seq_len}")
 
 
 def build_parts(cfg: Config, par: mesh.Parallel) -> list[tuple[int, nn.Module]]:

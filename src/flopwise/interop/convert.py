@@ -44,7 +44,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
                            keep=None, replace=force, tmp=checkpoint.scratch_dir(out, 0))
 
 
-def check_export(src: Path, m: ModelConfig, shapes: dict[str, tuple[int, ...]], tok, ids: dict[str, int | None]) -> None:
+def check_export(src: Path, m: ModelConfig, shapes: dict[str, tuple[int, ...]], tok,
+                 ids: dict[str, int | None]) -> None:
     """Refuse (one line, nothing written) a checkpoint whose tensors do not fit its config (a
     missing, extra or reshaped tensor) or whose tokenizer does not fit its model (more tokens
     than embedding rows, a special token past them): its export would load wrong or not at all."""
@@ -52,13 +53,14 @@ def check_export(src: Path, m: ModelConfig, shapes: dict[str, tuple[int, ...]], 
 
     want = {k: tuple(v.shape) for k, v in build_model(m, "meta").state_dict().items()}
     for name in sorted(want.keys() | shapes.keys()):
-        if want.get(name) != shapes.get(name) and not (m.tie_embeddings and name == "output.weight" and name not in shapes):
+        tied_once = m.tie_embeddings and name == "output.weight" and name not in shapes
+        if want.get(name) != shapes.get(name) and not tied_once:
             raise CheckpointError(f"convert to-hf: checkpoint {src}: tensor {name} is "
                                   f"{list(shapes[name]) if name in shapes else 'missing'}, its config implies "
                                   f"{list(want[name]) if name in want else 'none'}; nothing was written")
     if tok.get_vocab_size() > m.vocab_size:
-        raise CheckpointError(f"convert to-hf: checkpoint {src}: its tokenizer has {tok.get_vocab_size():,} tokens, the "
-                              f"model {m.vocab_size:,} embedding rows; nothing was written")
+        raise CheckpointError(f"convert to-hf: checkpoint {src}: its tokenizer has {tok.get_vocab_size():,} tokens, "
+                              f"the model {m.vocab_size:,} embedding rows; nothing was written")
     for key, i in ids.items():
         if i is not None and not 0 <= i < m.vocab_size:
             raise CheckpointError(f"convert to-hf: checkpoint {src}: {key} token id {i} is past the model's "

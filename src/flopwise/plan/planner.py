@@ -231,13 +231,15 @@ def compile_note(cfg: Config, tokens: float, lo: Layout) -> str:
     if cfg.train.compile != "auto":
         why = f"train.compile={str(cfg.train.compile).lower()}"
     else:
-        source = "plan.tokens" if cfg.plan.tokens else f"plan.tokens unset: {DEFAULT_TOKENS_PER_PARAM} tokens per parameter"
+        source = ("plan.tokens" if cfg.plan.tokens else
+                  f"plan.tokens unset: {DEFAULT_TOKENS_PER_PARAM} tokens per parameter")
         why = (f"train.compile=auto and the planned run is {steps:,.0f} steps ({source}); auto compiles runs of "
                f">= {COMPILE_MIN_STEPS} steps without tp, pp or cp")
     note = f"torch.compile {'assumed' if on else 'not assumed'} ({why})"
     if cfg.train.compile == "auto" and compiles("auto", cfg.train.steps, lo) != on:
-        note += (f"; `flopwise train` with train.steps={cfg.train.steps} would {'not ' if on else ''}compile: plan that "
-                 f"run with plan.tokens={cfg.train.steps * seq * batch} or train.compile={str(not on).lower()}")
+        note += (f"; `flopwise train` with train.steps={cfg.train.steps} would {'not ' if on else ''}compile: "
+                 f"plan that run with plan.tokens={cfg.train.steps * seq * batch} or "
+                 f"train.compile={str(not on).lower()}")
     return note
 
 

@@ -157,8 +157,8 @@ class _Loop:
         # checkpoint of a continued model, so eval, generate and export never need its folder again
         files = {"tokenizer.json": run.sources[0].data_dir / run.index["tokenizer"],
                  **(side_files(cfg.model.init_from[3:]) if cfg.model.init_from else {})}
-        self.saver = Saver(cfg, self.run_dir, run.engine.parts, run.optimizer, self.snapshot, files, self.faults, console,
-                           par.layout.world)
+        self.saver = Saver(cfg, self.run_dir, run.engine.parts, run.optimizer, self.snapshot, files, self.faults,
+                           console, par.layout.world)
         self.saver.last = run.resumed_from
         self.watch = Watch(cfg.watchdog, self.run_dir, self.rank, par.device,
                            report=lambda m: console.print(m, highlight=False))
@@ -220,8 +220,8 @@ class _Loop:
         self.val0 = None  # once
         self.console.print(f"[yellow]warning[/]: step {done}: training loss {loss:.3f} is far above the loaded model's "
                            f"step-0 validation loss ({self.val0_seen:.3f}): the model is being damaged, most likely by "
-                           f"a learning rate too high for continued pre-training (optim.lr={self.cfg.optim.lr:g}); stop "
-                           "(Ctrl-C) and lower it (docs/continued-pretraining.md)", highlight=False)
+                           f"a learning rate too high for continued pre-training (optim.lr={self.cfg.optim.lr:g}); "
+                           "stop (Ctrl-C) and lower it (docs/continued-pretraining.md)", highlight=False)
         self.write({"step": done, "event": "loss_rise", "loss": loss, "val_loss_step0": self.val0_seen})
 
     def log(self, done: int, loss: float, lr: float, norm: float) -> None:
