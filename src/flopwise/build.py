@@ -143,7 +143,8 @@ def check_init_tokenizer(cfg: Config, data_dir: Path) -> GuardedTokenizer | None
 
 def loaded_line(cfg: Config, tok: GuardedTokenizer | None) -> str:
     """What model.init_from brought in: source, parameters, tokenizer, and the schedule it goes on at."""
-    hf, o = Path(cfg.model.init_from[3:]), cfg.optim
+    source, o = cfg.model.init_from or "", cfg.optim
+    hf = Path(source[3:])
     params = count_params(cfg.model).total
     if tok is None:
         tokens = "no tokenizer.json there (the data's is not checked against it)"
@@ -152,7 +153,7 @@ def loaded_line(cfg: Config, tok: GuardedTokenizer | None) -> str:
         tokens = (f"tokenizer {hf / 'tokenizer.json'} ({tok.get_vocab_size():,} tokens; "
                   f"bos {tok.id_to_token(ids['bos'])!r}={ids['bos']}, "
                   f"eos {tok.id_to_token(ids['eos'])!r}={ids['eos']})")
-    return (f"[bold]loaded[/] {escape(cfg.model.init_from)}: {cfg.model.arch}, {params:,} parameters, "
+    return (f"[bold]loaded[/] {escape(source)}: {cfg.model.arch}, {params:,} parameters, "
             f"context {cfg.model.max_seq_len}; {escape(tokens)}; training at lr {o.lr:g} "
             f"(warm-up {o.warmup_steps} steps, {o.schedule} to {o.min_lr:g}), seq_len {cfg.data.seq_len}")
 
