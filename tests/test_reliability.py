@@ -240,8 +240,8 @@ def test_ctrl_c_checkpoints_and_what_a_rerun_of_that_folder_may_do(tiny_data, tm
     r, out = run(tmp_path / "r", tiny_data, "sigint:step=5", monkeypatch, **kw)
     assert (r.preempted, r.signal, r.steps, r.checkpoint.name) == (5, "SIGINT", 5, "step-00000005")
     assert "Ctrl-C again to stop now" in out
-    with pytest.raises(KeyboardInterrupt):  # the second one comes before the next sync point
-        run(tmp_path / "twice", tiny_data, "sigint:step=2, sigint:step=3", monkeypatch, **{**kw, "log.every": 10})
+    with pytest.raises(KeyboardInterrupt):  # the second one comes before the step ends (one process stops there)
+        run(tmp_path / "twice", tiny_data, "sigint:step=2, sigint:step=2", monkeypatch, **{**kw, "log.every": 10})
     metrics = (tmp_path / "r" / "metrics.jsonl").read_text()
     with pytest.raises(ConfigError, match="holds an earlier run's checkpoints"):
         run(tmp_path / "r", tiny_data, "", monkeypatch, **{**kw, "checkpoint.resume": '"none"'})

@@ -28,7 +28,9 @@ from flopwise.data.loader import TokenLoader
 from flopwise.data.mixture import Source, check_tokenizers, fingerprint
 from flopwise.data.pipeline import prepare
 from flopwise.data.shards import DATA_MANIFEST, FORMAT, read_index, skipped_note, tokenizer_of, tokenizer_path
-from flopwise.errors import ConfigError
+from flopwise.data.tokenizer import GuardedTokenizer, load_tokenizer, special_ids, tokenizer_difference
+from flopwise.errors import ConfigError, DataError
+from flopwise.flops import count_params
 from flopwise.manifest import add_to_manifest, real_path, why_not_ours
 from flopwise.model.transformer import build_model
 from flopwise.parallel import mesh
@@ -124,6 +126,41 @@ def ensure_data(cfg: Config, run_dir: Path, console: Console, setting: str = "ru
     return sources
 
 
+def check_init_tokenizer(cfg: Config, data_dir: Path) -> GuardedTokenizer | None:
+    """model.init_from=hf:PATH pins the model's tokenizer: data tokenized with another one (its own
+    bpe:VOCAB, another model's) is refused in one line, before step 1, by vocabulary and special
+    tokens (its ids would mean other tokens to the embeddings: the first loss would be about
+    ln(vocab)). The model's tokenizer, or None where the folder has no tokenizer.json to compare."""
+    hf = Path(cfg.model.init_from[3:]) if cfg.model.init_from else None
+    if hf is None or not (hf / "tokenizer.json").is_file():
+        return None
+    model_tok = load_tokenizer(hf / "tokenizer.json")
+    if diff := tokenizer_difference(tokenizer_of(data_dir), model_tok):
+        raise DataError(f"data {data_dir} was tokenized with another tokenizer than "
+                        f"model.init_from={cfg.model.init_from} "
+                        f"({diff}): its token ids mean other tokens to the model; prepare the data with "
+                        f"`flopwise data prepare INPUTS --tokenizer {hf} --out DIR`, or give data.path raw text "
+                        "(data.tokenizer unset: the model's)")
+    return model_tok
+
+
+def loaded_line(cfg: Config, tok: GuardedTokenizer | None) -> str:
+    """What model.init_from brought in: source, parameters, tokenizer, and the schedule it goes on at."""
+    source, o = cfg.model.init_from or "", cfg.optim
+    hf = Path(source[3:])
+    params = count_params(cfg.model).total
+    if tok is None:
+        tokens = "no tokenizer.json there (the data's is not checked against it)"
+    else:
+        ids = special_ids(tok, hf)
+        tokens = (f"tokenizer {hf / 'tokenizer.json'} ({tok.get_vocab_size():,} tokens; "
+                  f"bos {tok.id_to_token(ids['bos'])!r}={ids['bos']}, "
+                  f"eos {tok.id_to_token(ids['eos'])!r}={ids['eos']})")
+    return (f"[bold]loaded[/] {escape(source)}: {cfg.model.arch}, {params:,} parameters, "
+            f"context {cfg.model.max_seq_len}; {escape(tokens)}; training at lr {o.lr:g} "
+            f"(warm-up {o.warmup_steps} steps, {o.schedule} to {o.min_lr:g}), seq_len {cfg.data.seq_len}")
+
+
 def build_parts(cfg: Config, par: mesh.Parallel) -> list[tuple[int, nn.Module]]:
     """(stage id, parallelized module) for each pipeline stage this rank runs ((0, model) without
     pipelining): split and sharded on the meta device, then only this rank's shards allocated,
@@ -197,6 +234,7 @@ def build_run(cfg: Config, console: Console, lock: Callable[[], object] = lambda
     if not par.is_main:
         sources = ensure_data(cfg, run_dir, console)  # prepared by rank 0 by now
     index = read_index(sources[0].data_dir)
+    model_tok = check_init_tokenizer(cfg, sources[0].data_dir)
     if index["vocab_size"] > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"{index['vocab_size']}; set model.vocab_size>={index['vocab_size']}")
@@ -205,6 +243,8 @@ def build_run(cfg: Config, console: Console, lock: Callable[[], object] = lambda
                          dp_rank=par.rank("dp"), dp_size=par.layout.dp)
     run = Run(cfg, par, engine, optimizer, loader, sources, index, tokenizer_of(sources[0].data_dir),
               Guard(cfg.guard), fingerprint(sources))
+    if cfg.model.init_from:
+        console.print(loaded_line(cfg, model_tok), highlight=False)
     run.resumed_from = resume_from = _resume_point(cfg, run_dir, console)
     if resume_from is not None:
         resume(run, resume_from, console)

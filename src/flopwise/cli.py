@@ -38,20 +38,26 @@ DEFAULT_CONFIG = "demo"
 ARGS_HELP = "[CONFIG] [key=value ...]: a TOML file or built-in name (default: demo), then overrides"
 
 
-def _config(args: list[str] | None):
+def _config(args: list[str] | None, applied: list[str] | None = None):
     from flopwise.config import load_config, split_cli_args
 
     path, overrides = split_cli_args(args)
-    return load_config(path or DEFAULT_CONFIG, overrides)
+    return load_config(path or DEFAULT_CONFIG, overrides, applied)
 
 
 @app.command()
 def train(args: Optional[list[str]] = typer.Argument(None, help=ARGS_HELP)) -> None:
     """Train a model (default: a small Llama-style model on the embedded Shakespeare corpus)."""
+    from flopwise.launch import is_main_process
     from flopwise.launch import train as run_training
     from flopwise.train.trainer import summary_table
 
-    result = run_training(_config(args), console)
+    applied: list[str] = []
+    cfg = _config(args, applied)
+    if applied and is_main_process():
+        console.print(f"[bold]continued pre-training[/] defaults (docs/continued-pretraining.md; Gupta et al. 2023, "
+                      f"Ibrahim et al. 2024), set where you gave none: {' '.join(applied)}", highlight=False)
+    result = run_training(cfg, console)
     if not result.is_main:
         return
     console.print(summary_table(result))
@@ -98,6 +104,23 @@ def presets(as_json: bool = typer.Option(False, "--json", help="print a JSON lis
     console.print(table)
 
 
+def _duration(days: float) -> str:
+    """A duration in the unit that shows it: "3.2 days", "5.1 h", "12 min", "40 s" (a small plan
+    printed "0.0 days")."""
+    for unit, per_day, fmt in (("days", 1, ".1f"), ("h", 24, ".1f"), ("min", 1440, ".0f")):
+        if days * per_day >= 1:
+            return f"{days * per_day:{fmt}} {unit}"
+    return f"{days * 86400:.0f} s"
+
+
+def _size(n: float) -> str:
+    """Bytes in the decimal unit that shows them: "1.30 TB", "538 MB" (a small plan printed "0.00 TB")."""
+    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= div:
+            return f"{n / div:.3g} {unit}"
+    return f"{n / 1e3:.3g} kB"
+
+
 def _human(n: float) -> str:
     for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= div:
@@ -109,9 +132,10 @@ def _human(n: float) -> str:
 def data_prepare(
     inputs: list[str] = typer.Argument(..., help="text files, folders, .jsonl (text field), .parquet, or builtin:NAME"),
     out: Path = typer.Option(..., "--out", help="output folder (an unfinished prepare there is resumed)"),
-    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="an existing tokenizer.json"),
-    train_tokenizer: int = typer.Option(4096, "--train-tokenizer",
-                                        help="train a byte-level BPE of this vocab size (on the first 200 MB)"),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="an existing tokenizer.json, or a Hugging "
+                                             "Face model folder (its tokenizer: for continuing that model)"),
+    train_tokenizer: Optional[int] = typer.Option(None, "--train-tokenizer", help="train a byte-level BPE of this "
+                                                  "vocab size (on the first 200 MB); default 4096 without --tokenizer"),
     val_fraction: Optional[float] = typer.Option(None, "--val-fraction", min=0.0, max=0.99,
                                                  help="documents held out for validation (default: data.val_fraction's)"),
     seed: Optional[int] = typer.Option(None, "--seed", help="seed of the split (default: run.seed's, so the split "
@@ -133,7 +157,11 @@ def data_prepare(
 
     val_fraction = DataConfig.model_fields["val_fraction"].default if val_fraction is None else val_fraction
     seed = RunConfig.model_fields["seed"].default if seed is None else seed
-    spec = str(tokenizer) if tokenizer else f"bpe:{train_tokenizer}"
+    if tokenizer is not None and train_tokenizer is not None:
+        from flopwise.errors import ConfigError
+        raise ConfigError(f"--tokenizer {tokenizer} and --train-tokenizer {train_tokenizer} conflict: give one "
+                          "(--tokenizer uses that tokenizer, --train-tokenizer trains a new one)")
+    spec = str(tokenizer) if tokenizer else f"bpe:{train_tokenizer or 4096}"
     started = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[rate]}"),
                   TimeElapsedColumn(), console=console) as bar:
@@ -239,6 +267,8 @@ def eval_cmd(
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="first N examples of each task"),
     as_json: bool = typer.Option(False, "--json"),
     batch: int = typer.Option(8, "--batch", min=1),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="--text: tokens per scored window (default: "
+                                          "the model's context, model.max_seq_len); compare losses at one window"),
     clean_against: Optional[str] = typer.Option(None, "--clean-against", help="training data (a prepared folder or "
                                                 "raw inputs): also score the examples without a 13-gram in it"),
 ) -> None:
@@ -265,12 +295,17 @@ def eval_cmd(
         clean = [set(range(len(ex))) - set(d) for (_, ex), d in zip(loaded, dirty)]
     model, cfg, tok = load_for_inference(ckpt, report=_note)
     if text is not None:
-        result = text_loss(model, tok.encode(read_text(text)).ids, cfg.data.seq_len, batch)
+        if seq_len is not None and seq_len > cfg.model.max_seq_len:
+            raise ConfigError(f"--seq-len {seq_len}: beyond the model's context (model.max_seq_len="
+                              f"{cfg.model.max_seq_len}); give at most that")
+        window = seq_len or cfg.model.max_seq_len
+        result = {**text_loss(model, tok.encode(read_text(text)).ids, window, batch), "seq_len": window}
         if as_json:
             typer.echo(json.dumps(result))
         else:
+            how = "--seq-len" if seq_len else "the model's context, model.max_seq_len; --seq-len to change"
             console.print(f"{text}: loss {result['loss']:.4f} nats/token, ppl {result['ppl']:.2f} over "
-                          f"{result['tokens']:,} tokens")
+                          f"{result['tokens']:,} tokens, in windows of {window} tokens ({how})", highlight=False)
         return
     from rich.progress import Progress
 
@@ -321,14 +356,15 @@ def generate(
     no_cache: bool = typer.Option(False, "--no-cache", help="recompute the full context each token"),
 ) -> None:
     """Sample a continuation of a prompt with a KV cache."""
-    from flopwise.data.tokenizer import eos_id
+    from flopwise.checkpoints.checkpoint import resolve
+    from flopwise.data.tokenizer import special_ids
     from flopwise.eval.generate import generate as run_generate
     from flopwise.eval.load import load_for_inference
 
     model, cfg, tok = load_for_inference(ckpt, report=_note)
     ids = tok.encode(prompt).ids
     out = run_generate(model, ids, max_new_tokens, temperature, top_k, top_p, seed, use_cache=not no_cache,
-                       stop_id=eos_id(tok))
+                       stop_id=special_ids(tok, resolve(ckpt))["eos"])  # the model's own end token
     typer.echo(tok.decode(ids + out))
     if len(out) < max_new_tokens and len(ids) + len(out) == cfg.model.max_seq_len:
         Console(stderr=True, soft_wrap=True).print(f"[yellow]note[/]: stopped after {len(out)} new tokens at the "
@@ -636,6 +672,8 @@ def _model_name(cfg, hf: Path | None) -> str:
 
 
 def _print_plan(report, top: int, name: str) -> None:
+    from flopwise.plan.planner import compile_note
+
     cfg, hw = report.cfg, report.hardware
     console.print(f"{escape(name)}: {_human(report.params)} params ({report.params:,}), "
                   f"{report.flops_per_token:.3g} FLOPs/token at seq {cfg.data.seq_len}; batch "
@@ -651,7 +689,7 @@ def _print_plan(report, top: int, name: str) -> None:
                          "does not hold (buffers such as attention masks or rotary tables) or a misread config[/]"))
     table = Table(title="layouts, best first" if report.best.fits else "NOTHING FITS: smallest first")
     for col in ("dp(rep)", "zero", "tp", "pp", "cp", "schedule", "mb", "recompute", "GiB", "step s", "tok/s",
-                "MFU", "HFU", "days", "GPU-h", "why not first"):
+                "MFU", "HFU", "time", "GPU-h", "why not first"):
         table.add_column(col, no_wrap=col != "why not first")
     for e, why in list(zip(report.result.ranked, report.reasons()))[:top]:
         lo = e.layout
@@ -661,19 +699,22 @@ def _print_plan(report, top: int, name: str) -> None:
                       str(lo.pp), str(lo.cp), sched, str(lo.micro_batch),
                       lo.recompute + ({"rowwise": " +fp8r", "tensorwise": " +fp8t"}.get(e.float8, "")),
                       f"{e.memory['total'] / 2**30:.1f}", f"{e.step_time:.3g}", _human(e.tokens_per_s),
-                      f"{e.mfu:.1%}", f"{e.hfu:.1%}", f"{j['train_days']:.1f}", _human(j["gpu_hours"]), why)
+                      f"{e.mfu:.1%}", f"{e.hfu:.1%}", _duration(j["train_days"]), _human(j["gpu_hours"]), why)
     console.print(table)
     if note := report.float8_note():
         console.print(note)
     b = report.best
     console.print("time of the best step: " + ", ".join(f"{k} {v:.3g} s" for k, v in b.time.items() if v))
+    console.print(compile_note(cfg, report.tokens, b.layout), highlight=False)
+    if hw.extra.get("uncalibrated"):
+        console.print(f"[yellow]uncalibrated[/]: {escape(hw.source)}", highlight=False)
     r = report.reliability
     if r:
         days = b.to_json(report.tokens, cfg.cluster.gpus)["train_days"]
-        console.print(f"checkpoint {r.checkpoint_bytes / 1e12:.2f} TB, write {r.write_s:.0f} s; cluster MTBF "
+        console.print(f"checkpoint {_size(r.checkpoint_bytes)}, write {r.write_s:.0f} s; cluster MTBF "
                       f"{r.cluster_mtbf_h:.2f} h; Young/Daly interval {r.interval_daly_s / 60:.0f} min; expected "
-                      f"goodput {r.goodput:.1%}, {r.failures_expected:.0f} failures over the run: {r.wall_days:.1f} "
-                      f"days of wall-clock with them ({days:.1f} without)")
+                      f"goodput {r.goodput:.1%}, {r.failures_expected:.0f} failures over the run: "
+                      f"{_duration(r.wall_days)} of wall-clock with them ({_duration(days)} without)")
         console.print(f"[dim]failure rate: {r.failure_source}[/]")
     for d in report.data or []:
         warn = " [yellow](over 4 epochs: repeats add little)[/]" if d.over_repeated else ""

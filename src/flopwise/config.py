@@ -413,17 +413,71 @@ def validate(tree: dict[str, Any]) -> Config:
         raise ConfigError(f"config error: {_format_error(e)}") from None
 
 
-def load_tree(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-    """The raw key tree a user gave: TOML (a path, a built-in name, or none) plus overrides."""
+# Continued pre-training (model.init_from): the recipe's defaults, used where the user set no
+# value (a built-in config such as demo sets none: its values are for training from scratch).
+# - learning rate 1e-4, cosine to 1e-5: a small fraction of a from-scratch rate (the demo's 3e-3 is
+#   30x that; at it a pretrained model's loss rose 2.93 -> 6.21 in two steps). Gupta et al. 2023,
+#   "Continual Pre-Training of Large Language Models: How to (re)warm your model?" (arXiv
+#   2308.04014): re-warming to a high maximum rate costs upstream loss, and a lower maximum rate
+#   forgets less; Ibrahim et al. 2024, "Simple and Scalable Strategies to Continually Pre-train
+#   Large Language Models" (arXiv 2403.08763): re-warm then re-decay (cosine) to a tenth of the max.
+# - warm-up 1% of train.steps (at least 1): Gupta et al. found the warm-up length matters little;
+#   both papers warm up over about 1% of the steps.
+# - data.seq_len the model's own context (model.max_seq_len, at most 4096 on the first try): the
+#   windows it was trained on, so the first loss equals the pretrained model's.
+CONTINUED_LR, CONTINUED_MIN_LR, CONTINUED_WARMUP, CONTINUED_MAX_SEQ = 1e-4, 1e-5, 0.01, 4096
+
+
+def continued_defaults(tree: dict[str, Any], user: dict[str, Any]) -> list[str]:
+    """With model.init_from in `tree`, set the continued-pretraining defaults (above) for every key
+    that `user` (the keys the user gave) does not set, and drop a preset the user did not name
+    (init_from gives the shape); the `key=value`s applied."""
+    model = tree.get("model")
+    if not isinstance(model, dict) or not str(model.get("init_from")).startswith("hf:"):
+        return []  # none, or not hf:PATH (which validation refuses)
+    mine = {sec: keys for sec, keys in user.items() if isinstance(keys, dict)}
+    if "preset" not in mine.get("model", {}):
+        model.pop("preset", None)
+    steps = tree.get("train", {}).get("steps", TrainConfig.model_fields["steps"].default)
+    values: dict[str, Any] = {"optim.lr": lambda: CONTINUED_LR,
+                              "optim.min_lr": lambda: tree["optim"]["lr"] * CONTINUED_MIN_LR / CONTINUED_LR,
+                              "optim.warmup_steps": lambda: max(1, round(CONTINUED_WARMUP * steps)),
+                              "data.seq_len": lambda: min(tree["model"].get("max_seq_len") or hf_model_fields(
+                                  model["init_from"][3:])["max_seq_len"], CONTINUED_MAX_SEQ)}
+    applied = []
+    for key, value in values.items():
+        section, name = key.split(".")
+        if name in mine.get(section, {}) or not isinstance(tree.setdefault(section, {}), dict):
+            continue
+        try:
+            tree[section][name] = value()
+        except (TypeError, ValueError, KeyError):  # a malformed value the user gave: validation names it
+            continue
+        applied.append(f"{key}={tree[section][name]:g}")
+    return applied
+
+
+def load_tree(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+              applied: list[str] | None = None) -> dict[str, Any]:
+    """The raw key tree a user gave: TOML (a path, a built-in name, or none) plus overrides, with
+    the continued-pretraining defaults where model.init_from is set (appended to `applied`)."""
     tree = _read_toml(path) if path is not None else {}
+    builtin = path is not None and not Path(path).is_file() and builtin_config_path(str(path)).is_file()
+    user = {} if path is None or builtin else _read_toml(path)
     for item in overrides:
         apply_override(tree, item)
+        apply_override(user, item)
+    done = continued_defaults(tree, user)
+    if applied is not None:
+        applied += done
     return tree
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load TOML (a path, a built-in name, or none for defaults), apply overrides, validate."""
-    return validate(load_tree(path, overrides))
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                applied: list[str] | None = None) -> Config:
+    """Load TOML (a path, a built-in name, or none for defaults), apply overrides, validate
+    (`applied`: see load_tree)."""
+    return validate(load_tree(path, overrides, applied))
 
 
 def split_cli_args(args: list[str] | None) -> tuple[str | None, list[str]]:

@@ -159,15 +159,16 @@ def model_fields(cfg: dict, path: Any = "") -> dict:
     refuse(path, f"model_type {mt!r} is not supported (supported: llama, mistral, qwen2, qwen3, gpt2, gpt_neox, opt)")
 
 
-def hf_config_from_model(m, eos_id: int | None = None) -> dict:
-    """The HF config.json of a flopwise ModelConfig `m` (any object with its fields)."""
+def hf_config_from_model(m, eos_id: int | None = None, bos_id: int | None = None) -> dict:
+    """The HF config.json of a flopwise ModelConfig `m` (any object with its fields); `bos_id`
+    defaults to `eos_id` (a flopwise-trained tokenizer's end-of-text token does both)."""
     def check(cond: bool, what: str):
         if not cond:
             raise CheckpointError(f"to_hf: arch {m.arch!r} with {what} has no Hugging Face equivalent")
 
     base = {"vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings, "torch_dtype": "float32"}
     if eos_id is not None:
-        base.update(eos_token_id=eos_id, bos_token_id=eos_id)
+        base.update(eos_token_id=eos_id, bos_token_id=eos_id if bos_id is None else bos_id)
     if m.arch in LLAMA_LIKE:
         check(m.norm == "rmsnorm" and m.mlp == "swiglu" and m.pos == "rope" and not m.bias and not m.parallel_block
               and not m.embed_norm and m.rotary_pct == 1.0, "these norm/mlp/pos/bias settings")

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from flopwise.config import config_hash, to_toml, validate
+from flopwise.data.tokenizer import SIDE_FILES
 from flopwise.errors import CheckpointError
 from flopwise.plan.layout import Layout
 from flopwise.plan.planner import layout_config
@@ -150,9 +151,9 @@ def _export(ckpt: Path, source: CheckpointTensors, state: dict, cfg, step: int, 
     except Exception as e:
         checkpoint.abandon(tmp)
         raise CheckpointError(f"export of {ckpt} failed ({checkpoint.reason(e)})") from None
-    tok = ckpt / "tokenizer.json"  # absent from a model imported without one (convert from-hf)
-    return checkpoint.finish(out, step, tmp, state, files={"tokenizer.json": tok} if tok.is_file() else {}, keep=None,
-                             replace=force)
+    # tokenizer.json is absent from a model imported without one (convert from-hf)
+    files = {name: ckpt / name for name in ("tokenizer.json", *SIDE_FILES) if (ckpt / name).is_file()}
+    return checkpoint.finish(out, step, tmp, state, files=files, keep=None, replace=force)
 
 
 def resume_advice(out: str | Path, dest: Path) -> str:
@@ -165,12 +166,16 @@ def resume_advice(out: str | Path, dest: Path) -> str:
 
 
 def checkpoint_config(ckpt: Path, state: dict):
-    """The config a checkpoint was written with (from its state.json)."""
+    """The config a checkpoint was written with (from its state.json). Its model.init_from is
+    dropped: every model field is written out, so the checkpoint never needs that folder again."""
     import tomllib
 
     try:
         if not isinstance(state.get("config"), str):
             raise TypeError
-        return validate(tomllib.loads(state["config"]))
+        tree = tomllib.loads(state["config"])
+        if isinstance(tree.get("model"), dict):
+            tree["model"].pop("init_from", None)
+        return validate(tree)
     except (TypeError, tomllib.TOMLDecodeError):
         raise CheckpointError(f"checkpoint {ckpt}: state.json holds no valid config") from None

@@ -115,12 +115,18 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> GuardedTokenizer:
 
 
 def load_tokenizer(path: str | Path) -> GuardedTokenizer:
-    """A tokenizer.json, checked: loaded, truncation and padding switched off (warned), a probe
-    string encoded and decoded, an end-of-text token found. Raises only DataError for a bad file
-    (this is the one call a fuzzer of tokenizer files needs)."""
+    """A tokenizer.json (or a Hugging Face folder holding one), checked: loaded, truncation and
+    padding switched off (warned), a probe string encoded and decoded, an end-of-text token found.
+    Raises only DataError for a bad file (this is the one call a fuzzer of tokenizer files needs)."""
     p = Path(path)
+    if p.is_dir():
+        if not (p / "tokenizer.json").is_file():
+            raise DataError(f"tokenizer {p}: a folder without a tokenizer.json (give a Hugging Face model folder "
+                            "that has one, a tokenizer.json, or bpe:VOCAB to train one)")
+        p = p / "tokenizer.json"
     if not p.is_file():
-        raise DataError(f"tokenizer {p}: not found (give a tokenizer.json, or bpe:VOCAB to train one)")
+        raise DataError(f"tokenizer {p}: not found (give a tokenizer.json, a Hugging Face folder holding one, or "
+                        "bpe:VOCAB to train one)")
     _check_bpe_prefix(p)
     try:
         raw = Tokenizer.from_file(str(p))
@@ -226,11 +232,71 @@ def eos_id(tok: Tokenizer | GuardedTokenizer, where: str | Path = "tokenizer") -
     raise DataError(f"{where}: no end-of-text token ({EOS} or </s>) in the vocabulary; add one as a special token")
 
 
+# The files beside tokenizer.json that make a model usable as its authors shipped it (special
+# tokens, chat template, generation settings): copied into every checkpoint of a run started from
+# a Hugging Face folder, and from there into its export, so none of them depends on that folder.
+SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+
+
+def side_files(folder: str | Path) -> dict[str, Path]:
+    """name -> path of the SIDE_FILES present in `folder`."""
+    return {name: Path(folder) / name for name in SIDE_FILES if (Path(folder) / name).is_file()}
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (ValueError, UnicodeDecodeError):
+        raise DataError(f"{path}: not valid JSON; fix or remove it") from None
+    return data if isinstance(data, dict) else {}
+
+
+def special_ids(tok: Tokenizer | GuardedTokenizer, folder: str | Path) -> dict[str, int | None]:
+    """{"bos": id, "eos": id} as the model's own files say (generation_config.json, then
+    tokenizer_config.json's token strings), else the end-of-text token found by `eos_id` for both
+    (what a flopwise-trained tokenizer has)."""
+    gen, cfg = _json(Path(folder) / "generation_config.json"), _json(Path(folder) / "tokenizer_config.json")
+    out: dict[str, int | None] = {}
+    for key in ("bos", "eos"):
+        value = gen.get(f"{key}_token_id")
+        if isinstance(value, list):  # generation_config may list several stop ids: the first is the model's own
+            value = value[0] if value else None
+        token = cfg.get(f"{key}_token")
+        if isinstance(token, dict):  # an AddedToken written out
+            token = token.get("content")
+        if not isinstance(value, int) and isinstance(token, str):
+            value = tok.token_to_id(token)
+        out[key] = value if isinstance(value, int) else None
+    if out["eos"] is None:
+        out["eos"] = eos_id(tok, folder)
+        out["bos"] = out["bos"] if out["bos"] is not None else out["eos"]
+    return out
+
+
+def tokenizer_difference(a: Tokenizer | GuardedTokenizer, b: Tokenizer | GuardedTokenizer) -> str | None:
+    """Why two tokenizers would give the same text other ids (None: they would not): their
+    vocabularies (every token and its id, added tokens included) and which tokens are special."""
+    va, vb = a.get_vocab(with_added_tokens=True), b.get_vocab(with_added_tokens=True)
+    if len(va) != len(vb):
+        return f"{len(va):,} tokens vs {len(vb):,}"
+    moved = sorted(t for t in va if vb.get(t) != va[t])
+    if moved:
+        t = moved[0]
+        return f"same size, but {len(moved):,} tokens differ (e.g. {t!r}: id {va[t]} vs {vb.get(t)})"
+    sa = {t.content for t in a.get_added_tokens_decoder().values() if t.special}
+    sb = {t.content for t in b.get_added_tokens_decoder().values() if t.special}
+    if sa != sb:
+        return f"special tokens differ ({', '.join(sorted(sa ^ sb)[:3])})"
+    return None
+
+
 def parse_tokenizer_spec(spec: str) -> int | Path:
-    """`bpe:VOCAB` -> the vocab size to train; anything else -> a tokenizer.json path."""
+    """`bpe:VOCAB` -> the vocab size to train; anything else -> a tokenizer.json path (the one
+    inside it, for a Hugging Face model folder)."""
     if spec.startswith("bpe:"):
         try:
             return bpe_vocab(int(spec[4:]))
         except ValueError:
             raise DataError(f"data.tokenizer {spec!r}: expected bpe:VOCAB with an integer, e.g. bpe:4096") from None
-    return Path(spec)
+    p = Path(spec)
+    return p / "tokenizer.json" if p.is_dir() and (p / "tokenizer.json").is_file() else p

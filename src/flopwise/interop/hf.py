@@ -252,18 +252,18 @@ def to_hf(model: torch.nn.Module, m: ModelConfig, path: str | Path, tokenizer_di
     """Write a model in memory as config.json + safetensors + tokenizer (see `write_hf`)."""
     sd = model.state_dict()
     return write_hf(m, {k: tuple(v.shape) for k, v in sd.items()}, lambda names: {n: sd[n] for n in names}, path,
-                    tokenizer_dir, eos_id, max_shard_bytes, dtype)
+                    tokenizer_dir, eos_id, max_shard_bytes=max_shard_bytes, dtype=dtype)
 
 
 def write_hf(m: ModelConfig, shapes: dict[str, tuple[int, ...]], fetch: Callable[[list[str]], dict[str, torch.Tensor]],
              path: str | Path, tokenizer_dir: str | Path | None = None, eos_id: int | None = None,
-             max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype = torch.float32) -> Path:
+             bos_id: int | None = None, max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype = torch.float32) -> Path:
     """Write config.json + safetensors (sharded with an index above `max_shard_bytes`) + tokenizer,
     one shard at a time: `fetch(names)` supplies the flopwise tensors a shard needs, so peak
-    memory is one shard (or the largest tensor, if larger), not the model."""
+    memory is one shard (or the largest tensor, if larger), not the model. `bos_id`: default `eos_id`."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = hf_config_from_model(m, eos_id)
+    cfg = hf_config_from_model(m, eos_id, bos_id)
     recipes = _recipes(m)
     item = torch.empty((), dtype=dtype).element_size()
     shards, current, size = [], [], 0

@@ -8,6 +8,7 @@ of them given, exactly that layout is evaluated.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,7 +20,7 @@ from flopwise.errors import ConfigError
 from flopwise.hardware import Hardware, cluster_hardware
 from flopwise.hf_config import read_hf_config, tensor_shapes
 from flopwise.plan.float8 import RECIPES
-from flopwise.plan.layout import Layout, check_layout, config_layout
+from flopwise.plan.layout import COMPILE_MIN_STEPS, Layout, check_layout, compiles, config_layout
 from flopwise.plan.perf import (FIT_MARGIN, LINK_EFFICIENCY, MEM_EFFICIENCY, RUNTIME_RESERVE, STACKS, Estimate, Shape,
                                 estimate, model_shape)
 from flopwise.plan.reliability import Reliability, reliability
@@ -30,8 +31,33 @@ PARALLEL_KEYS = ("dp", "dp_replicate", "zero", "tp", "pp", "cp", "pp_schedule", 
 DEFAULT_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022's rule of thumb, when plan.tokens is not given
 
 
+# Nominal rates of this CPU for a plan before `hardware calibrate` has measured it (marked
+# uncalibrated wherever printed): per core, about half an AVX2 core's FMA peak (2 FMA units × 8 fp32
+# lanes × 2 FLOPs × ~3 GHz ≈ 96 GFLOP/s), bf16 no faster without AMX; memory bandwidth of a few DDR
+# channels shared by the cores; the machine's physical memory.
+CPU_CORE_FLOPS, CPU_MEMORY_BW = 50e9, 20e9
+
+
+def nominal_cpu(hw: Hardware) -> Hardware:
+    """The `cpu` entry with nominal rates of this machine (CPU_CORE_FLOPS per core, its memory)."""
+    cores = os.cpu_count() or 1
+    try:
+        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # no sysconf here: a laptop's 16 GiB
+        memory = 16 * 2.0**30
+    peak = CPU_CORE_FLOPS * cores
+    return replace(hw, peak_flops={"bf16": peak, "fp32": peak}, memory_bytes=memory, memory_bw=CPU_MEMORY_BW,
+                   intra_node_bw=CPU_MEMORY_BW, inter_node_bw=CPU_MEMORY_BW, extra={**hw.extra, "uncalibrated": True},
+                   source=f"UNCALIBRATED nominal rates ({cores} cores × {CPU_CORE_FLOPS / 1e9:.0f} GFLOP/s, "
+                          f"{CPU_MEMORY_BW / 1e9:.0f} GB/s, {memory / 2**30:.0f} GiB); measure this machine with "
+                          "`flopwise hardware calibrate --out cpu.toml`, then plan with cluster.hardware_file=cpu.toml "
+                          "cluster.hardware=NAME (the name it prints)")
+
+
 def plan_hardware(cfg: Config) -> Hardware:
     hw = cluster_hardware(cfg.cluster)
+    if hw.name == "cpu" and not hw.peak_16bit and hw.calibration is None:
+        return nominal_cpu(hw)
     if not hw.peak_16bit or not hw.memory_bytes:
         raise ConfigError(f"cluster.hardware={hw.name}: no catalogue peak or memory to plan against; choose an "
                           "accelerator (e.g. cluster.hardware=h100-sxm) or add one with cluster.hardware_file")
@@ -126,10 +152,12 @@ def assumptions(stack: str) -> dict:
 def plan_tree(path: str | None, overrides: list[str], hf: str | Path | None = None) -> dict[str, Any]:
     """The key tree `flopwise plan` plans: the config file, its model section replaced by the one
     a Hugging Face config.json (`hf`: a folder or the file) gives, then the overrides, so that
-    model.* overrides still apply on top of the HF model."""
+    model.* overrides still apply on top of the HF model (without `hf`: as `flopwise train` reads
+    them, model.init_from's continued-pretraining defaults included)."""
+    if hf is None:
+        return load_tree(path, overrides)
     tree = load_tree(path)
-    if hf is not None:
-        tree["model"] = hf_model_fields(hf)
+    tree["model"] = hf_model_fields(hf)
     for item in overrides:
         apply_override(tree, item)
     return tree
@@ -191,6 +219,28 @@ def plan(cfg: Config, tree: dict[str, Any] | None = None, keep: int = 50,
                       non_embedding=count_params(cfg.model).non_embedding,
                       flops_per_token=sh.model_flops_token["none"], reliability=rel, fixed=fixed,
                       data=mixture(tokens) if mixture else None, hf=hf_source(hf) if hf is not None else None)
+
+
+def compile_note(cfg: Config, tokens: float, lo: Layout) -> str:
+    """Whether the plan assumes torch.compile for layout `lo` (it changes the activation memory
+    booked: a compiled block saves less for backward) and why; and where `flopwise train` with
+    train.steps would decide otherwise (train.compile=auto goes by the run's length)."""
+    seq, batch = cfg.data.seq_len, cfg.train.global_batch
+    steps = tokens / (seq * batch)
+    on = compiles(cfg.train.compile, steps, lo)
+    if cfg.train.compile != "auto":
+        why = f"train.compile={str(cfg.train.compile).lower()}"
+    else:
+        source = ("plan.tokens" if cfg.plan.tokens else
+                  f"plan.tokens unset: {DEFAULT_TOKENS_PER_PARAM} tokens per parameter")
+        why = (f"train.compile=auto and the planned run is {steps:,.0f} steps ({source}); auto compiles runs of "
+               f">= {COMPILE_MIN_STEPS} steps without tp, pp or cp")
+    note = f"torch.compile {'assumed' if on else 'not assumed'} ({why})"
+    if cfg.train.compile == "auto" and compiles("auto", cfg.train.steps, lo) != on:
+        note += (f"; `flopwise train` with train.steps={cfg.train.steps} would {'not ' if on else ''}compile: "
+                 f"plan that run with plan.tokens={cfg.train.steps * seq * batch} or "
+                 f"train.compile={str(not on).lower()}")
+    return note
 
 
 def layout_config(cfg: Config, lo: Layout) -> Config:

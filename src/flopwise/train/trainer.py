@@ -31,6 +31,7 @@ from flopwise.config import Config, config_hash, to_toml
 from flopwise.data.loader import eval_batches
 from flopwise.data.mixture import Source
 from flopwise.data.shards import read_index
+from flopwise.data.tokenizer import side_files
 from flopwise.errors import ConfigError, DataError, TrainingStopped
 from flopwise.eval.generate import generate
 from flopwise.eval.tasks import evaluate_task
@@ -51,6 +52,11 @@ from flopwise.train.preflight import explain_oom
 from flopwise.train.run import Run, restore
 from flopwise.train.saver import Saver
 from flopwise.train.watch import Watch, is_timeout, peer_lost
+
+
+# The first-steps watch of continued pre-training: a training loss this many nats above the step-0
+# validation loss (e-fold perplexity) within the first steps is warned about
+RISE_NATS, RISE_WATCH_STEPS = 1.0, 100
 
 
 @dataclass(kw_only=True)
@@ -147,13 +153,19 @@ class _Loop:
         self.faults = Faults.from_env(self.rank)
         self.writer = MetricsWriter(self.run_dir, cfg.log.tensorboard) if par.is_main else None
         self.tasks = [load_task(t) for t in cfg.train.eval_tasks] if par.layout.world == 1 else []
-        self.saver = Saver(cfg, self.run_dir, run.engine.parts, run.optimizer, self.snapshot,
-                           {"tokenizer.json": run.sources[0].data_dir / run.index["tokenizer"]}, self.faults, console, par.layout.world)
+        # the model's own special tokens, chat template and generation settings travel with every
+        # checkpoint of a continued model, so eval, generate and export never need its folder again
+        files = {"tokenizer.json": run.sources[0].data_dir / run.index["tokenizer"],
+                 **(side_files(cfg.model.init_from[3:]) if cfg.model.init_from else {})}
+        self.saver = Saver(cfg, self.run_dir, run.engine.parts, run.optimizer, self.snapshot, files, self.faults,
+                           console, par.layout.world)
         self.saver.last = run.resumed_from
         self.watch = Watch(cfg.watchdog, self.run_dir, self.rank, par.device,
                            report=lambda m: console.print(m, highlight=False))
         self.losses: list[float] = []
         self.val_loss: float | None = None
+        self.val0: float | None = None  # validation loss of the model as loaded (model.init_from), while watched
+        self.val0_seen: float | None = None
         self.tps = 0.0
         self.rates: list[tuple[float, float | None]] = []  # (tokens/s, MFU) of each log interval
         self.mfu: float | None = None
@@ -194,9 +206,23 @@ class _Loop:
                                    "update skipped", highlight=False)
                 self.write({"step": done, "event": "skipped_update", "reason": reason})
             self.losses.append(loss)
+            self.watch_rise(done, loss)
             if done % self.cfg.log.every == 0 or done == self.end:
                 self.log(done, loss, lr, norm)
         return None
+
+    def watch_rise(self, done: int, loss: float) -> None:
+        """Continued pre-training's first steps: a training loss far above the loaded model's own
+        validation loss means the updates are destroying what it knew (a from-scratch learning
+        rate did 2.93 -> 6.21 in two steps); said once, while there is still time to stop."""
+        if self.val0 is None or done > RISE_WATCH_STEPS or loss <= self.val0 + RISE_NATS:
+            return
+        self.val0 = None  # once
+        self.console.print(f"[yellow]warning[/]: step {done}: training loss {loss:.3f} is far above the loaded model's "
+                           f"step-0 validation loss ({self.val0_seen:.3f}): the model is being damaged, most likely by "
+                           f"a learning rate too high for continued pre-training (optim.lr={self.cfg.optim.lr:g}); "
+                           "stop (Ctrl-C) and lower it (docs/continued-pretraining.md)", highlight=False)
+        self.write({"step": done, "event": "loss_rise", "loss": loss, "val_loss_step0": self.val0_seen})
 
     def log(self, done: int, loss: float, lr: float, norm: float) -> None:
         (step0, t0), now = self.window, time.perf_counter()
@@ -280,7 +306,9 @@ class _Loop:
             pending.append((done, lr, values))
             step = done
             do_eval, do_save = self.due(done)
-            if not (do_eval or do_save or done % self.cfg.log.every == 0 or done == self.end):
+            # a signal on one process: checkpoint at this step's end (ranks learn of one at a sync point)
+            signalled = self.watch.signal is not None and self.run.par.layout.world == 1
+            if not (do_eval or do_save or signalled or done % self.cfg.log.every == 0 or done == self.end):
                 continue
             sync, host = self.watch.sync(self.saver.poll(), torch.stack([v for _, _, v in pending]))
             self.ranks = {"rank_step_s": sync.rank_s, "slowest_rank": sync.slowest} if len(sync.rank_s) > 1 else {}
@@ -349,6 +377,11 @@ def train(run: Run, console: Console, started: float | None = None) -> TrainResu
     if par.is_main:
         rundir.replace(run_dir, "config.toml", to_toml(cfg).encode())
     loop = _Loop(run, console)
+    if cfg.model.init_from and run.start_step == 0 and run.engine.can_eval:  # the model as loaded, for comparison
+        loop.val0 = loop.val0_seen = evaluate(run.engine, run.sources, cfg)[0]
+        loop.write({"step": 0, "val_loss": loop.val0})
+        console.print(f"step 0: val loss {loop.val0:.4f} (the model as loaded, {cfg.train.eval_batches} batches of "
+                      f"{cfg.data.seq_len}-token windows)", highlight=False)
     if run.start_step >= loop.end:
         console.print(f"[bold]complete[/]: the checkpoint is at step {run.start_step}, where this run ends "
                       "(train.steps, train.stop_after): nothing to train; raise them to continue")

@@ -1,8 +1,14 @@
 """What every rank watches while it trains: preemption signals, hung steps, and each other.
 
 - SIGTERM / SIGUSR1 (SLURM's warning signal, `--signal=USR1@120`) and a first Ctrl-C (SIGINT)
-  only set a flag: training goes on to the next sync point (a log, eval or checkpoint step), where
-  every rank learns of it and the job checkpoints and exits 0. A second Ctrl-C stops at once.
+  only set a flag: training goes on to the next sync point (a log, eval or checkpoint step; the
+  next step on one process), where every rank learns of it and the job checkpoints and exits 0.
+  A second Ctrl-C stops at once. Both are acted on at once even in the middle of a step: Python
+  runs a signal handler only when the main thread is back in bytecode, which a CPU step of a 135M
+  model keeps it out of for a minute (the acknowledgement came ~63 s late, and a second Ctrl-C in
+  that time was merged into the first). So the signal's wake-up byte (`signal.set_wakeup_fd`,
+  written by CPython's C-level handler) is read by the watchdog thread, which says so at once and,
+  on the second Ctrl-C, ends the process (exit 130; the last complete checkpoint stays).
 - A watchdog thread dumps every thread's Python stack (faulthandler) to stderr and to
   `<run.dir>/hang-rank{R}.txt` when a step has run `watchdog.hang_factor` × the median step time
   (and at least `watchdog.min_s`). A hung collective then fails after
@@ -18,7 +24,10 @@
 
 from __future__ import annotations
 
+import _thread
 import faulthandler
+import os
+import select
 import signal
 import statistics
 import sys
@@ -36,6 +45,7 @@ from flopwise.checkpoints import rundir
 from flopwise.config import WatchdogConfig
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+ABORT_GRACE_S = 1.0  # a second Ctrl-C: how long the main thread has to take its KeyboardInterrupt
 
 
 @dataclass
@@ -62,11 +72,20 @@ class Watch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="flopwise-watchdog", daemon=True)
         self._previous: dict = {}
+        self._wakeup: tuple[int, int] | None = None  # (read, write) ends of the signals' wake-up pipe
+        self._previous_fd = -1
+        self._interrupts = 0
+        self._aborting = False
+        self.abort = self._exit_now  # the second Ctrl-C's action (a test replaces it)
 
     def __enter__(self) -> "Watch":
         if threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
                 self._previous[s] = signal.signal(s, self._on_signal)
+            r, w = os.pipe()
+            os.set_blocking(w, False)
+            self._wakeup = (r, w)
+            self._previous_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
         self._thread.start()
         return self
 
@@ -75,14 +94,51 @@ class Watch:
         self._thread.join(timeout=5)
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._previous_fd)
+            for fd in self._wakeup:
+                os.close(fd)
+            self._wakeup = None
 
     def _on_signal(self, signum, frame) -> None:
-        if signum == signal.SIGINT:
-            if self.signal == "SIGINT":  # asked twice: stop now, losing the steps since the last checkpoint
-                raise KeyboardInterrupt
-            self.report("Ctrl-C: stopping at the next log step with a checkpoint; Ctrl-C again to stop now "
-                        "without one")
+        """Python's handler, run once the main thread is back in bytecode; with the wake-up pipe
+        the watchdog thread has already acted on the signal (and asks for a KeyboardInterrupt here
+        after a second Ctrl-C: `_exit_now`)."""
+        if self._wakeup is None and signum == signal.SIGINT:
+            self._interrupt()
         self.signal = signal.Signals(signum).name
+        if self._aborting and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+
+    def _signalled(self, data: bytes) -> None:
+        """Signal numbers read from the wake-up pipe (watchdog thread), as they arrive."""
+        for signum in data:
+            if signum in SIGNALS:
+                if signum == signal.SIGINT:
+                    self._interrupt()
+                self.signal = signal.Signals(signum).name
+
+    def _interrupt(self) -> None:
+        self._interrupts += 1
+        if self._interrupts == 1:
+            self.report("Ctrl-C: stopping at the end of this step with a checkpoint; Ctrl-C again to stop now "
+                        "without one")
+        elif self._interrupts == 2:  # asked twice: stop now, losing the steps since the last checkpoint
+            self.report("Ctrl-C again: stopping now, without a checkpoint (the last complete one is kept)")
+            self.abort()
+
+    def _exit_now(self) -> None:
+        """The second Ctrl-C: a KeyboardInterrupt in the main thread as soon as it runs Python again
+        (the usual way out, with its clean-up); if a long step keeps it in C code, the process
+        ends (exit 130) after ABORT_GRACE_S."""
+        self._aborting = True
+        if threading.current_thread() is threading.main_thread():
+            raise KeyboardInterrupt
+        _thread.interrupt_main()  # runs _on_signal(SIGINT) in the main thread, which raises
+        if not self._stop.wait(ABORT_GRACE_S):  # still in the step
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
 
     def beat(self, step: int) -> None:
         """Step `step` starts now (the previous one ended)."""
@@ -105,7 +161,15 @@ class Watch:
         return max(self.cfg.min_s, self.cfg.hang_factor * median) if median is not None else self.cfg.min_s
 
     def _run(self) -> None:
-        while not self._stop.wait(0.2):
+        while not self._stop.is_set():
+            if self._wakeup is not None:
+                if select.select([self._wakeup[0]], [], [], 0.2)[0]:
+                    try:
+                        self._signalled(os.read(self._wakeup[0], 64))
+                    except OSError:  # closed by __exit__ meanwhile
+                        return
+            elif self._stop.wait(0.2):
+                return
             step, elapsed = self._step, time.monotonic() - self._t
             if step and step != self._dumped and elapsed > self.limit_s():
                 self._dumped = step
