@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -178,7 +179,8 @@ def build_run(cfg: Config, console: Console) -> Run:
     the newest checkpoint (checkpoint.resume)."""
     run_dir = Path(cfg.run.dir)
     torch.manual_seed(cfg.run.seed)
-    cfg = resolve_layout(cfg, cfg.model_dump(exclude_unset=True), mesh.world_size())
+    world = mesh.world_size()  # torchrun's LOCAL_WORLD_SIZE: the ranks of each node, for layout=auto
+    cfg = resolve_layout(cfg, cfg.model_dump(exclude_unset=True), world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     par = mesh.init(cfg, resolve_device(cfg.train.device))
     check_float8(cfg, par.device)  # before anything is written
     check_tensorboard(cfg.log.tensorboard)

@@ -823,7 +823,8 @@ def main() -> None:
     try:
         app()
     except FlopwiseError as e:
-        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {escape(str(e))}", markup=True, highlight=False)
+        if not getattr(e, "quiet", False):
+            Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {escape(str(e))}", markup=True, highlight=False)
         sys.exit(2)
     except OSError as e:  # a write the OS refused that no writer turned into its option's error: still one line
         from flopwise.outputs import UNWRITABLE
