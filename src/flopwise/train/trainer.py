@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -418,7 +419,7 @@ def nodes_label(par: Parallel) -> str:
 def lost_peer(par: Parallel, rank: int, step: int, last: Path | None) -> TrainingStopped:
     """The one line a surviving rank stops with when a peer went away: which node (the ranks that
     did not check in through the job's store), at which step, and where a restart resumes. Only the
-    lowest surviving rank says it; the others stop quietly."""
+    lowest surviving rank says it (without the store: each node's first); the others stop quietly."""
     missing = missing_ranks(par)
     gone = sorted({par.nodes[r] for r in missing}) if missing else []
     me = par.nodes[rank]
@@ -431,7 +432,10 @@ def lost_peer(par: Parallel, rank: int, step: int, last: Path | None) -> Trainin
     else:
         who = "another rank (its own output says why)"
     resume = f"the last complete checkpoint, {last.name}" if last is not None else "the start (no checkpoint yet)"
-    quiet = bool(missing) and rank != min(r for r in range(len(par.nodes)) if r not in missing)
+    if missing:
+        quiet = rank != min(r for r in range(len(par.nodes)) if r not in missing)
+    else:  # no store to agree through: one line per surviving node
+        quiet = os.environ.get("LOCAL_RANK", "0") != "0"
     return TrainingStopped(f"rank {rank} (node {me}): {who} went away at step {step}; the job stops here, and a "
                            f"restart (with fewer nodes too) resumes from {resume}", quiet=quiet)
 
