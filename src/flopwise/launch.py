@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 from rich.console import Console
@@ -28,7 +29,16 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
     started = time.perf_counter()
     console = (console or Console()) if is_main_process() else Console(quiet=True)
     with subnormals_flushed():
-        return _train(cfg, console, started)
+        result = _train(cfg, console, started)
+    if result.preempted is not None and result.is_main and (marker := os.environ.get(PREEMPT_FILE)):
+        Path(marker).write_text(f"{result.signal or 'a signal'} at step {result.preempted}: checkpoint {result.checkpoint}\n")
+    return result
+
+
+# Where rank 0 notes a clean stop on a signal (step and checkpoint written), for a launcher to tell
+# it from a crash: torchrun's agent itself exits 1 when SLURM signals it, whatever its workers did
+# (examples/train.sbatch reads it and exits 0, so the job ends COMPLETED and `--requeue` continues).
+PREEMPT_FILE = "FLOPWISE_PREEMPT_FILE"
 
 
 def _train(cfg: Config, console: Console, started: float) -> TrainResult:
