@@ -126,8 +126,9 @@ def test_sbatch_trains_and_requeue_after_scancel_is_bitwise(tiny_data, tmp_path)
 def test_time_limit_signal_checkpoints_and_exits_0(tiny_data, tmp_path):
     """`--time=2 --signal=TERM@70`: SLURM signals 70 s before the limit (its timer ticks every
     30 s: 20-50 s into the job); flopwise checkpoints at the next sync point and the job ends
-    COMPLETED, exit 0, before its limit."""
-    jid = submit(tmp_path, "limit", args(tiny_data), "--time=2", "--signal=TERM@70", faults="slow:step=2:seconds=60")
+    COMPLETED, exit 0, before its limit. (Steps 2-4 sleep 20 s each, so the signal lands in a step;
+    torchrun gives its workers 30 s after passing SIGTERM on, so no single step may take longer.)"""
+    jid = submit(tmp_path, "limit", args(tiny_data), "--time=2", "--signal=TERM@70", faults="slow:step=2:seconds=20,slow:step=3:seconds=20,slow:step=4:seconds=20")
     j = wait(jid, timeout=200)
     log = (tmp_path / f"limit-{jid}.out").read_text()
     assert (j["JobState"], j["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
