@@ -128,7 +128,8 @@ def test_time_limit_signal_checkpoints_and_exits_0(tiny_data, tmp_path):
     30 s: 20-50 s into the job); flopwise checkpoints at the next sync point and the job ends
     COMPLETED, exit 0, before its limit. (Steps 2-4 sleep 20 s each, so the signal lands in a step;
     torchrun gives its workers 30 s after passing SIGTERM on, so no single step may take longer.)"""
-    jid = submit(tmp_path, "limit", args(tiny_data), "--time=2", "--signal=TERM@70", faults="slow:step=2:seconds=20,slow:step=3:seconds=20,slow:step=4:seconds=20")
+    slow = ",".join(f"slow:step={s}:seconds=20" for s in (2, 3, 4))
+    jid = submit(tmp_path, "limit", args(tiny_data), "--time=2", "--signal=TERM@70", faults=slow)
     j = wait(jid, timeout=200)
     log = (tmp_path / f"limit-{jid}.out").read_text()
     assert (j["JobState"], j["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
