@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from flopwise.plan.reliability import CHECKPOINT_BYTES_PER_PARAM, goodput  # noqa: E402
+from flopwise.plan.reliability import CHECKPOINT_BYTES_PER_PARAM, goodput
 
 STEP = re.compile(r"^step (\d+)/(\d+) ")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
@@ -205,7 +205,8 @@ def main() -> None:
         print(json.dumps(rows, indent=1))
         return
     print(f"calibration: step {cal['step_s']:.3f} s, write {cal['write_s']:.3f} s, restart {cal['restart_s']:.1f} s")
-    print("| MTBF s | interval s (steps, × Daly) | predicted | measured | lost steps | restarts | ckpt stalls | failures |")
+    print("| MTBF s | interval s (steps, × Daly) | predicted | measured | lost steps | restarts | ckpt stalls "
+          "| failures |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mtbf_s']:g} | {r['interval_s']:.2f} ({r['interval_steps']}, ×{r['of_daly']:g}) | "

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
 from conftest import tiny_overrides
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE = Path(os.environ.get("FLOPWISE_SLURM_STATE", "/tmp/flopwise-slurm"))
@@ -26,18 +25,19 @@ def _slurm_up() -> str | None:
     """Why the SLURM tests cannot run here, or None when they can."""
     if shutil.which("sbatch") is None:
         return "SLURM is not installed (scripts/slurm-local.sh start installs and starts it)"
-    r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True,
+    r = subprocess.run(["sinfo", "-h", "-o", "%T"], check=False, capture_output=True, text=True,
                        env={**os.environ, "SLURM_CONF": str(STATE / "slurm.conf")})
     if r.returncode != 0 or "idle" not in r.stdout and "alloc" not in r.stdout:
         return f"SLURM is not running at {STATE} (scripts/slurm-local.sh start): {r.stderr.strip()[:200]}"
     return None
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.skipif(_slurm_up() is not None, reason=_slurm_up() or "")]
+WHY_NOT = _slurm_up()
+pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")]
 
 
 def slurm(*args: str) -> str:
-    r = subprocess.run(list(args), capture_output=True, text=True, env=ENV, timeout=60)
+    r = subprocess.run(list(args), check=False, capture_output=True, text=True, env=ENV, timeout=60)
     assert r.returncode == 0, f"{args}: {r.stderr}"
     return r.stdout
 
@@ -91,8 +91,8 @@ def tensors(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
 
 def args(data, steps: int = 10) -> list[str]:
     """The demo's tiny model; run.dir is the script's own (runs/<job name>)."""
-    return [a for a in tiny_overrides("-", data, **{"train.steps": steps, "train.eval_every": 0, "checkpoint.interval": 5})
-            if not a.startswith("run.dir=")]
+    extra = {"train.steps": steps, "train.eval_every": 0, "checkpoint.interval": 5}
+    return [a for a in tiny_overrides("-", data, **extra) if not a.startswith("run.dir=")]
 
 
 def test_sbatch_trains_and_requeue_after_scancel_is_bitwise(tiny_data, tmp_path):
