@@ -31,7 +31,8 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
     with subnormals_flushed():
         result = _train(cfg, console, started)
     if result.preempted is not None and result.is_main and (marker := os.environ.get(PREEMPT_FILE)):
-        Path(marker).write_text(f"{result.signal or 'a signal'} at step {result.preempted}: checkpoint {result.checkpoint}\n")
+        Path(marker).write_text(f"{result.signal or 'a signal'} at step {result.preempted}: "
+                                f"checkpoint {result.checkpoint}\n")
     return result
 
 
