@@ -21,6 +21,9 @@ from rich.console import Console
 from flopwise.checkpoints import checkpoint
 from flopwise.config import load_config
 from flopwise.launch import train
+from flopwise.plan.layout import config_layout
+from flopwise.plan.planner import resolve_layout
+from flopwise.train.trainer import layout_label
 
 pytestmark = [pytest.mark.slow, pytest.mark.multinode]
 
@@ -89,12 +92,13 @@ LAYOUT_LINE = re.compile(r"layout (.+) on (\d+) processes on (\d+) nodes \((.+)\
     # zero3: pp with DDP (zero 0/1) trips an internal assert in torch 2.13's reducer, on one node too
     (2, "pp2xdp2", {"parallel.pp": 2, "parallel.pp_schedule": '"1f1b"', "parallel.zero": 3},
      "dp inside a node; pp across"),
-    (4, "auto", {"parallel.layout": '"auto"'}, None),
+    (4, "auto", {"parallel.layout": '"auto"', "cluster.hardware": '"h100-sxm"'}, None),
 ])
 def test_nodes_train_like_one_process(nodes, name, extra, where, tiny_data, tmp_path):
     """pp2 × dp2 over 2 nodes of 2 ranks (pipeline stages on different nodes, data parallel inside
-    each), and parallel.layout=auto over 4 nodes of 1 rank (the planner told 1 device per node
-    may not choose tensor parallelism): per-step losses equal one process's."""
+    each), and parallel.layout=auto over 4 nodes of 1 rank, which plans for 1 device per node (a
+    layout other than the one it plans for 4 devices in one node): per-step losses equal one
+    process's."""
     nproc = 4 // nodes
     results = finish(start_nodes(nodes, nproc, 29710 + nodes, overrides(tmp_path / "run", tiny_data, **extra),
                                  tmp_path / "logs"), tmp_path / "logs")
@@ -105,8 +109,11 @@ def test_nodes_train_like_one_process(nodes, name, extra, where, tiny_data, tmp_
     assert (line[2], line[3]) == ("4", str(nodes))
     if where is not None:
         assert line[4] == where
-    else:  # auto: one device per node, so nothing tensor-parallel (it would cross nodes)
-        assert "tp" not in line[1] and "tp" not in line[4], line[0]
+    else:  # auto: what the planner chooses for 4 nodes of 1 device, not for 1 node of 4
+        cfg = load_config(None, overrides(tmp_path, tiny_data, **extra))
+        per_node = {n: layout_label(config_layout(resolve_layout(cfg, cfg.model_dump(exclude_unset=True), 4, n), 4))
+                    for n in (1, 4)}
+        assert per_node[1] != per_node[4] and line[1] == per_node[1], (line[0], per_node)
     assert logged_losses(tmp_path / "run") == pytest.approx(reference(tmp_path / "ref", tiny_data), rel=1e-5)
 
 
