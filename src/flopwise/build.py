@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable
+import os
 from pathlib import Path
 
 import torch
@@ -219,7 +220,8 @@ def build_run(cfg: Config, console: Console, lock: Callable[[], object] = lambda
     its first write; the caller holds it to the command's end)."""
     run_dir = real_path(cfg.run.dir)
     torch.manual_seed(cfg.run.seed)
-    cfg = resolve_layout(cfg, cfg.model_dump(exclude_unset=True), mesh.world_size())
+    world = mesh.world_size()  # torchrun's LOCAL_WORLD_SIZE: the ranks of each node, for layout=auto
+    cfg = resolve_layout(cfg, cfg.model_dump(exclude_unset=True), world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     par = mesh.init(cfg, resolve_device(cfg.train.device))
     check_float8(cfg, par.device)  # before anything is written
     check_tensorboard(cfg.log.tensorboard)

@@ -890,6 +890,8 @@ def main() -> None:
     try:
         app()
     except FlopwiseError as e:
+        if getattr(e, "quiet", False):  # already said, by the rank that saw it
+            sys.exit(2)
         _refuse(str(e))
     except OSError as e:  # a path the OS refused that no command turned into its option's error: still one line
         from flopwise.outputs import UNWRITABLE

@@ -19,4 +19,9 @@ class CheckpointError(FlopwiseError):
 
 
 class TrainingStopped(FlopwiseError):
-    """Training cannot usefully go on (rollback cap, hung collective); the message says what to do."""
+    """Training cannot usefully go on (rollback cap, hung collective); the message says what to do.
+    `quiet`: another rank of the job says it, so this one exits (code 2) without repeating it."""
+
+    def __init__(self, message: str, quiet: bool = False):
+        super().__init__(message)
+        self.quiet = quiet

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch.distributed as dist
 from rich.console import Console
@@ -35,7 +36,17 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
     console = (console or Console()) if is_main_process() else Console(quiet=True)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": str(real_path(cfg.run.dir))})})
     with subnormals_flushed(), contextlib.ExitStack() as held:
-        return _train(cfg, console, started, lambda: held.enter_context(folder_lock(cfg.run.dir, "run.dir")))
+        result = _train(cfg, console, started, lambda: held.enter_context(folder_lock(cfg.run.dir, "run.dir")))
+    if result.preempted is not None and result.is_main and (marker := os.environ.get(PREEMPT_FILE)):
+        Path(marker).write_text(f"{result.signal or 'a signal'} at step {result.preempted}: "
+                                f"checkpoint {result.checkpoint}\n")
+    return result
+
+
+# Where rank 0 notes a clean stop on a signal (step and checkpoint written), for a launcher to tell
+# it from a crash: torchrun's agent itself exits 1 when SLURM signals it, whatever its workers did
+# (examples/train.sbatch reads it and exits 0, so the job ends COMPLETED and `--requeue` continues).
+PREEMPT_FILE = "FLOPWISE_PREEMPT_FILE"
 
 
 def _train(cfg: Config, console: Console, started: float, lock: Callable[[], object]) -> TrainResult:

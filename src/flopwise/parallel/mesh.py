@@ -11,7 +11,8 @@ A single process gets the same object with every degree 1 and no process group.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -48,6 +49,8 @@ class Parallel:
     layout: Layout
     mesh: DeviceMesh | None
     device: torch.device
+    nodes: list[int] = field(default_factory=lambda: [0])  # each rank's node (torchrun's GROUP_RANK)
+    store: dist.Store | None = None  # the job's store, to find who is still there when a peer went away
 
     def size(self, dim: str) -> int:
         return 1 if self.mesh is None else self.mesh[dim].size()
@@ -83,12 +86,15 @@ def init(cfg: Config, device: torch.device) -> Parallel:
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+    store = None
     if not dist.is_initialized():
         timeout = timedelta(seconds=cfg.watchdog.collective_timeout_s)
         store, rank, size = _attempt_store(timeout)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
                                 world_size=size, timeout=timeout)
-    return Parallel(layout, make_mesh(layout, device), device)
+    nodes: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(nodes, int(os.environ.get("GROUP_RANK", "0")))
+    return Parallel(layout, make_mesh(layout, device), device, nodes, store)
 
 
 def make_mesh(lo: Layout, device: torch.device) -> DeviceMesh:
@@ -99,6 +105,38 @@ def make_mesh(lo: Layout, device: torch.device) -> DeviceMesh:
     mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
     mesh["dp_shard", "cp"]._flatten("shard")
     return mesh
+
+
+def across_nodes(mesh: DeviceMesh, nodes: list[int]) -> list[str]:
+    """The mesh dims (of DIMS, size > 1) whose groups hold ranks of more than one node: with
+    torchrun's contiguous ranks per node and tp innermost, tensor parallelism stays inside a node
+    as long as tp divides the ranks per node."""
+    grid, out = mesh.mesh, []
+    for i, dim in enumerate(DIMS):
+        if grid.size(i) > 1:
+            groups = grid.movedim(i, -1).reshape(-1, grid.size(i)).tolist()
+            if any(len({nodes[r] for r in g}) > 1 for g in groups):
+                out.append(dim)
+    return out
+
+
+def missing_ranks(par: Parallel, wait_s: float = 5.0) -> list[int] | None:
+    """After a collective failed because a peer went away: the ranks that did not check in through
+    the job's store within `wait_s` (every survivor checks in as it fails). None when there is no
+    store to ask, or it is gone too (it lived on the lost node)."""
+    if par.store is None:
+        return None
+    world, key = len(par.nodes), "flopwise/alive/{}".format
+    try:
+        par.store.set(key(dist.get_rank()), "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r in range(world) if not par.store.check([key(r)])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.2)
+    except (RuntimeError, OSError):  # the store's connection is gone (DistStoreError is a RuntimeError)
+        return None
 
 
 def _attempt_store(timeout: timedelta) -> tuple[dist.Store, int, int]:

@@ -262,13 +262,15 @@ def planned_run_config(report: PlanReport) -> Config:
     return validate(tree)
 
 
-def resolve_layout(cfg: Config, tree: dict[str, Any], world: int) -> Config:
-    """parallel.layout=auto: fill the unset degrees with the planner's best layout for `world`."""
+def resolve_layout(cfg: Config, tree: dict[str, Any], world: int, per_node: int | None = None) -> Config:
+    """parallel.layout=auto: fill the unset degrees with the planner's best layout for `world`
+    devices, `per_node` of them in each node (the launcher's; cluster.gpus_per_node wins where set)."""
     if cfg.parallel.layout != "auto":
         return cfg
     if world == 1:  # the only layout there is
         return layout_config(cfg, Layout(micro_batch=cfg.train.micro_batch, recompute=cfg.parallel.recompute))
-    cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"gpus": world})})
+    cluster = {"gpus": world, **({"gpus_per_node": per_node} if per_node and not cfg.cluster.gpus_per_node else {})}
+    cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update=cluster)})
     report = plan(cfg, tree, keep=1)
     if not report.best.fits:
         raise ConfigError(f"parallel.layout=auto: no layout fits {world} × {report.hardware.name} "

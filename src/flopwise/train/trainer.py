@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from flopwise.data.tasks import load_task
 from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import cluster_catalogue
 from flopwise.parallel.apply import compiles
+from flopwise.parallel.mesh import DIMS, Parallel, across_nodes, missing_ranks
 from flopwise.plan.float8 import unconverted_linears
 from flopwise.plan.layout import Layout
 from flopwise.checkpoints import checkpoint, rundir
@@ -397,7 +399,7 @@ def train(run: Run, console: Console, started: float | None = None) -> TrainResu
                       f"{cfg.train.dtype} peak, so it compares with runs without float8 (their speed-up shows in it); "
                       "the float8 matmuls' own peak is twice that")
     if lo.world > 1:
-        console.print(f"[bold]layout[/] {layout_label(lo)} on {lo.world} processes "
+        console.print(f"[bold]layout[/] {layout_label(lo)} on {lo.world} processes{nodes_label(par)} "
                       f"({dist.get_backend()}), {run.engine.n_micro} micro-batches of {cfg.train.micro_batch} per rank")
     if not run.engine.can_eval:
         console.print(f"[yellow]note[/]: no validation in this run: torch's {lo.pp_schedule} schedule deadlocks in eval "
@@ -409,9 +411,7 @@ def train(run: Run, console: Console, started: float | None = None) -> TrainResu
         if not is_timeout(e):
             raise
         if peer_lost(e):  # at once, not after the timeout: no hang, so no stack dumps either
-            raise TrainingStopped(f"rank {loop.rank}: another rank's connection closed at step {loop.watch.step} "
-                                  "(that process died: its own output says why); restart resumes from the last "
-                                  "complete checkpoint") from None
+            raise lost_peer(par, loop.rank, loop.watch.step, loop.saver.last) from None
         raise TrainingStopped(f"rank {loop.rank}: a collective timed out at step {loop.watch.step} after "
                               f"watchdog.collective_timeout_s={cfg.watchdog.collective_timeout_s:g} s (a rank hung "
                               f"or died; see {run_dir}/hang-rank*.txt); restart resumes from the last complete "
@@ -447,6 +447,43 @@ def _result(run: Run, loop: _Loop, preempted: int | None, seconds: float) -> Tra
                        mfu=statistics.median(mfus) if mfus else None, peak=loop.peak, layout=layout_label(par.layout), seconds=seconds, checkpoint=loop.saver.last, plot=plot,
                        sample=sample, losses=loop.losses, is_main=par.is_main, preempted=preempted,
                        signal=loop.watch.signal, save_s=loop.saver.write_s, async_save_s=loop.saver.async_s)
+
+
+def nodes_label(par: Parallel) -> str:
+    """" on 2 nodes (tp inside a node, dp across)": where the mesh's groups lie, from each rank's node."""
+    n = len(set(par.nodes))
+    if n == 1 or par.mesh is None:
+        return ""
+    across = across_nodes(par.mesh, par.nodes)
+    inside = [d for d in DIMS if par.size(d) > 1 and d not in across]
+    if par.size("dp_replicate") == 1:  # plain data parallelism: say dp, as the layout's name does
+        across, inside = ([d.replace("dp_shard", "dp") for d in x] for x in (across, inside))
+    where = [f"{', '.join(inside)} inside a node"] * bool(inside) + [f"{', '.join(across)} across"] * bool(across)
+    return f" on {n} nodes ({'; '.join(where)})"
+
+
+def lost_peer(par: Parallel, rank: int, step: int, last: Path | None) -> TrainingStopped:
+    """The one line a surviving rank stops with when a peer went away: which node (the ranks that
+    did not check in through the job's store), at which step, and where a restart resumes. Only the
+    lowest surviving rank says it (without the store: each node's first); the others stop quietly."""
+    missing = missing_ranks(par)
+    gone = sorted({par.nodes[r] for r in missing}) if missing else []
+    me = par.nodes[rank]
+    if gone:
+        ranks = [r for r in missing or [] if par.nodes[r] in gone]
+        who = f"node {', '.join(map(str, gone))} (rank {ranks[0]}-{ranks[-1]})" if len(ranks) > 1 else \
+            f"node {gone[0]} (rank {ranks[0]})"
+    elif len(set(par.nodes)) == 2 and missing is None:  # the store went with it: the other node
+        who = f"node {1 - me} (it held the job's store)"
+    else:
+        who = "another rank (its own output says why)"
+    resume = f"the last complete checkpoint, {last.name}" if last is not None else "the start (no checkpoint yet)"
+    if missing:
+        quiet = rank != min(r for r in range(len(par.nodes)) if r not in missing)
+    else:  # no store to agree through: one line per surviving node
+        quiet = os.environ.get("LOCAL_RANK", "0") != "0"
+    return TrainingStopped(f"rank {rank} (node {me}): {who} went away at step {step}; the job stops here, and a "
+                           f"restart (with fewer nodes too) resumes from {resume}", quiet=quiet)
 
 
 def layout_label(lo: Layout) -> str:
