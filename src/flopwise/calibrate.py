@@ -42,7 +42,7 @@ from flopwise.calibration import COLLECTIVES, Calibration
 from flopwise.config import Config, load_config, to_toml, validate
 from flopwise.errors import ConfigError, FlopwiseError
 from flopwise.hardware import CATALOGUE, Hardware, hardware_toml, identify_gpu
-from flopwise.outputs import TOML_HEADER, check_writable, write_text
+from flopwise.outputs import check_writable, write_text
 from flopwise.model.layers import CoreAttention
 from flopwise.model.transformer import build_model
 from flopwise.plan.layout import Layout, check_layout, config_layout
@@ -420,9 +420,6 @@ def save(hw: Hardware, path: str | Path) -> Path:
             tree = tomllib.loads(path.read_text(encoding="utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"--out {path}: not a hardware TOML ({e}); choose another path") from None
-        if line := _comment_line(path.read_text(encoding="utf-8")):
-            raise ConfigError(f"--out {path}: line {line} holds a comment that rewriting the file would drop; "
-                              "choose another path, or move the comment out of the file")
     tree[hw.name] = hardware_toml(hw)
     parts = []
     for name, entry in tree.items():
@@ -439,26 +436,6 @@ def save(hw: Hardware, path: str | Path) -> Path:
                 lines += [f"{kind} = {_rows(rows)}" for kind, rows in colls.items()]
             parts.append("\n".join(lines) + "\n")
     return write_text(path, "\n".join(parts), "--out")
-
-
-def _comment_line(text: str) -> int | None:
-    """The number of the first line holding a TOML comment other than flopwise's header line (tomllib
-    reads comments away, so a rewrite from what it read would lose them). A `#` inside a one-line
-    string is not a comment; one inside a multi-line string counts as one (a refusal, never a loss)."""
-    for number, line in enumerate(text.splitlines(), 1):
-        if number == 1 and line + "\n" == TOML_HEADER:
-            continue
-        quote, escaped = "", False
-        for ch in line:
-            if quote:
-                if ch == quote and not escaped:
-                    quote = ""
-                escaped = quote == '"' and ch == "\\" and not escaped
-            elif ch in "\"'":
-                quote = ch
-            elif ch == "#":
-                return number
-    return None
 
 
 def _rows(rows: list[list[float]]) -> str:
