@@ -160,8 +160,8 @@ def test_node_lost_then_restart_on_fewer_nodes(tiny_data, tmp_path):
     told = [line for line in err.splitlines() if "went away" in line]
     assert len(told) == 1, err[-3000:]
     # the lost node is named by the ranks missing from the job's store, or, when it held that store, as such
-    m = re.search(r"rank \d \(node (\d)\): node (\d) \((rank \d-\d|it held the job's store)\) went away at step 5; "
-                  r".* from the last complete checkpoint, step-00000004", told[0])
+    m = re.search(r"rank \d \(node (\d)\): another rank's connection closed at step 5: node (\d) \((rank \d-\d|it "
+                  r"held the job's store)\) went away; .* from the last complete checkpoint, step-00000004", told[0])
     assert m and m[1] != m[2], told[0]
     assert "tp inside a node; dp across" in out
     assert [p.name for p in checkpoint.list_complete(run)] == ["step-00000002", "step-00000004"]
