@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -53,8 +54,24 @@ def start_nodes(n: int, nproc: int, port: int, args: list[str], logs: Path, env:
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"job{port}",
            "--max-restarts", "0", "-m", "flopwise", "train", *args]
     logs.mkdir(exist_ok=True)
-    return [subprocess.Popen(cmd, stdout=open(logs / f"node{i}.out", "w"), stderr=open(logs / f"node{i}.err", "w"),
-                             env=env, start_new_session=True) for i in range(n)]
+    procs = []
+    for i in range(n):
+        with open(logs / f"node{i}.out", "w") as out, open(logs / f"node{i}.err", "w") as err:
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True))
+        if i == 0:  # node 0 hosts the rendezvous endpoint (whichever agent binds it first does)
+            _wait_listening(port, procs[0])
+    return procs
+
+
+def _wait_listening(port: int, agent: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert agent.poll() is None and time.monotonic() < deadline, "the first agent did not open its endpoint"
+            time.sleep(0.2)
 
 
 def finish(procs: list, logs: Path, timeout: float = 400) -> list[tuple[int, str, str]]:
@@ -118,8 +135,9 @@ def test_nodes_train_like_one_process(nodes, name, extra, where, tiny_data, tmp_
 
 
 def test_node_lost_then_restart_on_fewer_nodes(tiny_data, tmp_path):
-    """tp2 × dp2 over 2 nodes (tp inside each): one node's agent is killed with its workers during
-    step 5; the other node names it and the step in one line and exits non-zero at once; the
+    """tp2 × dp2 over 2 nodes (tp inside each): the second node's agent is killed with its workers
+    during step 5 (not the first's: the node holding the rendezvous endpoint is torchrun's single
+    point of failure, whose loss ends the other agents with RendezvousConnectionError); the other node names it and the step in one line and exits non-zero at once; the
     checkpoint of step 4 is complete; the job restarted on one node (tp2) resumes from it, says so,
     and every step's loss, before and after, equals one uninterrupted process's."""
     run, logs = tmp_path / "run", tmp_path / "logs"
@@ -142,8 +160,8 @@ def test_node_lost_then_restart_on_fewer_nodes(tiny_data, tmp_path):
     told = [line for line in err.splitlines() if "went away" in line]
     assert len(told) == 1, err[-3000:]
     # the lost node is named by the ranks missing from the job's store, or, when it held that store, as such
-    m = re.search(r"rank \d \(node (\d)\): node (\d) \((rank \d-\d|it held the job's store)\) went away at step 5; "
-                  r".* from the last complete checkpoint, step-00000004", told[0])
+    m = re.search(r"rank \d \(node (\d)\): another rank's connection closed at step 5: node (\d) \((rank \d-\d|it "
+                  r"held the job's store)\) went away; .* from the last complete checkpoint, step-00000004", told[0])
     assert m and m[1] != m[2], told[0]
     assert "tp inside a node; dp across" in out
     assert [p.name for p in checkpoint.list_complete(run)] == ["step-00000002", "step-00000004"]

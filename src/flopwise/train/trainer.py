@@ -463,27 +463,31 @@ def nodes_label(par: Parallel) -> str:
 
 
 def lost_peer(par: Parallel, rank: int, step: int, last: Path | None) -> TrainingStopped:
-    """The one line a surviving rank stops with when a peer went away: which node (the ranks that
-    did not check in through the job's store), at which step, and where a restart resumes. Only the
-    lowest surviving rank says it (without the store: each node's first); the others stop quietly."""
-    missing = missing_ranks(par)
-    gone = sorted({par.nodes[r] for r in missing}) if missing else []
-    me = par.nodes[rank]
+    """The one line a surviving rank stops with when a peer went away: which node or ranks (those
+    that did not check in through the job's store), at which step, and where a restart resumes. Only
+    the lowest surviving rank says it (without the store: each node's first); the others stop quietly.
+    On one node torchrun stops the survivors at once, so they do not wait for check-ins there."""
+    me, nodes = par.nodes[rank], len(set(par.nodes))
+    missing = missing_ranks(par) if nodes > 1 else None
+    gone = sorted({par.nodes[r] for r in missing} - {me}) if missing else []
     if gone:
         ranks = [r for r in missing or [] if par.nodes[r] in gone]
-        who = f"node {', '.join(map(str, gone))} (rank {ranks[0]}-{ranks[-1]})" if len(ranks) > 1 else \
-            f"node {gone[0]} (rank {ranks[0]})"
-    elif len(set(par.nodes)) == 2 and missing is None:  # the store went with it: the other node
-        who = f"node {1 - me} (it held the job's store)"
+        span = f"rank {ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"rank {ranks[0]}"
+        who = f"node {', '.join(map(str, gone))} ({span}) went away"
+    elif missing:
+        who = f"rank {', '.join(map(str, missing))} went away (its own output says why)"
+    elif nodes == 2:  # no store to ask: it went with the other node
+        who = f"node {1 - me} (it held the job's store) went away"
     else:
-        who = "another rank (its own output says why)"
-    resume = f"the last complete checkpoint, {last.name}" if last is not None else "the start (no checkpoint yet)"
+        who = "that process died (its own output says why)"
     if missing:
         quiet = rank != min(r for r in range(len(par.nodes)) if r not in missing)
-    else:  # no store to agree through: one line per surviving node
-        quiet = os.environ.get("LOCAL_RANK", "0") != "0"
-    return TrainingStopped(f"rank {rank} (node {me}): {who} went away at step {step}; the job stops here, and a "
-                           f"restart (with fewer nodes too) resumes from {resume}", quiet=quiet)
+    else:  # no store to agree through: one line per surviving node (on one node, every survivor's)
+        quiet = nodes > 1 and os.environ.get("LOCAL_RANK", "0") != "0"
+    where, fewer = (f"rank {rank} (node {me})", " (with fewer nodes too)") if nodes > 1 else (f"rank {rank}", "")
+    resume = f"the last complete checkpoint, {last.name}" if last is not None else "the start (no checkpoint yet)"
+    return TrainingStopped(f"{where}: another rank's connection closed at step {step}: {who}; the job stops here, "
+                           f"and a restart{fewer} resumes from {resume}", quiet=quiet)
 
 
 def layout_label(lo: Layout) -> str:
