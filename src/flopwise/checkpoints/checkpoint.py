@@ -597,7 +597,7 @@ class SafeReader(FileSystemReader):
 
 def resolve(path: str | Path, report: Callable[[str], None] | None = None) -> Path:
     """A checkpoint folder, or a run folder (-> its newest complete checkpoint). `report` hears,
-    for a run folder, which checkpoint is used and why (each damaged newer one named)."""
+    for a run folder whose newest checkpoint is damaged, why and which older one is used."""
     p = Path(path)
     if (p / MANIFEST).exists():
         if reason := verify(p):
@@ -606,8 +606,6 @@ def resolve(path: str | Path, report: Callable[[str], None] | None = None) -> Pa
     found = latest(p, report=report)
     if found is None:
         raise CheckpointError(f"{p}: no complete checkpoint here (expected a run dir or a step-N folder)")
-    if report is not None and found == _candidates(p)[-1]:
-        report(f"using {found.name}, the newest checkpoint of {p}")
     return found
 
 

@@ -17,7 +17,7 @@ from flopwise.checkpoints.export import checkpoint_config
 def load_for_inference(path: str | Path, device: str = "cpu",
                        report: Callable[[str], None] | None = None) -> tuple[Transformer, Config, GuardedTokenizer]:
     """(model, config, tokenizer) of a checkpoint folder or a run folder, in eval mode; `report`
-    hears which checkpoint of a run folder is used and why (a damaged newer one is skipped)."""
+    hears which checkpoint of a run folder is used, and why, when its newest is damaged."""
     ckpt = checkpoint.resolve(path, report)
     cfg = checkpoint_config(ckpt, checkpoint.read_state(ckpt))
     model = build_model(cfg.model, torch.device(device))
