@@ -103,7 +103,7 @@ def test_data_of_another_tokenizer_is_refused_before_step_1(instruct, user_text,
     cli("data", "prepare", str(user_text / "train"), "--out", str(data), "--train-tokenizer", "512", "--workers", "1")
     run = tmp_path / "run"
     r = cli("train", f'model.init_from="hf:{instruct}"', f'data.path="{data}"', f'run.dir="{run}"', "train.steps=2",
-            "data.seq_len=64", "train.sample_tokens=0", code=2)
+            "data.seq_len=64", "optim.warmup_steps=1", "train.sample_tokens=0", code=2)
     assert isinstance(r.exception, DataError), r.output
     msg = str(r.exception)
     assert "another tokenizer" in msg and "differ" in msg and f"--tokenizer {instruct}" in msg and "\n" not in msg
@@ -139,7 +139,7 @@ def test_a_rising_loss_is_warned_in_the_first_steps(instruct, user_text, tmp_pat
     learning rate far too high the training loss climbs over the loaded model's own loss."""
     run = tmp_path / "run"
     r = cli("train", f'model.init_from="hf:{instruct}"', f'data.path="{user_text / "train"}"', f'run.dir="{run}"',
-            "train.steps=8", "optim.lr=0.05", "data.seq_len=64", "train.sample_tokens=0", "train.eval_every=0", "train.eval_batches=2",
+            "train.steps=8", "optim.lr=0.05", "optim.warmup_steps=1", "data.seq_len=64", "train.sample_tokens=0", "train.eval_every=0", "train.eval_batches=2",
             "train.global_batch=4", "train.micro_batch=4", "log.every=1", "checkpoint.interval=0")
     out = " ".join(r.output.split())
     assert f"loaded hf:{instruct}: llama, " in out and "parameters" in out and "eos '<|im_end|>'=2" in out
