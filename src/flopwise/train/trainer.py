@@ -336,20 +336,6 @@ class _Loop:
         return None
 
 
-def _metrics_until(path: Path, step: int) -> str:
-    """metrics.jsonl's lines up to the resumed `step`, each kept byte for byte, a line the user
-    added (a record without a numeric step: a note) included; a line that is no JSON object is a
-    one-line DataError (read_records)."""
-    read_records(path)
-    kept = []
-    for line in path.read_text("utf-8", "surrogateescape").splitlines(keepends=True) if path.is_file() else []:
-        at = json.loads(line).get("step") if line.strip() else None
-        if not (isinstance(at, (int, float)) and not isinstance(at, bool) and at > step):
-            kept.append(line)
-    text = "".join(kept)
-    return text + "\n" if text and not text.endswith("\n") else text  # the next record starts a line
-
-
 def train(run: Run, console: Console, started: float | None = None) -> TrainResult:
     """Train a built run on this process, or as one rank of a torchrun/srun job (rank 0 writes logs
     and metrics); `started`: when building it began (perf_counter), for the run's wall time."""
@@ -370,8 +356,8 @@ def train(run: Run, console: Console, started: float | None = None) -> TrainResu
                               f"{cfg.model.max_seq_len - 1}; change it or set train.sample_tokens=0")
     if run.resumed_from is not None:
         if par.is_main:
-            rundir.replace(run_dir, "metrics.jsonl",
-                           _metrics_until(metrics_path, run.start_step).encode("utf-8", "surrogateescape"))
+            kept = [r for r in read_records(metrics_path) if r["step"] <= run.start_step]
+            rundir.replace(run_dir, "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in kept).encode())
         console.print(f"[bold]resumed[/] from {run.resumed_from} at step {run.start_step} "
                       f"(written by layout {Layout.from_json(run.resumed_layout or {}).name()})")
     elif par.is_main:
