@@ -30,7 +30,8 @@ def _keys(tree: dict, prefix: str = "") -> set[str]:
 def test_every_key_of_a_resolved_config_is_documented_with_a_description():
     """Independent of the generator: the keys the demo config resolves to (its TOML), each in a row with
     a non-empty description."""
-    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([\w.\[\]]+)` \|.*\| ([^|]*) \|$", PAGE.read_text(), re.M)}
+    row = re.compile(r"^\| `([\w.\[\]]+)` \|.*\| ([^|]*) \|$", re.M)
+    rows = {m.group(1): m.group(2) for m in row.finditer(PAGE.read_text())}
     keys = _keys(tomllib.loads(to_toml(load_config("demo", []))))
     assert len(keys) > 80
     missing = sorted(k for k in keys if not rows.get(k, "").strip())

@@ -108,7 +108,7 @@ def test_every_page_reads_in_a_browser(site):
         urls = [base + (p + "/" if p != "." else "") for p in pages]
         assert len(urls) >= 15, pages
         with ThreadPoolExecutor(4) as pool:
-            doms = dict(zip(urls, pool.map(_dom, urls)))
+            doms = dict(zip(urls, pool.map(_dom, urls), strict=True))
         problems = []
         for url, dom in doms.items():
             if len("".join(dom.text).split()) < 20:
