@@ -78,6 +78,14 @@ def config_show(args: Optional[list[str]] = typer.Argument(None, help=ARGS_HELP)
     typer.echo(to_toml(_config(args)), nl=False)
 
 
+@config_app.command("docs")
+def config_docs() -> None:
+    """Print the config reference (docs/config.md) generated from the config model."""
+    from flopwise.configdoc import render
+
+    typer.echo(render(), nl=False)
+
+
 @app.command()
 def presets(as_json: bool = typer.Option(False, "--json", help="print a JSON list")) -> None:
     """List the built-in model presets with their parameter counts."""

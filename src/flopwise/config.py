@@ -26,49 +26,57 @@ class Section(BaseModel):
 
 
 class RunConfig(Section):
-    name: str = "demo"
-    dir: str = "runs/demo"
-    seed: int = Field(1337, ge=0, lt=2**63, description="seeds every generator (torch and numpy take 0 to 2^63-1)")
+    name: str = Field("demo", description="run label in banners, metrics and exported configs")
+    dir: str = Field("runs/demo", description="run folder: metrics, checkpoints, prepared data, plots")
+    seed: int = Field(1337, ge=0, lt=2**63,
+                      description="seed of initialisation, data order, validation split and dropout (0 to 2^63-1)")
 
 
 class RopeScaling(Section):
     """Llama-3 RoPE frequency scaling (Dubey et al. 2024, used from Llama 3.1 on)."""
 
-    factor: float = Field(gt=0)
-    low_freq_factor: float = Field(gt=0)
-    high_freq_factor: float = Field(gt=0)
-    original_max_seq_len: int = Field(gt=0)
+    factor: float = Field(gt=0, description="how much longer the extended context is than the original")
+    low_freq_factor: float = Field(gt=0, description="wavelengths above original_max_seq_len / this are scaled by "
+                                   "factor")
+    high_freq_factor: float = Field(gt=0, description="wavelengths below original_max_seq_len / this are left as "
+                                    "they are")
+    original_max_seq_len: int = Field(gt=0, description="the context the model was first trained with")
 
 
 class ModelConfig(Section):
-    preset: str | None = None
+    preset: str | None = Field(None, description="a published architecture from `flopwise presets`; explicit model "
+                               "keys override it")
     init_from: str | None = Field(None, description='hf:PATH: shape and weights from a Hugging Face folder')
-    arch: str = "llama"
-    n_layers: int = Field(4, ge=1)
-    d_model: int = Field(256, ge=1)
-    n_heads: int = Field(4, ge=1)
+    arch: str = Field("llama", description="family defaults: gpt2, opt, neox, bloom, llama, mistral, qwen3, palm, "
+                      "gopher")
+    n_layers: int = Field(4, ge=1, description="transformer blocks")
+    d_model: int = Field(256, ge=1, description="width of the residual stream")
+    n_heads: int = Field(4, ge=1, description="query heads")
     n_kv_heads: int | None = Field(None, ge=1, description="default: n_heads (1 = multi-query)")
     head_dim: int | None = Field(None, ge=1, description="default: d_model // n_heads")
     ffn_dim: int | None = Field(None, ge=1, description="default: 4·d_model, or 8/3·d_model rounded to 256 for swiglu")
-    vocab_size: int = Field(4096, ge=2)
-    max_seq_len: int = Field(256, ge=1)
-    norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
-    norm_eps: float = Field(1e-5, gt=0)
-    mlp: Literal["swiglu", "gelu", "gelu_tanh", "relu"] = "swiglu"
-    pos: Literal["rope", "learned", "alibi", "relative", "none"] = "rope"
-    rope_theta: float = Field(10000.0, gt=0)
-    rope_scaling: RopeScaling | None = None
-    rotary_pct: float = Field(1.0, gt=0, le=1)
+    vocab_size: int = Field(4096, ge=2, description="embedding rows; at least the tokenizer's vocabulary")
+    max_seq_len: int = Field(256, ge=1, description="longest sequence the model takes (positions, generation)")
+    norm: Literal["layernorm", "rmsnorm"] = Field("rmsnorm", description="normalisation layer")
+    norm_eps: float = Field(1e-5, gt=0, description="epsilon of the norms")
+    mlp: Literal["swiglu", "gelu", "gelu_tanh", "relu"] = Field("swiglu", description="MLP activation")
+    pos: Literal["rope", "learned", "alibi", "relative", "none"] = Field(
+        "rope", description="positions: RoPE, learned absolute, ALiBi, Transformer-XL relative, or none")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
+    rope_scaling: RopeScaling | None = Field(None, description="Llama-3 RoPE frequency scaling table; none: unscaled")
+    rotary_pct: float = Field(1.0, gt=0, le=1, description="share of each head's dims that rotate (GPT-NeoX: 0.25)")
     pos_offset: int = Field(0, ge=0, description="extra learned-position rows before position 0 (OPT: 2)")
-    tie_embeddings: bool = False
-    qk_norm: bool = False
-    sliding_window: int | None = Field(None, ge=1)
-    bias: bool = False
+    tie_embeddings: bool = Field(False, description="the output head shares the embedding's weight")
+    qk_norm: bool = Field(False, description="RMSNorm on q and k per head (Qwen3)")
+    sliding_window: int | None = Field(None, ge=1, description="attend to the last W positions only (Mistral); "
+                                       "none: full causal")
+    bias: bool = Field(False, description="biases in every linear layer and LayerNorm")
     qkv_bias: bool = Field(False, description="biases on the q, k and v projections only (Qwen2)")
-    parallel_block: bool = False
-    embed_norm: bool = False
-    dropout: float = Field(0.0, ge=0, lt=1)
-    init_std: float = Field(0.02, gt=0)
+    parallel_block: bool = Field(False, description="attention and MLP side by side from one norm (GPT-J, NeoX, PaLM)")
+    embed_norm: bool = Field(False, description="LayerNorm right after the embedding (BLOOM)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout probability on attention and residual outputs")
+    init_std: float = Field(0.02, gt=0, description="std of the initial weights; residual output projections get it "
+                            "/ sqrt(2·n_layers)")
 
     @model_validator(mode="before")
     @classmethod
@@ -148,8 +156,8 @@ class DataConfig(Section):
                                         "[{path, weight, name}, ...]; empty: data.path alone, weight 1")
     tokenizer: str | None = Field(None, description="tokenizer.json path, or bpe:VOCAB to train one; default "
                                   "bpe:4096, or the tokenizer of model.init_from")
-    seq_len: int = Field(256, ge=1)
-    val_fraction: float = Field(0.05, ge=0, lt=1)
+    seq_len: int = Field(256, ge=1, description="tokens per training sequence; at most model.max_seq_len")
+    val_fraction: float = Field(0.05, ge=0, lt=1, description="share of documents held out for validation")
     document_mask: bool = Field(False, description="attention stays inside each document of a packed window "
                                 "(Llama 3); documents end at EOS")
     reset_positions: bool = Field(False, description="with document_mask: positions restart at 0 in every document")
@@ -171,7 +179,7 @@ class DataConfig(Section):
 
 
 class TrainConfig(Section):
-    steps: int = Field(300, ge=1)
+    steps: int = Field(300, ge=1, description="optimizer steps of the whole run (the LR schedule spans them)")
     stop_after: int | None = Field(None, ge=1, description="end this invocation at this step (schedule still "
                                    "spans train.steps); resume continues, e.g. across job time limits")
     global_batch: int = Field(16, ge=1, description="sequences per optimizer step")
@@ -182,13 +190,13 @@ class TrainConfig(Section):
                                                              "float8 (torchao; embedding and head stay in train.dtype); "
                                                              "needs a GPU of compute capability >= 8.9")
     float8_emulate: bool = Field(False, description="with train.float8: torchao's emulation (any device, slow; tests)")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu")
     compile: bool | Literal["auto"] = Field("auto", description="torch.compile each block and the loss; auto: "
                                             "for runs of >= 1000 steps on one process or plain data parallel")
     eval_every: int = Field(100, ge=0, description="0 = only at the end")
-    eval_batches: int = Field(8, ge=1)
+    eval_batches: int = Field(8, ge=1, description="validation batches per evaluation (a fixed set)")
     sample_tokens: int = Field(120, ge=0, description="tokens of sample text generated at the end")
-    sample_prompt: str = "Romeo.\n"
+    sample_prompt: str = Field("Romeo.\n", description="prompt of the sample generated at the end")
     eval_tasks: list[str] = Field(default_factory=list, description="task names run at every evaluation")
     eval_task_limit: int = Field(100, ge=1, description="examples per task during training")
     preflight: bool = Field(True, description="before preparing data or allocating, predict every rank's peak "
@@ -199,31 +207,36 @@ class TrainConfig(Section):
 
 
 class OptimConfig(Section):
-    lr: float = Field(3e-3, gt=0)
-    min_lr: float = Field(3e-4, ge=0)
-    warmup_steps: int = Field(30, ge=0)
-    schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    lr: float = Field(3e-3, gt=0, description="peak learning rate")
+    min_lr: float = Field(3e-4, ge=0, description="learning rate at the end of the decay")
+    warmup_steps: int = Field(30, ge=0, description="linear warmup from 0 to optim.lr")
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = Field("cosine", description="decay after warmup "
+                                                                     "(wsd: warmup-stable-decay)")
     decay_fraction: float = Field(0.2, gt=0, le=1, description="WSD: share of steps spent decaying")
-    weight_decay: float = Field(0.1, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
-    grad_clip: float = Field(1.0, ge=0, description="0 = off")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay; norms, biases and embeddings "
+                                "are not decayed")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW second-moment decay")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    grad_clip: float = Field(1.0, ge=0, description="clip the global gradient norm to this; 0 = off")
 
 
 class ParallelConfig(Section):
     dp: int | None = Field(None, ge=1, description="default: what is left of the world size")
-    dp_replicate: int = Field(1, ge=1)
-    zero: Literal[0, 1, 2, 3] = 0
-    tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
-    cp: int = Field(1, ge=1)
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev"] = "1f1b"
-    virtual_stages: int = Field(1, ge=1)
+    dp_replicate: int = Field(1, ge=1, description="HSDP: replica groups across which shards are replicated")
+    zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage: 0 replicate (DDP), 1 shard optimizer state, 2 + "
+                                      "gradients, 3 + parameters (FSDP2)")
+    tp: int = Field(1, ge=1, description="tensor-parallel degree (Megatron column/row split)")
+    pp: int = Field(1, ge=1, description="pipeline-parallel stages")
+    cp: int = Field(1, ge=1, description="context-parallel degree (sequence split across ranks)")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev"] = Field(
+        "1f1b", description="pipeline schedule (torch.distributed.pipelining)")
+    virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved schedules)")
     pp_layers: list[int] | None = Field(None, description="layers per pipeline stage (pp·virtual_stages "
                                         "entries); default: balanced by parameter count")
-    sequence_parallel: bool = False
-    recompute: Literal["none", "selective", "full"] = "none"
+    sequence_parallel: bool = Field(False, description="with tp: norms and dropout on a sequence shard")
+    recompute: Literal["none", "selective", "full"] = Field("none", description="activation checkpointing: "
+                                                            "selective = the attention core, full = every block")
     layout: Literal["manual", "auto"] = Field("manual", description="auto: the planner picks the unset degrees "
                                               "for cluster.hardware and the world size")
 
@@ -234,7 +247,7 @@ class CheckpointConfig(Section):
     interval: int | Literal["auto"] = Field(0, description="steps between checkpoints; 0 = only at the end; "
                                             "auto = Young/Daly interval from the measured write time and "
                                             "cluster.gpu_mtbf_hours")
-    keep: int = Field(2, ge=1)
+    keep: int = Field(2, ge=1, description="newest complete checkpoints kept")
     resume: str = Field("auto", description="auto (latest complete), none, or a checkpoint path")
     async_save: bool = Field(False, alias="async", description="write with DCP's async save while training "
                              "goes on (at most one in flight)")
@@ -253,7 +266,7 @@ class CheckpointConfig(Section):
 class GuardConfig(Section):
     """Loss-spike and NaN guard (PaLM's recipe: roll back, skip the offending data)."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="skip non-finite updates and roll back on loss spikes")
     spike_zscore: float = Field(6.0, gt=0, description="a loss this many running std above the running mean "
                                 "is a spike")
     window: int = Field(50, ge=2, description="steps in the running loss window")
@@ -272,14 +285,15 @@ class WatchdogConfig(Section):
 
 
 class LogConfig(Section):
-    every: int = Field(10, ge=1)
-    tensorboard: bool = False
+    every: int = Field(10, ge=1, description="log a metrics row (and sync with the device) every N steps")
+    tensorboard: bool = Field(False, description="mirror metrics to TensorBoard event files (flopwise[tensorboard])")
 
 
 class ClusterConfig(Section):
-    hardware: str = "cpu"
+    hardware: str = Field("cpu", description="the device the planner plans for (a name from hardware.py's catalogue "
+                          "or cluster.hardware_file)")
     hardware_file: str | None = Field(None, description="TOML with extra or replaced hardware entries")
-    gpus: int = Field(1, ge=1)
+    gpus: int = Field(1, ge=1, description="devices the planner plans for")
     gpus_per_node: int | None = Field(None, ge=1, description="default: the hardware's devices per node")
     storage_gbps_per_gpu: float | None = Field(None, gt=0, description="checkpoint write bandwidth per device, "
                                                "GB/s; default: Llama 3's 2 TB/s over 16,384 GPUs")
