@@ -66,6 +66,7 @@ def _files(d: Path) -> dict[str, bytes]:
     if "manifest.json" in files:  # it records report.json's bytes (timings included): compared without
         manifest = json.loads(files.pop("manifest.json"))
         manifest["files"].pop("report.json")
+        manifest.pop("folder")  # the folder it was written for: the same in no two folders
     return files | {"report.json": report, "manifest.json": manifest}
 
 
@@ -279,7 +280,7 @@ def _tree(d: Path) -> dict[str, str]:
     import hashlib
 
     return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*"))
-            if p.is_file()}
+            if p.is_file() and p.name != ".flopwise.lock"}  # a killed prepare's lock: taken over, then removed
 
 
 def _cli_prepare(inputs, out, *extra):

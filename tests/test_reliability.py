@@ -157,8 +157,9 @@ def test_unwritable_checkpoint_dir_stops_cleanly(tiny_data, tmp_path):
     from flopwise.build import TRAIN_WRITES
     from flopwise.checkpoints.rundir import claim
 
-    claim(tmp_path, TRAIN_WRITES)  # a flopwise run folder (an unclaimed user's file is refused before training)
-    (tmp_path / "checkpoints").write_text("a file where the checkpoint folder should be")
+    claim(tmp_path, TRAIN_WRITES)  # a flopwise run folder (a user's file at a claimed name is refused before training)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "step-00000003.tmp").write_text("a file where the checkpoint's folder should be")
     with pytest.raises(CheckpointError, match="step-00000003 not written .*; there is no earlier checkpoint"):
         run(tmp_path, tiny_data)
 

@@ -13,7 +13,8 @@ process at a time writes a folder (`folder_lock`).
 A manifest records every file a command wrote (size and sha256; a file over FULL_CHECK_BYTES is
 checked by its size and the sha256 of its first and last ENDS_BYTES, so checking a folder of GB-scale
 files reads ~2 MiB per file), plus, for an unfinished job, files still being written (`unchecked`)
-and folders whose whole content the job writes (`folders`). Each kind of folder has its own file
+and folders whose whole content the job writes (`folders`): entries without content, honoured only
+in a record bound to this folder (an interrupted job's own), never in a copied or hand-written one. Each kind of folder has its own file
 name and format: a prepared data dir, an exported Hugging Face folder.
 """
 
