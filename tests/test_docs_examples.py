@@ -155,6 +155,21 @@ def _run(command: str, cwd: Path, fresh: bool = False) -> tuple[int, str]:
     return code, buffer.getvalue()
 
 
+_WRITTEN: dict[Path, set[int]] = {}
+
+
+def _write_files(upto: Step, folder: Path) -> None:
+    """Write the page's files above `upto` not written yet: `-m "docs and slow"` deselects a quick page's
+    file steps, yet its slow examples read them."""
+    done = _WRITTEN.setdefault(folder, set())
+    for s in STEPS:
+        if s.page == upto.page and s.path and s.line <= upto.line and s.line not in done:
+            target = folder / s.path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(s.text)
+            done.add(s.line)
+
+
 CHECKER = doctest.OutputChecker()
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
@@ -164,10 +179,8 @@ def test_documented_example(step: Step, folders, tmp_path_factory):
     folder = folders.setdefault(step.page, tmp_path_factory.mktemp(re.sub(r"\W", "_", step.page)))
     if step.skip:
         pytest.skip(f"{step.page}:{step.line} not run: {step.skip}")
+    _write_files(step, folder)
     if step.path:
-        target = folder / step.path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(step.text)
         return
     code, got = _run(step.command, folder, fresh=step.slow)
     want = step.want.strip() + "\n"
