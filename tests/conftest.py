@@ -37,7 +37,10 @@ def tiny_overrides(run_dir, data_dir, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
-WORKER = Path(__file__).parent / "dist" / "worker.py"
+ROOT = Path(__file__).parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"  # checked-in reference data, with its sources (SOURCE.md)
+BENCHMARKS = ROOT / "benchmarks"
+WORKER = ROOT / "tests" / "dist" / "worker.py"
 
 
 def run_jobs(n: int, jobs: list[dict], tmp: Path, port: int, timeout: int = 600) -> dict:
@@ -54,6 +57,27 @@ def run_jobs(n: int, jobs: list[dict], tmp: Path, port: int, timeout: int = 600)
     assert not errors, "\n".join(f"job {e['job']}: {e['error']}\n{e['trace']}" for e in errors)
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+def flopwise(*args, cwd: Path | None = None, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`flopwise ARGS` in a fresh process (as a user runs it): its exit code, stdout and stderr."""
+    return subprocess.run([sys.executable, "-m", "flopwise", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def run_main(argv: list, capsys, monkeypatch) -> tuple[int, str]:
+    """`flopwise ARGV` in this process, through cli.main (the top-level handler the console script
+    runs): its exit code and stderr."""
+    from flopwise.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["flopwise", *map(str, argv)])
+    capsys.readouterr()
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    return code, capsys.readouterr().err
 
 
 @pytest.fixture(scope="session")

@@ -8,20 +8,15 @@ nothing but the measurement itself)."""
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
 from flopwise.calibrate import save
 from flopwise.errors import ConfigError
 from flopwise.hardware import CATALOGUE, load_catalogue
+from tests.conftest import flopwise
 
 TINY = ["model.preset=demo-tiny", "model.vocab_size=4096", "data.seq_len=64", "train.global_batch=8", "train.micro_batch=8"]
-
-
-def flopwise(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flopwise", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

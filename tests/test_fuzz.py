@@ -167,8 +167,8 @@ import shutil  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import fuzzing  # noqa: E402
-from conftest import tiny_overrides  # noqa: E402
+from tests import fuzzing  # noqa: E402
+from tests.conftest import tiny_overrides  # noqa: E402
 
 
 def build_real(root: Path) -> dict[str, Path]:
