@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -37,21 +38,46 @@ def tiny_overrides(run_dir, data_dir, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
+@pytest.fixture(scope="session")
+def tiny_run(tiny_data, tmp_path_factory):
+    """`tiny_run(steps)`: the run folder of `tiny_overrides` trained for `steps` steps on Alice, trained
+    once per session (training is deterministic: a test's own run would be byte for byte this one).
+    Read it, export or evaluate it elsewhere; never write into it."""
+    from rich.console import Console
+
+    from flopwise.config import load_config
+    from flopwise.launch import train
+
+    runs: dict[int, Path] = {}
+
+    def get(steps: int) -> Path:
+        if steps not in runs:
+            out = tmp_path_factory.mktemp(f"tiny_run_{steps}") / "run"
+            train(load_config(None, tiny_overrides(out, tiny_data, **{"train.steps": steps})), Console(quiet=True))
+            runs[steps] = out
+        return runs[steps]
+
+    return get
+
+
 ROOT = Path(__file__).parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"  # checked-in reference data, with its sources (SOURCE.md)
 BENCHMARKS = ROOT / "benchmarks"
 WORKER = ROOT / "tests" / "dist" / "worker.py"
 
 
-def run_jobs(n: int, jobs: list[dict], tmp: Path, port: int, timeout: int = 600) -> dict:
+def run_jobs(n: int, jobs: list[dict], tmp: Path, timeout: int = 600) -> dict:
     """Run `jobs` in one torchrun launch of `n` gloo ranks (tests/dist/worker.py); their results by
-    name. A job that fails on any rank fails the launch with that rank's trace."""
-    spec, out = tmp / f"jobs{port}.json", tmp / f"out{port}.json"
+    name. A job that fails on any rank fails the launch with that rank's trace. `--standalone`: the
+    rendezvous takes a free port, so launches of parallel test workers (or of other users of the
+    machine) never meet on a fixed one."""
+    tag = uuid.uuid4().hex[:8]
+    spec, out = tmp / f"jobs-{tag}.json", tmp / f"out-{tag}.json"
     spec.write_text(json.dumps(jobs))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
-                        "--master-port", str(port), str(WORKER), str(spec), str(out)],
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+                        str(WORKER), str(spec), str(out)],
                        capture_output=True, text=True, timeout=timeout, env=env)
     errors = [json.loads(f.read_text()) for f in sorted(tmp.glob(f"{out.name}.rank*.error"))]
     assert not errors, "\n".join(f"job {e['job']}: {e['error']}\n{e['trace']}" for e in errors)

@@ -97,6 +97,7 @@ def test_a_writing_command_leaves_every_user_file_intact(name, trained, tiny_dat
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(SLOW))
 def test_a_slow_writing_command_leaves_every_user_file_intact(name, trained, tiny_data, tmp_path):
     _check(name, SLOW[name], trained, tiny_data, tmp_path)

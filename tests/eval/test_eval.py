@@ -1,17 +1,13 @@
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from rich.console import Console
 
-from tests.conftest import tiny_overrides
-from flopwise.config import ModelConfig, load_config
+from flopwise.config import ModelConfig
 from flopwise.errors import DataError
 from flopwise.eval.generate import generate
 from flopwise.eval.load import load_for_inference
-from flopwise.launch import train
 from flopwise.eval.perplexity import text_loss
 from flopwise.model.transformer import build_model
 from flopwise.train.engine import lm_loss
@@ -31,10 +27,8 @@ TEXT = "Alice was beginning to get very tired of sitting by her sister on the ba
 
 
 @pytest.fixture(scope="module")
-def run_dir(tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("gen") / "run"
-    train(load_config(None, tiny_overrides(out, tiny_data, **{"train.steps": 12})), Console(file=open(os.devnull, "w")))
-    return out
+def run_dir(tiny_run):
+    return tiny_run(12)
 
 
 def test_generation_stops_where_transformers_max_length_stops(run_dir, tmp_path):

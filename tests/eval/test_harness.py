@@ -10,32 +10,27 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import lm_eval  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
-from rich.console import Console  # noqa: E402
 
-from flopwise.config import load_config  # noqa: E402
 from flopwise.eval.harness import TASK_PREFIX, FlopwiseLM, task_yaml, write_task_yamls  # noqa: E402
 from flopwise.data.tasks import load_task  # noqa: E402
 from flopwise.eval.tasks import evaluate_task  # noqa: E402
 from flopwise.interop.convert import export_hf  # noqa: E402
 from flopwise.eval.load import load_for_inference  # noqa: E402
-from flopwise.launch import train  # noqa: E402
 
-from tests.conftest import tiny_overrides  # noqa: E402
 
 N = 40
 
 
-def test_lm_eval_scores_equal_flopwise_eval_and_hf(tiny_data, tmp_path):
-    train(load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{"train.steps": 12})),
-          Console(file=open(os.devnull, "w")))
-    hf_dir = export_hf(tmp_path / "run", tmp_path / "hf")
+def test_lm_eval_scores_equal_flopwise_eval_and_hf(tiny_run, tmp_path):
+    run = tiny_run(12)
+    hf_dir = export_hf(run, tmp_path / "hf")
     names = write_task_yamls(tmp_path / "yaml")
     tm = TaskManager(include_path=str(tmp_path / "yaml"))
-    ours = lm_eval.simple_evaluate(model=FlopwiseLM(str(tmp_path / "run")), tasks=names, limit=N,
+    ours = lm_eval.simple_evaluate(model=FlopwiseLM(str(run)), tasks=names, limit=N,
                                    task_manager=tm)["results"]
     hf = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf_dir},dtype=float32", tasks=names,
                                  limit=N, task_manager=tm, batch_size=8, device="cpu")["results"]
-    model, _, tok = load_for_inference(tmp_path / "run")
+    model, _, tok = load_for_inference(run)
     for name in names:
         own = evaluate_task(model, tok, *load_task(name[len(TASK_PREFIX):]), limit=N)
         metrics = ["acc"] + (["acc_norm"] if own["acc_norm"] is not None else [])
@@ -51,18 +46,16 @@ def test_lm_eval_scores_equal_flopwise_eval_and_hf(tiny_data, tmp_path):
     req = [Instance("generate_until", {}, (ctx, {"until": ["\n\n"], "max_gen_toks": 12}), 0)]
     hf_lm = HFLM(pretrained=str(hf_dir), dtype="float32", device="cpu", batch_size=1)
     assert hf_lm.max_length == model.cfg.max_seq_len
-    (out,) = FlopwiseLM(str(tmp_path / "run")).generate_until(req)
+    (out,) = FlopwiseLM(str(run)).generate_until(req)
     assert out and [out] == hf_lm.generate_until(req)  # 12 tokens each (was "": no room left after the context)
 
 
-def test_rolling_and_generation_against_direct_computation(tiny_data, tmp_path):
+def test_rolling_and_generation_against_direct_computation(tiny_run):
     from lm_eval.api.instance import Instance
 
     from flopwise.eval.generate import generate
 
-    train(load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{"train.steps": 6})),
-          Console(file=open(os.devnull, "w")))
-    lm = FlopwiseLM(str(tmp_path / "run"))
+    lm = FlopwiseLM(str(tiny_run(6)))
     text = "Alice was beginning to get very tired of sitting by her sister on the bank. " * 12
     (ll,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
     ids = [lm.eos] + lm.tok.encode(text).ids
@@ -88,7 +81,7 @@ def test_rolling_and_generation_against_direct_computation(tiny_data, tmp_path):
         lm.generate_until([Instance("generate_until", {}, ("Alice", {"until": ["\n"], "max_gen_toks": L}), 0)])
 
 
-def test_flopwise_lm_eval_keeps_the_users_include_paths(tiny_data, tmp_path):
+def test_flopwise_lm_eval_keeps_the_users_include_paths(tiny_run, tmp_path):
     """`flopwise lm-eval --include_path A --include_path B`: the user's own task folders are found
     beside the built-in tasks, and score as `flopwise eval` scores the same examples."""
     import json
@@ -98,8 +91,7 @@ def test_flopwise_lm_eval_keeps_the_users_include_paths(tiny_data, tmp_path):
 
     from flopwise.data.tasks import builtin_tasks
 
-    train(load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{"train.steps": 6})),
-          Console(file=open(os.devnull, "w")))
+    run = tiny_run(6)
     folders = {}
     for name, src in [("my_cloze", "shakespeare-cloze"), ("my_lastword", "alice-lastword")]:
         folder = tmp_path / f"user_{name}"
@@ -109,20 +101,20 @@ def test_flopwise_lm_eval_keeps_the_users_include_paths(tiny_data, tmp_path):
             task_yaml(name, folder / f"{name}.jsonl").replace(f"task: {TASK_PREFIX}{name}", f"task: {name}"))
         folders[name] = folder
     out = subprocess.run([sys.executable, "-m", "flopwise", "lm-eval", "--model", "flopwise", "--model_args",
-                          f"path={tmp_path / 'run'}", "--tasks", f"my_cloze,my_lastword,{TASK_PREFIX}alice-lastword",
+                          f"path={run}", "--tasks", f"my_cloze,my_lastword,{TASK_PREFIX}alice-lastword",
                           "--include_path", str(folders["my_cloze"]), f"--include_path={folders['my_lastword']}",
                           "--limit", "10", "--output_path", str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(next((tmp_path / "out").rglob("results*.json")).read_text())["results"]
-    model, _, tok = load_for_inference(tmp_path / "run")
+    model, _, tok = load_for_inference(run)
     for name in folders:
         own = evaluate_task(model, tok, *load_task(str(folders[name] / f"{name}.jsonl")), limit=10)
         assert results[name]["acc,none"] == own["acc"], name
     assert f"{TASK_PREFIX}alice-lastword" in results
 
 
-def test_readme_lm_eval_command_with_batch_size_in_model_args(tiny_data, tmp_path):
+def test_readme_lm_eval_command_with_batch_size_in_model_args(tiny_run, tmp_path):
     """README's `--model_args path=runs/demo,batch_size=16`: lm-eval's CLI also passes its own batch_size
     (default 1), max_batch_size and device (default cuda:0); model_args wins, as the user wrote it."""
     import json
@@ -133,8 +125,7 @@ def test_readme_lm_eval_command_with_batch_size_in_model_args(tiny_data, tmp_pat
 
     from flopwise.errors import ConfigError
 
-    run = tmp_path / "run"
-    train(load_config(None, tiny_overrides(run, tiny_data, **{"train.steps": 6})), Console(file=open(os.devnull, "w")))
+    run = tiny_run(6)
     cli = EvaluatorConfig()  # what the CLI passes when not told
     passed = {"batch_size": cli.batch_size, "max_batch_size": cli.max_batch_size, "device": cli.device}
     lm = FlopwiseLM.create_from_arg_string(f"path={run},batch_size=16", passed)

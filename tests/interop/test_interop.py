@@ -83,11 +83,9 @@ def test_to_hf_round_trip_loads_in_transformers(family, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
 
 
-def test_trained_demo_checkpoint_exports_and_generates_the_same_text(tiny_data, tmp_path):
-    train(load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{"train.steps": 12})),
-          Console(file=open(os.devnull, "w")))
-    out = export_hf(tmp_path / "run", tmp_path / "hf")
-    model, cfg, tok = load_for_inference(tmp_path / "run")
+def test_trained_demo_checkpoint_exports_and_generates_the_same_text(tiny_run, tmp_path):
+    out = export_hf(tiny_run(12), tmp_path / "hf")
+    model, cfg, tok = load_for_inference(tiny_run(12))
     prompt = tok.encode("Alice was").ids
     ours = generate(model, prompt, 20, temperature=0.0)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()

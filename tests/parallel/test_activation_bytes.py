@@ -65,7 +65,8 @@ def test_planner_books_what_the_engine_saves(family, dtype, recompute):
 
 # Compiled blocks (AOTAutograd's partitioner recomputes pointwise ops, keeps the bf16 weight casts):
 # each case compiles two models (~10 s on 2 cores); llama and gpt2 without recompute run by default.
-COMPILED_CASES = [pytest.param(f, d, r, marks=[] if f in ("llama", "gpt2") and r == "none" else pytest.mark.slow)
+COMPILED_CASES = [pytest.param(f, d, r, marks=[pytest.mark.compile] if f in ("llama", "gpt2") and r == "none"
+                               else [pytest.mark.compile, pytest.mark.slow])
                   for f in FAMILIES for d in ("fp32", "bf16") for r in ("none", "selective", "full")]
 
 
@@ -79,6 +80,7 @@ def test_planner_books_what_a_compiled_block_saves(family, dtype, recompute):
 
 
 @pytest.mark.slow
+@pytest.mark.compile
 def test_compiled_document_mask_term():
     """The compiled core keeps SDPA's attention-dtype copy of the document mask, as eager does."""
     documents = (torch.arange(SEQ) // 16).expand(BATCH, SEQ)
@@ -153,10 +155,11 @@ def measured_dist(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("activations")
     jobs = [{"name": f"{f}-{lo}-{n}", "kind": "activations", "overrides": _dist_overrides(f, lo, n)}
             for f, lo in DIST_CASES for n in (2, 4)]
-    return run_jobs(2, jobs, tmp, 29691)
+    return run_jobs(2, jobs, tmp)
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc
 @pytest.mark.parametrize("family, layout", DIST_CASES)
 def test_planner_books_what_each_rank_saves(family, layout, measured_dist):
     from flopwise.config import load_config
@@ -176,7 +179,7 @@ def test_planner_books_what_each_rank_saves(family, layout, measured_dist):
             assert r4["weight_copies"] == pytest.approx(autocast_weight_copy_bytes(m, 4, True, lo.tp), rel=0.02)
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.compile])])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_planner_books_what_the_model_keeps_outside_its_layers(family, dtype, compiled):
@@ -204,6 +207,7 @@ def test_planner_books_what_the_model_keeps_outside_its_layers(family, dtype, co
 
 
 @pytest.mark.slow
+@pytest.mark.compile
 def test_compiled_run_measures_what_the_planner_predicts(tiny_data, tmp_path):
     """`flopwise plan --measure`'s path on one process (build_run, then measure_rank's training
     steps under SavedBytes) with train.compile=true and bf16 autocast: the peak of saved activations

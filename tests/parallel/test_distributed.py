@@ -24,7 +24,7 @@ from flopwise.checkpoints import checkpoint
 from flopwise.build import build_engine
 from flopwise.launch import train
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 STEPS = 3
 
 
@@ -146,7 +146,7 @@ def runs(tiny_data, tiny_mix, tiny_docs, tmp_path_factory) -> dict:
     }
     results = {"_chain": chain, "_tmp": tmp}
     for world, jobs in launches.items():
-        results.update(run_jobs(world, jobs, tmp, 29500 + world))
+        results.update(run_jobs(world, jobs, tmp))
     return results
 
 
@@ -314,7 +314,7 @@ def test_export_consolidates_and_refuses_a_mismatched_model(runs, tiny_data, tmp
 
 def test_flopwise_train_under_torchrun(tiny_data, tmp_path):
     """The CLI itself as a 2-rank job: rank 0 alone reports, each rank writes its own shard."""
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "-m", "flopwise", "train", *base(tmp_path, tiny_data, **{"parallel.zero": 3})],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]

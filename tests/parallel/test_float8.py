@@ -95,6 +95,7 @@ def test_float8_linears_are_the_blocks_eligible_ones():
 
 
 @pytest.mark.slow  # compiling on a CPU: ~1 min on 2 cores
+@pytest.mark.compile
 def test_float8_composes_with_recompute_and_compile(tiny_data, tmp_path):
     """Full recompute and per-block compile over emulated float8 linears: the same losses as eager
     float8 without recompute, within compile's reordering of float sums."""
@@ -106,6 +107,7 @@ def test_float8_composes_with_recompute_and_compile(tiny_data, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc
 @pytest.mark.parametrize("recipe, layout", [
     ("tensorwise", {"parallel.zero": 3}),  # FSDP2 all-gathers the weights in float8, scaled by the shards' amax
     ("rowwise", {"parallel.tp": 2, "parallel.sequence_parallel": "true"}),  # DTensor shards, bf16 collectives
@@ -176,6 +178,7 @@ def test_run_measures_what_the_planner_predicts(tiny_data, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.compile
 def test_planner_bounds_what_compiled_float8_blocks_save():
     """Compiled (2 layers − 1): the planner books a compiled bf16 block without its float8 linears'
     weight casts; the partitioner keeps no more than that (on a CPU, where the float8 matmul is
@@ -190,6 +193,7 @@ def test_planner_bounds_what_compiled_float8_blocks_save():
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc
 def test_fsdp2_float8_all_gather_measures_what_the_planner_predicts(tiny_data, tmp_path):
     """`flopwise plan --measure` on two ranks, ZeRO-2, tensorwise: FSDP2 gathers the float8
     linears' weights in 1 byte per element; the gathered bytes equal the planner's, and the step's

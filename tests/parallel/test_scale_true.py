@@ -190,9 +190,8 @@ def sharded(tiny_data, tmp_path_factory) -> dict:
     hf_job = _layout_overrides(tmp, tiny_data, "hf-tp2xdp2-zero3", **{
         "parallel.tp": 2, "parallel.zero": 3, "model.init_from": f'"hf:{hf}"'})
     results = {"_tmp": tmp, "_hf": hf}
-    results.update(run_jobs(2, [_layout_overrides(tmp, tiny_data, n, **x) for n, x in LAYOUTS[2].items()], tmp, 29611))
-    results.update(run_jobs(4, [_layout_overrides(tmp, tiny_data, n, **x) for n, x in LAYOUTS[4].items()] + [hf_job],
-                            tmp, 29612))
+    results.update(run_jobs(2, [_layout_overrides(tmp, tiny_data, n, **x) for n, x in LAYOUTS[2].items()], tmp))
+    results.update(run_jobs(4, [_layout_overrides(tmp, tiny_data, n, **x) for n, x in LAYOUTS[4].items()] + [hf_job], tmp))
     return results
 
 
@@ -207,6 +206,7 @@ def _assert_slices_of(whole: dict[str, torch.Tensor], run_dir: Path, ranks: int)
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc
 @pytest.mark.parametrize("name", [n for w in LAYOUTS for n in LAYOUTS[w]])
 def test_sharded_init_equals_slices_of_the_one_process_model(name, sharded, tiny_data):
     """Each rank initialises only its shards, bit-identical to the same slices of the model the
@@ -217,6 +217,7 @@ def test_sharded_init_equals_slices_of_the_one_process_model(name, sharded, tiny
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc
 def test_sharded_hf_load_reads_only_each_ranks_slices(sharded, tiny_data):
     """model.init_from=hf:PATH under tp2·dp2 zero3: every rank's shards equal the one-process
     from_hf model's slices, each rank reads about a quarter of the weight file (norm gains, held
@@ -234,6 +235,7 @@ def test_sharded_hf_load_reads_only_each_ranks_slices(sharded, tiny_data):
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc
 def test_building_a_half_billion_model_on_four_ranks_holds_a_quarter_each(tmp_path):
     """A 0.48B-parameter Llama (1.9 GB in fp32) built for zero3 on 4 ranks: each rank's peak
     resident memory grows by at most a quarter of the model plus 200 MB while it builds
@@ -243,7 +245,7 @@ def test_building_a_half_billion_model_on_four_ranks_holds_a_quarter_each(tmp_pa
           'train.dtype="fp32"', f'run.dir="{tmp_path}"']
     cfg = load_config(None, ov)
     full = sum(p.numel() for p in build_model(cfg.model, "meta").parameters()) * 4
-    r = run_jobs(4, [{"name": "mem", "kind": "build_memory", "overrides": ov}], tmp_path, 29613)["mem"]
+    r = run_jobs(4, [{"name": "mem", "kind": "build_memory", "overrides": ov}], tmp_path)["mem"]
     for added in r["peak_added_bytes"]:
         assert added < full / 4 + 200 * 2**20, (added, full)
 

@@ -21,7 +21,7 @@ from flopwise.parallel.mesh import layout_of
 from flopwise.plan.perf import evaluate
 from flopwise.plan.rank import predict_rank
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 FAMILIES = {
     "gqa": {"model.n_layers": 4, "model.tie_embeddings": "false"},  # demo-tiny: Llama, 4 heads, 2 kv heads
@@ -62,7 +62,7 @@ def measured(tiny_data, tmp_path_factory) -> dict:
     jobs += [{"name": f"comm-zero{z}", "kind": "comm", "overrides": tiny_overrides(tmp / f"comm{z}", tiny_data, **{
         "parallel.zero": z, "train.micro_batch": 1, "train.global_batch": 8})} for z in range(4)]
     jobs += [{"name": f"peak-{name}", "kind": "demo_states", "overrides": _peak_overrides(tmp, name)} for name in PEAK]
-    return {"_tmp": tmp, **run_jobs(4, jobs, tmp, 29621)}
+    return {"_tmp": tmp, **run_jobs(4, jobs, tmp)}
 
 
 # Demo-model layouts on 4 ranks for the high-water mark, with the tolerance each is held to

@@ -43,6 +43,7 @@ def _measure(tmp_path, *overrides: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc
 @pytest.mark.parametrize("layout", [["train.micro_batch=8"],
                                     ["parallel.dp=2", "parallel.zero=1", "train.micro_batch=4"]], ids=["single", "dp2-zero1"])
 def test_measured_step_time_is_the_sum_of_its_profiled_components(layout, tmp_path):

@@ -15,15 +15,17 @@ import pytest
 from tests.conftest import tiny_overrides
 from flopwise.checkpoints import checkpoint
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 STEPS = 8
 
 
-def launch(run_dir, data, faults="", restarts=1, port=29700, timeout=300, nproc=2, **extra) -> subprocess.CompletedProcess:
+def launch(run_dir, data, faults="", restarts=1, timeout=300, nproc=2, **extra) -> subprocess.CompletedProcess:
+    """`flopwise train` under torchrun (`--standalone`: a free rendezvous port, so parallel test workers or
+    other users of the machine never collide on a fixed one)."""
     kw = {"train.steps": STEPS, "train.eval_every": 0, "train.eval_batches": 1, "checkpoint.interval": 3, **extra}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FLOPWISE_FAULTS": faults, "COLUMNS": "400"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts", str(restarts),
-           "--master-port", str(port), "-m", "flopwise", "train", *tiny_overrides(run_dir, data, **kw)]
+           "--standalone", "-m", "flopwise", "train", *tiny_overrides(run_dir, data, **kw)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -40,7 +42,7 @@ def loader_and_rng(ckpt) -> tuple:
 @pytest.fixture(scope="module")
 def reference(tiny_data, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("reference")
-    r = launch(run_dir, tiny_data, port=29701)
+    r = launch(run_dir, tiny_data)
     assert r.returncode == 0, r.stderr[-3000:]
     return checkpoint.latest(run_dir)
 
@@ -52,7 +54,7 @@ def reference(tiny_data, tmp_path_factory):
 def test_sigkill_restarts_from_the_last_checkpoint_and_matches_bitwise(tiny_data, tmp_path, reference, faults,
                                                                        async_save, resumed):
     t0 = time.perf_counter()
-    r = launch(tmp_path, tiny_data, faults, port=29710, **{"checkpoint.async": async_save})
+    r = launch(tmp_path, tiny_data, faults, **{"checkpoint.async": async_save})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "exitcode: -9" in r.stderr  # the kill happened, torchrun restarted the job
     if "step=" in faults:  # the survivor says a peer died, not that it waited out the collective timeout
@@ -68,9 +70,9 @@ def test_sigkill_restarts_from_the_last_checkpoint_and_matches_bitwise(tiny_data
 def test_sigkill_on_4_ranks_under_fsdp_matches_bitwise(tiny_data, tmp_path):
     """FSDP2 (ZeRO-3) on 4 ranks: sharded DTensor state written by every rank, one rank killed."""
     kw = {"parallel.zero": 3, "train.micro_batch": 2}
-    ref = launch(tmp_path / "ref", tiny_data, restarts=0, port=29760, nproc=4, **kw)
+    ref = launch(tmp_path / "ref", tiny_data, restarts=0, nproc=4, **kw)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    r = launch(tmp_path / "killed", tiny_data, "kill:step=5:rank=3", port=29761, nproc=4, **kw)
+    r = launch(tmp_path / "killed", tiny_data, "kill:step=5:rank=3", nproc=4, **kw)
     assert r.returncode == 0 and "exitcode: -9" in r.stderr, r.stderr[-3000:]
     assert "step-00000003 at step 3" in r.stdout
     a, b = checkpoint.latest(tmp_path / "ref"), checkpoint.latest(tmp_path / "killed")
@@ -78,17 +80,17 @@ def test_sigkill_on_4_ranks_under_fsdp_matches_bitwise(tiny_data, tmp_path):
 
 
 def test_sigterm_checkpoints_exits_zero_and_resume_matches(tiny_data, tmp_path, reference):
-    r = launch(tmp_path, tiny_data, "sigterm:step=4:rank=1", restarts=0, port=29720)
+    r = launch(tmp_path, tiny_data, "sigterm:step=4:rank=1", restarts=0)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "preempted by a signal to another rank at step 4" in r.stdout and "run the same command again" in r.stdout
     assert checkpoint.latest(tmp_path).name == "step-00000004"
-    r = launch(tmp_path, tiny_data, port=29721)
+    r = launch(tmp_path, tiny_data)
     assert r.returncode == 0 and "step-00000004 at step 4" in r.stdout
     assert hashes(checkpoint.latest(tmp_path)) == hashes(reference)
 
 
 def test_nan_on_one_rank_is_skipped_by_all_and_a_straggler_is_named(tiny_data, tmp_path):
-    r = launch(tmp_path, tiny_data, "slow:step=2:rank=1:seconds=0.6,nan_grad:step=4:rank=1", restarts=0, port=29730)
+    r = launch(tmp_path, tiny_data, "slow:step=2:rank=1:seconds=0.6,nan_grad:step=4:rank=1", restarts=0)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert {"step": 4, "event": "skipped_update", "reason": "non-finite loss or gradient norm"} in [
@@ -99,7 +101,7 @@ def test_nan_on_one_rank_is_skipped_by_all_and_a_straggler_is_named(tiny_data, t
 
 
 def test_disk_full_on_one_rank_stops_every_rank_with_the_previous_checkpoint_intact(tiny_data, tmp_path):
-    r = launch(tmp_path, tiny_data, "enospc:save=2:rank=1", restarts=0, port=29740)
+    r = launch(tmp_path, tiny_data, "enospc:save=2:rank=1", restarts=0)
     assert r.returncode != 0
     assert "error: checkpoint step-00000006 not written" in r.stderr and "No space left on device" in r.stderr
     assert "[rank0]: Traceback" not in r.stderr and "[rank1]: Traceback" not in r.stderr  # (torchrun prints its own)
@@ -108,7 +110,7 @@ def test_disk_full_on_one_rank_stops_every_rank_with_the_previous_checkpoint_int
 
 
 def test_hung_rank_dumps_stacks_times_out_and_the_restart_finishes(tiny_data, tmp_path, reference):
-    r = launch(tmp_path, tiny_data, "hang:step=5:rank=1", port=29750, timeout=400,
+    r = launch(tmp_path, tiny_data, "hang:step=5:rank=1", timeout=400,
                **{"watchdog.collective_timeout_s": 15, "watchdog.min_s": 2, "watchdog.hang_factor": 3})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "a collective timed out at step 5 after watchdog.collective_timeout_s=15" in r.stderr
@@ -124,7 +126,7 @@ def test_auto_interval_is_rank_0s_choice_when_ranks_time_differently(tiny_data, 
     steps, so its median step time (and its Daly interval) differs from rank 0's. Rank 0 decides and
     broadcasts: every rank saves at the same steps (a disagreement would be a collective mismatch)."""
     slow = ",".join(f"slow:step={s}:rank=1:seconds=0.4" for s in range(1, 6))
-    r = launch(tmp_path, tiny_data, slow, restarts=0, port=29780, **{
+    r = launch(tmp_path, tiny_data, slow, restarts=0, **{
         "train.steps": 14, "checkpoint.interval": '"auto"', "checkpoint.keep": 20, "cluster.gpu_mtbf_hours": 0.002})
     assert r.returncode == 0, r.stderr[-3000:]
     [line] = [x for x in r.stdout.splitlines() if "checkpoint.interval=auto" in x]

@@ -85,6 +85,7 @@ def test_preflight_false_skips_the_check(tmp_path, tiny_data, monkeypatch):
     assert r.steps == 2
 
 
+@pytest.mark.multiproc
 def test_two_ranks_agree_and_rank_0_says_why_once(tmp_path):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "-m", "flopwise", "train", "model.preset=llama2-7b", "train.micro_batch=8"],

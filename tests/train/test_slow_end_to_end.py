@@ -12,7 +12,7 @@ from tests.conftest import tiny_overrides
 from flopwise.config import load_config
 from flopwise.launch import train
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 @pytest.mark.timeout(2400)
@@ -29,6 +29,7 @@ def test_default_train_beats_the_unigram_entropy(tmp_path):
     assert (tmp_path / "loss.png").exists() and (tmp_path / "checkpoints" / "step-00000300" / "manifest.json").exists()
 
 
+@pytest.mark.compile
 def test_compile_matches_eager(tiny_data, tmp_path):
     quiet = Console(file=open("/dev/null", "w"))
     kw = {"train.steps": 3, "checkpoint.interval": 0, "train.eval_every": 0}
