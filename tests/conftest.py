@@ -91,19 +91,36 @@ def flopwise(*args, cwd: Path | None = None, timeout: int = 600, env: dict | Non
                           cwd=cwd, timeout=timeout, env={**os.environ, **(env or {})})
 
 
-def run_main(argv: list, capsys, monkeypatch) -> tuple[int, str]:
+def main_in_process(argv: list, capsys, monkeypatch, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`flopwise ARGV` in this process, through cli.main (the top-level handler the console script
-    runs): its exit code and stderr."""
+    runs), in `cwd` if given: its exit code, stdout and stderr, as a fresh process would give them,
+    without an interpreter start per call (and with its lines in the coverage)."""
     from flopwise.cli import main
 
-    monkeypatch.setattr(sys, "argv", ["flopwise", *map(str, argv)])
-    capsys.readouterr()
-    try:
-        main()
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    return code, capsys.readouterr().err
+    with monkeypatch.context() as m:
+        if cwd is not None:
+            m.chdir(cwd)
+        m.setattr(sys, "argv", ["flopwise", *map(str, argv)])
+        capsys.readouterr()
+        try:
+            main()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1 if e.code else 0
+        out = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out.out, out.err)
+
+
+def run_main(argv: list, capsys, monkeypatch) -> tuple[int, str]:
+    """main_in_process's exit code and stderr."""
+    r = main_in_process(argv, capsys, monkeypatch)
+    return r.returncode, r.stderr
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """main_in_process bound to this test's capture: `cli(*args, cwd=None)`."""
+    return lambda *args, cwd=None: main_in_process(list(args), capsys, monkeypatch, cwd)
 
 
 @pytest.fixture(scope="session")

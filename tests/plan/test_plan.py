@@ -18,7 +18,6 @@ from flopwise.plan.perf import STACKS, estimate, evaluate, layer_times, model_sh
 from flopwise.plan.planner import plan, resolve_layout
 from flopwise.plan.reliability import DEFAULT_GPU_MTBF_HOURS, daly_interval, goodput, reliability
 from flopwise.plan.search import search, why_slower
-from tests.conftest import flopwise
 
 A100 = get_hardware("a100-80gb")
 MEGATRON = STACKS["megatron-2021"]
@@ -243,22 +242,22 @@ def test_no_layout_error_names_the_causes_most_common_first():
     assert 2 <= len(counts) <= 3 and counts == sorted(counts, reverse=True), msg
 
 
-def test_plan_prints_wall_clock_with_failures():
+def test_plan_prints_wall_clock_with_failures(cli):
     """Days and GPU-hours are failure-free; the reliability line adds the days with failures (days
     over goodput), and the JSON carries them."""
     args = ["plan", "model.preset=llama3-8b", "data.seq_len=4096", "train.global_batch=256",
             "cluster.hardware=h100-sxm", "cluster.gpus=64", "plan.tokens=1e12", "--top", "1"]
-    j = json.loads(flopwise(*args, "--json").stdout)
+    j = json.loads(cli(*args, "--json").stdout)
     rel, days = j["reliability"], j["layouts"][0]["train_days"]
     assert rel["wall_days"] == pytest.approx(days / rel["goodput"]) and rel["wall_days"] > days
-    r = flopwise(*args)
+    r = cli(*args)
     assert r.returncode == 0, r.stderr
     assert f"{rel['wall_days']:.1f} days of wall-clock with them ({days:.1f} without)" in " ".join(r.stdout.split())
 
 
-def test_plan_cli_json_and_out_config(tmp_path):
+def test_plan_cli_json_and_out_config(tmp_path, cli):
     out = tmp_path / "best.toml"
-    r = flopwise("plan", "model.preset=llama3-8b", "data.seq_len=4096", "train.global_batch=256",
+    r = cli("plan", "model.preset=llama3-8b", "data.seq_len=4096", "train.global_batch=256",
                 "cluster.hardware=h100-sxm", "cluster.gpus=64", "plan.tokens=1e12", "--json", "--top", "3",
                 "--out-config", str(out), "--plot", str(tmp_path / "mem.png"))
     assert r.returncode == 0, r.stderr
@@ -283,15 +282,15 @@ def test_plan_cli_json_and_out_config(tmp_path):
     assert (tmp_path / "mem.png").stat().st_size > 1000
 
 
-def test_plan_cli_errors_are_one_line():
-    r = flopwise("plan", "model.preset=llama3-8b")  # default hardware is cpu: nothing to plan against
+def test_plan_cli_errors_are_one_line(cli):
+    r = cli("plan", "model.preset=llama3-8b")  # default hardware is cpu: nothing to plan against
     assert r.returncode == 2 and "cluster.hardware=cpu" in r.stderr and "Traceback" not in r.stderr
-    r = flopwise("audit", "flops=3")
+    r = cli("audit", "flops=3")
     assert r.returncode == 2 and "unknown key 'flops'" in r.stderr
 
 
-def test_audit_cli_catalogue_json():
-    r = flopwise("audit", "--json")
+def test_audit_cli_catalogue_json(cli):
+    r = cli("audit", "--json")
     assert r.returncode == 0, r.stderr
     rows = {v["name"]: v for v in json.loads(r.stdout)}
     assert {"gpt3-175b", "palm-540b", "llama3-405b", "opt-175b", "bloom-176b"} <= set(rows)
@@ -343,30 +342,30 @@ def test_audit_claim_counts_and_catalogue_names():
         parse_claim(["llama3-405b", "devices=8"])
 
 
-def test_audit_cli_bad_claims_are_one_line():
-    one_line_error(flopwise("audit", *(f"{k}={v}" for k, v in {**CLAIM_70B, "days": "0"}.items())), "days=0")
-    one_line_error(flopwise("audit", *(f"{k}={v}" for k, v in {**CLAIM_70B, "hardware": "nope"}.items())),
+def test_audit_cli_bad_claims_are_one_line(cli):
+    one_line_error(cli("audit", *(f"{k}={v}" for k, v in {**CLAIM_70B, "days": "0"}.items())), "days=0")
+    one_line_error(cli("audit", *(f"{k}={v}" for k, v in {**CLAIM_70B, "hardware": "nope"}.items())),
                    "hardware='nope'")
-    one_line_error(flopwise("audit", "nope"), "'nope'", "llama3-405b")
-    r = flopwise("audit", "llama3-405b", "--json")
+    one_line_error(cli("audit", "nope"), "'nope'", "llama3-405b")
+    r = cli("audit", "llama3-405b", "--json")
     assert r.returncode == 0, r.stderr
     (row,) = json.loads(r.stdout)
     assert row["name"] == "llama3-405b" and row["tokens"] == 15.6e12
 
 
-def test_plan_empty_hardware_file_is_named(tmp_path):
+def test_plan_empty_hardware_file_is_named(tmp_path, cli):
     empty = tmp_path / "empty.toml"
     empty.write_text("# no entry\n")
-    one_line_error(flopwise("plan", f"cluster.hardware_file={empty}"), f"hardware file {empty}", "no hardware entry")
+    one_line_error(cli("plan", f"cluster.hardware_file={empty}"), f"hardware file {empty}", "no hardware entry")
 
 
-def test_plan_measure_nproc_below_one_is_refused():
+def test_plan_measure_nproc_below_one_is_refused(cli):
     """--nproc 0 once fell back to the default process count, -1 said "world size is -1"."""
     from flopwise.errors import ConfigError
     from flopwise.measure import measure
 
     for n in ("0", "-1"):
-        r = flopwise("plan", "--measure", "--nproc", n)
+        r = cli("plan", "--measure", "--nproc", n)
         assert r.returncode == 2 and "--nproc" in r.stderr and "Traceback" not in r.stderr, r.stderr
     with pytest.raises(ConfigError, match="--nproc=0"):
         measure(None, [], 0)

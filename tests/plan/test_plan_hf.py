@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from rich.console import Console  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from tests.conftest import flopwise, tiny_overrides  # noqa: E402
+from tests.conftest import tiny_overrides  # noqa: E402
 from flopwise.build import build_run  # noqa: E402
 from flopwise.config import load_config, load_tree, validate  # noqa: E402
 from flopwise.measure import measure_rank  # noqa: E402
@@ -63,9 +63,9 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_hf_params_equal_the_checkpoint(checkpoints, name):
+def test_hf_params_equal_the_checkpoint(checkpoints, name, cli):
     folder, by_transformers, by_safetensors = checkpoints[name]
-    r = flopwise("plan", *PLAN, "--hf", str(folder), "--json")
+    r = cli("plan", *PLAN, "--hf", str(folder), "--json")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["params"] == by_transformers == by_safetensors
@@ -75,46 +75,46 @@ def test_hf_params_equal_the_checkpoint(checkpoints, name):
         assert len(list(folder.glob("*.safetensors"))) > 1 and (folder / "model.safetensors.index.json").is_file()
 
 
-def test_hf_overrides_and_search_work_as_for_a_preset(checkpoints):
+def test_hf_overrides_and_search_work_as_for_a_preset(checkpoints, cli):
     """cluster.*, parallel.*, train.* and model.* overrides apply over the HF model; the text
     output states the checkpoint agrees."""
     folder, n, _ = checkpoints["llama-gqa"]
-    r = flopwise("plan", *PLAN, "cluster.gpus=2", "parallel.tp=2", "train.global_batch=8", "--hf", str(folder),
+    r = cli("plan", *PLAN, "cluster.gpus=2", "parallel.tp=2", "train.global_batch=8", "--hf", str(folder),
                  "--json")
     got = json.loads(r.stdout)
     assert got["params"] == n and got["hardware"]["gpus"] == 2 and got["model"]["global_batch"] == 8
     assert {lo["tp"] for lo in got["layouts"]} == {2}
     # the config file's model (demo: a preset) gives way to the HF one; a model.* override lands on it
-    longer = json.loads(flopwise("plan", "demo", *PLAN, "model.n_layers=3", "--hf", str(folder), "--json").stdout)
+    longer = json.loads(cli("plan", "demo", *PLAN, "model.n_layers=3", "--hf", str(folder), "--json").stdout)
     cls, model_cls, kw, _ = FAMILIES["llama-gqa"]
     three = getattr(transformers, model_cls)(getattr(transformers, cls)(**{**kw, "num_hidden_layers": 3}))
     assert longer["params"] == sum(p.numel() for p in three.parameters()) > n
-    text = flopwise("plan", *PLAN, "--hf", str(folder))
+    text = cli("plan", *PLAN, "--hf", str(folder))
     assert text.returncode == 0 and "elements = the parameter count" in text.stdout
 
 
-def test_hf_config_json_alone(checkpoints, tmp_path):
+def test_hf_config_json_alone(checkpoints, tmp_path, cli):
     """A config.json without weights plans the same model, with no checkpoint to compare."""
     folder, n, _ = checkpoints["qwen3"]
     shutil.copy(folder / "config.json", tmp_path / "config.json")
-    got = json.loads(flopwise("plan", *PLAN, "--hf", str(tmp_path / "config.json"), "--json").stdout)
+    got = json.loads(cli("plan", *PLAN, "--hf", str(tmp_path / "config.json"), "--json").stdout)
     assert got["params"] == n and got["hf"]["model_type"] == "qwen3" and got["hf"]["elements"] is None
 
 
-def test_hf_unknown_architecture_is_one_line(tmp_path):
+def test_hf_unknown_architecture_is_one_line(tmp_path, cli):
     """A state-space model has no flopwise equivalent: one line naming it and the supported ones."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 32, "vocab_size": V}))
-    r = flopwise("plan", *PLAN, "--hf", str(tmp_path))
+    r = cli("plan", *PLAN, "--hf", str(tmp_path))
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert "'mamba'" in r.stderr and "supported: llama, mistral, qwen2, qwen3, gpt2, gpt_neox, opt" in r.stderr
 
 
-def test_hf_missing_field_is_one_line(checkpoints, tmp_path):
+def test_hf_missing_field_is_one_line(checkpoints, tmp_path, cli):
     folder, _, _ = checkpoints["llama-gqa"]
     cfg = json.loads((folder / "config.json").read_text())
     del cfg["hidden_size"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    r = flopwise("plan", *PLAN, "--hf", str(tmp_path / "config.json"))
+    r = cli("plan", *PLAN, "--hf", str(tmp_path / "config.json"))
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert "hidden_size" in r.stderr
 
@@ -148,8 +148,8 @@ def search_verdict(overrides: list[str], mb: int, recompute: str) -> dict:
     return {"fits": best.fits, "total": best.memory["total"]}
 
 
-def test_max_micro_batch_is_the_search_boundary(tiny_device):
-    r = flopwise("plan", "demo", *tiny_device, "--max-micro-batch", "--json")
+def test_max_micro_batch_is_the_search_boundary(tiny_device, cli):
+    r = cli("plan", "demo", *tiny_device, "--max-micro-batch", "--json")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["valid_micro_batches"] == [1, 2, 4, 8, 16, 32, 64]  # the divisors of the per-rank batch
@@ -167,18 +167,18 @@ def test_max_micro_batch_is_the_search_boundary(tiny_device):
     assert limits["none"]["micro_batch"] < limits["full"]["micro_batch"]
 
 
-def test_max_micro_batch_past_the_batch_and_pipeline_rules(tiny_device):
+def test_max_micro_batch_past_the_batch_and_pipeline_rules(tiny_device, cli):
     """With a small batch every valid micro-batch fits: the table says how far a larger batch
     would go. Under pp=2 a micro-batch leaving fewer than 2 micro-batches is not offered."""
     small = [*tiny_device, "train.global_batch=4", "train.micro_batch=1"]
-    got = json.loads(flopwise("plan", "demo", *small, "--max-micro-batch", "--json").stdout)
+    got = json.loads(cli("plan", "demo", *small, "--max-micro-batch", "--json").stdout)
     full = next(lim for lim in got["limits"] if lim["recompute"] == "full")
     assert full["micro_batch"] == 4 and full["next_micro_batch"] is None
     mb, gb = full["beyond"]["micro_batch"], full["beyond"]["global_batch"]
     assert mb == gb > 4
     assert search_verdict([*tiny_device, f"train.global_batch={gb}"], mb, "full")["fits"]
     assert not search_verdict([*tiny_device, f"train.global_batch={gb + 1}"], mb + 1, "full")["fits"]
-    pp = flopwise("plan", "demo", *tiny_device, "cluster.gpus=2", "parallel.pp=2", "model.tie_embeddings=false",
+    pp = cli("plan", "demo", *tiny_device, "cluster.gpus=2", "parallel.pp=2", "model.tie_embeddings=false",
                   "--max-micro-batch", "--json")
     assert pp.returncode == 0, pp.stderr
     assert json.loads(pp.stdout)["valid_micro_batches"] == [1, 2, 4, 8, 16, 32]
@@ -194,7 +194,7 @@ JOINT = {"train.dtype": '"bf16"', "data.seq_len": 128, "train.global_batch": 60,
          "optim.warmup_steps": 1, "checkpoint.resume": '"none"'}
 
 
-def test_max_micro_batch_is_where_the_engines_measured_memory_runs_out(tiny_data, tmp_path):
+def test_max_micro_batch_is_where_the_engines_measured_memory_runs_out(tiny_data, tmp_path, cli):
     """`plan --max-micro-batch` against the engine's measured memory (`plan --measure`'s path on one
     process: build_run, then measure_rank's steps under PeakMemory): the parameters, the AdamW
     moments and the second step's high-water mark above them (which holds the gradients).
@@ -218,7 +218,7 @@ def test_max_micro_batch_is_where_the_engines_measured_memory_runs_out(tiny_data
     memory = (budget + RUNTIME_RESERVE) / (1 - FIT_MARGIN)
     cpu = TINY.replace("[tiny]", "[cpu]").replace("memory_bytes = 1.5e9", f"memory_bytes = {memory!r}")
     (tmp_path / "hw.toml").write_text(cpu)
-    r = flopwise("plan", *tiny_overrides(tmp_path / "plan", tiny_data, **JOINT), "cluster.hardware=cpu",
+    r = cli("plan", *tiny_overrides(tmp_path / "plan", tiny_data, **JOINT), "cluster.hardware=cpu",
                  f'cluster.hardware_file="{tmp_path / "hw.toml"}"', "--max-micro-batch", "--json")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
