@@ -75,7 +75,7 @@ def run_jobs(n: int, jobs: list[dict], tmp: Path, timeout: int = 600) -> dict:
     spec, out = tmp / f"jobs-{tag}.json", tmp / f"out-{tag}.json"
     spec.write_text(json.dumps(jobs))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                         str(WORKER), str(spec), str(out)],
                        capture_output=True, text=True, timeout=timeout, env=env)

@@ -274,13 +274,17 @@ def test_auto_interval_from_the_measured_write(tiny_data, tmp_path):
 
 
 def test_watchdog_dumps_every_thread_when_a_step_hangs(tmp_path):
+    """Step 6 "hangs" until the watchdog has reported it: a fixed sleep (1.2 s) raced the limit on a busy
+    machine, where the 10 ms steps before it stretch and the limit (3 × their median) with them."""
     seen = []
     with Watch(WatchdogConfig(hang_factor=3, min_s=0.3), tmp_path, 0, torch.device("cpu"), seen.append) as w:
         for step in range(1, 6):
             w.beat(step)
             time.sleep(0.01)
         w.beat(6)
-        time.sleep(1.2)  # this step "hangs"
+        deadline = time.monotonic() + 120
+        while not seen and time.monotonic() < deadline:  # this step "hangs"
+            time.sleep(0.05)
     text = (tmp_path / "hang-rank0.txt").read_text()
     assert text.startswith("rank 0: step 6 has run") and "test_watchdog_dumps_every_thread" in text
     assert text.count("Thread 0x") + text.count("Current thread 0x") >= 2  # the watchdog's own thread too
