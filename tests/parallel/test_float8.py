@@ -17,7 +17,7 @@ from torch import nn
 
 pytest.importorskip("torchao")
 
-from tests.conftest import tiny_overrides  # noqa: E402
+from tests.conftest import run_jobs, tiny_overrides  # noqa: E402
 from flopwise.config import ModelConfig, load_config, validate  # noqa: E402
 from flopwise.errors import ConfigError  # noqa: E402
 from flopwise.launch import train  # noqa: E402
@@ -106,25 +106,31 @@ def test_float8_composes_with_recompute_and_compile(tiny_data, tmp_path):
     assert both.losses == pytest.approx(eager.losses, rel=0.01)
 
 
+TWO_RANKS = {  # name: (recipe, layout)
+    "fsdp2-zero3": ("tensorwise", {"parallel.zero": 3}),  # FSDP2 all-gathers the weights in float8, scaled by the shards' amax
+    "tp2-sp": ("rowwise", {"parallel.tp": 2, "parallel.sequence_parallel": "true"}),  # DTensor shards, bf16 collectives
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_data, tmp_path_factory) -> dict:
+    """Both layouts' 6 steps in one torchrun launch of 2 gloo ranks (tests/dist: a launch costs 10-30 s)."""
+    tmp = tmp_path_factory.mktemp("float8_two_ranks")
+    jobs = [{"name": name, "kind": "losses", "overrides": tiny_overrides(tmp / name, tiny_data, **{
+        "train.dtype": '"bf16"', "train.steps": 6, "train.eval_every": 0, "checkpoint.interval": 0,
+        "checkpoint.resume": '"none"', "log.every": 1, **layout, **emulated(recipe)})}
+        for name, (recipe, layout) in TWO_RANKS.items()]
+    return run_jobs(2, jobs, tmp)
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("recipe, layout", [
-    ("tensorwise", {"parallel.zero": 3}),  # FSDP2 all-gathers the weights in float8, scaled by the shards' amax
-    ("rowwise", {"parallel.tp": 2, "parallel.sequence_parallel": "true"}),  # DTensor shards, bf16 collectives
-], ids=["fsdp2-zero3", "tp2-sp"])
-def test_float8_composes_with_two_ranks(tiny_data, tmp_path, recipe, layout):
+@pytest.mark.parametrize("name", list(TWO_RANKS))
+def test_float8_composes_with_two_ranks(tiny_data, tmp_path, name, two_ranks):
     """Two ranks (torchrun, gloo) train as one process does, step for step within 1%."""
+    recipe, _ = TWO_RANKS[name]
     one = run(tmp_path / "one", tiny_data, **emulated(recipe), **{"train.steps": 6})
-    keys = tiny_overrides(tmp_path / "two", tiny_data, **{
-        "train.dtype": '"bf16"', "train.steps": 6, "train.eval_every": 0, "checkpoint.interval": 0,
-        "checkpoint.resume": '"none"', "log.every": 1, **layout, **emulated(recipe)})
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "flopwise", "train", *keys], capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    two = [row["loss"] for row in rows if "loss" in row]
-    assert two == pytest.approx(one.losses, rel=0.01)
+    assert two_ranks[name]["losses"] == pytest.approx(one.losses, rel=0.01)
 
 
 # --- the planner's bytes against SavedBytes ------------------------------------------------------
