@@ -85,7 +85,8 @@ def run_jobs(n: int, jobs: list[dict], tmp: Path, timeout: int = 600) -> dict:
     return json.loads(out.read_text())
 
 
-def flopwise(*args, cwd: Path | None = None, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def flopwise(*args, cwd: Path | None = None, timeout: int = 600,
+             env: dict | None = None) -> subprocess.CompletedProcess:
     """`flopwise ARGS` in a fresh process (as a user runs it): its exit code, stdout and stderr."""
     return subprocess.run([sys.executable, "-m", "flopwise", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, timeout=timeout, env={**os.environ, **(env or {})})

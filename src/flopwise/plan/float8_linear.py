@@ -41,7 +41,7 @@ def published(path: Path) -> tuple[dict, dict[tuple[int, int, int], float]]:
     """torchao's table as transcribed in `path` (tests/fixtures/torchao_float8_rowwise_h100.json): the
     document and its rows as {(M, K, N): speed-up}."""
     doc = json.loads(path.read_text())
-    return doc, {(m, k, n): s for m, k, *row in doc["rows"] for n, s in zip(doc["n_values"], row)}
+    return doc, {(m, k, n): s for m, k, *row in doc["rows"] for n, s in zip(doc["n_values"], row, strict=True)}
 
 
 def table_gpu(doc: dict) -> Hardware:

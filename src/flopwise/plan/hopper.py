@@ -45,7 +45,8 @@ SHAPE_1B = ["model.n_layers=16", "model.d_model=2048", "model.n_heads=32", "mode
 # engine.clip_grad_norm's foreach kernels per fp32 gradient element: the norm reads it (4), the clip
 # multiplies it in place (4 + 4); `hardware calibrate` times them with the AdamW step, as one row
 CLIP_BYTES = 12
-KERNELS = {"mm": "aten::mm", "attn_fwd": "aten::_cudnn_attention_forward", "attn_bwd": "aten::_cudnn_attention_backward",
+KERNELS = {"mm": "aten::mm", "attn_fwd": "aten::_cudnn_attention_forward",
+           "attn_bwd": "aten::_cudnn_attention_backward",
            "adamw": "aten::_fused_adamw_", "copy": "aten::copy_"}
 
 
