@@ -1,4 +1,4 @@
-"""The built-in H100/H200 efficiency tables, derived from the one H200 profile this project recorded,
+"""Prints the built-in H100/H200 efficiency tables, derived from the one H200 profile this project recorded,
 and the planner's step time beside every recorded H200 run, before and after them.
 
     python benchmarks/hopper_tables.py
@@ -28,101 +28,19 @@ own 742-820 TFLOP/s on 4096^2 and 8192^2 products (75-83%).
 from __future__ import annotations
 
 import json
-import re
-import sys
 from dataclasses import replace
 from pathlib import Path
 
-from flopwise.calibration import Calibration
-from flopwise.config import load_config
 from flopwise.hardware import get_hardware
-from flopwise.parallel import mesh
-from flopwise.flops import count_params
-from flopwise.plan.comm import dp_collectives, fsdp_copy_bytes
-from flopwise.plan.perf import ACT_BYTES, MEM_EFFICIENCY, STACKS, evaluate, layer_times, model_shape, stream_time
-
-sys.path.insert(0, str(Path(__file__).parent / "gpu"))
-from llama1b import SHAPE_1B  # noqa: E402  (the recorded runs' model: one definition)
+from flopwise.plan.hopper import derive, predict, run_config
 
 RESULTS = Path(__file__).parent / "results"
 PROFILED = RESULTS / "gpu_llama1b_z3_b8.json"
 RUNS = ["gpu_llama1b_z3_b8", "gpu_llama1b_z3_b16", "gpu_llama1b_z0_b8", "gpu_llama1b_z0_b8_eager"]
-# engine.clip_grad_norm's foreach kernels per fp32 gradient element: the norm reads it (4), the clip
-# multiplies it in place (4 + 4); `hardware calibrate` times them with the AdamW step, as one row
-CLIP_BYTES = 12
-KERNELS = {"mm": "aten::mm", "attn_fwd": "aten::_cudnn_attention_forward", "attn_bwd": "aten::_cudnn_attention_backward",
-           "adamw": "aten::_fused_adamw_", "copy": "aten::copy_"}
-
-
-def self_cuda_ms(table: str) -> dict[str, float]:
-    """Self CUDA time (ms) of the kernel classes in a torch.profiler key_averages table, and the total."""
-    out = {}
-    for key, name in KERNELS.items():
-        row = next(line for line in table.splitlines() if line.strip().startswith(name + " "))
-        cells = re.split(r"\s{2,}", row.strip())
-        out[key] = _ms(cells[6])  # Name, Self CPU %, Self CPU, CPU total %, CPU total, CPU time avg, Self CUDA
-    out["total"] = _ms(re.search(r"Self CUDA time total: (\S+)", table).group(1))
-    return out
-
-
-def _ms(cell: str) -> float:
-    value, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", cell).groups()
-    return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
-
-
-def run_config(batch: int, zero: int, compile_: bool):
-    return load_config(None, [*SHAPE_1B, f"train.global_batch={batch}", f"train.micro_batch={batch}",
-                              'train.dtype="bf16"', f"train.compile={'true' if compile_ else 'false'}",
-                              f"parallel.zero={zero}", 'train.device="cuda"', 'cluster.hardware="h200"'])
-
-
-def predict(cfg, hw) -> tuple[float, float]:
-    """(planner's step time, its FSDP2 copy bytes) for a recorded run. The benchmark runs FSDP2 on a
-    one-rank mesh, which the engine never does (plan.layout.Layout.fsdp2 needs two ranks): there its
-    copies (plan.comm's rule for one rank, streamed at the rate of the planner's other memory-bound
-    work) replace autocast's weight casts (its parameters are bf16 already)."""
-    lo = mesh.layout_of(cfg, 1)
-    est = evaluate(cfg.model, hw, lo, cfg.data.seq_len, cfg.train.global_batch, compile=cfg.train.compile,
-                   steps=cfg.train.steps, dtype=cfg.train.dtype)
-    if cfg.parallel.zero < 2:
-        return est.step_time, 0.0
-    n_micro = lo.microbatches(cfg.train.global_batch)
-    copies = fsdp_copy_bytes(dp_collectives(count_params(cfg.model).total, cfg.parallel.zero, gather_per_micro=True),
-                             1, n_micro, compute_bytes=ACT_BYTES, reduce_bytes=STACKS["flopwise"].grad_reduce_bytes)
-    nbytes = n_micro * copies["micro"] + copies["step"]
-    block = ACT_BYTES * model_shape(cfg.model, cfg.data.seq_len).layer_params
-    return est.step_time - est.time["weight_casts"] + stream_time(nbytes, hw, block), nbytes
-
-
-def derive() -> Calibration:
-    """The H200 table from the recorded profile (see the module docstring)."""
-    run = json.loads(PROFILED.read_text())
-    k = self_cuda_ms(run["profile_top_kernels"])
-    cfg = run_config(run["batch"], 3, True)
-    unit = replace(get_hardware("h200"), calibration=None, matmul_efficiency=1.0)
-    lo = mesh.layout_of(cfg, 1)
-    at_unit = evaluate(cfg.model, unit, lo, cfg.data.seq_len, cfg.train.global_batch, compile=True).time
-    # GEMMs at the full peak; element-wise at MEM_EFFICIENCY x HBM
-    sh = model_shape(cfg.model, cfg.data.seq_len)
-    lt = layer_times(sh, unit, STACKS["flopwise"], cfg.data.seq_len, run["batch"], 1, 1, False)
-    n = cfg.model.n_layers
-    memory_bound_ms = k["total"] - k["mm"] - k["attn_fwd"] - k["attn_bwd"] - k["adamw"]
-    clip_bytes = CLIP_BYTES * run["params"]
-    stream_bytes = at_unit["other_compute"] * MEM_EFFICIENCY * unit.memory_bw + predict(cfg, unit)[1] + clip_bytes
-    rate = float(f"{1e3 * stream_bytes / memory_bound_ms:.3g}")
-    tokens = run["batch"] * cfg.data.seq_len
-    return Calibration(
-        dtype="bf16",
-        gemm=((tokens, cfg.model.ffn_dim, cfg.model.d_model, round(1e3 * at_unit["matmul"] / k["mm"], 3)),),
-        attention=((cfg.data.seq_len, cfg.model.head_dim, round(1e3 * n * lt.attn_fwd / k["attn_fwd"], 3),
-                    round(1e3 * n * lt.attn_bwd / k["attn_bwd"], 3)),),
-        elementwise=((1, ACT_BYTES * tokens * cfg.model.d_model, rate),),
-        optimizer=((run["params"], round(k["adamw"] * 1e-3 + clip_bytes / rate, 5)),),
-        source="derived from benchmarks/results/gpu_llama1b_z3_b8.json (benchmarks/hopper_tables.py)")
 
 
 def main() -> None:
-    print("derived H200 table:", derive())
+    print("derived H200 table:", derive(json.loads(PROFILED.read_text())))
     print("built-in H200:      ", get_hardware("h200").calibration)
     print("run: measured step | predicted before (A100's 0.75, nominal HBM) | after (built-in tables)")
     before_hw = replace(get_hardware("h200"), calibration=None, matmul_efficiency=0.75)

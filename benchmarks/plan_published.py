@@ -4,7 +4,7 @@
 
 Prints the 22B layer against Korthikanti et al. 2022 Table 4 (forward, backward with its recompute,
 ms per layer, tp 8, micro-batch 4), the step breakdown of the Korthikanti Table 5 rows (MFU) and
-the Narayanan et al. 2021 Table 1 rows (hardware TFLOP/s per GPU), as tests/test_plan.py sets them.
+the Narayanan et al. 2021 Table 1 rows (hardware TFLOP/s per GPU), as tests/plan/test_plan.py sets them.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -37,23 +38,90 @@ def tiny_overrides(run_dir, data_dir, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
-WORKER = Path(__file__).parent / "dist" / "worker.py"
+@pytest.fixture(scope="session")
+def tiny_run(tiny_data, tmp_path_factory):
+    """`tiny_run(steps)`: the run folder of `tiny_overrides` trained for `steps` steps on Alice, trained
+    once per session (training is deterministic: a test's own run would be byte for byte this one).
+    Read it, export or evaluate it elsewhere; never write into it."""
+    from rich.console import Console
+
+    from flopwise.config import load_config
+    from flopwise.launch import train
+
+    runs: dict[int, Path] = {}
+
+    def get(steps: int) -> Path:
+        if steps not in runs:
+            out = tmp_path_factory.mktemp(f"tiny_run_{steps}") / "run"
+            train(load_config(None, tiny_overrides(out, tiny_data, **{"train.steps": steps})), Console(quiet=True))
+            runs[steps] = out
+        return runs[steps]
+
+    return get
 
 
-def run_jobs(n: int, jobs: list[dict], tmp: Path, port: int, timeout: int = 600) -> dict:
+ROOT = Path(__file__).parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"  # checked-in reference data, with its sources (SOURCE.md)
+BENCHMARKS = ROOT / "benchmarks"
+WORKER = ROOT / "tests" / "dist" / "worker.py"
+
+
+def run_jobs(n: int, jobs: list[dict], tmp: Path, timeout: int = 600) -> dict:
     """Run `jobs` in one torchrun launch of `n` gloo ranks (tests/dist/worker.py); their results by
-    name. A job that fails on any rank fails the launch with that rank's trace."""
-    spec, out = tmp / f"jobs{port}.json", tmp / f"out{port}.json"
+    name. A job that fails on any rank fails the launch with that rank's trace. `--standalone`: the
+    rendezvous takes a free port, so launches of parallel test workers (or of other users of the
+    machine) never meet on a fixed one."""
+    tag = uuid.uuid4().hex[:8]
+    spec, out = tmp / f"jobs-{tag}.json", tmp / f"out-{tag}.json"
     spec.write_text(json.dumps(jobs))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
-                        "--master-port", str(port), str(WORKER), str(spec), str(out)],
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+                        str(WORKER), str(spec), str(out)],
                        capture_output=True, text=True, timeout=timeout, env=env)
     errors = [json.loads(f.read_text()) for f in sorted(tmp.glob(f"{out.name}.rank*.error"))]
     assert not errors, "\n".join(f"job {e['job']}: {e['error']}\n{e['trace']}" for e in errors)
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+def flopwise(*args, cwd: Path | None = None, timeout: int = 600,
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    """`flopwise ARGS` in a fresh process (as a user runs it): its exit code, stdout and stderr."""
+    return subprocess.run([sys.executable, "-m", "flopwise", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def main_in_process(argv: list, capsys, monkeypatch, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`flopwise ARGV` in this process, through cli.main (the top-level handler the console script
+    runs), in `cwd` if given: its exit code, stdout and stderr, as a fresh process would give them,
+    without an interpreter start per call (and with its lines in the coverage)."""
+    from flopwise.cli import main
+
+    with monkeypatch.context() as m:
+        if cwd is not None:
+            m.chdir(cwd)
+        m.setattr(sys, "argv", ["flopwise", *map(str, argv)])
+        capsys.readouterr()
+        try:
+            main()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1 if e.code else 0
+        out = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out.out, out.err)
+
+
+def run_main(argv: list, capsys, monkeypatch) -> tuple[int, str]:
+    """main_in_process's exit code and stderr."""
+    r = main_in_process(argv, capsys, monkeypatch)
+    return r.returncode, r.stderr
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """main_in_process bound to this test's capture: `cli(*args, cwd=None)`."""
+    return lambda *args, cwd=None: main_in_process(list(args), capsys, monkeypatch, cwd)
 
 
 @pytest.fixture(scope="session")

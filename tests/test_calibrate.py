@@ -8,20 +8,15 @@ nothing but the measurement itself)."""
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
 from flopwise.calibrate import save
 from flopwise.errors import ConfigError
 from flopwise.hardware import CATALOGUE, load_catalogue
+from tests.conftest import flopwise, run_main
 
 TINY = ["model.preset=demo-tiny", "model.vocab_size=4096", "data.seq_len=64", "train.global_batch=8", "train.micro_batch=8"]
-
-
-def flopwise(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flopwise", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +27,7 @@ def calibrated(tmp_path_factory):
     return out, r.stdout
 
 
+@pytest.mark.multiproc  # the calibration's collectives run on 2 ranks
 def test_calibrate_writes_an_entry_the_planner_plans_with(calibrated, tmp_path):
     out, stdout = calibrated
     assert f"wrote {out}" in stdout
@@ -54,6 +50,7 @@ def test_calibrate_writes_an_entry_the_planner_plans_with(calibrated, tmp_path):
     assert best["step_time_s"] > 0 and 0 < best["mfu"] < 1
 
 
+@pytest.mark.multiproc
 def test_calibrated_prediction_is_the_measured_step_to_a_factor(calibrated, tmp_path):
     """One process, the calibrated shapes: predicted within a factor 2 of the measured median step
     (the ±10% target is the benchmark's, on a quiet machine)."""
@@ -65,6 +62,7 @@ def test_calibrated_prediction_is_the_measured_step_to_a_factor(calibrated, tmp_
     assert 0.5 < st["measured"] / st["predicted"] < 2, st
 
 
+@pytest.mark.multiproc
 def test_save_replaces_its_own_entry_and_keeps_the_others(calibrated, tmp_path):
     out, _ = calibrated
     target = tmp_path / "cluster.toml"
@@ -79,6 +77,7 @@ def test_save_replaces_its_own_entry_and_keeps_the_others(calibrated, tmp_path):
     assert mine.read_text() == "[cpu]\n# my own notes\n"
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("edit, field", [
     (lambda t: t.replace('dtype = "bf16"', 'dtype = "bf16"\ngemx = 1'), "unknown field(s) gemx"),
     (lambda t: t.replace("attention = [", "attention_old = ["), "missing attention"),
@@ -87,14 +86,16 @@ def test_save_replaces_its_own_entry_and_keeps_the_others(calibrated, tmp_path):
     (lambda t: t.replace("threads = ", "threads = -"), ".threads"),
     (lambda t: t[: t.index("[cpu.peak_flops]")], ".peak_flops"),
 ])
-def test_a_bad_or_partial_file_fails_in_one_line_naming_the_field(calibrated, tmp_path, edit, field):
+def test_a_bad_or_partial_file_fails_in_one_line_naming_the_field(calibrated, tmp_path, edit, field, capsys,
+                                                                  monkeypatch):
     out, _ = calibrated
     bad = tmp_path / "bad.toml"
     bad.write_text(edit(out.read_text()))
     with pytest.raises(ConfigError, match=re.escape(f"hardware file {bad}: [cpu]") + ".*" + re.escape(field)):
         load_catalogue(bad)
-    r = flopwise("plan", "demo", f'cluster.hardware_file="{bad}"')
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    monkeypatch.setenv("COLUMNS", "400")  # the one line unwrapped, however long the path
+    code, err = run_main(["plan", "demo", f'cluster.hardware_file="{bad}"'], capsys, monkeypatch)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error:"), err
 
 
 def test_a_busy_machine_is_said_before_timing(monkeypatch):

@@ -6,12 +6,12 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import tiny_overrides
+from tests.conftest import FIXTURES, run_main, tiny_overrides
+from tests.conftest import flopwise as cli
 from flopwise.errors import ConfigError
 
 # a user's files, several named as what flopwise writes
@@ -39,9 +39,7 @@ def hashes(root: Path) -> dict[str, str]:
 
 
 def flopwise(*args, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "flopwise", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout, env=env)
+    return cli(*args, cwd=cwd, timeout=timeout, env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +68,7 @@ def commands(u: Path, made: Path, data: Path) -> dict[str, list]:
         "generate": ["generate", made / "run", "--prompt", "Alice", "--max-new-tokens", 4],
         "plan-out-config": ["plan", "model.preset=\"demo-tiny\"", "--out-config", u / "config.toml",
                             "--plot", u / "loss.png"],
-        "scale-fit": ["scale", "fit", Path(__file__).parent / "data" / "chinchilla_svg_extracted_data.csv",
+        "scale-fit": ["scale", "fit", FIXTURES / "chinchilla_svg_extracted_data.csv",
                       "--bootstrap", 0, "--out", u / "ids.json", "--plots", u],
         "scale-optimal-out-config": ["scale", "optimal", "--flops", "1e15", "--out-config", u / "config.toml"],
     }
@@ -99,6 +97,7 @@ def test_a_writing_command_leaves_every_user_file_intact(name, trained, tiny_dat
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(SLOW))
 def test_a_slow_writing_command_leaves_every_user_file_intact(name, trained, tiny_data, tmp_path):
     _check(name, SLOW[name], trained, tiny_data, tmp_path)
@@ -192,21 +191,6 @@ def test_to_hf_replaces_only_a_folder_it_exported(trained, tmp_path):
 
 # --- user-testing follow-up: each breach below was reproduced before its fix ---------------------
 
-def _main(argv: list, capsys, monkeypatch) -> tuple[int, str]:
-    """`flopwise ARGV` in this process, through cli.main (the top-level handler the console script
-    runs): its exit code and stderr."""
-    from flopwise.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["flopwise", *map(str, argv)])
-    capsys.readouterr()
-    try:
-        main()
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    return code, capsys.readouterr().err
-
-
 def _one_line_exit_2(code: int, err: str, *words: str) -> None:
     """The command failed with exit 2 and one error line, its last (a progress line may precede it)."""
     lines = err.strip().splitlines()
@@ -234,12 +218,12 @@ def test_scale_sweep_replaces_its_own_configs_and_table_but_never_a_users(tiny_d
     argv = ["scale", "sweep", *tiny_overrides(tmp_path / "base", tiny_data), "--budgets", "2e9", "--sizes", 2,
             "--out", out, "--emit"]
     for _ in range(2):  # the second run replaces the first's configs
-        code, err = _main(argv, capsys, monkeypatch)
+        code, err = run_main(argv, capsys, monkeypatch)
         assert code == 0, err
     configs = sorted((out / "configs").iterdir())
     assert configs and all(p.read_text().startswith(TOML_HEADER) for p in configs)
     configs[-1].write_text("# my own ladder config\n")
-    code, err = _main(argv, capsys, monkeypatch)
+    code, err = run_main(argv, capsys, monkeypatch)
     _one_line_exit_2(code, err, "--out", configs[-1].name)
     assert configs[-1].read_text() == "# my own ladder config\n"
 
@@ -268,7 +252,7 @@ def test_scale_sweep_refuses_a_budget_below_one_step(tiny_data, tmp_path, capsys
     from flopwise.sweep import plan_ladder
 
     out = tmp_path / "ladder"
-    code, err = _main(["scale", "sweep", *tiny_overrides(tmp_path / "base", tiny_data), "--budgets", "1e3,2e9",
+    code, err = run_main(["scale", "sweep", *tiny_overrides(tmp_path / "base", tiny_data), "--budgets", "1e3,2e9",
                        "--out", out, "--emit"], capsys, monkeypatch)
     _one_line_exit_2(code, err, "--budgets", "smallest budget")
     assert not out.exists()
@@ -289,7 +273,7 @@ def test_an_output_under_a_file_is_one_line_exit_2(name, tiny_data, tmp_path, ca
     blocker = tmp_path / "afile"
     blocker.write_text("a user's file where a folder would go\n")
     f = blocker / "sub"
-    csv_in = Path(__file__).parent / "data" / "chinchilla_svg_extracted_data.csv"
+    csv_in = FIXTURES / "chinchilla_svg_extracted_data.csv"
     tiny = tiny_overrides(f / "run", tiny_data)
     argv, option = {
         "plan-out-config": (["plan", 'model.preset="demo-tiny"', "--out-config", f / "x.toml"], "--out-config"),
@@ -315,7 +299,7 @@ def test_an_output_under_a_file_is_one_line_exit_2(name, tiny_data, tmp_path, ca
 
     monkeypatch.setattr(flopwise.calibrate, "calibrate", never)
     monkeypatch.setattr(flopwise.data.pipeline, "survey", never)
-    code, err = _main(argv, capsys, monkeypatch)
+    code, err = run_main(argv, capsys, monkeypatch)
     _one_line_exit_2(code, err, option, "afile is a file, not a folder")
     assert blocker.read_text() == "a user's file where a folder would go\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
@@ -343,7 +327,7 @@ def test_an_output_folder_the_os_refuses_is_one_line_exit_2(tmp_path, capsys, mo
     for argv, option in ((["plan", 'model.preset="demo-tiny"', "--out-config", tmp_path / "ro" / "x.toml"], "--out-config"),
                          (["data", "prepare", "builtin:alice", "--out", tmp_path / "ro" / "d"], "--out"),
                          (["hardware", "calibrate", "--out", tmp_path / "ro" / "hw.toml"], "--out")):
-        code, err = _main(argv, capsys, monkeypatch)
+        code, err = run_main(argv, capsys, monkeypatch)
         _one_line_exit_2(code, err, option, "Permission denied", "permissions")
     assert list((tmp_path / "ro").iterdir()) == []
 
@@ -373,11 +357,11 @@ def test_an_os_refusal_no_writer_caught_is_still_one_line(capsys, monkeypatch):
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(flopwise.cli, "app", denied)
-    code, err = _main(["any"], capsys, monkeypatch)
+    code, err = run_main(["any"], capsys, monkeypatch)
     _one_line_exit_2(code, err, "/somewhere/out.json", "Permission denied")
     monkeypatch.setattr(flopwise.cli, "app", broken)
     with pytest.raises(OSError, match="Input/output"):
-        _main(["any"], capsys, monkeypatch)
+        run_main(["any"], capsys, monkeypatch)
 
 
 def test_data_prepare_force_never_replaces_a_file_and_the_refusal_lists_what_force_deletes(tmp_path, capsys,
@@ -388,14 +372,14 @@ def test_data_prepare_force_never_replaces_a_file_and_the_refusal_lists_what_for
     text.write_text("some text to tokenize, and more text after it.\n" * 20)
     plain = tmp_path / "notes"
     plain.write_text("my notes\n")
-    code, err = _main(["data", "prepare", text, "--out", plain, "--train-tokenizer", 300, "--force"], capsys, monkeypatch)
+    code, err = run_main(["data", "prepare", text, "--out", plain, "--train-tokenizer", 300, "--force"], capsys, monkeypatch)
     _one_line_exit_2(code, err, "--out", "not a folder")
     assert plain.read_text() == "my notes\n"
     folder = tmp_path / "mine"
     for i in range(5):
         (folder / f"sub{i % 2}").mkdir(parents=True, exist_ok=True)
         (folder / f"sub{i % 2}" / f"f{i}.txt").write_text("mine")
-    code, err = _main(["data", "prepare", text, "--out", folder, "--train-tokenizer", 300], capsys, monkeypatch)
+    code, err = run_main(["data", "prepare", text, "--out", folder, "--train-tokenizer", 300], capsys, monkeypatch)
     _one_line_exit_2(code, err, "--force", "deleting its 5 files (sub0/f0.txt, sub0/f2.txt, sub0/f4.txt and 2 more)")
     assert len(list(folder.rglob("*.txt"))) == 5
 
@@ -405,7 +389,7 @@ def test_data_prepare_checks_its_options_before_creating_anything(option, tmp_pa
     """Before: --decontaminate nope left --out with manifest.json, tokenizer.json and work/."""
     text = tmp_path / "t.txt"
     text.write_text("some text to tokenize.\n" * 20)
-    code, err = _main(["data", "prepare", text, "--out", tmp_path / "d", "--train-tokenizer", 300, *option],
+    code, err = run_main(["data", "prepare", text, "--out", tmp_path / "d", "--train-tokenizer", 300, *option],
                       capsys, monkeypatch)
     _one_line_exit_2(code, err, "nope")
     assert not (tmp_path / "d").exists()
@@ -419,7 +403,7 @@ def test_data_mix_claims_the_run_folder_it_prepares_data_in(tmp_path, capsys, mo
     from flopwise.config import load_config
 
     overrides = tiny_overrides(tmp_path / "run", "builtin:alice", **{"data.tokenizer": '"bpe:300"'})
-    code, err = _main(["data", "mix", *overrides], capsys, monkeypatch)
+    code, err = run_main(["data", "mix", *overrides], capsys, monkeypatch)
     assert code == 0, err
     claim_run_dir(load_config(None, overrides), tmp_path / "run", 1)  # what `train` does first: accepted
     user = tmp_path / "user"
@@ -428,7 +412,7 @@ def test_data_mix_claims_the_run_folder_it_prepares_data_in(tmp_path, capsys, mo
     for run_dir in (user, tmp_path / "run"):  # a user's data folder; a user's file in flopwise's
         if run_dir != user:
             (run_dir / "data" / "notes.txt").write_text("mine")
-        code, err = _main(["data", "mix", *tiny_overrides(run_dir, "builtin:alice", **{"data.tokenizer": '"bpe:300"'})],
+        code, err = run_main(["data", "mix", *tiny_overrides(run_dir, "builtin:alice", **{"data.tokenizer": '"bpe:300"'})],
                           capsys, monkeypatch)
         _one_line_exit_2(code, err, "run.dir")
         assert "--force" not in err and "--out" not in err

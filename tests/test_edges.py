@@ -215,7 +215,7 @@ def test_a_stopped_sweep_stops_its_workers_and_says_so(sig, tiny_data, tmp_path)
     import signal
     import time
 
-    from conftest import tiny_overrides
+    from tests.conftest import tiny_overrides
 
     out = tmp_path / "ladder"
     over = tiny_overrides(tmp_path / "base", tiny_data, **{"train.global_batch": 8, "train.micro_batch": 8})
@@ -287,7 +287,7 @@ def test_resume_refuses_a_metrics_file_the_user_annotated(tmp_path, tiny_data):
     refused in one line and the file is kept byte for byte."""
     import io
 
-    from conftest import tiny_overrides
+    from tests.conftest import tiny_overrides
     from rich.console import Console
 
     from flopwise.launch import train
@@ -364,7 +364,7 @@ def test_eval_and_generate_say_which_checkpoint_they_use_and_why(tmp_path, tiny_
     """A run whose newest checkpoint is damaged: eval and generate used the older one without a word."""
     import io
 
-    from conftest import tiny_overrides
+    from tests.conftest import tiny_overrides
     from rich.console import Console
 
     from flopwise.launch import train

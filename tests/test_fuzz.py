@@ -12,8 +12,6 @@ on every machine. Each reader's line in the output (pytest -s) gives its case co
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -149,13 +147,16 @@ def test_hugging_face_configs(tmp_path, cfg):
     (["plan", "parallel.tp=4", "parallel.dp=4", "--measure"], "at most 8"),
     (["plan", "demo", "parallel.tp=3", "--measure"], "parallel.tp=3 does not divide model.n_heads=8"),
 ])
-def test_cli_user_errors_are_one_line_exit_2_no_traceback(tmp_path, args, fragment):
+def test_cli_user_errors_are_one_line_exit_2_no_traceback(tmp_path, args, fragment, capsys, monkeypatch):
+    """Through cli.main in this process (its handler is what prints the line; an uncaught exception
+    fails the test outright)."""
     args = [a.replace("{run}", str(tmp_path)) for a in args]
-    r = subprocess.run([sys.executable, "-m", "flopwise", *args], capture_output=True, text=True, cwd=tmp_path,
-                       env={**os.environ, "COLUMNS": "400"}, timeout=120)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "Traceback" not in r.stderr and fragment in r.stderr
-    assert r.stderr.strip().startswith("error:") and len(r.stderr.strip().splitlines()) == 1
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "400")
+    code, err = run_main(args, capsys, monkeypatch)
+    assert code == 2, err[-2000:]
+    assert "Traceback" not in err and fragment in err
+    assert err.strip().startswith("error:") and len(err.strip().splitlines()) == 1, err
 
 
 # --- structure-aware mutation of real files (tests/fuzzing.py) -----------------------------------
@@ -167,8 +168,8 @@ import shutil  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import fuzzing  # noqa: E402
-from conftest import tiny_overrides  # noqa: E402
+from tests import fuzzing  # noqa: E402
+from tests.conftest import run_main, tiny_overrides  # noqa: E402
 
 
 def build_real(root: Path) -> dict[str, Path]:

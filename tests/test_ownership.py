@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_overrides
+from tests.conftest import FIXTURES, tiny_overrides
 
-CSV_IN = Path(__file__).parent / "data" / "chinchilla_svg_extracted_data.csv"
+CSV_IN = FIXTURES / "chinchilla_svg_extracted_data.csv"
 
 
 def _main(argv: list, capsys, monkeypatch) -> tuple[int, str]:

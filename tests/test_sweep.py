@@ -3,7 +3,7 @@ import math
 
 from rich.console import Console
 
-from conftest import tiny_overrides
+from tests.conftest import tiny_overrides
 from flopwise.config import load_config
 from flopwise.plan.fit import read_points
 from flopwise.sweep import launch_commands, plan_ladder, run_ladder, write_configs

@@ -30,14 +30,12 @@ from flopwise.config import load_config
 from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import get_hardware, load_catalogue
 from flopwise.parallel import mesh
+from flopwise.plan.hopper import SHAPE_1B  # Llama 3.2 1B's blocks, 32K vocabulary
 from flopwise.plan.perf import evaluate
 from flopwise.plan.rank import predict_rank
 from flopwise.train.metrics import measure_matmul_peak
 from flopwise.train.optim import step_unless
 
-# Llama 3.2 1B's blocks (16 layers, d 2048, 32 heads, 8 kv heads, SwiGLU 8192) with a 32K vocabulary.
-SHAPE_1B = ["model.n_layers=16", "model.d_model=2048", "model.n_heads=32", "model.n_kv_heads=8", "model.ffn_dim=8192",
-            "model.vocab_size=32000", "model.max_seq_len=2048", "data.seq_len=2048"]
 SHAPE_TINY = ["model.preset=\"demo-tiny\"", "data.seq_len=64"]
 
 

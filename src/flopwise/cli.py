@@ -631,9 +631,11 @@ def plan_cmd(
     if measure:
         from flopwise.measure import measure as run_measure
 
-        if note := busy_note("the measured step times"):
-            Console(stderr=True, soft_wrap=True).print(f"[yellow]note[/]: {note}")
-        measured = run_measure(path, overrides, nproc, steps)
+        def say_if_busy() -> None:  # after validation: a refused run gets its one-line error, nothing more
+            if note := busy_note("the measured step times"):
+                Console(stderr=True, soft_wrap=True).print(f"[yellow]note[/]: {note}")
+
+        measured = run_measure(path, overrides, nproc, steps, on_start=say_if_busy)
         if as_json:
             typer.echo(json.dumps(measured, indent=1))
         else:

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -276,9 +276,12 @@ def _rank_main(config: str, out: str, steps: int) -> None:
         dist.destroy_process_group()
 
 
-def measure(path: str | None, overrides: list[str], nproc: int | None = None, steps: int = 3) -> dict[str, Any]:
+def measure(path: str | None, overrides: list[str], nproc: int | None = None, steps: int = 3,
+            on_start: Callable[[], None] | None = None) -> dict[str, Any]:
     """Run the layout the config asks for on `nproc` local processes (default: the product of its
-    parallel degrees) for `steps` steps; per rank, predicted and measured values side by side."""
+    parallel degrees) for `steps` steps; per rank, predicted and measured values side by side.
+    `on_start` is called once the arguments and the config are accepted, just before the launch (the
+    CLI says there whether the machine is busy: a refused run times nothing, so it gets no note)."""
     if steps < 1:
         raise ConfigError(f"--steps={steps}: measure at least one step")
     if nproc is not None and nproc < 1:
@@ -293,6 +296,8 @@ def measure(path: str | None, overrides: list[str], nproc: int | None = None, st
                           f"{MAX_RANKS}; lower the parallel.* degrees (or --nproc)")
     cfg = resolve_layout(cfg, tree, world)
     lo = layout_of(cfg, world)
+    if on_start is not None:
+        on_start()
     with tempfile.TemporaryDirectory(prefix="flopwise-measure-") as tmp:
         config, out = Path(tmp) / "config.toml", Path(tmp) / "measured.json"
         config.write_text(to_toml(cfg))

@@ -1,0 +1,80 @@
+"""`flopwise plan --measure` times the step: the wall clock of the engine's own steps beside the
+planner's time model, and a profiled step split into components.
+
+The reference is the wall clock: the components torch.profiler gives for a step must add up to
+the median wall time of the (unprofiled) timed steps. How close the planner's time comes to the
+measured is a benchmark of the calibrated machine, not a test here.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from flopwise.config import load_tree, validate
+from flopwise.measure import predicted_time
+from flopwise.parallel.mesh import layout_of
+
+MEASURED = {"matmul", "attention", "other_compute", "optimizer", "exposed_comm", "idle"}
+# a hand-written `cpu` entry with a peak, in the format cluster.hardware_file reads (hardware.load_catalogue)
+HARDWARE = """[cpu]
+peak_flops = {bf16 = 300e9, fp32 = 120e9}
+memory_bytes = 24e9
+memory_bw = 20e9
+intra_node_bw = 5e9
+inter_node_bw = 1e9
+devices_per_node = 8
+source = "hand-written for tests/plan/test_plan_time.py"
+"""
+
+
+def _measure(tmp_path, *overrides: str) -> dict:
+    hw = tmp_path / "hw.toml"
+    hw.write_text(HARDWARE)
+    args = [f'run.dir="{tmp_path / "run"}"', "train.global_batch=8", f'cluster.hardware_file="{hw}"', *overrides]
+    # one thread a rank: the test machine's cores are shared, and oversubscribed threads spin
+    r = subprocess.run([sys.executable, "-m", "flopwise", "plan", "demo", *args, "--measure", "--steps", "3", "--json"],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", [["train.micro_batch=8"],
+                                    ["parallel.dp=2", "parallel.zero=1", "train.micro_batch=4"]], ids=["single", "dp2-zero1"])
+def test_measured_step_time_is_the_sum_of_its_profiled_components(layout, tmp_path):
+    """Per rank the timed steps' median; at the top the slowest rank's, beside a prediction from the
+    hardware file; the profiled components add up to the wall-clock step within 15%. Data
+    parallelism on gloo waits for its all-reduce (exposed communication); one process sends nothing."""
+    report = _measure(tmp_path, *layout)
+    world = report["world"]
+    assert len(report["ranks"]) == world == (2 if "parallel.dp=2" in layout else 1)
+    step = report["step_time_s"]
+    assert step["predicted"] > 0 and step["measured"] > 0
+    for rank in report["ranks"]:
+        own = rank["step_time_s"]
+        assert len(own["steps"]) == 3 and own["measured"] == statistics.median(own["steps"]) > 0
+        assert set(rank["step_time_components_s"]) == MEASURED
+    assert step["measured"] == pytest.approx(statistics.median(
+        max(times) for times in zip(*(r["step_time_s"]["steps"] for r in report["ranks"]))))
+    parts = report["ranks"][report["components_rank"]]["step_time_components_s"]
+    assert all(v >= 0 for v in parts.values()), parts
+    assert parts["matmul"] > 0 and parts["attention"] > 0 and parts["optimizer"] > 0
+    assert sum(parts.values()) == pytest.approx(step["measured"], rel=0.15), (parts, step)
+    assert (parts["exposed_comm"] > 0) == (world > 1), parts
+    top = report["step_time_components_s"]
+    assert set(top) == MEASURED
+    for v in top.values():
+        assert v["predicted"] >= 0 and v["measured"] >= 0
+
+
+def test_no_time_is_predicted_on_an_uncalibrated_cpu():
+    """The built-in `cpu` entry has no peak: no predicted time, and the way to get one."""
+    cfg = validate(load_tree("demo", []))
+    est, why = predicted_time(cfg, layout_of(cfg, 1))
+    assert est is None
+    assert "flopwise hardware calibrate --out hw.toml" in why and "cluster.hardware_file=hw.toml" in why

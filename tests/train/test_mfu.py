@@ -1,0 +1,78 @@
+"""MFU has one denominator: a GPU's catalogue dense peak (identified by its driver name), else a
+ceiling measured here that a faster step re-measures, so a logged MFU is never >= 1."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from rich.console import Console
+
+from tests.conftest import tiny_overrides
+from flopwise.config import load_config
+from flopwise.hardware import CATALOGUE, GiB, identify_gpu
+from flopwise.launch import train
+from flopwise.train import trainer
+from flopwise.train.metrics import Peak
+
+QUIET = Console(file=open("/dev/null", "w"))
+
+# torch.cuda.get_device_name / total_memory as the driver reports them on each chip
+DRIVER_NAMES = [
+    ("NVIDIA A100-SXM4-40GB", 40 * GiB, "a100-40gb"), ("NVIDIA A100-SXM4-80GB", 80 * GiB, "a100-80gb"),
+    ("NVIDIA A100 80GB PCIe", 80 * GiB, "a100-80gb"), ("NVIDIA A100-PCIE-40GB", 40 * GiB, "a100-40gb"),
+    ("NVIDIA H100 80GB HBM3", 80 * GiB, "h100-sxm"), ("NVIDIA H100 PCIe", 80 * GiB, "h100-pcie"),
+    ("NVIDIA H100 NVL", 94e9, "h100-nvl"), ("NVIDIA H200", 141e9, "h200"), ("NVIDIA H200 NVL", 141e9, "h200-nvl"),
+    ("NVIDIA L4", 24e9, "l4"), ("NVIDIA L40S", 48e9, "l40s"), ("NVIDIA B200", 180e9, "b200"),
+    ("NVIDIA GeForce RTX 4090", 24 * GiB, None), ("NVIDIA GH200 480GB", 96e9, None), ("Tesla T4", 16e9, None),
+]
+
+
+@pytest.mark.parametrize("name,memory,entry", DRIVER_NAMES)
+def test_gpu_driver_names_map_to_their_catalogue_entry(name, memory, entry):
+    assert identify_gpu(name, memory) == entry
+
+
+def test_catalogue_dense_bf16_peaks_are_the_datasheets():
+    """Dense (no 2:4 sparsity) bf16 tensor-core TFLOP/s as NVIDIA's datasheets state them."""
+    datasheet = {"a100-40gb": 312, "a100-80gb": 312, "h100-sxm": 989.4, "h100-pcie": 756.5, "h100-nvl": 835.5,
+                 "h200": 989.4, "h200-nvl": 835.5, "l4": 121, "l40s": 362.05, "b200": 2250}
+    assert {k: CATALOGUE[k].peak("bf16") / 1e12 for k in datasheet} == pytest.approx(datasheet)
+
+
+def _train(tmp, data, peak: Peak, monkeypatch, steps=6):
+    monkeypatch.setattr(trainer, "device_peak", lambda *a: peak)
+    r = train(load_config(None, tiny_overrides(tmp, data, **{"train.steps": steps})), QUIET)
+    return r, [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_ceiling_measured_while_the_machine_was_busy_is_remeasured(tiny_data, tmp_path, monkeypatch):
+    """The start-up ceiling came out at 1 MFLOP/s (as if another process had the cores): the first
+    step that beats it re-measures it for real, logs the event, and no MFU reaches 1."""
+    r, rows = _train(tmp_path, tiny_data, Peak(1e6, "measured fp32 matmul ceiling on this cpu", True), monkeypatch)
+    logged = [x for x in rows if "loss" in x]
+    events = [x for x in rows if x.get("event") == "peak_remeasured"]
+    assert events and events[0]["previous_peak_flops"] == 1e6 and events[0]["peak_flops"] > events[0]["achieved_flops"]
+    assert all(0 < x["mfu"] < 1 for x in logged), [x["mfu"] for x in logged]
+    assert all(x["peak_flops"] > 1e6 and x["peak_source"].startswith("measured") for x in logged)
+    assert 0 < r.mfu < 1 and r.peak.flops == logged[-1]["peak_flops"]
+
+
+def test_a_catalogue_peak_is_never_remeasured_and_an_impossible_rate_logs_no_mfu(tiny_data, tmp_path, monkeypatch):
+    r, rows = _train(tmp_path, tiny_data, Peak(1e3, "h200 fp32 dense peak, catalogue", False), monkeypatch, steps=3)
+    assert not [x for x in rows if x.get("event") == "peak_remeasured"]
+    assert all(x["mfu"] is None and x["peak_flops"] == 1e3 for x in rows if "loss" in x)
+    assert r.mfu is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_default_train_runs_on_cuda_against_the_catalogue_peak(tmp_path):
+    """`flopwise train` with no device argument picks the GPU and names the catalogue peak it divides by."""
+    out = subprocess.run([sys.executable, "-m", "flopwise", "train", "train.steps=20", "optim.warmup_steps=5",
+                          f'run.dir="{tmp_path / "run"}"'],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "cuda" in out.stdout and ("catalogue" in out.stdout or "not in the catalogue" in out.stdout)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < x["mfu"] < 1 for x in rows if "loss" in x)

@@ -1,0 +1,312 @@
+"""Reliability in one process: verified checkpoints, refused pickles and traversal, failed saves,
+the NaN/spike guard, preemption, async saves, the auto interval and the watchdog. The same faults
+across torchrun ranks (kill, restart, hang) are in test_faults.py."""
+
+import io
+import json
+import os
+import pickle
+import shutil
+import time
+
+import pytest
+import torch
+from rich.console import Console
+
+from tests.conftest import tiny_overrides
+from flopwise.config import GuardConfig, WatchdogConfig, load_config
+from flopwise.errors import CheckpointError, ConfigError, TrainingStopped
+from flopwise.checkpoints import checkpoint
+from flopwise.train.faults import parse
+from flopwise.train.guard import Guard, Verdict
+from flopwise.eval.load import load_for_inference
+from flopwise.launch import train
+from flopwise.train.watch import Watch
+
+
+def run(tmp, data, faults="", monkeypatch=None, **kw):
+    """Train; returns (result, console text)."""
+    if monkeypatch is not None:
+        monkeypatch.setenv("FLOPWISE_FAULTS", faults)
+    buf = io.StringIO()
+    r = train(load_config(None, tiny_overrides(tmp, data, **kw)), Console(file=buf, width=300))
+    return r, buf.getvalue()
+
+
+def weights(path) -> dict[str, torch.Tensor]:
+    return load_for_inference(path)[0].state_dict()
+
+
+def same_weights(a, b) -> bool:
+    wa, wb = weights(a), weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def distcp_hashes(ckpt) -> dict[str, str]:
+    """The sha256 of every tensor file: equal hashes = bitwise-equal weights and optimizer state."""
+    files = json.loads((ckpt / "manifest.json").read_text())["files"]
+    return {k: v["sha256"] for k, v in files.items() if k.endswith(".distcp")}
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoint integrity
+
+
+def test_manifest_records_checksums_config_hash_and_layout(tiny_data, tmp_path):
+    run(tmp_path, tiny_data)
+    ckpt = checkpoint.latest(tmp_path)
+    m = json.loads((ckpt / "manifest.json").read_text())
+    assert m["format"] == checkpoint.FORMAT and m["step"] == 6 and len(m["config_hash"]) == 16
+    assert m["layout"]["world_size"] == 1
+    assert set(m["files"]) == {p.name for p in ckpt.iterdir()} - {"manifest.json"}
+    assert all(len(f["sha256"]) == 64 for f in m["files"].values())
+
+
+def test_corrupt_latest_is_reported_and_the_previous_one_resumed(tiny_data, tmp_path):
+    run(tmp_path, tiny_data, **{"train.steps": 9})  # checkpoints 3, 6, 9 (keep 2: 6, 9)
+    latest = checkpoint.latest(tmp_path)
+    blob = latest / "__0_0.distcp"
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, so only the checksum sees it
+    blob.write_bytes(bytes(data))
+    assert checkpoint.is_complete(latest)  # sizes still match
+    assert "sha256" in checkpoint.verify(latest)
+    r, out = run(tmp_path, tiny_data, **{"train.steps": 9})
+    assert "skipping damaged checkpoint step-00000009 (__0_0.distcp fails its sha256 checksum); using step-00000006" in out
+    assert "resumed from" in out and "step-00000006 at step 6" in out
+    assert r.checkpoint.name == "step-00000009" and checkpoint.verify(r.checkpoint) is None
+    ref, _ = run(tmp_path / "ref", tiny_data, **{"train.steps": 9})
+    assert distcp_hashes(r.checkpoint) == distcp_hashes(ref.checkpoint)
+
+
+def test_retention_never_deletes_the_last_complete_checkpoint_and_clears_stale_tmp(tiny_data, tmp_path):
+    run(tmp_path, tiny_data)
+    root = tmp_path / "checkpoints"
+    (root / "step-00000007.tmp").mkdir()
+    broken = root / "step-00000009"
+    shutil.copytree(root / "step-00000006", broken)
+    (broken / "manifest.json").unlink()  # interrupted before the manifest
+    checkpoint.prune(tmp_path, keep=1)
+    assert [p.name for p in checkpoint.list_complete(tmp_path)] == ["step-00000006"]
+    assert not (root / "step-00000007.tmp").exists()
+    assert checkpoint.verify(broken) == "no manifest (write interrupted)"
+
+
+class Boom:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_a_planted_pickle_is_refused_and_never_run(tiny_data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run(tmp_path, tiny_data)
+    ckpt = checkpoint.latest(tmp_path)
+    evil = pickle.dumps(Boom())
+    (ckpt / ".metadata").write_bytes(evil)
+    manifest = json.loads((ckpt / "manifest.json").read_text())  # attacker also fixes the manifest
+    manifest["files"][".metadata"] = {"bytes": len(evil), "sha256": checkpoint._sha256(ckpt / ".metadata")}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    assert "posix.system is not allowed" in checkpoint.verify(ckpt)
+    with pytest.raises(CheckpointError, match="not allowed in checkpoint metadata"):
+        checkpoint.resolve(ckpt)
+    with pytest.raises(CheckpointError, match="refused"):  # loading directly goes through the same reader
+        load_for_inference_unverified(ckpt)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def load_for_inference_unverified(ckpt):
+    from flopwise.model.transformer import build_model
+    from flopwise.checkpoints.export import checkpoint_config
+
+    model = build_model(checkpoint_config(ckpt, checkpoint.read_state(ckpt)).model, "cpu")
+    checkpoint.load(ckpt, model)
+
+
+def test_paths_in_manifest_or_dcp_metadata_cannot_leave_the_folder(tiny_data, tmp_path):
+    run(tmp_path, tiny_data)
+    ckpt = checkpoint.latest(tmp_path)
+    m = json.loads((ckpt / "manifest.json").read_text())
+    m["files"]["../../secret"] = {"bytes": 1, "sha256": "0"}
+    (ckpt / "manifest.json").write_text(json.dumps(m))
+    assert "outside the checkpoint folder" in checkpoint.verify(ckpt)
+    md = checkpoint.read_dcp_metadata(ckpt)
+    info = next(iter(md.storage_data.values()))
+    info.relative_path = "../../../etc/passwd"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match="outside the checkpoint folder"):
+        checkpoint.read_dcp_metadata(ckpt)
+
+
+# ------------------------------------------------------------------------------------------------
+# Failed saves
+
+
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_disk_full_stops_cleanly_and_keeps_the_previous_checkpoint(tiny_data, tmp_path, monkeypatch, async_save):
+    with pytest.raises(CheckpointError) as e:
+        run(tmp_path, tiny_data, "enospc:save=2", monkeypatch, **{"checkpoint.async": async_save})
+    msg = str(e.value)
+    assert "step-00000006 not written" in msg and "No space left on device" in msg
+    assert "latest complete checkpoint is still step-00000003" in msg and "checkpoint.on_error=continue" in msg
+    assert "\n" not in msg
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000003"]  # no partial folder
+    assert checkpoint.verify(tmp_path / "checkpoints" / "step-00000003") is None
+
+
+def test_unwritable_checkpoint_dir_stops_cleanly(tiny_data, tmp_path):
+    from flopwise.build import TRAIN_WRITES
+    from flopwise.checkpoints.rundir import claim
+
+    claim(tmp_path, TRAIN_WRITES)  # a flopwise run folder (a user's file at a claimed name is refused before training)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "step-00000003.tmp").write_text("a file where the checkpoint's folder should be")
+    with pytest.raises(CheckpointError, match="step-00000003 not written .*; there is no earlier checkpoint"):
+        run(tmp_path, tiny_data)
+
+
+def test_disk_full_with_on_error_continue_trains_on(tiny_data, tmp_path, monkeypatch):
+    r, out = run(tmp_path, tiny_data, "enospc:save=1", monkeypatch, **{"checkpoint.on_error": '"continue"'})
+    assert "warning" in out and "step-00000003 not written" in out and "training goes on" in out
+    assert r.steps == 6 and [p.name for p in checkpoint.list_complete(tmp_path)] == ["step-00000006"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Guard
+
+
+def test_nan_gradient_skips_the_update(tiny_data, tmp_path, monkeypatch):
+    r, out = run(tmp_path / "nan", tiny_data, "nan_grad:step=4", monkeypatch,
+                 **{"train.steps": 4, "checkpoint.interval": 0})
+    assert "step 4: non-finite loss or gradient norm" in out and "update skipped" in out
+    ref, _ = run(tmp_path / "ref", tiny_data, "", monkeypatch,
+                 **{"train.steps": 4, "train.stop_after": 3, "checkpoint.interval": 0})
+    assert same_weights(r.checkpoint, ref.checkpoint)  # step 4 changed nothing
+    events = [json.loads(x) for x in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
+    assert {"step": 4, "event": "skipped_update", "reason": "non-finite loss or gradient norm"} in [
+        {k: e[k] for k in ("step", "event", "reason") if k in e} for e in events]
+
+
+def test_poisoned_batch_rolls_back_and_skips_the_data(tiny_data, tmp_path, monkeypatch):
+    kw = {"train.steps": 36, "checkpoint.interval": 10, "train.eval_every": 0, "log.every": 100,
+          "guard.window": 10, "guard.min_window": 5, "guard.skip_batches": 3}
+    r, out = run(tmp_path, tiny_data, "poison:step=30", monkeypatch, **kw)
+    assert "step 30: loss spike" in out and "rolled back to step 20 and skipped 10 batches" in out
+    [rec] = [json.loads(x) for x in (tmp_path / "skipped.jsonl").read_text().splitlines()]
+    assert rec["step"] == 30 and rec["rolled_back_to"] == 20 and rec["batches"] == 10
+    [windows], [documents] = rec["windows"].values(), rec["documents"].values()  # one source
+    assert len(windows) == 10 * 8 and documents and all(isinstance(d, int) for d in documents)
+    assert r.steps == 36 and r.losses[-1] < 6.0
+    [state] = checkpoint.read_state(r.checkpoint)["loader"]["sources"]
+    assert state["cursor"] + state["epoch"] * state["n_windows"] == (36 + 10) * 8  # the skipped data is gone
+    with pytest.raises(TrainingStopped, match="guard.max_rollbacks=0"):
+        run(tmp_path / "capped", tiny_data, "poison:step=30", monkeypatch, **{**kw, "guard.max_rollbacks": 0})
+
+
+def test_guard_verdicts():
+    g = Guard(GuardConfig(window=5, min_window=3, max_skips=2, spike_zscore=4))
+    for x in (3.0, 2.9, 3.1):
+        assert g.decide(x, False, g.is_spike(x)) == (Verdict.APPLY, "")
+    assert not g.is_spike(3.2) and g.is_spike(5.0)
+    assert g.decide(float("nan"), True, False)[0] is Verdict.SKIP
+    assert g.decide(float("nan"), True, False) == (Verdict.ROLLBACK, "2 consecutive non-finite steps")
+    assert g.decide(5.0, False, True)[0] is Verdict.ROLLBACK
+    assert list(g.losses) == [3.0, 2.9, 3.1]  # skipped and spiking losses never enter the window
+    g.rolled_back("loss spike", 7)
+    h = Guard(GuardConfig(window=5, min_window=3))
+    h.load_state_dict(g.state_dict())
+    assert h.state_dict() == g.state_dict() == {"losses": [3.0, 2.9, 3.1], "skips": 0, "rollbacks": 1}
+
+
+# ------------------------------------------------------------------------------------------------
+# Preemption, async, auto interval, watchdog
+
+
+def test_sigterm_checkpoints_exits_and_resumes_exactly(tiny_data, tmp_path, monkeypatch):
+    kw = {"train.steps": 8, "checkpoint.interval": 0}
+    r, _ = run(tmp_path / "split", tiny_data, "sigterm:step=5", monkeypatch, **kw)
+    assert r.preempted == 5 and r.signal == "SIGTERM" and r.checkpoint.name == "step-00000005"
+    resumed, out = run(tmp_path / "split", tiny_data, "", monkeypatch, **kw)
+    assert "step-00000005 at step 5" in out
+    ref, _ = run(tmp_path / "ref", tiny_data, "", monkeypatch, **kw)
+    assert distcp_hashes(resumed.checkpoint) == distcp_hashes(ref.checkpoint)
+    a, b = checkpoint.read_state(resumed.checkpoint), checkpoint.read_state(ref.checkpoint)
+    assert a["rng"] == b["rng"] and a["guard"] == b["guard"] and len(a["guard"]["losses"]) == 8
+
+
+def test_ctrl_c_checkpoints_and_what_a_rerun_of_that_folder_may_do(tiny_data, tmp_path, monkeypatch):
+    """A first Ctrl-C stops at the next sync point with a checkpoint (the summary counts the steps
+    done), a second stops at once; then in that folder resume=none is refused before anything is
+    touched, a checkpoint past train.steps is refused, and one at train.steps trains nothing."""
+    kw = {"train.steps": 8, "checkpoint.interval": 0, "train.eval_every": 0}
+    r, out = run(tmp_path / "r", tiny_data, "sigint:step=5", monkeypatch, **kw)
+    assert (r.preempted, r.signal, r.steps, r.checkpoint.name) == (5, "SIGINT", 5, "step-00000005")
+    assert "Ctrl-C again to stop now" in out
+    with pytest.raises(KeyboardInterrupt):  # the second one comes before the step ends (one process stops there)
+        run(tmp_path / "twice", tiny_data, "sigint:step=2, sigint:step=2", monkeypatch, **{**kw, "log.every": 10})
+    metrics = (tmp_path / "r" / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match="holds an earlier run's checkpoints"):
+        run(tmp_path / "r", tiny_data, "", monkeypatch, **{**kw, "checkpoint.resume": '"none"'})
+    assert (tmp_path / "r" / "metrics.jsonl").read_text() == metrics
+    with pytest.raises(ConfigError, match="at step 5, past train.steps=4"):
+        run(tmp_path / "r", tiny_data, "", monkeypatch, **{**kw, "train.steps": 4, "optim.warmup_steps": 1})
+    done, out = run(tmp_path / "r", tiny_data, "", monkeypatch, **{**kw, "train.steps": 5})
+    assert "nothing to train" in out and done.steps == 5 and not done.losses
+
+
+def test_async_checkpoints_resume_bitwise(tiny_data, tmp_path, monkeypatch):
+    kw = {"train.steps": 8, "checkpoint.interval": 2, "checkpoint.async": "true"}
+    run(tmp_path / "split", tiny_data, **{**kw, "train.stop_after": 5})
+    assert [p.name for p in checkpoint.list_complete(tmp_path / "split")] == ["step-00000004", "step-00000005"]
+    resumed, out = run(tmp_path / "split", tiny_data, **kw)
+    assert "step-00000005 at step 5" in out
+    assert len(resumed.async_save_s) == len(resumed.save_s) == 2  # steps 6 and 8, both written in the background
+    ref, _ = run(tmp_path / "ref", tiny_data, **{**kw, "checkpoint.async": "false"})
+    assert distcp_hashes(resumed.checkpoint) == distcp_hashes(ref.checkpoint)
+
+
+def test_auto_interval_from_the_measured_write(tiny_data, tmp_path):
+    r, out = run(tmp_path, tiny_data, **{"train.steps": 12, "checkpoint.interval": '"auto"',
+                                         "cluster.gpu_mtbf_hours": 0.001})
+    line = next(x for x in out.splitlines() if "checkpoint.interval=auto" in x)
+    every = int(line.split("every ")[1].split(" steps")[0].replace(",", ""))
+    assert "cluster.gpu_mtbf_hours=0.001 over 1 device(s)" in line and every >= 1
+    expected = {5, 12} | {s for s in range(6, 12) if s % every == 0}
+    assert {int(p.name[5:]) for p in checkpoint.list_complete(tmp_path)} == set(sorted(expected)[-2:])
+
+
+def test_watchdog_dumps_every_thread_when_a_step_hangs(tmp_path):
+    """Step 6 "hangs" until the watchdog has reported it: a fixed sleep (1.2 s) raced the limit on a busy
+    machine, where the 10 ms steps before it stretch and the limit (3 × their median) with them."""
+    seen = []
+    with Watch(WatchdogConfig(hang_factor=3, min_s=0.3), tmp_path, 0, torch.device("cpu"), seen.append) as w:
+        for step in range(1, 6):
+            w.beat(step)
+            time.sleep(0.01)
+        w.beat(6)
+        deadline = time.monotonic() + 120
+        while not seen and time.monotonic() < deadline:  # this step "hangs"
+            time.sleep(0.05)
+    text = (tmp_path / "hang-rank0.txt").read_text()
+    assert text.startswith("rank 0: step 6 has run") and "test_watchdog_dumps_every_thread" in text
+    assert text.count("Thread 0x") + text.count("Current thread 0x") >= 2  # the watchdog's own thread too
+    assert len(seen) == 1 and "hang-rank0.txt" in seen[0]
+
+
+def test_fault_spec_errors_are_config_errors():
+    assert parse("kill:step=3:rank=1, enospc:save=2")[1].save == 2
+    for bad, frag in [("explode:step=1", "unknown fault"), ("kill", "exactly one of"),
+                      ("kill:step=x", "must be a number"), ("kill:when=3", "expected step=N")]:
+        with pytest.raises(ConfigError, match=frag):
+            parse(bad)
+
+
+def test_sigusr1_sets_the_stop_flag_and_handlers_are_restored(tmp_path):
+    import signal
+
+    before = signal.getsignal(signal.SIGUSR1)
+    with Watch(WatchdogConfig(), tmp_path, 0, torch.device("cpu")) as w:
+        assert not w.sync(False, torch.zeros(0))[0].stop
+        os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's warning signal: the process must not die
+        sync = w.sync(False, torch.zeros(0))[0]
+        assert sync.stop and w.signal == "SIGUSR1" and sync.rank_s[0] >= 0
+    assert signal.getsignal(signal.SIGUSR1) is before

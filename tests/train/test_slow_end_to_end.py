@@ -1,0 +1,39 @@
+"""Slow: the embedded default end to end, and compilation. `pytest -m "not slow"` skips them."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from rich.console import Console
+
+from tests.conftest import tiny_overrides
+from flopwise.config import load_config
+from flopwise.launch import train
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+
+@pytest.mark.timeout(2400)
+def test_default_train_beats_the_unigram_entropy(tmp_path):
+    """`flopwise train` with the demo defaults: val loss clearly below the corpus's unigram entropy."""
+    r = subprocess.run([sys.executable, "-m", "flopwise", "train", f'run.dir="{tmp_path}"'],
+                       capture_output=True, text=True, timeout=1500)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    val = [x["val_loss"] for x in rows if "val_loss" in x][-1]
+    entropy = json.loads((tmp_path / "data" / "index.json").read_text())["unigram_entropy_nats"]
+    assert val < entropy - 1.0, (val, entropy)
+    assert "sample" in r.stdout and re.search(r"\n[A-Z][A-Za-z]+\.\n", r.stdout)  # a speaker line: "Romeo."
+    assert (tmp_path / "loss.png").exists() and (tmp_path / "checkpoints" / "step-00000300" / "manifest.json").exists()
+
+
+@pytest.mark.compile
+def test_compile_matches_eager(tiny_data, tmp_path):
+    quiet = Console(file=open("/dev/null", "w"))
+    kw = {"train.steps": 3, "checkpoint.interval": 0, "train.eval_every": 0}
+    eager = train(load_config(None, tiny_overrides(tmp_path / "e", tiny_data, **kw)), quiet)
+    compiled = train(load_config(None, tiny_overrides(tmp_path / "c", tiny_data, **kw, **{"train.compile": "true"})),
+                     quiet)
+    assert compiled.losses == pytest.approx(eager.losses, rel=1e-4)
