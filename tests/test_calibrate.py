@@ -7,6 +7,7 @@ bound here flaky, so the test asks for the right order of magnitude and a strict
 nothing but the measurement itself)."""
 
 import json
+import os
 import re
 
 import pytest
@@ -24,7 +25,17 @@ def calibrated(tmp_path_factory):
     out = tmp_path_factory.mktemp("cal") / "hw.toml"
     r = flopwise("hardware", "calibrate", *TINY, "--nproc", "2", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
+    _CONTENTION["calibrated"] = contention()
     return out, r.stdout
+
+
+_CONTENTION: dict[str, float] = {}
+
+
+def contention() -> float:
+    """How many times over the cores are asked for (1-minute load / cores, at least 1): the factor by
+    which a CPU-bound wall clock stretches when neighbours (other test workers, other users) run."""
+    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
 
 
 @pytest.mark.multiproc  # the calibration's collectives run on 2 ranks
@@ -53,13 +64,16 @@ def test_calibrate_writes_an_entry_the_planner_plans_with(calibrated, tmp_path):
 @pytest.mark.multiproc
 def test_calibrated_prediction_is_the_measured_step_to_a_factor(calibrated, tmp_path):
     """One process, the calibrated shapes: predicted within a factor 2 of the measured median step
-    (the ±10% target is the benchmark's, on a quiet machine)."""
+    (the ±10% target is the benchmark's, on a quiet machine). The calibration and the measurement
+    may meet different loads (xdist's other worker, a shared machine): the band widens by the ratio
+    of the two contentions, so a busy neighbour moves the bound, never the verdict on a quiet one."""
     out, _ = calibrated
     r = flopwise("plan", "demo", *TINY, f'cluster.hardware_file="{out}"', f'run.dir="{tmp_path / "run"}"',
                  "--measure", "--steps", "3", "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     st = json.loads(r.stdout)["step_time_s"]
-    assert 0.5 < st["measured"] / st["predicted"] < 2, st
+    shift = contention() / _CONTENTION["calibrated"]
+    assert 0.5 * min(1.0, shift) < st["measured"] / st["predicted"] < 2 * max(1.0, shift), (st, shift)
 
 
 @pytest.mark.multiproc
