@@ -27,14 +27,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from conftest import tiny_overrides  # noqa: E402
-
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from conftest import tiny_overrides  # noqa: E402
+from flopwise.checkpoints import checkpoint  # noqa: E402
 from flopwise.config import load_config  # noqa: E402
 from flopwise.data.pipeline import prepare  # noqa: E402
-from flopwise.checkpoints import checkpoint  # noqa: E402
 from flopwise.launch import train  # noqa: E402
 
 MODEL = {"model.preset": '"demo-tiny"', "model.n_layers": 12, "model.d_model": 512, "model.n_heads": 8,

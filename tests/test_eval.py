@@ -11,8 +11,8 @@ from flopwise.config import ModelConfig, load_config
 from flopwise.errors import DataError
 from flopwise.eval.generate import generate
 from flopwise.eval.load import load_for_inference
-from flopwise.launch import train
 from flopwise.eval.perplexity import text_loss
+from flopwise.launch import train
 from flopwise.model.transformer import build_model
 from flopwise.train.engine import lm_loss
 

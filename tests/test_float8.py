@@ -17,6 +17,8 @@ from torch import nn
 
 pytest.importorskip("torchao")
 
+from torchao.float8.float8_linear import Float8Linear  # noqa: E402
+
 from conftest import tiny_overrides  # noqa: E402
 from flopwise.config import ModelConfig, load_config, validate  # noqa: E402
 from flopwise.errors import ConfigError  # noqa: E402
@@ -28,7 +30,6 @@ from flopwise.parallel.mesh import Parallel, layout_of  # noqa: E402
 from flopwise.plan.float8 import unconverted_linears  # noqa: E402
 from flopwise.plan.memory import activation_bytes_per_layer, autocast_weight_copy_bytes, engine_precision  # noqa: E402
 from flopwise.train.engine import autocast  # noqa: E402
-from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
 QUIET = Console(file=open(os.devnull, "w"))
 CPU = torch.device("cpu")

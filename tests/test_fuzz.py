@@ -20,12 +20,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flopwise.config import Config, load_config
+from flopwise.checkpoints import checkpoint
+from flopwise.config import Config, hf_model_fields, load_config
 from flopwise.data.shards import open_split, read_index
 from flopwise.data.tokenizer import load_tokenizer
 from flopwise.errors import CheckpointError, ConfigError, DataError, FlopwiseError
-from flopwise.config import hf_model_fields
-from flopwise.checkpoints import checkpoint
 
 FUZZ = settings(max_examples=int(os.environ.get("FLOPWISE_FUZZ_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 KEYS = ["train.steps", "train.global_batch", "model.n_layers", "model.d_model", "model.n_heads", "data.seq_len",
@@ -184,8 +183,8 @@ def build_real(root: Path) -> dict[str, Path]:
     from rich.console import Console
 
     from flopwise.config import to_toml
-    from flopwise.data.shards import resolve_input
     from flopwise.data.pipeline import prepare
+    from flopwise.data.shards import resolve_input
     from flopwise.data.tasks import builtin_tasks
     from flopwise.interop.convert import export_hf
     from flopwise.launch import train
@@ -493,6 +492,6 @@ def test_a_seed_means_the_same_mutants_wherever_the_files_are(real, tmp_path_fac
     for reader, cases in READERS.items():
         mine, theirs = cases(real, work_here)[0], cases(elsewhere, work_there)[0]
         assert [label for label, _ in mine] == [label for label, _ in theirs], reader
-        assert all(a == b for (_, a), (_, b) in zip(mine, theirs)), f"{reader}: a mutant differs"
+        assert all(a == b for (_, a), (_, b) in zip(mine, theirs, strict=True)), f"{reader}: a mutant differs"
         sample = fuzzing.pick(mine[1:], 120, seed=17, always=REGRESSIONS.get(reader, ()))
         assert sample == fuzzing.pick(theirs[1:], 120, seed=17, always=REGRESSIONS.get(reader, ()))

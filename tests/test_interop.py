@@ -14,9 +14,9 @@ from conftest import tiny_overrides  # noqa: E402
 from flopwise.config import load_config  # noqa: E402
 from flopwise.errors import CheckpointError, ConfigError  # noqa: E402
 from flopwise.eval.generate import generate  # noqa: E402
+from flopwise.eval.load import load_for_inference  # noqa: E402
 from flopwise.interop.convert import export_hf, import_hf  # noqa: E402
 from flopwise.interop.hf import from_hf, to_hf  # noqa: E402
-from flopwise.eval.load import load_for_inference  # noqa: E402
 from flopwise.launch import train  # noqa: E402
 
 V, S = 128, 40
@@ -80,7 +80,7 @@ def test_to_hf_round_trip_loads_in_transformers(family, tmp_path):
         assert (again(input_ids=x).logits - model(x)).abs().max() < 1e-4
     model2, m2 = from_hf(tmp_path / "out")  # and back again, sharded
     assert m2 == m
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True))
 
 
 def test_trained_demo_checkpoint_exports_and_generates_the_same_text(tiny_data, tmp_path):

@@ -14,13 +14,13 @@ import torch
 from rich.console import Console
 
 from conftest import tiny_overrides
+from flopwise.checkpoints import checkpoint
 from flopwise.config import GuardConfig, WatchdogConfig, load_config
 from flopwise.errors import CheckpointError, ConfigError, TrainingStopped
-from flopwise.checkpoints import checkpoint
-from flopwise.train.faults import parse
-from flopwise.train.guard import Guard, Verdict
 from flopwise.eval.load import load_for_inference
 from flopwise.launch import train
+from flopwise.train.faults import parse
+from flopwise.train.guard import Guard, Verdict
 from flopwise.train.watch import Watch
 
 
@@ -115,8 +115,8 @@ def test_a_planted_pickle_is_refused_and_never_run(tiny_data, tmp_path, monkeypa
 
 
 def load_for_inference_unverified(ckpt):
-    from flopwise.model.transformer import build_model
     from flopwise.checkpoints.export import checkpoint_config
+    from flopwise.model.transformer import build_model
 
     model = build_model(checkpoint_config(ckpt, checkpoint.read_state(ckpt)).model, "cpu")
     checkpoint.load(ckpt, model)

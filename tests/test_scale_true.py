@@ -18,19 +18,19 @@ from rich.console import Console
 
 from conftest import run_jobs, tiny_overrides
 from flopwise.build import build_engine
+from flopwise.checkpoints import checkpoint
+from flopwise.checkpoints.export import export_checkpoint
 from flopwise.config import ModelConfig, load_config, to_toml
 from flopwise.eval.load import load_for_inference
 from flopwise.interop.convert import export_hf
 from flopwise.interop.hf import from_hf, to_hf
+from flopwise.launch import train
 from flopwise.model.init import normal_box
 from flopwise.model.transformer import build_model
 from flopwise.parallel.accounting import HostSyncCounter
 from flopwise.parallel.mesh import Parallel
 from flopwise.plan.layout import Layout
-from flopwise.checkpoints import checkpoint
 from flopwise.train.engine import lm_loss
-from flopwise.checkpoints.export import export_checkpoint
-from flopwise.launch import train
 
 # --- one process -----------------------------------------------------------------------------
 
@@ -200,7 +200,7 @@ def _assert_slices_of(whole: dict[str, torch.Tensor], run_dir: Path, ranks: int)
     covered = dict.fromkeys(whole, 0)
     for r in range(ranks):
         for name, (offset, local) in torch.load(run_dir / f"shards-rank{r}.pt", weights_only=True).items():
-            ref = whole[name][tuple(slice(o, o + n) for o, n in zip(offset, local.shape))]
+            ref = whole[name][tuple(slice(o, o + n) for o, n in zip(offset, local.shape, strict=True))]
             assert torch.equal(local, ref), f"rank {r}: {name} at {offset}"
             covered[name] += local.numel()
     assert all(covered[k] >= whole[k].numel() for k in whole), "some parameter is held by no rank"

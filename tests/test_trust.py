@@ -23,14 +23,14 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from conftest import tiny_overrides
+from flopwise.checkpoints import checkpoint
+from flopwise.checkpoints.export import export_checkpoint
 from flopwise.config import load_config, to_toml
 from flopwise.errors import CheckpointError
 from flopwise.eval.load import load_for_inference
 from flopwise.interop.convert import export_hf
-from flopwise.model.transformer import build_model
-from flopwise.checkpoints import checkpoint
-from flopwise.checkpoints.export import export_checkpoint
 from flopwise.launch import train
+from flopwise.model.transformer import build_model
 
 
 class Payload:

@@ -22,6 +22,8 @@ from rich.console import Console
 from rich.markup import escape
 from torch import nn
 
+from flopwise.checkpoints import checkpoint
+from flopwise.checkpoints.rundir import claim
 from flopwise.config import Config
 from flopwise.data.loader import TokenLoader
 from flopwise.data.mixture import Source, check_tokenizers, fingerprint
@@ -33,16 +35,14 @@ from flopwise.model.transformer import build_model
 from flopwise.parallel import mesh
 from flopwise.parallel.apply import parallelize
 from flopwise.parallel.data import zero1_group
+from flopwise.parallel.float8 import check_float8
 from flopwise.parallel.pipeline import split_stages
 from flopwise.plan.planner import resolve_layout
-from flopwise.checkpoints import checkpoint
 from flopwise.train.engine import Engine
 from flopwise.train.guard import Guard
 from flopwise.train.metrics import check_tensorboard
 from flopwise.train.optim import build_optimizer
-from flopwise.parallel.float8 import check_float8
 from flopwise.train.preflight import oom_names, preflight, record_history
-from flopwise.checkpoints.rundir import claim
 from flopwise.train.run import Run, resume
 
 

@@ -34,12 +34,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from rich.console import Console
 from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile, record_function
-from rich.console import Console
 
 from flopwise.build import build_run
-from flopwise.train.run import Run
 from flopwise.config import Config, load_config, load_tree, to_toml, validate
 from flopwise.errors import ConfigError, FlopwiseError
 from flopwise.hardware import cluster_hardware
@@ -51,6 +50,7 @@ from flopwise.plan.perf import STACKS, Estimate, estimate, model_shape
 from flopwise.plan.planner import plan_hardware, resolve_layout
 from flopwise.plan.rank import predict_rank
 from flopwise.train.faults import Faults
+from flopwise.train.run import Run
 from flopwise.train.trainer import train_step
 
 MAX_RANKS = 8  # processes one CPU machine runs for a measurement (gloo)
@@ -318,7 +318,7 @@ def measure(path: str | None, overrides: list[str], nproc: int | None = None, st
                       "step_time_components_s": m["components"]})
     est, why = predicted_time(cfg, lo)
     # every step starts from a barrier, so the slowest rank's time is the step's
-    slowest = statistics.median(max(r) for r in zip(*(m["step_time_s"]["steps"] for m in measured)))
+    slowest = statistics.median(max(r) for r in zip(*(m["step_time_s"]["steps"] for m in measured), strict=False))
     # the rank that paces the step: the busiest in its profiled step (least bubble or idle)
     last = "pipeline_bubble" if lo.pp > 1 else "idle"
     pacing = min(ranks, key=lambda r: r["step_time_components_s"][last])

@@ -45,15 +45,21 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from flopwise.checkpoints import rundir
 from flopwise.errors import CheckpointError
 from flopwise.model.init import canonical_name
 from flopwise.parallel.data import local_optimizer
 from flopwise.parallel.mesh import is_rank0
-from flopwise.checkpoints import rundir
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
@@ -121,7 +127,7 @@ def _optim_state(modules: list[nn.Module], optimizer: torch.optim.Optimizer) -> 
         for g in opt.param_groups:
             g["lr"] = 0.0
         opt.step()
-        for g, lr in zip(opt.param_groups, lrs):
+        for g, lr in zip(opt.param_groups, lrs, strict=True):
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
     return {name: dict(opt.state[p]) for name, p in _named_params(modules).items() if id(p) in owned}
@@ -460,7 +466,7 @@ def _tiling_problem(entry: TensorStorageMetadata) -> str | None:
     for chunk in chunks:
         offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
         if not (isinstance(chunk, ChunkStorageMetadata) and _is_size(offsets, len(size)) and _is_size(sizes, len(size))
-                and all(o + n <= d for o, n, d in zip(offsets, sizes, size))):
+                and all(o + n <= d for o, n, d in zip(offsets, sizes, size, strict=True))):
             return f"has a chunk outside its size {list(size)}"
         total += math.prod(sizes)
     if total != math.prod(size):

@@ -22,12 +22,12 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from flopwise.checkpoints import checkpoint, rundir
 from flopwise.config import config_hash, to_toml, validate
 from flopwise.errors import CheckpointError
+from flopwise.outputs import check_folder
 from flopwise.plan.layout import Layout
 from flopwise.plan.planner import layout_config
-from flopwise.checkpoints import checkpoint, rundir
-from flopwise.outputs import check_folder
 
 
 @cache

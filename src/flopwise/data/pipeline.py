@@ -44,8 +44,9 @@ Quality filters (`filters`), with the papers' thresholds:
 Deduplication (`dedup`):
   exact    hash (xxhash64) of the normalized text (lower case, no punctuation, normalized whitespace
            and digits); one copy of each cluster kept.
-  minhash  MinHash LSH over word 5-grams of the normalized text (sha1-64 shingle hashes), 112 hashes = 14 bands x 8 rows:
-           pairs are candidates with probability 1 - (1 - s^8)^14 at Jaccard s, the S-curve's
+  minhash  MinHash LSH over word 5-grams of the normalized text (sha1-64 shingle hashes),
+           112 hashes = 14 bands x 8 rows: pairs are candidates with probability 1 - (1 - s^8)^14 at
+           Jaccard s, the S-curve's
            threshold (1/14)^(1/8) ~= 0.72 (s = 0.9: 0.9996, s = 0.8: 0.92, s = 0.5: 0.054); clusters
            are connected components of candidate pairs, one document kept per cluster.
 """
@@ -66,11 +67,19 @@ from pathlib import Path
 
 import numpy as np
 
-from flopwise.data.shards import (DATA_MANIFEST, FORMAT, WORK, PrepareStats, dtype_for_vocab, input_files,
-                                  read_documents, val_documents)
-from flopwise.manifest import file_record, files_under, remove_all_but, why_not_ours, write_manifest
+from flopwise.data.shards import (
+    DATA_MANIFEST,
+    FORMAT,
+    WORK,
+    PrepareStats,
+    dtype_for_vocab,
+    input_files,
+    read_documents,
+    val_documents,
+)
 from flopwise.data.tokenizer import EOS, eos_id, load_tokenizer, parse_tokenizer_spec, train_bpe
 from flopwise.errors import DataError
+from flopwise.manifest import file_record, files_under, remove_all_but, why_not_ours, write_manifest
 from flopwise.outputs import check_folder
 
 SAMPLE_BYTES = 200 * 10**6  # tokenizer training sample: the first 200 MB of documents, in order
@@ -129,7 +138,7 @@ def plan_tasks(s: Survey, n_tasks: int) -> list[dict]:
             cuts.append(c)
     ends = [s.chunks[c][0] for c in cuts[1:]] + [s.documents]
     return [{"first": s.chunks[c][0], "end": end, "file": s.chunks[c][1], "pos": s.chunks[c][2],
-             "line": s.chunks[c][3]} for c, end in zip(cuts, ends)]
+             "line": s.chunks[c][3]} for c, end in zip(cuts, ends, strict=True)]
 
 
 def sample_texts(files: list[str], limit: int = SAMPLE_BYTES) -> Iterator[str]:
@@ -346,9 +355,15 @@ def _run_stages(out: Path, plan: dict, quality: list, words, dedup: list[str], d
     `quality`: the (name, filter) steps (`_filter_steps`), `words` their word splitter. The names of
     the quality and dedup stages that ran, for the report."""
     work, n_tasks = out / WORK, len(plan["tasks"])
-    from datatrove.pipeline.dedup import (ExactDedupFilter, ExactDedupSignature, ExactFindDedups,
-                                          MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter,
-                                          MinhashDedupSignature)
+    from datatrove.pipeline.dedup import (
+        ExactDedupFilter,
+        ExactDedupSignature,
+        ExactFindDedups,
+        MinhashDedupBuckets,
+        MinhashDedupCluster,
+        MinhashDedupFilter,
+        MinhashDedupSignature,
+    )
     from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig
     from datatrove.pipeline.dedup.minhash import MinhashConfig
     from datatrove.utils.hashing import HashConfig
@@ -522,7 +537,7 @@ def _report(work: Path, plan: dict, filters: list[str], filter_names: list[str],
         return int(totals.get(label, 0))
 
     rows = []
-    for k, (name, st) in enumerate(zip(filter_names + dedup_names, stages)):
+    for k, (name, st) in enumerate(zip(filter_names + dedup_names, stages, strict=True)):
         before, after = tallies[k], tallies[k + 1]
         row = {"stage": name, "documents_in": count(before, "documents"),
                "documents_removed": count(before, "documents") - count(after, "documents"),

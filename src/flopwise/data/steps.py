@@ -128,7 +128,7 @@ class ShardWriter(PipelineStep):
         try:
             for chunk in batched(data, self.batch):
                 encodings = tok.encode_batch([d.text for d in chunk], add_special_tokens=False)
-                for doc, enc in zip(chunk, encodings):
+                for doc, enc in zip(chunk, encodings, strict=True):
                     ordinal = doc.metadata["ordinal"]
                     k = int(np.searchsorted(val, ordinal))
                     split = "val" if k < len(val) and val[k] == ordinal else "train"

@@ -61,7 +61,7 @@ def score(model, requests: list[tuple[list[int], list[int]]], batch: int = 16,
         for r, s in enumerate(seqs):
             x[r, :len(s) - 1] = torch.tensor(s[:-1])
         logprobs = model(x.to(device)).float().log_softmax(-1).cpu()
-        for r, (i, s) in enumerate(zip(idx, seqs)):
+        for r, (i, s) in enumerate(zip(idx, seqs, strict=True)):
             n = len(requests[i][1])
             pos = torch.arange(len(s) - 1 - n, len(s) - 1)
             target = torch.tensor(s[-n:])
@@ -94,13 +94,13 @@ def evaluate_task(model, tokenizer, name: str, examples: list[Example], shots: i
     examples = examples[:limit] if limit else examples
     contexts = with_shots(examples, shots, seed)
     requests, owners = [], []
-    for k, (e, ctx) in enumerate(zip(examples, contexts)):
+    for k, (e, ctx) in enumerate(zip(examples, contexts, strict=True)):
         for j, cont in enumerate(e.choices or (e.target,)):
             requests.append(encode_pair(tokenizer, ctx, cont))
             owners.append((k, j))
     scores = score(model, requests, batch, progress)
     per_example: dict[int, list] = {}
-    for (k, j), s, (_, cont) in zip(owners, scores, requests):
+    for (k, j), s, (_, cont) in zip(owners, scores, requests, strict=True):
         per_example.setdefault(k, []).append((j, s, len(cont)))
     outcomes = []  # per example: (correct, correct by acc_norm, gold NLL, gold tokens, Brier score)
     for k, e in enumerate(examples):

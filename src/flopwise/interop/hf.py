@@ -27,8 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from flopwise.config import ModelConfig, hf_model_fields
-from flopwise.model.init import canonical_name, global_box
 from flopwise.hf_config import LLAMA_LIKE, hf_config_from_model, refuse, weight_map
+from flopwise.model.init import canonical_name, global_box
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "generation_config.json")
@@ -280,7 +280,7 @@ def write_hf(m: ModelConfig, shapes: dict[str, tuple[int, ...]], fetch: Callable
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     weight_map, total = {}, 0
-    for name, shard in zip(names, shards):
+    for name, shard in zip(names, shards, strict=True):
         ours = fetch(sorted({n for _, inputs, _ in shard for n in inputs}))
         tensors = {theirs: make(*(ours[n].detach().to("cpu", dtype) for n in inputs)).contiguous()
                    for theirs, inputs, make in shard}

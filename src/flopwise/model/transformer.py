@@ -184,7 +184,7 @@ def held_part(full: torch.Tensor, held: torch.Tensor | None, device: torch.devic
     if not isinstance(held, DTensor):
         return full.to(device)
     offset, shape = global_box(held)
-    part = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))].to(device)
+    part = full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))].to(device)
     return DTensor.from_local(part, held.device_mesh, held.placements, run_check=False)
 
 

@@ -66,7 +66,7 @@ def _from_parameter(t: torch.Tensor, params: set[int]) -> bool:
 class _Held:
     """Rides with a packed tensor; autograd drops it with the saved tensor (after its backward)."""
 
-    def __init__(self, owner: "SavedBytes", ptr: int):
+    def __init__(self, owner: SavedBytes, ptr: int):
         self.owner, self.ptr = owner, ptr
 
     def __del__(self):
@@ -103,7 +103,7 @@ class SavedBytes(saved_tensors_hooks):
         self._copies: set[int] = set()
         super().__init__(self._pack, lambda packed: packed[0])
 
-    def __enter__(self) -> "SavedBytes":
+    def __enter__(self) -> SavedBytes:
         super().__enter__()
         return self
 
@@ -332,7 +332,7 @@ class PeakMemory:
     def __init__(self, device: torch.device):
         self.device, self.bytes = device, 0
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

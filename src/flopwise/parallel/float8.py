@@ -44,7 +44,7 @@ def _torchao():
         raise ConfigError("train.float8 needs torchao: pip install 'flopwise[float8]' "
                           "(or set train.float8=none)") from None
     finally:
-        for q, level in zip(quiet, levels):
+        for q, level in zip(quiet, levels, strict=True):
             q.setLevel(level)
     return f8
 

@@ -40,7 +40,7 @@ class Points:
     def flops(self) -> np.ndarray:
         return scaling_flops(self.params, self.tokens)
 
-    def subset(self, idx: np.ndarray) -> "Points":
+    def subset(self, idx: np.ndarray) -> Points:
         return Points(params=self.params[idx], tokens=self.tokens[idx], loss=self.loss[idx])
 
 
@@ -95,7 +95,7 @@ def _points_from_runs(root: Path) -> Points:
             rows.append((count_params(ModelConfig(**cfg["model"])).non_embedding, max(tokens), min(val)))
     if len(rows) < 3:
         raise DataError(f"scale fit input {root}: found {len(rows)} finished flopwise runs; need at least 3")
-    n, d, loss = (np.array(c, dtype=float) for c in zip(*rows))
+    n, d, loss = (np.array(c, dtype=float) for c in zip(*rows, strict=True))
     return Points(params=n, tokens=d, loss=loss)
 
 
@@ -304,7 +304,7 @@ def plot_fits(pts: Points, fit3: Approach3Fit | None, iso: IsoFlopFit | None, ou
         fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=110)
         order = np.argsort(pts.flops)
         sc = ax.scatter(pts.params[order], pts.loss[order], c=np.log10(pts.flops[order]), s=14, cmap="viridis")
-        for (c0, c1, c2), n in zip(iso.parabolas, iso.n_opt):
+        for (c0, c1, c2), n in zip(iso.parabolas, iso.n_opt, strict=True):
             x = np.linspace(math.log10(n) - 1, math.log10(n) + 1, 50)
             ax.plot(10**x, c0 + c1 * x + c2 * x**2, lw=1, color="gray")
             ax.axvline(n, lw=0.5, ls=":", color="gray")

@@ -51,8 +51,9 @@ The step is built bottom-up from what each device executes, and every term has a
   whole tensors (greedy, per param group), so the busiest rank's share is booked
   (`plan.account.busiest_dp_rank`); one V×h/t table can exceed Ψ/N at large dp. Megatron's
   distributed optimizer shards flat buffers, so Ψ/N is right for the megatron stacks.
-- Optimizer: bytes streamed per local parameter (the busiest rank's, under ZeRO). Fused AdamW on fp32 parameters reads p, g, m, v
-  and writes p, m, v (28) plus the clipping norm's read of g (4) = 32. Megatron keeps separate
+- Optimizer: bytes streamed per local parameter (the busiest rank's, under ZeRO). Fused AdamW on
+  fp32 parameters reads p, g, m, v and writes p, m, v (28) plus the clipping norm's read of g (4)
+  = 32. Megatron keeps separate
   16-bit model and fp32 main copies: + grad copy to main (2 + 4) + main-to-model copy (4 + 2) = 44.
 
 Three software stacks are built in because published runs used different kernels: `flopwise`
@@ -72,13 +73,29 @@ from flopwise.config import ModelConfig
 from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import Hardware
 from flopwise.plan.account import EngineRun, busiest_dp_rank, rank_memory
-from flopwise.plan.comm import (Collective, dp_collectives, fsdp_copy_bytes, pp_boundary_elements, ring_time,
-                                sp_regather_elements, tied_embedding_elements)
+from flopwise.plan.comm import (
+    Collective,
+    dp_collectives,
+    fsdp_copy_bytes,
+    pp_boundary_elements,
+    ring_time,
+    sp_regather_elements,
+    tied_embedding_elements,
+)
 from flopwise.plan.float8 import cast_bytes, float8_all_gather, scaled_mm_speed
 from flopwise.plan.layout import Layout, compiles, stage_ids, stage_sizes
-from flopwise.plan.memory import (KORTHIKANTI, autocast_weight_copy_bytes, block_linears, engine_precision,
-                                  float8_eligible, memo, model_state_bytes, rank_activation_bytes, regathered_bytes,
-                                  step_peak_bytes)
+from flopwise.plan.memory import (
+    KORTHIKANTI,
+    autocast_weight_copy_bytes,
+    block_linears,
+    engine_precision,
+    float8_eligible,
+    memo,
+    model_state_bytes,
+    rank_activation_bytes,
+    regathered_bytes,
+    step_peak_bytes,
+)
 
 MEM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for streaming kernels (STREAM-like copies)
 LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth over the nominal per-direction link rate
@@ -115,13 +132,13 @@ STACKS = {s.name: s for s in [
     Stack(name="flopwise", flash_attention=True, grad_reduce_bytes=4, dp_overlap=0.9, optimizer_bytes=32,
           balanced_stages=True, param_bytes=4, grad_bytes=4, optimizer_state_bytes=8, zero1_broadcast=True,
           fsdp2=True, engine_activations=True, grad_accum_bytes=12, pp_scatter_gather=False, description=
-          "this engine: PyTorch SDPA flash attention; fp32 master weights and gradients (4 + 4 bytes) and AdamW "
-          "moments (8) under bf16 autocast (activations over an fp32 residual stream and a bf16 copy of every "
-          "weight, or bf16 throughout under FSDP2's bf16 param_dtype); FSDP2/DDP with fp32 gradient reduction, "
-          "90% of dp traffic hidden behind backward; ZeRO-1 is DDP's all-reduce plus a broadcast of the updated "
-          "parameters (ZeroRedundancyOptimizer); pipeline stages balanced by parameters; fp32 gradients "
-          "accumulated across micro-batches (read held + read new + write, 12 bytes); stage-boundary tensors "
-          "sent whole per rank"),
+          "this engine: PyTorch SDPA flash attention; fp32 master weights and gradients (4 + 4 bytes) "
+          "and AdamW moments (8) under bf16 autocast (activations over an fp32 residual stream and a "
+          "bf16 copy of every weight, or bf16 throughout under FSDP2's bf16 param_dtype); FSDP2/DDP "
+          "with fp32 gradient reduction, 90% of dp traffic hidden behind backward; ZeRO-1 is DDP's all-"
+          "reduce plus a broadcast of the updated parameters (ZeroRedundancyOptimizer); pipeline stages"
+          " balanced by parameters; fp32 gradients accumulated across micro-batches (read held + read "
+          "new + write, 12 bytes); stage-boundary tensors sent whole per rank"),
     Stack(name="megatron-2021", flash_attention=False, grad_reduce_bytes=2, dp_overlap=0.0, optimizer_bytes=44,
           balanced_stages=False, param_bytes=2, grad_bytes=2, optimizer_state_bytes=12, zero1_broadcast=False,
           fsdp2=False, engine_activations=False, grad_accum_bytes=6, pp_scatter_gather=True, description=
@@ -132,8 +149,8 @@ STACKS = {s.name: s for s in [
     Stack(name="megatron-2022", flash_attention=False, grad_reduce_bytes=2, dp_overlap=0.0, optimizer_bytes=44,
           balanced_stages=False, param_bytes=2, grad_bytes=2, optimizer_state_bytes=12, zero1_broadcast=False,
           fsdp2=False, engine_activations=False, grad_accum_bytes=0, pp_scatter_gather=True, description=
-          "Megatron-LM as in Korthikanti 2022: megatron-2021 with gradient-accumulation fusion (the weight-"
-          "gradient GEMM adds into the held gradient: no separate accumulation pass)"),
+          "Megatron-LM as in Korthikanti 2022: megatron-2021 with gradient-accumulation fusion "
+          "(the weight-gradient GEMM adds into the held gradient: no separate accumulation pass)"),
 ]}
 
 

@@ -69,7 +69,7 @@ def _power_law(rows: list[tuple[float, float]]) -> dict[str, float]:
     """k and a of N = k·C^a by least squares in log space over a paper's (N, C) table."""
     xs, ys = [math.log(c) for _, c in rows], [math.log(n) for n, _ in rows]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
     return {"k": math.exp(my - a * mx), "a": a}
 
 

@@ -11,6 +11,8 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
+from flopwise.checkpoints import checkpoint
+from flopwise.checkpoints.export import checkpoint_config
 from flopwise.config import Config
 from flopwise.data.loader import TokenLoader
 from flopwise.data.mixture import Source
@@ -18,9 +20,7 @@ from flopwise.data.tokenizer import GuardedTokenizer
 from flopwise.errors import CheckpointError
 from flopwise.parallel import mesh
 from flopwise.plan.layout import Layout
-from flopwise.checkpoints import checkpoint
 from flopwise.train.engine import Engine
-from flopwise.checkpoints.export import checkpoint_config
 from flopwise.train.guard import Guard
 
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 from rich.console import Console
 from rich.markup import escape
+from torch.distributed.checkpoint.api import CheckpointException
 
 from flopwise.checkpoints import checkpoint
 from flopwise.config import Config

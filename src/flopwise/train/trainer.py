@@ -27,24 +27,24 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from flopwise.checkpoints import checkpoint
 from flopwise.config import Config, config_hash, to_toml
 from flopwise.data.loader import eval_batches
 from flopwise.data.mixture import Source
 from flopwise.data.shards import read_index
+from flopwise.data.tasks import load_task
 from flopwise.errors import ConfigError, DataError, TrainingStopped
 from flopwise.eval.generate import generate
 from flopwise.eval.tasks import evaluate_task
-from flopwise.data.tasks import load_task
 from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import cluster_catalogue
+from flopwise.outputs import read_records
 from flopwise.parallel.apply import compiles
 from flopwise.plan.float8 import unconverted_linears
 from flopwise.plan.layout import Layout
-from flopwise.checkpoints import checkpoint
 from flopwise.train.engine import Engine, autocast
 from flopwise.train.faults import Faults, nan_grad, poison
 from flopwise.train.guard import Verdict
-from flopwise.outputs import read_records
 from flopwise.train.metrics import MetricsWriter, Peak, checked_peak, device_peak, mfu_basis, plot_loss_curve
 from flopwise.train.optim import lr_at, step_unless
 from flopwise.train.preflight import explain_oom
@@ -342,7 +342,8 @@ def train(run: Run, console: Console, started: float | None = None) -> TrainResu
     n_params, lo = count_params(cfg.model), par.layout
     console.print(f"[bold]model[/] {n_params.total / 1e6:.2f}M params ({n_params.non_embedding / 1e6:.2f}M "
                   f"non-embedding), {loop.fpt / 1e6:.1f} MFLOP/token (model FLOPs, 6N + attention); "
-                  f"{par.device.type} {cfg.train.dtype}{' compiled' if compiles(cfg, lo) else ''}; MFU vs {loop.peak.flops / 1e9:,.0f} GFLOP/s "
+                  f"{par.device.type} {cfg.train.dtype}{' compiled' if compiles(cfg, lo) else ''}; "
+                  f"MFU vs {loop.peak.flops / 1e9:,.0f} GFLOP/s "
                   f"per device ({loop.peak.source})")
     if cfg.train.float8 != "none":
         kept = ", ".join(["embedding", "head", *unconverted_linears(cfg.model, lo.tp)])

@@ -61,7 +61,7 @@ class Watch:
         self._thread = threading.Thread(target=self._run, name="flopwise-watchdog", daemon=True)
         self._previous: dict = {}
 
-    def __enter__(self) -> "Watch":
+    def __enter__(self) -> Watch:
         if threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
                 self._previous[s] = signal.signal(s, self._on_signal)
