@@ -110,7 +110,7 @@ def ensure_data(cfg: Config, run_dir: Path, console: Console, setting: str = "ru
     tokenizer = cfg.data.tokenizer
     if raw := [data_dir_name(cfg, s.label) for s in mixture if not is_prepared(s.path)]:
         claim(run_dir, raw, setting)
-    sources = []
+    sources: list[Source] = []
     for s in mixture:
         out = run_dir / data_dir_name(cfg, s.label)
         d = _prepared(s.path, out, tokenizer, cfg, console, setting)
@@ -149,7 +149,7 @@ def _resume_point(cfg: Config, run_dir: Path, console: Console) -> Path | None:
         return None
     if r != "auto":
         return checkpoint.resolve(r)
-    found = [None]
+    found: list[Path | None] = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         report = lambda msg: console.print(f"[yellow]checkpoint[/]: {escape(msg)}", highlight=False)  # noqa: E731
         found = [checkpoint.latest(run_dir, cfg.checkpoint.verify == "sha256", report)]

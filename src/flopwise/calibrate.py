@@ -218,7 +218,7 @@ def measure_optimizer(cfg: Config, device: torch.device, sizes, progress: Progre
 
     def step(w: torch.nn.Linear, opt: torch.optim.Optimizer) -> None:
         params = [p for p in w.parameters()]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
         torch.nn.utils.clip_grads_with_norm_(params, cfg.optim.grad_clip or 1.0, norm, foreach=True)
         opt.step()
 
@@ -399,7 +399,7 @@ def _calibrate(cfg: Config, device: torch.device, nproc: int, threads: int, prog
     partial = replace(hw, calibration=stub)
     elementwise = [elementwise_row(cfg, partial, 1, mb, sec)
                    for mb, sec in model_seconds(cfg, device, micro_batches, progress).items()]
-    if measured["tp_seconds"]:
+    if tp_cfg is not None and measured["tp_seconds"]:
         elementwise.append(elementwise_row(tp_cfg, partial, nproc, mb, measured["tp_seconds"]))
     sizes = [2**20, 2**22, 2**24] if device.type == "cpu" else [2**24, 2**26, 2**28]
     optimizer = measure_optimizer(cfg, device, sizes, progress)

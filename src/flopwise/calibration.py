@@ -39,11 +39,12 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 @dataclass(frozen=True)
 class Calibration:
     dtype: str
-    gemm: tuple[tuple[float, float, float, float], ...]
-    attention: tuple[tuple[float, float, float, float], ...]
-    elementwise: tuple[tuple[float, float, float], ...]
-    optimizer: tuple[tuple[float, float], ...]
-    collectives: tuple[tuple[str, tuple[tuple[float, float, float], ...]], ...] = ()
+    # rows of 4, 4, 3, 2 and 3 numbers (checked where a calibration is read)
+    gemm: tuple[tuple[float, ...], ...]
+    attention: tuple[tuple[float, ...], ...]
+    elementwise: tuple[tuple[float, ...], ...]
+    optimizer: tuple[tuple[float, ...], ...]
+    collectives: tuple[tuple[str, tuple[tuple[float, ...], ...]], ...] = ()
     source: str = ""
     threads: int = 0  # CPU: the threads one device (one rank) had; `plan --measure` runs its ranks so
     overlap: float = 1.0  # share of a collective that hides behind compute on the same device
@@ -89,14 +90,14 @@ def _stream(rows, tensor_bytes: float, tp: int) -> float:
 def _idw(rows, point) -> tuple[float, ...]:
     """Inverse-squared-distance weighted mean of the rows' values, distance in log space."""
     logp = [math.log(max(x, 1.0)) for x in point]
-    total, acc = 0.0, None
+    total, acc = 0.0, [0.0] * (len(rows[0]) - len(point))
     for row in rows:
         d2 = sum((math.log(max(a, 1.0)) - b) ** 2 for a, b in zip(row, logp, strict=False))
         values = row[len(point):]
         if d2 < 1e-12:
             return tuple(values)
         w = 1.0 / d2
-        acc = [w * v for v in values] if acc is None else [a + w * v for a, v in zip(acc, values, strict=True)]
+        acc = [a + w * v for a, v in zip(acc, values, strict=True)]
         total += w
     return tuple(a / total for a in acc)
 

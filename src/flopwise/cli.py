@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -77,7 +78,7 @@ def presets(as_json: bool = typer.Option(False, "--json", help="print a JSON lis
     from flopwise.flops import count_params
     from flopwise.presets import PRESETS
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in PRESETS:
         m = ModelConfig(preset=name)
         c = count_params(m)
@@ -249,7 +250,7 @@ def eval_cmd(
     if clean_against is not None and tasks is None:
         raise ConfigError("--clean-against needs --tasks: it splits task examples into clean and contaminated")
     loaded = [load_task(t.strip()) for t in tasks.split(",") if t.strip()] if tasks else []
-    clean = [None] * len(loaded)
+    clean: list[set[int] | None] = [None] * len(loaded)
     if clean_against is not None:
         from flopwise.data.contamination import measure
 
@@ -357,14 +358,15 @@ def scale_optimal(
 
     if (flops is None) == (gpu_hours is None):
         raise ConfigError("give exactly one of --flops or --gpu-hours (with --hardware and --mfu)")
-    if flops is None:
+    if gpu_hours is not None:
         if not (math.isfinite(gpu_hours) and gpu_hours > 0):
             raise ConfigError(f"--gpu-hours {gpu_hours:g}: expected a finite number of device-hours > 0")
         hw = get_hardware(hardware, option="--hardware")
-        if not hw.peak_16bit:
+        if not (peak := hw.peak_16bit):
             raise ConfigError(f"--hardware {hw.name}: no 16-bit dense peak in the catalogue to turn --gpu-hours into "
                               "FLOPs; choose an accelerator (e.g. h100-sxm) or give --flops")
-        flops = gpu_hours * 3600 * hw.peak_16bit * mfu
+        flops = gpu_hours * 3600 * peak * mfu
+    assert flops is not None  # given, or made from --gpu-hours (exactly one, checked above)
     unique = None
     if unique_tokens is not None:
         from flopwise.data.mixture import parse_unique_tokens
@@ -459,7 +461,7 @@ def scale_predict_task(
         check_writable(out / name, "--out")
     tasks = read_task_table(table)
     preds = {name: predict_task(p, flops, bootstrap) for name, p in tasks.items()}
-    record = {"flops": flops, "table": str(table),
+    record: dict[str, Any] = {"flops": flops, "table": str(table),
               "tasks": {n: {**preds[n].to_json(), **jaggedness(tasks[n])} for n in tasks}}
     write_json(out / "prediction.json", record, "--out", "scale predict-task")
     png = plot_tasks(tasks, {n: p.law for n, p in preds.items()}, out)
@@ -777,6 +779,7 @@ def hardware_calibrate(
         hw = calibrate(cfg, dev, ranks, lambda what: bar.update(task, advance=1, description=what))
     save(hw, out)
     c = hw.calibration
+    assert c is not None  # calibrate() measured it
     effs = [r[3] for r in c.gemm]
     console.print(f"{hw.name}: {hw.peak_flops[c.dtype] / 1e12:.3g} TFLOP/s {c.dtype} peak; {len(c.gemm)} GEMMs at "
                   f"{min(effs):.0%}-{max(effs):.0%} of it; attention {len(c.attention)} shapes; element-wise "

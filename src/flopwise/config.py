@@ -143,8 +143,8 @@ class DataConfig(Section):
     path: str = Field("builtin:shakespeare", description="prepared data dir (with index.json) or raw text input")
     sources: list[SourceConfig] = Field(default_factory=list, description="weighted mixture "
                                         "[{path, weight, name}, ...]; empty: data.path alone, weight 1")
-    tokenizer: str | None = Field(None, description="tokenizer.json path, or bpe:VOCAB to train one; default "
-                                  "bpe:4096, or the tokenizer of model.init_from")
+    tokenizer: str = Field("bpe:4096", description="tokenizer.json path, or bpe:VOCAB to train one; default "
+                           "bpe:4096, or the tokenizer of model.init_from")
     seq_len: int = Field(256, ge=1)
     val_fraction: float = Field(0.05, ge=0, lt=1)
     document_mask: bool = Field(False, description="attention stays inside each document of a packed window "
@@ -312,13 +312,12 @@ class Config(Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         m, t = self.model, self.train
-        if m.init_from and (self.data.tokenizer or "").startswith("bpe:"):
+        if m.init_from and "tokenizer" not in self.data.model_fields_set:
+            self.data.tokenizer = str(Path(m.init_from[3:]) / "tokenizer.json")
+        if m.init_from and self.data.tokenizer.startswith("bpe:"):
             raise ValueError(f"data.tokenizer={self.data.tokenizer} trains a new tokenizer, whose ids mean nothing to "
                              f"the embeddings of model.init_from={m.init_from}; leave data.tokenizer unset (the "
                              "default with init_from is its folder's tokenizer.json)")
-        if self.data.tokenizer is None:
-            hf_dir = m.init_from[3:] if m.init_from else None
-            self.data.tokenizer = str(Path(hf_dir) / "tokenizer.json") if hf_dir else "bpe:4096"
         if self.data.seq_len > m.max_seq_len:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
                              "lower data.seq_len or raise model.max_seq_len")

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,8 +74,8 @@ def same_file(path: Path, record) -> bool:
         return False
 
 
-def write_manifest(out: Path, kind: ManifestKind, files: dict[str, dict], unchecked: list[str] = (),
-                   folders: list[str] = (), complete: bool = False) -> None:
+def write_manifest(out: Path, kind: ManifestKind, files: dict[str, dict], unchecked: Sequence[str] = (),
+                   folders: Sequence[str] = (), complete: bool = False) -> None:
     """Write `out`/kind.name atomically (through NAME.tmp, counted as the manifest's):
     `files` {relative path: file_record}; `unchecked` files flopwise is writing whose content is not
     final yet (an unfinished task's shard, the logs each run appends to); `folders` whose whole

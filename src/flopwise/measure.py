@@ -80,7 +80,8 @@ def measure_rank(run: Run, steps: int, timed: int = 0) -> dict[str, Any]:
     engine, opt, par = run.engine, run.optimizer, run.par
     plain = [getattr(m, "module", m) for m in engine.parts]  # DDP's wrapped module
     out: dict[str, Any] = {"pp_rank": par.rank("pp"), "shard_rank": par.rank("shard"), "dp_rank": par.rank("dp_cp"),
-                           "layers": sorted(int(k) for m in plain for k in m.layers.keys()),
+                           # the stages are Transformers, .layers a ModuleDict (nn.Module's stub can't say so)
+                           "layers": sorted(int(k) for m in plain for k in m.layers.keys()),  # type: ignore[union-attr, operator]
                            "params": acc.param_bytes(engine.parts), "cpu": par.device.type == "cpu"}
     grads: list[int] = []
     hook = local_optimizer(opt).register_step_pre_hook(lambda *_: grads.append(acc.grad_bytes(engine.parts)))
@@ -139,7 +140,7 @@ def timed_step(run: Run, step: int, faults: Faults, scope: str | None = None) ->
     return time.perf_counter() - start
 
 
-def _category(e: FunctionEvent) -> str:
+def _category(e: FunctionEvent | None) -> str:
     """The component an event's own time belongs to, by its name and its callers' (the first that
     classifies, in this order: communication, optimizer, attention, matmul; else other compute).
     Communication comes first because DTensor and ZeRO issue collectives from inside matmuls and the

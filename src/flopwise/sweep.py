@@ -26,7 +26,7 @@ from flopwise.errors import ConfigError, TrainingStopped
 from flopwise.flops import scaling_flops, scaling_tokens
 from flopwise.outputs import check_folder, check_writable, read_records, write_csv, write_text
 from flopwise.plan.fit import fitted_law
-from flopwise.plan.scaling import choose_shape, get_law
+from flopwise.plan.scaling import ChosenShape, choose_shape, get_law
 
 if TYPE_CHECKING:
     from flopwise.train.trainer import TrainResult
@@ -85,7 +85,7 @@ def plan_ladder(base: Config, budgets: list[float], sizes: int, spread: float, l
 def _shapes(law, budget: float, sizes: int, spread: float, vocab: int) -> list:
     """One budget's model shapes, smallest first (tiny targets can round to the same shape: kept once)."""
     n_opt, _ = law.frontier(budget)
-    shapes = []
+    shapes: list[ChosenShape] = []
     for k in range(sizes):
         frac = 0.5 if sizes == 1 else k / (sizes - 1)
         shape = choose_shape(n_opt * spread ** (frac - 0.5), vocab, count_embeddings=False)

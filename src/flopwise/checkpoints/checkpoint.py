@@ -37,6 +37,7 @@ import warnings
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -80,7 +81,7 @@ def _sha256(path: Path) -> str:
 
 
 def rng_state() -> dict:
-    state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    state: dict[str, str | list[str]] = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
     if torch.cuda.is_available():
         state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
     return state
@@ -372,9 +373,10 @@ def list_complete(run_dir: str | Path) -> list[Path]:
     return [p for p in _candidates(run_dir) if is_complete(p)]
 
 
-def latest(run_dir: str | Path, verify_checksums: bool = True, report: Callable[[str], None] | None = None) -> Path | None:
+def latest(run_dir: str | Path, verify_checksums: bool = True,
+           report: Callable[[str], None] | None = None) -> Path | None:
     """The newest checkpoint that verifies; each damaged newer one is reported in one line and skipped."""
-    skipped = []
+    skipped: list[tuple[str, str]] = []
     for p in reversed(_candidates(run_dir)):
         reason = verify(p, verify_checksums)
         if reason is None:
@@ -428,7 +430,7 @@ def _short(value: object) -> str:
     return text if len(text) <= 100 else text[:97] + "..."
 
 
-def _is_size(value: object, rank: int | None = None) -> bool:
+def _is_size(value: object, rank: int | None = None) -> TypeGuard[tuple[int, ...]]:
     """A torch.Size-like tuple of non-negative ints (of `rank` entries when given); bools are not sizes."""
     return (isinstance(value, tuple) and all(type(n) is int and n >= 0 for n in value)
             and (rank is None or len(value) == rank))
@@ -580,9 +582,9 @@ class SafeReader(FileSystemReader):
         if kwargs.get("rank") is not None:  # per-rank metadata files: not written by flopwise
             raise CheckpointError(f"checkpoint {self.path}: per-rank metadata is not supported")
         metadata = read_dcp_metadata(Path(self.path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
 
@@ -609,7 +611,7 @@ def read_state(path: Path) -> dict:
     return state
 
 
-def reason(e: Exception) -> str:
+def reason(e: BaseException) -> str:  # DCP's CheckpointException is a BaseException
     """The informative line of a (possibly multi-rank, traceback-laden) DCP error."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     errors = [ln for ln in lines if "Error:" in ln or "Missing key" in ln or "size mismatch" in ln]

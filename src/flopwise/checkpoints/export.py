@@ -66,7 +66,7 @@ class CheckpointTensors(checkpoint.SafeReader):
         for key, spec in md.state_dict_metadata.items():
             if not isinstance(spec, TensorStorageMetadata):
                 raise CheckpointError(f"checkpoint {self.dir}: entry {key!r} is not a tensor (flopwise writes only tensors)")
-        return md.state_dict_metadata
+        return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
         release_freed_memory()

@@ -49,7 +49,7 @@ class WindowStream:
 
     def take(self, n: int) -> np.ndarray:
         """The next `n` window ids; advances the position."""
-        ids = []
+        ids: list[int] = []
         while len(ids) < n:
             order = self._order(self.epoch)
             k = min(n - len(ids), self.n_windows - self.cursor)

@@ -60,10 +60,11 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -201,7 +202,7 @@ def _run(stage: str, pipeline: list, tasks: int, workers: int, work: Path):
 def _stage_stats(work: Path, stage: str) -> list[tuple[str, dict[str, float]]]:
     """Per pipeline step, (name, {metric: total}) summed over all tasks of one stage, including
     tasks finished by an earlier, killed run (datatrove's stats/RANK.json files)."""
-    steps: list[tuple[str, dict[str, int]]] = []
+    steps: list[tuple[str, dict[str, float]]] = []
     for f in sorted((work / "logs" / stage / "stats").glob("*.json")):
         for k, step in enumerate(json.loads(f.read_text())):
             if k == len(steps):
@@ -215,7 +216,7 @@ def _stage_stats(work: Path, stage: str) -> list[tuple[str, dict[str, float]]]:
     return steps  # "_seconds": the step's own time (datatrove's time_stats), summed over tasks
 
 
-def _filter_steps(filters: list[str], words, decontaminate: list[str] = ()) -> list:
+def _filter_steps(filters: list[str], words, decontaminate: Sequence[str] = ()) -> list:
     from datatrove.pipeline.filters import C4QualityFilter, GopherQualityFilter, GopherRepetitionFilter
 
     from flopwise.data.contamination import DecontaminationFilter
@@ -259,8 +260,8 @@ def _progress_loop(work: Path, total: int, progress: Callable, stop: threading.E
 
 def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val_fraction: float = 0.05,
             seed: int = 0, progress: Callable[[str, int, int, int], None] | None = None, force: bool = False,
-            workers: int | None = None, tasks: int | None = None, filters: list[str] | str = (),
-            dedup: list[str] | str = (), decontaminate: list[str] | str = (), setting: str | None = None) -> PrepareStats:
+            workers: int | None = None, tasks: int | None = None, filters: Sequence[str] | str = (),
+            dedup: Sequence[str] | str = (), decontaminate: Sequence[str] | str = (), setting: str | None = None) -> PrepareStats:
     """Tokenize `inputs` into numbered shards in `out` (see the module docstring for the stages).
 
     workers: processes (default: all cores); tasks: pipeline tasks = shard files per split
@@ -288,9 +289,10 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
     if workers < 1:
         raise DataError(f"--workers {workers}: must be at least 1")
     spec = parse_tokenizer_spec(tokenizer)
-    given = load_tokenizer(spec) if not isinstance(spec, int) else None
+    tok_file = None if isinstance(spec, int) else spec  # bpe:VOCAB trains one; else a given tokenizer file
+    given = load_tokenizer(tok_file) if tok_file else None
     files = [f for s in inputs for f in input_files(s)]
-    keep = _inputs_kept(out, files, spec if given else None, force, setting)
+    keep = _inputs_kept(out, files, tok_file, force, setting)
     reason = why_not_ours(out, DATA_MANIFEST)
     if reason and not force:
         raise DataError(_refusal(out, reason, keep, setting))
@@ -299,7 +301,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
                         "--out, or move the file away")
     check_folder(out, setting or "--out")
     key = {"format": FORMAT, "inputs": _input_key(files), "tokenizer": str(spec),
-           "tokenizer_file": _input_key([spec]) if given else None, "val_fraction": val_fraction, "seed": seed,
+           "tokenizer_file": _input_key([tok_file]) if tok_file else None, "val_fraction": val_fraction, "seed": seed,
            "filters": filters, "dedup": dedup, "decontaminate": decontaminate}
     work = out / WORK
     plan = None
@@ -500,7 +502,7 @@ def _index(out: Path, work: Path, plan: dict, tok, dtype: np.dtype, seed: int, v
     """The index from the tasks' tables, in task order: document starts offset by the tokens of
     the split's earlier shards."""
     vocab = tok.get_vocab_size()
-    splits = {s: {"files": [], "tokens": 0, "documents": []} for s in ("train", "val")}
+    splits: dict[str, dict[str, Any]] = {s: {"files": [], "tokens": 0, "documents": []} for s in ("train", "val")}
     counts = np.zeros(vocab, dtype=np.int64)
     documents = kept_bytes = 0
     for rank in range(len(plan["tasks"])):

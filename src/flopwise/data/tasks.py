@@ -30,7 +30,9 @@ class Example:
 
     @property
     def answer(self) -> str:
-        return self.choices[self.gold] if self.choices else self.target
+        if self.choices and self.gold is not None:
+            return self.choices[self.gold]
+        return self.target or ""
 
 
 def builtin_tasks() -> dict[str, Path]:

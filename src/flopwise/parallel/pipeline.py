@@ -47,10 +47,12 @@ def split_stages(cfg: Config, par: Parallel) -> list[tuple[int, Transformer]]:
         for key in list(part.layers.keys()):
             if key not in keep:
                 del part.layers[key]
+        # a stage drops what other stages hold (Transformer checks each for None); its attributes
+        # are typed as the whole model has them
         if sid != 0:
-            part.tok_embeddings = part.pos_embeddings = part.embed_norm = None
+            part.tok_embeddings = part.pos_embeddings = part.embed_norm = None  # type: ignore[assignment]
         if sid != n - 1:
-            part.norm = part.output = None
+            part.norm = part.output = None  # type: ignore[assignment]
         out.append((sid, part))
     return out
 

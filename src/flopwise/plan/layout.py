@@ -101,7 +101,7 @@ def balanced_stages(n_layers: int, n_stages: int, block: float, first: float, la
         if (stage, start) in best:
             return best[stage, start]
         left = n_stages - stage
-        result = (float("inf"), ())
+        result: tuple[float, tuple[int, ...]] = (float("inf"), ())
         max_take = n_layers - start - (left - 1)
         takes = [max_take] if left == 1 else range(1, max_take + 1)
         for take in takes:

@@ -72,8 +72,9 @@ class PlanReport:
     hf: dict | None = None  # `hf_source` of `flopwise plan --hf PATH`
 
     @property
-    def best(self) -> Estimate | None:
-        return self.result.best
+    def best(self) -> Estimate:
+        """The fastest layout, or the closest miss (plan() refuses a search that ranked none)."""
+        return self.result.ranked[0]
 
     def float8_note(self) -> str | None:
         """Whether float8 pays for this shape: with plan.float8, the fastest fitting layout with and
@@ -185,7 +186,7 @@ def plan(cfg: Config, tree: dict[str, Any] | None = None, keep: int = 50,
         why = ("; ".join(f"{n}× {reason}" for n, reason in result.refused[:3]) if result.refused else
                "check that the degrees multiply to cluster.gpus and divide train.global_batch")
         raise ConfigError(f"no valid layout for {cfg.cluster.gpus} devices with {fixed or 'nothing fixed'}: {why}")
-    best = result.best
+    best = result.ranked[0]
     if cfg.train.float8 != "none" and not cfg.plan.float8 and hw.peak("fp8") and best.fits:
         # whether the float8 asked for pays: the same layout without it, beside (one estimate, no search)
         result.best_by_float8["none"] = estimate(sh, hw, best.layout, seq, batch, STACKS[cfg.plan.stack],

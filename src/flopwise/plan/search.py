@@ -166,7 +166,7 @@ def search(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, sta
     fits.sort(key=lambda e: (-e.tokens_per_s, e.memory["total"]))  # on a tie, the headroom
     refused = sorted(((n, why) for n, why in kinds.values()), key=lambda r: -r[0])
     if fits:
-        best_by = {}
+        best_by: dict[str, Estimate] = {}
         for e in fits:
             best_by.setdefault(e.float8, e)
         return SearchResult(ranked=fits[:keep], evaluated=evaluated, fitting=len(fits), refused=refused,

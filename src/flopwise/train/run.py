@@ -6,6 +6,7 @@ from __future__ import annotations
 import binascii
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -50,7 +51,7 @@ NOT_COMPARED = ("model.preset", "model.init_from", "run.dir", "checkpoint.resume
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in tree.items():
         out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out

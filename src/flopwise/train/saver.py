@@ -75,6 +75,7 @@ class Saver:
             if future is None:
                 self.last = checkpoint.finish(self.run_dir, done, tmp, self.snapshot(), self.files, self.cfg.checkpoint.keep)
             else:
+                assert self._pool is not None  # made with the async group: only an async save has a future
                 self.pending = _Pending(done, tmp, self._pool.submit(self._finish_async, done, tmp, future,
                                                                      self.snapshot()), t0)
         except CheckpointError as e:

@@ -19,6 +19,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -242,7 +243,7 @@ class _Loop:
         back = int(restore(run, ckpt, counters=False)["step"])
         n = max(cfg.guard.skip_batches, bad_step - back)
         ids = run.loader.skip(n)
-        record = {"step": bad_step, "rolled_back_to": back, "reason": reason, "batches": n,
+        record: dict[str, Any] = {"step": bad_step, "rolled_back_to": back, "reason": reason, "batches": n,
                   "windows": {k: v.tolist() for k, v in run.loader.by_source(ids).items()},
                   "documents": run.loader.documents(ids)}
         if run.par.is_main:
@@ -346,9 +347,9 @@ def train(run: Run, console: Console, started: float | None = None) -> TrainResu
                   f"MFU vs {loop.peak.flops / 1e9:,.0f} GFLOP/s "
                   f"per device ({loop.peak.source})")
     if cfg.train.float8 != "none":
-        kept = ", ".join(["embedding", "head", *unconverted_linears(cfg.model, lo.tp)])
+        unconverted = ", ".join(["embedding", "head", *unconverted_linears(cfg.model, lo.tp)])
         console.print(f"[bold]float8[/] {cfg.train.float8} (torchao{', emulated' if cfg.train.float8_emulate else ''}) "
-                      f"on the blocks' linears; in {cfg.train.dtype}: {kept}. MFU stays model FLOPs over the "
+                      f"on the blocks' linears; in {cfg.train.dtype}: {unconverted}. MFU stays model FLOPs over the "
                       f"{cfg.train.dtype} peak, so it compares with runs without float8 (their speed-up shows in it); "
                       "the float8 matmuls' own peak is twice that")
     if lo.world > 1:
@@ -388,7 +389,8 @@ def _result(run: Run, loop: _Loop, preempted: int | None, seconds: float) -> Tra
     if cfg.train.sample_tokens and par.layout.world == 1:
         prompt = run.tokenizer.encode(cfg.train.sample_prompt).ids
         with autocast(par.device, cfg.train.dtype):
-            ids = generate(run.engine.parts[0], prompt, cfg.train.sample_tokens, temperature=0.8, top_k=50, seed=cfg.run.seed)
+            # one process: the only part is the plain Transformer
+            ids = generate(run.engine.parts[0], prompt, cfg.train.sample_tokens, temperature=0.8, top_k=50, seed=cfg.run.seed)  # type: ignore[arg-type]
         sample = run.tokenizer.decode(prompt + ids)
     if loop.val_loss is None and run.start_step == loop.end and run.engine.can_eval:
         loop.val_loss = evaluate(run.engine, run.sources, cfg)[0]
