@@ -19,7 +19,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from flopwise.eval.generate import generate
 from flopwise.eval.tasks import evaluate_task
 from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import cluster_catalogue
+from flopwise.model.transformer import Transformer
 from flopwise.outputs import read_records
 from flopwise.parallel.apply import compiles
 from flopwise.plan.float8 import unconverted_linears
@@ -389,8 +390,8 @@ def _result(run: Run, loop: _Loop, preempted: int | None, seconds: float) -> Tra
     if cfg.train.sample_tokens and par.layout.world == 1:
         prompt = run.tokenizer.encode(cfg.train.sample_prompt).ids
         with autocast(par.device, cfg.train.dtype):
-            # one process: the only part is the plain Transformer
-            ids = generate(run.engine.parts[0], prompt, cfg.train.sample_tokens, temperature=0.8, top_k=50, seed=cfg.run.seed)  # type: ignore[arg-type]
+            model = cast(Transformer, run.engine.parts[0])  # one process: the only part is the plain Transformer
+            ids = generate(model, prompt, cfg.train.sample_tokens, temperature=0.8, top_k=50, seed=cfg.run.seed)
         sample = run.tokenizer.decode(prompt + ids)
     if loop.val_loss is None and run.start_step == loop.end and run.engine.can_eval:
         loop.val_loss = evaluate(run.engine, run.sources, cfg)[0]
