@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import statistics
@@ -53,7 +52,7 @@ def one_process(tmp: Path, d: Path, mode: str, repeat: int = 0) -> dict:
           "checkpoint.async": "true" if mode == "async" else "false", "checkpoint.keep": 1,
           "checkpoint.resume": '"none"'}
     run_dir = tmp / mode / str(repeat)  # a fresh run each repeat (resume=none refuses a folder with checkpoints)
-    r = train(load_config(None, tiny_overrides(run_dir, d, **kw)), Console(file=io.StringIO()))
+    r = train(load_config(None, tiny_overrides(run_dir, d, **kw)))
     size = sum(p.stat().st_size for p in checkpoint.latest(run_dir).iterdir())
     return {"train_s": r.seconds, "checkpoint_mb": size / 1e6, "save_blocking_s": r.save_s,
             "async_complete_s": r.async_save_s}

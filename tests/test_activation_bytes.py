@@ -208,8 +208,6 @@ def test_compiled_run_measures_what_the_planner_predicts(tiny_data, tmp_path):
     """`flopwise plan --measure`'s path on one process (build_run, then measure_rank's training
     steps under SavedBytes) with train.compile=true and bf16 autocast: the peak of saved activations
     equals predict_rank's within 2% (compiled blocks with their weight casts, compiled loss)."""
-    from rich.console import Console
-
     from flopwise.build import build_run
     from flopwise.config import load_config
     from flopwise.measure import measure_rank
@@ -218,7 +216,7 @@ def test_compiled_run_measures_what_the_planner_predicts(tiny_data, tmp_path):
     torch._dynamo.reset()
     cfg = load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{
         "train.compile": "true", "train.dtype": '"bf16"', "train.micro_batch": 8, "checkpoint.resume": '"none"'}))
-    run = build_run(cfg, Console(quiet=True))
+    run = build_run(cfg)
     got = measure_rank(run, 2)["activations"]
     want = predict_rank(run.cfg, run.par.layout, 0, 0, 0, cpu=True).activations
     eager = predict_rank(run.cfg.model_copy(update={"train": run.cfg.train.model_copy(update={"compile": False})}),

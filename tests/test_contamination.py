@@ -7,7 +7,6 @@ import re
 
 import pytest
 from datatrove.data import Document
-from rich.console import Console
 from typer.testing import CliRunner
 
 from conftest import tiny_overrides
@@ -143,7 +142,7 @@ def test_clean_subset_scores(tiny_data, tmp_path):
 
     cfg = load_config(None, tiny_overrides(tmp_path, tiny_data, **{"train.steps": 2, "train.eval_every": 2,
                                                                    "checkpoint.interval": 0}))
-    train(cfg, Console(file=open("/dev/null", "w")))
+    train(cfg)
     limit, names = 30, ["alice-nextsent", "alice-lastword"]
     r = CliRunner().invoke(app, ["eval", str(tmp_path), "--tasks", ",".join(names), "--limit", str(limit),
                                  "--clean-against", str(tiny_data), "--json"])

@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-from rich.console import Console
 
 from conftest import run_jobs, tiny_overrides
 from flopwise.build import build_engine
@@ -151,7 +150,7 @@ def runs(tiny_data, tiny_mix, tiny_docs, tmp_path_factory) -> dict:
 
 
 def single(run_dir, data, **extra):
-    return train(load_config(None, base(run_dir, data, **extra)), Console(quiet=True))
+    return train(load_config(None, base(run_dir, data, **extra)))
 
 
 @pytest.fixture(scope="module")

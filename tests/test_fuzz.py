@@ -180,8 +180,6 @@ def build_real(root: Path) -> dict[str, Path]:
     normalised (its checkpoint_id and random save_id fixed, the manifest re-signed): every file is
     the same bytes on every machine, so a seed means the same mutants everywhere (before, DCP's
     absolute checkpoint path moved the seeded bit flips with the temp folder's name)."""
-    from rich.console import Console
-
     from flopwise.config import to_toml
     from flopwise.data.pipeline import prepare
     from flopwise.data.shards import resolve_input
@@ -201,7 +199,7 @@ def build_real(root: Path) -> dict[str, Path]:
         prepare([str(docs)], Path("data"), tokenizer="bpe:512", val_fraction=0.1, seed=0)
         cfg = load_config(None, tiny_overrides("run", "data", **{
             "train.steps": 2, "checkpoint.interval": 2, "train.eval_every": 2, "optim.warmup_steps": 1}))
-        train(cfg, Console(quiet=True))
+        train(cfg)
         ckpt = root / checkpoint.latest("run")
         (ckpt / ".metadata").write_bytes(fuzzing.normalise_dcp_metadata((ckpt / ".metadata").read_bytes()))
         _resign(ckpt, ".metadata")
@@ -381,8 +379,6 @@ def _resumer(real, work):
     """A run built once (resume=none, on the first case) that each case resumes into: build.resume
     is what build_run calls (config and data checks, weights, optimizer, loader position, RNG,
     guard, step), then one batch is drawn from the restored loader position."""
-    from rich.console import Console
-
     from flopwise.build import build_run
     from flopwise.train.run import resume
 
@@ -393,8 +389,8 @@ def _resumer(real, work):
             cfg = load_config(None, tiny_overrides(work / "resumer", real["data"], **{
                 "train.steps": 2, "checkpoint.interval": 2, "train.eval_every": 2, "optim.warmup_steps": 1,
                 "checkpoint.resume": '"none"'}))
-            built.append(build_run(cfg, Console(quiet=True)))
-        resume(built[0], ckpt, Console(quiet=True))
+            built.append(build_run(cfg))
+        resume(built[0], ckpt)
         built[0].loader.next_batch()
     return load
 

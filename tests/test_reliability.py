@@ -19,6 +19,7 @@ from flopwise.config import GuardConfig, WatchdogConfig, load_config
 from flopwise.errors import CheckpointError, ConfigError, TrainingStopped
 from flopwise.eval.load import load_for_inference
 from flopwise.launch import train
+from flopwise.log import printing_to
 from flopwise.train.faults import parse
 from flopwise.train.guard import Guard, Verdict
 from flopwise.train.watch import Watch
@@ -29,7 +30,8 @@ def run(tmp, data, faults="", monkeypatch=None, **kw):
     if monkeypatch is not None:
         monkeypatch.setenv("FLOPWISE_FAULTS", faults)
     buf = io.StringIO()
-    r = train(load_config(None, tiny_overrides(tmp, data, **kw)), Console(file=buf, width=300))
+    with printing_to(Console(file=buf, width=300)):
+        r = train(load_config(None, tiny_overrides(tmp, data, **kw)))
     return r, buf.getvalue()
 
 

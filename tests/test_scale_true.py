@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from rich.console import Console
 
 from conftest import run_jobs, tiny_overrides
 from flopwise.build import build_engine
@@ -79,7 +78,7 @@ def test_one_host_sync_per_log_step(tiny_data, tmp_path):
             "train.steps": steps, "log.every": 5, "train.eval_every": 0, "checkpoint.interval": 0,
             "checkpoint.resume": '"none"'}))
         with HostSyncCounter() as c:
-            r = train(cfg, Console(quiet=True))
+            r = train(cfg)
         return c.count, r.losses
 
     (short, _), (long, losses20) = run(10), run(20)

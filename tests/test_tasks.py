@@ -5,7 +5,6 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from rich.console import Console
 
 from conftest import tiny_overrides
 from flopwise.config import ModelConfig, load_config
@@ -135,7 +134,7 @@ def test_a_task_file_mixing_multiple_choice_and_cloze_is_refused_at_load(tmp_pat
 def test_tasks_cli_and_during_training(tiny_data, tmp_path):
     cfg = load_config(None, tiny_overrides(tmp_path, tiny_data, **{"train.eval_tasks": '["alice-lastword"]',
                                                                    "train.eval_task_limit": 10}))
-    train(cfg, Console(file=open("/dev/null", "w")))
+    train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     task_rows = [r for r in rows if r.get("task") == "alice-lastword"]
     assert [r["step"] for r in task_rows] == [3, 6] and task_rows[0]["n"] == 10

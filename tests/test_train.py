@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-from rich.console import Console
 
 from conftest import tiny_overrides
 from flopwise.checkpoints import checkpoint
@@ -20,11 +19,9 @@ from flopwise.parallel.apply import apply_recompute
 from flopwise.train.engine import lm_loss
 from flopwise.train.optim import lr_at, param_groups
 
-QUIET = Console(file=open("/dev/null", "w"))
-
 
 def run(tmp, data, **kw):
-    return train(load_config(None, tiny_overrides(tmp, data, **kw)), QUIET)
+    return train(load_config(None, tiny_overrides(tmp, data, **kw)))
 
 
 def metric_rows(run_dir):
@@ -101,7 +98,7 @@ def test_one_document_has_no_validation_split_and_is_refused_before_step_one(tmp
     cfg = load_config(None, tiny_overrides(tmp_path / "run", "x", **{"data.path": f'"{tmp_path / "book.txt"}"',
                                                                       "data.tokenizer": '"bpe:512"'}))
     with pytest.raises(DataError, match="no validation split of one data.seq_len=32 sequence"):
-        train(cfg, Console(quiet=True))
+        train(cfg)
     assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "checkpoints").exists()
 
 

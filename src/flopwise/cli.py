@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from flopwise import log
 from flopwise.errors import FlopwiseError
 from flopwise.outputs import check_writable, write_json, write_text
 
@@ -32,6 +34,14 @@ hardware_app = typer.Typer(no_args_is_help=True, help="Measure this machine for 
 app.add_typer(hardware_app, name="hardware")
 # Piped or logged, rich would lay tables out at 80 columns and cut numbers to "4…": never cut them
 console = Console() if sys.stdout.isatty() else Console(width=200)
+logger = logging.getLogger("flopwise.cli")
+
+
+@app.callback()
+def _messages(quiet: bool = typer.Option(False, "--quiet", "-q", help="print only warnings and errors"),
+              verbose: bool = typer.Option(False, "--verbose", "-v", help="print debug messages too")) -> None:
+    """How much flopwise says while it works (results are printed either way)."""
+    log.setup(logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO, console)
 
 DEFAULT_CONFIG = "demo"
 ARGS_HELP = "[CONFIG] [key=value ...]: a TOML file or built-in name (default: demo), then overrides"
@@ -50,7 +60,7 @@ def train(args: list[str] | None = typer.Argument(None, help=ARGS_HELP)) -> None
     from flopwise.launch import train as run_training
     from flopwise.train.trainer import summary_table
 
-    result = run_training(_config(args), console)
+    result = run_training(_config(args))
     if not result.is_main:
         return
     console.print(summary_table(result))
@@ -172,7 +182,8 @@ def data_mix(
 
     cfg = _config(args)
     planned = tokens if tokens is not None else cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len
-    rows = draws(ensure_data(cfg, Path(cfg.run.dir), Console(stderr=True)), planned)
+    with log.printing_to(Console(stderr=True)):  # stdout carries the table or the JSON
+        rows = draws(ensure_data(cfg, Path(cfg.run.dir)), planned)
     if as_json:
         typer.echo(json.dumps([r.__dict__ for r in rows], indent=1))
         return
@@ -503,7 +514,7 @@ def scale_sweep(
         for cmd in launch_commands(write_configs(runs, out), nproc):
             typer.echo(cmd)
         return
-    table = run_ladder(base, runs, out, console, jobs)
+    table = run_ladder(base, runs, out, jobs)
     console.print(f"collected {table}; fit it with: flopwise scale fit {table}")
 
 
@@ -822,19 +833,19 @@ def audit_cmd(
 
 
 def main() -> None:
+    log.setup(console=console)  # the options (app's callback) set it up again, at their level
     try:
         app()
     except FlopwiseError as e:
-        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {escape(str(e))}", markup=True, highlight=False)
+        logger.error(f"[red]error:[/] {escape(str(e))}", extra={"highlighter": None})
         sys.exit(2)
     except OSError as e:  # a write the OS refused that no writer turned into its option's error: still one line
         from flopwise.outputs import UNWRITABLE
 
         if e.errno not in UNWRITABLE:
             raise
-        Console(stderr=True, soft_wrap=True).print(
-            f"[red]error:[/] {escape(str(e.filename or 'a path'))}: {escape(e.strerror or type(e).__name__)}; choose a "
-            "path you can write, fix its permissions or free space there", markup=True, highlight=False)
+        logger.error(f"[red]error:[/] {escape(str(e.filename or 'a path'))}: {escape(e.strerror or type(e).__name__)}; "
+                     "choose a path you can write, fix its permissions or free space there", extra={"highlighter": None})
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -1,5 +1,5 @@
 """`flopwise train`'s job on this process: build the run (data, model, layout, resume point), then
-train it. One rank of a torchrun/srun job does the same; only rank 0 prints."""
+train it. One rank of a torchrun/srun job does the same; only rank 0 prints (flopwise.log)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import sys
 import time
 
 import torch.distributed as dist
-from rich.console import Console
 
 from flopwise.build import build_run, subnormals_flushed
 from flopwise.config import Config
@@ -22,18 +21,17 @@ def is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def train(cfg: Config, console: Console | None = None) -> TrainResult:
-    """Build this rank's run from `cfg` and train it (other ranks print nothing). A run the
-    pre-flight refuses stops every rank of a job together with exit 2, once rank 0 has said why."""
+def train(cfg: Config) -> TrainResult:
+    """Build this rank's run from `cfg` and train it. A run the pre-flight refuses stops every
+    rank of a job together with exit 2, once rank 0 has said why."""
     started = time.perf_counter()
-    console = (console or Console()) if is_main_process() else Console(quiet=True)
     with subnormals_flushed():
-        return _train(cfg, console, started)
+        return _train(cfg, started)
 
 
-def _train(cfg: Config, console: Console, started: float) -> TrainResult:
+def _train(cfg: Config, started: float) -> TrainResult:
     try:
-        run = build_run(cfg, console)
+        run = build_run(cfg)
     except WillNotFit as e:
         if not dist.is_initialized():
             raise
@@ -42,4 +40,4 @@ def _train(cfg: Config, console: Console, started: float) -> TrainResult:
         dist.barrier()
         sys.stdout.flush()
         os._exit(2)  # all at once: a rank still shutting down when another has exited is stopped by torchrun
-    return train_run(run, console, started)
+    return train_run(run, started)

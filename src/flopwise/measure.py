@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
 from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -269,7 +268,7 @@ def gather(obj: Any) -> list[Any]:
 
 def _rank_main(config: str, out: str, steps: int) -> None:
     torch.set_flush_denormal(True)  # this process is one rank's measurement (build.subnormals_flushed)
-    run = build_run(load_config(config), Console(quiet=True))
+    run = build_run(load_config(config))
     ranks = gather(measure_rank(run, steps, timed=steps))
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(out).write_text(json.dumps(ranks))

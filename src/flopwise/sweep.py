@@ -12,6 +12,7 @@ embedding rows would otherwise be most of N and bend the fit.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -24,12 +25,15 @@ from rich.console import Console
 from flopwise.config import Config, to_toml, validate
 from flopwise.errors import ConfigError, TrainingStopped
 from flopwise.flops import scaling_flops, scaling_tokens
+from flopwise.log import printing_to
 from flopwise.outputs import check_folder, check_writable, read_records, write_csv, write_text
 from flopwise.plan.fit import fitted_law
 from flopwise.plan.scaling import ChosenShape, choose_shape, get_law
 
 if TYPE_CHECKING:
     from flopwise.train.trainer import TrainResult
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -171,11 +175,11 @@ def _train_one(config: Config, threads: int | None) -> TrainResult:
         torch.set_num_threads(threads)
     run_dir = Path(config.run.dir)
     claim(run_dir, ["train.log"])
-    with open(run_dir / "train.log", "a") as log:
-        return train(config, Console(file=log))
+    with open(run_dir / "train.log", "a") as f, printing_to(Console(file=f)):
+        return train(config)
 
 
-def run_ladder(base: Config, runs: list[LadderRun], out: Path, console: Console, jobs: int = 1) -> Path:
+def run_ladder(base: Config, runs: list[LadderRun], out: Path, jobs: int = 1) -> Path:
     """Train every unfinished run (a killed sweep resumes where it stopped), `jobs` at a time, then collect.
 
     Ladder models are tiny, and one of them barely uses a second core (2 cores: the smallest ladder
@@ -188,24 +192,24 @@ def run_ladder(base: Config, runs: list[LadderRun], out: Path, console: Console,
     from flopwise.build import ensure_data
 
     check_outputs(runs, out, table=True)  # before hours of training, not after
-    ensure_data(base, out, console, "--out")
+    ensure_data(base, out, "--out")
     write_configs(runs, out)
     todo = []
     for i, r in enumerate(runs, 1):
         if is_finished(r):
-            console.print(f"[{i}/{len(runs)}] {r.name}: done, skipped")
+            logger.info(f"[{i}/{len(runs)}] {r.name}: done, skipped")
         else:
             todo.append((i, r))
 
     def started(i: int, r: LadderRun) -> None:
-        console.print(f"[{i}/{len(runs)}] {r.name}: {r.params:,} params, {r.tokens:,} tokens, {r.steps} steps")
+        logger.info(f"[{i}/{len(runs)}] {r.name}: {r.params:,} params, {r.tokens:,} tokens, {r.steps} steps")
 
     def finished(r: LadderRun, result: TrainResult) -> None:
         if result.preempted is not None:  # Ctrl-C or SIGTERM: the run checkpointed; the ladder stops here
             raise TrainingStopped(f"{r.name} stopped by {result.signal or 'a signal'} at step {result.preempted} "
                                   "(checkpoint written); run the same command again to continue the ladder")
-        console.print(f"    {r.name}: val loss {result.val_loss:.4f}, {result.tokens_per_s:,.0f} tok/s, "
-                      f"{result.seconds:.0f} s")
+        logger.info(f"    {r.name}: val loss {result.val_loss:.4f}, {result.tokens_per_s:,.0f} tok/s, "
+                    f"{result.seconds:.0f} s")
 
     if jobs == 1:
         for i, r in todo:

@@ -4,12 +4,12 @@ into it: on resume (checked to be this run's) and on a guard's rollback."""
 from __future__ import annotations
 
 import binascii
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
 from rich.markup import escape
 
 from flopwise.checkpoints import checkpoint
@@ -23,6 +23,8 @@ from flopwise.parallel import mesh
 from flopwise.plan.layout import Layout
 from flopwise.train.engine import Engine
 from flopwise.train.guard import Guard
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -113,10 +115,11 @@ def _count(value: object) -> int:
     return value
 
 
-def resume(run: Run, ckpt: Path, console: Console) -> None:
+def resume(run: Run, ckpt: Path) -> None:
     """Check that `ckpt` belongs to this run (model, data) and restore it into `run`."""
     changed = check_resumable(ckpt, checkpoint.read_state(ckpt), run.cfg, run.data_fingerprint)
     if changed:
-        console.print(f"[bold]resume[/]: changed since the checkpoint: {escape(', '.join(changed))}", highlight=False)
+        logger.info(f"[bold]resume[/]: changed since the checkpoint: {escape(', '.join(changed))}",
+                    extra={"highlighter": None})
     state = restore(run, ckpt)
     run.start_step, run.resumed_layout = state["step"], state.get("layout", {})

@@ -14,6 +14,7 @@ preemption signal is acted on at the next sync point.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import statistics
 import time
@@ -23,11 +24,11 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from flopwise import log
 from flopwise.checkpoints import checkpoint
 from flopwise.config import Config, config_hash, to_toml
 from flopwise.data.loader import eval_batches
@@ -53,6 +54,8 @@ from flopwise.train.preflight import explain_oom
 from flopwise.train.run import Run, restore
 from flopwise.train.saver import Saver
 from flopwise.train.watch import Watch, is_timeout, peer_lost
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -129,17 +132,17 @@ def train_step(run: Run, step: int, faults: Faults, watch: Watch | None = None) 
     return torch.stack([loss.detach().float(), norm.detach().float(), bad]), lr
 
 
-def _progress(console: Console) -> Progress:
+def _progress() -> Progress:
     return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=False)
+                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=log.console(), transient=False)
 
 
 class _Loop:
     """The loop's state between sync points, and what it does at one."""
 
-    def __init__(self, run: Run, console: Console):
+    def __init__(self, run: Run):
         cfg, par = run.cfg, run.par
-        self.run, self.cfg, self.console = run, cfg, console
+        self.run, self.cfg = run, cfg
         self.run_dir = Path(cfg.run.dir)
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.fpt = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -150,10 +153,10 @@ class _Loop:
         self.writer = MetricsWriter(self.run_dir, cfg.log.tensorboard) if par.is_main else None
         self.tasks = [load_task(t) for t in cfg.train.eval_tasks] if par.layout.world == 1 else []
         self.saver = Saver(cfg, self.run_dir, run.engine.parts, run.optimizer, self.snapshot,
-                           {"tokenizer.json": run.sources[0].data_dir / run.index["tokenizer"]}, self.faults, console, par.layout.world)
+                           {"tokenizer.json": run.sources[0].data_dir / run.index["tokenizer"]}, self.faults, par.layout.world)
         self.saver.last = run.resumed_from
         self.watch = Watch(cfg.watchdog, self.run_dir, self.rank, par.device,
-                           report=lambda m: console.print(m, highlight=False))
+                           report=lambda m: logger.warning(m, extra={"highlighter": None}))
         self.losses: list[float] = []
         self.val_loss: float | None = None
         self.tps = 0.0
@@ -192,8 +195,8 @@ class _Loop:
                     return back
                 continue
             if verdict is Verdict.SKIP:
-                self.console.print(f"[yellow]guard[/]: step {done}: {reason} (loss {loss}, grad norm {norm}); "
-                                   "update skipped", highlight=False)
+                logger.warning(f"[yellow]guard[/]: step {done}: {reason} (loss {loss}, grad norm {norm}); "
+                               "update skipped", extra={"highlighter": None})
                 self.write({"step": done, "event": "skipped_update", "reason": reason})
             self.losses.append(loss)
             if done % self.cfg.log.every == 0 or done == self.end:
@@ -213,9 +216,9 @@ class _Loop:
                     "tokens": done * self.tokens_per_step, "step_time_s": (now - t0) / steps,
                     "epochs_by_source": self.run.loader.epochs_by_source(), **self.ranks,
                     **({"mfu_basis": basis} if basis else {})})
-        if not self.console.is_terminal:  # a log file gets lines, a terminal gets the live bar
-            self.console.print(f"step {done}/{self.cfg.train.steps} loss {loss:.4f} lr {lr:.2e} grad_norm {norm:.3f} "
-                               f"{self.tps:,.0f} tok/s MFU {percent(self.mfu)}", highlight=False)
+        if not log.console().is_terminal:  # a log file gets lines, a terminal gets the live bar
+            logger.info(f"step {done}/{self.cfg.train.steps} loss {loss:.4f} lr {lr:.2e} grad_norm {norm:.3f} "
+                        f"{self.tps:,.0f} tok/s MFU {percent(self.mfu)}", extra={"highlighter": None})
 
     def measure_mfu(self, done: int) -> float | None:
         """MFU of the window just logged, over every device in the job. A measured ceiling that the
@@ -238,8 +241,8 @@ class _Loop:
         self.saver.wait()
         ckpt = checkpoint.latest(self.run_dir, verify_checksums=False)
         if ckpt is None:  # nothing to go back to: the update already applied stays
-            self.console.print(f"[yellow]guard[/]: step {bad_step}: {escape(reason)}; no checkpoint to roll back to, "
-                               "training goes on")
+            logger.warning(f"[yellow]guard[/]: step {bad_step}: {escape(reason)}; no checkpoint to roll back to, "
+                           "training goes on")
             return None
         back = int(restore(run, ckpt, counters=False)["step"])
         n = max(cfg.guard.skip_batches, bad_step - back)
@@ -251,9 +254,9 @@ class _Loop:
             with open(self.run_dir / "skipped.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
         self.write({"step": bad_step, "event": "rollback", "rolled_back_to": back, "skipped_batches": n})
-        self.console.print(f"[yellow]guard[/]: step {bad_step}: {escape(reason)}; rolled back to step {back} and "
-                           f"skipped {n} batches ({sum(map(len, record['documents'].values()))} documents, listed in "
-                           f"{self.run_dir / 'skipped.jsonl'})")
+        logger.warning(f"[yellow]guard[/]: step {bad_step}: {escape(reason)}; rolled back to step {back} and "
+                       f"skipped {n} batches ({sum(map(len, record['documents'].values()))} documents, listed in "
+                       f"{self.run_dir / 'skipped.jsonl'})")
         self.window = (back, time.perf_counter())
         return back
 
@@ -309,7 +312,7 @@ class _Loop:
         return None
 
 
-def train(run: Run, console: Console, started: float | None = None) -> TrainResult:
+def train(run: Run, started: float | None = None) -> TrainResult:
     """Train a built run on this process, or as one rank of a torchrun/srun job (rank 0 writes logs
     and metrics); `started`: when building it began (perf_counter), for the run's wall time."""
     t_start = time.perf_counter() if started is None else started
@@ -331,36 +334,36 @@ def train(run: Run, console: Console, started: float | None = None) -> TrainResu
         if par.is_main:
             kept = [r for r in read_records(metrics_path) if r["step"] <= run.start_step]
             metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        console.print(f"[bold]resumed[/] from {run.resumed_from} at step {run.start_step} "
-                      f"(written by layout {Layout.from_json(run.resumed_layout or {}).name()})")
+        logger.info(f"[bold]resumed[/] from {run.resumed_from} at step {run.start_step} "
+                    f"(written by layout {Layout.from_json(run.resumed_layout or {}).name()})")
     elif par.is_main:
         metrics_path.unlink(missing_ok=True)
     if par.is_main:
         (run_dir / "config.toml").write_text(to_toml(cfg))
-    loop = _Loop(run, console)
+    loop = _Loop(run)
     if run.start_step >= loop.end:
-        console.print(f"[bold]complete[/]: the checkpoint is at step {run.start_step}, where this run ends "
-                      "(train.steps, train.stop_after): nothing to train; raise them to continue")
+        logger.info(f"[bold]complete[/]: the checkpoint is at step {run.start_step}, where this run ends "
+                    "(train.steps, train.stop_after): nothing to train; raise them to continue")
     n_params, lo = count_params(cfg.model), par.layout
-    console.print(f"[bold]model[/] {n_params.total / 1e6:.2f}M params ({n_params.non_embedding / 1e6:.2f}M "
-                  f"non-embedding), {loop.fpt / 1e6:.1f} MFLOP/token (model FLOPs, 6N + attention); "
-                  f"{par.device.type} {cfg.train.dtype}{' compiled' if compiles(cfg, lo) else ''}; "
-                  f"MFU vs {loop.peak.flops / 1e9:,.0f} GFLOP/s "
-                  f"per device ({loop.peak.source})")
+    logger.info(f"[bold]model[/] {n_params.total / 1e6:.2f}M params ({n_params.non_embedding / 1e6:.2f}M "
+                f"non-embedding), {loop.fpt / 1e6:.1f} MFLOP/token (model FLOPs, 6N + attention); "
+                f"{par.device.type} {cfg.train.dtype}{' compiled' if compiles(cfg, lo) else ''}; "
+                f"MFU vs {loop.peak.flops / 1e9:,.0f} GFLOP/s "
+                f"per device ({loop.peak.source})")
     if cfg.train.float8 != "none":
         unconverted = ", ".join(["embedding", "head", *unconverted_linears(cfg.model, lo.tp)])
-        console.print(f"[bold]float8[/] {cfg.train.float8} (torchao{', emulated' if cfg.train.float8_emulate else ''}) "
-                      f"on the blocks' linears; in {cfg.train.dtype}: {unconverted}. MFU stays model FLOPs over the "
-                      f"{cfg.train.dtype} peak, so it compares with runs without float8 (their speed-up shows in it); "
-                      "the float8 matmuls' own peak is twice that")
+        logger.info(f"[bold]float8[/] {cfg.train.float8} (torchao{', emulated' if cfg.train.float8_emulate else ''}) "
+                    f"on the blocks' linears; in {cfg.train.dtype}: {unconverted}. MFU stays model FLOPs over the "
+                    f"{cfg.train.dtype} peak, so it compares with runs without float8 (their speed-up shows in it); "
+                    "the float8 matmuls' own peak is twice that")
     if lo.world > 1:
-        console.print(f"[bold]layout[/] {layout_label(lo)} on {lo.world} processes "
-                      f"({dist.get_backend()}), {run.engine.n_micro} micro-batches of {cfg.train.micro_batch} per rank")
+        logger.info(f"[bold]layout[/] {layout_label(lo)} on {lo.world} processes "
+                    f"({dist.get_backend()}), {run.engine.n_micro} micro-batches of {cfg.train.micro_batch} per rank")
     if not run.engine.can_eval:
-        console.print(f"[yellow]note[/]: no validation in this run: torch's {lo.pp_schedule} schedule deadlocks in eval "
+        logger.warning(f"[yellow]note[/]: no validation in this run: torch's {lo.pp_schedule} schedule deadlocks in eval "
                       "(see Engine.can_eval); export the checkpoint and run `flopwise eval` on it")
     try:
-        with loop.watch, _progress(console) as bar:
+        with loop.watch, _progress() as bar:
             preempted = loop(bar)
     except RuntimeError as e:
         if not is_timeout(e):
