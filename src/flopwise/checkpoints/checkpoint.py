@@ -177,8 +177,7 @@ def begin(run_dir: str | Path, step: int, model: Modules, optimizer: torch.optim
             raise not_written(run_dir, step, err)
     content = _content(model, optimizer)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "assuming single process" when no process group exists
+        with without_process_group():
             if asynchronous:
                 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -623,8 +622,7 @@ def load(path: Path, model: Modules, optimizer: torch.optim.Optimizer | None = N
     whatever layout wrote it."""
     modules = _modules(model)
     read_dcp_metadata(path)  # refused metadata says why, not "does not fit"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with without_process_group():
         try:
             sd = {"model": _model_state(modules)}
             if optimizer is not None:
