@@ -35,9 +35,9 @@ from pathlib import Path
 
 from flopwise.calibration import Calibration
 from flopwise.config import load_config
+from flopwise.flops import count_params
 from flopwise.hardware import get_hardware
 from flopwise.parallel import mesh
-from flopwise.flops import count_params
 from flopwise.plan.comm import dp_collectives, fsdp_copy_bytes
 from flopwise.plan.perf import ACT_BYTES, MEM_EFFICIENCY, STACKS, evaluate, layer_times, model_shape, stream_time
 

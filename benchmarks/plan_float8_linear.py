@@ -35,7 +35,7 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from flopwise.hardware import Hardware, hopper_calibration, get_hardware
+from flopwise.hardware import Hardware, get_hardware, hopper_calibration
 from flopwise.plan.float8 import linear_cast_bytes, scaled_mm_speed
 from flopwise.plan.perf import ACT_BYTES, gemm_fwd_bwd, stream_time
 
@@ -48,7 +48,7 @@ BAND = 0.10  # a speed-up within 10% of 1 is "about even"; outside it, float8 pa
 def published() -> tuple[dict, dict[tuple[int, int, int], float]]:
     """The data file and its table as {(M, K, N): speed-up}."""
     doc = json.loads(TABLE.read_text())
-    return doc, {(m, k, n): s for m, k, *row in doc["rows"] for n, s in zip(doc["n_values"], row)}
+    return doc, {(m, k, n): s for m, k, *row in doc["rows"] for n, s in zip(doc["n_values"], row, strict=True)}
 
 
 def table_gpu(doc: dict) -> Hardware:

@@ -13,8 +13,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """Alice in Wonderland split into chapters, tokenized with a 512-token BPE."""
-    from flopwise.data.shards import resolve_input
     from flopwise.data.pipeline import prepare
+    from flopwise.data.shards import resolve_input
 
     src = resolve_input("builtin:alice").read_text()
     docs = tmp_path_factory.mktemp("alice_docs")
@@ -60,8 +60,8 @@ def run_jobs(n: int, jobs: list[dict], tmp: Path, port: int, timeout: int = 600)
 def tiny_mix(tiny_data, tmp_path_factory) -> str:
     """A two-source mixture for data.sources: Alice (weight 0.7) and three Shakespeare plays
     tokenized with Alice's tokenizer (0.3)."""
-    from flopwise.data.shards import resolve_input
     from flopwise.data.pipeline import prepare
+    from flopwise.data.shards import resolve_input
 
     plays = tmp_path_factory.mktemp("plays")
     for f in sorted(resolve_input("builtin:shakespeare").iterdir())[:3]:
@@ -78,8 +78,8 @@ def tiny_docs(tiny_data, tmp_path_factory) -> Path:
     tokenized with Alice's tokenizer."""
     import json
 
-    from flopwise.data.shards import resolve_input
     from flopwise.data.pipeline import prepare
+    from flopwise.data.shards import resolve_input
 
     paragraphs = [p for p in resolve_input("builtin:alice").read_text().split("\n\n") if p.strip()]
     src = tmp_path_factory.mktemp("paragraphs") / "alice.jsonl"

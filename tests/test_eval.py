@@ -1,18 +1,16 @@
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from rich.console import Console
 
 from conftest import tiny_overrides
 from flopwise.config import ModelConfig, load_config
 from flopwise.errors import DataError
 from flopwise.eval.generate import generate
 from flopwise.eval.load import load_for_inference
-from flopwise.launch import train
 from flopwise.eval.perplexity import text_loss
+from flopwise.launch import train
 from flopwise.model.transformer import build_model
 from flopwise.train.engine import lm_loss
 
@@ -33,7 +31,7 @@ TEXT = "Alice was beginning to get very tired of sitting by her sister on the ba
 @pytest.fixture(scope="module")
 def run_dir(tiny_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("gen") / "run"
-    train(load_config(None, tiny_overrides(out, tiny_data, **{"train.steps": 12})), Console(file=open(os.devnull, "w")))
+    train(load_config(None, tiny_overrides(out, tiny_data, **{"train.steps": 12})))
     return out
 
 

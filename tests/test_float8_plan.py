@@ -7,8 +7,9 @@ the same comparison with the step's terms.
 
 Per-op SAC is none of the planner's recompute modes, so every mode is held to the table. The
 tolerance, 8% on each speed-up: the planner's H100 tables are one shape each, measured on an
-H200 (hardware.hopper_calibration), the run is another engine on Meta's H100s, and torchao's own tables of this benchmark put the tensorwise speed-up 4.7% apart (1.195 in
-pytorch/ao#1793 as first proposed, 1.250 in the docs).
+H200 (hardware.hopper_calibration), the run is another engine on Meta's H100s, and torchao's own
+tables of this benchmark put the tensorwise speed-up 4.7% apart (1.195 in pytorch/ao#1793 as first
+proposed, 1.250 in the docs).
 """
 
 import math

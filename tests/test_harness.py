@@ -10,24 +10,21 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import lm_eval  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
-from rich.console import Console  # noqa: E402
-
-from flopwise.config import load_config  # noqa: E402
-from flopwise.eval.harness import TASK_PREFIX, FlopwiseLM, task_yaml, write_task_yamls  # noqa: E402
-from flopwise.data.tasks import load_task  # noqa: E402
-from flopwise.eval.tasks import evaluate_task  # noqa: E402
-from flopwise.interop.convert import export_hf  # noqa: E402
-from flopwise.eval.load import load_for_inference  # noqa: E402
-from flopwise.launch import train  # noqa: E402
 
 from conftest import tiny_overrides  # noqa: E402
+from flopwise.config import load_config  # noqa: E402
+from flopwise.data.tasks import load_task  # noqa: E402
+from flopwise.eval.harness import TASK_PREFIX, FlopwiseLM, task_yaml, write_task_yamls  # noqa: E402
+from flopwise.eval.load import load_for_inference  # noqa: E402
+from flopwise.eval.tasks import evaluate_task  # noqa: E402
+from flopwise.interop.convert import export_hf  # noqa: E402
+from flopwise.launch import train  # noqa: E402
 
 N = 40
 
 
 def test_lm_eval_scores_equal_flopwise_eval_and_hf(tiny_data, tmp_path):
-    train(load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{"train.steps": 12})),
-          Console(file=open(os.devnull, "w")))
+    train(load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{"train.steps": 12})))
     hf_dir = export_hf(tmp_path / "run", tmp_path / "hf")
     names = write_task_yamls(tmp_path / "yaml")
     tm = TaskManager(include_path=str(tmp_path / "yaml"))
@@ -60,8 +57,7 @@ def test_rolling_and_generation_against_direct_computation(tiny_data, tmp_path):
 
     from flopwise.eval.generate import generate
 
-    train(load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{"train.steps": 6})),
-          Console(file=open(os.devnull, "w")))
+    train(load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{"train.steps": 6})))
     lm = FlopwiseLM(str(tmp_path / "run"))
     text = "Alice was beginning to get very tired of sitting by her sister on the bank. " * 12
     (ll,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
@@ -98,8 +94,7 @@ def test_flopwise_lm_eval_keeps_the_users_include_paths(tiny_data, tmp_path):
 
     from flopwise.data.tasks import builtin_tasks
 
-    train(load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{"train.steps": 6})),
-          Console(file=open(os.devnull, "w")))
+    train(load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{"train.steps": 6})))
     folders = {}
     for name, src in [("my_cloze", "shakespeare-cloze"), ("my_lastword", "alice-lastword")]:
         folder = tmp_path / f"user_{name}"
@@ -134,7 +129,7 @@ def test_readme_lm_eval_command_with_batch_size_in_model_args(tiny_data, tmp_pat
     from flopwise.errors import ConfigError
 
     run = tmp_path / "run"
-    train(load_config(None, tiny_overrides(run, tiny_data, **{"train.steps": 6})), Console(file=open(os.devnull, "w")))
+    train(load_config(None, tiny_overrides(run, tiny_data, **{"train.steps": 6})))
     cli = EvaluatorConfig()  # what the CLI passes when not told
     passed = {"batch_size": cli.batch_size, "max_batch_size": cli.max_batch_size, "device": cli.device}
     lm = FlopwiseLM.create_from_arg_string(f"path={run},batch_size=16", passed)

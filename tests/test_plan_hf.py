@@ -13,7 +13,6 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
-from rich.console import Console  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from conftest import tiny_overrides  # noqa: E402
@@ -216,7 +215,7 @@ def test_max_micro_batch_is_where_the_engines_measured_memory_runs_out(tiny_data
     def total(mb: int) -> int:
         if mb not in measured:
             keys = tiny_overrides(tmp_path / f"mb{mb}", tiny_data, **JOINT, **{"train.micro_batch": mb})
-            m = measure_rank(build_run(load_config(None, keys), Console(quiet=True)), 2)
+            m = measure_rank(build_run(load_config(None, keys)), 2)
             measured[mb] = m["params"] + m["optimizer"] + m["peak"]
         return measured[mb]
 

@@ -101,18 +101,12 @@ class ModelConfig(Section):
         return {**ARCH_DEFAULTS[arch], **base, **data, "arch": arch}
 
     @model_validator(mode="after")
-    def _derive_and_check(self) -> "ModelConfig":
-        if self.head_dim is None:
-            if self.d_model % self.n_heads:
-                raise ValueError(f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}; "
-                                 "choose a divisor or set model.head_dim")
-            self.head_dim = self.d_model // self.n_heads
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
+    def _derive_and_check(self) -> ModelConfig:
+        if "head_dim" not in self.model_fields_set and self.d_model % self.n_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}; "
+                             "choose a divisor or set model.head_dim")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}")
-        if self.ffn_dim is None:
-            self.ffn_dim = 4 * self.d_model if self.mlp != "swiglu" else 256 * -(-(8 * self.d_model // 3) // 256)
         if self.pos == "rope" and int(self.head_dim * self.rotary_pct) % 2:
             raise ValueError(f"model.rotary_pct={self.rotary_pct} gives an odd number of rotary dims "
                              f"for head_dim={self.head_dim}; rotary dims must be even")
@@ -168,7 +162,7 @@ class DataConfig(Section):
         return self.sources or [SourceConfig(path=self.path)]
 
     @model_validator(mode="after")
-    def _check_sources(self) -> "DataConfig":
+    def _check_sources(self) -> DataConfig:
         labels = [s.label for s in self.sources]
         dup = sorted({n for n in labels if labels.count(n) > 1})
         if dup:
@@ -183,8 +177,10 @@ class TrainConfig(Section):
     stop_after: int | None = Field(None, ge=1, description="end this invocation at this step (schedule still "
                                    "spans train.steps); resume continues, e.g. across job time limits")
     global_batch: int = Field(16, ge=1, description="sequences per optimizer step")
-    micro_batch: int | None = Field(None, ge=1, description="sequences per forward/backward on one rank; "
-                                    "default: the largest divisor of global_batch up to 16")
+    micro_batch: int = Field(default_factory=lambda v: max(d for d in range(1, min(16, v["global_batch"]) + 1)
+                                                           if v["global_batch"] % d == 0), ge=1,
+                             description="sequences per forward/backward on one rank; "
+                             "default: the largest divisor of global_batch up to 16")
     dtype: Literal["bf16", "fp32"] = Field("bf16", description="bf16 autocast (fp32 master weights) or fp32")
     float8: Literal["none", "rowwise", "tensorwise"] = Field("none", description="the blocks' linear layers in "
                                                              "float8 (torchao; embedding and head stay in train.dtype); "
@@ -257,7 +253,7 @@ class CheckpointConfig(Section):
                                               "checkpoint: every file's checksum, or only sizes (fast)")
 
     @model_validator(mode="after")
-    def _interval(self) -> "CheckpointConfig":
+    def _interval(self) -> CheckpointConfig:
         if isinstance(self.interval, int) and self.interval < 0:
             raise ValueError(f"checkpoint.interval={self.interval}: use a step count >= 0 or \"auto\"")
         return self
@@ -325,20 +321,17 @@ class Config(Section):
     plan: PlanConfig = PlanConfig()
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "Config":
+    def _cross_checks(self) -> Config:
         m, t = self.model, self.train
-        if m.init_from and (self.data.tokenizer or "").startswith("bpe:"):
+        if m.init_from and "tokenizer" not in self.data.model_fields_set:
+            self.data.tokenizer = str(Path(m.init_from[3:]) / "tokenizer.json")
+        if m.init_from and self.data.tokenizer.startswith("bpe:"):
             raise ValueError(f"data.tokenizer={self.data.tokenizer} trains a new tokenizer, whose ids mean nothing to "
                              f"the embeddings of model.init_from={m.init_from}; leave data.tokenizer unset (the "
                              "default with init_from is its folder's tokenizer.json)")
-        if self.data.tokenizer is None:
-            hf_dir = m.init_from[3:] if m.init_from else None
-            self.data.tokenizer = str(Path(hf_dir) / "tokenizer.json") if hf_dir else "bpe:4096"
         if self.data.seq_len > m.max_seq_len:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
                              "lower data.seq_len or raise model.max_seq_len")
-        if t.micro_batch is None:
-            t.micro_batch = max(d for d in range(1, min(16, t.global_batch) + 1) if t.global_batch % d == 0)
         if t.global_batch % t.micro_batch:
             raise ValueError(f"train.micro_batch={t.micro_batch} does not divide "
                              f"train.global_batch={t.global_batch}")

@@ -1,5 +1,5 @@
 """`flopwise train`'s job on this process: build the run (data, model, layout, resume point), then
-train it. One rank of a torchrun/srun job does the same; only rank 0 prints."""
+train it. One rank of a torchrun/srun job does the same; only rank 0 prints (flopwise.log)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
-from rich.console import Console
 
 from flopwise.build import build_run, subnormals_flushed
 from flopwise.config import Config
@@ -60,4 +59,4 @@ def _train(cfg: Config, console: Console, started: float, lock: Callable[[], obj
         dist.barrier()
         sys.stdout.flush()
         os._exit(2)  # all at once: a rank still shutting down when another has exited is stopped by torchrun
-    return train_run(run, console, started)
+    return train_run(run, started)

@@ -109,7 +109,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> GuardedTokenizer:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok = guarded(tok, f"bpe:{vocab_size}")
+    tok = guarded(bpe, f"bpe:{vocab_size}")
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
 

@@ -37,7 +37,7 @@ class EngineRun:
     float8: str = "none"  # train.float8: the recipe of the blocks' float8 linears
 
     @classmethod
-    def of(cls, cfg: Config, cpu: bool = False) -> "EngineRun":
+    def of(cls, cfg: Config, cpu: bool = False) -> EngineRun:
         return cls(model=cfg.model, seq=cfg.data.seq_len, global_batch=cfg.train.global_batch, dtype=cfg.train.dtype,
                    compile=cfg.train.compile, steps=cfg.train.steps, document_mask=cfg.data.document_mask, cpu=cpu,
                    float8=cfg.train.float8)
