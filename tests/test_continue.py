@@ -269,7 +269,6 @@ def test_ctrl_c_is_acknowledged_during_a_step_and_a_second_one_stops_at_once(tmp
 def test_ctrl_c_checkpoints_at_the_end_of_the_step(tiny_data, tmp_path, monkeypatch):
     """One process: a Ctrl-C in step 3 checkpoints at step 3, not at the next log step (50)."""
     from conftest import tiny_overrides
-
     from flopwise.launch import train
 
     monkeypatch.setenv("FLOPWISE_FAULTS", "sigint:step=3")

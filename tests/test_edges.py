@@ -287,9 +287,9 @@ def test_resume_refuses_a_metrics_file_the_user_annotated(tmp_path, tiny_data):
     refused in one line and the file is kept byte for byte."""
     import io
 
-    from conftest import tiny_overrides
     from rich.console import Console
 
+    from conftest import tiny_overrides
     from flopwise.launch import train
 
     over = tiny_overrides(tmp_path / "run", tiny_data, **{"train.steps": 4, "checkpoint.interval": 2,
@@ -364,9 +364,9 @@ def test_eval_and_generate_say_which_checkpoint_they_use_and_why(tmp_path, tiny_
     """A run whose newest checkpoint is damaged: eval and generate used the older one without a word."""
     import io
 
-    from conftest import tiny_overrides
     from rich.console import Console
 
+    from conftest import tiny_overrides
     from flopwise.launch import train
 
     run = tmp_path / "run"

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import tiny_overrides
 from rich.console import Console
 
+from conftest import tiny_overrides
 from flopwise.checkpoints import checkpoint
 from flopwise.config import load_config
 from flopwise.launch import train

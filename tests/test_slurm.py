@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE = Path(os.environ.get("FLOPWISE_SLURM_STATE", "/tmp/flopwise-slurm"))

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable
+import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -99,11 +100,12 @@ def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, setting: str) -
     stats = prepare([path], out, tokenizer=tokenizer, val_fraction=cfg.data.val_fraction, seed=cfg.run.seed,
                     setting=setting)
     add_to_manifest(out, DATA_MANIFEST, "recipe.json", json.dumps(recipe).encode())  # the folder stays provably flopwise's
-    console.print(f"  {stats.documents} documents, {stats.tokens:,} tokens ({stats.splits['train']:,} train / "
-                  f"{stats.splits['val']:,} val), {stats.bytes / 1e6:.1f} MB in {stats.seconds:.1f} s "
-                  f"({stats.tokens_per_s / 1e3:.0f}k tokens/s)")
+    logger.info(f"  {stats.documents} documents, {stats.tokens:,} tokens ({stats.splits['train']:,} train / "
+                f"{stats.splits['val']:,} val), {stats.bytes / 1e6:.1f} MB in {stats.seconds:.1f} s "
+                f"({stats.tokens_per_s / 1e3:.0f}k tokens/s)")
     if stats.report.get("skipped"):
-        console.print(f"  [yellow]skipped[/]: {escape(skipped_note(stats.report['skipped']))} (report.json: skipped)")
+        logger.info(f"  [yellow]skipped[/]: {escape(skipped_note(stats.report['skipped']))} (report.json: skipped)",
+                    extra={"highlighter": None})
     return out
 
 
@@ -217,7 +219,7 @@ def subnormals_flushed():
         torch.set_flush_denormal(before)
 
 
-def build_run(cfg: Config, console: Console, lock: Callable[[], object] = lambda: None) -> Run:
+def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run:
     """Resolve the layout, join the job, check that every rank fits its device (train.preflight:
     before the run folder or the data exist), prepare data, build this rank's shards, and restore
     the newest checkpoint (checkpoint.resume). `lock`: takes the run folder's lock (rank 0, before
@@ -250,8 +252,8 @@ def build_run(cfg: Config, console: Console, lock: Callable[[], object] = lambda
     run = Run(cfg, par, engine, optimizer, loader, sources, index, tokenizer_of(sources[0].data_dir),
               Guard(cfg.guard), fingerprint(sources))
     if cfg.model.init_from:
-        console.print(loaded_line(cfg, model_tok), highlight=False)
-    run.resumed_from = resume_from = _resume_point(cfg, run_dir, console)
+        logger.info(loaded_line(cfg, model_tok), extra={"highlighter": None})
+    run.resumed_from = resume_from = _resume_point(cfg, run_dir)
     if resume_from is not None:
         resume(run, resume_from)
         if run.start_step > cfg.train.steps:

@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -58,16 +58,15 @@ def _config(args: list[str] | None, applied: list[str] | None = None):
 @app.command()
 def train(args: list[str] | None = typer.Argument(None, help=ARGS_HELP)) -> None:
     """Train a model (default: a small Llama-style model on the embedded Shakespeare corpus)."""
-    from flopwise.launch import is_main_process
     from flopwise.launch import train as run_training
     from flopwise.train.trainer import summary_table
 
     applied: list[str] = []
     cfg = _config(args, applied)
-    if applied and is_main_process():
-        console.print(f"[bold]continued pre-training[/] defaults (docs/continued-pretraining.md; Gupta et al. 2023, "
-                      f"Ibrahim et al. 2024), set where you gave none: {' '.join(applied)}", highlight=False)
-    result = run_training(cfg, console)
+    if applied:
+        logger.info(f"[bold]continued pre-training[/] defaults (docs/continued-pretraining.md; Gupta et al. 2023, "
+                    f"Ibrahim et al. 2024), set where you gave none: {' '.join(applied)}", extra={"highlighter": None})
+    result = run_training(cfg)
     if not result.is_main:
         return
     console.print(summary_table(result))
@@ -150,11 +149,11 @@ def _human(n: float) -> str:
 def data_prepare(
     inputs: list[str] = typer.Argument(..., help="text files, folders, .jsonl (text field), .parquet, or builtin:NAME"),
     out: Path = typer.Option(..., "--out", help="output folder (an unfinished prepare there is resumed)"),
-    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="an existing tokenizer.json, or a Hugging "
-                                             "Face model folder (its tokenizer: for continuing that model)"),
-    train_tokenizer: Optional[int] = typer.Option(None, "--train-tokenizer", help="train a byte-level BPE of this "
-                                                  "vocab size (on the first 200 MB); default 4096 without --tokenizer"),
-    val_fraction: Optional[float] = typer.Option(None, "--val-fraction", min=0.0, max=0.99,
+    tokenizer: Path | None = typer.Option(None, "--tokenizer", help="an existing tokenizer.json, or a Hugging "
+                                          "Face model folder (its tokenizer: for continuing that model)"),
+    train_tokenizer: int | None = typer.Option(None, "--train-tokenizer", help="train a byte-level BPE of this "
+                                               "vocab size (on the first 200 MB); default 4096 without --tokenizer"),
+    val_fraction: float | None = typer.Option(None, "--val-fraction", min=0.0, max=0.99,
                                                  help="documents held out for validation (default: data.val_fraction's)"),
     seed: int | None = typer.Option(None, "--seed", help="seed of the split (default: run.seed's, so the split "
                                        "is the one `flopwise train` makes, which the built-in tasks hold out)"),
@@ -224,8 +223,9 @@ def data_mix(
     planned = tokens if tokens is not None else cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len
     from flopwise.manifest import folder_lock
 
-    with folder_lock(cfg.run.dir, "run.dir") as run_dir:  # one writer per folder (its data is prepared there)
-        rows = draws(ensure_data(cfg, run_dir, Console(stderr=True)), planned)
+    with folder_lock(cfg.run.dir, "run.dir") as run_dir, log.printing_to(Console(stderr=True)):
+        # one writer per folder (its data is prepared there); stdout carries the table or the JSON
+        rows = draws(ensure_data(cfg, run_dir), planned)
     if as_json:
         typer.echo(json.dumps([r.__dict__ for r in rows], indent=1))
         return
@@ -261,7 +261,8 @@ def data_contamination(
         check_writable(ids_out, "--ids-out")
     report = measure(data, [load_task(t.strip()) for t in tasks.split(",") if t.strip()], n)
     if ids_out:
-        write_json(ids_out, dict(zip(report.tasks, report.contaminated)), "--ids-out", "data contamination")
+        write_json(ids_out, dict(zip(report.tasks, report.contaminated, strict=True)), "--ids-out",
+                   "data contamination")
     if as_json:
         typer.echo(json.dumps(report.rows(), indent=1))
         return
@@ -285,9 +286,9 @@ def eval_cmd(
     limit: int | None = typer.Option(None, "--limit", min=1, help="first N examples of each task"),
     as_json: bool = typer.Option(False, "--json"),
     batch: int = typer.Option(8, "--batch", min=1),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="--text: tokens per scored window (default: "
-                                          "the model's context, model.max_seq_len); compare losses at one window"),
-    clean_against: Optional[str] = typer.Option(None, "--clean-against", help="training data (a prepared folder or "
+    seq_len: int | None = typer.Option(None, "--seq-len", min=1, help="--text: tokens per scored window (default: "
+                                       "the model's context, model.max_seq_len); compare losses at one window"),
+    clean_against: str | None = typer.Option(None, "--clean-against", help="training data (a prepared folder or "
                                                 "raw inputs): also score the examples without a 13-gram in it"),
 ) -> None:
     """Perplexity on a text file, or zero/few-shot tasks scored by log-likelihood."""
@@ -310,7 +311,7 @@ def eval_cmd(
         from flopwise.data.contamination import measure
 
         dirty = measure(clean_against, loaded).contaminated
-        clean = [set(range(len(ex))) - set(d) for (_, ex), d in zip(loaded, dirty)]
+        clean = [set(range(len(ex))) - set(d) for (_, ex), d in zip(loaded, dirty, strict=True)]
     model, cfg, tok = load_for_inference(ckpt, report=_note)
     if text is not None:
         if seq_len is not None and seq_len > cfg.model.max_seq_len:
@@ -567,7 +568,7 @@ def scale_sweep(
             for cmd in launch_commands(write_configs(runs, out), nproc):
                 typer.echo(cmd)
             return
-        table = run_ladder(base, runs, out, console, jobs)
+        table = run_ladder(base, runs, out, jobs)
     console.print(f"collected {table}; fit it with: flopwise scale fit {table}")
 
 
@@ -902,7 +903,8 @@ def _note(message: str) -> None:
 
 
 def _refuse(message: str) -> NoReturn:
-    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {escape(message)}", markup=True, highlight=False)
+    """The one-line error of a refused command, printed as every error is (stderr, after its rank in a job)."""
+    logger.error(f"[red]error:[/] {escape(message)}", extra={"highlighter": None})
     sys.exit(2)
 
 

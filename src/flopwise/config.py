@@ -52,14 +52,19 @@ class ModelConfig(Section):
     n_layers: int = Field(4, ge=1, description="transformer blocks")
     d_model: int = Field(256, ge=1, description="width of the residual stream")
     n_heads: int = Field(4, ge=1, description="query heads")
-    n_kv_heads: int | None = Field(None, ge=1, description="default: n_heads (1 = multi-query)")
-    head_dim: int | None = Field(None, ge=1, description="default: d_model // n_heads")
-    ffn_dim: int | None = Field(None, ge=1, description="default: 4·d_model, or 8/3·d_model rounded to 256 for swiglu")
+    # derived defaults: factories of the fields validated above them (so mlp comes before ffn_dim)
+    n_kv_heads: int = Field(default_factory=lambda v: v["n_heads"], ge=1,
+                            description="default: n_heads (1 = multi-query)")
+    head_dim: int = Field(default_factory=lambda v: v["d_model"] // v["n_heads"], ge=1,
+                          description="default: d_model // n_heads")
+    mlp: Literal["swiglu", "gelu", "gelu_tanh", "relu"] = Field("swiglu", description="MLP activation")
+    ffn_dim: int = Field(default_factory=lambda v: 4 * v["d_model"] if v["mlp"] != "swiglu"
+                         else 256 * -(-(8 * v["d_model"] // 3) // 256), ge=1,
+                         description="default: 4·d_model, or 8/3·d_model rounded to 256 for swiglu")
     vocab_size: int = Field(4096, ge=2, description="embedding rows; at least the tokenizer's vocabulary")
     max_seq_len: int = Field(256, ge=1, description="longest sequence the model takes (positions, generation)")
     norm: Literal["layernorm", "rmsnorm"] = Field("rmsnorm", description="normalisation layer")
     norm_eps: float = Field(1e-5, gt=0, description="epsilon of the norms")
-    mlp: Literal["swiglu", "gelu", "gelu_tanh", "relu"] = Field("swiglu", description="MLP activation")
     pos: Literal["rope", "learned", "alibi", "relative", "none"] = Field(
         "rope", description="positions: RoPE, learned absolute, ALiBi, Transformer-XL relative, or none")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
@@ -148,8 +153,8 @@ class DataConfig(Section):
     path: str = Field("builtin:shakespeare", description="prepared data dir (with index.json) or raw text input")
     sources: list[SourceConfig] = Field(default_factory=list, description="weighted mixture "
                                         "[{path, weight, name}, ...]; empty: data.path alone, weight 1")
-    tokenizer: str | None = Field(None, description="tokenizer.json path, or bpe:VOCAB to train one; default "
-                                  "bpe:4096, or the tokenizer of model.init_from")
+    tokenizer: str = Field("bpe:4096", description="tokenizer.json path, or bpe:VOCAB to train one; default "
+                           "bpe:4096, or the tokenizer of model.init_from")
     seq_len: int = Field(256, ge=1, description="tokens per training sequence; at most model.max_seq_len")
     val_fraction: float = Field(0.05, ge=0, lt=1, description="share of documents held out for validation")
     document_mask: bool = Field(False, description="attention stays inside each document of a packed window "

@@ -24,7 +24,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Self
+from typing import IO, TYPE_CHECKING, Self, cast
 
 from rich.console import Console
 
@@ -183,7 +183,9 @@ def _train_one(config: Config, threads: int | None) -> TrainResult:
         if threads:
             torch.set_num_threads(threads)
         run_dir = claim(config.run.dir, ["train.log"])
-        return train(config, Console(file=Appender(run_dir, "train.log")))
+        # an io.TextIOBase: rich writes to it as to any text file; typeshed types a file as IO[str], not its base
+        with printing_to(Console(file=cast(IO[str], Appender(run_dir, "train.log")))):
+            return train(config)
     finally:
         _busy = False
 
@@ -244,7 +246,7 @@ def run_ladder(base: Config, runs: list[LadderRun], out: Path, jobs: int = 1) ->
                 for done in wait(pending, return_when=FIRST_COMPLETED).done:
                     r = pending.pop(done)
                     result = _result(done, stop.signal)
-                    if stop.signal:
+                    if stop.signal or result is None:  # None only after a signal
                         stopped.append(_stopped_run(r, result))
                         continue
                     finished(r, result)
@@ -326,6 +328,8 @@ class _Forward:
     def forward(signum: int) -> int:
         children = multiprocessing.active_children()
         for child in children:
+            if child.pid is None:  # not started: nothing to signal
+                continue
             try:  # its group, with whatever it started; one that has not run _worker_init yet, itself
                 os.killpg(child.pid, signum)
             except ProcessLookupError:

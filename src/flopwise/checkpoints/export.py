@@ -26,12 +26,10 @@ from flopwise.checkpoints import checkpoint, rundir
 from flopwise.config import config_hash, to_toml, validate
 from flopwise.data.tokenizer import SIDE_FILES
 from flopwise.errors import CheckpointError
+from flopwise.manifest import folder_lock, real_path
 from flopwise.outputs import check_folder
 from flopwise.plan.layout import Layout
 from flopwise.plan.planner import layout_config
-from flopwise.checkpoints import checkpoint, rundir
-from flopwise.manifest import folder_lock, real_path
-from flopwise.outputs import check_folder
 
 
 @cache

@@ -68,13 +68,30 @@ from typing import Any
 
 import numpy as np
 
-from flopwise.data.shards import (DATA_MANIFEST, FORMAT, WORK, PrepareStats, Skipped, dtype_for_vocab, input_files,
-                                  read_documents, skipped_note, val_documents)
-from flopwise.manifest import (LOCK, file_record, files_under, folder_lock, real_path, remove_all_but, why_not_ours,
-                               write_manifest)
+from flopwise.data.shards import (
+    DATA_MANIFEST,
+    FORMAT,
+    WORK,
+    PrepareStats,
+    Skipped,
+    dtype_for_vocab,
+    input_files,
+    read_documents,
+    skipped_note,
+    val_documents,
+)
 from flopwise.data.tokenizer import EOS, eos_id, load_tokenizer, parse_tokenizer_spec, train_bpe
 from flopwise.errors import DataError
-from flopwise.manifest import file_record, files_under, remove_all_but, why_not_ours, write_manifest
+from flopwise.manifest import (
+    LOCK,
+    file_record,
+    files_under,
+    folder_lock,
+    real_path,
+    remove_all_but,
+    why_not_ours,
+    write_manifest,
+)
 from flopwise.outputs import check_folder
 
 SAMPLE_BYTES = 200 * 10**6  # tokenizer training sample: the first 200 MB of documents, in order
@@ -291,7 +308,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
     given = load_tokenizer(tok_file) if tok_file else None
     files = [f for s in inputs for f in input_files(s)]
     with folder_lock(out, setting or "--out"):  # one writer per folder, for the whole prepare
-        keep = _inputs_kept(out, files, spec if given else None, force, setting)
+        keep = _inputs_kept(out, files, tok_file, force, setting)
         reason = why_not_ours(out, DATA_MANIFEST)
         if reason and not force:
             raise DataError(_refusal(out, reason, keep, setting))
@@ -300,7 +317,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
                             "--out, or move the file away")
         check_folder(out, setting or "--out")
         key = {"format": FORMAT, "inputs": _input_key(files), "tokenizer": str(spec),
-               "tokenizer_file": _input_key([spec]) if given else None, "val_fraction": val_fraction, "seed": seed,
+               "tokenizer_file": _input_key([tok_file]) if tok_file else None, "val_fraction": val_fraction, "seed": seed,
                "filters": filters, "dedup": dedup, "decontaminate": decontaminate}
         work = out / WORK
         plan = None

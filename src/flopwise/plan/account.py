@@ -16,10 +16,23 @@ from dataclasses import dataclass
 from flopwise.config import Config, ModelConfig
 from flopwise.plan.float8 import float8_all_gather
 from flopwise.plan.layout import Layout, compiles
-from flopwise.plan.memory import (autocast_weight_copy_bytes, buffer_bytes, end_activation_bytes, engine_precision,
-                                  gathered_param_bytes, in_flight_microbatches, loss_working_bytes, memo,
-                                  rank_activation_bytes, rank_model_states, rank_param_count, regathered_bytes,
-                                  step_grads, step_peak_bytes, zero1_rank_loads)
+from flopwise.plan.memory import (
+    autocast_weight_copy_bytes,
+    buffer_bytes,
+    end_activation_bytes,
+    engine_precision,
+    gathered_param_bytes,
+    in_flight_microbatches,
+    loss_working_bytes,
+    memo,
+    rank_activation_bytes,
+    rank_model_states,
+    rank_param_count,
+    regathered_bytes,
+    step_grads,
+    step_peak_bytes,
+    zero1_rank_loads,
+)
 
 
 @dataclass(frozen=True, kw_only=True)

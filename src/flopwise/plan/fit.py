@@ -105,7 +105,7 @@ def _points_from_runs(root: Path) -> Points:
             rows.append((count_params(ModelConfig(**cfg["model"])).non_embedding, max(tokens), min(val)))
     if len(rows) < 3:
         raise DataError(f"scale fit input {root}: found {len(rows)} finished flopwise runs; need at least 3")
-    n, d, loss = (np.array(c, dtype=float) for c in zip(*rows))
+    n, d, loss = (np.array(c, dtype=float) for c in zip(*rows, strict=True))
     return _checked(Points(params=n, tokens=d, loss=loss), f"scale fit input {root}: run", 1)
 
 

@@ -535,7 +535,7 @@ def engine_memory(run: EngineRun, lo: Layout, stack: Stack, loads: list[tuple[Ra
         mem = {"params": r.params, "grads": r.grads, "optimizer": r.optimizer, "activations": r.activations,
                "other": r.other + r.buffers + RUNTIME_RESERVE, "step_peak": r.peak,
                "total": r.params + r.optimizer + r.grads - r.step_grads + r.peak + r.buffers + RUNTIME_RESERVE}
-        if worst is None or mem["total"] > worst["total"]:
+        if not worst or mem["total"] > worst["total"]:
             worst = mem
     return worst, opt_elements
 

@@ -21,8 +21,17 @@ from flopwise.hardware import Hardware, cluster_hardware
 from flopwise.hf_config import read_hf_config, tensor_shapes
 from flopwise.plan.float8 import RECIPES
 from flopwise.plan.layout import COMPILE_MIN_STEPS, Layout, check_layout, compiles, config_layout
-from flopwise.plan.perf import (FIT_MARGIN, LINK_EFFICIENCY, MEM_EFFICIENCY, RUNTIME_RESERVE, STACKS, Estimate, Shape,
-                                estimate, model_shape)
+from flopwise.plan.perf import (
+    FIT_MARGIN,
+    LINK_EFFICIENCY,
+    MEM_EFFICIENCY,
+    RUNTIME_RESERVE,
+    STACKS,
+    Estimate,
+    Shape,
+    estimate,
+    model_shape,
+)
 from flopwise.plan.reliability import Reliability, reliability
 from flopwise.plan.search import RECOMPUTE_ORDER, SearchResult, search, why_slower
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
+from flopwise.checkpoints import rundir
 from flopwise.errors import ConfigError
 from flopwise.hardware import Hardware, identify_gpu
-from flopwise.checkpoints import rundir
 from flopwise.outputs import png_bytes, pyplot, read_records
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

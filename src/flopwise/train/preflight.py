@@ -27,10 +27,10 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 
+from flopwise.checkpoints import rundir
 from flopwise.config import Config
 from flopwise.errors import FlopwiseError
 from flopwise.hardware import Hardware, cluster_catalogue, identify_gpu
-from flopwise.checkpoints import rundir
 from flopwise.outputs import json_record
 from flopwise.parallel.mesh import Parallel, is_rank0
 from flopwise.plan.account import EngineRun

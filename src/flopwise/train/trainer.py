@@ -30,11 +30,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from flopwise import log
-from flopwise.checkpoints import checkpoint
+from flopwise.checkpoints import checkpoint, rundir
 from flopwise.config import Config, config_hash, to_toml
 from flopwise.data.loader import eval_batches
 from flopwise.data.mixture import Source
 from flopwise.data.shards import read_index
+from flopwise.data.tasks import load_task
 from flopwise.data.tokenizer import side_files
 from flopwise.errors import ConfigError, DataError, TrainingStopped
 from flopwise.eval.generate import generate
@@ -47,7 +48,6 @@ from flopwise.parallel.apply import compiles
 from flopwise.parallel.mesh import DIMS, Parallel, across_nodes, missing_ranks
 from flopwise.plan.float8 import unconverted_linears
 from flopwise.plan.layout import Layout
-from flopwise.checkpoints import checkpoint, rundir
 from flopwise.train.engine import Engine, autocast
 from flopwise.train.faults import Faults, nan_grad, poison
 from flopwise.train.guard import Verdict
@@ -165,7 +165,7 @@ class _Loop:
         files = {"tokenizer.json": run.sources[0].data_dir / run.index["tokenizer"],
                  **(side_files(cfg.model.init_from[3:]) if cfg.model.init_from else {})}
         self.saver = Saver(cfg, self.run_dir, run.engine.parts, run.optimizer, self.snapshot, files, self.faults,
-                           console, par.layout.world)
+                           par.layout.world)
         self.saver.last = run.resumed_from
         self.watch = Watch(cfg.watchdog, self.run_dir, self.rank, par.device,
                            report=lambda m: logger.warning(m, extra={"highlighter": None}))
@@ -225,10 +225,10 @@ class _Loop:
         if self.val0 is None or done > RISE_WATCH_STEPS or loss <= self.val0 + RISE_NATS:
             return
         self.val0 = None  # once
-        self.console.print(f"[yellow]warning[/]: step {done}: training loss {loss:.3f} is far above the loaded model's "
-                           f"step-0 validation loss ({self.val0_seen:.3f}): the model is being damaged, most likely by "
-                           f"a learning rate too high for continued pre-training (optim.lr={self.cfg.optim.lr:g}); "
-                           "stop (Ctrl-C) and lower it (docs/continued-pretraining.md)", highlight=False)
+        logger.warning(f"[yellow]warning[/]: step {done}: training loss {loss:.3f} is far above the loaded model's "
+                       f"step-0 validation loss ({self.val0_seen:.3f}): the model is being damaged, most likely by "
+                       f"a learning rate too high for continued pre-training (optim.lr={self.cfg.optim.lr:g}); "
+                       "stop (Ctrl-C) and lower it (docs/continued-pretraining.md)", extra={"highlighter": None})
         self.write({"step": done, "event": "loss_rise", "loss": loss, "val_loss_step0": self.val0_seen})
 
     def log(self, done: int, loss: float, lr: float, norm: float) -> None:
@@ -363,18 +363,18 @@ def train(run: Run, started: float | None = None) -> TrainResult:
         if par.is_main:
             kept = [r for r in read_records(metrics_path) if r["step"] <= run.start_step]
             rundir.replace(run_dir, "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in kept).encode())
-        console.print(f"[bold]resumed[/] from {run.resumed_from} at step {run.start_step} "
-                      f"(written by layout {Layout.from_json(run.resumed_layout or {}).name()})")
+        logger.info(f"[bold]resumed[/] from {run.resumed_from} at step {run.start_step} "
+                    f"(written by layout {Layout.from_json(run.resumed_layout or {}).name()})")
     elif par.is_main:
         rundir.remove(run_dir, "metrics.jsonl")
     if par.is_main:
         rundir.replace(run_dir, "config.toml", to_toml(cfg).encode())
-    loop = _Loop(run, console)
+    loop = _Loop(run)
     if cfg.model.init_from and run.start_step == 0 and run.engine.can_eval:  # the model as loaded, for comparison
         loop.val0 = loop.val0_seen = evaluate(run.engine, run.sources, cfg)[0]
         loop.write({"step": 0, "val_loss": loop.val0})
-        console.print(f"step 0: val loss {loop.val0:.4f} (the model as loaded, {cfg.train.eval_batches} batches of "
-                      f"{cfg.data.seq_len}-token windows)", highlight=False)
+        logger.info(f"step 0: val loss {loop.val0:.4f} (the model as loaded, {cfg.train.eval_batches} batches of "
+                    f"{cfg.data.seq_len}-token windows)", extra={"highlighter": None})
     if run.start_step >= loop.end:
         logger.info(f"[bold]complete[/]: the checkpoint is at step {run.start_step}, where this run ends "
                     "(train.steps, train.stop_after): nothing to train; raise them to continue")
@@ -391,8 +391,8 @@ def train(run: Run, started: float | None = None) -> TrainResult:
                     f"{cfg.train.dtype} peak, so it compares with runs without float8 (their speed-up shows in it); "
                     "the float8 matmuls' own peak is twice that")
     if lo.world > 1:
-        console.print(f"[bold]layout[/] {layout_label(lo)} on {lo.world} processes{nodes_label(par)} "
-                      f"({dist.get_backend()}), {run.engine.n_micro} micro-batches of {cfg.train.micro_batch} per rank")
+        logger.info(f"[bold]layout[/] {layout_label(lo)} on {lo.world} processes{nodes_label(par)} "
+                    f"({dist.get_backend()}), {run.engine.n_micro} micro-batches of {cfg.train.micro_batch} per rank")
     if not run.engine.can_eval:
         logger.warning(f"[yellow]note[/]: no validation in this run: torch's {lo.pp_schedule} schedule deadlocks in eval "
                       "(see Engine.can_eval); export the checkpoint and run `flopwise eval` on it")
