@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 
 from conftest import tiny_overrides
 from flopwise.checkpoints import checkpoint
@@ -38,7 +37,7 @@ def overrides(run_dir, data, **extra) -> list[str]:
 
 def reference(tmp: Path, data, **extra) -> list[float]:
     """One process's per-step losses for the same run."""
-    return train(load_config(None, overrides(tmp, data, **extra)), Console(quiet=True)).losses
+    return train(load_config(None, overrides(tmp, data, **extra))).losses
 
 
 def logged_losses(run_dir: Path) -> list[float]:

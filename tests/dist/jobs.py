@@ -4,7 +4,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
 
 from flopwise.config import load_config
 from flopwise.launch import train
