@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import statistics
@@ -27,14 +26,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from conftest import tiny_overrides  # noqa: E402
-
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from conftest import tiny_overrides  # noqa: E402
+from flopwise.checkpoints import checkpoint  # noqa: E402
 from flopwise.config import load_config  # noqa: E402
 from flopwise.data.pipeline import prepare  # noqa: E402
-from flopwise.checkpoints import checkpoint  # noqa: E402
 from flopwise.launch import train  # noqa: E402
 
 MODEL = {"model.preset": '"demo-tiny"', "model.n_layers": 12, "model.d_model": 512, "model.n_heads": 8,
@@ -54,7 +52,7 @@ def one_process(tmp: Path, d: Path, mode: str, repeat: int = 0) -> dict:
           "checkpoint.async": "true" if mode == "async" else "false", "checkpoint.keep": 1,
           "checkpoint.resume": '"none"'}
     run_dir = tmp / mode / str(repeat)  # a fresh run each repeat (resume=none refuses a folder with checkpoints)
-    r = train(load_config(None, tiny_overrides(run_dir, d, **kw)), Console(file=io.StringIO()))
+    r = train(load_config(None, tiny_overrides(run_dir, d, **kw)))
     size = sum(p.stat().st_size for p in checkpoint.latest(run_dir).iterdir())
     return {"train_s": r.seconds, "checkpoint_mb": size / 1e6, "save_blocking_s": r.save_s,
             "async_complete_s": r.async_save_s}

@@ -35,12 +35,13 @@ import sys
 import tempfile
 import threading
 import time
+from itertools import pairwise
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from flopwise.plan.reliability import CHECKPOINT_BYTES_PER_PARAM, goodput
+from flopwise.plan.reliability import CHECKPOINT_BYTES_PER_PARAM, goodput  # noqa: E402  (after the path)
 
 STEP = re.compile(r"^step (\d+)/(\d+) ")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
@@ -133,7 +134,7 @@ def run(run_dir: Path, data: Path, steps: int, interval: int, mtbf: float | None
 def timings(r: dict, interval: int) -> tuple[float, float]:
     """(median step time, median checkpoint stall) from consecutive step lines of one attempt."""
     plain, saved = [], []
-    for (t0, a), (t1, b) in zip(r["lines"], r["lines"][1:]):
+    for (t0, a), (t1, b) in pairwise(r["lines"]):
         if b == a + 1 and not any(t0 < k < t1 for k in r["kills"]):
             (saved if a % interval == 0 else plain).append(t1 - t0)
     step = statistics.median(plain)

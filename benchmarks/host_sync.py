@@ -18,11 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from rich.console import Console
-
 from flopwise.config import load_config
-from flopwise.parallel.accounting import HostSyncCounter
 from flopwise.launch import train
+from flopwise.parallel.accounting import HostSyncCounter
 
 SHAPE = ["model.n_layers=6", "model.d_model=384", "model.n_heads=6", "model.n_kv_heads=6", "model.ffn_dim=1024",
          "model.vocab_size=4096", "model.max_seq_len=256", "data.seq_len=256", "train.global_batch=8",
@@ -33,7 +31,7 @@ SHAPE = ["model.n_layers=6", "model.d_model=384", "model.n_heads=6", "model.n_kv
 def run(steps: int, data: str, run_dir: Path) -> tuple[int, float]:
     cfg = load_config(None, [*SHAPE, f"train.steps={steps}", f'data.path="{data}"', f'run.dir="{run_dir}"'])
     with HostSyncCounter() as c:
-        r = train(cfg, Console(quiet=True))
+        r = train(cfg)
     return c.count, r.tokens_per_s
 
 

@@ -21,8 +21,6 @@ import statistics
 import time
 from pathlib import Path
 
-from rich.console import Console
-
 from flopwise.config import load_config
 from flopwise.sweep import final_val_loss, plan_ladder, run_ladder
 
@@ -43,7 +41,7 @@ def sweep(out: Path, budgets: list[float], jobs: int, dest: str | None) -> None:
     base = load_config("demo", BASE)
     runs = plan_ladder(base, budgets, 5, 8.0, "chinchilla-1", out)
     t0 = time.perf_counter()
-    run_ladder(base, runs, out, Console(), **({"jobs": jobs} if jobs > 1 else {}))  # older versions: no jobs
+    run_ladder(base, runs, out, **({"jobs": jobs} if jobs > 1 else {}))  # older versions: no jobs
     rec = {"budgets": budgets, "jobs": jobs, "wall_s": time.perf_counter() - t0, "tokens": sum(r.tokens for r in runs),
            "runs": {r.name: {"steps": r.steps, "val_loss": final_val_loss(r)} for r in runs}}
     rec["tokens_per_s"] = rec["tokens"] / rec["wall_s"]
@@ -70,7 +68,7 @@ def main() -> None:
     results = []
     for run in runs:  # one at a time, through the sweep's own runner (it prepares the shared data first)
         t0 = time.perf_counter()
-        run_ladder(base, [run], out, Console(quiet=True))
+        run_ladder(base, [run], out)
         wall = time.perf_counter() - t0
         rows = [json.loads(x) for x in (Path(run.config.run.dir) / "metrics.jsonl").read_text().splitlines()]
         logged = [r for r in rows if "tokens_per_s" in r and r["step"] > run.steps // 10]

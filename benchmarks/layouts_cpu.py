@@ -20,9 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from conftest import tiny_overrides  # noqa: E402
-
-from flopwise.data.shards import resolve_input  # noqa: E402
 from flopwise.data.pipeline import prepare  # noqa: E402
+from flopwise.data.shards import resolve_input  # noqa: E402
 from flopwise.plan.memory import model_state_bytes  # noqa: E402
 
 MODEL = {"model.preset": '"demo-tiny"', "model.n_layers": 4, "model.d_model": 128, "model.n_heads": 4,
@@ -61,7 +60,8 @@ def main() -> None:
         results.update(json.loads(out.read_text()))
     dest = ROOT / "benchmarks" / "results" / "layouts_cpu.json"
     dest.write_text(json.dumps(results, indent=1))
-    print("| layout | ranks | step (s) | tokens/s | params+grads+optimizer per rank (MB, max) | peak RSS per rank (MB, max) |")
+    print("| layout | ranks | step (s) | tokens/s | params+grads+optimizer per rank (MB, max) "
+          "| peak RSS per rank (MB, max) |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
         if "error" in r:

@@ -44,6 +44,7 @@ from flopwise.hardware import get_hardware
 from flopwise.plan.float8_linear import linear_times
 from flopwise.plan.layout import Layout
 from flopwise.plan.perf import ACT_BYTES, evaluate
+from plan_float8_linear import linear_times
 
 OUT = Path(__file__).parent / "results" / "plan_float8_published.json"
 RECIPES = ("none", "tensorwise", "rowwise")
@@ -128,7 +129,8 @@ def main() -> None:
     OUT.write_text(json.dumps({
         "published_e2e": {k: {"tokens_per_s_per_gpu": v[0], "peak_memory_gib": v[1], "speedup": v[0] / pub_base}
                           for k, v in PUBLISHED.items()},
-        "published_source": "pytorch/ao docs/source/workflows/training.md @36027d8, e2e training benchmarks, H100",
+        "published_source": "pytorch/ao docs/source/workflows/training.md @36027d8, "
+                            "e2e training benchmarks, H100",
         "planner_e2e": planner, "planner_e2e_shown": SHOWN, "mlp": terms, "before": BEFORE}, indent=1))
 
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from plan_speed import megatron
-
 from flopwise.hardware import get_hardware
 from flopwise.plan.layout import Layout
 from flopwise.plan.perf import STACKS, estimate, layer_times, model_shape
 from flopwise.plan.search import search
+from plan_speed import megatron
 
 A100 = get_hardware("a100-80gb")
 # Korthikanti Table 4: (recompute, sequence parallel) -> published forward, backward ms of one 22B layer.

@@ -14,8 +14,6 @@ import json
 import time
 from pathlib import Path
 
-from rich.console import Console
-
 from flopwise.config import load_config
 from flopwise.plan.fit import fit_approach2, fit_approach3, fit_kaplan, plot_fits, read_points, save_law
 from flopwise.sweep import final_val_loss, plan_ladder, run_ladder
@@ -55,7 +53,7 @@ def main() -> None:
     else:
         pred = json.loads((OUT / "prediction.json").read_text())
         runs = plan_ladder(base, [pred["budget"]], 1, 1.0, f"fitted:{OUT / 'law.json'}", "runs/ladder-holdout")
-        run_ladder(base, runs, Path("runs/ladder-holdout"), Console())
+        run_ladder(base, runs, Path("runs/ladder-holdout"))
         outcome = {"run": runs[0].name, "observed_loss": final_val_loss(runs[0]),
                    "predicted_loss": pred["predicted_loss"], "interval_95": pred["interval_95"]}
         outcome["error"] = outcome["observed_loss"] - outcome["predicted_loss"]

@@ -46,10 +46,10 @@ import sys
 import time
 from pathlib import Path
 
-from flopwise.data.shards import read_index, resolve_input
-from flopwise.data.pipeline import prepare
-from flopwise.errors import DataError
 from flopwise.checkpoints import checkpoint
+from flopwise.data.pipeline import prepare
+from flopwise.data.shards import read_index, resolve_input
+from flopwise.errors import DataError
 
 INFRA = ("kill", "hang", "sigterm", "enospc", "slow")
 DATA = ("nan_grad", "poison")
@@ -212,7 +212,7 @@ def main() -> None:
         check = {"exit": rcs, "checkpoint": mine.name if mine else None,
                  "state_equal": last.returncode == 0 and mine == checkpoint.step_dir(run_dir, end)
                  and same_state(mine, ref_ckpt),
-                 "loss_rows_equal": f"{sum(a == b for a, b in zip(losses, ref_losses))}/{len(ref_losses)}",
+                 "loss_rows_equal": f"{sum(a == b for a, b in zip(losses, ref_losses, strict=False))}/{len(ref_losses)}",
                  "events_equal": events == ref_events}
         recovered = (check["state_equal"] and losses == ref_losses and len(losses) > 0 and check["events_equal"])
         segments.append({"segment": [start, end], **check, "recovered": recovered})

@@ -18,15 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-from rich.console import Console
-
 from flopwise.config import load_config
 from flopwise.data.tasks import load_task
+from flopwise.eval.load import load_for_inference
 from flopwise.eval.tasks import evaluate_task
 from flopwise.flops import scaling_flops
 from flopwise.plan.taskfit import jaggedness, plot_tasks, predict_task, read_task_table
 from flopwise.sweep import plan_ladder, run_ladder
-from flopwise.eval.load import load_for_inference
 
 OUT = Path("benchmarks/scaling/tasks")
 TASKS = ["shakespeare-cloze", "shakespeare-nextline", "shakespeare-speaker"]
@@ -74,7 +72,7 @@ def main() -> None:
     else:
         pred = json.loads((OUT / "prediction.json").read_text())
         runs = plan_ladder(base, [pred["flops"]], 1, 1.0, "chinchilla-1", "runs/task-ladder-holdout")
-        run_ladder(base, runs, Path("runs/task-ladder-holdout"), Console())
+        run_ladder(base, runs, Path("runs/task-ladder-holdout"))
         run = runs[0]
         observed = evaluate_run(Path(run.config.run.dir), scaling_flops(run.params, run.tokens))
         outcome = {"run": run.name, "flops": scaling_flops(run.params, run.tokens), "tasks": {}}

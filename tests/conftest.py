@@ -14,8 +14,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """Alice in Wonderland split into chapters, tokenized with a 512-token BPE."""
-    from flopwise.data.shards import resolve_input
     from flopwise.data.pipeline import prepare
+    from flopwise.data.shards import resolve_input
 
     src = resolve_input("builtin:alice").read_text()
     docs = tmp_path_factory.mktemp("alice_docs")
@@ -43,8 +43,6 @@ def tiny_run(tiny_data, tmp_path_factory):
     """`tiny_run(steps)`: the run folder of `tiny_overrides` trained for `steps` steps on Alice, trained
     once per session (training is deterministic: a test's own run would be byte for byte this one).
     Read it, export or evaluate it elsewhere; never write into it."""
-    from rich.console import Console
-
     from flopwise.config import load_config
     from flopwise.launch import train
 
@@ -53,7 +51,7 @@ def tiny_run(tiny_data, tmp_path_factory):
     def get(steps: int) -> Path:
         if steps not in runs:
             out = tmp_path_factory.mktemp(f"tiny_run_{steps}") / "run"
-            train(load_config(None, tiny_overrides(out, tiny_data, **{"train.steps": steps})), Console(quiet=True))
+            train(load_config(None, tiny_overrides(out, tiny_data, **{"train.steps": steps})))
             runs[steps] = out
         return runs[steps]
 
@@ -128,8 +126,8 @@ def cli(capsys, monkeypatch):
 def tiny_mix(tiny_data, tmp_path_factory) -> str:
     """A two-source mixture for data.sources: Alice (weight 0.7) and three Shakespeare plays
     tokenized with Alice's tokenizer (0.3)."""
-    from flopwise.data.shards import resolve_input
     from flopwise.data.pipeline import prepare
+    from flopwise.data.shards import resolve_input
 
     plays = tmp_path_factory.mktemp("plays")
     for f in sorted(resolve_input("builtin:shakespeare").iterdir())[:3]:
@@ -146,8 +144,8 @@ def tiny_docs(tiny_data, tmp_path_factory) -> Path:
     tokenized with Alice's tokenizer."""
     import json
 
-    from flopwise.data.shards import resolve_input
     from flopwise.data.pipeline import prepare
+    from flopwise.data.shards import resolve_input
 
     paragraphs = [p for p in resolve_input("builtin:alice").read_text().split("\n\n") if p.strip()]
     src = tmp_path_factory.mktemp("paragraphs") / "alice.jsonl"

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from flopwise.errors import ConfigError
 from tests.conftest import FIXTURES, run_main, tiny_overrides
 from tests.conftest import flopwise as cli
-from flopwise.errors import ConfigError
 
 # a user's files, several named as what flopwise writes
 SENTINELS = [
@@ -208,8 +208,6 @@ def _ladder_base(tmp_path, data):
 def test_scale_sweep_replaces_its_own_configs_and_table_but_never_a_users(tiny_data, tmp_path, capsys, monkeypatch):
     """Before: `scale sweep --out DIR` (and --emit) overwrote the user's DIR/runs.csv and
     DIR/configs/NAME.toml, and wrote configs without flopwise's mark."""
-    from rich.console import Console
-
     from flopwise.outputs import TOML_HEADER
     from flopwise.plan.fit import read_points
     from flopwise.sweep import collect, plan_ladder, run_ladder
@@ -233,7 +231,7 @@ def test_scale_sweep_replaces_its_own_configs_and_table_but_never_a_users(tiny_d
     (mine).mkdir()
     (mine / "runs.csv").write_text("my,own,table\n")
     with pytest.raises(ConfigError, match="--out .*runs.csv"):
-        run_ladder(base, runs, mine, Console(file=open(os.devnull, "w")))
+        run_ladder(base, runs, mine)
     assert sorted(p.name for p in mine.iterdir()) == ["runs.csv"]  # refused before any data or training
     assert (mine / "runs.csv").read_text() == "my,own,table\n"
 

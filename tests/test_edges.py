@@ -285,23 +285,21 @@ def test_resume_refuses_a_metrics_file_the_user_annotated(tmp_path, tiny_data):
     """A note without a step in metrics.jsonl (`{"note": ...}`) was a KeyError traceback on resume;
     now the edited file is the user's (its bytes are not what flopwise recorded): the resume is
     refused in one line and the file is kept byte for byte."""
-    import io
 
-    from tests.conftest import tiny_overrides
-    from rich.console import Console
 
     from flopwise.launch import train
+    from tests.conftest import tiny_overrides
 
     over = tiny_overrides(tmp_path / "run", tiny_data, **{"train.steps": 4, "checkpoint.interval": 2,
                                                           "train.eval_every": 0})
-    train(load_config(None, [*over, "train.stop_after=3"]), Console(file=io.StringIO()))
+    train(load_config(None, [*over, "train.stop_after=3"]))
     metrics = tmp_path / "run" / "metrics.jsonl"
     lines = metrics.read_text().splitlines(keepends=True)
     note = '{"note":  "lr looked high here, kept going"}\n'
     edited = "".join(lines[:1]) + note + "".join(lines[1:])
     metrics.write_text(edited)
     with pytest.raises(ConfigError, match="metrics.jsonl has changed since flopwise wrote it"):
-        train(load_config(None, over), Console(file=io.StringIO()))
+        train(load_config(None, over))
     assert metrics.read_text() == edited
 
 
@@ -362,16 +360,14 @@ def test_the_prepare_summary_names_what_was_skipped(tmp_path):
 
 def test_eval_and_generate_say_which_checkpoint_they_use_and_why(tmp_path, tiny_data):
     """A run whose newest checkpoint is damaged: eval and generate used the older one without a word."""
-    import io
 
-    from tests.conftest import tiny_overrides
-    from rich.console import Console
 
     from flopwise.launch import train
+    from tests.conftest import tiny_overrides
 
     run = tmp_path / "run"
     train(load_config(None, tiny_overrides(run, tiny_data, **{"train.steps": 4, "checkpoint.interval": 2,
-                                                              "train.eval_every": 0})), Console(file=io.StringIO()))
+                                                              "train.eval_every": 0})))
     newest = run / "checkpoints" / "step-00000004"
     r = flopwise("generate", str(run), "--prompt", "Alice", "--max-new-tokens", "2")
     assert r.returncode == 0 and r.stderr == "", r.stderr  # the newest: nothing to say

@@ -19,7 +19,7 @@ NARAYANAN = [(1.7, 24, 2304, 24, 512), (18.4, 48, 6144, 40, 1024), (145.6, 96, 1
 
 
 @pytest.mark.parametrize("params_b, heads, h, l, batch", NARAYANAN)
-def test_narayanan_eq3_full_recompute(params_b, heads, h, l, batch):
+def test_narayanan_eq3_full_recompute(params_b, heads, h, l, batch):  # noqa: E741 l: the paper's layer count
     """F = 96·B·s·l·h²·(1 + s/6h + V/16lh): GEMM FLOPs per iteration with full recomputation."""
     m = megatron_gpt(l, h, heads)
     expected = 96 * batch * S * l * h**2 * (1 + S / (6 * h) + V / (16 * l * h))
@@ -27,7 +27,7 @@ def test_narayanan_eq3_full_recompute(params_b, heads, h, l, batch):
 
 
 @pytest.mark.parametrize("params_b, heads, h, l, batch", NARAYANAN)
-def test_narayanan_eq2_param_count(params_b, heads, h, l, batch):
+def test_narayanan_eq2_param_count(params_b, heads, h, l, batch):  # noqa: E741 l: the paper's layer count
     """P = 12·l·h²·(1 + 13/12h + (V+s)/12lh), and the rounded 'Params (B)' column of Table 1."""
     m = megatron_gpt(l, h, heads)
     eq2 = 12 * l * h**2 * (1 + 13 / (12 * h) + (V + S) / (12 * l * h))
@@ -40,7 +40,7 @@ def test_narayanan_eq2_param_count(params_b, heads, h, l, batch):
     (6144, 64, 48, 8, 4, 1.10, 0.415),  # Korthikanti et al. 2022 Table 5: 22B
     (20480, 128, 105, 280, 280, 37.83, 0.560),  # 530B (MT-NLG shape)
 ])
-def test_korthikanti_table5_mfu(h, heads, l, gpus, batch, seconds, published_mfu):
+def test_korthikanti_table5_mfu(h, heads, l, gpus, batch, seconds, published_mfu):  # noqa: E741 l: the paper's layer count
     m = megatron_gpt(l, h, heads)
     model_flops = flops_per_step(m, S, batch)
     eq7 = 72 * batch * l * S * h**2 * (1 + S / (6 * h) + V / (12 * h * l))

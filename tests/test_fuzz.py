@@ -18,12 +18,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flopwise.config import Config, load_config
+from flopwise.checkpoints import checkpoint
+from flopwise.config import Config, hf_model_fields, load_config
 from flopwise.data.shards import open_split, read_index
 from flopwise.data.tokenizer import load_tokenizer
 from flopwise.errors import CheckpointError, ConfigError, DataError, FlopwiseError
-from flopwise.config import hf_model_fields
-from flopwise.checkpoints import checkpoint
 
 FUZZ = settings(max_examples=int(os.environ.get("FLOPWISE_FUZZ_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 KEYS = ["train.steps", "train.global_batch", "model.n_layers", "model.d_model", "model.n_heads", "data.seq_len",
@@ -182,11 +181,9 @@ def build_real(root: Path) -> dict[str, Path]:
     normalised (its checkpoint_id and random save_id fixed, the manifest re-signed): every file is
     the same bytes on every machine, so a seed means the same mutants everywhere (before, DCP's
     absolute checkpoint path moved the seeded bit flips with the temp folder's name)."""
-    from rich.console import Console
-
     from flopwise.config import to_toml
-    from flopwise.data.shards import resolve_input
     from flopwise.data.pipeline import prepare
+    from flopwise.data.shards import resolve_input
     from flopwise.data.tasks import builtin_tasks
     from flopwise.interop.convert import export_hf
     from flopwise.launch import train
@@ -203,7 +200,7 @@ def build_real(root: Path) -> dict[str, Path]:
         prepare([str(docs)], Path("data"), tokenizer="bpe:512", val_fraction=0.1, seed=0)
         cfg = load_config(None, tiny_overrides("run", "data", **{
             "train.steps": 2, "checkpoint.interval": 2, "train.eval_every": 2, "optim.warmup_steps": 1}))
-        train(cfg, Console(quiet=True))
+        train(cfg)
         ckpt = root / checkpoint.latest("run")
         (ckpt / ".metadata").write_bytes(fuzzing.normalise_dcp_metadata((ckpt / ".metadata").read_bytes()))
         _resign(ckpt, ".metadata")
@@ -383,8 +380,6 @@ def _resumer(real, work):
     """A run built once (resume=none, on the first case) that each case resumes into: build.resume
     is what build_run calls (config and data checks, weights, optimizer, loader position, RNG,
     guard, step), then one batch is drawn from the restored loader position."""
-    from rich.console import Console
-
     from flopwise.build import build_run
     from flopwise.train.run import resume
 
@@ -395,8 +390,8 @@ def _resumer(real, work):
             cfg = load_config(None, tiny_overrides(work / "resumer", real["data"], **{
                 "train.steps": 2, "checkpoint.interval": 2, "train.eval_every": 2, "optim.warmup_steps": 1,
                 "checkpoint.resume": '"none"'}))
-            built.append(build_run(cfg, Console(quiet=True)))
-        resume(built[0], ckpt, Console(quiet=True))
+            built.append(build_run(cfg))
+        resume(built[0], ckpt)
         built[0].loader.next_batch()
     return load
 
@@ -494,6 +489,6 @@ def test_a_seed_means_the_same_mutants_wherever_the_files_are(real, tmp_path_fac
     for reader, cases in READERS.items():
         mine, theirs = cases(real, work_here)[0], cases(elsewhere, work_there)[0]
         assert [label for label, _ in mine] == [label for label, _ in theirs], reader
-        assert all(a == b for (_, a), (_, b) in zip(mine, theirs)), f"{reader}: a mutant differs"
+        assert all(a == b for (_, a), (_, b) in zip(mine, theirs, strict=True)), f"{reader}: a mutant differs"
         sample = fuzzing.pick(mine[1:], 120, seed=17, always=REGRESSIONS.get(reader, ()))
         assert sample == fuzzing.pick(theirs[1:], 120, seed=17, always=REGRESSIONS.get(reader, ()))

@@ -1,12 +1,10 @@
 import csv
 import math
 
-from rich.console import Console
-
-from tests.conftest import tiny_overrides
 from flopwise.config import load_config
 from flopwise.plan.fit import read_points
 from flopwise.sweep import launch_commands, plan_ladder, run_ladder, write_configs
+from tests.conftest import tiny_overrides
 
 
 def test_ladder_plans_runs_resumes_and_collects(tiny_data, tmp_path):
@@ -23,12 +21,11 @@ def test_ladder_plans_runs_resumes_and_collects(tiny_data, tmp_path):
     for k in (0, 5):
         sizes = [r.params for r in wide[k:k + 5]]
         assert sizes == sorted(sizes) and sizes[-1] / sizes[0] > 4
-    quiet = Console(file=open("/dev/null", "w"))
-    table = run_ladder(base, runs, out, quiet)
+    table = run_ladder(base, runs, out)
     rows = list(csv.DictReader(table.open()))
     assert len(rows) == len(runs) and all(math.isfinite(float(r["loss"])) for r in rows)
     mtimes = [(out / r.name / "metrics.jsonl").stat().st_mtime for r in runs]
-    run_ladder(base, runs, out, quiet)  # finished runs are skipped
+    run_ladder(base, runs, out)  # finished runs are skipped
     assert mtimes == [(out / r.name / "metrics.jsonl").stat().st_mtime for r in runs]
     pts = read_points(table)
     assert len(pts) == len(runs)
@@ -44,12 +41,11 @@ def test_ladder_jobs_train_runs_at_once_with_the_losses_of_one_at_a_time(tiny_da
     """Worker processes on one thread each (--jobs 2) against the in-process sequential sweep."""
     base = load_config(None, tiny_overrides(tmp_path / "base", tiny_data, **{"train.global_batch": 8,
                                                                             "train.micro_batch": 8}))
-    quiet = Console(file=open("/dev/null", "w"))
     tables = {}
     for jobs in (1, 2):
         out = tmp_path / f"jobs{jobs}"
         runs = plan_ladder(base, [2e9, 6e9], sizes=2, spread=4.0, out=out)
-        tables[jobs] = {r["name"]: float(r["loss"]) for r in csv.DictReader(run_ladder(base, runs, out, quiet, jobs).open())}
+        tables[jobs] = {r["name"]: float(r["loss"]) for r in csv.DictReader(run_ladder(base, runs, out, jobs).open())}
     assert len(tables[2]) == len(runs) >= 3 and tables[2].keys() == tables[1].keys()
     for name, loss in tables[1].items():
         assert abs(tables[2][name] - loss) < 1e-4 * loss, (name, loss, tables[2][name])

@@ -41,7 +41,6 @@ TAIL = 20  # the loss compared: the mean over the last TAIL steps
 def one(shape: str, recipe: str, a: argparse.Namespace) -> dict:
     """Train `a.steps` steps of one shape under one recipe in this process; its figures."""
     import torch
-    from rich.console import Console
 
     from flopwise.build import build_run
     from flopwise.config import load_config
@@ -61,7 +60,7 @@ def one(shape: str, recipe: str, a: argparse.Namespace) -> dict:
         "train.dtype=\"bf16\"", f"train.compile={'true' if cuda else 'false'}", f"train.device=\"{'cuda' if cuda else 'cpu'}\"",
         f"train.float8=\"{recipe}\"", f"train.float8_emulate={'false' if cuda else 'true'}", "parallel.zero=0",
         "cluster.hardware=\"h200\"", "optim.warmup_steps=20" if not a.tiny else "optim.warmup_steps=1"])
-    run = build_run(cfg, Console(quiet=True))
+    run = build_run(cfg)
     faults = Faults.from_env(0)
     losses, times = [], []
     if cuda:

@@ -9,7 +9,8 @@ mixed-precision policy, fp32 master weights), FSDP2 over a one-rank mesh, per-bl
 Reports tokens/s (median step over the timed steps, after compile warm-up), MFU against the
 catalogue's dense bf16 peak and against a bf16 matmul ceiling measured here, and peak memory.
 Beside each measured figure it prints the planner's prediction for the same layout (flopwise stack):
-step time, MFU, and this rank's parameter/gradient/optimizer/activation bytes. Tokens are synthetic (uniform over the vocabulary): throughput does not depend on them.
+step time, MFU, and this rank's parameter/gradient/optimizer/activation bytes. Tokens are synthetic
+(uniform over the vocabulary): throughput does not depend on them.
 """
 
 from __future__ import annotations

@@ -22,17 +22,18 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _out import report  # noqa: E402  (benchmarks/gpu/_out.py: this script's folder is on sys.path)
-from train_cpu import flopwise_config, flopwise_step, fused_adamw, nanogpt_step, peer_step  # noqa: E402
 
 from flopwise.flops import flops_per_token, mfu  # noqa: E402
 from flopwise.hardware import CATALOGUE  # noqa: E402
 from flopwise.train.metrics import device_peak  # noqa: E402
+from train_cpu import flopwise_config, flopwise_step, fused_adamw, nanogpt_step, peer_step  # noqa: E402
 
 SHAPES = {
     "llama": dict(arch="llama", n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192,
@@ -104,8 +105,8 @@ def main() -> None:
         overrides = flopwise_overrides(shape, device)
         fpt = flops_per_token(flopwise_config(model_shape, "bf16", overrides).model, shape["seq"])
         row = {"shape": shape, "model_flops_per_token": fpt}
-        builders = {"flopwise": lambda: flopwise_step(model_shape, "bf16", overrides, device),
-                    peer: lambda: build_peer(shape, device)}
+        builders = {"flopwise": partial(flopwise_step, model_shape, "bf16", overrides, device),
+                    peer: partial(build_peer, shape, device)}
         for who, build in builders.items():
             torch.manual_seed(0)
             r = timed(build(), shape, device, a.steps, a.warmup)  # the step (and its model) is freed after

@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable
+import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
 from rich.markup import escape
 from torch import nn
 
+from flopwise.checkpoints import checkpoint
+from flopwise.checkpoints.rundir import claim
 from flopwise.config import Config
 from flopwise.data.loader import TokenLoader
 from flopwise.data.mixture import Source, check_tokenizers, fingerprint
@@ -37,17 +39,17 @@ from flopwise.model.transformer import build_model
 from flopwise.parallel import mesh
 from flopwise.parallel.apply import parallelize
 from flopwise.parallel.data import zero1_group
+from flopwise.parallel.float8 import check_float8
 from flopwise.parallel.pipeline import split_stages
 from flopwise.plan.planner import resolve_layout
-from flopwise.checkpoints import checkpoint
 from flopwise.train.engine import Engine
 from flopwise.train.guard import Guard
 from flopwise.train.metrics import check_tensorboard
 from flopwise.train.optim import build_optimizer
-from flopwise.parallel.float8 import check_float8
 from flopwise.train.preflight import oom_names, preflight, record_history
-from flopwise.checkpoints.rundir import claim
 from flopwise.train.run import Run, resume
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -80,7 +82,7 @@ def claim_run_dir(cfg: Config, run_dir: Path, world: int) -> None:
     claim(run_dir, [*TRAIN_WRITES, *data, *per_rank])
 
 
-def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, console: Console, setting: str) -> Path:
+def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, setting: str) -> Path:
     """A prepared data dir as given, or the raw input `path` prepared under `out` (kept while its
     recipe is unchanged); `setting` names the option that chose `out`'s folder, for a refusal."""
     if is_prepared(path):
@@ -94,19 +96,20 @@ def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, console: Consol
                 return out
         except ValueError:  # recorded in the manifest, so flopwise's, yet unreadable: prepare again
             pass
-    console.print(f"[bold]preparing data[/] {path} -> {out} (tokenizer {tokenizer})")
+    logger.info(f"[bold]preparing data[/] {path} -> {out} (tokenizer {tokenizer})")
     stats = prepare([path], out, tokenizer=tokenizer, val_fraction=cfg.data.val_fraction, seed=cfg.run.seed,
                     setting=setting)
     add_to_manifest(out, DATA_MANIFEST, "recipe.json", json.dumps(recipe).encode())  # the folder stays provably flopwise's
-    console.print(f"  {stats.documents} documents, {stats.tokens:,} tokens ({stats.splits['train']:,} train / "
-                  f"{stats.splits['val']:,} val), {stats.bytes / 1e6:.1f} MB in {stats.seconds:.1f} s "
-                  f"({stats.tokens_per_s / 1e3:.0f}k tokens/s)")
+    logger.info(f"  {stats.documents} documents, {stats.tokens:,} tokens ({stats.splits['train']:,} train / "
+                f"{stats.splits['val']:,} val), {stats.bytes / 1e6:.1f} MB in {stats.seconds:.1f} s "
+                f"({stats.tokens_per_s / 1e3:.0f}k tokens/s)")
     if stats.report.get("skipped"):
-        console.print(f"  [yellow]skipped[/]: {escape(skipped_note(stats.report['skipped']))} (report.json: skipped)")
+        logger.info(f"  [yellow]skipped[/]: {escape(skipped_note(stats.report['skipped']))} (report.json: skipped)",
+                    extra={"highlighter": None})
     return out
 
 
-def ensure_data(cfg: Config, run_dir: Path, console: Console, setting: str = "run.dir") -> list[Source]:
+def ensure_data(cfg: Config, run_dir: Path, setting: str = "run.dir") -> list[Source]:
     """The mixture's sources as prepared data dirs. Raw inputs are prepared under <run.dir>/data
     (one source) or <run.dir>/data-NAME, claimed in the run folder first (rundir.claim: so `data
     mix` or a sweep leaves a folder that `train` accepts as flopwise's); the first fixes the
@@ -116,10 +119,10 @@ def ensure_data(cfg: Config, run_dir: Path, console: Console, setting: str = "ru
     tokenizer = cfg.data.tokenizer
     if raw := [data_dir_name(cfg, s.label) for s in mixture if not is_prepared(s.path)]:
         claim(run_dir, raw, setting)
-    sources = []
+    sources: list[Source] = []
     for s in mixture:
         out = run_dir / data_dir_name(cfg, s.label)
-        d = _prepared(s.path, out, tokenizer, cfg, console, setting)
+        d = _prepared(s.path, out, tokenizer, cfg, setting)
         if not sources:  # a plain name inside the folder, checked before anything reads or copies it
             tokenizer = str(tokenizer_path(d).resolve())
         sources.append(Source(s.label, d, s.weight))
@@ -182,7 +185,7 @@ def build_engine(cfg: Config, par: mesh.Parallel, eos_id: int | None = None) -> 
     return engine, build_optimizer(engine.modules, cfg.optim, zero1_group(par))
 
 
-def _resume_point(cfg: Config, run_dir: Path, console: Console) -> Path | None:
+def _resume_point(cfg: Config, run_dir: Path) -> Path | None:
     """The checkpoint to resume from: rank 0 verifies (checksums read every byte once) and tells
     the others, reporting any damaged newer checkpoint it skips."""
     r = cfg.checkpoint.resume
@@ -190,13 +193,16 @@ def _resume_point(cfg: Config, run_dir: Path, console: Console) -> Path | None:
         return None
     if r != "auto":
         return checkpoint.resolve(r)
-    found = [None]
+    found: list[Path | None] = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        report = lambda msg: console.print(f"[yellow]checkpoint[/]: {escape(msg)}", highlight=False)  # noqa: E731
-        found = [checkpoint.latest(run_dir, cfg.checkpoint.verify == "sha256", report)]
+        found = [checkpoint.latest(run_dir, cfg.checkpoint.verify == "sha256", _report_checkpoint)]
     if dist.is_initialized():
         dist.broadcast_object_list(found, src=0)
     return found[0]
+
+
+def _report_checkpoint(msg: str) -> None:
+    logger.warning(f"[yellow]checkpoint[/]: {escape(msg)}", extra={"highlighter": None})
 
 
 @contextlib.contextmanager
@@ -213,7 +219,7 @@ def subnormals_flushed():
         torch.set_flush_denormal(before)
 
 
-def build_run(cfg: Config, console: Console, lock: Callable[[], object] = lambda: None) -> Run:
+def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run:
     """Resolve the layout, join the job, check that every rank fits its device (train.preflight:
     before the run folder or the data exist), prepare data, build this rank's shards, and restore
     the newest checkpoint (checkpoint.resume). `lock`: takes the run folder's lock (rank 0, before
@@ -226,15 +232,15 @@ def build_run(cfg: Config, console: Console, lock: Callable[[], object] = lambda
     check_float8(cfg, par.device)  # before anything is written
     check_tensorboard(cfg.log.tensorboard)
     if (fits := preflight(cfg, par)) is not None:
-        console.print(fits, highlight=False)
+        logger.info(fits, extra={"highlighter": None})
     record_history(cfg, par.device)
     if par.is_main:
         lock()
         claim_run_dir(cfg, run_dir, par.layout.world)
-        sources = ensure_data(cfg, run_dir, console)
+        sources = ensure_data(cfg, run_dir)
     mesh.barrier()
     if not par.is_main:
-        sources = ensure_data(cfg, run_dir, console)  # prepared by rank 0 by now
+        sources = ensure_data(cfg, run_dir)  # prepared by rank 0 by now
     index = read_index(sources[0].data_dir)
     model_tok = check_init_tokenizer(cfg, sources[0].data_dir)
     if index["vocab_size"] > cfg.model.vocab_size:
@@ -246,10 +252,10 @@ def build_run(cfg: Config, console: Console, lock: Callable[[], object] = lambda
     run = Run(cfg, par, engine, optimizer, loader, sources, index, tokenizer_of(sources[0].data_dir),
               Guard(cfg.guard), fingerprint(sources))
     if cfg.model.init_from:
-        console.print(loaded_line(cfg, model_tok), highlight=False)
-    run.resumed_from = resume_from = _resume_point(cfg, run_dir, console)
+        logger.info(loaded_line(cfg, model_tok), extra={"highlighter": None})
+    run.resumed_from = resume_from = _resume_point(cfg, run_dir)
     if resume_from is not None:
-        resume(run, resume_from, console)
+        resume(run, resume_from)
         if run.start_step > cfg.train.steps:
             raise ConfigError(f"checkpoint {resume_from} is at step {run.start_step}, past train.steps="
                               f"{cfg.train.steps}; raise train.steps to continue it, or start a new run.dir")

@@ -29,25 +29,33 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
+from collections.abc import Callable
 from dataclasses import replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import tomli_w
-import tomllib
 import torch
 
 from flopwise.calibration import COLLECTIVES, Calibration
 from flopwise.config import Config, load_config, to_toml, validate
 from flopwise.errors import ConfigError, FlopwiseError
 from flopwise.hardware import CATALOGUE, Hardware, hardware_toml, identify_gpu
-from flopwise.outputs import check_writable, write_text
 from flopwise.model.layers import CoreAttention
 from flopwise.model.transformer import build_model
+from flopwise.outputs import check_writable, write_text
 from flopwise.plan.layout import Layout, check_layout, config_layout
-from flopwise.plan.perf import (STACKS, eager_precision, estimate, layer_elementwise_bytes, loss_bytes, model_shape,
-                                weight_cast_bytes)
+from flopwise.plan.perf import (
+    STACKS,
+    eager_precision,
+    estimate,
+    layer_elementwise_bytes,
+    loss_bytes,
+    model_shape,
+    weight_cast_bytes,
+)
 from flopwise.train.engine import lm_loss
 from flopwise.train.metrics import DTYPES, measure_matmul_peak
 from flopwise.train.optim import build_optimizer
@@ -103,7 +111,7 @@ def measure_gemms(shapes, dtype: torch.dtype, device: torch.device, peak: float,
         flops = 2 * m * n * k
         a = torch.full((m, k), 0.5, dtype=dtype, device=device)
         b = torch.full((k, n), 0.25, dtype=dtype, device=device)
-        sec = timed(lambda: a @ b, device, repeats=3 if flops > 1e9 else 7)
+        sec = timed(partial(torch.matmul, a, b), device, repeats=3 if flops > 1e9 else 7)
         rows.append([m, n, k, round(flops / sec / peak, 4)])
         progress(f"gemm {m}x{k}x{n}")
     return rows
@@ -118,14 +126,18 @@ def measure_attention(head_dims, seqs, dtype: torch.dtype, device: torch.device,
     core = CoreAttention(0.0)
     budget = 2**21 if device.type == "cpu" else 2**26  # query elements per call
     gen = torch.Generator(device=device).manual_seed(0)
+
+    def fwd_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(core(q, k, v, None, True), (q, k, v), grad)
+
     for d in head_dims:
         for s in seqs:
             bh = max(1, budget // (s * d))
             q, k, v = (torch.randn((1, bh, s, d), generator=gen, dtype=dtype, device=device).requires_grad_()
                        for _ in range(3))
             grad = torch.ones((1, bh, s, d), dtype=dtype, device=device)
-            fwd = timed(lambda: core(q, k, v, None, True), device)
-            both = timed(lambda: torch.autograd.grad(core(q, k, v, None, True), (q, k, v), grad), device)
+            fwd = timed(partial(core, q, k, v, None, True), device)
+            both = timed(partial(fwd_bwd, q, k, v, grad), device)
             flops = 4 * bh * s * s * d
             rows.append([s, d, round(flops / fwd / peak, 4), round(3 * flops / max(both - fwd, 0.1 * fwd) / peak, 4)])
             progress(f"attention seq {s} head dim {d}")
@@ -154,14 +166,14 @@ def model_seconds(cfg: Config, device: torch.device, micro_batches: tuple[int, .
     m = cfg.model
     model = build_model(m, device)
     out = {}
+
+    def step(batch: torch.Tensor) -> None:
+        lm_loss(model, batch, device, cfg.train.dtype).backward()
+        model.zero_grad(set_to_none=True)
+
     for mb in micro_batches:
         batch = torch.randint(0, m.vocab_size, (mb, cfg.data.seq_len + 1), generator=torch.Generator().manual_seed(0))
-
-        def step():
-            lm_loss(model, batch, device, cfg.train.dtype).backward()
-            model.zero_grad(set_to_none=True)
-
-        out[mb] = timed(step, device, repeats=3)
+        out[mb] = timed(partial(step, batch), device, repeats=3)
         progress(f"model forward + backward at micro-batch {mb}")
     return out
 
@@ -203,18 +215,17 @@ def _tp_seconds(config: str, device: torch.device) -> float:
 
 def measure_optimizer(cfg: Config, device: torch.device, sizes, progress: Progress) -> list:
     rows = []
+
+    def step(w: torch.nn.Linear, opt: torch.optim.Optimizer) -> None:
+        params = [p for p in w.parameters()]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(params, cfg.optim.grad_clip or 1.0, norm, foreach=True)
+        opt.step()
+
     for n in sizes:
         w = torch.nn.Linear(1024, max(1, n // 1024), bias=False, device=device)
         w.weight.grad = torch.full_like(w.weight, 1e-3)
-        opt = build_optimizer(w, cfg.optim)
-
-        def step():
-            params = [p for p in w.parameters()]
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-            torch.nn.utils.clip_grads_with_norm_(params, cfg.optim.grad_clip or 1.0, norm, foreach=True)
-            opt.step()
-
-        rows.append([w.weight.numel(), timed(step, device)])
+        rows.append([w.weight.numel(), timed(partial(step, w, build_optimizer(w, cfg.optim)), device)])
         progress(f"AdamW over {w.weight.numel():,} parameters")
     return rows
 
@@ -249,14 +260,16 @@ def _collectives_rank(out: str, backend: str, config: str) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     rows: dict[str, list] = {k: [] for k in COLLECTIVES}
+
+    def collectives(full: torch.Tensor, part: torch.Tensor) -> dict[str, Callable[[], object]]:
+        return {"all_reduce": lambda: dist.all_reduce(full),
+                "all_gather": lambda: dist.all_gather_into_tensor(full[: part.numel() * world], part),
+                "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full[: part.numel() * world]),
+                "send_recv": lambda: (dist.send(full, 1) if rank == 0 else dist.recv(full, 0)) if rank < 2 else None}
+
     for nbytes in MESSAGE_BYTES[device.type]:
         n = nbytes // 4
-        full = torch.ones(n, device=device)
-        part = torch.ones(n // world, device=device)
-        ops = {"all_reduce": lambda: dist.all_reduce(full),
-               "all_gather": lambda: dist.all_gather_into_tensor(full[: part.numel() * world], part),
-               "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full[: part.numel() * world]),
-               "send_recv": lambda: (dist.send(full, 1) if rank == 0 else dist.recv(full, 0)) if rank < 2 else None}
+        ops = collectives(torch.ones(n, device=device), torch.ones(n // world, device=device))
         for kind, op in ops.items():
             rows[kind].append([world if kind != "send_recv" else 2, nbytes, timed(op, device, before=dist.barrier)])
     hidden = overlap(device)
@@ -391,14 +404,14 @@ def _calibrate(cfg: Config, device: torch.device, nproc: int, threads: int, prog
                  intra_node_bw=base.intra_node_bw or bw, inter_node_bw=base.inter_node_bw or bw,
                  source=f"measured by flopwise hardware calibrate on {platform.node()} "
                         f"({nproc} ranks{f' of {threads} threads' if threads else ''}, torch {torch.__version__}) at "
-                        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
+                        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC")
     stub = Calibration(dtype=dtype_name, gemm=tuple(map(tuple, gemm)), attention=tuple(map(tuple, attention)),
                        elementwise=((1.0, 1.0, bw),), optimizer=((1.0, 1.0),),
                        collectives=tuple((k, tuple(map(tuple, v))) for k, v in sorted(collectives.items()) if v))
     partial = replace(hw, calibration=stub)
     elementwise = [elementwise_row(cfg, partial, 1, mb, sec)
                    for mb, sec in model_seconds(cfg, device, micro_batches, progress).items()]
-    if measured["tp_seconds"]:
+    if tp_cfg is not None and measured["tp_seconds"]:
         elementwise.append(elementwise_row(tp_cfg, partial, nproc, mb, measured["tp_seconds"]))
     sizes = [2**20, 2**22, 2**24] if device.type == "cpu" else [2**24, 2**26, 2**28]
     optimizer = measure_optimizer(cfg, device, sizes, progress)

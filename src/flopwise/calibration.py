@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import pairwise
 
 from flopwise.errors import ConfigError
 
@@ -38,11 +39,12 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 @dataclass(frozen=True)
 class Calibration:
     dtype: str
-    gemm: tuple[tuple[float, float, float, float], ...]
-    attention: tuple[tuple[float, float, float, float], ...]
-    elementwise: tuple[tuple[float, float, float], ...]
-    optimizer: tuple[tuple[float, float], ...]
-    collectives: tuple[tuple[str, tuple[tuple[float, float, float], ...]], ...] = ()
+    # rows of 4, 4, 3, 2 and 3 numbers (checked where a calibration is read)
+    gemm: tuple[tuple[float, ...], ...]
+    attention: tuple[tuple[float, ...], ...]
+    elementwise: tuple[tuple[float, ...], ...]
+    optimizer: tuple[tuple[float, ...], ...]
+    collectives: tuple[tuple[str, tuple[tuple[float, ...], ...]], ...] = ()
     source: str = ""
     threads: int = 0  # CPU: the threads one device (one rank) had; `plan --measure` runs its ranks so
     overlap: float = 1.0  # share of a collective that hides behind compute on the same device
@@ -88,14 +90,14 @@ def _stream(rows, tensor_bytes: float, tp: int) -> float:
 def _idw(rows, point) -> tuple[float, ...]:
     """Inverse-squared-distance weighted mean of the rows' values, distance in log space."""
     logp = [math.log(max(x, 1.0)) for x in point]
-    total, acc = 0.0, None
+    total, acc = 0.0, [0.0] * (len(rows[0]) - len(point))
     for row in rows:
-        d2 = sum((math.log(max(a, 1.0)) - b) ** 2 for a, b in zip(row, logp))
+        d2 = sum((math.log(max(a, 1.0)) - b) ** 2 for a, b in zip(row, logp, strict=False))
         values = row[len(point):]
         if d2 < 1e-12:
             return tuple(values)
         w = 1.0 / d2
-        acc = [w * v for v in values] if acc is None else [a + w * v for a, v in zip(acc, values)]
+        acc = [a + w * v for a, v in zip(acc, values, strict=True)]
         total += w
     return tuple(a / total for a in acc)
 
@@ -105,7 +107,7 @@ def _interp_log(rows, x: float) -> float:
     pts = sorted(rows)
     if x <= pts[0][0]:
         return pts[0][1]
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+    for (x0, y0), (x1, y1) in pairwise(pts):
         if x <= x1:
             t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
             return y0 + t * (y1 - y0)
@@ -125,13 +127,13 @@ def ring_steps_and_factor(kind: str, n: int) -> tuple[float, float]:
 def _fit_ring(kind: str, rows) -> tuple[float, float]:
     """Least squares of t = α·steps + factor·bytes / β over the measured rows (α, 1/β ≥ 0)."""
     xs = [ring_steps_and_factor(kind, int(n)) for n, _, _ in rows]
-    a = [(s, f * b) for (s, f), (_, b, _) in zip(xs, rows)]
+    a = [(s, f * b) for (s, f), (_, b, _) in zip(xs, rows, strict=True)]
     t = [sec for _, _, sec in rows]
     s11 = sum(x * x for x, _ in a)
     s12 = sum(x * y for x, y in a)
     s22 = sum(y * y for _, y in a)
-    r1 = sum(x * ti for (x, _), ti in zip(a, t))
-    r2 = sum(y * ti for (_, y), ti in zip(a, t))
+    r1 = sum(x * ti for (x, _), ti in zip(a, t, strict=True))
+    r2 = sum(y * ti for (_, y), ti in zip(a, t, strict=True))
     det = s11 * s22 - s12 * s12
     alpha, inv_bw = ((r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det) if det > 0 else (0.0, 0.0)
     if inv_bw <= 0:  # latency-bound measurements: bandwidth from the largest message alone

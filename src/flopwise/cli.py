@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from flopwise import log
 from flopwise.errors import FlopwiseError
 from flopwise.outputs import check_writable, write_json, write_text
 
@@ -33,6 +35,14 @@ hardware_app = typer.Typer(no_args_is_help=True, help="Measure this machine for 
 app.add_typer(hardware_app, name="hardware")
 # Piped or logged, rich would lay tables out at 80 columns and cut numbers to "4…": never cut them
 console = Console() if sys.stdout.isatty() else Console(width=200)
+logger = logging.getLogger("flopwise.cli")
+
+
+@app.callback()
+def _messages(quiet: bool = typer.Option(False, "--quiet", "-q", help="print only warnings and errors"),
+              verbose: bool = typer.Option(False, "--verbose", "-v", help="print debug messages too")) -> None:
+    """How much flopwise says while it works (results are printed either way)."""
+    log.setup(logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO, console)
 
 DEFAULT_CONFIG = "demo"
 ARGS_HELP = "[CONFIG] [key=value ...]: a TOML file or built-in name (default: demo), then overrides"
@@ -46,18 +56,17 @@ def _config(args: list[str] | None, applied: list[str] | None = None):
 
 
 @app.command()
-def train(args: Optional[list[str]] = typer.Argument(None, help=ARGS_HELP)) -> None:
+def train(args: list[str] | None = typer.Argument(None, help=ARGS_HELP)) -> None:
     """Train a model (default: a small Llama-style model on the embedded Shakespeare corpus)."""
-    from flopwise.launch import is_main_process
     from flopwise.launch import train as run_training
     from flopwise.train.trainer import summary_table
 
     applied: list[str] = []
     cfg = _config(args, applied)
-    if applied and is_main_process():
-        console.print(f"[bold]continued pre-training[/] defaults (docs/continued-pretraining.md; Gupta et al. 2023, "
-                      f"Ibrahim et al. 2024), set where you gave none: {' '.join(applied)}", highlight=False)
-    result = run_training(cfg, console)
+    if applied:
+        logger.info(f"[bold]continued pre-training[/] defaults (docs/continued-pretraining.md; Gupta et al. 2023, "
+                    f"Ibrahim et al. 2024), set where you gave none: {' '.join(applied)}", extra={"highlighter": None})
+    result = run_training(cfg)
     if not result.is_main:
         return
     console.print(summary_table(result))
@@ -71,7 +80,7 @@ def train(args: Optional[list[str]] = typer.Argument(None, help=ARGS_HELP)) -> N
 
 
 @config_app.command("show")
-def config_show(args: Optional[list[str]] = typer.Argument(None, help=ARGS_HELP)) -> None:
+def config_show(args: list[str] | None = typer.Argument(None, help=ARGS_HELP)) -> None:
     """Print the resolved config as TOML."""
     from flopwise.config import to_toml
 
@@ -93,7 +102,7 @@ def presets(as_json: bool = typer.Option(False, "--json", help="print a JSON lis
     from flopwise.flops import count_params
     from flopwise.presets import PRESETS
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in PRESETS:
         m = ModelConfig(preset=name)
         c = count_params(m)
@@ -140,15 +149,15 @@ def _human(n: float) -> str:
 def data_prepare(
     inputs: list[str] = typer.Argument(..., help="text files, folders, .jsonl (text field), .parquet, or builtin:NAME"),
     out: Path = typer.Option(..., "--out", help="output folder (an unfinished prepare there is resumed)"),
-    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="an existing tokenizer.json, or a Hugging "
-                                             "Face model folder (its tokenizer: for continuing that model)"),
-    train_tokenizer: Optional[int] = typer.Option(None, "--train-tokenizer", help="train a byte-level BPE of this "
-                                                  "vocab size (on the first 200 MB); default 4096 without --tokenizer"),
-    val_fraction: Optional[float] = typer.Option(None, "--val-fraction", min=0.0, max=0.99,
+    tokenizer: Path | None = typer.Option(None, "--tokenizer", help="an existing tokenizer.json, or a Hugging "
+                                          "Face model folder (its tokenizer: for continuing that model)"),
+    train_tokenizer: int | None = typer.Option(None, "--train-tokenizer", help="train a byte-level BPE of this "
+                                               "vocab size (on the first 200 MB); default 4096 without --tokenizer"),
+    val_fraction: float | None = typer.Option(None, "--val-fraction", min=0.0, max=0.99,
                                                  help="documents held out for validation (default: data.val_fraction's)"),
-    seed: Optional[int] = typer.Option(None, "--seed", help="seed of the split (default: run.seed's, so the split "
+    seed: int | None = typer.Option(None, "--seed", help="seed of the split (default: run.seed's, so the split "
                                        "is the one `flopwise train` makes, which the built-in tasks hold out)"),
-    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="processes (default: all cores)"),
+    workers: int | None = typer.Option(None, "--workers", min=1, help="processes (default: all cores)"),
     filters: str = typer.Option("", "--filter", help="quality filters: gopher,c4"),
     dedup: str = typer.Option("", "--dedup", help="deduplication: exact,minhash"),
     decontaminate: str = typer.Option("", "--decontaminate", help="evaluation tasks (comma-separated) whose "
@@ -201,8 +210,8 @@ def data_prepare(
 
 @data_app.command("mix")
 def data_mix(
-    args: Optional[list[str]] = typer.Argument(None, help=ARGS_HELP),
-    tokens: Optional[float] = typer.Option(None, "--tokens", help="planned training tokens (default: the config's "
+    args: list[str] | None = typer.Argument(None, help=ARGS_HELP),
+    tokens: float | None = typer.Option(None, "--tokens", help="planned training tokens (default: the config's "
                                            "train.steps × global_batch × seq_len)"),
     as_json: bool = typer.Option(False, "--json", help="print a JSON list"),
 ) -> None:
@@ -214,8 +223,9 @@ def data_mix(
     planned = tokens if tokens is not None else cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len
     from flopwise.manifest import folder_lock
 
-    with folder_lock(cfg.run.dir, "run.dir") as run_dir:  # one writer per folder (its data is prepared there)
-        rows = draws(ensure_data(cfg, run_dir, Console(stderr=True)), planned)
+    with folder_lock(cfg.run.dir, "run.dir") as run_dir, log.printing_to(Console(stderr=True)):
+        # one writer per folder (its data is prepared there); stdout carries the table or the JSON
+        rows = draws(ensure_data(cfg, run_dir), planned)
     if as_json:
         typer.echo(json.dumps([r.__dict__ for r in rows], indent=1))
         return
@@ -241,7 +251,7 @@ def data_contamination(
     tasks: str = typer.Option(..., "--tasks", help="comma-separated built-in task names or JSONL files"),
     n: int = typer.Option(13, "--n", min=1, help="n-gram length in normalized words (GPT-3: 13)"),
     as_json: bool = typer.Option(False, "--json", help='print [{"task", "examples", "contaminated", "share"}, ...]'),
-    ids_out: Optional[Path] = typer.Option(None, "--ids-out", help="write the contaminated example indices per task (JSON)"),
+    ids_out: Path | None = typer.Option(None, "--ids-out", help="write the contaminated example indices per task (JSON)"),
 ) -> None:
     """Which evaluation examples share an n-gram with the training data (GPT-3's 13-gram rule)."""
     from flopwise.data.contamination import measure
@@ -251,7 +261,8 @@ def data_contamination(
         check_writable(ids_out, "--ids-out")
     report = measure(data, [load_task(t.strip()) for t in tasks.split(",") if t.strip()], n)
     if ids_out:
-        write_json(ids_out, dict(zip(report.tasks, report.contaminated)), "--ids-out", "data contamination")
+        write_json(ids_out, dict(zip(report.tasks, report.contaminated, strict=True)), "--ids-out",
+                   "data contamination")
     if as_json:
         typer.echo(json.dumps(report.rows(), indent=1))
         return
@@ -268,25 +279,25 @@ def data_contamination(
 @app.command("eval")
 def eval_cmd(
     ckpt: Path = typer.Argument(..., help="a checkpoint folder or a run folder (its newest checkpoint)"),
-    text: Optional[Path] = typer.Option(None, "--text", help="a UTF-8 text file: loss per token and perplexity"),
-    tasks: Optional[str] = typer.Option(None, "--tasks", help="comma-separated built-in task names or JSONL files"),
+    text: Path | None = typer.Option(None, "--text", help="a UTF-8 text file: loss per token and perplexity"),
+    tasks: str | None = typer.Option(None, "--tasks", help="comma-separated built-in task names or JSONL files"),
     shots: int = typer.Option(0, "--shots", min=0, help="k-shot: examples with answers before each prompt"),
     seed: int = typer.Option(0, "--seed", help="seed of the k-shot example choice"),
-    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="first N examples of each task"),
+    limit: int | None = typer.Option(None, "--limit", min=1, help="first N examples of each task"),
     as_json: bool = typer.Option(False, "--json"),
     batch: int = typer.Option(8, "--batch", min=1),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="--text: tokens per scored window (default: "
-                                          "the model's context, model.max_seq_len); compare losses at one window"),
-    clean_against: Optional[str] = typer.Option(None, "--clean-against", help="training data (a prepared folder or "
+    seq_len: int | None = typer.Option(None, "--seq-len", min=1, help="--text: tokens per scored window (default: "
+                                       "the model's context, model.max_seq_len); compare losses at one window"),
+    clean_against: str | None = typer.Option(None, "--clean-against", help="training data (a prepared folder or "
                                                 "raw inputs): also score the examples without a 13-gram in it"),
 ) -> None:
     """Perplexity on a text file, or zero/few-shot tasks scored by log-likelihood."""
     from flopwise.data.shards import read_text
-    from flopwise.errors import ConfigError, DataError
-    from flopwise.eval.perplexity import text_loss
     from flopwise.data.tasks import builtin_tasks, load_task
-    from flopwise.eval.tasks import evaluate_task
+    from flopwise.errors import ConfigError, DataError
     from flopwise.eval.load import load_for_inference
+    from flopwise.eval.perplexity import text_loss
+    from flopwise.eval.tasks import evaluate_task
 
     if (text is None) == (tasks is None):
         raise ConfigError(f"give one of --text FILE or --tasks NAMES (built-in: {', '.join(builtin_tasks())})")
@@ -295,12 +306,12 @@ def eval_cmd(
     if clean_against is not None and tasks is None:
         raise ConfigError("--clean-against needs --tasks: it splits task examples into clean and contaminated")
     loaded = [load_task(t.strip()) for t in tasks.split(",") if t.strip()] if tasks else []
-    clean = [None] * len(loaded)
+    clean: list[set[int] | None] = [None] * len(loaded)
     if clean_against is not None:
         from flopwise.data.contamination import measure
 
         dirty = measure(clean_against, loaded).contaminated
-        clean = [set(range(len(ex))) - set(d) for (_, ex), d in zip(loaded, dirty)]
+        clean = [set(range(len(ex))) - set(d) for (_, ex), d in zip(loaded, dirty, strict=True)]
     model, cfg, tok = load_for_inference(ckpt, report=_note)
     if text is not None:
         if seq_len is not None and seq_len > cfg.model.max_seq_len:
@@ -319,7 +330,7 @@ def eval_cmd(
 
     results = []
     with Progress(console=Console(stderr=True), transient=True) as bar:
-        for (name, examples), keep in zip(loaded, clean):
+        for (name, examples), keep in zip(loaded, clean, strict=True):
             n = min(limit or len(examples), len(examples))
             task = bar.add_task(name, total=sum(len(e.choices or (1,)) for e in examples[:n]))
             results.append(evaluate_task(model, tok, name, examples, shots, seed, batch, limit,
@@ -358,8 +369,8 @@ def generate(
     prompt: str = typer.Option(..., "--prompt"),
     max_new_tokens: int = typer.Option(100, "--max-new-tokens", min=1),
     temperature: float = typer.Option(0.8, "--temperature", min=0.0, help="0 = greedy"),
-    top_k: Optional[int] = typer.Option(None, "--top-k", min=1),
-    top_p: Optional[float] = typer.Option(None, "--top-p", min=0.0, max=1.0),
+    top_k: int | None = typer.Option(None, "--top-k", min=1),
+    top_p: float | None = typer.Option(None, "--top-p", min=0.0, max=1.0),
     seed: int = typer.Option(0, "--seed"),
     no_cache: bool = typer.Option(False, "--no-cache", help="recompute the full context each token"),
 ) -> None:
@@ -382,19 +393,19 @@ def generate(
 
 @scale_app.command("optimal")
 def scale_optimal(
-    flops: Optional[float] = typer.Option(None, "--flops", help="training budget in FLOPs"),
-    gpu_hours: Optional[float] = typer.Option(None, "--gpu-hours", help="budget in device-hours (with --hardware)"),
+    flops: float | None = typer.Option(None, "--flops", help="training budget in FLOPs"),
+    gpu_hours: float | None = typer.Option(None, "--gpu-hours", help="budget in device-hours (with --hardware)"),
     hardware: str = typer.Option("h100-sxm", "--hardware"),
     mfu: float = typer.Option(0.40, "--mfu", min=0.01, max=1.0, help="model FLOP utilisation for --gpu-hours"),
     law: list[str] = typer.Option(["chinchilla-3"], "--law", help="kaplan, chinchilla-1/2/3, epoch, fitted:FILE; "
                                   "repeat to compare"),
     inference_tokens: float = typer.Option(0.0, "--inference-tokens", help="lifetime inference tokens to serve"),
-    unique_tokens: Optional[str] = typer.Option(None, "--unique-tokens", help="unique training tokens available: a "
+    unique_tokens: str | None = typer.Option(None, "--unique-tokens", help="unique training tokens available: a "
                                                 "number, or prepared data dirs (comma-separated) to count"),
     vocab_size: int = typer.Option(32000, "--vocab-size", min=2),
     seq_len: int = typer.Option(4096, "--seq-len", min=1, help="sequence length of the written config"),
     as_json: bool = typer.Option(False, "--json"),
-    out_config: Optional[Path] = typer.Option(None, "--out-config", help="write a training TOML for the first law"),
+    out_config: Path | None = typer.Option(None, "--out-config", help="write a training TOML for the first law"),
 ) -> None:
     """Model size, tokens, shape, batch and LR for a compute budget under a scaling law."""
     import math
@@ -409,14 +420,15 @@ def scale_optimal(
 
     if (flops is None) == (gpu_hours is None):
         raise ConfigError("give exactly one of --flops or --gpu-hours (with --hardware and --mfu)")
-    if flops is None:
+    if gpu_hours is not None:
         if not (math.isfinite(gpu_hours) and gpu_hours > 0):
             raise ConfigError(f"--gpu-hours {gpu_hours:g}: expected a finite number of device-hours > 0")
         hw = get_hardware(hardware, option="--hardware")
-        if not hw.peak_16bit:
+        if not (peak := hw.peak_16bit):
             raise ConfigError(f"--hardware {hw.name}: no 16-bit dense peak in the catalogue to turn --gpu-hours into "
                               "FLOPs; choose an accelerator (e.g. h100-sxm) or give --flops")
-        flops = gpu_hours * 3600 * hw.peak_16bit * mfu
+        flops = gpu_hours * 3600 * peak * mfu
+    assert flops is not None  # given, or made from --gpu-hours (exactly one, checked above)
     unique = None
     if unique_tokens is not None:
         from flopwise.data.mixture import parse_unique_tokens
@@ -454,8 +466,8 @@ def scale_fit(
     runs: Path = typer.Argument(..., help="CSV with params,tokens,loss (or params,flops,loss), or a folder of runs"),
     bootstrap: int = typer.Option(200, "--bootstrap", min=0),
     drop_highest: int = typer.Option(0, "--drop-highest", min=0, help="drop the N highest-loss points (Epoch: 5)"),
-    plots: Optional[Path] = typer.Option(None, "--plots", help="folder for isoflop.png, fit.png, frontier.png"),
-    out: Optional[Path] = typer.Option(None, "--out", help="write the fitted law (JSON) for --law fitted:FILE"),
+    plots: Path | None = typer.Option(None, "--plots", help="folder for isoflop.png, fit.png, frontier.png"),
+    out: Path | None = typer.Option(None, "--out", help="write the fitted law (JSON) for --law fitted:FILE"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Fit L(N, D) = E + A/N^α + B/D^β (Approach 3, with bootstrap CIs), IsoFLOP parabolas, Kaplan's form."""
@@ -511,7 +523,7 @@ def scale_predict_task(
         check_writable(out / name, "--out")
     tasks = read_task_table(table)
     preds = {name: predict_task(p, flops, bootstrap) for name, p in tasks.items()}
-    record = {"flops": flops, "table": str(table),
+    record: dict[str, Any] = {"flops": flops, "table": str(table),
               "tasks": {n: {**preds[n].to_json(), **jaggedness(tasks[n])} for n in tasks}}
     write_json(out / "prediction.json", record, "--out", "scale predict-task")
     png = plot_tasks(tasks, {n: p.law for n, p in preds.items()}, out)
@@ -528,7 +540,7 @@ def scale_predict_task(
 
 @scale_app.command("sweep")
 def scale_sweep(
-    args: Optional[list[str]] = typer.Argument(None, help=ARGS_HELP + " (the base config)"),
+    args: list[str] | None = typer.Argument(None, help=ARGS_HELP + " (the base config)"),
     budgets: str = typer.Option("3e12,1e13,3e13", "--budgets", help="comma-separated FLOP budgets"),
     sizes: int = typer.Option(5, "--sizes", min=1, help="model sizes per budget"),
     spread: float = typer.Option(8.0, "--spread", min=1.0, help="largest / smallest size within a budget"),
@@ -556,7 +568,7 @@ def scale_sweep(
             for cmd in launch_commands(write_configs(runs, out), nproc):
                 typer.echo(cmd)
             return
-        table = run_ladder(base, runs, out, console, jobs)
+        table = run_ladder(base, runs, out, jobs)
     console.print(f"collected {table}; fit it with: flopwise scale fit {table}")
 
 
@@ -597,20 +609,20 @@ def convert_to_hf(ckpt: Path = typer.Argument(..., help="a checkpoint folder or 
 
 @app.command("plan")
 def plan_cmd(
-    args: Optional[list[str]] = typer.Argument(None, help="[CONFIG] [key=value ...]: model.*, data.seq_len, "
+    args: list[str] | None = typer.Argument(None, help="[CONFIG] [key=value ...]: model.*, data.seq_len, "
                                                "train.global_batch, cluster.*, parallel.* (given = fixed), plan.tokens"),
     top: int = typer.Option(5, "--top", min=1, help="layouts to show"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
-    out_config: Optional[Path] = typer.Option(None, "--out-config", help="write a training TOML of the best layout"),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="memory-breakdown bar chart (PNG) of the top layouts"),
+    out_config: Path | None = typer.Option(None, "--out-config", help="write a training TOML of the best layout"),
+    plot: Path | None = typer.Option(None, "--plot", help="memory-breakdown bar chart (PNG) of the top layouts"),
     measure: bool = typer.Option(False, "--measure", help="run the config's own layout (parallel.*) for a few steps "
                                  "under torchrun here and print predicted vs measured per rank (no search)"),
     steps: int = typer.Option(3, "--steps", help="steps to run with --measure (the last is measured, and one more "
                               "counts collectives; DDP syncs its bucket order once, in the second); as many more "
                               "are timed (the median is reported) and 3 more profiled"),
-    nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="processes for --measure (default: the "
+    nproc: int | None = typer.Option(None, "--nproc", min=1, help="processes for --measure (default: the "
                                         "product of the parallel degrees)"),
-    hf: Optional[Path] = typer.Option(None, "--hf", help="plan the model of a Hugging Face folder or config.json "
+    hf: Path | None = typer.Option(None, "--hf", help="plan the model of a Hugging Face folder or config.json "
                                       "(replaces the config's model.*; model.* overrides still apply)"),
     max_mb: bool = typer.Option(False, "--max-micro-batch", help="for the config's own layout (parallel.*, no "
                                 "search): the largest micro-batch that fits per recompute policy"),
@@ -701,7 +713,7 @@ def _print_plan(report, top: int, name: str) -> None:
     for col in ("dp(rep)", "zero", "tp", "pp", "cp", "schedule", "mb", "recompute", "GiB", "step s", "tok/s",
                 "MFU", "HFU", "time", "GPU-h", "why not first"):
         table.add_column(col, no_wrap=col != "why not first")
-    for e, why in list(zip(report.result.ranked, report.reasons()))[:top]:
+    for e, why in list(zip(report.result.ranked, report.reasons(), strict=True))[:top]:
         lo = e.layout
         j = e.to_json(report.tokens, cfg.cluster.gpus)
         sched = (lo.pp_schedule + (f"×{lo.virtual_stages}" if lo.virtual_stages > 1 else "")) if lo.pp > 1 else "–"
@@ -807,11 +819,11 @@ def _print_measured(r: dict) -> None:
 
 @hardware_app.command("calibrate")
 def hardware_calibrate(
-    args: Optional[list[str]] = typer.Argument(None, help="[CONFIG] [key=value ...]: the model whose GEMM and attention "
+    args: list[str] | None = typer.Argument(None, help="[CONFIG] [key=value ...]: the model whose GEMM and attention "
                                                "shapes are measured, and train.dtype (default: demo)"),
     out: Path = typer.Option(Path("hardware.toml"), "--out", help="hardware TOML to write (an entry in a file "
                              "flopwise wrote before is replaced, the others kept)"),
-    nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="local ranks for the collectives (default: 2 "
+    nproc: int | None = typer.Option(None, "--nproc", min=1, help="local ranks for the collectives (default: 2 "
                                         "on a CPU, every GPU on CUDA; 1 skips them)"),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto"),
 ) -> None:
@@ -840,6 +852,7 @@ def hardware_calibrate(
         hw = calibrate(cfg, dev, ranks, lambda what: bar.update(task, advance=1, description=what))
     save(hw, out)
     c = hw.calibration
+    assert c is not None  # calibrate() measured it
     effs = [r[3] for r in c.gemm]
     console.print(f"{hw.name}: {hw.peak_flops[c.dtype] / 1e12:.3g} TFLOP/s {c.dtype} peak; {len(c.gemm)} GEMMs at "
                   f"{min(effs):.0%}-{max(effs):.0%} of it; attention {len(c.attention)} shapes; element-wise "
@@ -851,7 +864,7 @@ def hardware_calibrate(
 
 @app.command("audit")
 def audit_cmd(
-    claim: Optional[list[str]] = typer.Argument(None, help="key=value claim (preset or params, tokens, hardware, "
+    claim: list[str] | None = typer.Argument(None, help="key=value claim (preset or params, tokens, hardware, "
                                                 "devices, days | device_hours | tokens_per_s_per_device, seq_len, "
                                                 "batch_tokens); or one catalogue entry's name (e.g. llama3-405b); "
                                                 "none: the whole bundled catalogue"),
@@ -892,11 +905,13 @@ def _note(message: str) -> None:
 
 
 def _refuse(message: str) -> NoReturn:
-    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {escape(message)}", markup=True, highlight=False)
+    """The one-line error of a refused command, printed as every error is (stderr, after its rank in a job)."""
+    logger.error(f"[red]error:[/] {escape(message)}", extra={"highlighter": None})
     sys.exit(2)
 
 
 def main() -> None:
+    log.setup(console=console)  # the options (app's callback) set it up again, at their level
     try:
         app()
     except FlopwiseError as e:

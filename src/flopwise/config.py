@@ -52,14 +52,19 @@ class ModelConfig(Section):
     n_layers: int = Field(4, ge=1, description="transformer blocks")
     d_model: int = Field(256, ge=1, description="width of the residual stream")
     n_heads: int = Field(4, ge=1, description="query heads")
-    n_kv_heads: int | None = Field(None, ge=1, description="default: n_heads (1 = multi-query)")
-    head_dim: int | None = Field(None, ge=1, description="default: d_model // n_heads")
-    ffn_dim: int | None = Field(None, ge=1, description="default: 4·d_model, or 8/3·d_model rounded to 256 for swiglu")
+    # derived defaults: factories of the fields validated above them (so mlp comes before ffn_dim)
+    n_kv_heads: int = Field(default_factory=lambda v: v["n_heads"], ge=1,
+                            description="default: n_heads (1 = multi-query)")
+    head_dim: int = Field(default_factory=lambda v: v["d_model"] // v["n_heads"], ge=1,
+                          description="default: d_model // n_heads")
+    mlp: Literal["swiglu", "gelu", "gelu_tanh", "relu"] = Field("swiglu", description="MLP activation")
+    ffn_dim: int = Field(default_factory=lambda v: 4 * v["d_model"] if v["mlp"] != "swiglu"
+                         else 256 * -(-(8 * v["d_model"] // 3) // 256), ge=1,
+                         description="default: 4·d_model, or 8/3·d_model rounded to 256 for swiglu")
     vocab_size: int = Field(4096, ge=2, description="embedding rows; at least the tokenizer's vocabulary")
     max_seq_len: int = Field(256, ge=1, description="longest sequence the model takes (positions, generation)")
     norm: Literal["layernorm", "rmsnorm"] = Field("rmsnorm", description="normalisation layer")
     norm_eps: float = Field(1e-5, gt=0, description="epsilon of the norms")
-    mlp: Literal["swiglu", "gelu", "gelu_tanh", "relu"] = Field("swiglu", description="MLP activation")
     pos: Literal["rope", "learned", "alibi", "relative", "none"] = Field(
         "rope", description="positions: RoPE, learned absolute, ALiBi, Transformer-XL relative, or none")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
@@ -101,18 +106,12 @@ class ModelConfig(Section):
         return {**ARCH_DEFAULTS[arch], **base, **data, "arch": arch}
 
     @model_validator(mode="after")
-    def _derive_and_check(self) -> "ModelConfig":
-        if self.head_dim is None:
-            if self.d_model % self.n_heads:
-                raise ValueError(f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}; "
-                                 "choose a divisor or set model.head_dim")
-            self.head_dim = self.d_model // self.n_heads
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
+    def _derive_and_check(self) -> ModelConfig:
+        if "head_dim" not in self.model_fields_set and self.d_model % self.n_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}; "
+                             "choose a divisor or set model.head_dim")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}")
-        if self.ffn_dim is None:
-            self.ffn_dim = 4 * self.d_model if self.mlp != "swiglu" else 256 * -(-(8 * self.d_model // 3) // 256)
         if self.pos == "rope" and int(self.head_dim * self.rotary_pct) % 2:
             raise ValueError(f"model.rotary_pct={self.rotary_pct} gives an odd number of rotary dims "
                              f"for head_dim={self.head_dim}; rotary dims must be even")
@@ -154,8 +153,8 @@ class DataConfig(Section):
     path: str = Field("builtin:shakespeare", description="prepared data dir (with index.json) or raw text input")
     sources: list[SourceConfig] = Field(default_factory=list, description="weighted mixture "
                                         "[{path, weight, name}, ...]; empty: data.path alone, weight 1")
-    tokenizer: str | None = Field(None, description="tokenizer.json path, or bpe:VOCAB to train one; default "
-                                  "bpe:4096, or the tokenizer of model.init_from")
+    tokenizer: str = Field("bpe:4096", description="tokenizer.json path, or bpe:VOCAB to train one; default "
+                           "bpe:4096, or the tokenizer of model.init_from")
     seq_len: int = Field(256, ge=1, description="tokens per training sequence; at most model.max_seq_len")
     val_fraction: float = Field(0.05, ge=0, lt=1, description="share of documents held out for validation")
     document_mask: bool = Field(False, description="attention stays inside each document of a packed window "
@@ -168,7 +167,7 @@ class DataConfig(Section):
         return self.sources or [SourceConfig(path=self.path)]
 
     @model_validator(mode="after")
-    def _check_sources(self) -> "DataConfig":
+    def _check_sources(self) -> DataConfig:
         labels = [s.label for s in self.sources]
         dup = sorted({n for n in labels if labels.count(n) > 1})
         if dup:
@@ -183,8 +182,10 @@ class TrainConfig(Section):
     stop_after: int | None = Field(None, ge=1, description="end this invocation at this step (schedule still "
                                    "spans train.steps); resume continues, e.g. across job time limits")
     global_batch: int = Field(16, ge=1, description="sequences per optimizer step")
-    micro_batch: int | None = Field(None, ge=1, description="sequences per forward/backward on one rank; "
-                                    "default: the largest divisor of global_batch up to 16")
+    micro_batch: int = Field(default_factory=lambda v: max(d for d in range(1, min(16, v["global_batch"]) + 1)
+                                                           if v["global_batch"] % d == 0), ge=1,
+                             description="sequences per forward/backward on one rank; "
+                             "default: the largest divisor of global_batch up to 16")
     dtype: Literal["bf16", "fp32"] = Field("bf16", description="bf16 autocast (fp32 master weights) or fp32")
     float8: Literal["none", "rowwise", "tensorwise"] = Field("none", description="the blocks' linear layers in "
                                                              "float8 (torchao; embedding and head stay in train.dtype); "
@@ -257,7 +258,7 @@ class CheckpointConfig(Section):
                                               "checkpoint: every file's checksum, or only sizes (fast)")
 
     @model_validator(mode="after")
-    def _interval(self) -> "CheckpointConfig":
+    def _interval(self) -> CheckpointConfig:
         if isinstance(self.interval, int) and self.interval < 0:
             raise ValueError(f"checkpoint.interval={self.interval}: use a step count >= 0 or \"auto\"")
         return self
@@ -325,20 +326,17 @@ class Config(Section):
     plan: PlanConfig = PlanConfig()
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "Config":
+    def _cross_checks(self) -> Config:
         m, t = self.model, self.train
-        if m.init_from and (self.data.tokenizer or "").startswith("bpe:"):
+        if m.init_from and "tokenizer" not in self.data.model_fields_set:
+            self.data.tokenizer = str(Path(m.init_from[3:]) / "tokenizer.json")
+        if m.init_from and self.data.tokenizer.startswith("bpe:"):
             raise ValueError(f"data.tokenizer={self.data.tokenizer} trains a new tokenizer, whose ids mean nothing to "
                              f"the embeddings of model.init_from={m.init_from}; leave data.tokenizer unset (the "
                              "default with init_from is its folder's tokenizer.json)")
-        if self.data.tokenizer is None:
-            hf_dir = m.init_from[3:] if m.init_from else None
-            self.data.tokenizer = str(Path(hf_dir) / "tokenizer.json") if hf_dir else "bpe:4096"
         if self.data.seq_len > m.max_seq_len:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
                              "lower data.seq_len or raise model.max_seq_len")
-        if t.micro_batch is None:
-            t.micro_batch = max(d for d in range(1, min(16, t.global_batch) + 1) if t.global_batch % d == 0)
         if t.global_batch % t.micro_batch:
             raise ValueError(f"train.micro_batch={t.micro_batch} does not divide "
                              f"train.global_batch={t.global_batch}")

@@ -45,6 +45,8 @@ def _type(annotation: Any) -> str:
 
 
 def _default(field: FieldInfo) -> str:
+    if field.default_factory_takes_validated_data:  # derived from the fields above it: the description says how
+        return "derived"
     if field.default_factory is not None:
         return f"`{field.default_factory()!r}`"  # type: ignore[call-arg]
     if field.default is PydanticUndefined:

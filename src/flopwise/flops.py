@@ -82,7 +82,7 @@ def param_shapes(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     def norm(name: str) -> list:
         return [(f"{name}.weight", (d,))] + ([(f"{name}.bias", (d,))] if m.norm == "layernorm" and m.bias else [])
 
-    out = [("tok_embeddings.weight", (m.vocab_size, d))]
+    out: list[tuple[str, tuple[int, ...]]] = [("tok_embeddings.weight", (m.vocab_size, d))]
     if m.pos == "learned":
         out.append(("pos_embeddings.weight", (m.max_seq_len + m.pos_offset, d)))
     if m.embed_norm:

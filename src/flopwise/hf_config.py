@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from flopwise.errors import CheckpointError
 
@@ -18,7 +18,7 @@ LLAMA_LIKE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwe
               "qwen3": "Qwen3ForCausalLM"}
 
 
-def refuse(path, msg: str):
+def refuse(path: Any, msg: str) -> NoReturn:
     raise CheckpointError(f"Hugging Face folder {path}: {msg}")
 
 

@@ -1,5 +1,5 @@
 """`flopwise train`'s job on this process: build the run (data, model, layout, resume point), then
-train it. One rank of a torchrun/srun job does the same; only rank 0 prints."""
+train it. One rank of a torchrun/srun job does the same; only rank 0 prints (flopwise.log)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
-from rich.console import Console
 
 from flopwise.build import build_run, subnormals_flushed
 from flopwise.config import Config
@@ -26,17 +25,16 @@ def is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def train(cfg: Config, console: Console | None = None) -> TrainResult:
-    """Build this rank's run from `cfg` and train it (other ranks print nothing). A run the
-    pre-flight refuses stops every rank of a job together with exit 2, once rank 0 has said why.
+def train(cfg: Config) -> TrainResult:
+    """Build this rank's run from `cfg` and train it. A run the pre-flight refuses stops every
+    rank of a job together with exit 2, once rank 0 has said why.
     run.dir is taken in its real absolute form (what every check and writer sees), and rank 0 holds
     its lock from its first write (after the pre-flight) to the end (one writer per folder; the other
     ranks never wait on it)."""
     started = time.perf_counter()
-    console = (console or Console()) if is_main_process() else Console(quiet=True)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": str(real_path(cfg.run.dir))})})
     with subnormals_flushed(), contextlib.ExitStack() as held:
-        result = _train(cfg, console, started, lambda: held.enter_context(folder_lock(cfg.run.dir, "run.dir")))
+        result = _train(cfg, started, lambda: held.enter_context(folder_lock(cfg.run.dir, "run.dir")))
     if result.preempted is not None and result.is_main and (marker := os.environ.get(PREEMPT_FILE)):
         Path(marker).write_text(f"{result.signal or 'a signal'} at step {result.preempted}: "
                                 f"checkpoint {result.checkpoint}\n")
@@ -49,9 +47,9 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
 PREEMPT_FILE = "FLOPWISE_PREEMPT_FILE"
 
 
-def _train(cfg: Config, console: Console, started: float, lock: Callable[[], object]) -> TrainResult:
+def _train(cfg: Config, started: float, lock: Callable[[], object]) -> TrainResult:
     try:
-        run = build_run(cfg, console, lock)
+        run = build_run(cfg, lock)
     except WillNotFit as e:
         if not dist.is_initialized():
             raise
@@ -60,4 +58,4 @@ def _train(cfg: Config, console: Console, started: float, lock: Callable[[], obj
         dist.barrier()
         sys.stdout.flush()
         os._exit(2)  # all at once: a rank still shutting down when another has exited is stopped by torchrun
-    return train_run(run, console, started)
+    return train_run(run, started)

@@ -36,10 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile, record_function
-from rich.console import Console
 
 from flopwise.build import build_run
-from flopwise.train.run import Run
 from flopwise.config import Config, load_config, load_tree, to_toml, validate
 from flopwise.errors import ConfigError, FlopwiseError
 from flopwise.hardware import cluster_hardware
@@ -51,6 +49,7 @@ from flopwise.plan.perf import STACKS, Estimate, estimate, model_shape
 from flopwise.plan.planner import plan_hardware, resolve_layout
 from flopwise.plan.rank import predict_rank
 from flopwise.train.faults import Faults
+from flopwise.train.run import Run
 from flopwise.train.trainer import train_step
 
 MAX_RANKS = 8  # processes one CPU machine runs for a measurement (gloo)
@@ -80,7 +79,8 @@ def measure_rank(run: Run, steps: int, timed: int = 0) -> dict[str, Any]:
     engine, opt, par = run.engine, run.optimizer, run.par
     plain = [getattr(m, "module", m) for m in engine.parts]  # DDP's wrapped module
     out: dict[str, Any] = {"pp_rank": par.rank("pp"), "shard_rank": par.rank("shard"), "dp_rank": par.rank("dp_cp"),
-                           "layers": sorted(int(k) for m in plain for k in m.layers.keys()),
+                           # the stages are Transformers, .layers a ModuleDict (nn.Module's stub can't say so)
+                           "layers": sorted(int(k) for m in plain for k in m.layers.keys()),  # type: ignore[union-attr, operator]
                            "params": acc.param_bytes(engine.parts), "cpu": par.device.type == "cpu"}
     grads: list[int] = []
     hook = local_optimizer(opt).register_step_pre_hook(lambda *_: grads.append(acc.grad_bytes(engine.parts)))
@@ -139,7 +139,7 @@ def timed_step(run: Run, step: int, faults: Faults, scope: str | None = None) ->
     return time.perf_counter() - start
 
 
-def _category(e: FunctionEvent) -> str:
+def _category(e: FunctionEvent | None) -> str:
     """The component an event's own time belongs to, by its name and its callers' (the first that
     classifies, in this order: communication, optimizer, attention, matmul; else other compute).
     Communication comes first because DTensor and ZeRO issue collectives from inside matmuls and the
@@ -268,7 +268,7 @@ def gather(obj: Any) -> list[Any]:
 
 def _rank_main(config: str, out: str, steps: int) -> None:
     torch.set_flush_denormal(True)  # this process is one rank's measurement (build.subnormals_flushed)
-    run = build_run(load_config(config), Console(quiet=True))
+    run = build_run(load_config(config))
     ranks = gather(measure_rank(run, steps, timed=steps))
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(out).write_text(json.dumps(ranks))
@@ -323,7 +323,7 @@ def measure(path: str | None, overrides: list[str], nproc: int | None = None, st
                       "step_time_components_s": m["components"]})
     est, why = predicted_time(cfg, lo)
     # every step starts from a barrier, so the slowest rank's time is the step's
-    slowest = statistics.median(max(r) for r in zip(*(m["step_time_s"]["steps"] for m in measured)))
+    slowest = statistics.median(max(r) for r in zip(*(m["step_time_s"]["steps"] for m in measured), strict=False))
     # the rank that paces the step: the busiest in its profiled step (least bubble or idle)
     last = "pipeline_bubble" if lo.pp > 1 else "idle"
     pacing = min(ranks, key=lambda r: r["step_time_components_s"][last])

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import csv
 import errno
+import hashlib
 import io
 import json
-import hashlib
 import os
 import re
 import tempfile

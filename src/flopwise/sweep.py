@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import math
 import multiprocessing
 import os
@@ -23,19 +24,22 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Self
+from typing import IO, TYPE_CHECKING, Self, cast
 
 from rich.console import Console
 
 from flopwise.config import Config, to_toml, validate
 from flopwise.errors import ConfigError, TrainingStopped
 from flopwise.flops import scaling_flops, scaling_tokens
+from flopwise.log import printing_to
 from flopwise.outputs import check_folder, check_writable, read_records, write_csv, write_text
 from flopwise.plan.fit import fitted_law
-from flopwise.plan.scaling import choose_shape, get_law
+from flopwise.plan.scaling import ChosenShape, choose_shape, get_law
 
 if TYPE_CHECKING:
     from flopwise.train.trainer import TrainResult
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,7 +95,7 @@ def plan_ladder(base: Config, budgets: list[float], sizes: int, spread: float, l
 def _shapes(law, budget: float, sizes: int, spread: float, vocab: int) -> list:
     """One budget's model shapes, smallest first (tiny targets can round to the same shape: kept once)."""
     n_opt, _ = law.frontier(budget)
-    shapes = []
+    shapes: list[ChosenShape] = []
     for k in range(sizes):
         frac = 0.5 if sizes == 1 else k / (sizes - 1)
         shape = choose_shape(n_opt * spread ** (frac - 0.5), vocab, count_embeddings=False)
@@ -179,12 +183,14 @@ def _train_one(config: Config, threads: int | None) -> TrainResult:
         if threads:
             torch.set_num_threads(threads)
         run_dir = claim(config.run.dir, ["train.log"])
-        return train(config, Console(file=Appender(run_dir, "train.log")))
+        # an io.TextIOBase: rich writes to it as to any text file; typeshed types a file as IO[str], not its base
+        with printing_to(Console(file=cast(IO[str], Appender(run_dir, "train.log")))):
+            return train(config)
     finally:
         _busy = False
 
 
-def run_ladder(base: Config, runs: list[LadderRun], out: Path, console: Console, jobs: int = 1) -> Path:
+def run_ladder(base: Config, runs: list[LadderRun], out: Path, jobs: int = 1) -> Path:
     """Train every unfinished run (a killed sweep resumes where it stopped), `jobs` at a time, then collect.
 
     Ladder models are tiny, and one of them barely uses a second core (2 cores: the smallest ladder
@@ -197,24 +203,24 @@ def run_ladder(base: Config, runs: list[LadderRun], out: Path, console: Console,
     from flopwise.build import ensure_data
 
     check_outputs(runs, out, table=True)  # before hours of training, not after
-    ensure_data(base, out, console, "--out")
+    ensure_data(base, out, "--out")
     write_configs(runs, out)
     todo = []
     for i, r in enumerate(runs, 1):
         if is_finished(r):
-            console.print(f"[{i}/{len(runs)}] {r.name}: done, skipped")
+            logger.info(f"[{i}/{len(runs)}] {r.name}: done, skipped")
         else:
             todo.append((i, r))
 
     def started(i: int, r: LadderRun) -> None:
-        console.print(f"[{i}/{len(runs)}] {r.name}: {r.params:,} params, {r.tokens:,} tokens, {r.steps} steps")
+        logger.info(f"[{i}/{len(runs)}] {r.name}: {r.params:,} params, {r.tokens:,} tokens, {r.steps} steps")
 
     def finished(r: LadderRun, result: TrainResult) -> None:
         if result.preempted is not None:  # Ctrl-C or SIGTERM: the run checkpointed; the ladder stops here
             raise TrainingStopped(f"{r.name} stopped by {result.signal or 'a signal'} at step {result.preempted} "
                                   "(checkpoint written); run the same command again to continue the ladder")
-        console.print(f"    {r.name}: val loss {result.val_loss:.4f}, {result.tokens_per_s:,.0f} tok/s, "
-                      f"{result.seconds:.0f} s")
+        logger.info(f"    {r.name}: val loss {result.val_loss:.4f}, {result.tokens_per_s:,.0f} tok/s, "
+                    f"{result.seconds:.0f} s")
 
     if jobs == 1:
         for i, r in todo:
@@ -240,7 +246,7 @@ def run_ladder(base: Config, runs: list[LadderRun], out: Path, console: Console,
                 for done in wait(pending, return_when=FIRST_COMPLETED).done:
                     r = pending.pop(done)
                     result = _result(done, stop.signal)
-                    if stop.signal:
+                    if stop.signal or result is None:  # None only after a signal
                         stopped.append(_stopped_run(r, result))
                         continue
                     finished(r, result)
@@ -322,6 +328,8 @@ class _Forward:
     def forward(signum: int) -> int:
         children = multiprocessing.active_children()
         for child in children:
+            if child.pid is None:  # not started: nothing to signal
+                continue
             try:  # its group, with whatever it started; one that has not run _worker_init yet, itself
                 os.killpg(child.pid, signum)
             except ProcessLookupError:

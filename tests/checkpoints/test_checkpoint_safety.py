@@ -17,13 +17,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tests.conftest import tiny_overrides
 from flopwise.cli import app
 from flopwise.config import load_config, to_toml
 from flopwise.errors import CheckpointError, ConfigError
 from flopwise.model.transformer import build_model
-from flopwise.checkpoints import checkpoint, rundir
-from flopwise.checkpoints.export import export_checkpoint
+from tests.conftest import tiny_overrides
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -227,7 +225,7 @@ DAMAGE = {
     "storage-offset-a-string": lambda md: setattr(_storage(md), "offset", "0"),
     "storage-length-negative": lambda md: setattr(_storage(md), "length", -1),
     "storage-meta-a-size": lambda md: setattr(md, "storage_meta", torch.Size([1])),
-    "storage-key-not-an-index": lambda md: setattr(md, "storage_data", {"x": v for v in md.storage_data.values()}),
+    "storage-key-not-an-index": lambda md: setattr(md, "storage_data", {"x": list(md.storage_data.values())[-1]}),
     "planner-path-a-string": lambda md: md.planner_data.__setitem__(sorted(md.planner_data)[0], "model"),
     "entries-key-not-a-string": lambda md: md.state_dict_metadata.__setitem__(
         7, md.state_dict_metadata.pop(sorted(md.state_dict_metadata)[0])),

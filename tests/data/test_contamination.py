@@ -7,19 +7,18 @@ import re
 
 import pytest
 from datatrove.data import Document
-from rich.console import Console
 from typer.testing import CliRunner
 
-from tests.conftest import tiny_overrides
 from flopwise.cli import app
 from flopwise.config import load_config
 from flopwise.data.contamination import DecontaminationFilter, measure
-from flopwise.data.shards import iter_documents, resolve_input, val_documents
 from flopwise.data.pipeline import prepare
+from flopwise.data.shards import iter_documents, resolve_input, val_documents
+from flopwise.data.tasks import builtin_tasks, load_task
 from flopwise.errors import DataError
 from flopwise.eval.load import load_for_inference
-from flopwise.data.tasks import builtin_tasks, load_task
 from flopwise.eval.tasks import evaluate_task
+from tests.conftest import tiny_overrides
 
 N = 13
 FOREIGN = ["alice-lastword", "alice-nextsent", "shakespeare-cloze", "shakespeare-nextline", "shakespeare-speaker"]
@@ -71,7 +70,7 @@ def planted(tmp_path_factory):
     assert all(len(ref_words(ref_text(tasks[t][k]))) < N for t, k, _ in plants[-2:])
     rng = random.Random(0)
     where = rng.sample(range(len(docs)), len(plants))
-    for (task, k, change), d in zip(plants, where):
+    for (task, k, change), d in zip(plants, where, strict=True):
         ws = docs[d].split(" ")
         p = rng.randrange(len(ws))
         docs[d] = " ".join(ws[:p]) + "\n" + change(ref_text(tasks[task][k])) + "\n" + " ".join(ws[p:])
@@ -87,7 +86,7 @@ def test_planted_examples_are_found_and_nothing_else(planted):
     path, docs, tasks, plants, where = planted
     report = measure(str(path), list(tasks.items()))
     truth, touched = brute_force(tasks, docs)
-    got = dict(zip(report.tasks, report.contaminated))
+    got = dict(zip(report.tasks, report.contaminated, strict=True))
     for task, k, _ in plants:  # recall 1, verbatim and changed
         assert k in got[task]
     assert got == truth  # precision: nothing reported that is not truly there
@@ -144,7 +143,7 @@ def test_clean_subset_scores(tiny_data, tmp_path):
 
     cfg = load_config(None, tiny_overrides(tmp_path, tiny_data, **{"train.steps": 2, "train.eval_every": 2,
                                                                    "checkpoint.interval": 0}))
-    train(cfg, Console(file=open("/dev/null", "w")))
+    train(cfg)
     limit, names = 30, ["alice-nextsent", "alice-lastword"]
     r = CliRunner().invoke(app, ["eval", str(tmp_path), "--tasks", ",".join(names), "--limit", str(limit),
                                  "--clean-against", str(tiny_data), "--json"])
@@ -152,7 +151,7 @@ def test_clean_subset_scores(tiny_data, tmp_path):
     rows = json.loads(r.output)
     dirty = measure(str(tiny_data), [load_task(t) for t in names]).contaminated
     model, _, tok = load_for_inference(tmp_path)
-    for row, name, bad in zip(rows, names, dirty):
+    for row, name, bad in zip(rows, names, dirty, strict=True):
         examples = load_task(name)[1][:limit]
         clean = [k for k in range(limit) if k not in bad]
         assert 0 < row["clean_n"] == limit - len([k for k in bad if k < limit]) == len(clean) < limit
@@ -183,7 +182,7 @@ def test_shipped_in_domain_tasks_are_clean_against_the_demo_train_split(tmp_path
     assert brute_force(tasks, [plays[i] for i in range(len(plays)) if i not in held]) == ({t: [] for t in names}, [])
     val = measure(str(tmp_path / "val"), list(tasks.items()))
     truth, touched = brute_force(tasks, [plays[i] for i in sorted(held)])
-    assert dict(zip(val.tasks, val.contaminated)) == truth and val.touched == touched == [0, 1, 2]
+    assert dict(zip(val.tasks, val.contaminated, strict=True)) == truth and val.touched == touched == [0, 1, 2]
     assert [r["contaminated"] for r in val.rows()] == [300, 300, 289]  # 11 speaker prompts span cut speeches
 
 

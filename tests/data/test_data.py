@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from flopwise.data.loader import TokenLoader, eval_batches
-from flopwise.data.shards import open_split, read_index, tokenizer_of
 from flopwise.data.pipeline import prepare
+from flopwise.data.shards import open_split, read_index, tokenizer_of
 from flopwise.data.tokenizer import load_tokenizer, train_bpe
 from flopwise.errors import DataError
 
@@ -196,7 +196,7 @@ def test_loader_state_mismatch_is_refused(tiny_data):
 def test_eval_batches_are_fixed(tiny_data):
     a = list(eval_batches(tiny_data, 32, 4, 3))
     b = list(eval_batches(tiny_data, 32, 4, 3))
-    assert len(a) == 3 and all((x == y).all() for x, y in zip(a, b))
+    assert len(a) == 3 and all((x == y).all() for x, y in zip(a, b, strict=True))
     val = open_split(tiny_data, "val")
     assert a[0][0].tolist() == val[:33].tolist()
 

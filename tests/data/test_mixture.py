@@ -6,10 +6,8 @@ import math
 
 import numpy as np
 import pytest
-from rich.console import Console
 from typer.testing import CliRunner
 
-from tests.conftest import tiny_overrides
 from flopwise.build import ensure_data
 from flopwise.cli import app
 from flopwise.config import load_config
@@ -17,11 +15,12 @@ from flopwise.data.loader import TokenLoader
 from flopwise.data.pipeline import prepare
 from flopwise.errors import DataError
 from flopwise.launch import train
+from tests.conftest import tiny_overrides
 
 
 def sources_of(tmp_path, tiny_data, tiny_mix):
     cfg = load_config(None, tiny_overrides(tmp_path, tiny_data, **{"data.sources": tiny_mix}))
-    return cfg, ensure_data(cfg, tmp_path, Console(quiet=True))
+    return cfg, ensure_data(cfg, tmp_path)
 
 
 def window_owner(sources, seq_len):
@@ -75,10 +74,9 @@ def test_data_mix_predicts_the_loaders_epochs(tmp_path, tiny_data, tiny_mix):
 
 def test_mixture_run_resumes_bitwise_and_logs_tokens_by_source(tmp_path, tiny_data, tiny_mix):
     kw = {"data.sources": tiny_mix, "train.steps": 6, "checkpoint.interval": 3}
-    full = train(load_config(None, tiny_overrides(tmp_path / "full", tiny_data, **kw)), Console(quiet=True))
-    train(load_config(None, tiny_overrides(tmp_path / "cut", tiny_data, **kw, **{"train.stop_after": 3})),
-          Console(quiet=True))
-    rest = train(load_config(None, tiny_overrides(tmp_path / "cut", tiny_data, **kw)), Console(quiet=True))
+    full = train(load_config(None, tiny_overrides(tmp_path / "full", tiny_data, **kw)))
+    train(load_config(None, tiny_overrides(tmp_path / "cut", tiny_data, **kw, **{"train.stop_after": 3})))
+    rest = train(load_config(None, tiny_overrides(tmp_path / "cut", tiny_data, **kw)))
     assert rest.losses == full.losses[3:]  # bitwise: same batches, same state
     rows = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     assert all("tokens_by_source" in r for r in rows)
@@ -96,7 +94,7 @@ def test_sources_with_different_tokenizers_are_refused(tmp_path, tiny_data):
     mix = f'[{{path="{tiny_data}", name="a"}}, {{path="{other}", name="b"}}]'
     cfg = load_config(None, tiny_overrides(tmp_path, tiny_data, **{"data.sources": mix}))
     with pytest.raises(DataError, match="'b'.*tokenized differently.*same --tokenizer"):
-        ensure_data(cfg, tmp_path, Console(quiet=True))
+        ensure_data(cfg, tmp_path)
 
 
 @pytest.mark.parametrize("where", ["relative", "absolute"])
@@ -126,7 +124,7 @@ def test_source_tokenizer_outside_its_folder_is_refused_before_any_read(tmp_path
     mix = f'[{{path="{first}", name="a"}}, {{path="{text}", name="b"}}]'
     cfg = load_config(None, tiny_overrides(run_dir, first, **{"data.sources": mix}))
     with pytest.raises(DataError, match="must be a plain name inside") as e:
-        ensure_data(cfg, run_dir, Console(quiet=True))
+        ensure_data(cfg, run_dir)
     assert "\n" not in str(e.value)
     assert not (run_dir / "data-b").exists()
 

@@ -16,8 +16,8 @@ from datatrove.pipeline.filters import GopherQualityFilter, GopherRepetitionFilt
 from datatrove.utils.text import simplify_text
 from tokenizers import Tokenizer
 
-from flopwise.data.shards import iter_documents, open_split, read_index, resolve_input, val_documents
 from flopwise.data.pipeline import prepare
+from flopwise.data.shards import iter_documents, open_split, read_index, resolve_input, val_documents
 from flopwise.data.steps import Whitespace
 from flopwise.data.tokenizer import train_bpe
 from flopwise.errors import DataError

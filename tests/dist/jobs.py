@@ -4,21 +4,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
 
 from flopwise.config import load_config
 from flopwise.launch import train
 
 
 def losses(overrides: list[str]) -> dict:
-    r = train(load_config(None, overrides), Console(quiet=True))
+    r = train(load_config(None, overrides))
     return {"losses": r.losses, "val_loss": r.val_loss}
 
 
 def _setup(overrides: list[str]):
     from flopwise.build import build_run
 
-    run = build_run(load_config(None, overrides), Console(quiet=True))
+    run = build_run(load_config(None, overrides))
     return run.cfg, run.par, run.engine, run.optimizer, run.loader
 
 
@@ -187,7 +186,7 @@ def states(overrides: list[str]) -> dict:
     from flopwise.build import build_run
     from flopwise.measure import gather, measure_rank
 
-    return {"ranks": gather(measure_rank(build_run(load_config(None, overrides), Console(quiet=True)), 3))}
+    return {"ranks": gather(measure_rank(build_run(load_config(None, overrides)), 3))}
 
 
 def demo_states(overrides: list[str]) -> dict:
@@ -196,7 +195,7 @@ def demo_states(overrides: list[str]) -> dict:
     from flopwise.build import build_run
     from flopwise.measure import gather, measure_rank
 
-    return {"ranks": gather(measure_rank(build_run(load_config("demo", overrides), Console(quiet=True)), 3))}
+    return {"ranks": gather(measure_rank(build_run(load_config("demo", overrides)), 3))}
 
 
 def activations(overrides: list[str]) -> dict:

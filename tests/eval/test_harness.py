@@ -11,12 +11,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import lm_eval  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from flopwise.eval.harness import TASK_PREFIX, FlopwiseLM, task_yaml, write_task_yamls  # noqa: E402
 from flopwise.data.tasks import load_task  # noqa: E402
+from flopwise.eval.harness import TASK_PREFIX, FlopwiseLM, task_yaml, write_task_yamls  # noqa: E402
+from flopwise.eval.load import load_for_inference  # noqa: E402
 from flopwise.eval.tasks import evaluate_task  # noqa: E402
 from flopwise.interop.convert import export_hf  # noqa: E402
-from flopwise.eval.load import load_for_inference  # noqa: E402
-
 
 N = 40
 

@@ -5,15 +5,14 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from rich.console import Console
 
-from tests.conftest import tiny_overrides
 from flopwise.config import ModelConfig, load_config
-from flopwise.errors import DataError
 from flopwise.data.tasks import Example, builtin_tasks, load_task, shipped_task_records
+from flopwise.errors import DataError
 from flopwise.eval.tasks import evaluate_task, score, with_shots
-from flopwise.model.transformer import build_model
 from flopwise.launch import train
+from flopwise.model.transformer import build_model
+from tests.conftest import tiny_overrides
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +25,7 @@ def reference_logprob(model, ctx, cont):
     with torch.no_grad():
         lp = F.log_softmax(model(x[:, :-1]).float(), -1)[0]
     pos = range(len(ctx) - 1, len(ctx) + len(cont) - 1)
-    return sum(lp[p, t].item() for p, t in zip(pos, cont))
+    return sum(lp[p, t].item() for p, t in zip(pos, cont, strict=True))
 
 
 def test_scores_equal_a_plain_forward_and_do_not_depend_on_batching(model):
@@ -35,9 +34,9 @@ def test_scores_equal_a_plain_forward_and_do_not_depend_on_batching(model):
             for n, m in [(5, 1), (17, 3), (9, 6), (30, 2), (60, 10)]]  # the last is cut to max_seq_len from the left
     one = score(model, reqs, batch=1)
     many = score(model, reqs, batch=16)
-    for (lp1, g1), (lp2, g2) in zip(one, many):
+    for (lp1, g1), (lp2, g2) in zip(one, many, strict=True):
         assert lp1 == pytest.approx(lp2, abs=1e-4) and g1 == g2
-    for (ctx, cont), (lp, _) in zip(reqs[:4], one):
+    for (ctx, cont), (lp, _) in zip(reqs[:4], one, strict=False):
         assert lp == pytest.approx(reference_logprob(model, ctx, cont), abs=1e-4)
 
 
@@ -61,7 +60,7 @@ def test_multiple_choice_accuracy_and_length_normalisation(model):
     for e in ex:
         sums = [reference_logprob(model, tok.encode(e.context).ids, tok.encode(c).ids) for c in e.choices]
         expect += max(range(len(sums)), key=sums.__getitem__) == e.gold
-        norm = [s / len(c.encode()) for s, c in zip(sums, e.choices)]
+        norm = [s / len(c.encode()) for s, c in zip(sums, e.choices, strict=True)]
         expect_norm += max(range(len(norm)), key=norm.__getitem__) == e.gold
     assert r["acc"] == expect / 2 and r["acc_norm"] == expect_norm / 2 and r["n"] == 2 and r["ppl"] > 1
 
@@ -135,7 +134,7 @@ def test_a_task_file_mixing_multiple_choice_and_cloze_is_refused_at_load(tmp_pat
 def test_tasks_cli_and_during_training(tiny_data, tmp_path):
     cfg = load_config(None, tiny_overrides(tmp_path, tiny_data, **{"train.eval_tasks": '["alice-lastword"]',
                                                                    "train.eval_task_limit": 10}))
-    train(cfg, Console(file=open("/dev/null", "w")))
+    train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     task_rows = [r for r in rows if r.get("task") == "alice-lastword"]
     assert [r["step"] for r in task_rows] == [3, 6] and task_rows[0]["n"] == 10

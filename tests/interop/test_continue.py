@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from rich.console import Console
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from typer.testing import CliRunner
 
@@ -90,10 +89,6 @@ def cli(*args: str, code: int = 0):
     else:
         assert r.exit_code != 0, r.output
     return r
-
-
-def _quiet() -> Console:
-    return Console(file=open(os.devnull, "w"))
 
 
 def test_data_of_another_tokenizer_is_refused_before_step_1(instruct, user_text, tmp_path):
@@ -268,14 +263,13 @@ def test_ctrl_c_is_acknowledged_during_a_step_and_a_second_one_stops_at_once(tmp
 
 def test_ctrl_c_checkpoints_at_the_end_of_the_step(tiny_data, tmp_path, monkeypatch):
     """One process: a Ctrl-C in step 3 checkpoints at step 3, not at the next log step (50)."""
-    from tests.conftest import tiny_overrides
-
     from flopwise.launch import train
+    from tests.conftest import tiny_overrides
 
     monkeypatch.setenv("FLOPWISE_FAULTS", "sigint:step=3")
     cfg = load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{
         "train.steps": 50, "log.every": 50, "train.eval_every": 0, "checkpoint.interval": 0}))
-    result = train(cfg, _quiet())
+    result = train(cfg)
     assert result.preempted == 3 and result.checkpoint is not None and result.checkpoint.name == "step-00000003"
 
 

@@ -116,7 +116,7 @@ def test_initialisation_scales():
 def test_init_is_seeded():
     a = build_model(tiny(), "cpu", seed=3)
     b = build_model(tiny(), "cpu", seed=3)
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
 def test_too_long_sequence_is_rejected():

@@ -10,13 +10,13 @@ config.
 import pytest
 import torch
 
-from tests.conftest import run_jobs, tiny_overrides
 from flopwise.config import ModelConfig
 from flopwise.model.transformer import build_model
 from flopwise.parallel.accounting import SavedBytes
 from flopwise.parallel.apply import apply_compile, apply_recompute
 from flopwise.plan.memory import activation_bytes_per_layer, autocast_weight_copy_bytes, engine_precision
 from flopwise.train.engine import autocast
+from tests.conftest import run_jobs, tiny_overrides
 
 SEQ, BATCH = 64, 2
 # Small shapes of each family: GQA/SwiGLU/RMSNorm/RoPE, MHA/GeLU/LayerNorm/learned positions,
@@ -170,7 +170,7 @@ def test_planner_books_what_each_rank_saves(family, layout, measured_dist):
     want = activation_bytes_per_layer(model_config(family, 4), SEQ // lo.cp, BATCH, lo.tp, lo.sequence_parallel,
                                       lo.recompute, precision=engine_precision(dtype, fsdp, cpu=True), cp=lo.cp)
     two, four = (measured_dist[f"{family}-{layout}-{n}"]["ranks"] for n in (2, 4))
-    for r2, r4 in zip(two, four):
+    for r2, r4 in zip(two, four, strict=True):
         assert (r4["bytes"] - r2["bytes"]) / 2 == pytest.approx(want, rel=0.05), (r2, r4)
         copies = dtype == "bf16" and not fsdp  # FSDP2 computes with its bf16 params
         assert (r4["weight_copies"] > 0) == copies
@@ -212,17 +212,15 @@ def test_compiled_run_measures_what_the_planner_predicts(tiny_data, tmp_path):
     """`flopwise plan --measure`'s path on one process (build_run, then measure_rank's training
     steps under SavedBytes) with train.compile=true and bf16 autocast: the peak of saved activations
     equals predict_rank's within 2% (compiled blocks with their weight casts, compiled loss)."""
-    from rich.console import Console
-
     from flopwise.build import build_run
     from flopwise.config import load_config
-    from flopwise.plan.rank import predict_rank
     from flopwise.measure import measure_rank
+    from flopwise.plan.rank import predict_rank
 
     torch._dynamo.reset()
     cfg = load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{
         "train.compile": "true", "train.dtype": '"bf16"', "train.micro_batch": 8, "checkpoint.resume": '"none"'}))
-    run = build_run(cfg, Console(quiet=True))
+    run = build_run(cfg)
     got = measure_rank(run, 2)["activations"]
     want = predict_rank(run.cfg, run.par.layout, 0, 0, 0, cpu=True).activations
     eager = predict_rank(run.cfg.model_copy(update={"train": run.cfg.train.model_copy(update={"compile": False})}),

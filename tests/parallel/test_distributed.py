@@ -10,19 +10,16 @@ import sys
 
 import pytest
 import torch
-from rich.console import Console
 
-from tests.conftest import run_jobs, tiny_overrides
 from flopwise.config import load_config
 from flopwise.errors import CheckpointError
 from flopwise.flops import count_params
+from flopwise.launch import train
 from flopwise.parallel.mesh import Parallel
 from flopwise.plan.comm import dp_elements_per_step, pp_boundary_elements, tp_allreduce_elements
 from flopwise.plan.layout import Layout
 from flopwise.plan.memory import model_state_bytes
-from flopwise.checkpoints import checkpoint
-from flopwise.build import build_engine
-from flopwise.launch import train
+from tests.conftest import run_jobs, tiny_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 STEPS = 3
@@ -151,7 +148,7 @@ def runs(tiny_data, tiny_mix, tiny_docs, tmp_path_factory) -> dict:
 
 
 def single(run_dir, data, **extra):
-    return train(load_config(None, base(run_dir, data, **extra)), Console(quiet=True))
+    return train(load_config(None, base(run_dir, data, **extra)))
 
 
 @pytest.fixture(scope="module")

@@ -6,18 +6,15 @@ the device and torchao checks, composition with recompute and compile, FSDP2 and
 """
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from rich.console import Console
 from torch import nn
 
 pytest.importorskip("torchao")
 
-from tests.conftest import run_jobs, tiny_overrides  # noqa: E402
 from flopwise.config import ModelConfig, load_config, validate  # noqa: E402
 from flopwise.errors import ConfigError  # noqa: E402
 from flopwise.launch import train  # noqa: E402
@@ -28,9 +25,8 @@ from flopwise.parallel.mesh import Parallel, layout_of  # noqa: E402
 from flopwise.plan.float8 import unconverted_linears  # noqa: E402
 from flopwise.plan.memory import activation_bytes_per_layer, autocast_weight_copy_bytes, engine_precision  # noqa: E402
 from flopwise.train.engine import autocast  # noqa: E402
-from torchao.float8.float8_linear import Float8Linear  # noqa: E402
+from tests.conftest import run_jobs, tiny_overrides  # noqa: E402
 
-QUIET = Console(file=open(os.devnull, "w"))
 CPU = torch.device("cpu")
 SEQ, BATCH = 64, 2
 
@@ -38,7 +34,7 @@ SEQ, BATCH = 64, 2
 def run(tmp, data, **kw):
     base = {"train.dtype": '"bf16"', "train.steps": 20, "train.eval_every": 0, "checkpoint.interval": 0,
             "checkpoint.resume": '"none"', "log.every": 5}
-    return train(load_config(None, tiny_overrides(tmp, data, **{**base, **kw})), QUIET)
+    return train(load_config(None, tiny_overrides(tmp, data, **{**base, **kw})))
 
 
 def emulated(recipe: str) -> dict:
@@ -176,7 +172,7 @@ def test_run_measures_what_the_planner_predicts(tiny_data, tmp_path):
 
     cfg = load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{
         "train.dtype": '"bf16"', "train.micro_batch": 8, "checkpoint.resume": '"none"', **emulated("rowwise")}))
-    run = build_run(cfg, QUIET)
+    run = build_run(cfg)
     got = measure_rank(run, 2)
     want = predict_rank(run.cfg, run.par.layout, 0, 0, 0, cpu=True)
     assert got["activations"] == pytest.approx(want.activations, rel=0.01)

@@ -14,23 +14,22 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from rich.console import Console
 
-from tests.conftest import BENCHMARKS, run_jobs, tiny_overrides
 from flopwise.build import build_engine
+from flopwise.checkpoints import checkpoint
+from flopwise.checkpoints.export import export_checkpoint
 from flopwise.config import ModelConfig, load_config, to_toml
 from flopwise.eval.load import load_for_inference
 from flopwise.interop.convert import export_hf
 from flopwise.interop.hf import from_hf, to_hf
+from flopwise.launch import train
 from flopwise.model.init import normal_box
 from flopwise.model.transformer import build_model
 from flopwise.parallel.accounting import HostSyncCounter
 from flopwise.parallel.mesh import Parallel
 from flopwise.plan.layout import Layout
-from flopwise.checkpoints import checkpoint
 from flopwise.train.engine import lm_loss
-from flopwise.checkpoints.export import export_checkpoint
-from flopwise.launch import train
+from tests.conftest import BENCHMARKS, run_jobs, tiny_overrides
 
 # --- one process -----------------------------------------------------------------------------
 
@@ -79,7 +78,7 @@ def test_one_host_sync_per_log_step(tiny_data, tmp_path):
             "train.steps": steps, "log.every": 5, "train.eval_every": 0, "checkpoint.interval": 0,
             "checkpoint.resume": '"none"'}))
         with HostSyncCounter() as c:
-            r = train(cfg, Console(quiet=True))
+            r = train(cfg)
         return c.count, r.losses
 
     (short, _), (long, losses20) = run(10), run(20)
@@ -199,7 +198,7 @@ def _assert_slices_of(whole: dict[str, torch.Tensor], run_dir: Path, ranks: int)
     covered = dict.fromkeys(whole, 0)
     for r in range(ranks):
         for name, (offset, local) in torch.load(run_dir / f"shards-rank{r}.pt", weights_only=True).items():
-            ref = whole[name][tuple(slice(o, o + n) for o, n in zip(offset, local.shape))]
+            ref = whole[name][tuple(slice(o, o + n) for o, n in zip(offset, local.shape, strict=True))]
             assert torch.equal(local, ref), f"rank {r}: {name} at {offset}"
             covered[name] += local.numel()
     assert all(covered[k] >= whole[k].numel() for k in whole), "some parameter is held by no rank"

@@ -7,20 +7,21 @@ the same comparison with the step's terms.
 
 Per-op SAC is none of the planner's recompute modes, so every mode is held to the table. The
 tolerance, 8% on each speed-up: the planner's H100 tables are one shape each, measured on an
-H200 (hardware.hopper_calibration), the run is another engine on Meta's H100s, and torchao's own tables of this benchmark put the tensorwise speed-up 4.7% apart (1.195 in
-pytorch/ao#1793 as first proposed, 1.250 in the docs).
+H200 (hardware.hopper_calibration), the run is another engine on Meta's H100s, and torchao's own
+tables of this benchmark put the tensorwise speed-up 4.7% apart (1.195 in pytorch/ao#1793 as first
+proposed, 1.250 in the docs).
 """
 
 import math
 import statistics
+
 import pytest
 
 from flopwise.config import ModelConfig
 from flopwise.hardware import get_hardware
-from flopwise.plan.layout import Layout
 from flopwise.plan import float8_linear
+from flopwise.plan.layout import Layout
 from flopwise.plan.perf import evaluate
-
 from tests.conftest import FIXTURES
 
 PUBLISHED = {"none": 6150.0, "tensorwise": 7689.5, "rowwise": 6768.0}  # tokens/s per GPU

@@ -13,8 +13,7 @@ from flopwise.flops import flops_per_token
 from flopwise.hardware import get_hardware
 from flopwise.plan.audit import audit_claim, catalogue, parse_claim
 from flopwise.plan.layout import Layout, check_layout
-from flopwise.plan.memory import model_state_bytes
-from flopwise.plan.perf import STACKS, estimate, evaluate, layer_times, model_shape, rank_loads
+from flopwise.plan.perf import STACKS, evaluate, layer_times, model_shape, rank_loads
 from flopwise.plan.planner import plan, resolve_layout
 from flopwise.plan.reliability import DEFAULT_GPU_MTBF_HOURS, daly_interval, goodput, reliability
 from flopwise.plan.search import search, why_slower

@@ -2,8 +2,15 @@
 
 import pytest
 
-from flopwise.plan.comm import (dp_elements_per_step, pp_boundary_elements, ring_factor, ring_time,
-                                sp_regather_elements, tied_embedding_elements, tp_allreduce_elements)
+from flopwise.plan.comm import (
+    dp_elements_per_step,
+    pp_boundary_elements,
+    ring_factor,
+    ring_time,
+    sp_regather_elements,
+    tied_embedding_elements,
+    tp_allreduce_elements,
+)
 
 
 def test_zero_volumes():
@@ -24,7 +31,7 @@ def test_ring_factors_and_time():
 
 
 def test_megatron_tp_and_pp_volumes():
-    s, b, h, l, t = 2048, 1, 12288, 96, 8
+    s, b, h, l, t = 2048, 1, 12288, 96, 8  # noqa: E741 l: the paper's layer count
     # Narayanan et al. 2021: per layer per micro-batch each device moves 8·b·s·h·(t−1)/t elements
     per_layer_on_wire = tp_allreduce_elements(s, b, h, 1) * ring_factor("all_reduce", t)
     assert per_layer_on_wire == pytest.approx(8 * b * s * h * (t - 1) / t)

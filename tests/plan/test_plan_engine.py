@@ -1,8 +1,9 @@
 """The planner's `flopwise` stack against the engine it describes (CPU, gloo, torchrun).
 
 Per rank, the bytes of parameters, gradients and optimizer state the engine holds, and FSDP2's
-all-gathered parameter copies at the activation peak, equal what the planner books for that rank exactly (its own stage split, tensor-parallel slices and ZeRO shares,
-computed from the config alone), and a step's data-parallel collectives move exactly the planner's
+all-gathered parameter copies at the activation peak, equal what the planner books for that rank
+exactly (its own stage split, tensor-parallel slices and ZeRO shares, computed from the config
+alone), and a step's data-parallel collectives move exactly the planner's
 volumes. The reference is the engine, measured (flopwise.measure, the code behind
 `flopwise plan --measure`); the planner (flopwise.plan.rank) never sees it.
 """
@@ -13,13 +14,13 @@ import sys
 
 import pytest
 
-from tests.conftest import BENCHMARKS, run_jobs, tiny_overrides
 from flopwise.config import load_config
 from flopwise.flops import count_params
 from flopwise.hardware import get_hardware
 from flopwise.parallel.mesh import layout_of
 from flopwise.plan.perf import evaluate
 from flopwise.plan.rank import predict_rank
+from tests.conftest import BENCHMARKS, run_jobs, tiny_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -67,8 +68,9 @@ def measured(tiny_data, tmp_path_factory) -> dict:
 
 # Demo-model layouts on 4 ranks for the high-water mark, with the tolerance each is held to
 # (measured 2026-12-04: data parallel within 0.3%; compiled +2.7 to +3.6%; tp2×dp2 ZeRO-3 +4.8 to
-# +10.6%, varying by rank and run; pp2×dp2 +5.1% / -5.5%): not booked are the transient buffers of FSDP2 over DTensor shards and
-# of the vocab-parallel loss, the pipeline schedule's send/receive buffers and stage outputs, and
+# +10.6%, varying by rank and run; pp2×dp2 +5.1% / -5.5%): not booked are the transient buffers of
+# FSDP2 over DTensor shards and of the vocab-parallel loss, the pipeline schedule's send/receive
+# buffers and stage outputs, and
 # what the compiled backward of the head allocates beside the logits' gradient
 PEAK = {"dp4-zero0": ({"parallel.zero": 0}, 0.01), "dp4-zero1-accum": ({"parallel.zero": 1, "train.micro_batch": 2}, 0.01),
         "dp4-zero2": ({"parallel.zero": 2}, 0.01), "dp4-zero3": ({"parallel.zero": 3}, 0.01),

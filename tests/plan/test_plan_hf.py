@@ -11,15 +11,14 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
-from rich.console import Console  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from tests.conftest import tiny_overrides  # noqa: E402
 from flopwise.build import build_run  # noqa: E402
 from flopwise.config import load_config, load_tree, validate  # noqa: E402
 from flopwise.measure import measure_rank  # noqa: E402
 from flopwise.plan.perf import FIT_MARGIN, RUNTIME_RESERVE  # noqa: E402
 from flopwise.plan.planner import plan  # noqa: E402
+from tests.conftest import tiny_overrides  # noqa: E402
 
 V = 97
 SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -210,7 +209,7 @@ def test_max_micro_batch_is_where_the_engines_measured_memory_runs_out(tiny_data
     def total(mb: int) -> int:
         if mb not in measured:
             keys = tiny_overrides(tmp_path / f"mb{mb}", tiny_data, **JOINT, **{"train.micro_batch": mb})
-            m = measure_rank(build_run(load_config(None, keys), Console(quiet=True)), 2)
+            m = measure_rank(build_run(load_config(None, keys)), 2)
             measured[mb] = m["params"] + m["optimizer"] + m["peak"]
         return measured[mb]
 

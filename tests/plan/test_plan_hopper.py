@@ -13,7 +13,6 @@ import pytest
 
 from flopwise.hardware import get_hardware
 from flopwise.plan import hopper
-
 from tests.conftest import BENCHMARKS
 
 

@@ -19,7 +19,7 @@ ZERO_TABLE1 = {
 @pytest.mark.parametrize("psi", list(ZERO_TABLE1))
 def test_zero_table_1(psi):
     for dp, row in ZERO_TABLE1[psi].items():
-        for stage, published in zip((1, 2, 3), row):
+        for stage, published in zip((1, 2, 3), row, strict=True):
             gb = model_state_bytes(psi, stage, dp).total / 1e9
             digits = len(str(published).split(".")[1]) if "." in str(published) else 0
             # the table rounds most cells and truncates a few (257.75 -> 257): within one last digit

@@ -11,17 +11,27 @@ import pytest
 
 from flopwise.config import load_config
 from flopwise.plan.fit import Points, fit_approach2, fit_approach3, fit_kaplan, read_points
-from flopwise.plan.scaling import (CHINCHILLA_TABLE3, EPOCH, HOFFMANN, LAWS, ParametricLaw, allocate,
-                                   allocation_config, batch_and_lr, choose_shape, data_constrained,
-                                   effective_tokens, inference_aware)
-
+from flopwise.plan.scaling import (
+    CHINCHILLA_TABLE3,
+    EPOCH,
+    HOFFMANN,
+    LAWS,
+    ParametricLaw,
+    allocate,
+    allocation_config,
+    batch_and_lr,
+    choose_shape,
+    data_constrained,
+    effective_tokens,
+    inference_aware,
+)
 from tests.conftest import FIXTURES
 
 CHINCHILLA_CSV = FIXTURES / "chinchilla_svg_extracted_data.csv"
 TABLE3_TOKENS = [8.0e9, 20.2e9, 205.1e9, 1.5e12, 3.7e12, 5.9e12, 11.0e12, 21.2e12, 216.2e12]
 
 
-@pytest.mark.parametrize("row, tokens", list(zip(CHINCHILLA_TABLE3, TABLE3_TOKENS)))
+@pytest.mark.parametrize("row, tokens", list(zip(CHINCHILLA_TABLE3, TABLE3_TOKENS, strict=True)))
 def test_chinchilla_1_reproduces_table_3(row, tokens):
     params, flops = row
     n, d = LAWS["chinchilla-1"].frontier(flops)

@@ -47,7 +47,7 @@ def test_jaggedness_flags():
 def test_table_io_and_plot(tmp_path):
     p = synthetic()
     rows = ["name,flops,task,acc,nll,chance"] + [f"r{i},{c},t,{a},{n},0.25" for i, (c, a, n)
-                                                   in enumerate(zip(p.flops, p.acc, p.nll))]
+                                                   in enumerate(zip(p.flops, p.acc, p.nll, strict=True))]
     (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
     tasks = read_task_table(tmp_path / "t.csv")
     assert np.allclose(tasks["t"].nll, p.nll) and tasks["t"].chance == 0.25
@@ -65,7 +65,7 @@ def test_cli_predict_task(tmp_path):
 
     p = synthetic()
     rows = ["name,flops,task,acc,nll,chance"] + [f"r{i},{c},t,{a},{n},0.25" for i, (c, a, n)
-                                                   in enumerate(zip(p.flops, p.acc, p.nll))]
+                                                   in enumerate(zip(p.flops, p.acc, p.nll, strict=True))]
     (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
     res = CliRunner().invoke(app, ["scale", "predict-task", str(tmp_path / "t.csv"), "--flops", "1e15",
                                    "--out", str(tmp_path / "o"), "--bootstrap", "50"])
@@ -79,7 +79,7 @@ def test_cli_predict_task(tmp_path):
 def write_table(path):
     p = synthetic()
     rows = ["name,flops,task,acc,nll,chance"] + [f"r{i},{c},t,{a},{n},0.25" for i, (c, a, n)
-                                                   in enumerate(zip(p.flops, p.acc, p.nll))]
+                                                   in enumerate(zip(p.flops, p.acc, p.nll, strict=True))]
     path.write_text("\n".join(rows) + "\n")
     return path
 

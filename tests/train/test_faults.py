@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from tests.conftest import tiny_overrides
 from flopwise.checkpoints import checkpoint
+from tests.conftest import tiny_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 STEPS = 8

@@ -7,16 +7,13 @@ import sys
 
 import pytest
 import torch
-from rich.console import Console
 
-from tests.conftest import tiny_overrides
 from flopwise.config import load_config
 from flopwise.hardware import CATALOGUE, GiB, identify_gpu
 from flopwise.launch import train
 from flopwise.train import trainer
 from flopwise.train.metrics import Peak
-
-QUIET = Console(file=open("/dev/null", "w"))
+from tests.conftest import tiny_overrides
 
 # torch.cuda.get_device_name / total_memory as the driver reports them on each chip
 DRIVER_NAMES = [
@@ -43,7 +40,7 @@ def test_catalogue_dense_bf16_peaks_are_the_datasheets():
 
 def _train(tmp, data, peak: Peak, monkeypatch, steps=6):
     monkeypatch.setattr(trainer, "device_peak", lambda *a: peak)
-    r = train(load_config(None, tiny_overrides(tmp, data, **{"train.steps": steps})), QUIET)
+    r = train(load_config(None, tiny_overrides(tmp, data, **{"train.steps": steps})))
     return r, [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -16,15 +16,15 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.conftest import tiny_overrides
-from rich.console import Console
 
+from conftest import tiny_overrides
 from flopwise.checkpoints import checkpoint
 from flopwise.config import load_config
 from flopwise.launch import train
 from flopwise.plan.layout import config_layout
 from flopwise.plan.planner import resolve_layout
 from flopwise.train.trainer import layout_label
+from tests.conftest import tiny_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.multinode]
 
@@ -38,7 +38,7 @@ def overrides(run_dir, data, **extra) -> list[str]:
 
 def reference(tmp: Path, data, **extra) -> list[float]:
     """One process's per-step losses for the same run."""
-    return train(load_config(None, overrides(tmp, data, **extra)), Console(quiet=True)).losses
+    return train(load_config(None, overrides(tmp, data, **extra))).losses
 
 
 def logged_losses(run_dir: Path) -> list[float]:

@@ -12,12 +12,13 @@ import pytest
 import torch
 from rich.console import Console
 
-from tests.conftest import tiny_overrides
 from flopwise.config import load_config
 from flopwise.launch import train
+from flopwise.log import printing_to
 from flopwise.model.transformer import build_model
 from flopwise.parallel import mesh
 from flopwise.train.preflight import WillNotFit, preflight
+from tests.conftest import tiny_overrides
 
 ENV = {**os.environ, "COLUMNS": "400"}
 GiB = 2**30
@@ -56,7 +57,7 @@ def test_the_refusal_names_the_nearest_change_that_fits(tmp_path, tiny_data, mon
                                                           "train.global_batch": 16, "train.micro_batch": 16})
     monkeypatch.setattr("flopwise.train.preflight.mem_available", lambda: 12.0 * GiB)
     with pytest.raises(WillNotFit) as e:
-        train(load_config(None, over), Console(file=io.StringIO()))
+        train(load_config(None, over))
     line = str(e.value)
     assert "nearest change that fits (1 change: micro_batch): train.micro_batch=" in line, line
     mb = int(re.search(r"train\.micro_batch=(\d+)", line).group(1))
@@ -68,7 +69,8 @@ def test_the_refusal_names_the_nearest_change_that_fits(tmp_path, tiny_data, mon
 def test_a_run_predicted_to_fit_starts_and_says_so(tmp_path, tiny_data):
     out = io.StringIO()
     cfg = load_config(None, tiny_overrides(tmp_path, tiny_data, **{"train.steps": 2}))
-    r = train(cfg, Console(file=out, width=400))
+    with printing_to(Console(file=out, width=400)):
+        r = train(cfg)
     assert r.steps == 2 and len(r.losses) == 2
     assert re.search(r"pre-flight: rank 0 of 1 \(single, micro-batch 4, recompute none\) needs [\d.]+ GiB; "
                      r"[\d.]+ GiB usable", out.getvalue())
@@ -79,9 +81,9 @@ def test_preflight_false_skips_the_check(tmp_path, tiny_data, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1000000")
     over = tiny_overrides(tmp_path, tiny_data, **{"train.steps": 2})
     with pytest.raises(WillNotFit, match="MemAvailable / 1000000 local ranks"):
-        train(load_config(None, over), Console(file=io.StringIO()))
+        train(load_config(None, over))
     assert not tmp_path.joinpath("flopwise-run.json").exists()
-    r = train(load_config(None, [*over, "train.preflight=false"]), Console(file=io.StringIO()))
+    r = train(load_config(None, [*over, "train.preflight=false"]))
     assert r.steps == 2
 
 

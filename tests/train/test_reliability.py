@@ -13,15 +13,15 @@ import pytest
 import torch
 from rich.console import Console
 
-from tests.conftest import tiny_overrides
 from flopwise.config import GuardConfig, WatchdogConfig, load_config
 from flopwise.errors import CheckpointError, ConfigError, TrainingStopped
-from flopwise.checkpoints import checkpoint
-from flopwise.train.faults import parse
-from flopwise.train.guard import Guard, Verdict
 from flopwise.eval.load import load_for_inference
 from flopwise.launch import train
+from flopwise.log import printing_to
+from flopwise.train.faults import parse
+from flopwise.train.guard import Guard, Verdict
 from flopwise.train.watch import Watch
+from tests.conftest import tiny_overrides
 
 
 def run(tmp, data, faults="", monkeypatch=None, **kw):
@@ -29,7 +29,8 @@ def run(tmp, data, faults="", monkeypatch=None, **kw):
     if monkeypatch is not None:
         monkeypatch.setenv("FLOPWISE_FAULTS", faults)
     buf = io.StringIO()
-    r = train(load_config(None, tiny_overrides(tmp, data, **kw)), Console(file=buf, width=300))
+    with printing_to(Console(file=buf, width=300)):
+        r = train(load_config(None, tiny_overrides(tmp, data, **kw)))
     return r, buf.getvalue()
 
 
@@ -115,8 +116,8 @@ def test_a_planted_pickle_is_refused_and_never_run(tiny_data, tmp_path, monkeypa
 
 
 def load_for_inference_unverified(ckpt):
-    from flopwise.model.transformer import build_model
     from flopwise.checkpoints.export import checkpoint_config
+    from flopwise.model.transformer import build_model
 
     model = build_model(checkpoint_config(ckpt, checkpoint.read_state(ckpt)).model, "cpu")
     checkpoint.load(ckpt, model)

@@ -6,11 +6,10 @@ import subprocess
 import sys
 
 import pytest
-from rich.console import Console
 
-from tests.conftest import tiny_overrides
 from flopwise.config import load_config
 from flopwise.launch import train
+from tests.conftest import tiny_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -31,9 +30,7 @@ def test_default_train_beats_the_unigram_entropy(tmp_path):
 
 @pytest.mark.compile
 def test_compile_matches_eager(tiny_data, tmp_path):
-    quiet = Console(file=open("/dev/null", "w"))
     kw = {"train.steps": 3, "checkpoint.interval": 0, "train.eval_every": 0}
-    eager = train(load_config(None, tiny_overrides(tmp_path / "e", tiny_data, **kw)), quiet)
-    compiled = train(load_config(None, tiny_overrides(tmp_path / "c", tiny_data, **kw, **{"train.compile": "true"})),
-                     quiet)
+    eager = train(load_config(None, tiny_overrides(tmp_path / "e", tiny_data, **kw)))
+    compiled = train(load_config(None, tiny_overrides(tmp_path / "c", tiny_data, **kw, **{"train.compile": "true"})))
     assert compiled.losses == pytest.approx(eager.losses, rel=1e-4)

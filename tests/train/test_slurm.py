@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import tiny_overrides
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.conftest import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 STATE = Path(os.environ.get("FLOPWISE_SLURM_STATE", "/tmp/flopwise-slurm"))

@@ -37,6 +37,7 @@ import warnings
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -45,15 +46,21 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from flopwise.checkpoints import rundir
 from flopwise.errors import CheckpointError
 from flopwise.model.init import canonical_name
 from flopwise.parallel.data import local_optimizer
 from flopwise.parallel.mesh import is_rank0
-from flopwise.checkpoints import rundir
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
@@ -83,7 +90,7 @@ def _sha256(path: Path) -> str:
 
 
 def rng_state() -> dict:
-    state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    state: dict[str, str | list[str]] = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
     if torch.cuda.is_available():
         state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
     return state
@@ -130,7 +137,7 @@ def _optim_state(modules: list[nn.Module], optimizer: torch.optim.Optimizer) -> 
         for g in opt.param_groups:
             g["lr"] = 0.0
         opt.step()
-        for g, lr in zip(opt.param_groups, lrs):
+        for g, lr in zip(opt.param_groups, lrs, strict=True):
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
     return {name: dict(opt.state[p]) for name, p in _named_params(modules).items() if id(p) in owned}
@@ -183,8 +190,7 @@ def begin(run_dir: str | Path, step: int, model: Modules, optimizer: torch.optim
             raise not_written(run_dir, step, err)
     content = _content(model, optimizer)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "assuming single process" when no process group exists
+        with without_process_group():
             if asynchronous:
                 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -379,9 +385,10 @@ def list_complete(run_dir: str | Path) -> list[Path]:
     return [p for p in _candidates(run_dir) if is_complete(p)]
 
 
-def latest(run_dir: str | Path, verify_checksums: bool = True, report: Callable[[str], None] | None = None) -> Path | None:
+def latest(run_dir: str | Path, verify_checksums: bool = True,
+           report: Callable[[str], None] | None = None) -> Path | None:
     """The newest checkpoint that verifies; each damaged newer one is reported in one line and skipped."""
-    skipped = []
+    skipped: list[tuple[str, str]] = []
     for p in reversed(_candidates(run_dir)):
         reason = verify(p, verify_checksums)
         if reason is None:
@@ -437,7 +444,7 @@ def _short(value: object) -> str:
     return text if len(text) <= 100 else text[:97] + "..."
 
 
-def _is_size(value: object, rank: int | None = None) -> bool:
+def _is_size(value: object, rank: int | None = None) -> TypeGuard[tuple[int, ...]]:
     """A torch.Size-like tuple of non-negative ints (of `rank` entries when given); bools are not sizes."""
     return (isinstance(value, tuple) and all(type(n) is int and n >= 0 for n in value)
             and (rank is None or len(value) == rank))
@@ -475,7 +482,7 @@ def _tiling_problem(entry: TensorStorageMetadata) -> str | None:
     for chunk in chunks:
         offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
         if not (isinstance(chunk, ChunkStorageMetadata) and _is_size(offsets, len(size)) and _is_size(sizes, len(size))
-                and all(o + n <= d for o, n, d in zip(offsets, sizes, size))):
+                and all(o + n <= d for o, n, d in zip(offsets, sizes, size, strict=True))):
             return f"has a chunk outside its size {list(size)}"
         total += math.prod(sizes)
     if total != math.prod(size):
@@ -589,9 +596,9 @@ class SafeReader(FileSystemReader):
         if kwargs.get("rank") is not None:  # per-rank metadata files: not written by flopwise
             raise CheckpointError(f"checkpoint {self.path}: per-rank metadata is not supported")
         metadata = read_dcp_metadata(Path(self.path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
 
@@ -619,7 +626,7 @@ def read_state(path: Path) -> dict:
     return state
 
 
-def reason(e: Exception) -> str:
+def reason(e: BaseException) -> str:  # DCP's CheckpointException is a BaseException
     """The informative line of a (possibly multi-rank, traceback-laden) DCP error."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     errors = [ln for ln in lines if "Error:" in ln or "Missing key" in ln or "size mismatch" in ln]
@@ -631,8 +638,7 @@ def load(path: Path, model: Modules, optimizer: torch.optim.Optimizer | None = N
     whatever layout wrote it."""
     modules = _modules(model)
     read_dcp_metadata(path)  # refused metadata says why, not "does not fit"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with without_process_group():
         try:
             sd = {"model": _model_state(modules)}
             if optimizer is not None:

@@ -22,14 +22,14 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from flopwise.checkpoints import checkpoint, rundir
 from flopwise.config import config_hash, to_toml, validate
 from flopwise.data.tokenizer import SIDE_FILES
 from flopwise.errors import CheckpointError
-from flopwise.plan.layout import Layout
-from flopwise.plan.planner import layout_config
-from flopwise.checkpoints import checkpoint, rundir
 from flopwise.manifest import folder_lock, real_path
 from flopwise.outputs import check_folder
+from flopwise.plan.layout import Layout
+from flopwise.plan.planner import layout_config
 
 
 @cache
@@ -68,7 +68,7 @@ class CheckpointTensors(checkpoint.SafeReader):
         for key, spec in md.state_dict_metadata.items():
             if not isinstance(spec, TensorStorageMetadata):
                 raise CheckpointError(f"checkpoint {self.dir}: entry {key!r} is not a tensor (flopwise writes only tensors)")
-        return md.state_dict_metadata
+        return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
         release_freed_memory()

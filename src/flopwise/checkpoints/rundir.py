@@ -24,8 +24,16 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from flopwise.errors import ConfigError
-from flopwise.manifest import (cannot_write, file_record, folder_id, open_nofollow, real_path, same_file,
-                               write_nofollow, written_for)
+from flopwise.manifest import (
+    cannot_write,
+    file_record,
+    folder_id,
+    open_nofollow,
+    real_path,
+    same_file,
+    write_nofollow,
+    written_for,
+)
 
 RUN_FILE = "flopwise-run.json"
 FORMAT = "flopwise-run/2"

@@ -148,7 +148,7 @@ class Contamination:
 
     def rows(self) -> list[dict]:
         return [{"task": t, "examples": n, "contaminated": len(c), "share": len(c) / n if n else 0.0}
-                for t, n, c in zip(self.tasks, self.examples, self.contaminated)]
+                for t, n, c in zip(self.tasks, self.examples, self.contaminated, strict=True)]
 
 
 def scan(grams: TaskGrams, documents: Iterable[str]) -> Contamination:

@@ -49,7 +49,7 @@ class WindowStream:
 
     def take(self, n: int) -> np.ndarray:
         """The next `n` window ids; advances the position."""
-        ids = []
+        ids: list[int] = []
         while len(ids) < n:
             order = self._order(self.epoch)
             k = min(n - len(ids), self.n_windows - self.cursor)
@@ -71,7 +71,7 @@ class WindowStream:
             return []
         first = np.searchsorted(starts, ids * self.seq_len, side="right") - 1
         last = np.searchsorted(starts, (ids + 1) * self.seq_len, side="right") - 1
-        return sorted({int(d) for a, b in zip(first, last) for d in range(max(a, 0), b + 1)})
+        return sorted({int(d) for a, b in zip(first, last, strict=True) for d in range(max(a, 0), b + 1)})
 
     def state_dict(self) -> dict:
         return {"name": self.source.name, "epoch": self.epoch, "cursor": self.cursor, "taken": self.taken,
@@ -152,7 +152,7 @@ class TokenLoader:
         if [s["name"] for s in saved] != self.names and not (len(saved) == len(self.names) == 1):
             raise DataError(f"loader state: checkpoint's data sources are {[s['name'] for s in saved]} but this run's "
                             f"are {self.names}; resume with the same data.sources (names and order)")
-        for st, s in zip(self.streams, saved):
+        for st, s in zip(self.streams, saved, strict=True):
             if s["n_windows"] != st.n_windows:
                 raise DataError(f"loader state: source {st.source.name!r} had {s['n_windows']} windows in the "
                                 f"checkpoint but has {st.n_windows} here; resume with the same data and data.seq_len")

@@ -36,7 +36,7 @@ def prepared_sources(cfg) -> list[Source] | None:
     dirs = [Path(s.path) for s in cfg.data.mixture]
     if not all((d / "index.json").is_file() for d in dirs):
         return None
-    return [Source(s.label, d, s.weight) for s, d in zip(cfg.data.mixture, dirs)]
+    return [Source(s.label, d, s.weight) for s, d in zip(cfg.data.mixture, dirs, strict=True)]
 
 
 @dataclass(frozen=True)

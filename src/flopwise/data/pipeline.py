@@ -44,8 +44,9 @@ Quality filters (`filters`), with the papers' thresholds:
 Deduplication (`dedup`):
   exact    hash (xxhash64) of the normalized text (lower case, no punctuation, normalized whitespace
            and digits); one copy of each cluster kept.
-  minhash  MinHash LSH over word 5-grams of the normalized text (sha1-64 shingle hashes), 112 hashes = 14 bands x 8 rows:
-           pairs are candidates with probability 1 - (1 - s^8)^14 at Jaccard s, the S-curve's
+  minhash  MinHash LSH over word 5-grams of the normalized text (sha1-64 shingle hashes),
+           112 hashes = 14 bands x 8 rows: pairs are candidates with probability 1 - (1 - s^8)^14 at
+           Jaccard s, the S-curve's
            threshold (1/14)^(1/8) ~= 0.72 (s = 0.9: 0.9996, s = 0.8: 0.92, s = 0.5: 0.054); clusters
            are connected components of candidate pairs, one document kept per cluster.
 """
@@ -59,19 +60,38 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from flopwise.data.shards import (DATA_MANIFEST, FORMAT, WORK, PrepareStats, Skipped, dtype_for_vocab, input_files,
-                                  read_documents, skipped_note, val_documents)
-from flopwise.manifest import (LOCK, file_record, files_under, folder_lock, real_path, remove_all_but, why_not_ours,
-                               write_manifest)
+from flopwise.data.shards import (
+    DATA_MANIFEST,
+    FORMAT,
+    WORK,
+    PrepareStats,
+    Skipped,
+    dtype_for_vocab,
+    input_files,
+    read_documents,
+    skipped_note,
+    val_documents,
+)
 from flopwise.data.tokenizer import EOS, eos_id, load_tokenizer, parse_tokenizer_spec, train_bpe
 from flopwise.errors import DataError
+from flopwise.manifest import (
+    LOCK,
+    file_record,
+    files_under,
+    folder_lock,
+    real_path,
+    remove_all_but,
+    why_not_ours,
+    write_manifest,
+)
 from flopwise.outputs import check_folder
 
 SAMPLE_BYTES = 200 * 10**6  # tokenizer training sample: the first 200 MB of documents, in order
@@ -134,7 +154,7 @@ def plan_tasks(s: Survey, n_tasks: int) -> list[dict]:
             cuts.append(c)
     ends = [s.chunks[c][0] for c in cuts[1:]] + [s.documents]
     return [{"first": s.chunks[c][0], "end": end, "file": s.chunks[c][1], "pos": s.chunks[c][2],
-             "line": s.chunks[c][3]} for c, end in zip(cuts, ends)]
+             "line": s.chunks[c][3]} for c, end in zip(cuts, ends, strict=True)]
 
 
 def sample_texts(files: list[str], limit: int = SAMPLE_BYTES) -> Iterator[str]:
@@ -197,7 +217,7 @@ def _run(stage: str, pipeline: list, tasks: int, workers: int, work: Path):
 def _stage_stats(work: Path, stage: str) -> list[tuple[str, dict[str, float]]]:
     """Per pipeline step, (name, {metric: total}) summed over all tasks of one stage, including
     tasks finished by an earlier, killed run (datatrove's stats/RANK.json files)."""
-    steps: list[tuple[str, dict[str, int]]] = []
+    steps: list[tuple[str, dict[str, float]]] = []
     for f in sorted((work / "logs" / stage / "stats").glob("*.json")):
         for k, step in enumerate(json.loads(f.read_text())):
             if k == len(steps):
@@ -211,7 +231,7 @@ def _stage_stats(work: Path, stage: str) -> list[tuple[str, dict[str, float]]]:
     return steps  # "_seconds": the step's own time (datatrove's time_stats), summed over tasks
 
 
-def _filter_steps(filters: list[str], words, decontaminate: list[str] = ()) -> list:
+def _filter_steps(filters: list[str], words, decontaminate: Sequence[str] = ()) -> list:
     from datatrove.pipeline.filters import C4QualityFilter, GopherQualityFilter, GopherRepetitionFilter
 
     from flopwise.data.contamination import DecontaminationFilter
@@ -255,8 +275,8 @@ def _progress_loop(work: Path, total: int, progress: Callable, stop: threading.E
 
 def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val_fraction: float = 0.05,
             seed: int = 0, progress: Callable[[str, int, int, int], None] | None = None, force: bool = False,
-            workers: int | None = None, tasks: int | None = None, filters: list[str] | str = (),
-            dedup: list[str] | str = (), decontaminate: list[str] | str = (), setting: str | None = None) -> PrepareStats:
+            workers: int | None = None, tasks: int | None = None, filters: Sequence[str] | str = (),
+            dedup: Sequence[str] | str = (), decontaminate: Sequence[str] | str = (), setting: str | None = None) -> PrepareStats:
     """Tokenize `inputs` into numbered shards in `out` (see the module docstring for the stages).
 
     workers: processes (default: all cores); tasks: pipeline tasks = shard files per split
@@ -284,10 +304,11 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
     if workers < 1:
         raise DataError(f"--workers {workers}: must be at least 1")
     spec = parse_tokenizer_spec(tokenizer)
-    given = load_tokenizer(spec) if not isinstance(spec, int) else None
+    tok_file = None if isinstance(spec, int) else spec  # bpe:VOCAB trains one; else a given tokenizer file
+    given = load_tokenizer(tok_file) if tok_file else None
     files = [f for s in inputs for f in input_files(s)]
     with folder_lock(out, setting or "--out"):  # one writer per folder, for the whole prepare
-        keep = _inputs_kept(out, files, spec if given else None, force, setting)
+        keep = _inputs_kept(out, files, tok_file, force, setting)
         reason = why_not_ours(out, DATA_MANIFEST)
         if reason and not force:
             raise DataError(_refusal(out, reason, keep, setting))
@@ -296,7 +317,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
                             "--out, or move the file away")
         check_folder(out, setting or "--out")
         key = {"format": FORMAT, "inputs": _input_key(files), "tokenizer": str(spec),
-               "tokenizer_file": _input_key([spec]) if given else None, "val_fraction": val_fraction, "seed": seed,
+               "tokenizer_file": _input_key([tok_file]) if tok_file else None, "val_fraction": val_fraction, "seed": seed,
                "filters": filters, "dedup": dedup, "decontaminate": decontaminate}
         work = out / WORK
         plan = None
@@ -352,9 +373,15 @@ def _run_stages(out: Path, plan: dict, quality: list, words, dedup: list[str], d
     `quality`: the (name, filter) steps (`_filter_steps`), `words` their word splitter. The names of
     the quality and dedup stages that ran, for the report."""
     work, n_tasks = out / WORK, len(plan["tasks"])
-    from datatrove.pipeline.dedup import (ExactDedupFilter, ExactDedupSignature, ExactFindDedups,
-                                          MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter,
-                                          MinhashDedupSignature)
+    from datatrove.pipeline.dedup import (
+        ExactDedupFilter,
+        ExactDedupSignature,
+        ExactFindDedups,
+        MinhashDedupBuckets,
+        MinhashDedupCluster,
+        MinhashDedupFilter,
+        MinhashDedupSignature,
+    )
     from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig
     from datatrove.pipeline.dedup.minhash import MinhashConfig
     from datatrove.utils.hashing import HashConfig
@@ -491,7 +518,7 @@ def _index(out: Path, work: Path, plan: dict, tok, dtype: np.dtype, seed: int, v
     """The index from the tasks' tables, in task order: document starts offset by the tokens of
     the split's earlier shards."""
     vocab = tok.get_vocab_size()
-    splits = {s: {"files": [], "tokens": 0, "documents": []} for s in ("train", "val")}
+    splits: dict[str, dict[str, Any]] = {s: {"files": [], "tokens": 0, "documents": []} for s in ("train", "val")}
     counts = np.zeros(vocab, dtype=np.int64)
     documents = kept_bytes = 0
     for rank in range(len(plan["tasks"])):
@@ -528,7 +555,7 @@ def _report(work: Path, plan: dict, filters: list[str], filter_names: list[str],
         return int(totals.get(label, 0))
 
     rows = []
-    for k, (name, st) in enumerate(zip(filter_names + dedup_names, stages)):
+    for k, (name, st) in enumerate(zip(filter_names + dedup_names, stages, strict=True)):
         before, after = tallies[k], tallies[k + 1]
         row = {"stage": name, "documents_in": count(before, "documents"),
                "documents_removed": count(before, "documents") - count(after, "documents"),

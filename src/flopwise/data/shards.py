@@ -23,7 +23,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -120,7 +120,8 @@ def _parquet_documents(path: Path, start: int, skipped: Skipped | None = None) -
     except Exception as e:
         raise DataError(f"data file {path}: cannot read a 'text' column ({str(e).splitlines()[0][:100]})") from None
     # start at the row group holding row `start` instead of decoding the rows before it
-    row, groups = 0, []
+    row = 0
+    groups: list[int] = []
     for g in range(pf.num_row_groups):
         n = pf.metadata.row_group(g).num_rows
         if row + n > start or groups:
@@ -247,7 +248,7 @@ def read_index(data_dir: str | Path) -> dict:
         raise DataError(f"data index {p}: missing or malformed fields (vocab_size, dtype, splits)") from None
     if vocab < 1:
         raise DataError(f"data index {p}: vocab_size {vocab} must be at least 1")
-    if dtype not in (np.dtype(np.uint16), np.dtype(np.uint32)) or vocab > np.iinfo(dtype).max + 1:
+    if dtype not in (np.dtype(np.uint16), np.dtype(np.uint32)) or vocab > 1 << (8 * dtype.itemsize):
         raise DataError(f"data index {p}: vocab_size {vocab} does not fit dtype {dtype.name}")
     return meta
 
@@ -256,7 +257,7 @@ class ShardedTokens:
     """One split's tokens over its shard files, read as one array: `len()` and `tokens[a:b]` (which
     may cross shard boundaries; a copy only then). `np.asarray(tokens)` reads the whole split."""
 
-    def __init__(self, parts: list[np.ndarray], dtype: np.dtype):
+    def __init__(self, parts: Sequence[np.ndarray], dtype: np.dtype):
         self.parts = [p for p in parts if len(p)]
         self.dtype = dtype
         self.starts = np.cumsum([0] + [len(p) for p in self.parts])

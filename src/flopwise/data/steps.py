@@ -13,6 +13,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from datatrove.data import Document, DocumentsPipeline
@@ -119,7 +120,8 @@ class ShardWriter(PipelineStep):
         tok = load_tokenizer(out / "tokenizer.json")
         eos, vocab, dtype = eos_id(tok), tok.get_vocab_size(), np.dtype(self.dtype)
         val = np.load(work / "val.npy", mmap_mode="r")
-        entries = {s: {"file": f"{s}-{rank:05d}.bin", "tokens": 0, "documents": []} for s in ("train", "val")}
+        entries: dict[str, dict[str, Any]] = {s: {"file": f"{s}-{rank:05d}.bin", "tokens": 0, "documents": []}
+                                              for s in ("train", "val")}
         counts = np.zeros(vocab, dtype=np.int64)
         kept = kept_bytes = 0
         progress = work / "progress" / f"tokens-{rank:05d}"
@@ -128,7 +130,7 @@ class ShardWriter(PipelineStep):
         try:
             for chunk in batched(data, self.batch):
                 encodings = tok.encode_batch([d.text for d in chunk], add_special_tokens=False)
-                for doc, enc in zip(chunk, encodings):
+                for doc, enc in zip(chunk, encodings, strict=True):
                     ordinal = doc.metadata["ordinal"]
                     k = int(np.searchsorted(val, ordinal))
                     split = "val" if k < len(val) and val[k] == ordinal else "train"

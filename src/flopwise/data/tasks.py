@@ -30,7 +30,9 @@ class Example:
 
     @property
     def answer(self) -> str:
-        return self.choices[self.gold] if self.choices else self.target
+        if self.choices and self.gold is not None:
+            return self.choices[self.gold]
+        return self.target or ""
 
 
 def builtin_tasks() -> dict[str, Path]:
@@ -157,7 +159,7 @@ def build_next_line(plays: list[str], n: int, seed: int, n_choices: int = 4) -> 
     everyone = [verse[i] for _, _, verse, i in lines]
     rng = random.Random(seed)
     items = []
-    for k, who, verse, i in sorted(rng.sample(lines, min(n, len(lines)))):
+    for _k, who, verse, i in sorted(rng.sample(lines, min(n, len(lines)))):
         wrong = rng.sample([x for x in everyone if x != verse[i + 1]], n_choices - 1)
         gold = rng.randrange(n_choices)
         choices = wrong[:gold] + [verse[i + 1]] + wrong[gold:]

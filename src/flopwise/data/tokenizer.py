@@ -104,12 +104,12 @@ def bpe_vocab(vocab_size: int) -> int:
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> GuardedTokenizer:
     bpe_vocab(vocab_size)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok = guarded(tok, f"bpe:{vocab_size}")
+    tok = guarded(bpe, f"bpe:{vocab_size}")
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
 

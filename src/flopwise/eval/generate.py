@@ -56,7 +56,7 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, tempera
     n_new = min(max_new_tokens, room(model.cfg.max_seq_len, len(ids)))
     cache = KVCache(model.cfg, 1, len(ids) + n_new, device, model.tok_embeddings.weight.dtype) if use_cache else None
     step_input = torch.tensor([ids], device=device)
-    out = []
+    out: list[int] = []
     for _ in range(n_new):
         if cache is not None:
             logits = model(step_input, cache)[:, -1]

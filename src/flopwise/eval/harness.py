@@ -40,10 +40,10 @@ class FlopwiseLM(LM):
         """`max_batch_size` is accepted because lm-eval's CLI always passes it; there is no auto
         batching here (`batch_size=auto` means 8)."""
         super().__init__()
+        import torch
+
         from flopwise.data.tokenizer import eos_id
         from flopwise.eval.load import load_for_inference
-
-        import torch
 
         # lm-eval's CLI passes device="cuda" unless told otherwise; a CPU-only torch runs on the CPU
         device = device if device and (torch.cuda.is_available() or not device.startswith("cuda")) else "cpu"

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
+from flopwise.checkpoints import checkpoint
+from flopwise.checkpoints.export import checkpoint_config
 from flopwise.config import Config
 from flopwise.data.tokenizer import GuardedTokenizer, load_tokenizer
 from flopwise.model.transformer import Transformer, build_model
-from flopwise.checkpoints import checkpoint
-from flopwise.checkpoints.export import checkpoint_config
 
 
 def load_for_inference(path: str | Path, device: str = "cpu",

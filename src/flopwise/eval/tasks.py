@@ -46,7 +46,7 @@ def score(model, requests: list[tuple[list[int], list[int]]], batch: int = 16,
     model.eval()
     device = model.tok_embeddings.weight.device
     limit = model.cfg.max_seq_len + 1
-    out: list[tuple[float, bool] | None] = [None] * len(requests)
+    out: dict[int, tuple[float, bool]] = {}
     order = sorted(range(len(requests)), key=lambda i: -(len(requests[i][0]) + len(requests[i][1])))
     for start in range(0, len(order), batch):
         idx = order[start:start + batch]
@@ -61,7 +61,7 @@ def score(model, requests: list[tuple[list[int], list[int]]], batch: int = 16,
         for r, s in enumerate(seqs):
             x[r, :len(s) - 1] = torch.tensor(s[:-1])
         logprobs = model(x.to(device)).float().log_softmax(-1).cpu()
-        for r, (i, s) in enumerate(zip(idx, seqs)):
+        for r, (i, s) in enumerate(zip(idx, seqs, strict=True)):
             n = len(requests[i][1])
             pos = torch.arange(len(s) - 1 - n, len(s) - 1)
             target = torch.tensor(s[-n:])
@@ -69,7 +69,7 @@ def score(model, requests: list[tuple[list[int], list[int]]], batch: int = 16,
             out[i] = (float(lp.gather(-1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all()))
         if progress:
             progress(len(idx))
-    return out
+    return [out[i] for i in range(len(requests))]
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -94,20 +94,21 @@ def evaluate_task(model, tokenizer, name: str, examples: list[Example], shots: i
     examples = examples[:limit] if limit else examples
     contexts = with_shots(examples, shots, seed)
     requests, owners = [], []
-    for k, (e, ctx) in enumerate(zip(examples, contexts)):
-        for j, cont in enumerate(e.choices or (e.target,)):
+    for k, (e, ctx) in enumerate(zip(examples, contexts, strict=True)):
+        for j, cont in enumerate(e.choices or (e.answer,)):
             requests.append(encode_pair(tokenizer, ctx, cont))
             owners.append((k, j))
     scores = score(model, requests, batch, progress)
     per_example: dict[int, list] = {}
-    for (k, j), s, (_, cont) in zip(owners, scores, requests):
-        per_example.setdefault(k, []).append((j, s, len(cont)))
-    outcomes = []  # per example: (correct, correct by acc_norm, gold NLL, gold tokens, Brier score)
+    for (k, j), s, (_, cont_ids) in zip(owners, scores, requests, strict=True):
+        per_example.setdefault(k, []).append((j, s, len(cont_ids)))
+    # per example: (correct, correct by acc_norm, gold NLL, gold tokens, Brier score)
+    outcomes: list[tuple[bool, bool | None, float, int, float | None]] = []
     for k, e in enumerate(examples):
         rows = per_example[k]
-        if e.choices:
+        if choices := e.choices:
             best = max(rows, key=lambda r: r[1][0])[0]
-            best_norm = max(rows, key=lambda r: r[1][0] / max(1, len(e.choices[r[0]].encode())))[0]
+            best_norm = max(rows, key=lambda r: r[1][0] / max(1, len(choices[r[0]].encode())))[0]
             gold = next(r for r in rows if r[0] == e.gold)
             # Brier score of the choice distribution (softmax of the summed log-probabilities)
             probs = torch.tensor([r[1][0] for r in sorted(rows)], dtype=torch.float64).softmax(0)

@@ -27,8 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from flopwise.config import ModelConfig, hf_model_fields
-from flopwise.model.init import canonical_name, global_box
 from flopwise.hf_config import LLAMA_LIKE, hf_config_from_model, refuse, weight_map
+from flopwise.model.init import canonical_name, global_box
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "generation_config.json")
@@ -163,7 +163,7 @@ def _sources(m: ModelConfig) -> dict[str, TensorSource]:
 def _recipes(m: ModelConfig) -> list[tuple[str, list[str], Callable[..., torch.Tensor]]]:
     """(HF name, flopwise names, how to make the HF tensor from them), in the order they are written."""
     same = lambda t: t  # noqa: E731
-    out = [(theirs, [ours], same) for ours, theirs in _names(m)]
+    out: list[tuple[str, list[str], Callable[..., torch.Tensor]]] = [(theirs, [ours], same) for ours, theirs in _names(m)]
     d, hd, nh = m.d_model, m.head_dim, m.n_heads
     for i in range(m.n_layers):
         f = f"layers.{i}."
@@ -198,8 +198,8 @@ def load_hf_weights(modules: list[nn.Module], path: str | Path) -> None:
     files = weight_map(path)
     if not files:
         refuse(path, "no model.safetensors or model.safetensors.index.json with tensors (pickled .bin weights are refused)")
-    plain = modules[0].module if hasattr(modules[0], "module") else modules[0]
-    m = plain.cfg
+    # DDP's wrapped Transformer, or the Transformer (whose .cfg nn.Module's stub cannot know)
+    m: ModelConfig = getattr(modules[0], "module", modules[0]).cfg  # type: ignore[assignment]
     sources = _sources(m)
     ignored = sorted(set(files) - {src.name for src in sources.values()})
     if ignored:  # buffers (GPT-2's attention masks, rotary tables) or tensors of another architecture
@@ -266,7 +266,9 @@ def write_hf(m: ModelConfig, shapes: dict[str, tuple[int, ...]], fetch: Callable
     cfg = hf_config_from_model(m, eos_id, bos_id)
     recipes = _recipes(m)
     item = torch.empty((), dtype=dtype).element_size()
-    shards, current, size = [], [], 0
+    shards: list[list[tuple[str, list[str], Callable[..., torch.Tensor]]]] = []
+    current: list[tuple[str, list[str], Callable[..., torch.Tensor]]] = []
+    size = 0
     for recipe in recipes:
         nbytes = sum(math.prod(shapes[n]) for n in recipe[1]) * item
         if current and size + nbytes > max_shard_bytes:
@@ -280,7 +282,7 @@ def write_hf(m: ModelConfig, shapes: dict[str, tuple[int, ...]], fetch: Callable
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     weight_map, total = {}, 0
-    for name, shard in zip(names, shards):
+    for name, shard in zip(names, shards, strict=True):
         ours = fetch(sorted({n for _, inputs, _ in shard for n in inputs}))
         tensors = {theirs: make(*(ours[n].detach().to("cpu", dtype) for n in inputs)).contiguous()
                    for theirs, inputs, make in shard}

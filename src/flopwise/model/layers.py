@@ -114,7 +114,7 @@ class AttnContext:
     sin: torch.Tensor | None
     mask: torch.Tensor | None  # bool (t, k) / (b, 1, t, k), or float (h, t, k) / (b, h, t, k); None with is_causal
     is_causal: bool
-    pos_ids: torch.Tensor | None = None  # (t,) or (b, t): the positions RoPE and learned embeddings see
+    pos_ids: torch.Tensor  # (t,) or (b, t): the positions RoPE and learned embeddings see
 
 
 class KVCache:
@@ -159,6 +159,8 @@ class CoreAttention(nn.Module):
 
 
 class Attention(nn.Module):
+    distances: torch.Tensor  # a buffer (relative positions only)
+
     def __init__(self, m: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -188,9 +190,9 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if ctx.cos is not None:
+        if ctx.cos is not None and ctx.sin is not None:
             q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
@@ -229,7 +231,7 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(m.d_model, m.ffn_dim, bias=m.bias) if m.mlp == "swiglu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "swiglu":
+        if self.w3 is not None:  # swiglu
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         if self.kind == "relu":
             return self.w2(F.relu(self.w1(x)))

@@ -27,6 +27,10 @@ class Transformer(nn.Module):
     how to gather the other ranks' keys), or a buffer the parallel plan sharded (ALiBi's slopes
     across tensor-parallel heads); it holds no parallel state of its own."""
 
+    rope_cos: torch.Tensor  # buffers, registered by the positions in use
+    rope_sin: torch.Tensor
+    alibi: torch.Tensor
+
     def __init__(self, m: ModelConfig):
         super().__init__()
         self.cfg = m
@@ -73,8 +77,8 @@ class Transformer(nn.Module):
             else:
                 fill_constant(p, 1.0 if "norm" in name and name.endswith("weight") else 0.0)
         for module in self.modules():
-            if hasattr(module, "reset_buffers"):
-                module.reset_buffers(device)
+            if (reset := getattr(module, "reset_buffers", None)) is not None:
+                reset(device)
 
     def context(self, span: Span, documents: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> AttnContext:
@@ -184,7 +188,7 @@ def held_part(full: torch.Tensor, held: torch.Tensor | None, device: torch.devic
     if not isinstance(held, DTensor):
         return full.to(device)
     offset, shape = global_box(held)
-    part = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))].to(device)
+    part = full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))].to(device)
     return DTensor.from_local(part, held.device_mesh, held.placements, run_check=False)
 
 
@@ -219,7 +223,7 @@ def materialise(model: nn.Module, device: str | torch.device, seed: int) -> None
     """Allocate what this rank holds of a meta-device model (whole tensors, or DTensor shards once
     it is sharded) and initialise it."""
     model.to_empty(device=device)
-    plain = model.module if hasattr(model, "module") else model
+    plain = getattr(model, "module", model)
     if isinstance(plain, Transformer):
         plain.tie_weights()
-    plain.init_weights(seed)
+    plain.init_weights(seed)  # type: ignore[operator]  # Transformer's method; nn.Module's stub can't know it

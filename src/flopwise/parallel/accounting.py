@@ -60,13 +60,14 @@ def _from_parameter(t: torch.Tensor, params: set[int]) -> bool:
         if len(nxt) != 1:
             return False
         node = nxt[0]
-    return type(node).__name__ == "AccumulateGrad" and _storage(node.variable).data_ptr() in params
+    # an AccumulateGrad node holds its leaf in .variable, which torch's Node stub does not declare
+    return type(node).__name__ == "AccumulateGrad" and _storage(node.variable).data_ptr() in params  # type: ignore[union-attr]
 
 
 class _Held:
     """Rides with a packed tensor; autograd drops it with the saved tensor (after its backward)."""
 
-    def __init__(self, owner: "SavedBytes", ptr: int):
+    def __init__(self, owner: SavedBytes, ptr: int):
         self.owner, self.ptr = owner, ptr
 
     def __del__(self):
@@ -103,7 +104,7 @@ class SavedBytes(saved_tensors_hooks):
         self._copies: set[int] = set()
         super().__init__(self._pack, lambda packed: packed[0])
 
-    def __enter__(self) -> "SavedBytes":
+    def __enter__(self) -> SavedBytes:  # type: ignore[override]  # torch's stub returns None; `as` needs self
         super().__enter__()
         return self
 
@@ -332,7 +333,7 @@ class PeakMemory:
     def __init__(self, device: torch.device):
         self.device, self.bytes = device, 0
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -349,13 +350,16 @@ class PeakMemory:
             self.bytes = torch.cuda.max_memory_allocated(self.device) - self._start
             return
         self._prof.__exit__(*exc)
-        from torch._C._profiler import _EventType
-        events, nodes = [], list(self._prof.profiler.kineto_results.experimental_event_tree())
+        from torch._C._profiler import _EventType, _ExtraFields_Allocation
+        profiler = self._prof.profiler  # its results are set by the __exit__ above
+        assert profiler is not None and profiler.kineto_results is not None
+        events, nodes = [], list(profiler.kineto_results.experimental_event_tree())
         while nodes:
             n = nodes.pop()
             nodes.extend(n.children)
-            if n.tag == _EventType.Allocation and n.extra_fields.device.type == "cpu":
-                events.append((n.start_time_ns, n.extra_fields.alloc_size, n.extra_fields.total_allocated))
+            alloc = n.extra_fields
+            if n.tag == _EventType.Allocation and isinstance(alloc, _ExtraFields_Allocation) and alloc.device.type == "cpu":
+                events.append((n.start_time_ns, alloc.alloc_size, alloc.total_allocated))
         if events:  # the running total is the process's since it first profiled: start from the block's own
             _, size, total = min(events)
             self.bytes = max(t for _, _, t in events) - (total - size)

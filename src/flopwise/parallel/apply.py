@@ -20,8 +20,9 @@ from flopwise.model.transformer import Transformer, materialise
 from flopwise.parallel.data import apply_ddp, apply_fsdp, apply_replicate, uses_ddp, uses_replicate
 from flopwise.parallel.float8 import apply_float8
 from flopwise.parallel.mesh import Parallel
-from flopwise.plan.layout import Layout, compiles as layout_compiles
 from flopwise.parallel.tensor import apply_tp, keep_embedding_grad_sharded
+from flopwise.plan.layout import Layout
+from flopwise.plan.layout import compiles as layout_compiles
 
 
 def apply_recompute(model: Transformer, mode: str) -> None:
@@ -33,7 +34,8 @@ def apply_recompute(model: Transformer, mode: str) -> None:
         if mode == "full":
             model.layers[key] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         else:
-            block.attention.core = checkpoint_wrapper(block.attention.core, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            attn = block.get_submodule("attention")
+            attn.core = checkpoint_wrapper(attn.get_submodule("core"), checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
 def compiles(cfg: Config, lo: Layout) -> bool:
@@ -55,7 +57,7 @@ def apply_compile(model: Transformer) -> None:
 def parallelize(model: Transformer, cfg: Config, par: Parallel) -> nn.Module:
     """A meta-device model (or pipeline stage) -> this rank's parallelized, initialised module."""
     apply_float8(model, cfg, par.layout, par.device)
-    if par.size("tp") > 1:
+    if par.mesh is not None and par.size("tp") > 1:
         apply_tp(model, par.mesh["tp"], cfg.parallel.sequence_parallel)
     apply_recompute(model, cfg.parallel.recompute)
     if compiles(cfg, par.layout):

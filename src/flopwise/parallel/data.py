@@ -16,6 +16,7 @@ reduction (mesh dim "dp_cp" / "shard").
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,6 +34,7 @@ def apply_fsdp(model: Transformer, par: Parallel, dtype: str) -> nn.Module:
     anything is allocated. Under pipelining the stage keeps its gathered parameters across
     micro-batches (resharding per micro-batch would re-gather)."""
     lo = par.layout
+    assert par.mesh is not None  # a sharded layout runs on several processes
     mesh = par.mesh["dp_replicate", "shard"] if lo.dp_replicate > 1 else par.mesh["shard"]
     kw = {"mesh": mesh, "reshard_after_forward": lo.reshards_params, **_mixed_precision(dtype)}
     for block in model.layers.values():
@@ -52,6 +54,7 @@ def apply_replicate(model: Transformer, par: Parallel, dtype: str) -> nn.Module:
     """ZeRO-0 for tensor-parallel (DTensor) parameters: FSDP2's replicate over the dp·cp ranks,
     block by block then the root, on the meta-device model. Gradients are all-reduced once per
     step (the engine turns the sync off for all but the last micro-batch), as DDP does."""
+    assert par.mesh is not None  # a replicated layout runs on several processes
     kw = {"mesh": par.mesh["dp_cp"], **_mixed_precision(dtype)}
     for block in model.layers.values():
         replicate(block, **kw)
@@ -60,7 +63,7 @@ def apply_replicate(model: Transformer, par: Parallel, dtype: str) -> nn.Module:
 
 
 # torch 2.13 renamed DDP's per-forward buffer sync (broadcast_buffers, now deprecated with a warning)
-_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+_NO_BUFFER_SYNC: dict[str, Any] = ({"forward_sync_buffers": False}
                    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
                    else {"broadcast_buffers": False})
 

@@ -44,7 +44,7 @@ def _torchao():
         raise ConfigError("train.float8 needs torchao: pip install 'flopwise[float8]' "
                           "(or set train.float8=none)") from None
     finally:
-        for q, level in zip(quiet, levels):
+        for q, level in zip(quiet, levels, strict=True):
             q.setLevel(level)
     return f8
 
@@ -94,6 +94,6 @@ def apply_float8(model: nn.Module, cfg: Config, lo: Layout, device: torch.device
     if device.type != "cuda":
         from torchao.float8.float8_linear import Float8Linear
 
-        for module in model.layers.modules():
+        for module in model.get_submodule("layers").modules():
             if isinstance(module, Float8Linear):
                 module.register_forward_pre_hook(_cast_to_autocast_dtype)

@@ -1,8 +1,9 @@
 """Pipeline parallelism with torch.distributed.pipelining.
 
 The model is cut by layers into pp·v stages (embedding with the first, final norm + head with the
-last; how many layers each: `plan.layout.stage_sizes`, the planner's own rule). Each stage module is a meta-device model with the other layers deleted (nothing allocated:
-it is sharded and materialised later), so parameter names (and checkpoint keys) are those of the
+last; how many layers each: `plan.layout.stage_sizes`, the planner's own rule). Each stage module
+is a meta-device model with the other layers deleted (nothing allocated: it is sharded and
+materialised later), so parameter names (and checkpoint keys) are those of the
 unsplit model and a checkpoint reshards across pp.
 Rank r runs `plan.layout.stage_ids`: r, r+pp, ... (looped: GPipe, 1F1B, interleaved 1F1B) or r
 and 2·pp−1−r (V-shape: zero-bubble ZB-V and DualPipeV).
@@ -46,10 +47,12 @@ def split_stages(cfg: Config, par: Parallel) -> list[tuple[int, Transformer]]:
         for key in list(part.layers.keys()):
             if key not in keep:
                 del part.layers[key]
+        # a stage drops what other stages hold (Transformer checks each for None); its attributes
+        # are typed as the whole model has them
         if sid != 0:
-            part.tok_embeddings = part.pos_embeddings = part.embed_norm = None
+            part.tok_embeddings = part.pos_embeddings = part.embed_norm = None  # type: ignore[assignment]
         if sid != n - 1:
-            part.norm = part.output = None
+            part.norm = part.output = None  # type: ignore[assignment]
         out.append((sid, part))
     return out
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -20,7 +20,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
-from torch.distributed.tensor import DTensor
 
 from flopwise.model.transformer import Transformer
 
@@ -52,14 +51,14 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> N
         plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(model, mesh, plan)
     for block in model.layers.values():
-        a = block.attention
+        a = block.get_submodule("attention")
         bplan: dict[str, ParallelStyle] = {
             "attention_norm": norm, "ffn_norm": norm,
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
             "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
-        if block.feed_forward.w3 is not None:
+        if block.get_submodule("feed_forward").w3 is not None:
             bplan["feed_forward.w3"] = ColwiseParallel()
         # Enter attention and the MLP as one DTensor: the input gradients of wq/wk/wv (and w1/w3) then
         # sum as partials and cost one all-reduce (reduce-scatter under SP), Megatron's "f" operator,
@@ -94,5 +93,5 @@ def keep_embedding_grad_sharded(model: Transformer) -> None:
 
 
 def _to_param_placement(p: DTensor) -> None:
-    if p.grad is not None and p.grad.placements != p.placements:
+    if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
         p.grad = p.grad.redistribute(p.device_mesh, p.placements)

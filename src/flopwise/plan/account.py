@@ -16,10 +16,23 @@ from dataclasses import dataclass
 from flopwise.config import Config, ModelConfig
 from flopwise.plan.float8 import float8_all_gather
 from flopwise.plan.layout import Layout, compiles
-from flopwise.plan.memory import (autocast_weight_copy_bytes, buffer_bytes, end_activation_bytes, engine_precision,
-                                  gathered_param_bytes, in_flight_microbatches, loss_working_bytes, memo,
-                                  rank_activation_bytes, rank_model_states, rank_param_count, regathered_bytes,
-                                  step_grads, step_peak_bytes, zero1_rank_loads)
+from flopwise.plan.memory import (
+    autocast_weight_copy_bytes,
+    buffer_bytes,
+    end_activation_bytes,
+    engine_precision,
+    gathered_param_bytes,
+    in_flight_microbatches,
+    loss_working_bytes,
+    memo,
+    rank_activation_bytes,
+    rank_model_states,
+    rank_param_count,
+    regathered_bytes,
+    step_grads,
+    step_peak_bytes,
+    zero1_rank_loads,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,7 +50,7 @@ class EngineRun:
     float8: str = "none"  # train.float8: the recipe of the blocks' float8 linears
 
     @classmethod
-    def of(cls, cfg: Config, cpu: bool = False) -> "EngineRun":
+    def of(cls, cfg: Config, cpu: bool = False) -> EngineRun:
         return cls(model=cfg.model, seq=cfg.data.seq_len, global_batch=cfg.train.global_batch, dtype=cfg.train.dtype,
                    compile=cfg.train.compile, steps=cfg.train.steps, document_mask=cfg.data.document_mask, cpu=cpu,
                    float8=cfg.train.float8)

@@ -53,7 +53,7 @@ def tp_allreduce_elements(seq: int, micro_batch: int, d_model: int, n_layers: in
     return 4 * seq * micro_batch * d_model * n_layers
 
 
-def sp_regather_elements(seq: int, micro_batch: int, d_model: int, n_layers: int) -> float:
+def sp_regather_elements(seq: float, micro_batch: int, d_model: int, n_layers: int) -> float:
     """Elements all-gathered again in backward under Megatron's sequence parallelism, per
     micro-batch: 2 · b·s·h per layer. It saves only the sequence shard of the inputs of the two
     column-parallel linears (QKV, MLP up) and re-gathers each to compute the weight gradient

@@ -40,7 +40,7 @@ class Points:
     def flops(self) -> np.ndarray:
         return scaling_flops(self.params, self.tokens)
 
-    def subset(self, idx: np.ndarray) -> "Points":
+    def subset(self, idx: np.ndarray) -> Points:
         return Points(params=self.params[idx], tokens=self.tokens[idx], loss=self.loss[idx])
 
 
@@ -105,7 +105,7 @@ def _points_from_runs(root: Path) -> Points:
             rows.append((count_params(ModelConfig(**cfg["model"])).non_embedding, max(tokens), min(val)))
     if len(rows) < 3:
         raise DataError(f"scale fit input {root}: found {len(rows)} finished flopwise runs; need at least 3")
-    n, d, loss = (np.array(c, dtype=float) for c in zip(*rows))
+    n, d, loss = (np.array(c, dtype=float) for c in zip(*rows, strict=True))
     return _checked(Points(params=n, tokens=d, loss=loss), f"scale fit input {root}: run", 1)
 
 
@@ -140,6 +140,8 @@ def _fit_from(starts, pts: Points, delta: float) -> tuple[np.ndarray, float]:
                        options={"maxiter": 1000, "ftol": 1e-15, "gtol": 1e-12})
         if res.fun < best_value:
             best_theta, best_value = res.x, float(res.fun)
+    if best_theta is None:
+        raise DataError("scale fit: the Huber objective is not finite from any start; check the points")
     return best_theta, best_value
 
 
@@ -269,12 +271,9 @@ def fit_kaplan(pts: Points) -> KaplanFit:
         inner = np.logaddexp((an / ad) * (lnc - log_n), ldc - log_d)
         return ((ad * inner - log_l) ** 2).sum()
 
-    best = None
-    for an, ad, lnc, ldc in itertools.product((0.05, 0.1, 0.3), (0.05, 0.1, 0.3), (20, 30), (20, 30)):
-        res = minimize(resid, np.array([an, ad, lnc, ldc]), method="L-BFGS-B",
-                       bounds=[(1e-3, 3), (1e-3, 3), (-50, 80), (-50, 80)])
-        if best is None or res.fun < best.fun:
-            best = res
+    best = min((minimize(resid, np.array(x0), method="L-BFGS-B", bounds=[(1e-3, 3), (1e-3, 3), (-50, 80), (-50, 80)])
+                for x0 in itertools.product((0.05, 0.1, 0.3), (0.05, 0.1, 0.3), (20, 30), (20, 30))),
+               key=lambda res: res.fun)  # the first of the lowest
     an, ad, lnc, ldc = best.x
     return KaplanFit(alpha_n=float(an), alpha_d=float(ad), n_c=float(math.exp(lnc)), d_c=float(math.exp(ldc)))
 
@@ -314,7 +313,7 @@ def plot_fits(pts: Points, fit3: Approach3Fit | None, iso: IsoFlopFit | None, ou
         fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=110)
         order = np.argsort(pts.flops)
         sc = ax.scatter(pts.params[order], pts.loss[order], c=np.log10(pts.flops[order]), s=14, cmap="viridis")
-        for (c0, c1, c2), n in zip(iso.parabolas, iso.n_opt):
+        for (c0, c1, c2), n in zip(iso.parabolas, iso.n_opt, strict=True):
             x = np.linspace(math.log10(n) - 1, math.log10(n) + 1, 50)
             ax.plot(10**x, c0 + c1 * x + c2 * x**2, lw=1, color="gray")
             ax.axvline(n, lw=0.5, ls=":", color="gray")
@@ -326,7 +325,7 @@ def plot_fits(pts: Points, fit3: Approach3Fit | None, iso: IsoFlopFit | None, ou
         plt.close(fig)
     if fit3 is not None:
         fig, ax = plt.subplots(figsize=(5, 4.2), dpi=110)
-        pred = fit3.law.loss(pts.params, pts.tokens)
+        pred = [fit3.law.loss(n, d) for n, d in zip(pts.params, pts.tokens, strict=True)]
         ax.scatter(pts.loss, pred, s=10)
         lo, hi = pts.loss.min(), pts.loss.max()
         ax.plot([lo, hi], [lo, hi], color="gray", lw=1)

@@ -69,7 +69,7 @@ class Layout:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict) -> "Layout":
+    def from_json(cls, d: dict) -> Layout:
         """From `to_json` output (a checkpoint's record may carry extra keys, e.g. world_size)."""
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
@@ -101,7 +101,7 @@ def balanced_stages(n_layers: int, n_stages: int, block: float, first: float, la
         if (stage, start) in best:
             return best[stage, start]
         left = n_stages - stage
-        result = (float("inf"), ())
+        result: tuple[float, tuple[int, ...]] = (float("inf"), ())
         max_take = n_layers - start - (left - 1)
         takes = [max_take] if left == 1 else range(1, max_take + 1)
         for take in takes:
@@ -199,7 +199,8 @@ def check_layout(layout: Layout, m: ModelConfig, seq_len: int, global_batch: int
         return f"parallel.pp_schedule={lo.pp_schedule!r}: choose one of {', '.join(SCHEDULES)}"
     v_needed = FIXED_VIRTUAL_STAGES.get(lo.pp_schedule)
     if lo.pp > 1 and v_needed and lo.virtual_stages != v_needed:
-        return f"parallel.pp_schedule={lo.pp_schedule} uses {v_needed} stages per rank; set parallel.virtual_stages={v_needed}"
+        return (f"parallel.pp_schedule={lo.pp_schedule} uses {v_needed} stages per rank; "
+                f"set parallel.virtual_stages={v_needed}")
     if lo.virtual_stages > 1 and lo.pp_schedule in ("gpipe", "1f1b"):
         return f"parallel.virtual_stages={lo.virtual_stages} needs pp_schedule interleaved-1f1b, zero-bubble or dualpipev"
     if lo.pp * lo.virtual_stages > m.n_layers:

@@ -422,7 +422,9 @@ _HEAD_NAMES = ("norm.weight", "norm.bias", "output.weight")
 def _tensor_parts(m: ModelConfig, tp: int) -> tuple[list, list, list]:
     """One block's, the embedding side's and the head side's parameters as (tensor-parallel local
     shape, weight-decayed), read off a one-layer copy of the model (every block has the same)."""
-    block, emb, head = [], [], []
+    block: list[tuple[tuple[int, ...], bool]] = []
+    emb: list[tuple[tuple[int, ...], bool]] = []
+    head: list[tuple[tuple[int, ...], bool]] = []
     for name, shape in param_shapes(m.model_copy(update={"n_layers": 1})):
         part = block if name.startswith("layers.") else head if name in _HEAD_NAMES else emb
         part.append((_tp_local(name, shape, tp), len(shape) >= 2 and "embeddings" not in name))

@@ -51,8 +51,9 @@ The step is built bottom-up from what each device executes, and every term has a
   whole tensors (greedy, per param group), so the busiest rank's share is booked
   (`plan.account.busiest_dp_rank`); one V×h/t table can exceed Ψ/N at large dp. Megatron's
   distributed optimizer shards flat buffers, so Ψ/N is right for the megatron stacks.
-- Optimizer: bytes streamed per local parameter (the busiest rank's, under ZeRO). Fused AdamW on fp32 parameters reads p, g, m, v
-  and writes p, m, v (28) plus the clipping norm's read of g (4) = 32. Megatron keeps separate
+- Optimizer: bytes streamed per local parameter (the busiest rank's, under ZeRO). Fused AdamW on
+  fp32 parameters reads p, g, m, v and writes p, m, v (28) plus the clipping norm's read of g (4)
+  = 32. Megatron keeps separate
   16-bit model and fp32 main copies: + grad copy to main (2 + 4) + main-to-model copy (4 + 2) = 44.
 
 Three software stacks are built in because published runs used different kernels: `flopwise`
@@ -69,16 +70,33 @@ import math
 from dataclasses import dataclass
 
 from flopwise.config import ModelConfig
+from flopwise.errors import ConfigError
 from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import Hardware
 from flopwise.plan.account import EngineRun, busiest_dp_rank, rank_memory
-from flopwise.plan.comm import (Collective, dp_collectives, fsdp_copy_bytes, pp_boundary_elements, ring_time,
-                                sp_regather_elements, tied_embedding_elements)
+from flopwise.plan.comm import (
+    Collective,
+    dp_collectives,
+    fsdp_copy_bytes,
+    pp_boundary_elements,
+    ring_time,
+    sp_regather_elements,
+    tied_embedding_elements,
+)
 from flopwise.plan.float8 import cast_bytes, float8_all_gather, scaled_mm_speed
 from flopwise.plan.layout import Layout, compiles, stage_ids, stage_sizes
-from flopwise.plan.memory import (KORTHIKANTI, autocast_weight_copy_bytes, block_linears, engine_precision,
-                                  float8_eligible, memo, model_state_bytes, rank_activation_bytes, regathered_bytes,
-                                  step_peak_bytes)
+from flopwise.plan.memory import (
+    KORTHIKANTI,
+    autocast_weight_copy_bytes,
+    block_linears,
+    engine_precision,
+    float8_eligible,
+    memo,
+    model_state_bytes,
+    rank_activation_bytes,
+    regathered_bytes,
+    step_peak_bytes,
+)
 
 MEM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for streaming kernels (STREAM-like copies)
 LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth over the nominal per-direction link rate
@@ -115,13 +133,13 @@ STACKS = {s.name: s for s in [
     Stack(name="flopwise", flash_attention=True, grad_reduce_bytes=4, dp_overlap=0.9, optimizer_bytes=32,
           balanced_stages=True, param_bytes=4, grad_bytes=4, optimizer_state_bytes=8, zero1_broadcast=True,
           fsdp2=True, engine_activations=True, grad_accum_bytes=12, pp_scatter_gather=False, description=
-          "this engine: PyTorch SDPA flash attention; fp32 master weights and gradients (4 + 4 bytes) and AdamW "
-          "moments (8) under bf16 autocast (activations over an fp32 residual stream and a bf16 copy of every "
-          "weight, or bf16 throughout under FSDP2's bf16 param_dtype); FSDP2/DDP with fp32 gradient reduction, "
-          "90% of dp traffic hidden behind backward; ZeRO-1 is DDP's all-reduce plus a broadcast of the updated "
-          "parameters (ZeroRedundancyOptimizer); pipeline stages balanced by parameters; fp32 gradients "
-          "accumulated across micro-batches (read held + read new + write, 12 bytes); stage-boundary tensors "
-          "sent whole per rank"),
+          "this engine: PyTorch SDPA flash attention; fp32 master weights and gradients (4 + 4 bytes) "
+          "and AdamW moments (8) under bf16 autocast (activations over an fp32 residual stream and a "
+          "bf16 copy of every weight, or bf16 throughout under FSDP2's bf16 param_dtype); FSDP2/DDP "
+          "with fp32 gradient reduction, 90% of dp traffic hidden behind backward; ZeRO-1 is DDP's all-"
+          "reduce plus a broadcast of the updated parameters (ZeroRedundancyOptimizer); pipeline stages"
+          " balanced by parameters; fp32 gradients accumulated across micro-batches (read held + read "
+          "new + write, 12 bytes); stage-boundary tensors sent whole per rank"),
     Stack(name="megatron-2021", flash_attention=False, grad_reduce_bytes=2, dp_overlap=0.0, optimizer_bytes=44,
           balanced_stages=False, param_bytes=2, grad_bytes=2, optimizer_state_bytes=12, zero1_broadcast=False,
           fsdp2=False, engine_activations=False, grad_accum_bytes=6, pp_scatter_gather=True, description=
@@ -132,8 +150,8 @@ STACKS = {s.name: s for s in [
     Stack(name="megatron-2022", flash_attention=False, grad_reduce_bytes=2, dp_overlap=0.0, optimizer_bytes=44,
           balanced_stages=False, param_bytes=2, grad_bytes=2, optimizer_state_bytes=12, zero1_broadcast=False,
           fsdp2=False, engine_activations=False, grad_accum_bytes=0, pp_scatter_gather=True, description=
-          "Megatron-LM as in Korthikanti 2022: megatron-2021 with gradient-accumulation fusion (the weight-"
-          "gradient GEMM adds into the held gradient: no separate accumulation pass)"),
+          "Megatron-LM as in Korthikanti 2022: megatron-2021 with gradient-accumulation fusion "
+          "(the weight-gradient GEMM adds into the held gradient: no separate accumulation pass)"),
 ]}
 
 
@@ -342,7 +360,7 @@ def layer_times(sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: in
     the same calibrated efficiency: one table per chip; rowwise's forward at
     plan.float8.scaled_mm_speed of it), plus the amax and cast kernels around them
     (plan.float8.cast_bytes; weights cast from fp32 masters, or from FSDP2's bf16 gathered copy)."""
-    peak = hw.peak_16bit
+    peak = planning_peak(hw)
     tokens = mb * seq / cp
     h, hq, hkv, f = sh.d_model, sh.hq, sh.hkv, sh.ffn
     kv_local = hkv / tp if sh.n_kv_heads >= tp else sh.head_dim  # replicated kv heads when tp > n_kv
@@ -474,7 +492,7 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
                       eager_precision(stack, compile, steps, lo, dtype), dtype)
     step = sum(time.values())
     tokens = global_batch * seq
-    gpus, peak = lo.world, hw.peak_16bit
+    gpus, peak = lo.world, planning_peak(hw)
     model_f = sh.model_flops_token["none"] * tokens
     hw_f = sh.model_flops_token[lo.recompute] * tokens
     return Estimate(layout=lo, fits=fits, memory=memory, time=time, step_time=step, tokens_per_s=tokens / step,
@@ -483,6 +501,13 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
                     hfu=mfu(tokens / step, sh.model_flops_token[lo.recompute], peak, gpus), usable_memory=usable,
                     reason="" if fits else f"needs {memory['total'] / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable",
                     float8=float8)
+
+
+def planning_peak(hw: Hardware) -> float:
+    """The dense 16-bit peak an estimate is stated against (plan_hardware refuses hardware without one)."""
+    if not hw.peak_16bit:
+        raise ConfigError(f"cluster.hardware={hw.name}: no catalogue bf16 or fp16 peak to plan against")
+    return hw.peak_16bit
 
 
 def first_ranks(loads: list[RankLoad]) -> list[tuple[RankLoad, int]]:
@@ -495,12 +520,13 @@ def first_ranks(loads: list[RankLoad]) -> list[tuple[RankLoad, int]]:
 
 
 def engine_memory(run: EngineRun, lo: Layout, stack: Stack, loads: list[tuple[RankLoad, int]],
-                  cache: dict | None) -> tuple[dict, float]:
+                  cache: dict | None) -> tuple[dict[str, float], float]:
     """The worst rank's bytes by this engine's own account (plan.account.rank_memory, what the
     joint tests and `plan --measure` set beside the engine's measured bytes), and the optimizer
     elements the busiest rank steps. Each distinct pipeline rank is booked at its largest data-
     parallel share: FSDP2's first shard (torch.chunk gives it the most), ZeRO-1's busiest rank."""
-    worst, opt_elements = None, 0.0
+    worst: dict[str, float] = {}
+    opt_elements = 0.0
     for load, pp_rank in loads:
         dp_rank = busiest_dp_rank(run.model, lo, load.layers, load.embedding, load.head, cache)
         r = rank_memory(run, lo, layers=load.layers, embedding=load.embedding, head=load.head, pp_rank=pp_rank,
@@ -509,13 +535,13 @@ def engine_memory(run: EngineRun, lo: Layout, stack: Stack, loads: list[tuple[Ra
         mem = {"params": r.params, "grads": r.grads, "optimizer": r.optimizer, "activations": r.activations,
                "other": r.other + r.buffers + RUNTIME_RESERVE, "step_peak": r.peak,
                "total": r.params + r.optimizer + r.grads - r.step_grads + r.peak + r.buffers + RUNTIME_RESERVE}
-        if worst is None or mem["total"] > worst["total"]:
+        if not worst or mem["total"] > worst["total"]:
             worst = mem
     return worst, opt_elements
 
 
 def published_memory(sh: Shape, lo: Layout, seq: int, global_batch: int, stack: Stack,
-                     loads: list[tuple[RankLoad, int]]) -> tuple[dict, float]:
+                     loads: list[tuple[RankLoad, int]]) -> tuple[dict[str, float], float]:
     """The worst pipeline rank's bytes by a published stack's account, and the optimizer elements a
     rank steps: ZeRO's Ψ formulas with the stack's bytes per parameter (Megatron's distributed
     optimizer shards flat buffers, so Ψ/N), Korthikanti's activations with the first stage's
@@ -524,7 +550,8 @@ def published_memory(sh: Shape, lo: Layout, seq: int, global_batch: int, stack: 
     shard = lo.dp_shard
     zero3_live = regathered_bytes(sh.layer_params / lo.tp, lo)
     loss_work = lo.micro_batch * seq / lo.cp * sh.vocab / lo.tp * (2 + 4) + zero3_live
-    worst, opt_elements = None, 0.0
+    worst: dict[str, float] = {}
+    opt_elements = 0.0
     for load, _ in loads:
         st = model_state_bytes(load.params, lo.zero, shard, stack.optimizer_state_bytes, stack.param_bytes,
                                stack.grad_bytes, params_sharded=lo.reshards_params)
@@ -536,7 +563,7 @@ def published_memory(sh: Shape, lo: Layout, seq: int, global_batch: int, stack: 
         mem = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": activations,
                "other": work + RUNTIME_RESERVE, "step_peak": peak,
                "total": st.params + st.optimizer + peak + RUNTIME_RESERVE}
-        if worst is None or mem["total"] > worst["total"]:
+        if not worst or mem["total"] > worst["total"]:
             worst = mem
     return worst, opt_elements
 
@@ -555,7 +582,7 @@ def step_times(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int,
     recompute_tp = lt.tp_fwd if recompute == "full" else 0.0
     recompute_cp = lt.cp_fwd if recompute == "full" else 0.0
     # the output layer: fwd + bwd GEMMs, and the fp32 cross-entropy's traffic
-    logits_mm = sum(gemm_fwd_bwd([(tokens_mb, sh.d_model, sh.vocab / lo.tp)], hw, hw.peak_16bit))
+    logits_mm = sum(gemm_fwd_bwd([(tokens_mb, sh.d_model, sh.vocab / lo.tp)], hw, planning_peak(hw)))
     # at the streaming rate of this micro-batch's activations, as the layers' element-wise work
     logits_other = stream_time(loss_bytes(sh, tokens_mb, lo.tp, eager), hw, ACT_BYTES * tokens_mb * sh.d_model,
                                lo.tp)

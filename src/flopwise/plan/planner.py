@@ -14,15 +14,24 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from flopwise.flops import count_params
 from flopwise.config import Config, apply_override, hf_model_fields, load_tree, validate
 from flopwise.errors import ConfigError
+from flopwise.flops import count_params
 from flopwise.hardware import Hardware, cluster_hardware
 from flopwise.hf_config import read_hf_config, tensor_shapes
 from flopwise.plan.float8 import RECIPES
 from flopwise.plan.layout import COMPILE_MIN_STEPS, Layout, check_layout, compiles, config_layout
-from flopwise.plan.perf import (FIT_MARGIN, LINK_EFFICIENCY, MEM_EFFICIENCY, RUNTIME_RESERVE, STACKS, Estimate, Shape,
-                                estimate, model_shape)
+from flopwise.plan.perf import (
+    FIT_MARGIN,
+    LINK_EFFICIENCY,
+    MEM_EFFICIENCY,
+    RUNTIME_RESERVE,
+    STACKS,
+    Estimate,
+    Shape,
+    estimate,
+    model_shape,
+)
 from flopwise.plan.reliability import Reliability, reliability
 from flopwise.plan.search import RECOMPUTE_ORDER, SearchResult, search, why_slower
 
@@ -89,8 +98,9 @@ class PlanReport:
     hf: dict | None = None  # `hf_source` of `flopwise plan --hf PATH`
 
     @property
-    def best(self) -> Estimate | None:
-        return self.result.best
+    def best(self) -> Estimate:
+        """The fastest layout, or the closest miss (plan() refuses a search that ranked none)."""
+        return self.result.ranked[0]
 
     def float8_note(self) -> str | None:
         """Whether float8 pays for this shape: with plan.float8, the fastest fitting layout with and
@@ -120,7 +130,7 @@ class PlanReport:
         hw = self.hardware
         gpus = self.cfg.cluster.gpus
         layouts = []
-        for e, why in list(zip(self.result.ranked, self.reasons()))[:top]:
+        for e, why in list(zip(self.result.ranked, self.reasons(), strict=True))[:top]:
             layouts.append({**e.to_json(self.tokens, gpus), "why": why})
         return {
             "params": self.params,
@@ -204,7 +214,7 @@ def plan(cfg: Config, tree: dict[str, Any] | None = None, keep: int = 50,
         why = ("; ".join(f"{n}× {reason}" for n, reason in result.refused[:3]) if result.refused else
                "check that the degrees multiply to cluster.gpus and divide train.global_batch")
         raise ConfigError(f"no valid layout for {cfg.cluster.gpus} devices with {fixed or 'nothing fixed'}: {why}")
-    best = result.best
+    best = result.ranked[0]
     if cfg.train.float8 != "none" and not cfg.plan.float8 and hw.peak("fp8") and best.fits:
         # whether the float8 asked for pays: the same layout without it, beside (one estimate, no search)
         result.best_by_float8["none"] = estimate(sh, hw, best.layout, seq, batch, STACKS[cfg.plan.stack],
@@ -345,6 +355,9 @@ def max_micro_batch(cfg: Config) -> MicroBatchReport:
                         steps=planned_tokens(cfg, sh) / (seq * gb), dtype=cfg.train.dtype,
                         float8=cfg.train.float8)
 
+    def fits(mb: int, rc: str, per_step: int) -> bool:  # per_step micro-batches per step, as the batch grows
+        return total(mb, rc, base.dp * mb * per_step).fits
+
     limits = []
     for rc in RECOMPUTE_ORDER:
         est = {mb: total(mb, rc) for mb in valid}
@@ -356,18 +369,14 @@ def max_micro_batch(cfg: Config) -> MicroBatchReport:
                               next_micro_batch=nxt, next_memory=est[nxt].memory["total"] if nxt else None)
         if best is not None and nxt is None:  # the batch, not the memory, is the limit
             per_step = batch // (base.dp * best)  # micro-batches per step, kept as the batch grows
-
-            def fits(mb: int) -> bool:
-                return total(mb, rc, base.dp * mb * per_step).fits
-
             lo, hi = best, best + 1  # lo fits; find an hi that does not, then bisect
-            while hi <= MAX_BEYOND and fits(hi):
+            while hi <= MAX_BEYOND and fits(hi, rc, per_step):
                 lo, hi = hi, 2 * hi
             capped = hi > MAX_BEYOND
             hi = min(hi, MAX_BEYOND + 1)
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+                lo, hi = (mid, hi) if fits(mid, rc, per_step) else (lo, mid)
             if lo > best:
                 lim.beyond, lim.beyond_capped = (lo, base.dp * lo * per_step), capped and lo == MAX_BEYOND
         limits.append(lim)

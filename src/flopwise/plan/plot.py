@@ -19,7 +19,7 @@ def plot_memory(estimates: list[Estimate], out: Path, title: str) -> Path:
     for part in PARTS:
         vals = [e.memory[part] / 2**30 for e in estimates]
         ax.bar(xs, vals, bottom=bottom, label=part)
-        bottom = [b + v for b, v in zip(bottom, vals)]
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax.axhline(estimates[0].usable_memory / 2**30, color="k", ls="--", lw=1, label="usable (after fit margin)")
     ax.set_xticks(list(xs), [e.layout.name(detail=True) for e in estimates], fontsize=7)
     ax.set_ylabel("GiB per device (worst pipeline stage)")

@@ -69,7 +69,7 @@ def _power_law(rows: list[tuple[float, float]]) -> dict[str, float]:
     """k and a of N = k·C^a by least squares in log space over a paper's (N, C) table."""
     xs, ys = [math.log(c) for _, c in rows], [math.log(n) for n, _ in rows]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
     return {"k": math.exp(my - a * mx), "a": a}
 
 
@@ -123,9 +123,9 @@ def loss_law(law) -> ParametricLaw | None:
 
 
 def predicted_loss(law, n: float, d: float) -> tuple[float, str]:
-    if isinstance(law, PowerLawAllocation) and law.name == "kaplan":
-        return kaplan_loss(n, d), "kaplan L(N, D), Table 2 (WebText2 nats)"
     pl = loss_law(law)
+    if pl is None:  # Kaplan's allocation
+        return kaplan_loss(n, d), "kaplan L(N, D), Table 2 (WebText2 nats)"
     return pl.loss(n, d), pl.name
 
 
@@ -251,8 +251,9 @@ def choose_shape(target: float, vocab_size: int, count_embeddings: bool, mlp: st
     _, n_layers, d, head_dim, ffn = min(
         (s for s in shapes if s[0] <= max(closest, SHAPE_TOLERANCE)),
         key=lambda s: (abs(math.log(s[2] / s[1] / ASPECT_CENTRE)), s[0]))
-    m = ModelConfig(arch="llama", n_layers=n_layers, d_model=d, n_heads=d // head_dim, head_dim=head_dim,
-                    ffn_dim=ffn, vocab_size=vocab_size, max_seq_len=8192, mlp=mlp)
+    m = ModelConfig.model_validate(dict(arch="llama", n_layers=n_layers, d_model=d, n_heads=d // head_dim,
+                                        head_dim=head_dim, ffn_dim=ffn, vocab_size=vocab_size, max_seq_len=8192,
+                                        mlp=mlp))
     c = count_params(m)
     return ChosenShape(n_layers=n_layers, d_model=d, n_heads=d // head_dim, ffn_dim=ffn, head_dim=head_dim, params=c.total,
                  non_embedding_params=c.non_embedding)

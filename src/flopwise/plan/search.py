@@ -7,8 +7,9 @@ what is left, zero 0-3, dp_replicate over powers of two (hybrid sharding), every
 virtual-stage count for pp > 1, micro-batches dividing the per-rank batch, and recompute. Sequence
 parallelism is on whenever tp > 1 (it never costs time, Korthikanti et al. 2022 Table 4) unless
 given; on the megatron stacks the model's backward re-gather of it can cost a small layer more in
-latency than it saves in norm and dropout traffic, which this rule does not look for. For one (layout minus recompute), recompute is tried none → selective → full and the
-first that fits is kept: a heavier recompute with everything else equal is never faster. ZeRO-0
+latency than it saves in norm and dropout traffic, which this rule does not look for. For one
+(layout minus recompute), recompute is tried none → selective → full and the first that fits is
+kept: a heavier recompute with everything else equal is never faster. ZeRO-0
 is searched only when dp = 1: with dp > 1 stage 1 moves the same bytes (reduce-scatter +
 16-bit all-gather instead of an all-reduce) and shards the optimizer, so it is never slower and
 always smaller. Under pipelining only micro-batches that leave at least pp micro-batches are
@@ -165,7 +166,7 @@ def search(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, sta
     fits.sort(key=lambda e: (-e.tokens_per_s, e.memory["total"]))  # on a tie, the headroom
     refused = sorted(((n, why) for n, why in kinds.values()), key=lambda r: -r[0])
     if fits:
-        best_by = {}
+        best_by: dict[str, Estimate] = {}
         for e in fits:
             best_by.setdefault(e.float8, e)
         return SearchResult(ranked=fits[:keep], evaluated=evaluated, fitting=len(fits), refused=refused,

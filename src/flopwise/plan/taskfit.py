@@ -138,7 +138,7 @@ def predict_task(p: TaskPoints, flops: float, bootstrap: int = 1000, seed: int =
                           acc=float(law.acc(flops)), acc_interval=q(accs), law=law)
 
 
-def jaggedness(p: TaskPoints, jump_share: float = 0.5) -> dict[str, bool]:
+def jaggedness(p: TaskPoints, jump_share: float = 0.5) -> dict[str, bool | float]:
     """Flags for one task over increasing compute.
 
     jump: one step between neighbouring runs carries at least `jump_share` of the accuracy's total rise

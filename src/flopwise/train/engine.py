@@ -133,8 +133,9 @@ class Engine:
                     last = i + mb >= x.shape[0]
                     if isinstance(model, ReplicateModule):  # all-reduce once per step, as DDP
                         model.set_requires_gradient_sync(last)
-                    sync = last or not isinstance(model, DistributedDataParallel)
-                    with contextlib.nullcontext() if sync else model.no_sync():
+                    # DDP all-reduces on the last micro-batch only
+                    with (model.no_sync() if isinstance(model, DistributedDataParallel) and not last
+                          else contextlib.nullcontext()):
                         logits = model(xm, **_rows(extra, i, i + mb))
                         loss = self.loss(logits, ym) * (xm.shape[0] / self.local_batch)
                         loss.backward()
@@ -146,6 +147,7 @@ class Engine:
         `extra` goes to every stage: document ids and positions cut into micro-batches like x, the
         span (not a tensor) whole to each."""
         losses: list[torch.Tensor] = []
+        assert self.schedule is not None  # built whenever pp > 1, the only case that runs a schedule
         run = self.schedule.step if train else self.schedule.eval
         args = (x,) if self.first else ()
         kwargs = {"target": y, "losses": losses} if self.last else {}
@@ -176,7 +178,7 @@ class Engine:
         """Clip by the norm over all of the model's gradients, across tensor/pipeline shards; the
         norm stays on the device (no host sync)."""
         params = [p for m in self.parts for p in m.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
         norm = _local(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         if self.par.size("pp") > 1:
             sq = norm.pow(2)

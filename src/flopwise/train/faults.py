@@ -74,7 +74,7 @@ class Faults:
     saves: int = 0
 
     @classmethod
-    def from_env(cls, rank: int) -> "Faults":
+    def from_env(cls, rank: int) -> Faults:
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         return cls([f for f in parse(os.environ.get(ENV, ""))
                     if f.attempt == attempt and f.rank in (None, rank)])

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
+from flopwise.checkpoints import rundir
 from flopwise.errors import ConfigError
 from flopwise.hardware import Hardware, identify_gpu
-from flopwise.checkpoints import rundir
 from flopwise.outputs import png_bytes, pyplot, read_records
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -136,9 +136,9 @@ def plot_loss_curve(metrics_path: Path, title: str = "") -> bytes:
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     if train:
-        ax.plot(*zip(*train), label="train loss", lw=1.2)
+        ax.plot(*zip(*train, strict=True), label="train loss", lw=1.2)
     if val:
-        ax.plot(*zip(*val), "o-", label="val loss", lw=1.5)
+        ax.plot(*zip(*val, strict=True), "o-", label="val loss", lw=1.5)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(title)

@@ -27,10 +27,10 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 
+from flopwise.checkpoints import rundir
 from flopwise.config import Config
 from flopwise.errors import FlopwiseError
 from flopwise.hardware import Hardware, cluster_catalogue, identify_gpu
-from flopwise.checkpoints import rundir
 from flopwise.outputs import json_record
 from flopwise.parallel.mesh import Parallel, is_rank0
 from flopwise.plan.account import EngineRun
@@ -184,19 +184,19 @@ def preflight(cfg: Config, par: Parallel) -> str | None:
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, views[0])
         views = gathered
-    known = [v for v in views if v.available is not None]
+    known = [(v, v.available) for v in views if v.available is not None]
     if not known:
         return None
-    worst = max(known, key=lambda v: v.need / v.available)
-    usable = worst.available * (1 - FIT_MARGIN)
+    worst, available = max(known, key=lambda k: k[0].need / k[1])
+    usable = available * (1 - FIT_MARGIN)
     head = (f"rank {worst.rank} of {lo.world} ({lo.name()}, micro-batch {lo.micro_batch}, recompute {lo.recompute}) "
-            f"needs {gib(worst.need)}; {gib(usable)} usable of {gib(worst.available)} available ({worst.source}, "
+            f"needs {gib(worst.need)}; {gib(usable)} usable of {gib(available)} available ({worst.source}, "
             f"less the planner's {FIT_MARGIN:.0%} margin)")
     if worst.need <= usable:
         return f"pre-flight: {head}"
     if not is_rank0():
         raise WillNotFit("does not fit (rank 0 says why)")
-    budget = min(v.available for v in known) * (1 - FIT_MARGIN)
+    budget = min(a for _, a in known) * (1 - FIT_MARGIN)
     hw = search_hardware(cfg, par.device)
     change = describe_change(cfg, lo, hw.name, nearest_fit(cfg, lo, hw, budget, cpu))
     raise WillNotFit(f"train.preflight: will not fit: {head}; {change}; train.preflight=false starts it anyway")

@@ -4,13 +4,16 @@ into it: on resume (checked to be this run's) and on a guard's rollback."""
 from __future__ import annotations
 
 import binascii
+import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from rich.console import Console
 from rich.markup import escape
 
+from flopwise.checkpoints import checkpoint
+from flopwise.checkpoints.export import checkpoint_config
 from flopwise.config import Config
 from flopwise.data.loader import TokenLoader
 from flopwise.data.mixture import Source
@@ -18,10 +21,10 @@ from flopwise.data.tokenizer import GuardedTokenizer
 from flopwise.errors import CheckpointError
 from flopwise.parallel import mesh
 from flopwise.plan.layout import Layout
-from flopwise.checkpoints import checkpoint
 from flopwise.train.engine import Engine
-from flopwise.checkpoints.export import checkpoint_config
 from flopwise.train.guard import Guard
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,7 +53,7 @@ NOT_COMPARED = ("model.preset", "model.init_from", "run.dir", "checkpoint.resume
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in tree.items():
         out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
@@ -112,10 +115,11 @@ def _count(value: object) -> int:
     return value
 
 
-def resume(run: Run, ckpt: Path, console: Console) -> None:
+def resume(run: Run, ckpt: Path) -> None:
     """Check that `ckpt` belongs to this run (model, data) and restore it into `run`."""
     changed = check_resumable(ckpt, checkpoint.read_state(ckpt), run.cfg, run.data_fingerprint)
     if changed:
-        console.print(f"[bold]resume[/]: changed since the checkpoint: {escape(', '.join(changed))}", highlight=False)
+        logger.info(f"[bold]resume[/]: changed since the checkpoint: {escape(', '.join(changed))}",
+                    extra={"highlighter": None})
     state = restore(run, ckpt)
     run.start_step, run.resumed_layout = state["step"], state.get("layout", {})

@@ -10,6 +10,7 @@ the end of the run wait for it.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -18,9 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
-from rich.console import Console
 from rich.markup import escape
+from torch.distributed.checkpoint.api import CheckpointException
 
 from flopwise.checkpoints import checkpoint
 from flopwise.config import Config
@@ -28,6 +28,8 @@ from flopwise.errors import CheckpointError
 from flopwise.parallel.mesh import is_rank0
 from flopwise.plan.reliability import DEFAULT_GPU_MTBF_HOURS, daly_interval
 from flopwise.train.faults import Faults
+
+logger = logging.getLogger(__name__)
 
 AUTO_PROBE_STEP = 5  # interval=auto: the first save, after enough steps for a median step time
 
@@ -42,9 +44,9 @@ class _Pending:
 
 class Saver:
     def __init__(self, cfg: Config, run_dir: Path, parts: list, optimizer, snapshot: Callable[[], dict],
-                 files: dict[str, Path], faults: Faults, console: Console, world: int):
+                 files: dict[str, Path], faults: Faults, world: int):
         self.cfg, self.run_dir, self.parts, self.optimizer = cfg, run_dir, parts, optimizer
-        self.snapshot, self.files, self.faults, self.console, self.world = snapshot, files, faults, console, world
+        self.snapshot, self.files, self.faults, self.world = snapshot, files, faults, world
         c = cfg.checkpoint
         self.every = None if c.interval == "auto" else c.interval
         self.pending: _Pending | None = None
@@ -75,6 +77,7 @@ class Saver:
             if future is None:
                 self.last = checkpoint.finish(self.run_dir, done, tmp, self.snapshot(), self.files, self.cfg.checkpoint.keep)
             else:
+                assert self._pool is not None  # made with the async group: only an async save has a future
                 self.pending = _Pending(done, tmp, self._pool.submit(self._finish_async, done, tmp, future,
                                                                      self.snapshot()), t0)
         except CheckpointError as e:
@@ -95,9 +98,9 @@ class Saver:
             dist.broadcast_object_list(every, src=0)
         self.every = every[0]
         source = f"cluster.gpu_mtbf_hours={c.gpu_mtbf_hours:g}" if c.gpu_mtbf_hours else "Llama 3's failure rate"
-        self.console.print(f"[bold]checkpoint.interval=auto[/]: write {write:.3g} s, job MTBF {mtbf_h:,.3g} h "
-                           f"({source} over {self.world} device(s)) -> Daly interval {tau:,.4g} s = "
-                           f"every {self.every:,} steps of {step_s:.3g} s")
+        logger.info(f"[bold]checkpoint.interval=auto[/]: write {write:.3g} s, job MTBF {mtbf_h:,.3g} h "
+                    f"({source} over {self.world} device(s)) -> Daly interval {tau:,.4g} s = "
+                    f"every {self.every:,} steps of {step_s:.3g} s")
 
     def poll(self) -> bool:
         """Take in a finished async save; True when one failed (the step sync tells every rank)."""
@@ -141,4 +144,4 @@ class Saver:
         message, self.failure = message or self.failure or "an async checkpoint write failed on another rank", None
         if self.cfg.checkpoint.on_error == "stop":
             raise CheckpointError(message)
-        self.console.print(f"[yellow]warning[/]: {escape(message)}; training goes on (checkpoint.on_error=continue)")
+        logger.warning(f"[yellow]warning[/]: {escape(message)}; training goes on (checkpoint.on_error=continue)")

@@ -14,46 +14,51 @@ preemption signal is acted on at the next sync point.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from flopwise import log
+from flopwise.checkpoints import checkpoint, rundir
 from flopwise.config import Config, config_hash, to_toml
 from flopwise.data.loader import eval_batches
 from flopwise.data.mixture import Source
 from flopwise.data.shards import read_index
+from flopwise.data.tasks import load_task
 from flopwise.data.tokenizer import side_files
 from flopwise.errors import ConfigError, DataError, TrainingStopped
 from flopwise.eval.generate import generate
 from flopwise.eval.tasks import evaluate_task
-from flopwise.data.tasks import load_task
 from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware import cluster_catalogue
+from flopwise.model.transformer import Transformer
+from flopwise.outputs import read_records
 from flopwise.parallel.apply import compiles
 from flopwise.parallel.mesh import DIMS, Parallel, across_nodes, missing_ranks
 from flopwise.plan.float8 import unconverted_linears
 from flopwise.plan.layout import Layout
-from flopwise.checkpoints import checkpoint, rundir
 from flopwise.train.engine import Engine, autocast
 from flopwise.train.faults import Faults, nan_grad, poison
 from flopwise.train.guard import Verdict
-from flopwise.outputs import read_records
 from flopwise.train.metrics import MetricsWriter, Peak, checked_peak, device_peak, mfu_basis, plot_loss_curve
 from flopwise.train.optim import lr_at, step_unless
 from flopwise.train.preflight import explain_oom
 from flopwise.train.run import Run, restore
 from flopwise.train.saver import Saver
 from flopwise.train.watch import Watch, is_timeout, peer_lost
+
+logger = logging.getLogger(__name__)
 
 
 # The first-steps watch of continued pre-training: a training loss this many nats above the step-0
@@ -135,17 +140,17 @@ def train_step(run: Run, step: int, faults: Faults, watch: Watch | None = None) 
     return torch.stack([loss.detach().float(), norm.detach().float(), bad]), lr
 
 
-def _progress(console: Console) -> Progress:
+def _progress() -> Progress:
     return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=False)
+                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=log.console(), transient=False)
 
 
 class _Loop:
     """The loop's state between sync points, and what it does at one."""
 
-    def __init__(self, run: Run, console: Console):
+    def __init__(self, run: Run):
         cfg, par = run.cfg, run.par
-        self.run, self.cfg, self.console = run, cfg, console
+        self.run, self.cfg = run, cfg
         self.run_dir = Path(cfg.run.dir)
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.fpt = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -160,10 +165,10 @@ class _Loop:
         files = {"tokenizer.json": run.sources[0].data_dir / run.index["tokenizer"],
                  **(side_files(cfg.model.init_from[3:]) if cfg.model.init_from else {})}
         self.saver = Saver(cfg, self.run_dir, run.engine.parts, run.optimizer, self.snapshot, files, self.faults,
-                           console, par.layout.world)
+                           par.layout.world)
         self.saver.last = run.resumed_from
         self.watch = Watch(cfg.watchdog, self.run_dir, self.rank, par.device,
-                           report=lambda m: console.print(m, highlight=False))
+                           report=lambda m: logger.warning(m, extra={"highlighter": None}))
         self.losses: list[float] = []
         self.val_loss: float | None = None
         self.val0: float | None = None  # validation loss of the model as loaded (model.init_from), while watched
@@ -204,8 +209,8 @@ class _Loop:
                     return back
                 continue
             if verdict is Verdict.SKIP:
-                self.console.print(f"[yellow]guard[/]: step {done}: {reason} (loss {loss}, grad norm {norm}); "
-                                   "update skipped", highlight=False)
+                logger.warning(f"[yellow]guard[/]: step {done}: {reason} (loss {loss}, grad norm {norm}); "
+                               "update skipped", extra={"highlighter": None})
                 self.write({"step": done, "event": "skipped_update", "reason": reason})
             self.losses.append(loss)
             self.watch_rise(done, loss)
@@ -220,10 +225,10 @@ class _Loop:
         if self.val0 is None or done > RISE_WATCH_STEPS or loss <= self.val0 + RISE_NATS:
             return
         self.val0 = None  # once
-        self.console.print(f"[yellow]warning[/]: step {done}: training loss {loss:.3f} is far above the loaded model's "
-                           f"step-0 validation loss ({self.val0_seen:.3f}): the model is being damaged, most likely by "
-                           f"a learning rate too high for continued pre-training (optim.lr={self.cfg.optim.lr:g}); "
-                           "stop (Ctrl-C) and lower it (docs/continued-pretraining.md)", highlight=False)
+        logger.warning(f"[yellow]warning[/]: step {done}: training loss {loss:.3f} is far above the loaded model's "
+                       f"step-0 validation loss ({self.val0_seen:.3f}): the model is being damaged, most likely by "
+                       f"a learning rate too high for continued pre-training (optim.lr={self.cfg.optim.lr:g}); "
+                       "stop (Ctrl-C) and lower it (docs/continued-pretraining.md)", extra={"highlighter": None})
         self.write({"step": done, "event": "loss_rise", "loss": loss, "val_loss_step0": self.val0_seen})
 
     def log(self, done: int, loss: float, lr: float, norm: float) -> None:
@@ -239,9 +244,9 @@ class _Loop:
                     "tokens": done * self.tokens_per_step, "step_time_s": (now - t0) / steps,
                     "epochs_by_source": self.run.loader.epochs_by_source(), **self.ranks,
                     **({"mfu_basis": basis} if basis else {})})
-        if not self.console.is_terminal:  # a log file gets lines, a terminal gets the live bar
-            self.console.print(f"step {done}/{self.cfg.train.steps} loss {loss:.4f} lr {lr:.2e} grad_norm {norm:.3f} "
-                               f"{self.tps:,.0f} tok/s MFU {percent(self.mfu)}", highlight=False)
+        if not log.console().is_terminal:  # a log file gets lines, a terminal gets the live bar
+            logger.info(f"step {done}/{self.cfg.train.steps} loss {loss:.4f} lr {lr:.2e} grad_norm {norm:.3f} "
+                        f"{self.tps:,.0f} tok/s MFU {percent(self.mfu)}", extra={"highlighter": None})
 
     def measure_mfu(self, done: int) -> float | None:
         """MFU of the window just logged, over every device in the job. A measured ceiling that the
@@ -264,21 +269,21 @@ class _Loop:
         self.saver.wait()
         ckpt = checkpoint.latest(self.run_dir, verify_checksums=False)
         if ckpt is None:  # nothing to go back to: the update already applied stays
-            self.console.print(f"[yellow]guard[/]: step {bad_step}: {escape(reason)}; no checkpoint to roll back to, "
-                               "training goes on")
+            logger.warning(f"[yellow]guard[/]: step {bad_step}: {escape(reason)}; no checkpoint to roll back to, "
+                           "training goes on")
             return None
         back = int(restore(run, ckpt, counters=False)["step"])
         n = max(cfg.guard.skip_batches, bad_step - back)
         ids = run.loader.skip(n)
-        record = {"step": bad_step, "rolled_back_to": back, "reason": reason, "batches": n,
+        record: dict[str, Any] = {"step": bad_step, "rolled_back_to": back, "reason": reason, "batches": n,
                   "windows": {k: v.tolist() for k, v in run.loader.by_source(ids).items()},
                   "documents": run.loader.documents(ids)}
         if run.par.is_main:
             rundir.append(self.run_dir, "skipped.jsonl", (json.dumps(record) + "\n").encode())
         self.write({"step": bad_step, "event": "rollback", "rolled_back_to": back, "skipped_batches": n})
-        self.console.print(f"[yellow]guard[/]: step {bad_step}: {escape(reason)}; rolled back to step {back} and "
-                           f"skipped {n} batches ({sum(map(len, record['documents'].values()))} documents, listed in "
-                           f"{self.run_dir / 'skipped.jsonl'})")
+        logger.warning(f"[yellow]guard[/]: step {bad_step}: {escape(reason)}; rolled back to step {back} and "
+                       f"skipped {n} batches ({sum(map(len, record['documents'].values()))} documents, listed in "
+                       f"{self.run_dir / 'skipped.jsonl'})")
         self.window = (back, time.perf_counter())
         return back
 
@@ -336,7 +341,7 @@ class _Loop:
         return None
 
 
-def train(run: Run, console: Console, started: float | None = None) -> TrainResult:
+def train(run: Run, started: float | None = None) -> TrainResult:
     """Train a built run on this process, or as one rank of a torchrun/srun job (rank 0 writes logs
     and metrics); `started`: when building it began (perf_counter), for the run's wall time."""
     t_start = time.perf_counter() if started is None else started
@@ -358,40 +363,41 @@ def train(run: Run, console: Console, started: float | None = None) -> TrainResu
         if par.is_main:
             kept = [r for r in read_records(metrics_path) if r["step"] <= run.start_step]
             rundir.replace(run_dir, "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in kept).encode())
-        console.print(f"[bold]resumed[/] from {run.resumed_from} at step {run.start_step} "
-                      f"(written by layout {Layout.from_json(run.resumed_layout or {}).name()})")
+        logger.info(f"[bold]resumed[/] from {run.resumed_from} at step {run.start_step} "
+                    f"(written by layout {Layout.from_json(run.resumed_layout or {}).name()})")
     elif par.is_main:
         rundir.remove(run_dir, "metrics.jsonl")
     if par.is_main:
         rundir.replace(run_dir, "config.toml", to_toml(cfg).encode())
-    loop = _Loop(run, console)
+    loop = _Loop(run)
     if cfg.model.init_from and run.start_step == 0 and run.engine.can_eval:  # the model as loaded, for comparison
         loop.val0 = loop.val0_seen = evaluate(run.engine, run.sources, cfg)[0]
         loop.write({"step": 0, "val_loss": loop.val0})
-        console.print(f"step 0: val loss {loop.val0:.4f} (the model as loaded, {cfg.train.eval_batches} batches of "
-                      f"{cfg.data.seq_len}-token windows)", highlight=False)
+        logger.info(f"step 0: val loss {loop.val0:.4f} (the model as loaded, {cfg.train.eval_batches} batches of "
+                    f"{cfg.data.seq_len}-token windows)", extra={"highlighter": None})
     if run.start_step >= loop.end:
-        console.print(f"[bold]complete[/]: the checkpoint is at step {run.start_step}, where this run ends "
-                      "(train.steps, train.stop_after): nothing to train; raise them to continue")
+        logger.info(f"[bold]complete[/]: the checkpoint is at step {run.start_step}, where this run ends "
+                    "(train.steps, train.stop_after): nothing to train; raise them to continue")
     n_params, lo = count_params(cfg.model), par.layout
-    console.print(f"[bold]model[/] {n_params.total / 1e6:.2f}M params ({n_params.non_embedding / 1e6:.2f}M "
-                  f"non-embedding), {loop.fpt / 1e6:.1f} MFLOP/token (model FLOPs, 6N + attention); "
-                  f"{par.device.type} {cfg.train.dtype}{' compiled' if compiles(cfg, lo) else ''}; MFU vs {loop.peak.flops / 1e9:,.0f} GFLOP/s "
-                  f"per device ({loop.peak.source})")
+    logger.info(f"[bold]model[/] {n_params.total / 1e6:.2f}M params ({n_params.non_embedding / 1e6:.2f}M "
+                f"non-embedding), {loop.fpt / 1e6:.1f} MFLOP/token (model FLOPs, 6N + attention); "
+                f"{par.device.type} {cfg.train.dtype}{' compiled' if compiles(cfg, lo) else ''}; "
+                f"MFU vs {loop.peak.flops / 1e9:,.0f} GFLOP/s "
+                f"per device ({loop.peak.source})")
     if cfg.train.float8 != "none":
-        kept = ", ".join(["embedding", "head", *unconverted_linears(cfg.model, lo.tp)])
-        console.print(f"[bold]float8[/] {cfg.train.float8} (torchao{', emulated' if cfg.train.float8_emulate else ''}) "
-                      f"on the blocks' linears; in {cfg.train.dtype}: {kept}. MFU stays model FLOPs over the "
-                      f"{cfg.train.dtype} peak, so it compares with runs without float8 (their speed-up shows in it); "
-                      "the float8 matmuls' own peak is twice that")
+        unconverted = ", ".join(["embedding", "head", *unconverted_linears(cfg.model, lo.tp)])
+        logger.info(f"[bold]float8[/] {cfg.train.float8} (torchao{', emulated' if cfg.train.float8_emulate else ''}) "
+                    f"on the blocks' linears; in {cfg.train.dtype}: {unconverted}. MFU stays model FLOPs over the "
+                    f"{cfg.train.dtype} peak, so it compares with runs without float8 (their speed-up shows in it); "
+                    "the float8 matmuls' own peak is twice that")
     if lo.world > 1:
-        console.print(f"[bold]layout[/] {layout_label(lo)} on {lo.world} processes{nodes_label(par)} "
-                      f"({dist.get_backend()}), {run.engine.n_micro} micro-batches of {cfg.train.micro_batch} per rank")
+        logger.info(f"[bold]layout[/] {layout_label(lo)} on {lo.world} processes{nodes_label(par)} "
+                    f"({dist.get_backend()}), {run.engine.n_micro} micro-batches of {cfg.train.micro_batch} per rank")
     if not run.engine.can_eval:
-        console.print(f"[yellow]note[/]: no validation in this run: torch's {lo.pp_schedule} schedule deadlocks in eval "
+        logger.warning(f"[yellow]note[/]: no validation in this run: torch's {lo.pp_schedule} schedule deadlocks in eval "
                       "(see Engine.can_eval); export the checkpoint and run `flopwise eval` on it")
     try:
-        with loop.watch, _progress(console) as bar:
+        with loop.watch, _progress() as bar:
             preempted = loop(bar)
     except RuntimeError as e:
         if not is_timeout(e):
@@ -419,7 +425,8 @@ def _result(run: Run, loop: _Loop, preempted: int | None, seconds: float) -> Tra
     if cfg.train.sample_tokens and par.layout.world == 1:
         prompt = run.tokenizer.encode(cfg.train.sample_prompt).ids
         with autocast(par.device, cfg.train.dtype):
-            ids = generate(run.engine.parts[0], prompt, cfg.train.sample_tokens, temperature=0.8, top_k=50, seed=cfg.run.seed)
+            model = cast(Transformer, run.engine.parts[0])  # one process: the only part is the plain Transformer
+            ids = generate(model, prompt, cfg.train.sample_tokens, temperature=0.8, top_k=50, seed=cfg.run.seed)
         sample = run.tokenizer.decode(prompt + ids)
     if loop.val_loss is None and run.start_step == loop.end and run.engine.can_eval:
         loop.val_loss = evaluate(run.engine, run.sources, cfg)[0]

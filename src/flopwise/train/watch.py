@@ -78,7 +78,7 @@ class Watch:
         self._aborting = False
         self.abort = self._exit_now  # the second Ctrl-C's action (a test replaces it)
 
-    def __enter__(self) -> "Watch":
+    def __enter__(self) -> Watch:
         if threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
                 self._previous[s] = signal.signal(s, self._on_signal)
