@@ -35,9 +35,18 @@ from flopwise.config import load_config  # noqa: E402
 from flopwise.data.pipeline import prepare  # noqa: E402
 from flopwise.launch import train  # noqa: E402
 
-MODEL = {"model.preset": '"demo-tiny"', "model.n_layers": 12, "model.d_model": 512, "model.n_heads": 8,
-         "model.tie_embeddings": "false", "data.seq_len": 64, "train.global_batch": 8, "train.micro_batch": 8,
-         "train.eval_every": 0, "log.every": 1000}
+MODEL = {
+    "model.preset": '"demo-tiny"',
+    "model.n_layers": 12,
+    "model.d_model": 512,
+    "model.n_heads": 8,
+    "model.tie_embeddings": "false",
+    "data.seq_len": 64,
+    "train.global_batch": 8,
+    "train.micro_batch": 8,
+    "train.eval_every": 0,
+    "log.every": 1000,
+}
 STEPS, EVERY, REPEATS = 30, 5, 3
 
 
@@ -48,33 +57,69 @@ def data(tmp: Path) -> Path:
 
 
 def one_process(tmp: Path, d: Path, mode: str, repeat: int = 0) -> dict:
-    kw = {**MODEL, "train.steps": STEPS, "checkpoint.interval": EVERY if mode != "none" else 0,
-          "checkpoint.async": "true" if mode == "async" else "false", "checkpoint.keep": 1,
-          "checkpoint.resume": '"none"'}
+    kw = {
+        **MODEL,
+        "train.steps": STEPS,
+        "checkpoint.interval": EVERY if mode != "none" else 0,
+        "checkpoint.async": "true" if mode == "async" else "false",
+        "checkpoint.keep": 1,
+        "checkpoint.resume": '"none"',
+    }
     run_dir = tmp / mode / str(repeat)  # a fresh run each repeat (resume=none refuses a folder with checkpoints)
     r = train(load_config(None, tiny_overrides(run_dir, d, **kw)))
     size = sum(p.stat().st_size for p in checkpoint.latest(run_dir).iterdir())
-    return {"train_s": r.seconds, "checkpoint_mb": size / 1e6, "save_blocking_s": r.save_s,
-            "async_complete_s": r.async_save_s}
+    return {
+        "train_s": r.seconds,
+        "checkpoint_mb": size / 1e6,
+        "save_blocking_s": r.save_s,
+        "async_complete_s": r.async_save_s,
+    }
 
 
 def median_run(tmp: Path, d: Path, mode: str) -> dict:
     """REPEATS runs of one mode: the median training time, every save's times."""
     runs = [one_process(tmp, d, mode, i) for i in range(REPEATS)]
-    return {"train_s": statistics.median(r["train_s"] for r in runs), "train_s_all": [r["train_s"] for r in runs],
-            "checkpoint_mb": runs[0]["checkpoint_mb"],
-            "save_blocking_s": [x for r in runs for x in r["save_blocking_s"]],
-            "async_complete_s": [x for r in runs for x in r["async_complete_s"]]}
+    return {
+        "train_s": statistics.median(r["train_s"] for r in runs),
+        "train_s_all": [r["train_s"] for r in runs],
+        "checkpoint_mb": runs[0]["checkpoint_mb"],
+        "save_blocking_s": [x for r in runs for x in r["save_blocking_s"]],
+        "async_complete_s": [x for r in runs for x in r["async_complete_s"]],
+    }
 
 
 def torchrun(tmp: Path, d: Path, name: str, faults: str) -> float:
-    kw = {**MODEL, "train.steps": 12, "checkpoint.interval": 3, "train.micro_batch": 4, "model.n_layers": 2, "model.d_model": 128,
-          "model.n_heads": 4}
+    kw = {
+        **MODEL,
+        "train.steps": 12,
+        "checkpoint.interval": 3,
+        "train.micro_batch": 4,
+        "model.n_layers": 2,
+        "model.d_model": 128,
+        "model.n_heads": 4,
+    }
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FLOPWISE_FAULTS": faults}
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-                    "--master-port", "29801", "-m", "flopwise", "train", *tiny_overrides(tmp / name, d, **kw)],
-                   check=True, capture_output=True, env=env)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--master-port",
+            "29801",
+            "-m",
+            "flopwise",
+            "train",
+            *tiny_overrides(tmp / name, d, **kw),
+        ],
+        check=True,
+        capture_output=True,
+        env=env,
+    )
     return time.perf_counter() - t0
 
 
@@ -87,21 +132,35 @@ def main() -> None:
         for mode in ("sync", "async"):
             runs[mode]["cost_per_save_s"] = (runs[mode]["train_s"] - runs["none"]["train_s"]) / saves
         base, killed = torchrun(tmp, d, "reference", ""), torchrun(tmp, d, "killed", "kill:step=8:rank=1")
-    result = {"steps": STEPS, "every": EVERY, "saves": saves, "runs": runs,
-              "kill": {"uninterrupted_s": base, "killed_and_restarted_s": killed, "recovery_s": killed - base}}
+    result = {
+        "steps": STEPS,
+        "every": EVERY,
+        "saves": saves,
+        "runs": runs,
+        "kill": {"uninterrupted_s": base, "killed_and_restarted_s": killed, "recovery_s": killed - base},
+    }
     out = ROOT / "benchmarks" / "results" / "checkpoint_cpu.json"
     out.write_text(json.dumps(result, indent=1))
-    table = Table(title=f"checkpoint cost, {STEPS} steps, a save every {EVERY} ({runs['sync']['checkpoint_mb']:.0f} MB each)")
+    table = Table(
+        title=f"checkpoint cost, {STEPS} steps, a save every {EVERY} ({runs['sync']['checkpoint_mb']:.0f} MB each)"
+    )
     for col in ("mode", "train s", "cost per save s", "median blocking s", "median async complete s"):
         table.add_column(col)
     med = lambda xs: f"{statistics.median(xs):.3f}" if xs else "–"  # noqa: E731
     for mode, r in runs.items():
-        table.add_row(mode, f"{r['train_s']:.2f}", f"{r.get('cost_per_save_s', 0):.3f}", med(r["save_blocking_s"]),
-                      med(r["async_complete_s"]))
+        table.add_row(
+            mode,
+            f"{r['train_s']:.2f}",
+            f"{r.get('cost_per_save_s', 0):.3f}",
+            med(r["save_blocking_s"]),
+            med(r["async_complete_s"]),
+        )
     Console().print(table)
     k = result["kill"]
-    print(f"kill + restart: {k['killed_and_restarted_s']:.1f} s vs {k['uninterrupted_s']:.1f} s uninterrupted "
-          f"-> recovery {k['recovery_s']:.1f} s")
+    print(
+        f"kill + restart: {k['killed_and_restarted_s']:.1f} s vs {k['uninterrupted_s']:.1f} s uninterrupted "
+        f"-> recovery {k['recovery_s']:.1f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,12 @@ sys.path.insert(0, str(ROOT / "src"))
 from flopwise.plan.reliability import CHECKPOINT_BYTES_PER_PARAM, goodput  # noqa: E402  (after the path)
 
 STEP = re.compile(r"^step (\d+)/(\d+) ")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-       "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+}
 MODEL = ["model.preset=demo-tiny", "data.seq_len=32", "train.global_batch=8"]
 
 
@@ -64,9 +68,21 @@ def prepare(tmp: Path) -> Path:
 
 
 def overrides(run_dir: Path, data: Path, steps: int, interval: int) -> list[str]:
-    return [*MODEL, f'run.dir="{run_dir}"', f'data.path="{data}"', "train.micro_batch=4", 'train.dtype="fp32"',
-            f"train.steps={steps}", "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0",
-            "optim.warmup_steps=2", "log.every=1", f"checkpoint.interval={interval}", "checkpoint.keep=2"]
+    return [
+        *MODEL,
+        f'run.dir="{run_dir}"',
+        f'data.path="{data}"',
+        "train.micro_batch=4",
+        'train.dtype="fp32"',
+        f"train.steps={steps}",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.sample_tokens=0",
+        "optim.warmup_steps=2",
+        "log.every=1",
+        f"checkpoint.interval={interval}",
+        "checkpoint.keep=2",
+    ]
 
 
 def gaps(mtbf: float, seed: int):
@@ -86,11 +102,24 @@ def workers(agent: int) -> list[int]:
     return [int(c) for c in children.read_text().split()] if children.exists() else []
 
 
-def run(run_dir: Path, data: Path, steps: int, interval: int, mtbf: float | None, seed: int,
-        kill_at_step: int | None = None) -> dict:
+def run(
+    run_dir: Path, data: Path, steps: int, interval: int, mtbf: float | None, seed: int, kill_at_step: int | None = None
+) -> dict:
     """One training run under failures; the time of every step line and of every kill."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "1000", "-m", "flopwise", "train", *overrides(run_dir, data, steps, interval)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1000",
+        "-m",
+        "flopwise",
+        "train",
+        *overrides(run_dir, data, steps, interval),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV)
     lines: list[tuple[float, int]] = []
     kills: list[float] = []
@@ -153,9 +182,19 @@ def calibrate(tmp: Path, data: Path) -> dict:
 def plan(cal: dict, mtbf: float, params: float) -> dict:
     """`flopwise plan`'s reliability account for 2 devices fed the measured δ, R and this MTBF."""
     gbps = CHECKPOINT_BYTES_PER_PARAM * params / 2 / max(cal["write_s"], 1e-6) / 1e9
-    cmd = [sys.executable, "-m", "flopwise", "plan", *MODEL, "cluster.hardware=h100-sxm", "cluster.gpus=2",
-           f"cluster.gpu_mtbf_hours={mtbf * 2 / 3600!r}", f"cluster.restart_minutes={cal['restart_s'] / 60!r}",
-           f"cluster.storage_gbps_per_gpu={gbps!r}", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flopwise",
+        "plan",
+        *MODEL,
+        "cluster.hardware=h100-sxm",
+        "cluster.gpus=2",
+        f"cluster.gpu_mtbf_hours={mtbf * 2 / 3600!r}",
+        f"cluster.restart_minutes={cal['restart_s'] / 60!r}",
+        f"cluster.storage_gbps_per_gpu={gbps!r}",
+        "--json",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, check=True).stdout
     return json.loads(out)["reliability"]
 
@@ -169,9 +208,17 @@ def measure(tmp: Path, data: Path, cal: dict, mtbf: float, interval: int, produc
     saves = sum(1 for _, k in r["lines"] if k % interval == 0 and k < steps)
     redone = len(r["lines"]) - steps
     productive, lost, stalls = steps * step / wall, redone * step / wall, saves * stall / wall
-    return {"steps": steps, "failures": len(r["kills"]), "wall_s": wall, "step_s": step, "stall_s": stall,
-            "measured": productive, "lost_steps": lost, "checkpoint_stalls": stalls,
-            "restarts": max(0.0, 1 - productive - lost - stalls)}
+    return {
+        "steps": steps,
+        "failures": len(r["kills"]),
+        "wall_s": wall,
+        "step_s": step,
+        "stall_s": stall,
+        "measured": productive,
+        "lost_steps": lost,
+        "checkpoint_stalls": stalls,
+        "restarts": max(0.0, 1 - productive - lost - stalls),
+    }
 
 
 def main() -> None:
@@ -198,21 +245,34 @@ def main() -> None:
                 interval = max(1, round(daly * f))
                 tau = interval * cal["step_s"]
                 m = measure(tmp, data, cal, mtbf, interval, a.productive, a.seed + i)
-                rows.append({"mtbf_s": mtbf, "interval_s": tau, "interval_steps": interval, "of_daly": f,
-                             "predicted": goodput(tau, cal["write_s"], cal["restart_s"], mtbf),
-                             "plan_goodput": rel["goodput"], "plan_interval_s": rel["interval_daly_s"],
-                             **m, **{f"cal_{k}": v for k, v in cal.items()}})
+                rows.append(
+                    {
+                        "mtbf_s": mtbf,
+                        "interval_s": tau,
+                        "interval_steps": interval,
+                        "of_daly": f,
+                        "predicted": goodput(tau, cal["write_s"], cal["restart_s"], mtbf),
+                        "plan_goodput": rel["goodput"],
+                        "plan_interval_s": rel["interval_daly_s"],
+                        **m,
+                        **{f"cal_{k}": v for k, v in cal.items()},
+                    }
+                )
     if a.json:
         print(json.dumps(rows, indent=1))
         return
     print(f"calibration: step {cal['step_s']:.3f} s, write {cal['write_s']:.3f} s, restart {cal['restart_s']:.1f} s")
-    print("| MTBF s | interval s (steps, × Daly) | predicted | measured | lost steps | restarts | ckpt stalls "
-          "| failures |")
+    print(
+        "| MTBF s | interval s (steps, × Daly) | predicted | measured | lost steps | restarts | ckpt stalls "
+        "| failures |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mtbf_s']:g} | {r['interval_s']:.2f} ({r['interval_steps']}, ×{r['of_daly']:g}) | "
-              f"{r['predicted']:.3f} | {r['measured']:.3f} | {r['lost_steps']:.3f} | {r['restarts']:.3f} | "
-              f"{r['checkpoint_stalls']:.3f} | {r['failures']} |")
+        print(
+            f"| {r['mtbf_s']:g} | {r['interval_s']:.2f} ({r['interval_steps']}, ×{r['of_daly']:g}) | "
+            f"{r['predicted']:.3f} | {r['measured']:.3f} | {r['lost_steps']:.3f} | {r['restarts']:.3f} | "
+            f"{r['checkpoint_stalls']:.3f} | {r['failures']} |"
+        )
 
 
 if __name__ == "__main__":

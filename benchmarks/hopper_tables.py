@@ -52,8 +52,10 @@ def main() -> None:
         before, after = predict(cfg, before_hw)[0], predict(cfg, get_hardware("h200"))[0]
         m = run["median_step_s"]
         rows.append({"run": name, "measured_s": m, "before_s": before, "after_s": after})
-        print(f"  {name:26s} {1e3 * m:6.1f} ms | {1e3 * before:6.1f} ({m / before:.3f}) | {1e3 * after:6.1f} "
-              f"({m / after:.3f})   measured/predicted")
+        print(
+            f"  {name:26s} {1e3 * m:6.1f} ms | {1e3 * before:6.1f} ({m / before:.3f}) | {1e3 * after:6.1f} "
+            f"({m / after:.3f})   measured/predicted"
+        )
     (RESULTS / "hopper_tables.json").write_text(json.dumps(rows, indent=1))
 
 

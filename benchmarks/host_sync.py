@@ -22,10 +22,25 @@ from flopwise.config import load_config
 from flopwise.launch import train
 from flopwise.parallel.accounting import HostSyncCounter
 
-SHAPE = ["model.n_layers=6", "model.d_model=384", "model.n_heads=6", "model.n_kv_heads=6", "model.ffn_dim=1024",
-         "model.vocab_size=4096", "model.max_seq_len=256", "data.seq_len=256", "train.global_batch=8",
-         "train.micro_batch=8", 'train.dtype="fp32"', "log.every=10", "train.eval_every=0", "train.sample_tokens=0",
-         "checkpoint.interval=0", 'checkpoint.resume="none"', "optim.warmup_steps=5"]
+SHAPE = [
+    "model.n_layers=6",
+    "model.d_model=384",
+    "model.n_heads=6",
+    "model.n_kv_heads=6",
+    "model.ffn_dim=1024",
+    "model.vocab_size=4096",
+    "model.max_seq_len=256",
+    "data.seq_len=256",
+    "train.global_batch=8",
+    "train.micro_batch=8",
+    'train.dtype="fp32"',
+    "log.every=10",
+    "train.eval_every=0",
+    "train.sample_tokens=0",
+    "checkpoint.interval=0",
+    'checkpoint.resume="none"',
+    "optim.warmup_steps=5",
+]
 
 
 def run(steps: int, data: str, run_dir: Path) -> tuple[int, float]:
@@ -51,10 +66,16 @@ def main() -> None:
         for k in range(a.rounds):
             short, _ = run(a.steps, a.data, Path(tmp) / f"short{k}")
             long, tps = run(2 * a.steps, a.data, Path(tmp) / f"long{k}")
-            rows.append({"syncs_per_step": (long - short) / a.steps, "tokens_per_s": tps,
-                         "steps_per_s": tps / (8 * 256)})
-    result = {"steps": a.steps, "rounds": rows, "median_steps_per_s": statistics.median(r["steps_per_s"] for r in rows),
-              "syncs_per_step": rows[-1]["syncs_per_step"], "time": time.strftime("%Y-%m-%d %H:%M")}
+            rows.append(
+                {"syncs_per_step": (long - short) / a.steps, "tokens_per_s": tps, "steps_per_s": tps / (8 * 256)}
+            )
+    result = {
+        "steps": a.steps,
+        "rounds": rows,
+        "median_steps_per_s": statistics.median(r["steps_per_s"] for r in rows),
+        "syncs_per_step": rows[-1]["syncs_per_step"],
+        "time": time.strftime("%Y-%m-%d %H:%M"),
+    }
     print(json.dumps(result, indent=1))
     if a.out:
         a.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -24,8 +24,15 @@ from pathlib import Path
 from flopwise.config import load_config
 from flopwise.sweep import final_val_loss, plan_ladder, run_ladder
 
-BASE = ['data.tokenizer="bpe:512"', "model.vocab_size=512", "data.seq_len=128", "model.max_seq_len=128",
-        "train.global_batch=16", "train.micro_batch=16", "train.eval_batches=32"]
+BASE = [
+    'data.tokenizer="bpe:512"',
+    "model.vocab_size=512",
+    "data.seq_len=128",
+    "model.max_seq_len=128",
+    "train.global_batch=16",
+    "train.micro_batch=16",
+    "train.eval_batches=32",
+]
 LAW = "benchmarks/scaling/ladder/law.json"
 
 
@@ -42,8 +49,13 @@ def sweep(out: Path, budgets: list[float], jobs: int, dest: str | None) -> None:
     runs = plan_ladder(base, budgets, 5, 8.0, "chinchilla-1", out)
     t0 = time.perf_counter()
     run_ladder(base, runs, out, **({"jobs": jobs} if jobs > 1 else {}))  # older versions: no jobs
-    rec = {"budgets": budgets, "jobs": jobs, "wall_s": time.perf_counter() - t0, "tokens": sum(r.tokens for r in runs),
-           "runs": {r.name: {"steps": r.steps, "val_loss": final_val_loss(r)} for r in runs}}
+    rec = {
+        "budgets": budgets,
+        "jobs": jobs,
+        "wall_s": time.perf_counter() - t0,
+        "tokens": sum(r.tokens for r in runs),
+        "runs": {r.name: {"steps": r.steps, "val_loss": final_val_loss(r)} for r in runs},
+    }
     rec["tokens_per_s"] = rec["tokens"] / rec["wall_s"]
     print(json.dumps(rec), flush=True)
     if dest:
@@ -55,8 +67,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", default="runs/ladder-speed", help="where the runs train (removed first)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--sweep", default=None, help="budgets of whole rungs (5 sizes, spread 8, chinchilla-1, "
-                                                   "as benchmarks/scaling_ladder.py) trained as one sweep")
+    ap.add_argument(
+        "--sweep",
+        default=None,
+        help="budgets of whole rungs (5 sizes, spread 8, chinchilla-1, "
+        "as benchmarks/scaling_ladder.py) trained as one sweep",
+    )
     ap.add_argument("--jobs", type=int, default=1, help="with --sweep: runs at once (`scale sweep --jobs`)")
     args = ap.parse_args()
     out = Path(args.runs)
@@ -72,9 +88,14 @@ def main() -> None:
         wall = time.perf_counter() - t0
         rows = [json.loads(x) for x in (Path(run.config.run.dir) / "metrics.jsonl").read_text().splitlines()]
         logged = [r for r in rows if "tokens_per_s" in r and r["step"] > run.steps // 10]
-        rec = {"run": run.name, "steps": run.steps, "tokens": run.tokens, "wall_s": wall,
-               "tokens_per_s": statistics.median(r["tokens_per_s"] for r in logged),
-               "val_loss": final_val_loss(run)}
+        rec = {
+            "run": run.name,
+            "steps": run.steps,
+            "tokens": run.tokens,
+            "wall_s": wall,
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in logged),
+            "val_loss": final_val_loss(run),
+        }
         results.append(rec)
         print(json.dumps(rec), flush=True)
     if args.out:

@@ -6,6 +6,7 @@ run from nothing as a user would, against the flopwise source tree SRC:
 prints one JSON row per case: exit code, error lines, traceback or not, and whether the user's
 bytes are as they were (`intact`). Before/after: run it with SRC = an older checkout's src/ and
 with this one's (the table in the closing note of issue 39 came from dcda543 and this branch)."""
+
 import hashlib
 import json
 import os
@@ -19,9 +20,20 @@ SRC, WORK = Path(sys.argv[1]), Path(sys.argv[2])
 ONLY = sys.argv[3:]
 DATA = WORK / "data"
 ENV = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
-TINY = ['model.preset="demo-tiny"', "data.seq_len=32", "train.global_batch=8", "train.micro_batch=4",
-        'train.dtype="fp32"', "train.eval_every=2", "train.eval_batches=2", "train.sample_tokens=0",
-        "optim.warmup_steps=2", "log.every=1", "checkpoint.interval=2", f'data.path="{DATA}"']
+TINY = [
+    'model.preset="demo-tiny"',
+    "data.seq_len=32",
+    "train.global_batch=8",
+    "train.micro_batch=4",
+    'train.dtype="fp32"',
+    "train.eval_every=2",
+    "train.eval_batches=2",
+    "train.sample_tokens=0",
+    "optim.warmup_steps=2",
+    "log.every=1",
+    "checkpoint.interval=2",
+    f'data.path="{DATA}"',
+]
 
 
 def fw(*args, cwd, wait=True):
@@ -39,7 +51,9 @@ def snapshot(paths):
     out = {}
     for p in paths:
         p = Path(p)
-        out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else ("dir" if p.is_dir() else "missing")
+        out[str(p)] = (
+            hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else ("dir" if p.is_dir() else "missing")
+        )
     return out
 
 
@@ -63,7 +77,9 @@ def symlinked_run_files(u):
     assert train(run, cwd=u).returncode == 0
     files = []
     for name in ("metrics.jsonl", "config.toml", "loss.png"):
-        target = user(u / "mine" / name, '{"step": 1, "note": "my own"}\n' if name.endswith("jsonl") else f"my {name}\n")
+        target = user(
+            u / "mine" / name, '{"step": 1, "note": "my own"}\n' if name.endswith("jsonl") else f"my {name}\n"
+        )
         (run / name).unlink()
         (run / name).symlink_to(target)
         files.append(target)
@@ -96,7 +112,9 @@ def dotdot_train_run_dir(u):
 @case
 def dotdot_data_prepare_out(u):
     files = [user(u / "t" / "data" / "index.json"), user(u / "t" / "data" / "notes.txt")]
-    return (lambda: fw("data", "prepare", "builtin:alice", "--out", dotdot(u, "data"), "--train-tokenizer", 300, cwd=u)), files
+    return (
+        lambda: fw("data", "prepare", "builtin:alice", "--out", dotdot(u, "data"), "--train-tokenizer", 300, cwd=u)
+    ), files
 
 
 @case
@@ -124,17 +142,28 @@ def dotdot_out_config(u):
 @case
 def dotdot_ids_out(u):
     files = [user(u / "t" / "ids.json")]
-    return (lambda: fw("data", "contamination", DATA, "--tasks", "alice-lastword", "--ids-out", dotdot(u, "ids.json"),
-                       cwd=u)), files
+    return (
+        lambda: fw(
+            "data", "contamination", DATA, "--tasks", "alice-lastword", "--ids-out", dotdot(u, "ids.json"), cwd=u
+        )
+    ), files
 
 
 @case
 def crafted_data_manifest(u):
     d = u / "data"
     files = [user(d / "train-00000.bin"), user(d / "work" / "logs" / "thesis.tex"), user(d / "notes.txt")]
-    (d / "manifest.json").write_text(json.dumps({
-        "format": "flopwise-data-manifest/1", "complete": False, "files": {},
-        "unchecked": ["train-00000.bin", "notes.txt"], "folders": ["work/logs"]}))
+    (d / "manifest.json").write_text(
+        json.dumps(
+            {
+                "format": "flopwise-data-manifest/1",
+                "complete": False,
+                "files": {},
+                "unchecked": ["train-00000.bin", "notes.txt"],
+                "folders": ["work/logs"],
+            }
+        )
+    )
     return (lambda: fw("data", "prepare", "builtin:alice", "--out", d, "--train-tokenizer", 300, cwd=u)), files
 
 
@@ -149,9 +178,17 @@ def crafted_hf_manifest(u):
     assert train(run, 2, cwd=u).returncode == 0
     hf = u / "hf"
     files = [user(hf / "model.safetensors", "my weights\n")]
-    (hf / "flopwise-manifest.json").write_text(json.dumps({
-        "format": "flopwise-hf-manifest/1", "complete": True, "files": {"model.safetensors": _hf_record(files[0])},
-        "unchecked": [], "folders": []}))
+    (hf / "flopwise-manifest.json").write_text(
+        json.dumps(
+            {
+                "format": "flopwise-hf-manifest/1",
+                "complete": True,
+                "files": {"model.safetensors": _hf_record(files[0])},
+                "unchecked": [],
+                "folders": [],
+            }
+        )
+    )
     return (lambda: fw("convert", "to-hf", run, hf, cwd=u)), files
 
 
@@ -160,8 +197,7 @@ def crafted_run_record(u):
     run = u / "run"
     files = [user(run / "metrics.jsonl", '{"step": 1, "loss": 9}\n'), user(run / "config.toml", "# my config\n")]
     old = {"format": "flopwise-run/1", "writes": ["config.toml", "metrics.jsonl", "loss.png", "checkpoints"]}
-    new = {"format": "flopwise-run/2", "writes": old["writes"],
-           "files": {f.name: _hf_record(f) for f in files}}
+    new = {"format": "flopwise-run/2", "writes": old["writes"], "files": {f.name: _hf_record(f) for f in files}}
     is_new = (SRC / "flopwise" / "checkpoints" / "rundir.py").read_text().count("flopwise-run/2")
     (run / "flopwise-run.json").write_text(json.dumps(new if is_new else old))
     return (lambda: train(run, 2, cwd=u)), files
@@ -194,12 +230,14 @@ def two_writers(u):
     deadline = time.time() + 120
     while time.time() < deadline and not (run / "metrics.jsonl").exists():
         time.sleep(0.5)
+
     def go():
         second = train(run, 3, "optim.lr=0.5", cwd=u)
         first.kill()
         first.wait()
         second.stderr += f"\n[first pid {first.pid}]"
         return second
+
     return go, []
 
 
@@ -214,7 +252,11 @@ def stale_lock(u):
 
 
 if not (DATA / "index.json").exists():  # a tiny prepared corpus: Alice's chapters as documents
-    subprocess.run([sys.executable, "-c", f"""
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"""
 from pathlib import Path
 from flopwise.data.shards import resolve_input
 from flopwise.data.pipeline import prepare
@@ -222,7 +264,12 @@ d = Path({str(WORK / "docs")!r}); d.mkdir(parents=True, exist_ok=True)
 for i, c in enumerate(resolve_input("builtin:alice").read_text().split("CHAPTER")):
     (d / f"part_{{i:02d}}.txt").write_text(c) if c.strip() else None
 prepare([str(d)], {str(DATA)!r}, tokenizer="bpe:300", val_fraction=0.1, seed=0)
-"""], env=ENV, check=True, capture_output=True)
+""",
+        ],
+        env=ENV,
+        check=True,
+        capture_output=True,
+    )
 
 for name, f in CASES.items():
     if ONLY and name not in ONLY:
@@ -241,8 +288,22 @@ for name, f in CASES.items():
     errs = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
     warn = [ln for ln in out.stderr.splitlines() if "took over" in ln or "lock" in ln.lower()]
     intact = snapshot(files) == before
-    print(json.dumps({"case": name, "rc": out.returncode, "errors": errs[-1:], "n_err": len(errs),
-                      "traceback": "Traceback" in out.stderr, "warn": warn[:1], "intact": intact,
-                      "pid_note": out.stderr.splitlines()[-1] if name == "two_writers" else "",
-                      "files": {str(p.relative_to(u)): (p.read_text(errors="replace")[:40] if p.is_file() else "MISSING")
-                                for p in files}}), flush=True)
+    print(
+        json.dumps(
+            {
+                "case": name,
+                "rc": out.returncode,
+                "errors": errs[-1:],
+                "n_err": len(errs),
+                "traceback": "Traceback" in out.stderr,
+                "warn": warn[:1],
+                "intact": intact,
+                "pid_note": out.stderr.splitlines()[-1] if name == "two_writers" else "",
+                "files": {
+                    str(p.relative_to(u)): (p.read_text(errors="replace")[:40] if p.is_file() else "MISSING")
+                    for p in files
+                },
+            }
+        ),
+        flush=True,
+    )

@@ -44,7 +44,6 @@ from flopwise.hardware import get_hardware
 from flopwise.plan.float8_linear import linear_times
 from flopwise.plan.layout import Layout
 from flopwise.plan.perf import ACT_BYTES, evaluate
-from plan_float8_linear import linear_times
 
 OUT = Path(__file__).parent / "results" / "plan_float8_published.json"
 RECIPES = ("none", "tensorwise", "rowwise")
@@ -58,10 +57,14 @@ MLP_MEASURED = {"none": 8.27, "rowwise": 7.47, "tensorwise": 6.49}
 MLP_TOKENS, MLP_D, MLP_F = 16384, 3072, 8192
 # this script's figures with the planner at commit 522923a (before ROWWISE_FORWARD_SPEED and the
 # rowwise rescale bytes): tokens/s per GPU by recompute mode and recipe; the MLP's ms by recipe
-BEFORE = {"e2e": {"none": {"none": 10268.4, "tensorwise": 12154.8, "rowwise": 11893.8},
-                  "selective": {"none": 9682.0, "tensorwise": 11341.7, "rowwise": 11114.1},
-                  "full": {"none": 8006.0, "tensorwise": 9534.9, "rowwise": 9373.4}},
-          "mlp_ms": {"none": 7.150, "tensorwise": 4.733, "rowwise": 4.877}}
+BEFORE = {
+    "e2e": {
+        "none": {"none": 10268.4, "tensorwise": 12154.8, "rowwise": 11893.8},
+        "selective": {"none": 9682.0, "tensorwise": 11341.7, "rowwise": 11114.1},
+        "full": {"none": 8006.0, "tensorwise": 9534.9, "rowwise": 9373.4},
+    },
+    "mlp_ms": {"none": 7.150, "tensorwise": 4.733, "rowwise": 4.877},
+}
 # the MLP's ms by recipe with the casts and the activation streamed at 0.8 of nominal HBM bandwidth
 BEFORE_STREAM = {"none": 7.150, "tensorwise": 4.733, "rowwise": 5.246}
 
@@ -76,9 +79,12 @@ def e2e() -> dict:
         rows = {}
         for recipe in RECIPES:
             e = evaluate(m, hw, lo, SEQ, GPUS, compile=True, float8=recipe)
-            rows[recipe] = {"tokens_per_s_per_gpu": e.tokens_per_s / GPUS,
-                            "memory_total_gib": e.memory["total"] / 2**30,
-                            "step_peak_gib": e.memory["step_peak"] / 2**30, "time_breakdown_s": e.time}
+            rows[recipe] = {
+                "tokens_per_s_per_gpu": e.tokens_per_s / GPUS,
+                "memory_total_gib": e.memory["total"] / 2**30,
+                "step_peak_gib": e.memory["step_peak"] / 2**30,
+                "time_breakdown_s": e.time,
+            }
         for r in rows.values():
             r["speedup"] = r["tokens_per_s_per_gpu"] / rows["none"]["tokens_per_s_per_gpu"]
         out[mode] = rows
@@ -94,8 +100,13 @@ def mlp() -> dict:
     out = {}
     for recipe in RECIPES:
         r = linear_times(shapes, hw, recipe, hidden, ACT_BYTES * t * d)
-        out[recipe] = {"gemm_ms": 1e3 * r["gemm"], "cast_ms": 1e3 * r["cast"], "activation_ms": 1e3 * r["elementwise"],
-                       "total_ms": 1e3 * r["total"], "measured_ms": MLP_MEASURED[recipe]}
+        out[recipe] = {
+            "gemm_ms": 1e3 * r["gemm"],
+            "cast_ms": 1e3 * r["cast"],
+            "activation_ms": 1e3 * r["elementwise"],
+            "total_ms": 1e3 * r["total"],
+            "measured_ms": MLP_MEASURED[recipe],
+        }
     for recipe, r in out.items():
         r["speedup"] = out["none"]["total_ms"] / r["total_ms"]
         r["measured_speedup"] = MLP_MEASURED["none"] / r["measured_ms"]
@@ -107,31 +118,54 @@ def mlp() -> dict:
 def main() -> None:
     planner, terms = e2e(), mlp()
     pub_base = PUBLISHED["none"][0]
-    print(f"(1) Llama 3 8B, 8x H100, FSDP2, b 1, seq {SEQ}, compile: torchao/torchtitan published (per-op SAC) "
-          f"vs planner ({SHOWN}); speed-up over bf16 [before]; the other modes' speed-ups")
-    print(f"  {'recipe':10s} {'pub tok/s':>9s} {'pub x':>6s} {'plan tok/s':>10s} {'plan x':>7s} {'[before]':>8s} "
-          f"{'none x':>7s} {'full x':>7s} {'pub GiB':>8s} {'plan GiB':>8s}")
+    print(
+        f"(1) Llama 3 8B, 8x H100, FSDP2, b 1, seq {SEQ}, compile: torchao/torchtitan published (per-op SAC) "
+        f"vs planner ({SHOWN}); speed-up over bf16 [before]; the other modes' speed-ups"
+    )
+    print(
+        f"  {'recipe':10s} {'pub tok/s':>9s} {'pub x':>6s} {'plan tok/s':>10s} {'plan x':>7s} {'[before]':>8s} "
+        f"{'none x':>7s} {'full x':>7s} {'pub GiB':>8s} {'plan GiB':>8s}"
+    )
     for recipe in RECIPES:
         tok, mem = PUBLISHED[recipe]
         p = planner[SHOWN][recipe]
         before = BEFORE["e2e"][SHOWN]
-        print(f"  {recipe:10s} {tok:9.0f} {tok / pub_base:6.3f} {p['tokens_per_s_per_gpu']:10.0f} "
-              f"{p['speedup']:7.3f} {before[recipe] / before['none']:8.3f} {planner['none'][recipe]['speedup']:7.3f} "
-              f"{planner['full'][recipe]['speedup']:7.3f} {mem:8.2f} {p['memory_total_gib']:8.2f}")
-    print("(2) MLP 3072->8192->3072 (two linears), 16,384 tokens, H200, fwd+bwd ms: planner terms vs measured; "
-          "[before]: commit 522923a; [0.8 bw]: casts and activation at 0.8 of nominal HBM bandwidth")
-    print(f"  {'recipe':10s} {'gemm':>6s} {'cast':>6s} {'act':>6s} {'total':>6s} {'meas':>6s} {'plan x':>7s} "
-          f"{'[before]':>8s} {'[0.8 bw]':>8s} {'meas x':>7s}")
+        print(
+            f"  {recipe:10s} {tok:9.0f} {tok / pub_base:6.3f} {p['tokens_per_s_per_gpu']:10.0f} "
+            f"{p['speedup']:7.3f} {before[recipe] / before['none']:8.3f} {planner['none'][recipe]['speedup']:7.3f} "
+            f"{planner['full'][recipe]['speedup']:7.3f} {mem:8.2f} {p['memory_total_gib']:8.2f}"
+        )
+    print(
+        "(2) MLP 3072->8192->3072 (two linears), 16,384 tokens, H200, fwd+bwd ms: planner terms vs measured; "
+        "[before]: commit 522923a; [0.8 bw]: casts and activation at 0.8 of nominal HBM bandwidth"
+    )
+    print(
+        f"  {'recipe':10s} {'gemm':>6s} {'cast':>6s} {'act':>6s} {'total':>6s} {'meas':>6s} {'plan x':>7s} "
+        f"{'[before]':>8s} {'[0.8 bw]':>8s} {'meas x':>7s}"
+    )
     for recipe, r in terms.items():
-        print(f"  {recipe:10s} {r['gemm_ms']:6.2f} {r['cast_ms']:6.2f} {r['activation_ms']:6.2f} {r['total_ms']:6.2f} "
-              f"{r['measured_ms']:6.2f} {r['speedup']:7.3f} {r['before_speedup']:8.3f} "
-              f"{r['before_stream_speedup']:8.3f} {r['measured_speedup']:7.3f}")
-    OUT.write_text(json.dumps({
-        "published_e2e": {k: {"tokens_per_s_per_gpu": v[0], "peak_memory_gib": v[1], "speedup": v[0] / pub_base}
-                          for k, v in PUBLISHED.items()},
-        "published_source": "pytorch/ao docs/source/workflows/training.md @36027d8, "
-                            "e2e training benchmarks, H100",
-        "planner_e2e": planner, "planner_e2e_shown": SHOWN, "mlp": terms, "before": BEFORE}, indent=1))
+        print(
+            f"  {recipe:10s} {r['gemm_ms']:6.2f} {r['cast_ms']:6.2f} {r['activation_ms']:6.2f} {r['total_ms']:6.2f} "
+            f"{r['measured_ms']:6.2f} {r['speedup']:7.3f} {r['before_speedup']:8.3f} "
+            f"{r['before_stream_speedup']:8.3f} {r['measured_speedup']:7.3f}"
+        )
+    OUT.write_text(
+        json.dumps(
+            {
+                "published_e2e": {
+                    k: {"tokens_per_s_per_gpu": v[0], "peak_memory_gib": v[1], "speedup": v[0] / pub_base}
+                    for k, v in PUBLISHED.items()
+                },
+                "published_source": "pytorch/ao docs/source/workflows/training.md @36027d8, "
+                "e2e training benchmarks, H100",
+                "planner_e2e": planner,
+                "planner_e2e_shown": SHOWN,
+                "mlp": terms,
+                "before": BEFORE,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

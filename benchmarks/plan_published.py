@@ -19,13 +19,28 @@ from plan_speed import megatron
 
 A100 = get_hardware("a100-80gb")
 # Korthikanti Table 4: (recompute, sequence parallel) -> published forward, backward ms of one 22B layer.
-TABLE4 = {("none", False): (7.7, 11.9), ("none", True): (7.2, 11.8), ("selective", False): (7.7, 13.2),
-          ("selective", True): (7.2, 13.1)}
-KORTHIKANTI = [("22B", (48, 6144, 64), Layout(dp=1, tp=8, pp=1, micro_batch=4), 4, 41.5),
-               ("530B", (105, 20480, 128), Layout(dp=1, tp=8, pp=35, micro_batch=1, pp_schedule="interleaved-1f1b",
-                                                   virtual_stages=3), 280, 56.0)]
-NARAYANAN = [(24, 2304, 24, 1, 1, 32, 512, 137), (40, 6144, 48, 8, 1, 256, 1024, 135),
-             (80, 12288, 96, 8, 8, 1536, 2304, 148), (128, 25600, 160, 8, 64, 3072, 3072, 163)]
+TABLE4 = {
+    ("none", False): (7.7, 11.9),
+    ("none", True): (7.2, 11.8),
+    ("selective", False): (7.7, 13.2),
+    ("selective", True): (7.2, 13.1),
+}
+KORTHIKANTI = [
+    ("22B", (48, 6144, 64), Layout(dp=1, tp=8, pp=1, micro_batch=4), 4, 41.5),
+    (
+        "530B",
+        (105, 20480, 128),
+        Layout(dp=1, tp=8, pp=35, micro_batch=1, pp_schedule="interleaved-1f1b", virtual_stages=3),
+        280,
+        56.0,
+    ),
+]
+NARAYANAN = [
+    (24, 2304, 24, 1, 1, 32, 512, 137),
+    (40, 6144, 48, 8, 1, 256, 1024, 135),
+    (80, 12288, 96, 8, 8, 1536, 2304, 148),
+    (128, 25600, 160, 8, 64, 3072, 3072, 163),
+]
 
 
 def main() -> None:
@@ -36,23 +51,30 @@ def main() -> None:
         lt = layer_times(sh, A100, stack, 2048, 4, 8, 1, sp)
         fwd = lt.fwd + lt.tp_fwd
         bwd = lt.bwd + lt.tp_bwd + (lt.attn_fwd if recompute == "selective" else 0.0)
-        print(f"  {recompute:9s} sp={sp!s:5s}  fwd {1e3 * fwd:5.2f}/{f_pub}  bwd {1e3 * bwd:5.2f}/{b_pub}  "
-              f"(of which tp comm {1e3 * lt.tp_fwd:.2f} + {1e3 * lt.tp_bwd:.2f})")
+        print(
+            f"  {recompute:9s} sp={sp!s:5s}  fwd {1e3 * fwd:5.2f}/{f_pub}  bwd {1e3 * bwd:5.2f}/{b_pub}  "
+            f"(of which tp comm {1e3 * lt.tp_fwd:.2f} + {1e3 * lt.tp_bwd:.2f})"
+        )
     for name, shape, layout, batch, published in KORTHIKANTI:
         lo = replace(layout, recompute="selective", sequence_parallel=True)
         e = estimate(model_shape(megatron(*shape), 2048), A100, lo, 2048, batch, stack)
         terms = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in e.time.items() if v)
-        print(f"Korthikanti {name}: MFU {100 * e.mfu:.2f} (published {published}, {100 * e.mfu - published:+.2f} "
-              f"points); step {1e3 * e.step_time:.1f} ms = {terms}")
+        print(
+            f"Korthikanti {name}: MFU {100 * e.mfu:.2f} (published {published}, {100 * e.mfu - published:+.2f} "
+            f"points); step {1e3 * e.step_time:.1f} ms = {terms}"
+        )
     fixed_all = {"cp": 1, "recompute": "full", "sequence_parallel": False, "zero": 0, "dp_replicate": 1}
     for layers, hidden, heads, tp, pp, gpus, batch, published in NARAYANAN:
         fixed = {**fixed_all, "tp": tp, "pp": pp, "pp_schedule": "interleaved-1f1b" if pp > 1 else "1f1b"}
         if pp > 1:
             fixed["micro_batch"] = 1
-        best = search(model_shape(megatron(layers, hidden, heads), 2048), A100, gpus, 2048, batch,
-                      STACKS["megatron-2021"], fixed).best
-        print(f"Narayanan {layers}x{hidden}: {best.hardware_tflops:.1f} TFLOP/s (published {published}, "
-              f"{100 * (best.hardware_tflops / published - 1):+.1f}%)")
+        best = search(
+            model_shape(megatron(layers, hidden, heads), 2048), A100, gpus, 2048, batch, STACKS["megatron-2021"], fixed
+        ).best
+        print(
+            f"Narayanan {layers}x{hidden}: {best.hardware_tflops:.1f} TFLOP/s (published {published}, "
+            f"{100 * (best.hardware_tflops / published - 1):+.1f}%)"
+        )
 
 
 if __name__ == "__main__":

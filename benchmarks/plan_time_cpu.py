@@ -29,8 +29,12 @@ from flopwise.measure import measure, predicted_time
 from flopwise.parallel.mesh import layout_of
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYOUTS = {"1 process": [], "dp2 zero1": ["parallel.dp=2", "parallel.zero=1", "train.micro_batch=8"],
-           "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2", "train.micro_batch=8"]}
+LAYOUTS = {
+    "1 process": [],
+    "dp2 zero1": ["parallel.dp=2", "parallel.zero=1", "train.micro_batch=8"],
+    "tp2": ["parallel.tp=2"],
+    "pp2": ["parallel.pp=2", "train.micro_batch=8"],
+}
 
 
 def main() -> None:
@@ -53,16 +57,36 @@ def main() -> None:
         cfg = validate(tree)
         before, _ = predicted_time(cfg, layout_of(cfg, r["world"]))
         st = r["step_time_s"]
-        rows.append({"layout": name, "measured_s": st["measured"], "predicted_s": st["predicted"],
-                     "ratio": st["measured"] / st["predicted"], "uncalibrated_predicted_s": before.step_time,
-                     "uncalibrated_ratio": st["measured"] / before.step_time,
-                     "components_s": r["step_time_components_s"]})
-        print(f"{name:10s} measured {st['measured']:.3f} s  predicted {st['predicted']:.3f} s "
-              f"(measured/predicted {rows[-1]['ratio']:.2f}; uncalibrated {before.step_time:.3f} s, "
-              f"{rows[-1]['uncalibrated_ratio']:.2f})", flush=True)
+        rows.append(
+            {
+                "layout": name,
+                "measured_s": st["measured"],
+                "predicted_s": st["predicted"],
+                "ratio": st["measured"] / st["predicted"],
+                "uncalibrated_predicted_s": before.step_time,
+                "uncalibrated_ratio": st["measured"] / before.step_time,
+                "components_s": r["step_time_components_s"],
+            }
+        )
+        print(
+            f"{name:10s} measured {st['measured']:.3f} s  predicted {st['predicted']:.3f} s "
+            f"(measured/predicted {rows[-1]['ratio']:.2f}; uncalibrated {before.step_time:.3f} s, "
+            f"{rows[-1]['uncalibrated_ratio']:.2f})",
+            flush=True,
+        )
     hw = load_catalogue(hw_file)["cpu"]
-    args.out.write_text(json.dumps({"hardware": hw.source, "calibration": hw.calibration.source,
-                                    "threads_per_rank": hw.calibration.threads, "layouts": rows}, indent=1) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "hardware": hw.source,
+                "calibration": hw.calibration.source,
+                "threads_per_rank": hw.calibration.threads,
+                "layouts": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {args.out}")
 
 

@@ -36,8 +36,13 @@ def generate(path: Path, target: int, seed: int = 0) -> tuple[int, int]:
     sys.path.insert(0, str(SRC))
     from flopwise.data.shards import iter_documents
 
-    paragraphs = [p.strip() for spec in ("builtin:shakespeare", "builtin:alice", "builtin:enwiki")
-                  for _, text in iter_documents([spec]) for p in text.split("\n\n") if p.strip()]
+    paragraphs = [
+        p.strip()
+        for spec in ("builtin:shakespeare", "builtin:alice", "builtin:enwiki")
+        for _, text in iter_documents([spec])
+        for p in text.split("\n\n")
+        if p.strip()
+    ]
     rng = np.random.default_rng(seed)
     docs = written = 0
     with open(path, "w") as f:
@@ -60,21 +65,32 @@ def generate(path: Path, target: int, seed: int = 0) -> tuple[int, int]:
 
 def digest(d: Path) -> dict[str, str]:
     """sha256 of every output file but report.json (it holds the run's timings)."""
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())
-            if p.is_file() and p.name != "report.json"}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.iterdir())
+        if p.is_file() and p.name != "report.json"
+    }
 
 
-def run_prepare(corpus: Path, out: Path, workers: int, kill_at: float | None = None,
-                tokenizer: str = "bpe:4096") -> dict:
+def run_prepare(
+    corpus: Path, out: Path, workers: int, kill_at: float | None = None, tokenizer: str = "bpe:4096"
+) -> dict:
     """One prepare in a child process (so its RSS and its workers' are the children's): seconds,
     peak RSS of the process tree; with kill_at, SIGKILL once that share of tokenize tasks finished."""
-    code = (f"import sys, json; from flopwise.data.pipeline import prepare\n"
-            f"if __name__ == '__main__':\n"
-            f"    s = prepare([{str(corpus)!r}], {str(out)!r}, tokenizer={tokenizer!r}, workers={workers})\n"
-            f"    print(json.dumps({{'documents': s.documents, 'tokens': s.tokens, 'bytes': s.bytes}}))\n")
+    code = (
+        f"import sys, json; from flopwise.data.pipeline import prepare\n"
+        f"if __name__ == '__main__':\n"
+        f"    s = prepare([{str(corpus)!r}], {str(out)!r}, tokenizer={tokenizer!r}, workers={workers})\n"
+        f"    print(json.dumps({{'documents': s.documents, 'tokens': s.tokens, 'bytes': s.bytes}}))\n"
+    )
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(SRC)},
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     first_token = None
     killed = False
     while proc.poll() is None:
@@ -101,16 +117,18 @@ def run_prepare(corpus: Path, out: Path, workers: int, kill_at: float | None = N
 def run_encode_batch(corpus: Path, tokenizer: Path, threads: int | None) -> dict:
     """Plain tokenizers in one process: encode_batch over 256-document batches of the same JSONL
     (rayon threads: tokenizers' default, or RAYON_NUM_THREADS=1)."""
-    code = (f"import json, time\nfrom tokenizers import Tokenizer\n"
-            f"tok = Tokenizer.from_file({str(tokenizer)!r})\n"
-            f"t0 = time.perf_counter(); n = 0; batch = []\n"
-            f"def flush(batch):\n"
-            f"    return sum(len(e.ids) + 1 for e in tok.encode_batch(batch, add_special_tokens=False))\n"
-            f"for line in open({str(corpus)!r}):\n"
-            f"    batch.append(json.loads(line)['text'])\n"
-            f"    if len(batch) == 256: n += flush(batch); batch = []\n"
-            f"n += flush(batch)\n"
-            f"print(json.dumps({{'tokens': n, 'seconds': time.perf_counter() - t0}}))\n")
+    code = (
+        f"import json, time\nfrom tokenizers import Tokenizer\n"
+        f"tok = Tokenizer.from_file({str(tokenizer)!r})\n"
+        f"t0 = time.perf_counter(); n = 0; batch = []\n"
+        f"def flush(batch):\n"
+        f"    return sum(len(e.ids) + 1 for e in tok.encode_batch(batch, add_special_tokens=False))\n"
+        f"for line in open({str(corpus)!r}):\n"
+        f"    batch.append(json.loads(line)['text'])\n"
+        f"    if len(batch) == 256: n += flush(batch); batch = []\n"
+        f"n += flush(batch)\n"
+        f"print(json.dumps({{'tokens': n, 'seconds': time.perf_counter() - t0}}))\n"
+    )
     env = {**os.environ} | ({"RAYON_NUM_THREADS": str(threads)} if threads else {})
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -149,8 +167,12 @@ def interleaved(corpus: Path, tokenizer: Path, mb: int, rounds: int = 2) -> list
         subprocess.run(["rm", "-rf", str(out)], check=True)
         t0 = time.perf_counter()
         stats = prepare([str(part)], out, tokenizer=str(tokenizer), workers=1)
-        rows.append({"encode_batch_serial_tokens_per_s": round(loop),
-                     "prepare_1_worker_tokens_per_s": round(stats.tokens / (time.perf_counter() - t0))})
+        rows.append(
+            {
+                "encode_batch_serial_tokens_per_s": round(loop),
+                "prepare_1_worker_tokens_per_s": round(stats.tokens / (time.perf_counter() - t0)),
+            }
+        )
         print(rows[-1], flush=True)
     return rows
 
@@ -160,10 +182,18 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=200, help="text to generate, in MB (the issue asks for 1000)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--tmp", type=Path, default=Path("/tmp/flopwise-prepare-bench"))
-    ap.add_argument("--no-baselines", action="store_true",
-                    help="skip the encode_batch and one-worker comparisons (per-core ratios; 200 MB suffices)")
-    ap.add_argument("--interleaved", type=int, default=0, metavar="MB",
-                    help="only compare 1 worker with a bare loop on the first MB of an earlier run's corpus")
+    ap.add_argument(
+        "--no-baselines",
+        action="store_true",
+        help="skip the encode_batch and one-worker comparisons (per-core ratios; 200 MB suffices)",
+    )
+    ap.add_argument(
+        "--interleaved",
+        type=int,
+        default=0,
+        metavar="MB",
+        help="only compare 1 worker with a bare loop on the first MB of an earlier run's corpus",
+    )
     args = ap.parse_args()
     args.tmp.mkdir(parents=True, exist_ok=True)
     corpus = args.tmp / "corpus.jsonl"
@@ -181,30 +211,46 @@ def main() -> None:
     res = run_prepare(corpus, clean, args.workers)
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     tokenize_s = res["seconds"] - res["tokenize_started_s"]
-    res |= {"tokens_per_s": round(res["tokens"] / res["seconds"]),
-            "tokenize_stage_tokens_per_s": round(res["tokens"] / tokenize_s),
-            "tokenize_stage_tokens_per_s_per_core": round(res["tokens"] / tokenize_s / args.workers),
-            "peak_rss_mb_largest_process": round(rss)}
+    res |= {
+        "tokens_per_s": round(res["tokens"] / res["seconds"]),
+        "tokenize_stage_tokens_per_s": round(res["tokens"] / tokenize_s),
+        "tokenize_stage_tokens_per_s_per_core": round(res["tokens"] / tokenize_s / args.workers),
+        "peak_rss_mb_largest_process": round(rss),
+    }
     print("prepare", res, flush=True)
     base, single = {}, {}
     if not args.no_baselines:
-        base = {f"encode_batch_rayon_{k or 'default'}": run_encode_batch(corpus, clean / "tokenizer.json", k)
-                for k in (1, None)}
+        base = {
+            f"encode_batch_rayon_{k or 'default'}": run_encode_batch(corpus, clean / "tokenizer.json", k)
+            for k in (1, None)
+        }
         for v in base.values():
             v["tokens_per_s"] = round(v["tokens"] / v["seconds"])
         print("baseline", base, flush=True)
         one = args.tmp / "one-worker"
         subprocess.run(["rm", "-rf", str(one)], check=True)
         single = run_prepare(corpus, one, 1, tokenizer=str(clean / "tokenizer.json"))
-        single["tokenize_stage_tokens_per_s"] = round(single["tokens"] / (single["seconds"] - single["tokenize_started_s"]))
+        single["tokenize_stage_tokens_per_s"] = round(
+            single["tokens"] / (single["seconds"] - single["tokenize_started_s"])
+        )
         print("one worker, given tokenizer", single, flush=True)
     kill = run_prepare(corpus, killed, args.workers, kill_at=0.5)
     resume = run_prepare(corpus, killed, args.workers)
     identical = digest(clean) == digest(killed)
     print("killed", kill, "resumed", resume, "identical", identical, flush=True)
-    result = {"mb": args.mb, "text_bytes": text_bytes, "documents": docs, "workers": args.workers,
-              "cores": os.cpu_count(), "prepare": res, "prepare_1_worker_given_tokenizer": single, "baseline": base, "killed": kill, "resumed": resume,
-              "byte_identical_after_resume": identical}
+    result = {
+        "mb": args.mb,
+        "text_bytes": text_bytes,
+        "documents": docs,
+        "workers": args.workers,
+        "cores": os.cpu_count(),
+        "prepare": res,
+        "prepare_1_worker_given_tokenizer": single,
+        "baseline": base,
+        "killed": kill,
+        "resumed": resume,
+        "byte_identical_after_resume": identical,
+    }
     (ROOT / "benchmarks" / "results").mkdir(exist_ok=True)
     (ROOT / "benchmarks" / "results" / f"prepare-{args.mb}mb.json").write_text(json.dumps(result, indent=1))
     if not identical:

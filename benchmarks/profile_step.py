@@ -23,13 +23,33 @@ from flopwise.train.faults import Faults
 from flopwise.train.trainer import train_step
 from train_cpu import SHAPES, flopwise_config
 
-GROUPS = [("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")),
-          ("attention", ("scaled_dot_product",)), ("loss", ("log_softmax", "nll_loss", "cross_entropy")),
-          ("optimizer", ("adamw", "Optimizer.")), ("compiled kernels", ("CompiledFxGraph",)),
-          ("casts and copies", ("aten::copy_", "aten::_to_copy")),
-          ("elementwise", ("aten::mul", "aten::add", "aten::silu", "aten::pow", "aten::rsqrt", "aten::neg",
-                           "aten::cat", "aten::div", "aten::sum", "aten::mean", "aten::fill_", "rms_norm",
-                           "aten::where", "aten::gelu"))]
+GROUPS = [
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")),
+    ("attention", ("scaled_dot_product",)),
+    ("loss", ("log_softmax", "nll_loss", "cross_entropy")),
+    ("optimizer", ("adamw", "Optimizer.")),
+    ("compiled kernels", ("CompiledFxGraph",)),
+    ("casts and copies", ("aten::copy_", "aten::_to_copy")),
+    (
+        "elementwise",
+        (
+            "aten::mul",
+            "aten::add",
+            "aten::silu",
+            "aten::pow",
+            "aten::rsqrt",
+            "aten::neg",
+            "aten::cat",
+            "aten::div",
+            "aten::sum",
+            "aten::mean",
+            "aten::fill_",
+            "rms_norm",
+            "aten::where",
+            "aten::gelu",
+        ),
+    ),
+]
 
 
 def group_of(name: str) -> str:
@@ -51,9 +71,12 @@ def main() -> None:
     shape = SHAPES[args.shape]
     cfg = flopwise_config(shape, args.dtype, args.flopwise)
     engine, optimizer = build_engine(cfg, mesh.init(cfg, torch.device("cpu")))
-    batch = torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"] + 1), generator=torch.Generator().manual_seed(1))
-    run = types.SimpleNamespace(cfg=cfg, engine=engine, optimizer=optimizer,
-                                loader=types.SimpleNamespace(next_batch=lambda: batch))
+    batch = torch.randint(
+        0, shape["vocab_size"], (shape["batch"], shape["seq"] + 1), generator=torch.Generator().manual_seed(1)
+    )
+    run = types.SimpleNamespace(
+        cfg=cfg, engine=engine, optimizer=optimizer, loader=types.SimpleNamespace(next_batch=lambda: batch)
+    )
     faults = Faults()
     for i in range(6):  # warm-up (and compile)
         train_step(run, i, faults)[0].tolist()
@@ -64,8 +87,10 @@ def main() -> None:
     for e in prof.key_averages():
         by[group_of(e.key)] += e.self_cpu_time_total
         total += e.self_cpu_time_total
-    print(f"{args.shape} {args.dtype} {' '.join(args.flopwise)}: {total / args.steps / 1e3:.1f} ms of CPU per step "
-          f"({args.threads} thread{'s' if args.threads > 1 else ''}, under the profiler)")
+    print(
+        f"{args.shape} {args.dtype} {' '.join(args.flopwise)}: {total / args.steps / 1e3:.1f} ms of CPU per step "
+        f"({args.threads} thread{'s' if args.threads > 1 else ''}, under the profiler)"
+    )
     for group, t in sorted(by.items(), key=lambda kv: -kv[1]):
         print(f"  {group:18s} {100 * t / total:5.1f}%")
 

@@ -19,8 +19,15 @@ from flopwise.plan.fit import fit_approach2, fit_approach3, fit_kaplan, plot_fit
 from flopwise.sweep import final_val_loss, plan_ladder, run_ladder
 
 OUT = Path("benchmarks/scaling/ladder")
-BASE = ['data.tokenizer="bpe:512"', "model.vocab_size=512", "data.seq_len=128", "model.max_seq_len=128",
-        "train.global_batch=16", "train.micro_batch=16", "train.eval_batches=32"]
+BASE = [
+    'data.tokenizer="bpe:512"',
+    "model.vocab_size=512",
+    "data.seq_len=128",
+    "model.max_seq_len=128",
+    "train.global_batch=16",
+    "train.micro_batch=16",
+    "train.eval_batches=32",
+]
 
 
 def main() -> None:
@@ -44,18 +51,31 @@ def main() -> None:
         plot_fits(pts, fit, iso, OUT)
         run = plan_ladder(base, [args.budget], 1, 1.0, f"fitted:{OUT / 'law.json'}", "runs/ladder-holdout")[0]
         loss, interval = fit.predict(run.params, run.tokens)
-        record = {"made_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "budget": args.budget,
-                  "run": run.name, "params": run.params, "tokens": run.tokens, "predicted_loss": loss,
-                  "interval_95": interval, "fit": fit.to_json(), "approach2": iso.to_json() if iso else None,
-                  "kaplan": fit_kaplan(pts).to_json(), "n_points": len(pts)}
+        record = {
+            "made_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "budget": args.budget,
+            "run": run.name,
+            "params": run.params,
+            "tokens": run.tokens,
+            "predicted_loss": loss,
+            "interval_95": interval,
+            "fit": fit.to_json(),
+            "approach2": iso.to_json() if iso else None,
+            "kaplan": fit_kaplan(pts).to_json(),
+            "n_points": len(pts),
+        }
         (OUT / "prediction.json").write_text(json.dumps(record, indent=1))
         print(json.dumps({k: record[k] for k in ("run", "params", "tokens", "predicted_loss", "interval_95")}))
     else:
         pred = json.loads((OUT / "prediction.json").read_text())
         runs = plan_ladder(base, [pred["budget"]], 1, 1.0, f"fitted:{OUT / 'law.json'}", "runs/ladder-holdout")
         run_ladder(base, runs, Path("runs/ladder-holdout"))
-        outcome = {"run": runs[0].name, "observed_loss": final_val_loss(runs[0]),
-                   "predicted_loss": pred["predicted_loss"], "interval_95": pred["interval_95"]}
+        outcome = {
+            "run": runs[0].name,
+            "observed_loss": final_val_loss(runs[0]),
+            "predicted_loss": pred["predicted_loss"],
+            "interval_95": pred["interval_95"],
+        }
         outcome["error"] = outcome["observed_loss"] - outcome["predicted_loss"]
         (OUT / "outcome.json").write_text(json.dumps(outcome, indent=1))
         print(json.dumps(outcome))

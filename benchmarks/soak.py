@@ -60,23 +60,55 @@ LOG_EVERY = 5  # a sync point every 5 steps: where a SIGTERM is acted on
 
 
 def overrides(run_dir: Path, data: Path, steps: int, keep: int = 3) -> list[str]:
-    kw = {"run.dir": f'"{run_dir}"', "data.path": f'"{data}"', "model.preset": '"demo-tiny"', "data.seq_len": 32,
-          "train.global_batch": 8, "train.micro_batch": 2, "train.dtype": '"fp32"', "train.steps": steps,
-          "train.eval_every": 0, "train.eval_batches": 1, "train.sample_tokens": 0, "optim.warmup_steps": 2,
-          "log.every": LOG_EVERY, "checkpoint.interval": CKPT_EVERY, "checkpoint.keep": keep, "parallel.zero": 3,
-          "guard.window": 10, "guard.min_window": 5, "guard.skip_batches": 2,
-          "watchdog.collective_timeout_s": 15, "watchdog.min_s": 2, "watchdog.hang_factor": 3}
+    kw = {
+        "run.dir": f'"{run_dir}"',
+        "data.path": f'"{data}"',
+        "model.preset": '"demo-tiny"',
+        "data.seq_len": 32,
+        "train.global_batch": 8,
+        "train.micro_batch": 2,
+        "train.dtype": '"fp32"',
+        "train.steps": steps,
+        "train.eval_every": 0,
+        "train.eval_batches": 1,
+        "train.sample_tokens": 0,
+        "optim.warmup_steps": 2,
+        "log.every": LOG_EVERY,
+        "checkpoint.interval": CKPT_EVERY,
+        "checkpoint.keep": keep,
+        "parallel.zero": 3,
+        "guard.window": 10,
+        "guard.min_window": 5,
+        "guard.skip_batches": 2,
+        "watchdog.collective_timeout_s": 15,
+        "watchdog.min_s": 2,
+        "watchdog.hang_factor": 3,
+    }
     return [f"{k}={v}" for k, v in kw.items()]
 
 
-def launch(args, run_dir: Path, data: Path, faults: str, stop_after: int | None, restarts: int,
-           keep: int = 3) -> subprocess.CompletedProcess:
+def launch(
+    args, run_dir: Path, data: Path, faults: str, stop_after: int | None, restarts: int, keep: int = 3
+) -> subprocess.CompletedProcess:
     """One torchrun job; each on its own port (a killed or hung job's port may not be free at once)."""
     args.port += 1
     ov = overrides(run_dir, data, args.steps, keep) + ([f"train.stop_after={stop_after}"] if stop_after else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FLOPWISE_FAULTS": faults, "COLUMNS": "400"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks), "--max-restarts",
-           str(restarts), "--master-port", str(args.port), "-m", "flopwise", "train", *ov]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(args.ranks),
+        "--max-restarts",
+        str(restarts),
+        "--master-port",
+        str(args.port),
+        "-m",
+        "flopwise",
+        "train",
+        *ov,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
 
 
@@ -129,8 +161,10 @@ def metrics(run_dir: Path, lo: int, hi: int) -> tuple[list, list]:
     reached `hi` did there (a resume drops the rows past its checkpoint)."""
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if lo < r.get("step", -1) <= hi]
-    return ([(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in rows if "loss" in r],
-            [(r["step"], r["event"]) for r in rows if "event" in r])
+    return (
+        [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in rows if "loss" in r],
+        [(r["step"], r["event"]) for r in rows if "event" in r],
+    )
 
 
 def slowest_after(run_dir: Path, step: int) -> int | None:
@@ -144,13 +178,23 @@ def fired(f: dict, start: int, first, relaunch, restarts: list[int], run_dir: Pa
     kind, end = f["kind"], f["segment_end"]
     if kind in ("kill", "hang", "enospc"):
         ok = bool(restarts) or first.returncode != 0
-        return ok, (f"torchrun restarted from step {restarts}" if restarts else f"exit {first.returncode}, relaunched"
-                    if first.returncode else "no restart, no failure")
+        return ok, (
+            f"torchrun restarted from step {restarts}"
+            if restarts
+            else f"exit {first.returncode}, relaunched"
+            if first.returncode
+            else "no restart, no failure"
+        )
     if kind == "sigterm":
         stops = [int(x) for x in re.findall(r"preempted by .*? at step (\d+)", first.stdout)]
         back = [int(x) for x in re.findall(r"step-\d{8} at step (\d+)", relaunch.stdout)] if relaunch else []
-        ok = (first.returncode == 0 and len(stops) == 1 and start < stops[0] < end and stops[0] % CKPT_EVERY != 0
-              and back[:1] == stops)
+        ok = (
+            first.returncode == 0
+            and len(stops) == 1
+            and start < stops[0] < end
+            and stops[0] % CKPT_EVERY != 0
+            and back[:1] == stops
+        )
         return ok, f"exit {first.returncode}, preempted at step {stops}, relaunch resumed from {back[:1]}"
     if kind == "slow":
         who = slowest_after(run_dir, f["step"])
@@ -199,7 +243,7 @@ def main() -> None:
         fresh = not (run_dir / "checkpoints").exists()  # the first launch starts from nothing
         first = launch(args, run_dir, data, spec(f) if f else "", end, 1)
         launches += 1
-        restarts = [int(x) for x in re.findall(r"step-(\d{8}) at step", first.stdout)][0 if fresh else 1:]
+        restarts = [int(x) for x in re.findall(r"step-(\d{8}) at step", first.stdout)][0 if fresh else 1 :]
         rcs, relaunch = [first.returncode], None
         if first.returncode != 0 or (f and f["kind"] == "sigterm"):  # the scheduler starts the job again
             relaunch = launch(args, run_dir, data, "", end, 0)
@@ -209,31 +253,58 @@ def main() -> None:
         mine, ref_ckpt = checkpoint.latest(run_dir), checkpoint.step_dir(ref_dir, end)
         losses, events = metrics(run_dir, start, end)
         ref_losses, ref_events = metrics(ref_dir, start, end)
-        check = {"exit": rcs, "checkpoint": mine.name if mine else None,
-                 "state_equal": last.returncode == 0 and mine == checkpoint.step_dir(run_dir, end)
-                 and same_state(mine, ref_ckpt),
-                 "loss_rows_equal": f"{sum(a == b for a, b in zip(losses, ref_losses, strict=False))}/{len(ref_losses)}",
-                 "events_equal": events == ref_events}
-        recovered = (check["state_equal"] and losses == ref_losses and len(losses) > 0 and check["events_equal"])
+        check = {
+            "exit": rcs,
+            "checkpoint": mine.name if mine else None,
+            "state_equal": last.returncode == 0
+            and mine == checkpoint.step_dir(run_dir, end)
+            and same_state(mine, ref_ckpt),
+            "loss_rows_equal": f"{sum(a == b for a, b in zip(losses, ref_losses, strict=False))}/{len(ref_losses)}",
+            "events_equal": events == ref_events,
+        }
+        recovered = check["state_equal"] and losses == ref_losses and len(losses) > 0 and check["events_equal"]
         segments.append({"segment": [start, end], **check, "recovered": recovered})
         if f is None:
-            print(f"{'(no fault)':34s} segment to {end:4d}: exit {rcs}, state equal {check['state_equal']}, "
-                  f"losses {check['loss_rows_equal']}", flush=True)
+            print(
+                f"{'(no fault)':34s} segment to {end:4d}: exit {rcs}, state equal {check['state_equal']}, "
+                f"losses {check['loss_rows_equal']}",
+                flush=True,
+            )
             if not recovered:
-                sys.exit(f"soak: the fault-free first segment differs from the reference: {check}\n"
-                         f"{last.stderr[-3000:]}")
+                sys.exit(
+                    f"soak: the fault-free first segment differs from the reference: {check}\n{last.stderr[-3000:]}"
+                )
             continue
         fail_at = start + CKPT_EVERY * f["save"] if f["kind"] == "enospc" else f["step"]
-        resumed = restarts + ([int(re.findall(r"step-(\d{8}) at step", relaunch.stdout)[0])]
-                              if relaunch is not None and relaunch.returncode == 0 else [])
+        resumed = restarts + (
+            [int(re.findall(r"step-(\d{8}) at step", relaunch.stdout)[0])]
+            if relaunch is not None and relaunch.returncode == 0
+            else []
+        )
         hit, evidence = fired(f, start, first, relaunch, restarts, run_dir)
-        outcome = ("finished" + (f" after {len(restarts)} restart(s)" if restarts else "") if relaunch is None
-                   else (f"exit {first.returncode}" if first.returncode else "stopped") + " + relaunch")
-        log.append({**f, "failed_at": fail_at, "resumed_from": resumed, "outcome": outcome, "fired": hit,
-                    "evidence": evidence, **check, "survived": hit and recovered})
-        print(f"{spec(f):34s} segment to {end:4d}: {outcome}; fired {hit} ({evidence}); state equal "
-              f"{check['state_equal']}, losses {check['loss_rows_equal']}, events equal {check['events_equal']}"
-              f" -> survived {hit and recovered}", flush=True)
+        outcome = (
+            "finished" + (f" after {len(restarts)} restart(s)" if restarts else "")
+            if relaunch is None
+            else (f"exit {first.returncode}" if first.returncode else "stopped") + " + relaunch"
+        )
+        log.append(
+            {
+                **f,
+                "failed_at": fail_at,
+                "resumed_from": resumed,
+                "outcome": outcome,
+                "fired": hit,
+                "evidence": evidence,
+                **check,
+                "survived": hit and recovered,
+            }
+        )
+        print(
+            f"{spec(f):34s} segment to {end:4d}: {outcome}; fired {hit} ({evidence}); state equal "
+            f"{check['state_equal']}, losses {check['loss_rows_equal']}, events equal {check['events_equal']}"
+            f" -> survived {hit and recovered}",
+            flush=True,
+        )
     soak_s = time.perf_counter() - t0
 
     # the same launches without faults: what the segmentation itself costs
@@ -246,21 +317,33 @@ def main() -> None:
     final, reference = checkpoint.latest(run_dir), checkpoint.latest(ref_dir)
     same = same_state(final, reference)
     survived = sum(f["survived"] for f in log)
-    summary = {"steps": args.steps, "ranks": args.ranks, "seed": args.seed, "faults_injected": len(faults),
-               "by_kind": {k: sum(f["kind"] == k for f in faults) for k in INFRA + DATA},
-               "survived": survived, "survived_by_kind": {k: sum(f["survived"] for f in log if f["kind"] == k)
-                                                          for k in INFRA + DATA},
-               "segments_equal_to_reference": sum(s["recovered"] for s in segments), "segments": len(segments),
-               "sigterm_stops_mid_segment": [(f["step"], f["resumed_from"]) for f in log if f["kind"] == "sigterm"],
-               "launches": launches, "steps_recomputed": steps_recomputed(log),
-               "reference_one_launch_s": round(ref_s, 1), "segmented_no_faults_s": round(segmented_s, 1),
-               "soak_s": round(soak_s, 1), "overhead_vs_segmented": round(soak_s / segmented_s - 1, 3),
-               "bitwise_equal_to_reference": same, "final_step": state(final)[0] if final else None}
+    summary = {
+        "steps": args.steps,
+        "ranks": args.ranks,
+        "seed": args.seed,
+        "faults_injected": len(faults),
+        "by_kind": {k: sum(f["kind"] == k for f in faults) for k in INFRA + DATA},
+        "survived": survived,
+        "survived_by_kind": {k: sum(f["survived"] for f in log if f["kind"] == k) for k in INFRA + DATA},
+        "segments_equal_to_reference": sum(s["recovered"] for s in segments),
+        "segments": len(segments),
+        "sigterm_stops_mid_segment": [(f["step"], f["resumed_from"]) for f in log if f["kind"] == "sigterm"],
+        "launches": launches,
+        "steps_recomputed": steps_recomputed(log),
+        "reference_one_launch_s": round(ref_s, 1),
+        "segmented_no_faults_s": round(segmented_s, 1),
+        "soak_s": round(soak_s, 1),
+        "overhead_vs_segmented": round(soak_s / segmented_s - 1, 3),
+        "bitwise_equal_to_reference": same,
+        "final_step": state(final)[0] if final else None,
+    }
     print(json.dumps(summary, indent=1))
-    (args.out / "soak.json").write_text(json.dumps({"summary": summary, "faults": log, "segments": segments},
-                                                   indent=1))
+    (args.out / "soak.json").write_text(json.dumps({"summary": summary, "faults": log, "segments": segments}, indent=1))
     if not same or survived < len(faults):
-        sys.exit(f"soak: {len(faults) - survived} fault(s) not survived; final checkpoint equal to the reference: {same}")
+        sys.exit(
+            f"soak: {len(faults) - survived} fault(s) not survived; final checkpoint equal to the reference: {same}"
+        )
+
 
 if __name__ == "__main__":
     main()

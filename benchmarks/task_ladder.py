@@ -28,8 +28,15 @@ from flopwise.sweep import plan_ladder, run_ladder
 
 OUT = Path("benchmarks/scaling/tasks")
 TASKS = ["shakespeare-cloze", "shakespeare-nextline", "shakespeare-speaker"]
-BASE = ['data.tokenizer="bpe:512"', "model.vocab_size=512", "data.seq_len=128", "model.max_seq_len=128",
-        "train.global_batch=16", "train.micro_batch=16", "train.eval_batches=32"]
+BASE = [
+    'data.tokenizer="bpe:512"',
+    "model.vocab_size=512",
+    "data.seq_len=128",
+    "model.max_seq_len=128",
+    "train.global_batch=16",
+    "train.micro_batch=16",
+    "train.eval_batches=32",
+]
 
 
 def evaluate_run(run_dir: Path, flops: float) -> list[dict]:
@@ -38,8 +45,17 @@ def evaluate_run(run_dir: Path, flops: float) -> list[dict]:
     for name in TASKS:
         _, ex = load_task(name)
         r = evaluate_task(model, tok, name, ex, batch=32)
-        rows.append({"name": run_dir.name, "flops": flops, "task": name, "acc": r["acc"], "nll": r["nll"],
-                     "chance": 1 / len(ex[0].choices) if ex[0].choices else 0.0, "brier": r["brier"] or ""})
+        rows.append(
+            {
+                "name": run_dir.name,
+                "flops": flops,
+                "task": name,
+                "acc": r["acc"],
+                "nll": r["nll"],
+                "chance": 1 / len(ex[0].choices) if ex[0].choices else 0.0,
+                "brier": r["brier"] or "",
+            }
+        )
     return rows
 
 
@@ -64,8 +80,21 @@ def main() -> None:
             for r in csv.DictReader(f):
                 rows += evaluate_run(Path(args.runs) / r["name"], float(r["flops"]))
         write_table(rows, OUT / "tasks.csv")
-        subprocess.run([sys.executable, "-m", "flopwise", "scale", "predict-task", str(OUT / "tasks.csv"),
-                        "--flops", str(args.flops), "--out", str(OUT)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "flopwise",
+                "scale",
+                "predict-task",
+                str(OUT / "tasks.csv"),
+                "--flops",
+                str(args.flops),
+                "--out",
+                str(OUT),
+            ],
+            check=True,
+        )
         record = json.loads((OUT / "prediction.json").read_text())
         record["made_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         (OUT / "prediction.json").write_text(json.dumps(record, indent=1))
@@ -79,10 +108,15 @@ def main() -> None:
         for o in observed:
             p = pred["tasks"][o["task"]]
             outcome["tasks"][o["task"]] = {
-                "observed_acc": o["acc"], "predicted_acc": p["acc"], "acc_interval_95": p["acc_interval_95"],
+                "observed_acc": o["acc"],
+                "predicted_acc": p["acc"],
+                "acc_interval_95": p["acc_interval_95"],
                 "acc_inside": p["acc_interval_95"][0] <= o["acc"] <= p["acc_interval_95"][1],
-                "observed_nll": o["nll"], "predicted_nll": p["nll"], "nll_interval_95": p["nll_interval_95"],
-                "nll_inside": p["nll_interval_95"][0] <= o["nll"] <= p["nll_interval_95"][1]}
+                "observed_nll": o["nll"],
+                "predicted_nll": p["nll"],
+                "nll_interval_95": p["nll_interval_95"],
+                "nll_inside": p["nll_interval_95"][0] <= o["nll"] <= p["nll_interval_95"][1],
+            }
         (OUT / "outcome.json").write_text(json.dumps(outcome, indent=1))
         tasks = read_task_table(OUT / "tasks.csv")
         laws = {n: predict_task(p, pred["flops"], bootstrap=10).law for n, p in tasks.items()}

@@ -47,12 +47,15 @@ from flopwise.train.metrics import measure_matmul_peak
 from flopwise.train.trainer import train_step
 
 SHAPES = {  # the issue's reference shape, and the scaling ladder's smallest and held-out (2e13) shapes
-    "ref": dict(n_layers=6, d_model=384, n_heads=6, n_kv_heads=6, head_dim=64, ffn_dim=1024, vocab_size=4096,
-                seq=256, batch=8),
-    "small": dict(n_layers=1, d_model=64, n_heads=2, n_kv_heads=2, head_dim=32, ffn_dim=192, vocab_size=512,
-                  seq=128, batch=16),
-    "holdout": dict(n_layers=3, d_model=96, n_heads=3, n_kv_heads=3, head_dim=32, ffn_dim=256, vocab_size=512,
-                    seq=128, batch=16),
+    "ref": dict(
+        n_layers=6, d_model=384, n_heads=6, n_kv_heads=6, head_dim=64, ffn_dim=1024, vocab_size=4096, seq=256, batch=8
+    ),
+    "small": dict(
+        n_layers=1, d_model=64, n_heads=2, n_kv_heads=2, head_dim=32, ffn_dim=192, vocab_size=512, seq=128, batch=16
+    ),
+    "holdout": dict(
+        n_layers=3, d_model=96, n_heads=3, n_kv_heads=3, head_dim=32, ffn_dim=256, vocab_size=512, seq=128, batch=16
+    ),
 }
 LR, BETAS, WD, EPS, CLIP = 3e-4, (0.9, 0.95), 0.1, 1e-8, 1.0
 
@@ -60,21 +63,38 @@ LR, BETAS, WD, EPS, CLIP = 3e-4, (0.9, 0.95), 0.1, 1e-8, 1.0
 def flopwise_config(shape: dict, dtype: str, overrides: list[str]) -> Config:
     s = shape
     model = [f"model.{k}={v}" for k, v in s.items() if k not in ("seq", "batch")]
-    return load_config("demo", ['model.arch="llama"', *model, f"model.max_seq_len={s['seq']}",
-                                f"data.seq_len={s['seq']}", f"train.global_batch={s['batch']}",
-                                f"train.micro_batch={s['batch']}", f'train.dtype="{dtype}"', f"optim.lr={LR}",
-                                f"optim.beta1={BETAS[0]}", f"optim.beta2={BETAS[1]}", f"optim.weight_decay={WD}",
-                                f"optim.grad_clip={CLIP}", "optim.warmup_steps=0", 'optim.schedule="constant"',
-                                "train.steps=10000", *overrides])  # a real run's length: train.compile=auto decides as it would
+    return load_config(
+        "demo",
+        [
+            'model.arch="llama"',
+            *model,
+            f"model.max_seq_len={s['seq']}",
+            f"data.seq_len={s['seq']}",
+            f"train.global_batch={s['batch']}",
+            f"train.micro_batch={s['batch']}",
+            f'train.dtype="{dtype}"',
+            f"optim.lr={LR}",
+            f"optim.beta1={BETAS[0]}",
+            f"optim.beta2={BETAS[1]}",
+            f"optim.weight_decay={WD}",
+            f"optim.grad_clip={CLIP}",
+            "optim.warmup_steps=0",
+            'optim.schedule="constant"',
+            "train.steps=10000",
+            *overrides,
+        ],
+    )  # a real run's length: train.compile=auto decides as it would
 
 
-def flopwise_step(shape: dict, dtype: str, overrides: list[str],
-                  device: torch.device = torch.device("cpu")) -> Callable[[torch.Tensor], None]:
+def flopwise_step(
+    shape: dict, dtype: str, overrides: list[str], device: torch.device = torch.device("cpu")
+) -> Callable[[torch.Tensor], None]:
     cfg = flopwise_config(shape, dtype, overrides)
     engine, optimizer = build_engine(cfg, mesh.init(cfg, device))
     feed = types.SimpleNamespace(batch=None)
-    run = types.SimpleNamespace(cfg=cfg, engine=engine, optimizer=optimizer,
-                                loader=types.SimpleNamespace(next_batch=lambda: feed.batch))
+    run = types.SimpleNamespace(
+        cfg=cfg, engine=engine, optimizer=optimizer, loader=types.SimpleNamespace(next_batch=lambda: feed.batch)
+    )
     faults, count = Faults(), iter(range(10**9))
 
     def step(batch: torch.Tensor) -> None:
@@ -89,8 +109,13 @@ def fused_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
     """torch's fused AdamW with the peers' hyper-parameters, no decay on vectors (norms, biases)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}],
-                             lr=LR, betas=BETAS, eps=EPS, fused=True)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        fused=True,
+    )
 
 
 def peer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_of, dtype: str, device: str = "cpu"):
@@ -114,11 +139,20 @@ def transformers_step(shape: dict, dtype: str) -> Callable[[torch.Tensor], None]
     from transformers import LlamaConfig, LlamaForCausalLM
 
     s = shape
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=s["vocab_size"], hidden_size=s["d_model"], intermediate_size=s["ffn_dim"],
-        num_hidden_layers=s["n_layers"], num_attention_heads=s["n_heads"], num_key_value_heads=s["n_kv_heads"],
-        head_dim=s["head_dim"], max_position_embeddings=s["seq"], tie_word_embeddings=False,
-        attn_implementation="sdpa"))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=s["vocab_size"],
+            hidden_size=s["d_model"],
+            intermediate_size=s["ffn_dim"],
+            num_hidden_layers=s["n_layers"],
+            num_attention_heads=s["n_heads"],
+            num_key_value_heads=s["n_kv_heads"],
+            head_dim=s["head_dim"],
+            max_position_embeddings=s["seq"],
+            tie_word_embeddings=False,
+            attn_implementation="sdpa",
+        )
+    )
     opt = fused_adamw(model)
 
     def loss_of(x, y):
@@ -128,15 +162,25 @@ def transformers_step(shape: dict, dtype: str) -> Callable[[torch.Tensor], None]
     return peer_step(model, opt, loss_of, dtype)
 
 
-def nanogpt_step(path: str, shape: dict, dtype: str, device: torch.device = torch.device("cpu"),
-                 compile: bool = False) -> Callable[[torch.Tensor], None]:
+def nanogpt_step(
+    path: str, shape: dict, dtype: str, device: torch.device = torch.device("cpu"), compile: bool = False
+) -> Callable[[torch.Tensor], None]:
     spec = importlib.util.spec_from_file_location("nanogpt_model", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     s = shape
     with contextlib.redirect_stdout(None):  # it prints its parameter counts
-        model = mod.GPT(mod.GPTConfig(block_size=s["seq"], vocab_size=s["vocab_size"], n_layer=s["n_layers"],
-                                      n_head=s["n_heads"], n_embd=s["d_model"], dropout=0.0, bias=False)).to(device)
+        model = mod.GPT(
+            mod.GPTConfig(
+                block_size=s["seq"],
+                vocab_size=s["vocab_size"],
+                n_layer=s["n_layers"],
+                n_head=s["n_heads"],
+                n_embd=s["d_model"],
+                dropout=0.0,
+                bias=False,
+            )
+        ).to(device)
         opt = model.configure_optimizers(WD, LR, BETAS, device.type)  # fused AdamW on CUDA
     forward = torch.compile(model) if compile else model
 
@@ -147,19 +191,20 @@ def nanogpt_step(path: str, shape: dict, dtype: str, device: torch.device = torc
 
 
 def measure(args, shape: dict, dtype: str, fpt: float) -> dict:
-    builders = {"flopwise": lambda: flopwise_step(shape, dtype, args.flopwise),
-                "transformers": lambda: transformers_step(shape, dtype),
-                "nanogpt": lambda: nanogpt_step(args.nanogpt, shape, dtype)}
+    builders = {
+        "flopwise": lambda: flopwise_step(shape, dtype, args.flopwise),
+        "transformers": lambda: transformers_step(shape, dtype),
+        "nanogpt": lambda: nanogpt_step(args.nanogpt, shape, dtype),
+    }
     before = measure_matmul_peak(dtype, torch.device("cpu"), sizes=(1024, 2048), repeats=5)
     torch.manual_seed(0)
     steps = {name: builders[name]() for name in args.peers}
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"] + 1), generator=g)
-               for _ in range(8)]
+    batches = [torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"] + 1), generator=g) for _ in range(8)]
     times: dict[str, list[float]] = {name: [] for name in steps}
     names = list(steps)
     for i in range(args.steps):
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             t0 = args.clock()
             steps[name](batches[i % len(batches)])
             times[name].append(args.clock() - t0)
@@ -168,9 +213,13 @@ def measure(args, shape: dict, dtype: str, fpt: float) -> dict:
     tokens = shape["batch"] * shape["seq"]
     row = {"ceiling_flops_before": before, "ceiling_flops_after": after}
     for name, ts in times.items():
-        med = statistics.median(ts[args.skip:])
-        row[name] = {"median_step_s": med, "tokens_per_s": tokens / med, "ceiling_share": tokens / med * fpt / ceiling,
-                     "first_step_s": ts[0]}
+        med = statistics.median(ts[args.skip :])
+        row[name] = {
+            "median_step_s": med,
+            "tokens_per_s": tokens / med,
+            "ceiling_share": tokens / med * fpt / ceiling,
+            "first_step_s": ts[0],
+        }
     return row
 
 
@@ -184,8 +233,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--skip", type=int, default=5, help="first steps left out of the median (warm-up, compile)")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                    help="cpu: this process's CPU time (with --threads 1, robust to other load; not a speed)")
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: this process's CPU time (with --threads 1, robust to other load; not a speed)",
+    )
     ap.add_argument("--flopwise", nargs="*", default=[], help="config overrides for flopwise, key=value")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -195,31 +248,55 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     shape = SHAPES[args.shape]
     fpt = flops_per_token(flopwise_config(shape, "fp32", args.flopwise).model, shape["seq"])
-    result = {"shape": args.shape, **shape, "flops_per_token": fpt, "peers": args.peers, "flopwise_overrides": args.flopwise,
-              "threads": torch.get_num_threads(), "clock": "wall" if args.clock is time.perf_counter else "cpu", "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
-              "steps": args.steps, "median_over": f"steps {args.skip + 1}-{args.steps}", "rounds": []}
+    result = {
+        "shape": args.shape,
+        **shape,
+        "flops_per_token": fpt,
+        "peers": args.peers,
+        "flopwise_overrides": args.flopwise,
+        "threads": torch.get_num_threads(),
+        "clock": "wall" if args.clock is time.perf_counter else "cpu",
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "steps": args.steps,
+        "median_over": f"steps {args.skip + 1}-{args.steps}",
+        "rounds": [],
+    }
     for r in range(args.rounds):
         rnd = {}
         for dtype in args.dtypes.split(","):
             row = measure(args, shape, dtype, fpt)
             rnd[dtype] = row
-            cells = " | ".join(f"{n} {row[n]['tokens_per_s']:,.0f} tok/s ({100 * row[n]['ceiling_share']:.0f}%)"
-                               for n in args.peers)
-            ratios = " ".join(f"×{row['flopwise']['tokens_per_s'] / row[n]['tokens_per_s']:.2f} vs {n}"
-                              for n in args.peers if n != "flopwise" and "flopwise" in args.peers)
-            print(f"round {r + 1} {dtype}: ceiling {row['ceiling_flops_before'] / 1e9:.0f}/"
-                  f"{row['ceiling_flops_after'] / 1e9:.0f} GFLOP/s | {cells} | {ratios}", flush=True)
+            cells = " | ".join(
+                f"{n} {row[n]['tokens_per_s']:,.0f} tok/s ({100 * row[n]['ceiling_share']:.0f}%)" for n in args.peers
+            )
+            ratios = " ".join(
+                f"×{row['flopwise']['tokens_per_s'] / row[n]['tokens_per_s']:.2f} vs {n}"
+                for n in args.peers
+                if n != "flopwise" and "flopwise" in args.peers
+            )
+            print(
+                f"round {r + 1} {dtype}: ceiling {row['ceiling_flops_before'] / 1e9:.0f}/"
+                f"{row['ceiling_flops_after'] / 1e9:.0f} GFLOP/s | {cells} | {ratios}",
+                flush=True,
+            )
         result["rounds"].append(rnd)
     summary = {}
     for dtype in args.dtypes.split(","):
         rows = [rnd[dtype] for rnd in result["rounds"]]
-        summary[dtype] = {n: {"tokens_per_s": statistics.median(r[n]["tokens_per_s"] for r in rows),
-                              "ceiling_share": statistics.median(r[n]["ceiling_share"] for r in rows)} for n in args.peers}
+        summary[dtype] = {
+            n: {
+                "tokens_per_s": statistics.median(r[n]["tokens_per_s"] for r in rows),
+                "ceiling_share": statistics.median(r[n]["ceiling_share"] for r in rows),
+            }
+            for n in args.peers
+        }
         if "flopwise" in args.peers:
             for n in args.peers:
                 if n != "flopwise":
                     summary[dtype][f"ratio_vs_{n}"] = statistics.median(
-                        r["flopwise"]["tokens_per_s"] / r[n]["tokens_per_s"] for r in rows)
+                        r["flopwise"]["tokens_per_s"] / r[n]["tokens_per_s"] for r in rows
+                    )
         print(f"{dtype} median of {args.rounds} rounds: " + json.dumps(summary[dtype]))
     result["summary"] = summary
     if args.out:

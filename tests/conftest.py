@@ -29,10 +29,20 @@ def tiny_data(tmp_path_factory) -> Path:
 
 def tiny_overrides(run_dir, data_dir, **extra) -> list[str]:
     base = {
-        "run.dir": f'"{run_dir}"', "data.path": f'"{data_dir}"', "model.preset": '"demo-tiny"',
-        "data.seq_len": 32, "train.global_batch": 8, "train.micro_batch": 4, "train.dtype": '"fp32"',
-        "train.steps": 6, "train.eval_every": 3, "train.eval_batches": 2, "train.sample_tokens": 0,
-        "optim.warmup_steps": 2, "log.every": 1, "checkpoint.interval": 3,
+        "run.dir": f'"{run_dir}"',
+        "data.path": f'"{data_dir}"',
+        "model.preset": '"demo-tiny"',
+        "data.seq_len": 32,
+        "train.global_batch": 8,
+        "train.micro_batch": 4,
+        "train.dtype": '"fp32"',
+        "train.steps": 6,
+        "train.eval_every": 3,
+        "train.eval_batches": 2,
+        "train.sample_tokens": 0,
+        "optim.warmup_steps": 2,
+        "log.every": 1,
+        "checkpoint.interval": 3,
     }
     base.update({k: v for k, v in extra.items()})
     return [f"{k}={v}" for k, v in base.items()]
@@ -72,22 +82,46 @@ def run_jobs(n: int, jobs: list[dict], tmp: Path, timeout: int = 600) -> dict:
     tag = uuid.uuid4().hex[:8]
     spec, out = tmp / f"jobs-{tag}.json", tmp / f"out-{tag}.json"
     spec.write_text(json.dumps(jobs))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-                        str(WORKER), str(spec), str(out)],
-                       capture_output=True, text=True, timeout=timeout, env=env)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(n),
+            str(WORKER),
+            str(spec),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     errors = [json.loads(f.read_text()) for f in sorted(tmp.glob(f"{out.name}.rank*.error"))]
     assert not errors, "\n".join(f"job {e['job']}: {e['error']}\n{e['trace']}" for e in errors)
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(out.read_text())
 
 
-def flopwise(*args, cwd: Path | None = None, timeout: int = 600,
-             env: dict | None = None) -> subprocess.CompletedProcess:
+def flopwise(
+    *args, cwd: Path | None = None, timeout: int = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """`flopwise ARGS` in a fresh process (as a user runs it): its exit code, stdout and stderr."""
-    return subprocess.run([sys.executable, "-m", "flopwise", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "flopwise", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def main_in_process(argv: list, capsys, monkeypatch, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -134,8 +168,7 @@ def tiny_mix(tiny_data, tmp_path_factory) -> str:
         (plays / f.name).write_text(f.read_text()[:60_000])
     out = tmp_path_factory.mktemp("data") / "plays"
     prepare([str(plays)], out, tokenizer=str(tiny_data / "tokenizer.json"), val_fraction=0.34, seed=0)
-    return (f'[{{path="{tiny_data}", weight=0.7, name="alice"}}, '
-            f'{{path="{out}", weight=0.3, name="plays"}}]')
+    return f'[{{path="{tiny_data}", weight=0.7, name="alice"}}, {{path="{out}", weight=0.3, name="plays"}}]'
 
 
 @pytest.fixture(scope="session")

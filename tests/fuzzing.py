@@ -27,10 +27,26 @@ Path_ = tuple[Any, ...]  # keys and list indices from the root to a field
 
 # Every JSON type, and the values of each that break readers most often.
 REPLACEMENTS: list[tuple[str, Any]] = [
-    ("null", None), ("true", True), ("false", False), ("zero", 0), ("one", 1), ("neg", -1),
-    ("huge", 2**64 + 1), ("float", 0.5), ("negfloat", -1e308), ("nan", float("nan")), ("inf", float("inf")),
-    ("str-nan", "NaN"), ("str-inf", "-Infinity"), ("str", "x"), ("empty-str", ""), ("dotdot", "../escape"),
-    ("empty-list", []), ("list", [1, "a", None]), ("empty-dict", {}), ("dict", {"a": 1, "b": [2]}),
+    ("null", None),
+    ("true", True),
+    ("false", False),
+    ("zero", 0),
+    ("one", 1),
+    ("neg", -1),
+    ("huge", 2**64 + 1),
+    ("float", 0.5),
+    ("negfloat", -1e308),
+    ("nan", float("nan")),
+    ("inf", float("inf")),
+    ("str-nan", "NaN"),
+    ("str-inf", "-Infinity"),
+    ("str", "x"),
+    ("empty-str", ""),
+    ("dotdot", "../escape"),
+    ("empty-list", []),
+    ("list", [1, "a", None]),
+    ("empty-dict", {}),
+    ("dict", {"a": 1, "b": [2]}),
 ]
 
 DEFAULT_CASES = 0  # 0: every mutant (6,406 over the 13 readers, about 75 s on 2 CPU cores; a sample of 120: 25 s)
@@ -43,7 +59,9 @@ def budget(default: int = DEFAULT_CASES) -> int:
     return n if n > 0 else 1 << 62
 
 
-def pick(cases: list[tuple[str, bytes]], n: int, seed: int = 0, always: tuple[str, ...] = ()) -> list[tuple[str, bytes]]:
+def pick(
+    cases: list[tuple[str, bytes]], n: int, seed: int = 0, always: tuple[str, ...] = ()
+) -> list[tuple[str, bytes]]:
     """A seeded sample of n cases (all of them if n >= len), in a fixed order; cases whose label
     ends with one of `always` (those that once found a bug) are always among them."""
     if n >= len(cases):
@@ -114,7 +132,9 @@ def json_mutants(raw: bytes, fanout: int = 6) -> list[tuple[str, bytes]]:
     brace = text.find("{")
     if brace >= 0 and isinstance(tree, dict) and tree:
         first = next(iter(tree))
-        out.append(("duplicate-key-text", (text[:brace + 1] + json.dumps(first) + ": null, " + text[brace + 1:]).encode()))
+        out.append(
+            ("duplicate-key-text", (text[: brace + 1] + json.dumps(first) + ": null, " + text[brace + 1 :]).encode())
+        )
     return out
 
 
@@ -166,8 +186,11 @@ def bitflips(raw: bytes, what: str, n: int = 24, seed: int = 0) -> list[tuple[st
 
 
 def binary_mutants(raw: bytes, what: str, flips: int = 24) -> list[tuple[str, bytes]]:
-    return truncations(raw, what) + bitflips(raw, what, flips) + [
-        (f"{what}:empty", b""), (f"{what}:doubled", raw + raw), (f"{what}:zeros", bytes(len(raw)))]
+    return (
+        truncations(raw, what)
+        + bitflips(raw, what, flips)
+        + [(f"{what}:empty", b""), (f"{what}:doubled", raw + raw), (f"{what}:zeros", bytes(len(raw)))]
+    )
 
 
 def safetensors_mutants(raw: bytes, fanout: int = 6) -> list[tuple[str, bytes]]:
@@ -175,9 +198,11 @@ def safetensors_mutants(raw: bytes, fanout: int = 6) -> list[tuple[str, bytes]]:
     length field set wrong, its header mutated field by field (length kept consistent, so the
     mutated header is what the reader parses), truncations and bit flips."""
     (n,) = struct.unpack("<Q", raw[:8])
-    header, body = raw[8:8 + n], raw[8 + n:]
-    out = [(f"st:length={v}", struct.pack("<Q", v) + raw[8:])
-           for v in (0, 1, n - 1, n + 1, n + 8, len(raw), 2**32, 2**63, 2**64 - 1)]
+    header, body = raw[8 : 8 + n], raw[8 + n :]
+    out = [
+        (f"st:length={v}", struct.pack("<Q", v) + raw[8:])
+        for v in (0, 1, n - 1, n + 1, n + 8, len(raw), 2**32, 2**63, 2**64 - 1)
+    ]
     for label, t in tree_mutants(json.loads(header), fanout):
         h = json.dumps(t).encode()
         h += b" " * (-len(h) % 8)
@@ -191,11 +216,15 @@ def jsonl_mutants(raw: bytes, fanout: int = 6) -> list[tuple[str, bytes]]:
     out = []
     for i, line in enumerate(lines):
         for label, t in tree_mutants(json.loads(line), fanout):
-            out.append((f"line{i + 1}:{label}", "\n".join([*lines[:i], json.dumps(t), *lines[i + 1:]]).encode()))
-        out.append((f"line{i + 1}:cut", "\n".join([*lines[:i], line[:len(line) // 2], *lines[i + 1:]]).encode()))
-        out.append((f"line{i + 1}:removed", "\n".join(lines[:i] + lines[i + 1:]).encode()))
-    out += [("all-removed", b""), ("blank-lines", b"\n\n\n"), ("not-utf8", b"\xff\xfe" + raw),
-            ("not-json", b"{context: x}\n")]
+            out.append((f"line{i + 1}:{label}", "\n".join([*lines[:i], json.dumps(t), *lines[i + 1 :]]).encode()))
+        out.append((f"line{i + 1}:cut", "\n".join([*lines[:i], line[: len(line) // 2], *lines[i + 1 :]]).encode()))
+        out.append((f"line{i + 1}:removed", "\n".join(lines[:i] + lines[i + 1 :]).encode()))
+    out += [
+        ("all-removed", b""),
+        ("blank-lines", b"\n\n\n"),
+        ("not-utf8", b"\xff\xfe" + raw),
+        ("not-json", b"{context: x}\n"),
+    ]
     return out + truncations(raw, "jsonl")
 
 
@@ -217,26 +246,57 @@ def dcp_metadata_mutants(raw: bytes, keys: int = 4, seed: int = 0) -> list[tuple
         for name in names:
             tm = md.state_dict_metadata[name]
             size = list(tm.size)
-            for label, new in (("bigger", [s + 1 for s in size]), ("smaller", [max(0, s - 1) for s in size]),
-                               ("rank+1", [*size, 1]), ("scalar", []), ("negative", [-s for s in size]),
-                               ("huge", [2**40] * len(size))):
-                yield f"{name}:size={label}", lambda m, n=name, v=new: setattr(m.state_dict_metadata[n], "size", torch.Size(v))
-                yield f"{name}:chunk.sizes={label}", lambda m, n=name, v=new: setattr(
-                    m.state_dict_metadata[n].chunks[0], "sizes", torch.Size(v))
-            yield f"{name}:chunk.offsets+1", lambda m, n=name: setattr(
-                m.state_dict_metadata[n].chunks[0], "offsets", torch.Size([o + 1 for o in m.state_dict_metadata[n].chunks[0].offsets]))
+            for label, new in (
+                ("bigger", [s + 1 for s in size]),
+                ("smaller", [max(0, s - 1) for s in size]),
+                ("rank+1", [*size, 1]),
+                ("scalar", []),
+                ("negative", [-s for s in size]),
+                ("huge", [2**40] * len(size)),
+            ):
+                yield (
+                    f"{name}:size={label}",
+                    lambda m, n=name, v=new: setattr(m.state_dict_metadata[n], "size", torch.Size(v)),
+                )
+                yield (
+                    f"{name}:chunk.sizes={label}",
+                    lambda m, n=name, v=new: setattr(m.state_dict_metadata[n].chunks[0], "sizes", torch.Size(v)),
+                )
+            yield (
+                f"{name}:chunk.offsets+1",
+                lambda m, n=name: setattr(
+                    m.state_dict_metadata[n].chunks[0],
+                    "offsets",
+                    torch.Size([o + 1 for o in m.state_dict_metadata[n].chunks[0].offsets]),
+                ),
+            )
             yield f"{name}:chunks=[]", lambda m, n=name: setattr(m.state_dict_metadata[n], "chunks", [])
-            yield f"{name}:chunks*2", lambda m, n=name: m.state_dict_metadata[n].chunks.append(m.state_dict_metadata[n].chunks[0])
+            yield (
+                f"{name}:chunks*2",
+                lambda m, n=name: m.state_dict_metadata[n].chunks.append(m.state_dict_metadata[n].chunks[0]),
+            )
             for dt in (torch.float16, torch.int64, torch.bool, torch.complex64, torch.uint8):
-                yield f"{name}:dtype={dt}", lambda m, n=name, d=dt: setattr(m.state_dict_metadata[n].properties, "dtype", d)
+                yield (
+                    f"{name}:dtype={dt}",
+                    lambda m, n=name, d=dt: setattr(m.state_dict_metadata[n].properties, "dtype", d),
+                )
             yield f"{name}:entry=dropped", lambda m, n=name: m.state_dict_metadata.pop(n)
-            yield f"{name}:entry=renamed", lambda m, n=name: m.state_dict_metadata.__setitem__(n + "X", m.state_dict_metadata.pop(n))
+            yield (
+                f"{name}:entry=renamed",
+                lambda m, n=name: m.state_dict_metadata.__setitem__(n + "X", m.state_dict_metadata.pop(n)),
+            )
             idx = storage[name]
-            for label, attr, value in (("offset=-1", "offset", -1), ("offset=huge", "offset", 2**40),
-                                       ("length=0", "length", 0), ("length=1", "length", 1), ("length=huge", "length", 2**40),
-                                       ("length=-1", "length", -1), ("file=state.json", "relative_path", "state.json"),
-                                       ("file=.metadata", "relative_path", ".metadata"),
-                                       ("file=missing", "relative_path", "__9_9.distcp")):
+            for label, attr, value in (
+                ("offset=-1", "offset", -1),
+                ("offset=huge", "offset", 2**40),
+                ("length=0", "length", 0),
+                ("length=1", "length", 1),
+                ("length=huge", "length", 2**40),
+                ("length=-1", "length", -1),
+                ("file=state.json", "relative_path", "state.json"),
+                ("file=.metadata", "relative_path", ".metadata"),
+                ("file=missing", "relative_path", "__9_9.distcp"),
+            ):
                 yield f"{name}:storage.{label}", lambda m, i=idx, a=attr, v=value: setattr(m.storage_data[i], a, v)
             yield f"{name}:storage=dropped", lambda m, i=idx: m.storage_data.pop(i)
             yield f"{name}:planner=dropped", lambda m, n=name: (m.planner_data or {}).pop(n, None)
@@ -273,7 +333,7 @@ def pickle_opcode_mutants(raw: bytes, what: str, sites: int = 3) -> list[tuple[s
     for name, positions in found.items():
         for pos in positions:
             for target in targets:
-                out.append((f"{what}:op@{pos}:{name}={target}", raw[:pos] + codes[target] + raw[pos + 1:]))
+                out.append((f"{what}:op@{pos}:{name}={target}", raw[:pos] + codes[target] + raw[pos + 1 :]))
     return out
 
 

@@ -16,11 +16,14 @@ def busy(monkeypatch):
     monkeypatch.setattr(os, "getloadavg", lambda: (2.0 * cores, 1.0, 1.0))
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--measure", "--steps", "0"], "--steps=0"),
-    (["parallel.tp=4", "parallel.dp=4", "--measure"], "at most 8"),
-    (["demo", "parallel.tp=3", "--measure"], "parallel.tp=3 does not divide model.n_heads=8"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--measure", "--steps", "0"], "--steps=0"),
+        (["parallel.tp=4", "parallel.dp=4", "--measure"], "at most 8"),
+        (["demo", "parallel.tp=3", "--measure"], "parallel.tp=3 does not divide model.n_heads=8"),
+    ],
+)
 def test_a_refused_measure_is_one_line_on_a_busy_machine(busy, monkeypatch, capsys, args, fragment):
     from flopwise.cli import main
 

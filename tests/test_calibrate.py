@@ -17,7 +17,13 @@ from flopwise.errors import ConfigError
 from flopwise.hardware import CATALOGUE, load_catalogue
 from tests.conftest import flopwise, run_main
 
-TINY = ["model.preset=demo-tiny", "model.vocab_size=4096", "data.seq_len=64", "train.global_batch=8", "train.micro_batch=8"]
+TINY = [
+    "model.preset=demo-tiny",
+    "model.vocab_size=4096",
+    "data.seq_len=64",
+    "train.global_batch=8",
+    "train.micro_batch=8",
+]
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +74,17 @@ def test_calibrated_prediction_is_the_measured_step_to_a_factor(calibrated, tmp_
     may meet different loads (xdist's other worker, a shared machine): the band widens by the ratio
     of the two contentions, so a busy neighbour moves the bound, never the verdict on a quiet one."""
     out, _ = calibrated
-    r = flopwise("plan", "demo", *TINY, f'cluster.hardware_file="{out}"', f'run.dir="{tmp_path / "run"}"',
-                 "--measure", "--steps", "3", "--json")
+    r = flopwise(
+        "plan",
+        "demo",
+        *TINY,
+        f'cluster.hardware_file="{out}"',
+        f'run.dir="{tmp_path / "run"}"',
+        "--measure",
+        "--steps",
+        "3",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     st = json.loads(r.stdout)["step_time_s"]
     shift = contention() / _CONTENTION["calibrated"]
@@ -92,16 +107,20 @@ def test_save_replaces_its_own_entry_and_keeps_the_others(calibrated, tmp_path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("edit, field", [
-    (lambda t: t.replace('dtype = "bf16"', 'dtype = "bf16"\ngemx = 1'), "unknown field(s) gemx"),
-    (lambda t: t.replace("attention = [", "attention_old = ["), "missing attention"),
-    (lambda t: t.replace("  [", "  [0.0, ", 1), ".gemm[0]"),
-    (lambda t: t.replace("memory_bw = ", "memory_bw = -"), ".memory_bw"),
-    (lambda t: t.replace("threads = ", "threads = -"), ".threads"),
-    (lambda t: t[: t.index("[cpu.peak_flops]")], ".peak_flops"),
-])
-def test_a_bad_or_partial_file_fails_in_one_line_naming_the_field(calibrated, tmp_path, edit, field, capsys,
-                                                                  monkeypatch):
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda t: t.replace('dtype = "bf16"', 'dtype = "bf16"\ngemx = 1'), "unknown field(s) gemx"),
+        (lambda t: t.replace("attention = [", "attention_old = ["), "missing attention"),
+        (lambda t: t.replace("  [", "  [0.0, ", 1), ".gemm[0]"),
+        (lambda t: t.replace("memory_bw = ", "memory_bw = -"), ".memory_bw"),
+        (lambda t: t.replace("threads = ", "threads = -"), ".threads"),
+        (lambda t: t[: t.index("[cpu.peak_flops]")], ".peak_flops"),
+    ],
+)
+def test_a_bad_or_partial_file_fails_in_one_line_naming_the_field(
+    calibrated, tmp_path, edit, field, capsys, monkeypatch
+):
     out, _ = calibrated
     bad = tmp_path / "bad.toml"
     bad.write_text(edit(out.read_text()))

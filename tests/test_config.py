@@ -23,26 +23,36 @@ def test_preset_then_explicit_keys_win():
 
 def test_arch_defaults():
     m = load_config(None, ["model.arch=gpt2", "model.d_model=64", "model.n_heads=4"]).model
-    assert (m.norm, m.mlp, m.pos, m.bias, m.tie_embeddings, m.ffn_dim) == ("layernorm", "gelu_tanh", "learned", True, True, 256)
+    assert (m.norm, m.mlp, m.pos, m.bias, m.tie_embeddings, m.ffn_dim) == (
+        "layernorm",
+        "gelu_tanh",
+        "learned",
+        True,
+        True,
+        256,
+    )
     m = load_config(None, ["model.d_model=256", "model.n_heads=4"]).model  # llama: 8/3·d rounded up to 256
     assert m.ffn_dim == 768
 
 
-@pytest.mark.parametrize("override, fragment", [
-    ("train.stepz=5", "unknown key 'train.stepz'"),
-    ("bogus.x=1", "unknown key 'bogus'"),
-    ("train.steps=abc", "train.steps"),
-    ("model.n_heads=5", "model.n_heads=5 does not divide model.d_model=256"),
-    ("model.n_kv_heads=3", "model.n_kv_heads=3 does not divide model.n_heads"),
-    ("data.seq_len=999", "data.seq_len=999 exceeds model.max_seq_len"),
-    ("train.micro_batch=3", "train.micro_batch=3 does not divide train.global_batch=16"),
-    ("train.dtype=fp8", "train.dtype"),
-    ("model.preset=nope", "unknown preset 'nope'"),
-    ("model.arch=nope", "unknown arch 'nope'"),
-    ("parallel.zero=4", "parallel.zero"),
-    ("nodot=1", "key must be section.name"),
-    ("novalue", "expected key=value"),
-])
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("train.stepz=5", "unknown key 'train.stepz'"),
+        ("bogus.x=1", "unknown key 'bogus'"),
+        ("train.steps=abc", "train.steps"),
+        ("model.n_heads=5", "model.n_heads=5 does not divide model.d_model=256"),
+        ("model.n_kv_heads=3", "model.n_kv_heads=3 does not divide model.n_heads"),
+        ("data.seq_len=999", "data.seq_len=999 exceeds model.max_seq_len"),
+        ("train.micro_batch=3", "train.micro_batch=3 does not divide train.global_batch=16"),
+        ("train.dtype=fp8", "train.dtype"),
+        ("model.preset=nope", "unknown preset 'nope'"),
+        ("model.arch=nope", "unknown arch 'nope'"),
+        ("parallel.zero=4", "parallel.zero"),
+        ("nodot=1", "key must be section.name"),
+        ("novalue", "expected key=value"),
+    ],
+)
 def test_errors_name_the_key(override, fragment):
     with pytest.raises(ConfigError) as e:
         load_config("demo", [override])
@@ -66,15 +76,20 @@ def test_toml_round_trip():
 
 
 def test_cli_error_is_one_line_exit_2():
-    r = subprocess.run([sys.executable, "-m", "flopwise", "config", "show", "demo", "model.n_heads=5"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "flopwise", "config", "show", "demo", "model.n_heads=5"], capture_output=True, text=True
+    )
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and "model.n_heads=5" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_cli_config_show_prints_resolved_toml():
-    r = subprocess.run([sys.executable, "-m", "flopwise", "config", "show", "demo", "train.steps=110"],
-                       capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "flopwise", "config", "show", "demo", "train.steps=110"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     tree = tomllib.loads(r.stdout)
     assert tree["train"]["steps"] == 110 and tree["model"]["d_model"] == 256

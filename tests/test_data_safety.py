@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,11 +17,33 @@ from tests.conftest import flopwise as cli
 
 # a user's files, several named as what flopwise writes
 SENTINELS = [
-    "index.json", "config.json", "tokenizer.json", "config.toml", "metrics.jsonl", "manifest.json", "report.json",
-    "recipe.json", "loss.png", "fit.png", "model.safetensors", "state.json", "prediction.json", "ids.json", "step-5",
-    "train-00000.bin", "notes.txt", "src/thesis.tex", "checkpoints/step-00000001/notes.txt",
-    "checkpoints/step-00000002", "checkpoints/step-00000003.tmp", "data/index.json", "data/notes.txt",
-    "hf/config.json", "hf/model.safetensors", "ladder/notes.txt", "ladder/index.json",
+    "index.json",
+    "config.json",
+    "tokenizer.json",
+    "config.toml",
+    "metrics.jsonl",
+    "manifest.json",
+    "report.json",
+    "recipe.json",
+    "loss.png",
+    "fit.png",
+    "model.safetensors",
+    "state.json",
+    "prediction.json",
+    "ids.json",
+    "step-5",
+    "train-00000.bin",
+    "notes.txt",
+    "src/thesis.tex",
+    "checkpoints/step-00000001/notes.txt",
+    "checkpoints/step-00000002",
+    "checkpoints/step-00000003.tmp",
+    "data/index.json",
+    "data/notes.txt",
+    "hf/config.json",
+    "hf/model.safetensors",
+    "ladder/notes.txt",
+    "ladder/index.json",
 ]
 
 
@@ -34,8 +57,10 @@ def seed_user_tree(root: Path) -> dict[str, str]:
 
 
 def hashes(root: Path) -> dict[str, str]:
-    return {rel: hashlib.sha256((root / rel).read_bytes()).hexdigest() if (root / rel).is_file() else "missing"
-            for rel in SENTINELS}
+    return {
+        rel: hashlib.sha256((root / rel).read_bytes()).hexdigest() if (root / rel).is_file() else "missing"
+        for rel in SENTINELS
+    }
 
 
 def flopwise(*args, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -46,8 +71,9 @@ def flopwise(*args, cwd: Path, timeout: int = 600) -> subprocess.CompletedProces
 def trained(tiny_data, tmp_path_factory) -> Path:
     """A finished tiny run (2 checkpoints) and its HF export, made outside any user folder."""
     root = tmp_path_factory.mktemp("made")
-    out = flopwise("train", *tiny_overrides(root / "run", tiny_data, **{"train.steps": 4, "checkpoint.interval": 2}),
-                   cwd=root)
+    out = flopwise(
+        "train", *tiny_overrides(root / "run", tiny_data, **{"train.steps": 4, "checkpoint.interval": 2}), cwd=root
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     out = flopwise("convert", "to-hf", root / "run", root / "hf", cwd=root)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -58,26 +84,50 @@ def commands(u: Path, made: Path, data: Path) -> dict[str, list]:
     """Each writing command, aimed at the user's folder `u`."""
     return {
         "train": ["train", *tiny_overrides(u, data, **{"train.steps": 2, "checkpoint.interval": 1})],
-        "train-prepares-data": ["train", *tiny_overrides(u, "builtin:alice", **{"train.steps": 1,
-                                                                              "data.tokenizer": '"bpe:300"'})],
+        "train-prepares-data": [
+            "train",
+            *tiny_overrides(u, "builtin:alice", **{"train.steps": 1, "data.tokenizer": '"bpe:300"'}),
+        ],
         "data-prepare": ["data", "prepare", "builtin:alice", "--out", u, "--train-tokenizer", 300],
         "data-contamination": ["data", "contamination", data, "--tasks", "alice-lastword", "--ids-out", u / "ids.json"],
         "checkpoint-export": ["checkpoint", "export", made / "run", "--out", u],
         "convert-to-hf": ["convert", "to-hf", made / "run", u / "hf"],
         "convert-from-hf": ["convert", "from-hf", made / "hf", u],
         "generate": ["generate", made / "run", "--prompt", "Alice", "--max-new-tokens", 4],
-        "plan-out-config": ["plan", "model.preset=\"demo-tiny\"", "--out-config", u / "config.toml",
-                            "--plot", u / "loss.png"],
-        "scale-fit": ["scale", "fit", FIXTURES / "chinchilla_svg_extracted_data.csv",
-                      "--bootstrap", 0, "--out", u / "ids.json", "--plots", u],
+        "plan-out-config": [
+            "plan",
+            'model.preset="demo-tiny"',
+            "--out-config",
+            u / "config.toml",
+            "--plot",
+            u / "loss.png",
+        ],
+        "scale-fit": [
+            "scale",
+            "fit",
+            FIXTURES / "chinchilla_svg_extracted_data.csv",
+            "--bootstrap",
+            0,
+            "--out",
+            u / "ids.json",
+            "--plots",
+            u,
+        ],
         "scale-optimal-out-config": ["scale", "optimal", "--flops", "1e15", "--out-config", u / "config.toml"],
     }
 
 
 SLOW = {  # multi-process or long: the slow set
     "scale-sweep": lambda u, made, data: ["scale", "sweep", "--out", u / "ladder", "--budgets", "1e11", "--sizes", 2],
-    "plan-measure": lambda u, made, data: ["plan", *tiny_overrides(u / "measure", data), "--measure", "--nproc", 1,
-                                           "--steps", 1],
+    "plan-measure": lambda u, made, data: [
+        "plan",
+        *tiny_overrides(u / "measure", data),
+        "--measure",
+        "--nproc",
+        1,
+        "--steps",
+        1,
+    ],
 }
 
 
@@ -87,7 +137,9 @@ def _check(name: str, argv_of, trained: Path, tiny_data: Path, tmp_path: Path) -
     out = flopwise(*argv_of(u, trained, tiny_data), cwd=u)
     after = hashes(u)
     changed = {k for k in before if before[k] != after[k]}
-    assert not changed, f"{name} (exit {out.returncode}) changed {sorted(changed)}: {out.stdout[-800:]}{out.stderr[-800:]}"
+    assert not changed, (
+        f"{name} (exit {out.returncode}) changed {sorted(changed)}: {out.stdout[-800:]}{out.stderr[-800:]}"
+    )
     assert "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
@@ -128,22 +180,45 @@ def _record(p: Path) -> dict:
 def _craft(u: Path) -> None:
     """Hand-written records in `u` that claim the user's files (what a copied or forged record says)."""
     rel = [r for r in SENTINELS if (u / r).is_file()]
-    (u / "manifest.json").write_text(json.dumps({
-        "format": "flopwise-data-manifest/1", "complete": False, "files": {}, "unchecked": rel,
-        "folders": ["checkpoints", "src", "data", "hf", "ladder"]}))
-    (u / "flopwise-run.json").write_text(json.dumps({
-        "format": "flopwise-run/2", "writes": ["config.toml", "metrics.jsonl", "loss.png", "checkpoints", "data"],
-        "files": {n: _record(u / n) for n in ("config.toml", "metrics.jsonl", "loss.png")}}))
-    (u / "hf" / "flopwise-manifest.json").write_text(json.dumps({
-        "format": "flopwise-hf-manifest/1", "complete": True, "unchecked": [], "folders": [],
-        "files": {n: _record(u / "hf" / n) for n in ("config.json", "model.safetensors")}}))
+    (u / "manifest.json").write_text(
+        json.dumps(
+            {
+                "format": "flopwise-data-manifest/1",
+                "complete": False,
+                "files": {},
+                "unchecked": rel,
+                "folders": ["checkpoints", "src", "data", "hf", "ladder"],
+            }
+        )
+    )
+    (u / "flopwise-run.json").write_text(
+        json.dumps(
+            {
+                "format": "flopwise-run/2",
+                "writes": ["config.toml", "metrics.jsonl", "loss.png", "checkpoints", "data"],
+                "files": {n: _record(u / n) for n in ("config.toml", "metrics.jsonl", "loss.png")},
+            }
+        )
+    )
+    (u / "hf" / "flopwise-manifest.json").write_text(
+        json.dumps(
+            {
+                "format": "flopwise-hf-manifest/1",
+                "complete": True,
+                "unchecked": [],
+                "folders": [],
+                "files": {n: _record(u / "hf" / n) for n in ("config.json", "model.safetensors")},
+            }
+        )
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", list(commands(Path("u"), Path("m"), Path("d"))))
 def test_no_writing_command_loses_a_user_byte_through_links_paths_records_or_a_second_writer(
-        name, variant, trained, tiny_data, tmp_path):
+    name, variant, trained, tiny_data, tmp_path
+):
     u = tmp_path / "user"
     holder = None
     if variant == "symlinks":
@@ -160,8 +235,9 @@ def test_no_writing_command_loses_a_user_byte_through_links_paths_records_or_a_s
         before, watched = hashes(u), u
     links = {rel: os.readlink(u / rel) for rel in SENTINELS if (u / rel).is_symlink()}
     if variant == "locked":
-        holder = subprocess.Popen([sys.executable, "-c", HOLD, u, u / "hf", u / "data", u / "ladder"],
-                                  stdout=subprocess.PIPE, text=True)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLD, u, u / "hf", u / "data", u / "ladder"], stdout=subprocess.PIPE, text=True
+        )
         assert holder.stdout.readline().strip() == "held"
     given = tmp_path / "missing" / ".." / "user" if variant == "dotdot" else u
     try:
@@ -191,6 +267,7 @@ def test_to_hf_replaces_only_a_folder_it_exported(trained, tmp_path):
 
 # --- user-testing follow-up: each breach below was reproduced before its fix ---------------------
 
+
 def _one_line_exit_2(code: int, err: str, *words: str) -> None:
     """The command failed with exit 2 and one error line, its last (a progress line may precede it)."""
     lines = err.strip().splitlines()
@@ -202,7 +279,9 @@ def _one_line_exit_2(code: int, err: str, *words: str) -> None:
 def _ladder_base(tmp_path, data):
     from flopwise.config import load_config
 
-    return load_config(None, tiny_overrides(tmp_path / "base", data, **{"train.global_batch": 8, "train.micro_batch": 8}))
+    return load_config(
+        None, tiny_overrides(tmp_path / "base", data, **{"train.global_batch": 8, "train.micro_batch": 8})
+    )
 
 
 def test_scale_sweep_replaces_its_own_configs_and_table_but_never_a_users(tiny_data, tmp_path, capsys, monkeypatch):
@@ -213,8 +292,18 @@ def test_scale_sweep_replaces_its_own_configs_and_table_but_never_a_users(tiny_d
     from flopwise.sweep import collect, plan_ladder, run_ladder
 
     out = tmp_path / "ladder"
-    argv = ["scale", "sweep", *tiny_overrides(tmp_path / "base", tiny_data), "--budgets", "2e9", "--sizes", 2,
-            "--out", out, "--emit"]
+    argv = [
+        "scale",
+        "sweep",
+        *tiny_overrides(tmp_path / "base", tiny_data),
+        "--budgets",
+        "2e9",
+        "--sizes",
+        2,
+        "--out",
+        out,
+        "--emit",
+    ]
     for _ in range(2):  # the second run replaces the first's configs
         code, err = run_main(argv, capsys, monkeypatch)
         assert code == 0, err
@@ -250,8 +339,20 @@ def test_scale_sweep_refuses_a_budget_below_one_step(tiny_data, tmp_path, capsys
     from flopwise.sweep import plan_ladder
 
     out = tmp_path / "ladder"
-    code, err = run_main(["scale", "sweep", *tiny_overrides(tmp_path / "base", tiny_data), "--budgets", "1e3,2e9",
-                       "--out", out, "--emit"], capsys, monkeypatch)
+    code, err = run_main(
+        [
+            "scale",
+            "sweep",
+            *tiny_overrides(tmp_path / "base", tiny_data),
+            "--budgets",
+            "1e3,2e9",
+            "--out",
+            out,
+            "--emit",
+        ],
+        capsys,
+        monkeypatch,
+    )
     _one_line_exit_2(code, err, "--budgets", "smallest budget")
     assert not out.exists()
     smallest = float(err.split("smallest budget that gives each size a step is ")[1].split()[0])
@@ -261,9 +362,24 @@ def test_scale_sweep_refuses_a_budget_below_one_step(tiny_data, tmp_path, capsys
     assert runs and all(r.steps >= 1 and 6 * r.params * tokens_per_step <= smallest for r in runs)
 
 
-@pytest.mark.parametrize("name", ["plan-out-config", "plan-plot", "scale-fit-out", "scale-fit-plots",
-                                  "predict-task", "contamination", "calibrate", "data-prepare", "train",
-                                  "sweep-emit", "sweep", "to-hf", "data-mix"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "plan-out-config",
+        "plan-plot",
+        "scale-fit-out",
+        "scale-fit-plots",
+        "predict-task",
+        "contamination",
+        "calibrate",
+        "data-prepare",
+        "train",
+        "sweep-emit",
+        "sweep",
+        "to-hf",
+        "data-mix",
+    ],
+)
 def test_an_output_under_a_file_is_one_line_exit_2(name, tiny_data, tmp_path, capsys, monkeypatch):
     """Before: each of these ended in a Python traceback (NotADirectoryError / FileExistsError).
     Paths under an existing *file* are what stop root (the tests run as root, which chmod does not
@@ -279,8 +395,10 @@ def test_an_output_under_a_file_is_one_line_exit_2(name, tiny_data, tmp_path, ca
         "scale-fit-out": (["scale", "fit", csv_in, "--bootstrap", 0, "--out", f / "law.json"], "--out"),
         "scale-fit-plots": (["scale", "fit", csv_in, "--bootstrap", 0, "--plots", f], "--plots"),
         "predict-task": (["scale", "predict-task", csv_in, "--flops", "1e20", "--out", f], "--out"),
-        "contamination": (["data", "contamination", tiny_data, "--tasks", "alice-lastword", "--ids-out",
-                           f / "ids.json"], "--ids-out"),
+        "contamination": (
+            ["data", "contamination", tiny_data, "--tasks", "alice-lastword", "--ids-out", f / "ids.json"],
+            "--ids-out",
+        ),
         "calibrate": (["hardware", "calibrate", "--out", f / "hw.toml", "--nproc", 1], "--out"),
         "data-prepare": (["data", "prepare", "builtin:alice", "--out", f, "--train-tokenizer", 300], "--out"),
         "train": (["train", *tiny], "run.dir"),
@@ -322,9 +440,11 @@ def test_an_output_folder_the_os_refuses_is_one_line_exit_2(tmp_path, capsys, mo
 
     (tmp_path / "ro").mkdir()
     monkeypatch.setattr(flopwise.outputs.tempfile, "mkstemp", refuse)
-    for argv, option in ((["plan", 'model.preset="demo-tiny"', "--out-config", tmp_path / "ro" / "x.toml"], "--out-config"),
-                         (["data", "prepare", "builtin:alice", "--out", tmp_path / "ro" / "d"], "--out"),
-                         (["hardware", "calibrate", "--out", tmp_path / "ro" / "hw.toml"], "--out")):
+    for argv, option in (
+        (["plan", 'model.preset="demo-tiny"', "--out-config", tmp_path / "ro" / "x.toml"], "--out-config"),
+        (["data", "prepare", "builtin:alice", "--out", tmp_path / "ro" / "d"], "--out"),
+        (["hardware", "calibrate", "--out", tmp_path / "ro" / "hw.toml"], "--out"),
+    ):
         code, err = run_main(argv, capsys, monkeypatch)
         _one_line_exit_2(code, err, option, "Permission denied", "permissions")
     assert list((tmp_path / "ro").iterdir()) == []
@@ -338,7 +458,11 @@ def test_an_output_folder_the_os_refuses_is_one_line_exit_2(tmp_path, capsys, mo
     monkeypatch.setattr(flopwise.outputs.os, "replace", full)
     with pytest.raises(ConfigError, match="--out-config .*No space left.*free space") as e:
         write_text(kept, "a = 2\n", "--out-config")
-    assert "\n" not in str(e.value) and kept.read_bytes() == before and sorted(tmp_path.iterdir()) == [tmp_path / "ro", kept]
+    assert (
+        "\n" not in str(e.value)
+        and kept.read_bytes() == before
+        and sorted(tmp_path.iterdir()) == [tmp_path / "ro", kept]
+    )
 
 
 def test_an_os_refusal_no_writer_caught_is_still_one_line(capsys, monkeypatch):
@@ -362,15 +486,18 @@ def test_an_os_refusal_no_writer_caught_is_still_one_line(capsys, monkeypatch):
         run_main(["any"], capsys, monkeypatch)
 
 
-def test_data_prepare_force_never_replaces_a_file_and_the_refusal_lists_what_force_deletes(tmp_path, capsys,
-                                                                                        monkeypatch):
+def test_data_prepare_force_never_replaces_a_file_and_the_refusal_lists_what_force_deletes(
+    tmp_path, capsys, monkeypatch
+):
     """Before: --force deleted a user's plain file at --out, and the refusal without --force did
     not say which files --force would delete."""
     text = tmp_path / "t.txt"
     text.write_text("some text to tokenize, and more text after it.\n" * 20)
     plain = tmp_path / "notes"
     plain.write_text("my notes\n")
-    code, err = run_main(["data", "prepare", text, "--out", plain, "--train-tokenizer", 300, "--force"], capsys, monkeypatch)
+    code, err = run_main(
+        ["data", "prepare", text, "--out", plain, "--train-tokenizer", 300, "--force"], capsys, monkeypatch
+    )
     _one_line_exit_2(code, err, "--out", "not a folder")
     assert plain.read_text() == "my notes\n"
     folder = tmp_path / "mine"
@@ -387,8 +514,9 @@ def test_data_prepare_checks_its_options_before_creating_anything(option, tmp_pa
     """Before: --decontaminate nope left --out with manifest.json, tokenizer.json and work/."""
     text = tmp_path / "t.txt"
     text.write_text("some text to tokenize.\n" * 20)
-    code, err = run_main(["data", "prepare", text, "--out", tmp_path / "d", "--train-tokenizer", 300, *option],
-                      capsys, monkeypatch)
+    code, err = run_main(
+        ["data", "prepare", text, "--out", tmp_path / "d", "--train-tokenizer", 300, *option], capsys, monkeypatch
+    )
     _one_line_exit_2(code, err, "nope")
     assert not (tmp_path / "d").exists()
 
@@ -410,8 +538,11 @@ def test_data_mix_claims_the_run_folder_it_prepares_data_in(tmp_path, capsys, mo
     for run_dir in (user, tmp_path / "run"):  # a user's data folder; a user's file in flopwise's
         if run_dir != user:
             (run_dir / "data" / "notes.txt").write_text("mine")
-        code, err = run_main(["data", "mix", *tiny_overrides(run_dir, "builtin:alice", **{"data.tokenizer": '"bpe:300"'})],
-                          capsys, monkeypatch)
+        code, err = run_main(
+            ["data", "mix", *tiny_overrides(run_dir, "builtin:alice", **{"data.tokenizer": '"bpe:300"'})],
+            capsys,
+            monkeypatch,
+        )
         _one_line_exit_2(code, err, "run.dir")
         assert "--force" not in err and "--out" not in err
         assert (run_dir / "data" / "notes.txt").read_text() == "mine"

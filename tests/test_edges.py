@@ -20,8 +20,15 @@ ENV = {**os.environ, "COLUMNS": "400"}
 
 
 def flopwise(*args: str, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flopwise", *args], capture_output=True, text=True, cwd=cwd,
-                          env=ENV, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "flopwise", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=ENV,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def one_line(r: subprocess.CompletedProcess) -> str:
@@ -33,11 +40,21 @@ def one_line(r: subprocess.CompletedProcess) -> str:
 
 # --- Every number is a number -------------------------------------------------------------------
 
-@pytest.mark.parametrize("override", ["optim.lr=inf", "optim.weight_decay=inf", "model.init_std=inf",
-                                      "model.init_std=nan", "guard.spike_zscore=nan", "plan.tokens=inf",
-                                      "watchdog.min_s=-inf", 'data.sources=[{path="x", weight=nan}]',
-                                      ("model.rope_scaling={factor=inf, low_freq_factor=1, high_freq_factor=4, "
-                                       "original_max_seq_len=8}")])
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "optim.lr=inf",
+        "optim.weight_decay=inf",
+        "model.init_std=inf",
+        "model.init_std=nan",
+        "guard.spike_zscore=nan",
+        "plan.tokens=inf",
+        "watchdog.min_s=-inf",
+        'data.sources=[{path="x", weight=nan}]',
+        ("model.rope_scaling={factor=inf, low_freq_factor=1, high_freq_factor=4, original_max_seq_len=8}"),
+    ],
+)
 def test_a_non_finite_config_value_is_refused_naming_its_field(override):
     """inf and nan are floats to TOML and pass `gt=0`: `optim.lr=inf` trained to NaN checkpoints, exit 0."""
     key = override.split("=")[0]
@@ -83,16 +100,24 @@ source = "mine"
 """
 
 
-CAL = ("[mine.calibration]\ndtype = 'bf16'\ngemm = [[64, 64, 64, {gemm}]]\nattention = [[64, 64, 0.5, 0.5]]\n"
-       "elementwise = [[1, 1e6, {bw}]]\noptimizer = [[1e6, 0.01]]")
+CAL = (
+    "[mine.calibration]\ndtype = 'bf16'\ngemm = [[64, 64, 64, {gemm}]]\nattention = [[64, 64, 0.5, 0.5]]\n"
+    "elementwise = [[1, 1e6, {bw}]]\noptimizer = [[1e6, 0.01]]"
+)
 
 
-@pytest.mark.parametrize("extra, field", [
-    ("matmul_efficiency = nan", "matmul_efficiency"), ("matmul_efficiency = inf", "matmul_efficiency"),
-    ("matmul_efficiency = 1.5", "matmul_efficiency"), ("devices_per_node = 0", "devices_per_node"),
-    (CAL.format(gemm="nan", bw="1e10") + "\n", "calibration.gemm[0]"),
-    (CAL.format(gemm="0.5", bw="inf") + "\n", "calibration.elementwise[0]"),
-    (CAL.format(gemm="0.5", bw="1e10") + "\noverlap = nan", "calibration.overlap")])
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ("matmul_efficiency = nan", "matmul_efficiency"),
+        ("matmul_efficiency = inf", "matmul_efficiency"),
+        ("matmul_efficiency = 1.5", "matmul_efficiency"),
+        ("devices_per_node = 0", "devices_per_node"),
+        (CAL.format(gemm="nan", bw="1e10") + "\n", "calibration.gemm[0]"),
+        (CAL.format(gemm="0.5", bw="inf") + "\n", "calibration.elementwise[0]"),
+        (CAL.format(gemm="0.5", bw="1e10") + "\noverlap = nan", "calibration.overlap"),
+    ],
+)
 def test_a_non_finite_hardware_field_is_refused_naming_it(tmp_path, extra, field):
     """A NaN efficiency gave a NaN plan, exit 0; inf passed every `> 0` check."""
     path = tmp_path / "hw.toml"
@@ -120,11 +145,13 @@ def test_every_builtin_hardware_entry_passes_the_file_checks(tmp_path):
 
 # --- Tracebacks where one line is promised ------------------------------------------------------
 
+
 def test_calibrate_in_fp32_is_refused_before_measuring(tmp_path):
     """`train.dtype="fp32"` crashed after 60-90 s of measuring: the planner times compute against the
     16-bit peak, which an fp32 calibration of the CPU entry lacks (TypeError in plan.perf.gemm_time)."""
-    r = flopwise("hardware", "calibrate", 'train.dtype="fp32"', "--out", str(tmp_path / "hw.toml"), cwd=tmp_path,
-                 timeout=60)
+    r = flopwise(
+        "hardware", "calibrate", 'train.dtype="fp32"', "--out", str(tmp_path / "hw.toml"), cwd=tmp_path, timeout=60
+    )
     assert "train.dtype=fp32" in one_line(r)
     assert list(tmp_path.iterdir()) == []
 
@@ -149,6 +176,7 @@ def test_calibrate_out_over_its_own_file_keeps_the_users_comments(tmp_path):
 
 # --- The pre-flight books the buffers that grow with max_seq_len --------------------------------
 
+
 def _measured_buffer_bytes(m) -> int:
     """What the engine's built model holds in buffers (RoPE tables, distance embeddings, slopes)."""
     from flopwise.model.transformer import build_model
@@ -156,8 +184,9 @@ def _measured_buffer_bytes(m) -> int:
     return sum(b.numel() * b.element_size() for b in build_model(m, "cpu").buffers())
 
 
-@pytest.mark.parametrize("extra", [{}, {"model.rotary_pct": 0.5}, {"model.pos": '"relative"'},
-                                   {"model.pos": '"alibi"'}])
+@pytest.mark.parametrize(
+    "extra", [{}, {"model.rotary_pct": 0.5}, {"model.pos": '"relative"'}, {"model.pos": '"alibi"'}]
+)
 def test_the_account_books_the_buffers_the_engine_holds(extra):
     """The per-rank account (what pre-flight and the layout search compare with memory) grows with
     model.max_seq_len by what the built model measurably holds more: before, by nothing at all."""
@@ -165,8 +194,12 @@ def test_the_account_books_the_buffers_the_engine_holds(extra):
     from flopwise.plan.memory import buffer_bytes
     from flopwise.train.preflight import rank_memory_total
 
-    base = ["model.preset=\"demo-tiny\"", "data.seq_len=32", 'train.dtype="fp32"',
-            *(f"{k}={v}" for k, v in extra.items())]
+    base = [
+        'model.preset="demo-tiny"',
+        "data.seq_len=32",
+        'train.dtype="fp32"',
+        *(f"{k}={v}" for k, v in extra.items()),
+    ]
     cfgs = [load_config(None, [*base, f"model.max_seq_len={n}"]) for n in (64, 4096)]
     measured = [_measured_buffer_bytes(c.model) for c in cfgs]
     assert [buffer_bytes(c.model, c.model.n_layers) for c in cfgs] == measured
@@ -189,6 +222,7 @@ def test_a_huge_max_seq_len_is_refused_before_allocating(tmp_path):
 
 
 # --- No orphans ---------------------------------------------------------------------------------
+
 
 def _children(pid: int) -> set[int]:
     kids = set()
@@ -219,9 +253,31 @@ def test_a_stopped_sweep_stops_its_workers_and_says_so(sig, tiny_data, tmp_path)
 
     out = tmp_path / "ladder"
     over = tiny_overrides(tmp_path / "base", tiny_data, **{"train.global_batch": 8, "train.micro_batch": 8})
-    proc = subprocess.Popen([sys.executable, "-m", "flopwise", "scale", "sweep", *over, "--budgets", "3e11",
-                             "--sizes", "2", "--spread", "4", "--jobs", "2", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flopwise",
+            "scale",
+            "sweep",
+            *over,
+            "--budgets",
+            "3e11",
+            "--sizes",
+            "2",
+            "--spread",
+            "4",
+            "--jobs",
+            "2",
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        cwd=tmp_path,
+    )
     try:
         deadline = time.monotonic() + 600  # a busy machine takes minutes to start both
         while len(list(out.glob("C*/metrics.jsonl"))) < 2:  # both workers are training
@@ -257,8 +313,16 @@ def test_a_lone_surrogate_in_a_jsonl_line_is_one_line(tmp_path):
 
 
 def test_nan_rows_in_scale_fit_are_named(tmp_path):
-    rows = ["params,tokens,loss", "1e6,2e7,3.3", "2e6,4e7,nan", "4e6,8e7,2.9", "8e6,1.6e8,2.7", "1.6e7,3.2e8,2.5",
-            "3.2e7,6.4e8,2.4", "5e6,2e8,2.6"]
+    rows = [
+        "params,tokens,loss",
+        "1e6,2e7,3.3",
+        "2e6,4e7,nan",
+        "4e6,8e7,2.9",
+        "8e6,1.6e8,2.7",
+        "1.6e7,3.2e8,2.5",
+        "3.2e7,6.4e8,2.4",
+        "5e6,2e8,2.6",
+    ]
     path = tmp_path / "points.csv"
     path.write_text("\n".join(rows) + "\n")
     line = one_line(flopwise("scale", "fit", str(path), cwd=tmp_path))
@@ -286,12 +350,12 @@ def test_resume_refuses_a_metrics_file_the_user_annotated(tmp_path, tiny_data):
     now the edited file is the user's (its bytes are not what flopwise recorded): the resume is
     refused in one line and the file is kept byte for byte."""
 
-
     from flopwise.launch import train
     from tests.conftest import tiny_overrides
 
-    over = tiny_overrides(tmp_path / "run", tiny_data, **{"train.steps": 4, "checkpoint.interval": 2,
-                                                          "train.eval_every": 0})
+    over = tiny_overrides(
+        tmp_path / "run", tiny_data, **{"train.steps": 4, "checkpoint.interval": 2, "train.eval_every": 0}
+    )
     train(load_config(None, [*over, "train.stop_after=3"]))
     metrics = tmp_path / "run" / "metrics.jsonl"
     lines = metrics.read_text().splitlines(keepends=True)
@@ -304,6 +368,7 @@ def test_resume_refuses_a_metrics_file_the_user_annotated(tmp_path, tiny_data):
 
 
 # --- Nothing dropped without a word -------------------------------------------------------------
+
 
 def test_what_a_folder_walk_skips_is_counted_and_named(tmp_path, monkeypatch):
     """An unreadable sub-folder, .json/.csv files, a dangling link and binary Parquet rows were left
@@ -332,11 +397,19 @@ def test_what_a_folder_walk_skips_is_counted_and_named(tmp_path, monkeypatch):
     stats = prepare([str(src)], tmp_path / "out", tokenizer="bpe:300", workers=1)
     assert stats.documents == 1
     skipped = json.loads((tmp_path / "out" / "report.json").read_text())["skipped"]
-    assert skipped == stats.report["skipped"] == {
-        "unreadable folders": [str(src / "locked")],
-        "broken or looping links and special files": [str(src / "gone")],
-        "files of another type (not .txt, .md, .jsonl, .parquet)": [str(src / "notes.json"), str(src / "table.csv")],
-        "Parquet files with rows whose text is not a string": [f"{src / 'bin.parquet'}: 2 of its rows"]}
+    assert (
+        skipped
+        == stats.report["skipped"]
+        == {
+            "unreadable folders": [str(src / "locked")],
+            "broken or looping links and special files": [str(src / "gone")],
+            "files of another type (not .txt, .md, .jsonl, .parquet)": [
+                str(src / "notes.json"),
+                str(src / "table.csv"),
+            ],
+            "Parquet files with rows whose text is not a string": [f"{src / 'bin.parquet'}: 2 of its rows"],
+        }
+    )
 
 
 def test_a_folder_with_nothing_usable_is_refused_naming_what_was_skipped(tmp_path):
@@ -361,13 +434,15 @@ def test_the_prepare_summary_names_what_was_skipped(tmp_path):
 def test_eval_and_generate_say_which_checkpoint_they_use_and_why(tmp_path, tiny_data):
     """A run whose newest checkpoint is damaged: eval and generate used the older one without a word."""
 
-
     from flopwise.launch import train
     from tests.conftest import tiny_overrides
 
     run = tmp_path / "run"
-    train(load_config(None, tiny_overrides(run, tiny_data, **{"train.steps": 4, "checkpoint.interval": 2,
-                                                              "train.eval_every": 0})))
+    train(
+        load_config(
+            None, tiny_overrides(run, tiny_data, **{"train.steps": 4, "checkpoint.interval": 2, "train.eval_every": 0})
+        )
+    )
     newest = run / "checkpoints" / "step-00000004"
     r = flopwise("generate", str(run), "--prompt", "Alice", "--max-new-tokens", "2")
     assert r.returncode == 0 and r.stderr == "", r.stderr  # the newest: nothing to say
@@ -375,8 +450,10 @@ def test_eval_and_generate_say_which_checkpoint_they_use_and_why(tmp_path, tiny_
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    for args in (["generate", str(run), "--prompt", "Alice", "--max-new-tokens", "2"],
-                 ["eval", str(run), "--tasks", "alice-lastword"]):
+    for args in (
+        ["generate", str(run), "--prompt", "Alice", "--max-new-tokens", "2"],
+        ["eval", str(run), "--tasks", "alice-lastword"],
+    ):
         r = flopwise(*args)
         assert r.returncode == 0, r.stderr
         assert "note: skipping damaged checkpoint step-00000004 (" in r.stderr and "using step-00000002" in r.stderr
@@ -385,8 +462,19 @@ def test_eval_and_generate_say_which_checkpoint_they_use_and_why(tmp_path, tiny_
 def test_a_huge_tokenizer_vocab_is_refused_before_the_rust_trainer_aborts(tmp_path):
     """`--train-tokenizer 1e10` was a Rust abort ("memory allocation of 566935683088 bytes failed")."""
     (tmp_path / "in.txt").write_text("a little text\n")
-    line = one_line(flopwise("data", "prepare", str(tmp_path / "in.txt"), "--out", str(tmp_path / "out"),
-                             "--workers", "1", "--train-tokenizer", "10000000000"))
+    line = one_line(
+        flopwise(
+            "data",
+            "prepare",
+            str(tmp_path / "in.txt"),
+            "--out",
+            str(tmp_path / "out"),
+            "--workers",
+            "1",
+            "--train-tokenizer",
+            "10000000000",
+        )
+    )
     assert "tokenizer vocab 10000000000" in line and "1,048,576" in line
     assert not (tmp_path / "out").exists()
 
@@ -400,6 +488,17 @@ def test_a_tokenizer_with_ids_beyond_its_vocabulary_is_refused_at_load(tmp_path,
     path = tmp_path / "sparse.json"
     path.write_text(json.dumps(tok))
     (tmp_path / "in.txt").write_text("Alice was beginning to get very tired of sitting by her sister\n")
-    line = one_line(flopwise("data", "prepare", str(tmp_path / "in.txt"), "--out", str(tmp_path / "out"),
-                             "--workers", "1", "--tokenizer", str(path)))
+    line = one_line(
+        flopwise(
+            "data",
+            "prepare",
+            str(tmp_path / "in.txt"),
+            "--out",
+            str(tmp_path / "out"),
+            "--workers",
+            "1",
+            "--tokenizer",
+            str(path),
+        )
+    )
     assert f"tokenizer {path}: token id 5000 is beyond its vocabulary of 512 entries" in line

@@ -9,13 +9,18 @@ V, S = 51200, 2048  # Megatron's padded GPT-2 vocabulary and sequence length
 
 
 def megatron_gpt(layers: int, hidden: int, heads: int) -> ModelConfig:
-    return ModelConfig(arch="gpt2", n_layers=layers, d_model=hidden, n_heads=heads, vocab_size=V, max_seq_len=S,
-                       mlp="gelu")
+    return ModelConfig(
+        arch="gpt2", n_layers=layers, d_model=hidden, n_heads=heads, vocab_size=V, max_seq_len=S, mlp="gelu"
+    )
 
 
 # Narayanan et al. 2021, Table 1 (four rows): params (B), heads, hidden, layers, global batch.
-NARAYANAN = [(1.7, 24, 2304, 24, 512), (18.4, 48, 6144, 40, 1024), (145.6, 96, 12288, 80, 2304),
-             (1008.0, 160, 25600, 128, 3072)]
+NARAYANAN = [
+    (1.7, 24, 2304, 24, 512),
+    (18.4, 48, 6144, 40, 1024),
+    (145.6, 96, 12288, 80, 2304),
+    (1008.0, 160, 25600, 128, 3072),
+]
 
 
 @pytest.mark.parametrize("params_b, heads, h, l, batch", NARAYANAN)
@@ -36,10 +41,13 @@ def test_narayanan_eq2_param_count(params_b, heads, h, l, batch):  # noqa: E741 
     assert round(total / 1e9, 1) == params_b
 
 
-@pytest.mark.parametrize("h, heads, l, gpus, batch, seconds, published_mfu", [
-    (6144, 64, 48, 8, 4, 1.10, 0.415),  # Korthikanti et al. 2022 Table 5: 22B
-    (20480, 128, 105, 280, 280, 37.83, 0.560),  # 530B (MT-NLG shape)
-])
+@pytest.mark.parametrize(
+    "h, heads, l, gpus, batch, seconds, published_mfu",
+    [
+        (6144, 64, 48, 8, 4, 1.10, 0.415),  # Korthikanti et al. 2022 Table 5: 22B
+        (20480, 128, 105, 280, 280, 37.83, 0.560),  # 530B (MT-NLG shape)
+    ],
+)
 def test_korthikanti_table5_mfu(h, heads, l, gpus, batch, seconds, published_mfu):  # noqa: E741 l: the paper's layer count
     m = megatron_gpt(l, h, heads)
     model_flops = flops_per_step(m, S, batch)
@@ -72,9 +80,20 @@ def test_recompute_ordering_and_window():
     assert flops_per_token(mha, 4096) > flops_per_token(m, 4096)
 
 
-@pytest.mark.parametrize("kw", [{}, {"arch": "gpt2"}, {"arch": "qwen3", "n_kv_heads": 2}, {"arch": "gopher", "pos": "relative"},
-                                {"arch": "bloom"}, {"arch": "opt"}, {"arch": "neox"}, {"tie_embeddings": True}],
-                         ids=lambda kw: "-".join(f"{v}" for v in kw.values()) or "llama")
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"arch": "gpt2"},
+        {"arch": "qwen3", "n_kv_heads": 2},
+        {"arch": "gopher", "pos": "relative"},
+        {"arch": "bloom"},
+        {"arch": "opt"},
+        {"arch": "neox"},
+        {"tie_embeddings": True},
+    ],
+    ids=lambda kw: "-".join(f"{v}" for v in kw.values()) or "llama",
+)
 def test_param_shapes_are_the_modules(kw):
     """The planner's parameter inventory is the built module's, name for name, in order."""
     from flopwise.flops import param_shapes

@@ -24,13 +24,39 @@ from flopwise.data.shards import open_split, read_index
 from flopwise.data.tokenizer import load_tokenizer
 from flopwise.errors import CheckpointError, ConfigError, DataError, FlopwiseError
 
-FUZZ = settings(max_examples=int(os.environ.get("FLOPWISE_FUZZ_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-KEYS = ["train.steps", "train.global_batch", "model.n_layers", "model.d_model", "model.n_heads", "data.seq_len",
-        "optim.lr", "parallel.tp", "checkpoint.interval", "checkpoint.async", "guard.window", "watchdog.min_s",
-        "model.preset", "model.arch", "model.pos", "run.dir", "data.tokenizer", "cluster.gpus", "bogus.key", "train"]
-scalars = st.one_of(st.integers(-10**12, 10**12), st.floats(allow_nan=True), st.booleans(), st.text(max_size=20))
-json_values = st.recursive(st.none() | scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
-                           max_leaves=12)
+FUZZ = settings(
+    max_examples=int(os.environ.get("FLOPWISE_FUZZ_EXAMPLES", "150")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+KEYS = [
+    "train.steps",
+    "train.global_batch",
+    "model.n_layers",
+    "model.d_model",
+    "model.n_heads",
+    "data.seq_len",
+    "optim.lr",
+    "parallel.tp",
+    "checkpoint.interval",
+    "checkpoint.async",
+    "guard.window",
+    "watchdog.min_s",
+    "model.preset",
+    "model.arch",
+    "model.pos",
+    "run.dir",
+    "data.tokenizer",
+    "cluster.gpus",
+    "bogus.key",
+    "train",
+]
+scalars = st.one_of(st.integers(-(10**12), 10**12), st.floats(allow_nan=True), st.booleans(), st.text(max_size=20))
+json_values = st.recursive(
+    st.none() | scalars,
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+    max_leaves=12,
+)
 
 
 def one_line(e: Exception) -> bool:
@@ -74,16 +100,35 @@ def test_data_index_and_shards(tmp_path, index, raw):
 
 
 @FUZZ
-@given(good=st.fixed_dictionaries({"format": st.just("flopwise-shards/2"), "vocab_size": st.integers(-5, 70000),
-                                    "dtype": st.sampled_from(["uint16", "uint32", "float64", "bogus"]),
-                                    "splits": st.fixed_dictionaries({
-                                        "train": st.fixed_dictionaries({
-                                            "files": st.lists(st.fixed_dictionaries({
-                                                "file": st.sampled_from(["train.bin", "../x", "", 3]),
-                                                "tokens": st.integers(-3, 40)}), max_size=2),
-                                            "tokens": st.integers(-3, 80)}),
-                                        "val": st.just({"files": [], "tokens": 0})})}),
-       raw=st.binary(max_size=80))
+@given(
+    good=st.fixed_dictionaries(
+        {
+            "format": st.just("flopwise-shards/2"),
+            "vocab_size": st.integers(-5, 70000),
+            "dtype": st.sampled_from(["uint16", "uint32", "float64", "bogus"]),
+            "splits": st.fixed_dictionaries(
+                {
+                    "train": st.fixed_dictionaries(
+                        {
+                            "files": st.lists(
+                                st.fixed_dictionaries(
+                                    {
+                                        "file": st.sampled_from(["train.bin", "../x", "", 3]),
+                                        "tokens": st.integers(-3, 40),
+                                    }
+                                ),
+                                max_size=2,
+                            ),
+                            "tokens": st.integers(-3, 80),
+                        }
+                    ),
+                    "val": st.just({"files": [], "tokens": 0}),
+                }
+            ),
+        }
+    ),
+    raw=st.binary(max_size=80),
+)
 def test_nearly_valid_indexes(tmp_path, good, raw):
     d = tmp_path / "data"
     d.mkdir(exist_ok=True)
@@ -136,16 +181,19 @@ def test_hugging_face_configs(tmp_path, cfg):
         assert one_line(e)
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["train", "train.steps=-1"], "train.steps"),
-    (["train", "missing.toml"], "config file missing.toml: not found"),
-    (["train", "data.path=/no/such/dir", "train.steps=1", "optim.warmup_steps=0"], "/no/such/dir"),
-    (["train", "model.init_from=hf:/no/such/folder"], "/no/such/folder"),
-    (["eval", "{run}", "--tasks", "alice-lastword"], "no complete checkpoint"),
-    (["train", "data.tokenizer=bpe:lots"], "data.tokenizer"),
-    (["plan", "parallel.tp=4", "parallel.dp=4", "--measure"], "at most 8"),
-    (["plan", "demo", "parallel.tp=3", "--measure"], "parallel.tp=3 does not divide model.n_heads=8"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["train", "train.steps=-1"], "train.steps"),
+        (["train", "missing.toml"], "config file missing.toml: not found"),
+        (["train", "data.path=/no/such/dir", "train.steps=1", "optim.warmup_steps=0"], "/no/such/dir"),
+        (["train", "model.init_from=hf:/no/such/folder"], "/no/such/folder"),
+        (["eval", "{run}", "--tasks", "alice-lastword"], "no complete checkpoint"),
+        (["train", "data.tokenizer=bpe:lots"], "data.tokenizer"),
+        (["plan", "parallel.tp=4", "parallel.dp=4", "--measure"], "at most 8"),
+        (["plan", "demo", "parallel.tp=3", "--measure"], "parallel.tp=3 does not divide model.n_heads=8"),
+    ],
+)
 def test_cli_user_errors_are_one_line_exit_2_no_traceback(tmp_path, args, fragment, capsys, monkeypatch):
     """Through cli.main in this process (its handler is what prints the line; an uncaught exception
     fails the test outright)."""
@@ -198,8 +246,14 @@ def build_real(root: Path) -> dict[str, Path]:
             if chunk.strip():
                 (docs / f"part_{i:02d}.txt").write_text(chunk)
         prepare([str(docs)], Path("data"), tokenizer="bpe:512", val_fraction=0.1, seed=0)
-        cfg = load_config(None, tiny_overrides("run", "data", **{
-            "train.steps": 2, "checkpoint.interval": 2, "train.eval_every": 2, "optim.warmup_steps": 1}))
+        cfg = load_config(
+            None,
+            tiny_overrides(
+                "run",
+                "data",
+                **{"train.steps": 2, "checkpoint.interval": 2, "train.eval_every": 2, "optim.warmup_steps": 1},
+            ),
+        )
         train(cfg)
         ckpt = root / checkpoint.latest("run")
         (ckpt / ".metadata").write_bytes(fuzzing.normalise_dcp_metadata((ckpt / ".metadata").read_bytes()))
@@ -210,10 +264,18 @@ def build_real(root: Path) -> dict[str, Path]:
     finally:
         os.chdir(cwd)
     tasks = builtin_tasks()
-    lines = tasks["alice-nextsent"].read_text().splitlines()[:4]  # one kind a file: multiple choice (cloze is its subset)
+    lines = (
+        tasks["alice-nextsent"].read_text().splitlines()[:4]
+    )  # one kind a file: multiple choice (cloze is its subset)
     (root / "task.jsonl").write_text("\n".join(lines) + "\n")
-    return {"ckpt": ckpt, "config": root / "config.toml", "tokenizer": root / "data" / "tokenizer.json",
-            "hf": root / "hf", "task": root / "task.jsonl", "data": root / "data"}
+    return {
+        "ckpt": ckpt,
+        "config": root / "config.toml",
+        "tokenizer": root / "data" / "tokenizer.json",
+        "hf": root / "hf",
+        "task": root / "task.jsonl",
+        "data": root / "data",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -249,17 +311,21 @@ def _checkpoint_readers(run_dir: Path, ckpt: Path, out: Path) -> None:
 
 def _cases_config(real, work):
     f = work / "c.toml"
+
     def run(raw):
         f.write_bytes(raw)
         load_config(f)
+
     return _m(fuzzing.toml_mutants, real["config"].read_bytes()), run
 
 
 def _cases_tokenizer(real, work):
     f = work / "tokenizer.json"
+
     def run(raw):
         f.write_bytes(raw)
         load_tokenizer(f)
+
     return _m(fuzzing.json_mutants, real["tokenizer"].read_bytes()), run
 
 
@@ -278,12 +344,16 @@ def _hf_folder(real, work, name, raw):
 
 
 def _cases_hf_config(real, work):
-    return _m(fuzzing.json_mutants, (real["hf"] / "config.json").read_bytes()), lambda raw: _hf_folder(real, work, "config.json", raw)
+    return _m(fuzzing.json_mutants, (real["hf"] / "config.json").read_bytes()), lambda raw: _hf_folder(
+        real, work, "config.json", raw
+    )
 
 
 def _cases_safetensors(real, work):
-    return (_m(fuzzing.safetensors_mutants, (real["hf"] / "model.safetensors").read_bytes()),
-            lambda raw: _hf_folder(real, work, "model.safetensors", raw))
+    return (
+        _m(fuzzing.safetensors_mutants, (real["hf"] / "model.safetensors").read_bytes()),
+        lambda raw: _hf_folder(real, work, "model.safetensors", raw),
+    )
 
 
 def _ckpt_copy(real, work) -> tuple[Path, Path]:
@@ -297,6 +367,7 @@ def _ckpt_copy(real, work) -> tuple[Path, Path]:
 def _ckpt_file(real, work, name: str, load=None):
     """Each case: a copy of the real checkpoint with `name` replaced (and re-signed in the
     manifest), read by verify/latest and then eval's load, or by `load` (a resume)."""
+
     def run(raw):
         run_dir, ckpt = _ckpt_copy(real, work)
         (ckpt / name).write_bytes(raw)
@@ -306,11 +377,14 @@ def _ckpt_file(real, work, name: str, load=None):
             _checkpoint_readers(run_dir, ckpt, work)
         else:
             load(ckpt)
+
     return run
 
 
 def _cases_dcp_metadata(real, work):
-    return _m(fuzzing.dcp_metadata_mutants, (real["ckpt"] / ".metadata").read_bytes()), _ckpt_file(real, work, ".metadata")
+    return _m(fuzzing.dcp_metadata_mutants, (real["ckpt"] / ".metadata").read_bytes()), _ckpt_file(
+        real, work, ".metadata"
+    )
 
 
 def _cases_distcp(real, work):
@@ -319,7 +393,9 @@ def _cases_distcp(real, work):
 
 
 def _cases_manifest(real, work):
-    return _m(fuzzing.json_mutants, (real["ckpt"] / "manifest.json").read_bytes()), _ckpt_file(real, work, "manifest.json")
+    return _m(fuzzing.json_mutants, (real["ckpt"] / "manifest.json").read_bytes()), _ckpt_file(
+        real, work, "manifest.json"
+    )
 
 
 def _cases_state(real, work):
@@ -330,9 +406,11 @@ def _cases_task(real, work):
     from flopwise.data.tasks import load_task
 
     f = work / "task.jsonl"
+
     def run(raw):
         f.write_bytes(raw)
         load_task(str(f))
+
     return _m(fuzzing.jsonl_mutants, real["task"].read_bytes()), run
 
 
@@ -363,6 +441,7 @@ def _cases_data_index(real, work):
         d = _data_copy(real, work)
         (d / "index.json").write_bytes(raw)
         _data_readers(d)
+
     return _m(fuzzing.json_mutants, (real["data"] / "index.json").read_bytes(), fanout=8), run
 
 
@@ -373,6 +452,7 @@ def _cases_token_shard(real, work):
         d = _data_copy(real, work)
         (d / name).write_bytes(raw)
         _data_readers(d)
+
     return _m(fuzzing.binary_mutants, (real["data"] / name).read_bytes(), "shard"), run
 
 
@@ -387,41 +467,69 @@ def _resumer(real, work):
 
     def load(ckpt: Path) -> None:
         if not built:
-            cfg = load_config(None, tiny_overrides(work / "resumer", real["data"], **{
-                "train.steps": 2, "checkpoint.interval": 2, "train.eval_every": 2, "optim.warmup_steps": 1,
-                "checkpoint.resume": '"none"'}))
+            cfg = load_config(
+                None,
+                tiny_overrides(
+                    work / "resumer",
+                    real["data"],
+                    **{
+                        "train.steps": 2,
+                        "checkpoint.interval": 2,
+                        "train.eval_every": 2,
+                        "optim.warmup_steps": 1,
+                        "checkpoint.resume": '"none"',
+                    },
+                ),
+            )
             built.append(build_run(cfg))
         resume(built[0], ckpt)
         built[0].loader.next_batch()
+
     return load
 
 
 def _cases_state_resume(real, work):
-    return _m(fuzzing.json_mutants, (real["ckpt"] / "state.json").read_bytes()), _ckpt_file(real, work, "state.json", _resumer(real, work))
+    return _m(fuzzing.json_mutants, (real["ckpt"] / "state.json").read_bytes()), _ckpt_file(
+        real, work, "state.json", _resumer(real, work)
+    )
 
 
 def _cases_dcp_metadata_resume(real, work):
-    return (_m(fuzzing.dcp_metadata_mutants, (real["ckpt"] / ".metadata").read_bytes(), seed=1),
-            _ckpt_file(real, work, ".metadata", _resumer(real, work)))
+    return (
+        _m(fuzzing.dcp_metadata_mutants, (real["ckpt"] / ".metadata").read_bytes(), seed=1),
+        _ckpt_file(real, work, ".metadata", _resumer(real, work)),
+    )
 
 
-READERS = {"config-toml": _cases_config, "tokenizer-json": _cases_tokenizer, "hf-config-json": _cases_hf_config,
-           "safetensors": _cases_safetensors, "dcp-metadata": _cases_dcp_metadata,
-           "dcp-metadata-resume": _cases_dcp_metadata_resume, "distcp": _cases_distcp,
-           "manifest-json": _cases_manifest, "state-json": _cases_state,
-           "state-json-resume": _cases_state_resume, "task-jsonl": _cases_task,
-           "data-index-json": _cases_data_index, "token-shard": _cases_token_shard}
+READERS = {
+    "config-toml": _cases_config,
+    "tokenizer-json": _cases_tokenizer,
+    "hf-config-json": _cases_hf_config,
+    "safetensors": _cases_safetensors,
+    "dcp-metadata": _cases_dcp_metadata,
+    "dcp-metadata-resume": _cases_dcp_metadata_resume,
+    "distcp": _cases_distcp,
+    "manifest-json": _cases_manifest,
+    "state-json": _cases_state,
+    "state-json-resume": _cases_state_resume,
+    "task-jsonl": _cases_task,
+    "data-index-json": _cases_data_index,
+    "token-shard": _cases_token_shard,
+}
 
 
 # Cases that found a bug (fixed in the reader): run whatever a seeded sample holds.
-REGRESSIONS = {"config-toml": ("model/preset=list", "model/arch=dict"),
-               "tokenizer-json": ("model/continuing_subword_prefix=str",),  # aborted the process (Rust panic)
-               "hf-config-json": ("vocab_size=huge",),
-               "dcp-metadata": (":chunks=[]", ":chunk.sizes=bigger", "MEMOIZE=BYTEARRAY8"),  # the last: SystemError
-               "dcp-metadata-resume": ("MEMOIZE=BYTEARRAY8",),
-               "state-json": ("config=one",), "task-jsonl": ("not-utf8",),
-               "state-json-resume": ("loader/sources/0/epoch=neg", "loader/sources/0/cursor=negfloat"),
-               "data-index-json": ("vocab_size=inf",)}
+REGRESSIONS = {
+    "config-toml": ("model/preset=list", "model/arch=dict"),
+    "tokenizer-json": ("model/continuing_subword_prefix=str",),  # aborted the process (Rust panic)
+    "hf-config-json": ("vocab_size=huge",),
+    "dcp-metadata": (":chunks=[]", ":chunk.sizes=bigger", "MEMOIZE=BYTEARRAY8"),  # the last: SystemError
+    "dcp-metadata-resume": ("MEMOIZE=BYTEARRAY8",),
+    "state-json": ("config=one",),
+    "task-jsonl": ("not-utf8",),
+    "state-json-resume": ("loader/sources/0/epoch=neg", "loader/sources/0/cursor=negfloat"),
+    "data-index-json": ("vocab_size=inf",),
+}
 
 
 # What CPython prints when an error cannot be raised (a destructor, a callback): a reader that makes
@@ -467,8 +575,10 @@ def test_mutated_real_files(reader, real, tmp_path, monkeypatch, capsys):
         if printed:
             failures.append(f"{label}: the interpreter printed {printed[0][:200]!r}")
     with capsys.disabled():
-        print(f"\nfuzz {reader}: {len(cases)} cases of {len(everything) - 1} mutants, {outcomes['ok']} ok, "
-              f"{outcomes['refused']} refused in one line, {len(failures)} failures, {time.perf_counter() - t0:.1f} s")
+        print(
+            f"\nfuzz {reader}: {len(cases)} cases of {len(everything) - 1} mutants, {outcomes['ok']} ok, "
+            f"{outcomes['refused']} refused in one line, {len(failures)} failures, {time.perf_counter() - t0:.1f} s"
+        )
     assert not failures, f"{len(failures)} of {len(cases)} cases:\n" + "\n".join(failures[:40])
 
 

@@ -10,9 +10,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from conftest import tiny_overrides
 from flopwise import log
 from flopwise.cli import app
+from tests.conftest import tiny_overrides
 
 
 @pytest.fixture(autouse=True)
@@ -42,8 +42,10 @@ def say_everything() -> None:
 
 @pytest.mark.parametrize("rank", [0, 1, 3])
 def test_rank_filter_passes_only_errors_from_other_ranks(rank):
-    records = {lv: logging.LogRecord("flopwise.x", lv, __file__, 1, "m", None, None)
-               for lv in (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL)}
+    records = {
+        lv: logging.LogRecord("flopwise.x", lv, __file__, 1, "m", None, None)
+        for lv in (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL)
+    }
     passed = {lv for lv, r in records.items() if log.RankFilter(rank).filter(r)}
     assert passed == (set(records) if rank == 0 else {logging.ERROR, logging.CRITICAL})
 
@@ -79,10 +81,15 @@ def test_rank_0_of_a_job_labels_its_errors_too(monkeypatch):
     assert text(err).splitlines() == ["rank 0: error: an error line"]
 
 
-@pytest.mark.parametrize("options, shown", [([], ["an info line", "a warning line"]),
-                                            (["--quiet"], ["a warning line"]),
-                                            (["-q"], ["a warning line"]),
-                                            (["--verbose"], ["a debug line", "an info line", "a warning line"])])
+@pytest.mark.parametrize(
+    "options, shown",
+    [
+        ([], ["an info line", "a warning line"]),
+        (["--quiet"], ["a warning line"]),
+        (["-q"], ["a warning line"]),
+        (["--verbose"], ["a debug line", "an info line", "a warning line"]),
+    ],
+)
 def test_cli_quiet_and_verbose_set_what_is_printed(options, shown, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     result = CliRunner().invoke(app, [*options, "presets", "--json"])  # any command: the options are the app's
@@ -117,8 +124,9 @@ def test_quiet_train_prints_its_results_but_not_its_progress(tiny_data, tmp_path
     """End to end through the installed entry point: `flopwise --quiet train` keeps the summary
     table and drops the informational lines (model size, per-step lines)."""
     args = tiny_overrides(tmp_path / "run", tiny_data, **{"train.steps": 2, "train.eval_every": 0})
-    quiet = subprocess.run([sys.executable, "-m", "flopwise", "--quiet", "train", *args],
-                           capture_output=True, text=True, timeout=600)
+    quiet = subprocess.run(
+        [sys.executable, "-m", "flopwise", "--quiet", "train", *args], capture_output=True, text=True, timeout=600
+    )
     assert quiet.returncode == 0, quiet.stderr
     assert "MFLOP/token" not in quiet.stdout and "step 2/2" not in quiet.stdout
     assert "throughput" in quiet.stdout  # the summary table

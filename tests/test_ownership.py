@@ -43,8 +43,16 @@ def _refused(code: int, err: str, *words: str) -> None:
 
 
 def _bytes(paths) -> dict:
-    return {str(p): (os.readlink(p) if Path(p).is_symlink() else
-                     hashlib.sha256(Path(p).read_bytes()).hexdigest() if Path(p).is_file() else None) for p in paths}
+    return {
+        str(p): (
+            os.readlink(p)
+            if Path(p).is_symlink()
+            else hashlib.sha256(Path(p).read_bytes()).hexdigest()
+            if Path(p).is_file()
+            else None
+        )
+        for p in paths
+    }
 
 
 def _user(p: Path, text: str = "a user's file\n") -> Path:
@@ -54,8 +62,16 @@ def _user(p: Path, text: str = "a user's file\n") -> Path:
 
 
 def _train(run: Path, data: Path, capsys, monkeypatch, steps: int = 2, **extra) -> tuple[int, str]:
-    return _main(["train", *tiny_overrides(run, data, **{"train.steps": steps, "checkpoint.interval": 2,
-                                                         "train.eval_every": 2, **extra})], capsys, monkeypatch)
+    return _main(
+        [
+            "train",
+            *tiny_overrides(
+                run, data, **{"train.steps": steps, "checkpoint.interval": 2, "train.eval_every": 2, **extra}
+            ),
+        ],
+        capsys,
+        monkeypatch,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +79,24 @@ def made(tiny_data, tmp_path_factory) -> Path:
     """A finished tiny run and its HF export, outside any user folder (read, never written, by the tests)."""
     root = tmp_path_factory.mktemp("made")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for argv in (["train", *tiny_overrides(root / "run", tiny_data, **{"train.steps": 2, "checkpoint.interval": 2})],
-                 ["convert", "to-hf", root / "run", root / "hf"]):
-        r = subprocess.run([sys.executable, "-m", "flopwise", *map(str, argv)], capture_output=True, text=True,
-                           env=env, cwd=root, timeout=600)
+    for argv in (
+        ["train", *tiny_overrides(root / "run", tiny_data, **{"train.steps": 2, "checkpoint.interval": 2})],
+        ["convert", "to-hf", root / "run", root / "hf"],
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "flopwise", *map(str, argv)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=root,
+            timeout=600,
+        )
         assert r.returncode == 0, r.stderr[-2000:]
     return root
 
 
 # --- 1. symlinks are never written through ------------------------------------------------------
+
 
 def test_a_run_whose_files_are_symlinks_to_a_users_is_refused(tiny_data, tmp_path, capsys, monkeypatch):
     """Before: a resume overwrote or truncated the three user files the links pointed at, exit 0."""
@@ -80,7 +105,9 @@ def test_a_run_whose_files_are_symlinks_to_a_users_is_refused(tiny_data, tmp_pat
     assert code == 0, err
     mine = []
     for name in ("metrics.jsonl", "config.toml", "loss.png"):
-        mine.append(_user(tmp_path / "mine" / name, '{"step": 1, "note": "mine"}\n' if name == "metrics.jsonl" else "mine\n"))
+        mine.append(
+            _user(tmp_path / "mine" / name, '{"step": 1, "note": "mine"}\n' if name == "metrics.jsonl" else "mine\n")
+        )
         (run / name).unlink()
         (run / name).symlink_to(mine[-1])
     before = _bytes(mine + [run / "metrics.jsonl"])
@@ -126,6 +153,7 @@ def test_retention_never_deletes_through_a_link(tmp_path):
 
 # --- 2. a path is resolved before it is checked -----------------------------------------------
 
+
 def _dotdot(tmp_path: Path, name: str) -> Path:
     """tmp_path/t/missing/../NAME: the writer lands on t/NAME (it creates `missing` on the way)."""
     (tmp_path / "t").mkdir(exist_ok=True)
@@ -133,28 +161,44 @@ def _dotdot(tmp_path: Path, name: str) -> Path:
 
 
 DOTDOT = {  # command -> (argv given the target path, the user's files under t/ it would replace)
-    "train": (lambda p, m, d: ["train", *tiny_overrides(p, d, **{"train.steps": 2})], "run", ["config.toml", "metrics.jsonl"]),
-    "data-prepare": (lambda p, m, d: ["data", "prepare", "builtin:alice", "--out", p, "--train-tokenizer", 300], "data",
-                     ["index.json", "notes.txt"]),
-    "data-mix": (lambda p, m, d: ["data", "mix", *tiny_overrides(p, "builtin:alice", **{"data.tokenizer": '"bpe:300"'})],
-                 "run", ["data/notes.txt"]),
+    "train": (
+        lambda p, m, d: ["train", *tiny_overrides(p, d, **{"train.steps": 2})],
+        "run",
+        ["config.toml", "metrics.jsonl"],
+    ),
+    "data-prepare": (
+        lambda p, m, d: ["data", "prepare", "builtin:alice", "--out", p, "--train-tokenizer", 300],
+        "data",
+        ["index.json", "notes.txt"],
+    ),
+    "data-mix": (
+        lambda p, m, d: ["data", "mix", *tiny_overrides(p, "builtin:alice", **{"data.tokenizer": '"bpe:300"'})],
+        "run",
+        ["data/notes.txt"],
+    ),
     "convert-to-hf": (lambda p, m, d: ["convert", "to-hf", m / "run", p], "hf", ["model.safetensors", "config.json"]),
-    "convert-from-hf": (lambda p, m, d: ["convert", "from-hf", m / "hf", p, "--force"], "run",
-                        ["flopwise-run.json"]),
-    "checkpoint-export": (lambda p, m, d: ["checkpoint", "export", m / "run", "--out", p, "--force"], "run",
-                          ["flopwise-run.json"]),
+    "convert-from-hf": (lambda p, m, d: ["convert", "from-hf", m / "hf", p, "--force"], "run", ["flopwise-run.json"]),
+    "checkpoint-export": (
+        lambda p, m, d: ["checkpoint", "export", m / "run", "--out", p, "--force"],
+        "run",
+        ["flopwise-run.json"],
+    ),
     "out-config": (lambda p, m, d: ["scale", "optimal", "--flops", "1e15", "--out-config", p], "config.toml", [""]),
     "plan-out-config": (lambda p, m, d: ["plan", 'model.preset="demo-tiny"', "--out-config", p], "config.toml", [""]),
-    "ids-out": (lambda p, m, d: ["data", "contamination", d, "--tasks", "alice-lastword", "--ids-out", p], "ids.json",
-                [""]),
+    "ids-out": (
+        lambda p, m, d: ["data", "contamination", d, "--tasks", "alice-lastword", "--ids-out", p],
+        "ids.json",
+        [""],
+    ),
     "calibrate-out": (lambda p, m, d: ["hardware", "calibrate", "--out", p], "hw.toml", [""]),
     "scale-fit-out": (lambda p, m, d: ["scale", "fit", CSV_IN, "--bootstrap", 0, "--out", p], "law.json", [""]),
 }
 
 
 @pytest.mark.parametrize("name", list(DOTDOT))
-def test_a_path_through_a_missing_folder_and_back_is_checked_where_it_lands(name, made, tiny_data, tmp_path, capsys,
-                                                                            monkeypatch):
+def test_a_path_through_a_missing_folder_and_back_is_checked_where_it_lands(
+    name, made, tiny_data, tmp_path, capsys, monkeypatch
+):
     """Before: `DIR/missing/../target` skipped every check (nothing "exists" at a path through a
     missing folder), and the writer, creating `missing`, replaced the user's files in DIR/target."""
     import flopwise.calibrate
@@ -186,6 +230,7 @@ def test_real_path_takes_dotdot_after_symlinks_and_keeps_a_final_link(tmp_path):
 
 # --- 3. a record proves ownership by content, for its own folder only -------------------------
 
+
 def _record_of(p: Path) -> dict:
     b = p.read_bytes()
     return {"bytes": len(b), "sha256": hashlib.sha256(b).hexdigest()}
@@ -196,9 +241,17 @@ def test_a_hand_written_data_manifest_deletes_nothing(tmp_path, capsys, monkeypa
     whole listed folders included."""
     d = tmp_path / "data"
     mine = [_user(d / "train-00000.bin"), _user(d / "work" / "logs" / "thesis.tex"), _user(d / "notes.txt")]
-    (d / "manifest.json").write_text(json.dumps({
-        "format": "flopwise-data-manifest/1", "complete": False, "files": {"notes.txt": _record_of(mine[2])},
-        "unchecked": ["train-00000.bin"], "folders": ["work/logs"]}))
+    (d / "manifest.json").write_text(
+        json.dumps(
+            {
+                "format": "flopwise-data-manifest/1",
+                "complete": False,
+                "files": {"notes.txt": _record_of(mine[2])},
+                "unchecked": ["train-00000.bin"],
+                "folders": ["work/logs"],
+            }
+        )
+    )
     before = _bytes(mine + [d / "manifest.json"])
     code, err = _main(["data", "prepare", "builtin:alice", "--out", d, "--train-tokenizer", 300], capsys, monkeypatch)
     _refused(code, err, "manifest.json", "does not prove")
@@ -210,9 +263,17 @@ def test_a_crafted_hf_manifest_does_not_make_a_users_weights_replaceable(made, t
     `convert to-hf` overwrite it."""
     hf = tmp_path / "hf"
     mine = _user(hf / "model.safetensors", "my weights\n")
-    (hf / "flopwise-manifest.json").write_text(json.dumps({
-        "format": "flopwise-hf-manifest/1", "complete": True, "files": {"model.safetensors": _record_of(mine)},
-        "unchecked": [], "folders": []}))
+    (hf / "flopwise-manifest.json").write_text(
+        json.dumps(
+            {
+                "format": "flopwise-hf-manifest/1",
+                "complete": True,
+                "files": {"model.safetensors": _record_of(mine)},
+                "unchecked": [],
+                "folders": [],
+            }
+        )
+    )
     code, err = _main(["convert", "to-hf", made / "run", hf], capsys, monkeypatch)
     _refused(code, err, "flopwise-manifest.json")
     assert mine.read_text() == "my weights\n"
@@ -223,9 +284,15 @@ def test_a_crafted_run_record_does_not_make_a_users_files_replaceable(fmt, tiny_
     """Before: a run record naming metrics.jsonl and config.toml made `train` replace the user's."""
     run = tmp_path / "run"
     mine = [_user(run / "metrics.jsonl", '{"step": 1, "loss": 9}\n'), _user(run / "config.toml", "# my config\n")]
-    (run / "flopwise-run.json").write_text(json.dumps({
-        "format": fmt, "writes": ["config.toml", "metrics.jsonl", "loss.png", "checkpoints"],
-        "files": {p.name: _record_of(p) for p in mine}}))
+    (run / "flopwise-run.json").write_text(
+        json.dumps(
+            {
+                "format": fmt,
+                "writes": ["config.toml", "metrics.jsonl", "loss.png", "checkpoints"],
+                "files": {p.name: _record_of(p) for p in mine},
+            }
+        )
+    )
     before = _bytes(mine)
     code, err = _train(run, tiny_data, capsys, monkeypatch)
     _refused(code, err, "flopwise-run.json")
@@ -273,9 +340,11 @@ def test_an_output_file_is_replaced_only_while_its_seal_verifies(tmp_path):
     from flopwise.errors import ConfigError
     from flopwise.outputs import is_ours, write_csv, write_json, write_text
 
-    for write in (lambda p: write_text(p, "a = 1\n", "--out-config"),
-                  lambda p: write_json(p, {"a": 1}, "--out", "test"),
-                  lambda p: write_csv(p, ["a"], [[1]], "--out", "test")):
+    for write in (
+        lambda p: write_text(p, "a = 1\n", "--out-config"),
+        lambda p: write_json(p, {"a": 1}, "--out", "test"),
+        lambda p: write_csv(p, ["a"], [[1]], "--out", "test"),
+    ):
         p = write(tmp_path / "x")
         p = write(p)  # its own: replaced
         assert is_ours(p)
@@ -326,8 +395,9 @@ LOCKED = {  # command -> (argv given the folder, the folder whose lock it takes)
 
 
 @pytest.mark.parametrize("name", list(LOCKED))
-def test_a_second_writer_of_a_folder_is_refused_naming_the_holder(name, made, tiny_data, tmp_path, holder, capsys,
-                                                                  monkeypatch):
+def test_a_second_writer_of_a_folder_is_refused_naming_the_holder(
+    name, made, tiny_data, tmp_path, holder, capsys, monkeypatch
+):
     """Before: two `flopwise train` into one folder both ran; one finished with the other's
     learning rate in its config.toml and both runs' rows in its metrics."""
     folder = tmp_path / "out"
@@ -358,14 +428,24 @@ def test_two_trains_started_a_second_apart(tiny_data, tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "flopwise", "train"]
-    first = subprocess.Popen([*cmd, *tiny_overrides(run, tiny_data, **{"train.steps": 400})], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [*cmd, *tiny_overrides(run, tiny_data, **{"train.steps": 400})],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 300
         while not (run / ".flopwise.lock").exists() and time.time() < deadline:
             time.sleep(0.2)
-        second = subprocess.run([*cmd, *tiny_overrides(run, tiny_data, **{"train.steps": 2, "optim.lr": 0.5})],
-                                env=env, capture_output=True, text=True, timeout=300)
+        second = subprocess.run(
+            [*cmd, *tiny_overrides(run, tiny_data, **{"train.steps": 2, "optim.lr": 0.5})],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         first.kill()
         first.wait()

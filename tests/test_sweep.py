@@ -8,8 +8,9 @@ from tests.conftest import tiny_overrides
 
 
 def test_ladder_plans_runs_resumes_and_collects(tiny_data, tmp_path):
-    base = load_config(None, tiny_overrides(tmp_path / "base", tiny_data, **{"train.global_batch": 8,
-                                                                            "train.micro_batch": 8}))
+    base = load_config(
+        None, tiny_overrides(tmp_path / "base", tiny_data, **{"train.global_batch": 8, "train.micro_batch": 8})
+    )
     out = tmp_path / "ladder"
     runs = plan_ladder(base, [2e9, 6e9], sizes=3, spread=16.0, out=out)
     assert len(runs) >= 4 and len({(r.budget, r.params) for r in runs}) == len(runs)  # duplicates dropped
@@ -19,7 +20,7 @@ def test_ladder_plans_runs_resumes_and_collects(tiny_data, tmp_path):
         assert r.config.train.steps * 8 * 32 == r.tokens
     wide = plan_ladder(base, [1e12, 1e13], sizes=5, spread=8.0, out=out)
     for k in (0, 5):
-        sizes = [r.params for r in wide[k:k + 5]]
+        sizes = [r.params for r in wide[k : k + 5]]
         assert sizes == sorted(sizes) and sizes[-1] / sizes[0] > 4
     table = run_ladder(base, runs, out)
     rows = list(csv.DictReader(table.open()))
@@ -39,8 +40,9 @@ def test_ladder_plans_runs_resumes_and_collects(tiny_data, tmp_path):
 
 def test_ladder_jobs_train_runs_at_once_with_the_losses_of_one_at_a_time(tiny_data, tmp_path):
     """Worker processes on one thread each (--jobs 2) against the in-process sequential sweep."""
-    base = load_config(None, tiny_overrides(tmp_path / "base", tiny_data, **{"train.global_batch": 8,
-                                                                            "train.micro_batch": 8}))
+    base = load_config(
+        None, tiny_overrides(tmp_path / "base", tiny_data, **{"train.global_batch": 8, "train.micro_batch": 8})
+    )
     tables = {}
     for jobs in (1, 2):
         out = tmp_path / f"jobs{jobs}"

@@ -32,7 +32,7 @@ from _out import report  # benchmarks/gpu/_out.py: this script's folder is on sy
 SHAPES = {
     "a": ["model.n_layers=28", "model.d_model=3072", "model.n_heads=24", "model.n_kv_heads=8", "model.ffn_dim=8192"],
     "b": ["model.n_layers=8", "model.d_model=4096", "model.n_heads=32", "model.n_kv_heads=8", "model.ffn_dim=14336"],
-    "tiny": ["model.preset=\"demo-tiny\""],
+    "tiny": ['model.preset="demo-tiny"'],
 }
 RECIPES = ("none", "rowwise", "tensorwise")
 TAIL = 20  # the loss compared: the mean over the last TAIL steps
@@ -53,13 +53,29 @@ def one(shape: str, recipe: str, a: argparse.Namespace) -> dict:
 
     cuda = not a.tiny
     seq = 64 if a.tiny else 2048
-    cfg = load_config(None, [
-        *SHAPES[shape], f"model.vocab_size={a.vocab}", f"model.max_seq_len={seq}", f"data.seq_len={seq}",
-        f"data.path=\"{a.data}\"", f"run.dir=\"{a.work / f'{shape}-{recipe}'}\"", "checkpoint.resume=\"none\"",
-        f"train.steps={a.warmup + a.steps}", f"train.global_batch={a.batch}", f"train.micro_batch={a.batch}",
-        "train.dtype=\"bf16\"", f"train.compile={'true' if cuda else 'false'}", f"train.device=\"{'cuda' if cuda else 'cpu'}\"",
-        f"train.float8=\"{recipe}\"", f"train.float8_emulate={'false' if cuda else 'true'}", "parallel.zero=0",
-        "cluster.hardware=\"h200\"", "optim.warmup_steps=20" if not a.tiny else "optim.warmup_steps=1"])
+    cfg = load_config(
+        None,
+        [
+            *SHAPES[shape],
+            f"model.vocab_size={a.vocab}",
+            f"model.max_seq_len={seq}",
+            f"data.seq_len={seq}",
+            f'data.path="{a.data}"',
+            f'run.dir="{a.work / f"{shape}-{recipe}"}"',
+            'checkpoint.resume="none"',
+            f"train.steps={a.warmup + a.steps}",
+            f"train.global_batch={a.batch}",
+            f"train.micro_batch={a.batch}",
+            'train.dtype="bf16"',
+            f"train.compile={'true' if cuda else 'false'}",
+            f'train.device="{"cuda" if cuda else "cpu"}"',
+            f'train.float8="{recipe}"',
+            f"train.float8_emulate={'false' if cuda else 'true'}",
+            "parallel.zero=0",
+            'cluster.hardware="h200"',
+            "optim.warmup_steps=20" if not a.tiny else "optim.warmup_steps=1",
+        ],
+    )
     run = build_run(cfg)
     faults = Faults.from_env(0)
     losses, times = [], []
@@ -79,15 +95,26 @@ def one(shape: str, recipe: str, a: argparse.Namespace) -> dict:
     h200 = get_hardware("h200")
     lo = run.par.layout
     rank = predict_rank(cfg, lo, 0, 0, 0, cpu=not cuda)
-    out = {"shape": shape, "recipe": recipe, "device": torch.cuda.get_device_name(0) if cuda else "cpu (emulated)",
-           "torch": torch.__version__, "seq_len": seq, "batch": a.batch, "steps": a.steps, "warmup": a.warmup,
-           "median_step_s": step_s, "tokens_per_s": tokens_per_s,
-           "mfu_bf16_peak": mfu(tokens_per_s, fpt, h200.peak("bf16")) if cuda else None,
-           "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-           "predicted_peak_bytes": rank.params + rank.grads + rank.optimizer + rank.peak,
-           "losses": losses, "tail_loss": statistics.fmean(losses[-TAIL:])}
-    plan = evaluate(cfg.model, h200, lo, seq, a.batch, compile=cfg.train.compile, steps=cfg.train.steps,
-                    dtype="bf16", float8=recipe)
+    out = {
+        "shape": shape,
+        "recipe": recipe,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu (emulated)",
+        "torch": torch.__version__,
+        "seq_len": seq,
+        "batch": a.batch,
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "median_step_s": step_s,
+        "tokens_per_s": tokens_per_s,
+        "mfu_bf16_peak": mfu(tokens_per_s, fpt, h200.peak("bf16")) if cuda else None,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "predicted_peak_bytes": rank.params + rank.grads + rank.optimizer + rank.peak,
+        "losses": losses,
+        "tail_loss": statistics.fmean(losses[-TAIL:]),
+    }
+    plan = evaluate(
+        cfg.model, h200, lo, seq, a.batch, compile=cfg.train.compile, steps=cfg.train.steps, dtype="bf16", float8=recipe
+    )
     out["predicted_tokens_per_s"] = plan.tokens_per_s
     return out
 
@@ -124,8 +151,23 @@ def main() -> None:
     results = []
     for shape in shapes:
         for recipe in a.recipes:
-            args = [sys.executable, __file__, "--one", shape, recipe, "--work", str(a.work), "--steps", str(a.steps),
-                    "--warmup", str(a.warmup), "--batch", str(a.batch), "--vocab", str(a.vocab)] + (["--tiny"] if a.tiny else [])
+            args = [
+                sys.executable,
+                __file__,
+                "--one",
+                shape,
+                recipe,
+                "--work",
+                str(a.work),
+                "--steps",
+                str(a.steps),
+                "--warmup",
+                str(a.warmup),
+                "--batch",
+                str(a.batch),
+                "--vocab",
+                str(a.vocab),
+            ] + (["--tiny"] if a.tiny else [])
             r = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
             if r.returncode:
                 results.append({"shape": shape, "recipe": recipe, "error": r.stderr.strip().splitlines()[-1:]})
@@ -133,16 +175,33 @@ def main() -> None:
                 results.append(json.loads(r.stdout.strip().splitlines()[-1]))
             print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
     for r in results:  # against the same shape's bf16 run
-        base = next((b for b in results if b["shape"] == r["shape"] and b["recipe"] == "none" and "error" not in b), None)
+        base = next(
+            (b for b in results if b["shape"] == r["shape"] and b["recipe"] == "none" and "error" not in b), None
+        )
         if base is None or "error" in r:
             continue
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         r["tail_loss_vs_bf16"] = r["tail_loss"] / base["tail_loss"] - 1
         if r["predicted_tokens_per_s"] and base["predicted_tokens_per_s"]:
             r["predicted_speedup"] = r["predicted_tokens_per_s"] / base["predicted_tokens_per_s"]
-    summary = [{k: r.get(k) for k in ("shape", "recipe", "tokens_per_s", "speedup", "predicted_speedup",
-                                      "peak_memory_bytes", "predicted_peak_bytes", "tail_loss", "tail_loss_vs_bf16",
-                                      "error")} for r in results]
+    summary = [
+        {
+            k: r.get(k)
+            for k in (
+                "shape",
+                "recipe",
+                "tokens_per_s",
+                "speedup",
+                "predicted_speedup",
+                "peak_memory_bytes",
+                "predicted_peak_bytes",
+                "tail_loss",
+                "tail_loss_vs_bf16",
+                "error",
+            )
+        }
+        for r in results
+    ]
     report(results, a.out, shown=summary)
 
 

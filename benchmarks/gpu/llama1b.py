@@ -37,7 +37,7 @@ from flopwise.plan.rank import predict_rank
 from flopwise.train.metrics import measure_matmul_peak
 from flopwise.train.optim import step_unless
 
-SHAPE_TINY = ["model.preset=\"demo-tiny\"", "data.seq_len=64"]
+SHAPE_TINY = ['model.preset="demo-tiny"', "data.seq_len=64"]
 
 
 def main() -> None:
@@ -47,11 +47,18 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--zero", type=int, default=3, help="3: FSDP2 (bf16 params, fp32 masters); 0: plain autocast")
-    ap.add_argument("--eager", action="store_true", help="no torch.compile (what the planner's eager activation model books)")
+    ap.add_argument(
+        "--eager", action="store_true", help="no torch.compile (what the planner's eager activation model books)"
+    )
     ap.add_argument("--profile", action="store_true", help="after timing, profile one step: top kernels by time")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--hardware-file", type=Path, default=None, help="a `flopwise hardware calibrate` TOML: its h200 "
-                    "entry's prediction is reported too (`predicted_calibrated`)")
+    ap.add_argument(
+        "--hardware-file",
+        type=Path,
+        default=None,
+        help="a `flopwise hardware calibrate` TOML: its h200 "
+        "entry's prediction is reported too (`predicted_calibrated`)",
+    )
     a = ap.parse_args()
     cuda = torch.cuda.is_available() and not a.tiny
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -59,9 +66,19 @@ def main() -> None:
         store = tempfile.NamedTemporaryFile(delete=False).name
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
     shape = SHAPE_TINY if a.tiny else SHAPE_1B
-    cfg = load_config(None, [*shape, f"train.global_batch={a.batch}", f"train.micro_batch={a.batch}",
-                             f"train.dtype=\"{'bf16' if cuda else 'fp32'}\"", f"train.compile={'true' if cuda and not a.eager else 'false'}",
-                             f"parallel.zero={a.zero}", f"train.device=\"{device.type}\"", "cluster.hardware=\"h200\""])
+    cfg = load_config(
+        None,
+        [
+            *shape,
+            f"train.global_batch={a.batch}",
+            f"train.micro_batch={a.batch}",
+            f'train.dtype="{"bf16" if cuda else "fp32"}"',
+            f"train.compile={'true' if cuda and not a.eager else 'false'}",
+            f"parallel.zero={a.zero}",
+            f'train.device="{device.type}"',
+            'cluster.hardware="h200"',
+        ],
+    )
     lo = mesh.layout_of(cfg, 1)
     par = mesh.Parallel(lo, mesh.make_mesh(lo, device), device)
     engine, opt = build_engine(cfg, par)
@@ -93,28 +110,68 @@ def main() -> None:
     catalogue = get_hardware("h200").peak(dtype) if cuda else None
     measured = measure_matmul_peak(dtype, device, sizes=(4096, 8192) if cuda else (256,))
     result = {
-        "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-        "params": count_params(cfg.model).total, "seq_len": seq, "batch": a.batch, "dtype": dtype,
-        "compile": cfg.train.compile, "layout": "fsdp2 (zero3) on a one-rank mesh" if a.zero == 3 else f"zero{a.zero} on a one-rank mesh",
-        "median_step_s": step_s, "tokens_per_s": tps, "model_flops_per_token": fpt, "final_loss": float(loss),
-        "mfu_vs_catalogue": mfu(tps, fpt, catalogue) if catalogue else None, "catalogue_peak_flops": catalogue,
-        "mfu_vs_measured_matmul": mfu(tps, fpt, measured), "measured_matmul_flops": measured,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "torch": torch.__version__,
+        "params": count_params(cfg.model).total,
+        "seq_len": seq,
+        "batch": a.batch,
+        "dtype": dtype,
+        "compile": cfg.train.compile,
+        "layout": "fsdp2 (zero3) on a one-rank mesh" if a.zero == 3 else f"zero{a.zero} on a one-rank mesh",
+        "median_step_s": step_s,
+        "tokens_per_s": tps,
+        "model_flops_per_token": fpt,
+        "final_loss": float(loss),
+        "mfu_vs_catalogue": mfu(tps, fpt, catalogue) if catalogue else None,
+        "catalogue_peak_flops": catalogue,
+        "mfu_vs_measured_matmul": mfu(tps, fpt, measured),
+        "measured_matmul_flops": measured,
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
     }
-    plan = evaluate(cfg.model, get_hardware("h200"), lo, seq, a.batch,  # what flopwise plan says of this run
-                    compile=cfg.train.compile, steps=cfg.train.steps, dtype=cfg.train.dtype)
+    plan = evaluate(
+        cfg.model,
+        get_hardware("h200"),
+        lo,
+        seq,
+        a.batch,  # what flopwise plan says of this run
+        compile=cfg.train.compile,
+        steps=cfg.train.steps,
+        dtype=cfg.train.dtype,
+    )
     rank = predict_rank(cfg, lo, 0, 0, 0, cpu=not cuda)
-    result["predicted"] = {"step_s": plan.step_time, "tokens_per_s": plan.tokens_per_s, "mfu": plan.mfu,
-                           "memory_bytes": plan.memory, "rank_bytes": {"params": rank.params, "grads": rank.grads,
-                           "optimizer": rank.optimizer, "activations": rank.activations}}
+    result["predicted"] = {
+        "step_s": plan.step_time,
+        "tokens_per_s": plan.tokens_per_s,
+        "mfu": plan.mfu,
+        "memory_bytes": plan.memory,
+        "rank_bytes": {
+            "params": rank.params,
+            "grads": rank.grads,
+            "optimizer": rank.optimizer,
+            "activations": rank.activations,
+        },
+    }
     if a.hardware_file:  # the same prediction from this GPU's own tables
-        mine = evaluate(cfg.model, load_catalogue(a.hardware_file)["h200"], lo, seq, a.batch, compile=cfg.train.compile,
-                        steps=cfg.train.steps, dtype=cfg.train.dtype)
-        result["predicted_calibrated"] = {"step_s": mine.step_time, "tokens_per_s": mine.tokens_per_s, "mfu": mine.mfu,
-                                          "time_breakdown_s": mine.time}
+        mine = evaluate(
+            cfg.model,
+            load_catalogue(a.hardware_file)["h200"],
+            lo,
+            seq,
+            a.batch,
+            compile=cfg.train.compile,
+            steps=cfg.train.steps,
+            dtype=cfg.train.dtype,
+        )
+        result["predicted_calibrated"] = {
+            "step_s": mine.step_time,
+            "tokens_per_s": mine.tokens_per_s,
+            "mfu": mine.mfu,
+            "time_breakdown_s": mine.time,
+        }
     print(json.dumps(result, indent=1))
     if a.profile:  # where a step's time goes, per kernel (profile before optimising)
         from torch.profiler import ProfilerActivity, profile
+
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=acts) as prof:
             step()

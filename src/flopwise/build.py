@@ -87,8 +87,13 @@ def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, setting: str) -
     recipe is unchanged); `setting` names the option that chose `out`'s folder, for a refusal."""
     if is_prepared(path):
         return Path(path)
-    recipe = {"inputs": [path], "tokenizer": tokenizer, "val_fraction": cfg.data.val_fraction, "seed": cfg.run.seed,
-              "format": FORMAT}  # a folder of an older format is prepared again
+    recipe = {
+        "inputs": [path],
+        "tokenizer": tokenizer,
+        "val_fraction": cfg.data.val_fraction,
+        "seed": cfg.run.seed,
+        "format": FORMAT,
+    }  # a folder of an older format is prepared again
     recipe_file = out / "recipe.json"
     if (out / "index.json").is_file() and why_not_ours(out, DATA_MANIFEST) is None and recipe_file.is_file():
         try:
@@ -97,15 +102,22 @@ def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, setting: str) -
         except ValueError:  # recorded in the manifest, so flopwise's, yet unreadable: prepare again
             pass
     logger.info(f"[bold]preparing data[/] {path} -> {out} (tokenizer {tokenizer})")
-    stats = prepare([path], out, tokenizer=tokenizer, val_fraction=cfg.data.val_fraction, seed=cfg.run.seed,
-                    setting=setting)
-    add_to_manifest(out, DATA_MANIFEST, "recipe.json", json.dumps(recipe).encode())  # the folder stays provably flopwise's
-    logger.info(f"  {stats.documents} documents, {stats.tokens:,} tokens ({stats.splits['train']:,} train / "
-                f"{stats.splits['val']:,} val), {stats.bytes / 1e6:.1f} MB in {stats.seconds:.1f} s "
-                f"({stats.tokens_per_s / 1e3:.0f}k tokens/s)")
+    stats = prepare(
+        [path], out, tokenizer=tokenizer, val_fraction=cfg.data.val_fraction, seed=cfg.run.seed, setting=setting
+    )
+    add_to_manifest(
+        out, DATA_MANIFEST, "recipe.json", json.dumps(recipe).encode()
+    )  # the folder stays provably flopwise's
+    logger.info(
+        f"  {stats.documents} documents, {stats.tokens:,} tokens ({stats.splits['train']:,} train / "
+        f"{stats.splits['val']:,} val), {stats.bytes / 1e6:.1f} MB in {stats.seconds:.1f} s "
+        f"({stats.tokens_per_s / 1e3:.0f}k tokens/s)"
+    )
     if stats.report.get("skipped"):
-        logger.info(f"  [yellow]skipped[/]: {escape(skipped_note(stats.report['skipped']))} (report.json: skipped)",
-                    extra={"highlighter": None})
+        logger.info(
+            f"  [yellow]skipped[/]: {escape(skipped_note(stats.report['skipped']))} (report.json: skipped)",
+            extra={"highlighter": None},
+        )
     return out
 
 
@@ -140,11 +152,13 @@ def check_init_tokenizer(cfg: Config, data_dir: Path) -> GuardedTokenizer | None
         return None
     model_tok = load_tokenizer(hf / "tokenizer.json")
     if diff := tokenizer_difference(tokenizer_of(data_dir), model_tok):
-        raise DataError(f"data {data_dir} was tokenized with another tokenizer than "
-                        f"model.init_from={cfg.model.init_from} "
-                        f"({diff}): its token ids mean other tokens to the model; prepare the data with "
-                        f"`flopwise data prepare INPUTS --tokenizer {hf} --out DIR`, or give data.path raw text "
-                        "(data.tokenizer unset: the model's)")
+        raise DataError(
+            f"data {data_dir} was tokenized with another tokenizer than "
+            f"model.init_from={cfg.model.init_from} "
+            f"({diff}): its token ids mean other tokens to the model; prepare the data with "
+            f"`flopwise data prepare INPUTS --tokenizer {hf} --out DIR`, or give data.path raw text "
+            "(data.tokenizer unset: the model's)"
+        )
     return model_tok
 
 
@@ -157,12 +171,16 @@ def loaded_line(cfg: Config, tok: GuardedTokenizer | None) -> str:
         tokens = "no tokenizer.json there (the data's is not checked against it)"
     else:
         ids = special_ids(tok, hf)
-        tokens = (f"tokenizer {hf / 'tokenizer.json'} ({tok.get_vocab_size():,} tokens; "
-                  f"bos {tok.id_to_token(ids['bos'])!r}={ids['bos']}, "
-                  f"eos {tok.id_to_token(ids['eos'])!r}={ids['eos']})")
-    return (f"[bold]loaded[/] {escape(source)}: {cfg.model.arch}, {params:,} parameters, "
-            f"context {cfg.model.max_seq_len}; {escape(tokens)}; training at lr {o.lr:g} "
-            f"(warm-up {o.warmup_steps} steps, {o.schedule} to {o.min_lr:g}), seq_len {cfg.data.seq_len}")
+        tokens = (
+            f"tokenizer {hf / 'tokenizer.json'} ({tok.get_vocab_size():,} tokens; "
+            f"bos {tok.id_to_token(ids['bos'])!r}={ids['bos']}, "
+            f"eos {tok.id_to_token(ids['eos'])!r}={ids['eos']})"
+        )
+    return (
+        f"[bold]loaded[/] {escape(source)}: {cfg.model.arch}, {params:,} parameters, "
+        f"context {cfg.model.max_seq_len}; {escape(tokens)}; training at lr {o.lr:g} "
+        f"(warm-up {o.warmup_steps} steps, {o.schedule} to {o.min_lr:g}), seq_len {cfg.data.seq_len}"
+    )
 
 
 def build_parts(cfg: Config, par: mesh.Parallel) -> list[tuple[int, nn.Module]]:
@@ -244,19 +262,40 @@ def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run:
     index = read_index(sources[0].data_dir)
     model_tok = check_init_tokenizer(cfg, sources[0].data_dir)
     if index["vocab_size"] > cfg.model.vocab_size:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                          f"{index['vocab_size']}; set model.vocab_size>={index['vocab_size']}")
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+            f"{index['vocab_size']}; set model.vocab_size>={index['vocab_size']}"
+        )
     engine, optimizer = build_engine(cfg, par, index["eos_id"])
-    loader = TokenLoader(sources, "train", cfg.data.seq_len, cfg.train.global_batch, cfg.run.seed,
-                         dp_rank=par.rank("dp"), dp_size=par.layout.dp)
-    run = Run(cfg, par, engine, optimizer, loader, sources, index, tokenizer_of(sources[0].data_dir),
-              Guard(cfg.guard), fingerprint(sources))
+    loader = TokenLoader(
+        sources,
+        "train",
+        cfg.data.seq_len,
+        cfg.train.global_batch,
+        cfg.run.seed,
+        dp_rank=par.rank("dp"),
+        dp_size=par.layout.dp,
+    )
+    run = Run(
+        cfg,
+        par,
+        engine,
+        optimizer,
+        loader,
+        sources,
+        index,
+        tokenizer_of(sources[0].data_dir),
+        Guard(cfg.guard),
+        fingerprint(sources),
+    )
     if cfg.model.init_from:
         logger.info(loaded_line(cfg, model_tok), extra={"highlighter": None})
     run.resumed_from = resume_from = _resume_point(cfg, run_dir)
     if resume_from is not None:
         resume(run, resume_from)
         if run.start_step > cfg.train.steps:
-            raise ConfigError(f"checkpoint {resume_from} is at step {run.start_step}, past train.steps="
-                              f"{cfg.train.steps}; raise train.steps to continue it, or start a new run.dir")
+            raise ConfigError(
+                f"checkpoint {resume_from} is at step {run.start_step}, past train.steps="
+                f"{cfg.train.steps}; raise train.steps to continue it, or start a new run.dir"
+            )
     return run

@@ -65,8 +65,13 @@ CPU_FLOP_CAP = 2e10  # largest product timed on a CPU (a few tenths of a second 
 MESSAGE_BYTES = {"cpu": [2**k for k in range(12, 25, 3)], "cuda": [2**k for k in range(16, 31, 2)]}
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 1,
-          before: Callable[[], object] | None = None) -> float:
+def timed(
+    fn: Callable[[], object],
+    device: torch.device,
+    repeats: int = 5,
+    warmup: int = 1,
+    before: Callable[[], object] | None = None,
+) -> float:
     """Median seconds of `fn` over `repeats` after `warmup` calls (the GPU synchronised around each;
     `before` runs untimed ahead of each, e.g. a barrier that starts all ranks together)."""
     for _ in range(warmup):
@@ -94,9 +99,13 @@ def gemm_shapes(cfg: Config, tps: tuple[int, ...], micro_batches: tuple[int, ...
     for tp in tps:
         for mb in micro_batches:
             t = mb * seq
-            for k, n in ((m.d_model, (hq + 2 * hkv) // tp), (hq // tp, m.d_model),
-                         (m.d_model, (2 if m.mlp == "swiglu" else 1) * m.ffn_dim // tp), (m.ffn_dim // tp, m.d_model),
-                         (m.d_model, m.vocab_size // tp)):
+            for k, n in (
+                (m.d_model, (hq + 2 * hkv) // tp),
+                (hq // tp, m.d_model),
+                (m.d_model, (2 if m.mlp == "swiglu" else 1) * m.ffn_dim // tp),
+                (m.ffn_dim // tp, m.d_model),
+                (m.d_model, m.vocab_size // tp),
+            ):
                 out |= {(t, n, k), (t, k, n), (k, n, t)}  # forward (t×k)·(k×n); data grad; weight grad
     for d in (256, 1024, 4096):
         for e in (256, 1024, 4096):
@@ -117,8 +126,9 @@ def measure_gemms(shapes, dtype: torch.dtype, device: torch.device, peak: float,
     return rows
 
 
-def measure_attention(head_dims, seqs, dtype: torch.dtype, device: torch.device, peak: float,
-                      progress: Progress) -> list:
+def measure_attention(
+    head_dims, seqs, dtype: torch.dtype, device: torch.device, peak: float, progress: Progress
+) -> list:
     """The engine's attention core (model.layers.CoreAttention: SDPA, causal; in fp32 on a CPU)
     forward and backward; shares of peak in the planner's FLOPs (forward: 4·s²·d per head over
     the full context, backward: three times that, as plan.perf counts a fused kernel)."""
@@ -133,8 +143,9 @@ def measure_attention(head_dims, seqs, dtype: torch.dtype, device: torch.device,
     for d in head_dims:
         for s in seqs:
             bh = max(1, budget // (s * d))
-            q, k, v = (torch.randn((1, bh, s, d), generator=gen, dtype=dtype, device=device).requires_grad_()
-                       for _ in range(3))
+            q, k, v = (
+                torch.randn((1, bh, s, d), generator=gen, dtype=dtype, device=device).requires_grad_() for _ in range(3)
+            )
             grad = torch.ones((1, bh, s, d), dtype=dtype, device=device)
             fwd = timed(partial(core, q, k, v, None, True), device)
             both = timed(partial(fwd_bwd, q, k, v, grad), device)
@@ -202,8 +213,12 @@ def _tp_seconds(config: str, device: torch.device) -> float:
 
     cfg = load_config(config)
     engine, _ = build_engine(cfg, mesh.init(cfg, device))
-    batch = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1),
-                          generator=torch.Generator().manual_seed(0))
+    batch = torch.randint(
+        0,
+        cfg.model.vocab_size,
+        (cfg.train.global_batch, cfg.data.seq_len + 1),
+        generator=torch.Generator().manual_seed(0),
+    )
 
     def step():
         engine.forward_backward(batch)
@@ -241,9 +256,24 @@ def measure_ranks(nproc: int, threads: int, device: torch.device, tp_cfg: Config
         out, config = Path(tmp) / "collectives.json", Path(tmp) / "tp.toml"
         config.write_text(to_toml(tp_cfg) if tp_cfg else "")
         env = {**os.environ, "OMP_NUM_THREADS": str(threads or 1)}
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                            str(nproc), "-m", "flopwise.calibrate", str(out), backend, str(config) if tp_cfg else ""],
-                           capture_output=True, text=True, env=env)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(nproc),
+                "-m",
+                "flopwise.calibrate",
+                str(out),
+                backend,
+                str(config) if tp_cfg else "",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         if r.returncode != 0 or not out.exists():
             tail = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]
             raise FlopwiseError(f"the collectives run on {nproc} ranks failed (exit {r.returncode}): {tail}")
@@ -262,10 +292,12 @@ def _collectives_rank(out: str, backend: str, config: str) -> None:
     rows: dict[str, list] = {k: [] for k in COLLECTIVES}
 
     def collectives(full: torch.Tensor, part: torch.Tensor) -> dict[str, Callable[[], object]]:
-        return {"all_reduce": lambda: dist.all_reduce(full),
-                "all_gather": lambda: dist.all_gather_into_tensor(full[: part.numel() * world], part),
-                "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full[: part.numel() * world]),
-                "send_recv": lambda: (dist.send(full, 1) if rank == 0 else dist.recv(full, 0)) if rank < 2 else None}
+        return {
+            "all_reduce": lambda: dist.all_reduce(full),
+            "all_gather": lambda: dist.all_gather_into_tensor(full[: part.numel() * world], part),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full[: part.numel() * world]),
+            "send_recv": lambda: (dist.send(full, 1) if rank == 0 else dist.recv(full, 0)) if rank < 2 else None,
+        }
 
     for nbytes in MESSAGE_BYTES[device.type]:
         n = nbytes // 4
@@ -291,8 +323,9 @@ def overlap(device: torch.device) -> float:
     n = 512 if device.type == "cpu" else 8192
     a = torch.full((n, n), 0.5, device=device)
     buf = torch.ones((16 if device.type == "cpu" else 256) * 2**20 // 4, device=device)
-    reps = max(1, int(timed(lambda: dist.all_reduce(buf), device, before=dist.barrier)
-                      / timed(lambda: a @ a, device)))  # as much compute as communication
+    reps = max(
+        1, int(timed(lambda: dist.all_reduce(buf), device, before=dist.barrier) / timed(lambda: a @ a, device))
+    )  # as much compute as communication
 
     def compute():
         for _ in range(reps):
@@ -319,8 +352,9 @@ def device_entry(device: torch.device) -> tuple[str, Hardware]:
     if name:
         return name, CATALOGUE[name]
     slug = "-".join(props.name.lower().replace("nvidia", "").split())
-    return slug, Hardware(slug, {}, float(props.total_memory), 0.0, 0.0, 0.0, torch.cuda.device_count(),
-                          f"measured: {props.name}")
+    return slug, Hardware(
+        slug, {}, float(props.total_memory), 0.0, 0.0, 0.0, torch.cuda.device_count(), f"measured: {props.name}"
+    )
 
 
 def host_memory_bytes() -> float:
@@ -343,9 +377,11 @@ def require_bf16(cfg: Config) -> None:
     (`Hardware.peak_16bit`), so fp32 tables would be misread, and a CPU entry with only an fp32 peak
     is refused by `plan` (an fp32 calibration crashed after a minute of measuring)."""
     if cfg.train.dtype != "bf16":
-        raise ConfigError(f"train.dtype={cfg.train.dtype}: hardware calibrate measures the bf16 tables the planner "
-                          "reads (it times every run's compute against the 16-bit peak); drop train.dtype or set "
-                          "train.dtype=\"bf16\"")
+        raise ConfigError(
+            f"train.dtype={cfg.train.dtype}: hardware calibrate measures the bf16 tables the planner "
+            "reads (it times every run's compute against the 16-bit peak); drop train.dtype or set "
+            'train.dtype="bf16"'
+        )
 
 
 def calibrate(cfg: Config, device: torch.device, nproc: int, progress: Progress) -> Hardware:
@@ -370,12 +406,20 @@ def sweep(cfg: Config, nproc: int, device: torch.device) -> dict:
     mb = cfg.train.micro_batch or 1
     micro_batches = tuple(sorted({max(1, mb // 4), max(1, mb // 2), mb}))
     tps = tuple(t for t in (1, 2, 4, 8) if t <= max(nproc, 1))
-    gemms = [s for s in gemm_shapes(cfg, tps, micro_batches)
-             if device.type != "cpu" or 2 * s[0] * s[1] * s[2] <= CPU_FLOP_CAP]
-    seqs = sorted({s for s in (128, 256, 512, 1024, 2048, 4096) if device.type == "cuda" or s <= 1024}
-                  | {cfg.data.seq_len})
-    return {"micro_batches": micro_batches, "gemms": gemms, "seqs": seqs,
-            "head_dims": sorted({cfg.model.head_dim, 64, 128})}
+    gemms = [
+        s
+        for s in gemm_shapes(cfg, tps, micro_batches)
+        if device.type != "cpu" or 2 * s[0] * s[1] * s[2] <= CPU_FLOP_CAP
+    ]
+    seqs = sorted(
+        {s for s in (128, 256, 512, 1024, 2048, 4096) if device.type == "cuda" or s <= 1024} | {cfg.data.seq_len}
+    )
+    return {
+        "micro_batches": micro_batches,
+        "gemms": gemms,
+        "seqs": seqs,
+        "head_dims": sorted({cfg.model.head_dim, 64, 128}),
+    }
 
 
 def steps_of(cfg: Config, nproc: int, device: torch.device) -> int:
@@ -399,27 +443,46 @@ def _calibrate(cfg: Config, device: torch.device, nproc: int, threads: int, prog
     tp_cfg = tp_config(cfg, nproc) if nproc >= 2 else None
     measured = measure_ranks(nproc, threads, device, tp_cfg, progress)
     collectives = measured["collectives"]
-    hw = replace(base, peak_flops={**base.peak_flops, dtype_name: peak}, memory_bw=bw, devices_per_node=max(nproc, 1),
-                 memory_bytes=base.memory_bytes or host_memory_bytes(),
-                 intra_node_bw=base.intra_node_bw or bw, inter_node_bw=base.inter_node_bw or bw,
-                 source=f"measured by flopwise hardware calibrate on {platform.node()} "
-                        f"({nproc} ranks{f' of {threads} threads' if threads else ''}, torch {torch.__version__}) at "
-                        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC")
-    stub = Calibration(dtype=dtype_name, gemm=tuple(map(tuple, gemm)), attention=tuple(map(tuple, attention)),
-                       elementwise=((1.0, 1.0, bw),), optimizer=((1.0, 1.0),),
-                       collectives=tuple((k, tuple(map(tuple, v))) for k, v in sorted(collectives.items()) if v))
+    hw = replace(
+        base,
+        peak_flops={**base.peak_flops, dtype_name: peak},
+        memory_bw=bw,
+        devices_per_node=max(nproc, 1),
+        memory_bytes=base.memory_bytes or host_memory_bytes(),
+        intra_node_bw=base.intra_node_bw or bw,
+        inter_node_bw=base.inter_node_bw or bw,
+        source=f"measured by flopwise hardware calibrate on {platform.node()} "
+        f"({nproc} ranks{f' of {threads} threads' if threads else ''}, torch {torch.__version__}) at "
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
+    )
+    stub = Calibration(
+        dtype=dtype_name,
+        gemm=tuple(map(tuple, gemm)),
+        attention=tuple(map(tuple, attention)),
+        elementwise=((1.0, 1.0, bw),),
+        optimizer=((1.0, 1.0),),
+        collectives=tuple((k, tuple(map(tuple, v))) for k, v in sorted(collectives.items()) if v),
+    )
     partial = replace(hw, calibration=stub)
-    elementwise = [elementwise_row(cfg, partial, 1, mb, sec)
-                   for mb, sec in model_seconds(cfg, device, micro_batches, progress).items()]
+    elementwise = [
+        elementwise_row(cfg, partial, 1, mb, sec)
+        for mb, sec in model_seconds(cfg, device, micro_batches, progress).items()
+    ]
     if tp_cfg is not None and measured["tp_seconds"]:
         elementwise.append(elementwise_row(tp_cfg, partial, nproc, mb, measured["tp_seconds"]))
     sizes = [2**20, 2**22, 2**24] if device.type == "cpu" else [2**24, 2**26, 2**28]
     optimizer = measure_optimizer(cfg, device, sizes, progress)
-    cal = Calibration(dtype=dtype_name, gemm=stub.gemm, attention=stub.attention,
-                      elementwise=tuple(map(tuple, elementwise)), optimizer=tuple(map(tuple, optimizer)),
-                      collectives=stub.collectives,
-                      source=f"{cfg.model.preset or 'model'} shapes, seq {cfg.data.seq_len}", threads=threads,
-                      overlap=round(measured["overlap"], 3))
+    cal = Calibration(
+        dtype=dtype_name,
+        gemm=stub.gemm,
+        attention=stub.attention,
+        elementwise=tuple(map(tuple, elementwise)),
+        optimizer=tuple(map(tuple, optimizer)),
+        collectives=stub.collectives,
+        source=f"{cfg.model.preset or 'model'} shapes, seq {cfg.data.seq_len}",
+        threads=threads,
+        overlap=round(measured["overlap"], 3),
+    )
     return replace(hw, calibration=cal)
 
 

@@ -93,7 +93,7 @@ def _idw(rows, point) -> tuple[float, ...]:
     total, acc = 0.0, [0.0] * (len(rows[0]) - len(point))
     for row in rows:
         d2 = sum((math.log(max(a, 1.0)) - b) ** 2 for a, b in zip(row, logp, strict=False))
-        values = row[len(point):]
+        values = row[len(point) :]
         if d2 < 1e-12:
             return tuple(values)
         w = 1.0 / d2
@@ -159,12 +159,12 @@ def share(where: str, value) -> float:
 
 def _rows(where: str, value, width: int) -> tuple[tuple[float, ...], ...]:
     if not isinstance(value, list) or not value:
-        raise ConfigError(f"{where}: a non-empty list of [{width} numbers] rows is needed (run `flopwise hardware "
-                          "calibrate` again)")
+        raise ConfigError(
+            f"{where}: a non-empty list of [{width} numbers] rows is needed (run `flopwise hardware calibrate` again)"
+        )
     out = []
     for i, row in enumerate(value):
-        if (not isinstance(row, list) or len(row) != width
-                or not all(positive_number(x) for x in row)):
+        if not isinstance(row, list) or len(row) != width or not all(positive_number(x) for x in row):
             raise ConfigError(f"{where}[{i}]: expected {width} positive numbers, got {row!r}")
         out.append(tuple(float(x) for x in row))
     return tuple(out)
@@ -177,8 +177,9 @@ def parse_calibration(where: str, data) -> Calibration:
     known = {"dtype", "gemm", "attention", "elementwise", "optimizer", "collectives", "source", "threads", "overlap"}
     missing = [k for k in ("dtype", "gemm", "attention", "elementwise", "optimizer") if k not in data]
     if missing:
-        raise ConfigError(f"{where}: missing {', '.join(missing)} (a partial file: run `flopwise hardware "
-                          "calibrate` again)")
+        raise ConfigError(
+            f"{where}: missing {', '.join(missing)} (a partial file: run `flopwise hardware calibrate` again)"
+        )
     extra = set(data) - known
     if extra:
         raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(extra))} (known: {', '.join(sorted(known))})")
@@ -186,13 +187,16 @@ def parse_calibration(where: str, data) -> Calibration:
     if not isinstance(colls, dict) or set(colls) - set(COLLECTIVES):
         raise ConfigError(f"{where}.collectives: a table with keys among {', '.join(COLLECTIVES)}")
     return Calibration(
-        dtype=str(data["dtype"]), gemm=_rows(f"{where}.gemm", data["gemm"], 4),
+        dtype=str(data["dtype"]),
+        gemm=_rows(f"{where}.gemm", data["gemm"], 4),
         attention=_rows(f"{where}.attention", data["attention"], 4),
         elementwise=_rows(f"{where}.elementwise", data["elementwise"], 3),
         optimizer=_rows(f"{where}.optimizer", data["optimizer"], 2),
         collectives=tuple((k, _rows(f"{where}.collectives.{k}", v, 3)) for k, v in sorted(colls.items())),
-        source=str(data.get("source", "")), threads=_threads(where, data.get("threads", 0)),
-        overlap=share(f"{where}.overlap", data.get("overlap", 1.0)))
+        source=str(data.get("source", "")),
+        threads=_threads(where, data.get("threads", 0)),
+        overlap=share(f"{where}.overlap", data.get("overlap", 1.0)),
+    )
 
 
 def _threads(where: str, value) -> int:
@@ -203,7 +207,14 @@ def _threads(where: str, value) -> int:
 
 def calibration_toml(c: Calibration) -> dict:
     """The TOML tree of a calibration (the inverse of parse_calibration)."""
-    return {"dtype": c.dtype, "source": c.source, "threads": c.threads, "overlap": c.overlap, "gemm": [list(r) for r in c.gemm],
-            "attention": [list(r) for r in c.attention], "elementwise": [list(r) for r in c.elementwise],
-            "optimizer": [list(r) for r in c.optimizer],
-            "collectives": {k: [list(r) for r in rows] for k, rows in c.collectives}}
+    return {
+        "dtype": c.dtype,
+        "source": c.source,
+        "threads": c.threads,
+        "overlap": c.overlap,
+        "gemm": [list(r) for r in c.gemm],
+        "attention": [list(r) for r in c.attention],
+        "elementwise": [list(r) for r in c.elementwise],
+        "optimizer": [list(r) for r in c.optimizer],
+        "collectives": {k: [list(r) for r in rows] for k, rows in c.collectives},
+    }

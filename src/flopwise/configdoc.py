@@ -88,8 +88,9 @@ def _rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]
         key = f"{prefix}{field.alias or name}"
         allowed = _bounds(field)
         description = (field.description or "").replace("|", "\\|")
-        rows.append((f"`{key}`", _type(field.annotation) + (f" ({allowed})" if allowed else ""), _default(field),
-                     description))
+        rows.append(
+            (f"`{key}`", _type(field.annotation) + (f" ({allowed})" if allowed else ""), _default(field), description)
+        )
         nested = _table(field.annotation)
         if nested is not None:
             rows.extend(_rows(nested, f"{key}[]." if get_origin(field.annotation) is list else f"{key}."))

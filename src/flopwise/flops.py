@@ -65,9 +65,15 @@ def count_params(m: ModelConfig) -> ParamCount:
     other = _norm(m, d) + (_norm(m, d) if m.embed_norm else 0)
     total = tok + pos + head + other + m.n_layers * (layer_mm + layer_other)
     final_norm = _norm(m, d)
-    return ParamCount(total=total, embedding=tok + pos + head, layer_matmul=m.n_layers * layer_mm,
-                      head_matmul=m.vocab_size * d, per_layer=layer_mm + layer_other,
-                      embed_side=tok + pos + other - final_norm, head_side=final_norm + head)
+    return ParamCount(
+        total=total,
+        embedding=tok + pos + head,
+        layer_matmul=m.n_layers * layer_mm,
+        head_matmul=m.vocab_size * d,
+        per_layer=layer_mm + layer_other,
+        embed_side=tok + pos + other - final_norm,
+        head_side=final_norm + head,
+    )
 
 
 def param_shapes(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
@@ -91,10 +97,16 @@ def param_shapes(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
         p = f"layers.{i}."
         out += norm(p + "attention_norm")
         if m.pos == "relative":  # a module's own parameters come before its submodules'
-            out += [(p + "attention.pos_bias_u", (m.n_heads, m.head_dim)), (p + "attention.pos_bias_v", (m.n_heads, m.head_dim))]
+            out += [
+                (p + "attention.pos_bias_u", (m.n_heads, m.head_dim)),
+                (p + "attention.pos_bias_v", (m.n_heads, m.head_dim)),
+            ]
         qkv = m.bias or m.qkv_bias
-        out += (linear(p + "attention.wq", d, hq, qkv) + linear(p + "attention.wk", d, hkv, qkv)
-                + linear(p + "attention.wv", d, hkv, qkv))
+        out += (
+            linear(p + "attention.wq", d, hq, qkv)
+            + linear(p + "attention.wk", d, hkv, qkv)
+            + linear(p + "attention.wv", d, hkv, qkv)
+        )
         out += linear(p + "attention.wo", hq, d)
         if m.qk_norm:
             out += [(p + "attention.q_norm.weight", (m.head_dim,)), (p + "attention.k_norm.weight", (m.head_dim,))]

@@ -43,14 +43,18 @@ def hopper_calibration(hbm_bw: float, source: str) -> Calibration:
     that rate, as `hardware calibrate` times the two together. `flopwise hardware calibrate --device
     cuda` measures full tables on the user's own GPU."""
     scale = hbm_bw / H200_HBM
-    return Calibration(dtype="bf16", gemm=((16384, 8192, 2048, HOPPER_GEMM),), attention=((2048, 64, 0.736, 0.643),),
-                       elementwise=((1, 67108864, 3.96e12 * scale),), optimizer=((1104218112, 0.01221 / scale),),
-                       source=source)
+    return Calibration(
+        dtype="bf16",
+        gemm=((16384, 8192, 2048, HOPPER_GEMM),),
+        attention=((2048, 64, 0.736, 0.643),),
+        elementwise=((1, 67108864, 3.96e12 * scale),),
+        optimizer=((1104218112, 0.01221 / scale),),
+        source=source,
+    )
 
 
 HOPPER_GEMM = 0.743
 H200_HBM = 4800 * GB
-
 
 
 @dataclass(frozen=True)
@@ -77,60 +81,177 @@ class Hardware:
         return self.peak("bf16") or self.peak("fp16")
 
 
-CATALOGUE: dict[str, Hardware] = {h.name: h for h in [
-    Hardware("v100-32gb", {"fp16": 125e12, "fp32": 15.7e12}, 32 * GiB, 900 * GB, 150 * GB, 12.5 * GB, 8,
-             "V2/U: NVIDIA V100 datasheet (125 TFLOP/s tensor); NVLink2 300 GB/s bidirectional; 100 Gb/s IB",
-             notes="no bf16 tensor cores: bf16 runs are not supported at speed"),
-    Hardware("a100-40gb", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, 40 * GiB,
-             1555 * GB, 300 * GB, 25 * GB, 8,
-             "V: 312 TFLOP/s in Narayanan et al. 2021 §5 and PaLM App. B; V2: NVIDIA A100 datasheet; "
-             "8x 200 Gb/s HDR per node (Selene)", matmul_efficiency=A100_GEMM),
-    Hardware("a100-80gb", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, 80 * GiB,
-             2039 * GB, 300 * GB, 25 * GB, 8,
-             "V: Narayanan et al. 2021 (312 TFLOP/s, 8x HDR 200 Gb/s per DGX A100); V2: NVIDIA datasheet",
-             matmul_efficiency=A100_GEMM),
-    Hardware("h100-sxm", {"bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12, "tf32": 494.7e12, "fp32": 66.9e12},
-             80 * GiB, 3350 * GB, 450 * GB, 50 * GB, 8,
-             "V2: NVIDIA H100 datasheet (989 dense bf16); NVLink4 900 GB/s bidirectional; "
-             "V: Llama 3 paper, 400 Gb/s per GPU RoCE/IB", matmul_efficiency=HOPPER_GEMM,
-             calibration=hopper_calibration(3350 * GB, "D: the H200's measured compute shares; memory-bound rates "
-                                            "x 3.35/4.8 TB/s")),
-    Hardware("h100-pcie", {"bf16": 756.5e12, "fp16": 756.5e12, "fp8": 1513e12, "tf32": 378e12, "fp32": 51.2e12},
-             80 * GiB, 2000 * GB, 300 * GB, 50 * GB, 8,
-             "V2: NVIDIA H100 datasheet, PCIe column (1,513 TFLOP/s bf16 with sparsity = 756.5 dense; "
-             "2.0 TB/s HBM2e; NVLink bridge 600 GB/s bidirectional)"),
-    Hardware("h100-nvl", {"bf16": 835.5e12, "fp16": 835.5e12, "fp8": 1670.5e12, "tf32": 417.5e12, "fp32": 60e12},
-             94 * GB, 3900 * GB, 300 * GB, 50 * GB, 8,
-             "V2: NVIDIA H100 NVL datasheet (1,671 TFLOP/s bf16 with sparsity = 835.5 dense; 94 GB HBM3, 3.9 TB/s)"),
-    Hardware("h200", {"bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12, "tf32": 494.7e12, "fp32": 66.9e12},
-             141 * GB, 4800 * GB, 450 * GB, 50 * GB, 8,
-             "V2: NVIDIA H200 datasheet / MLCommons system description (141 GB HBM3e, 4.8 TB/s)",
-             matmul_efficiency=HOPPER_GEMM,
-             calibration=hopper_calibration(H200_HBM, "measured: this project's H200 profile")),
-    Hardware("h200-nvl", {"bf16": 835.5e12, "fp16": 835.5e12, "fp8": 1670.5e12, "tf32": 417.5e12, "fp32": 60e12},
-             141 * GB, 4800 * GB, 450 * GB, 50 * GB, 8,
-             "V2: NVIDIA H200 NVL datasheet (1,671 TFLOP/s bf16 with sparsity = 835.5 dense; 141 GB, 4.8 TB/s)"),
-    Hardware("l4", {"bf16": 121e12, "fp16": 121e12, "fp8": 242.5e12, "tf32": 60e12, "fp32": 30.3e12},
-             24 * GB, 300 * GB, 32 * GB, 25 * GB, 8,
-             "V2: NVIDIA L4 datasheet (242 TFLOP/s bf16 with sparsity = 121 dense; 24 GB GDDR6, 300 GB/s; "
-             "PCIe Gen4 x16, no NVLink)"),
-    Hardware("l40s", {"bf16": 362.05e12, "fp16": 362.05e12, "fp8": 733e12, "tf32": 183e12, "fp32": 91.6e12},
-             48 * GB, 864 * GB, 32 * GB, 25 * GB, 8,
-             "V2: NVIDIA L40S datasheet (362.05 TFLOP/s bf16 dense, 733 with sparsity; 48 GB GDDR6, 864 GB/s; "
-             "PCIe Gen4 x16, no NVLink)"),
-    Hardware("b200", {"bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12, "fp32": 80e12}, 180 * GB, 8000 * GB,
-             900 * GB, 50 * GB, 8,
-             "U: NVIDIA HGX B200 spec sheet (dense = half the sparse figures); NVLink5 1.8 TB/s bidirectional"),
-    Hardware("tpu-v3", {"bf16": 123e12}, 32 * GiB, 900 * GB, 82 * GB, 82 * GB, 1024,
-             "V2: 123 TFLOP/s bf16 per chip (LaMDA); U: memory and ICI", notes="ICI is the only fabric in a pod: devices_per_node is the pod (1024 chips)"),
-    Hardware("tpu-v4", {"bf16": 275e12}, 32 * GiB, 1200 * GB, 135 * GB, 135 * GB, 3072,
-             "V: 275 TFLOP/s in PaLM App. B; U: memory and ICI (6 links)",
-             notes="devices_per_node is PaLM's 3072-chip pod; pods are joined by DCN (inter_node_bw, U)"),
-    Hardware("tpu-v5p", {"bf16": 459e12, "fp8": 918e12}, 95 * GB, 2765 * GB, 300 * GB, 300 * GB, 8960,
-             "U: Google Cloud TPU v5p spec (459 TFLOP/s bf16, 95 GB HBM2e, 4800 Gb/s ICI)"),
-    Hardware("cpu", {}, 0.0, 0.0, 0.0, 0.0, 1,
-             "measured: flopwise times a square matmul in the training dtype on the machine it runs on"),
-]}
+CATALOGUE: dict[str, Hardware] = {
+    h.name: h
+    for h in [
+        Hardware(
+            "v100-32gb",
+            {"fp16": 125e12, "fp32": 15.7e12},
+            32 * GiB,
+            900 * GB,
+            150 * GB,
+            12.5 * GB,
+            8,
+            "V2/U: NVIDIA V100 datasheet (125 TFLOP/s tensor); NVLink2 300 GB/s bidirectional; 100 Gb/s IB",
+            notes="no bf16 tensor cores: bf16 runs are not supported at speed",
+        ),
+        Hardware(
+            "a100-40gb",
+            {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+            40 * GiB,
+            1555 * GB,
+            300 * GB,
+            25 * GB,
+            8,
+            "V: 312 TFLOP/s in Narayanan et al. 2021 §5 and PaLM App. B; V2: NVIDIA A100 datasheet; "
+            "8x 200 Gb/s HDR per node (Selene)",
+            matmul_efficiency=A100_GEMM,
+        ),
+        Hardware(
+            "a100-80gb",
+            {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+            80 * GiB,
+            2039 * GB,
+            300 * GB,
+            25 * GB,
+            8,
+            "V: Narayanan et al. 2021 (312 TFLOP/s, 8x HDR 200 Gb/s per DGX A100); V2: NVIDIA datasheet",
+            matmul_efficiency=A100_GEMM,
+        ),
+        Hardware(
+            "h100-sxm",
+            {"bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12, "tf32": 494.7e12, "fp32": 66.9e12},
+            80 * GiB,
+            3350 * GB,
+            450 * GB,
+            50 * GB,
+            8,
+            "V2: NVIDIA H100 datasheet (989 dense bf16); NVLink4 900 GB/s bidirectional; "
+            "V: Llama 3 paper, 400 Gb/s per GPU RoCE/IB",
+            matmul_efficiency=HOPPER_GEMM,
+            calibration=hopper_calibration(
+                3350 * GB, "D: the H200's measured compute shares; memory-bound rates x 3.35/4.8 TB/s"
+            ),
+        ),
+        Hardware(
+            "h100-pcie",
+            {"bf16": 756.5e12, "fp16": 756.5e12, "fp8": 1513e12, "tf32": 378e12, "fp32": 51.2e12},
+            80 * GiB,
+            2000 * GB,
+            300 * GB,
+            50 * GB,
+            8,
+            "V2: NVIDIA H100 datasheet, PCIe column (1,513 TFLOP/s bf16 with sparsity = 756.5 dense; "
+            "2.0 TB/s HBM2e; NVLink bridge 600 GB/s bidirectional)",
+        ),
+        Hardware(
+            "h100-nvl",
+            {"bf16": 835.5e12, "fp16": 835.5e12, "fp8": 1670.5e12, "tf32": 417.5e12, "fp32": 60e12},
+            94 * GB,
+            3900 * GB,
+            300 * GB,
+            50 * GB,
+            8,
+            "V2: NVIDIA H100 NVL datasheet (1,671 TFLOP/s bf16 with sparsity = 835.5 dense; 94 GB HBM3, 3.9 TB/s)",
+        ),
+        Hardware(
+            "h200",
+            {"bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12, "tf32": 494.7e12, "fp32": 66.9e12},
+            141 * GB,
+            4800 * GB,
+            450 * GB,
+            50 * GB,
+            8,
+            "V2: NVIDIA H200 datasheet / MLCommons system description (141 GB HBM3e, 4.8 TB/s)",
+            matmul_efficiency=HOPPER_GEMM,
+            calibration=hopper_calibration(H200_HBM, "measured: this project's H200 profile"),
+        ),
+        Hardware(
+            "h200-nvl",
+            {"bf16": 835.5e12, "fp16": 835.5e12, "fp8": 1670.5e12, "tf32": 417.5e12, "fp32": 60e12},
+            141 * GB,
+            4800 * GB,
+            450 * GB,
+            50 * GB,
+            8,
+            "V2: NVIDIA H200 NVL datasheet (1,671 TFLOP/s bf16 with sparsity = 835.5 dense; 141 GB, 4.8 TB/s)",
+        ),
+        Hardware(
+            "l4",
+            {"bf16": 121e12, "fp16": 121e12, "fp8": 242.5e12, "tf32": 60e12, "fp32": 30.3e12},
+            24 * GB,
+            300 * GB,
+            32 * GB,
+            25 * GB,
+            8,
+            "V2: NVIDIA L4 datasheet (242 TFLOP/s bf16 with sparsity = 121 dense; 24 GB GDDR6, 300 GB/s; "
+            "PCIe Gen4 x16, no NVLink)",
+        ),
+        Hardware(
+            "l40s",
+            {"bf16": 362.05e12, "fp16": 362.05e12, "fp8": 733e12, "tf32": 183e12, "fp32": 91.6e12},
+            48 * GB,
+            864 * GB,
+            32 * GB,
+            25 * GB,
+            8,
+            "V2: NVIDIA L40S datasheet (362.05 TFLOP/s bf16 dense, 733 with sparsity; 48 GB GDDR6, 864 GB/s; "
+            "PCIe Gen4 x16, no NVLink)",
+        ),
+        Hardware(
+            "b200",
+            {"bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12, "fp32": 80e12},
+            180 * GB,
+            8000 * GB,
+            900 * GB,
+            50 * GB,
+            8,
+            "U: NVIDIA HGX B200 spec sheet (dense = half the sparse figures); NVLink5 1.8 TB/s bidirectional",
+        ),
+        Hardware(
+            "tpu-v3",
+            {"bf16": 123e12},
+            32 * GiB,
+            900 * GB,
+            82 * GB,
+            82 * GB,
+            1024,
+            "V2: 123 TFLOP/s bf16 per chip (LaMDA); U: memory and ICI",
+            notes="ICI is the only fabric in a pod: devices_per_node is the pod (1024 chips)",
+        ),
+        Hardware(
+            "tpu-v4",
+            {"bf16": 275e12},
+            32 * GiB,
+            1200 * GB,
+            135 * GB,
+            135 * GB,
+            3072,
+            "V: 275 TFLOP/s in PaLM App. B; U: memory and ICI (6 links)",
+            notes="devices_per_node is PaLM's 3072-chip pod; pods are joined by DCN (inter_node_bw, U)",
+        ),
+        Hardware(
+            "tpu-v5p",
+            {"bf16": 459e12, "fp8": 918e12},
+            95 * GB,
+            2765 * GB,
+            300 * GB,
+            300 * GB,
+            8960,
+            "U: Google Cloud TPU v5p spec (459 TFLOP/s bf16, 95 GB HBM2e, 4800 Gb/s ICI)",
+        ),
+        Hardware(
+            "cpu",
+            {},
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            1,
+            "measured: flopwise times a square matmul in the training dtype on the machine it runs on",
+        ),
+    ]
+}
 
 
 # What torch.cuda.get_device_name says -> catalogue entry. Names as the driver reports them, e.g.
@@ -138,9 +259,14 @@ CATALOGUE: dict[str, Hardware] = {h.name: h for h in [
 # "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA L4", "NVIDIA L40S", "NVIDIA B200". Whole words, so "L4"
 # never matches "L40S"; the A100's two memory sizes share a name stem and are told apart by memory.
 _GPU_RULES: list[tuple[str, str | None, str]] = [  # (chip word, variant word or None, catalogue entry)
-    ("h100", "nvl", "h100-nvl"), ("h100", "pcie", "h100-pcie"), ("h100", None, "h100-sxm"),
-    ("h200", "nvl", "h200-nvl"), ("h200", None, "h200"),
-    ("b200", None, "b200"), ("l40s", None, "l40s"), ("l4", None, "l4"),
+    ("h100", "nvl", "h100-nvl"),
+    ("h100", "pcie", "h100-pcie"),
+    ("h100", None, "h100-sxm"),
+    ("h200", "nvl", "h200-nvl"),
+    ("h200", None, "h200"),
+    ("b200", None, "b200"),
+    ("l40s", None, "l40s"),
+    ("l4", None, "l4"),
 ]
 
 
@@ -188,9 +314,11 @@ def load_catalogue(path: str | Path) -> dict[str, Hardware]:
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"hardware file {path}: cannot read ({e})") from None
     if not data:
-        raise ConfigError(f"hardware file {path}: holds no hardware entry; measure one with `flopwise hardware "
-                          "calibrate --out FILE` (a new file) and give cluster.hardware=NAME (the name it prints), "
-                          "or drop cluster.hardware_file")
+        raise ConfigError(
+            f"hardware file {path}: holds no hardware entry; measure one with `flopwise hardware "
+            "calibrate --out FILE` (a new file) and give cluster.hardware=NAME (the name it prints), "
+            "or drop cluster.hardware_file"
+        )
     cat = dict(CATALOGUE)
     for name, fields in data.items():
         where = f"hardware file {path}: [{name}]"
@@ -220,9 +348,16 @@ def load_catalogue(path: str | Path) -> dict[str, Hardware]:
 
 def hardware_toml(hw: Hardware) -> dict:
     """A hardware entry as a TOML table `load_catalogue` reads back."""
-    out = {"peak_flops": dict(hw.peak_flops), "memory_bytes": hw.memory_bytes, "memory_bw": hw.memory_bw,
-           "intra_node_bw": hw.intra_node_bw, "inter_node_bw": hw.inter_node_bw,
-           "devices_per_node": hw.devices_per_node, "source": hw.source, "matmul_efficiency": hw.matmul_efficiency}
+    out = {
+        "peak_flops": dict(hw.peak_flops),
+        "memory_bytes": hw.memory_bytes,
+        "memory_bw": hw.memory_bw,
+        "intra_node_bw": hw.intra_node_bw,
+        "inter_node_bw": hw.inter_node_bw,
+        "devices_per_node": hw.devices_per_node,
+        "source": hw.source,
+        "matmul_efficiency": hw.matmul_efficiency,
+    }
     if hw.notes:
         out["notes"] = hw.notes
     if hw.calibration:
@@ -241,5 +376,7 @@ def busy_note(what: str) -> str | None:
     cores = os.cpu_count() or 1
     if load < cores:
         return None
-    return (f"this machine is busy (1-minute load average {load:.1f} on {cores} cores): {what} will read slower "
-            "than the machine is; rerun it when the machine is quiet")
+    return (
+        f"this machine is busy (1-minute load average {load:.1f} on {cores} cores): {what} will read slower "
+        "than the machine is; rerun it when the machine is quiet"
+    )

@@ -36,8 +36,9 @@ def train(cfg: Config) -> TrainResult:
     with subnormals_flushed(), contextlib.ExitStack() as held:
         result = _train(cfg, started, lambda: held.enter_context(folder_lock(cfg.run.dir, "run.dir")))
     if result.preempted is not None and result.is_main and (marker := os.environ.get(PREEMPT_FILE)):
-        Path(marker).write_text(f"{result.signal or 'a signal'} at step {result.preempted}: "
-                                f"checkpoint {result.checkpoint}\n")
+        Path(marker).write_text(
+            f"{result.signal or 'a signal'} at step {result.preempted}: checkpoint {result.checkpoint}\n"
+        )
     return result
 
 

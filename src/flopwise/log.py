@@ -46,8 +46,9 @@ class RichPrinter(RichHandler):
         super().__init__(console=console, show_time=False, show_level=False, show_path=False, markup=True)
         self.label = label
 
-    def render(self, *, record: logging.LogRecord, traceback: Traceback | None,
-               message_renderable: ConsoleRenderable) -> ConsoleRenderable:
+    def render(
+        self, *, record: logging.LogRecord, traceback: Traceback | None, message_renderable: ConsoleRenderable
+    ) -> ConsoleRenderable:
         if self.label and isinstance(message_renderable, Text):
             return Text.assemble(self.label, message_renderable)
         return message_renderable

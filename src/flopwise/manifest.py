@@ -14,8 +14,8 @@ A manifest records every file a command wrote (size and sha256; a file over FULL
 checked by its size and the sha256 of its first and last ENDS_BYTES, so checking a folder of GB-scale
 files reads ~2 MiB per file), plus, for an unfinished job, files still being written (`unchecked`)
 and folders whose whole content the job writes (`folders`): entries without content, honoured only
-in a record bound to this folder (an interrupted job's own), never in a copied or hand-written one. Each kind of folder has its own file
-name and format: a prepared data dir, an exported Hugging Face folder.
+in a record bound to this folder (an interrupted job's own), never in a copied or hand-written one.
+Each kind of folder has its own file name and format: a prepared data dir, an exported Hugging Face folder.
 """
 
 from __future__ import annotations
@@ -36,8 +36,17 @@ from flopwise.errors import ConfigError, DataError
 FULL_CHECK_BYTES = 4 << 20
 ENDS_BYTES = 1 << 20
 # OS errors that mean "this path cannot be written by you here": the user's to fix, so one line, not a traceback
-UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR, errno.ENOSPC,
-              errno.EDQUOT, errno.ELOOP}
+UNWRITABLE = {
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+    errno.ENOTDIR,
+    errno.EEXIST,
+    errno.EISDIR,
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.ELOOP,
+}
 TMP_NAME = ".{}.flopwise-tmp"  # where write_nofollow writes NAME's new bytes before the rename
 LOCK = ".flopwise.lock"  # in a folder a command writes: held (flock) for the whole command, holds its PID
 
@@ -144,8 +153,10 @@ def folder_lock(folder: str | Path, option: str) -> Iterator[Path]:
             _held[key] = (fd, depth)
         return
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
-        raise ConfigError(f"{option} {folder}: is {'a symbolic link' if folder.is_symlink() else 'a file'}, "
-                          "not a folder; choose a folder")
+        raise ConfigError(
+            f"{option} {folder}: is {'a symbolic link' if folder.is_symlink() else 'a file'}, "
+            "not a folder; choose a folder"
+        )
     made = [p for p in [folder, *folder.parents] if not p.exists()]  # removed at the end if still empty
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -156,8 +167,10 @@ def folder_lock(folder: str | Path, option: str) -> Iterator[Path]:
             except BlockingIOError:
                 pid = _pid_in(fd)
                 os.close(fd)
-                raise ConfigError(f"{option} {folder}: another flopwise process (PID {pid if pid else 'unknown'}) is "
-                                  "writing this folder; wait for it to finish, or stop it") from None
+                raise ConfigError(
+                    f"{option} {folder}: another flopwise process (PID {pid if pid else 'unknown'}) is "
+                    "writing this folder; wait for it to finish, or stop it"
+                ) from None
             with contextlib.suppress(OSError):  # the file locked is still the one at that name
                 if os.fstat(fd).st_ino == os.lstat(folder / LOCK).st_ino:
                     break
@@ -237,14 +250,26 @@ def same_file(path: Path, record) -> bool:
     return "prev" in record and same_file(path, record["prev"])
 
 
-def write_manifest(out: Path, kind: ManifestKind, files: dict[str, dict], unchecked: Sequence[str] = (),
-                   folders: Sequence[str] = (), complete: bool = False) -> None:
+def write_manifest(
+    out: Path,
+    kind: ManifestKind,
+    files: dict[str, dict],
+    unchecked: Sequence[str] = (),
+    folders: Sequence[str] = (),
+    complete: bool = False,
+) -> None:
     """Write `out`/kind.name atomically (through NAME.tmp, counted as the manifest's):
     `files` {relative path: file_record}; `unchecked` files flopwise is writing whose content is not
     final yet (an unfinished task's shard, the logs each run appends to); `folders` whose whole
     content flopwise's pipeline writes (datatrove's logs, the tasks' tables, dedup intermediates)."""
-    manifest = {"format": kind.format, "folder": folder_id(out), "complete": complete, "files": files,
-                "unchecked": sorted(unchecked), "folders": sorted(folders)}
+    manifest = {
+        "format": kind.format,
+        "folder": folder_id(out),
+        "complete": complete,
+        "files": files,
+        "unchecked": sorted(unchecked),
+        "folders": sorted(folders),
+    }
     write_nofollow(out / kind.name, json.dumps(manifest, indent=1).encode())
 
 
@@ -257,9 +282,15 @@ def read_manifest(out: Path, kind: ManifestKind) -> dict | None:
         m = json.loads((out / kind.name).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not (isinstance(m, dict) and m.get("format") == kind.format and isinstance(m.get("files"), dict)
-            and all(isinstance(v, list) and all(isinstance(x, str) for x in v)
-                    for v in (m.get("unchecked"), m.get("folders"))) and written_for(m, out)):
+    if not (
+        isinstance(m, dict)
+        and m.get("format") == kind.format
+        and isinstance(m.get("files"), dict)
+        and all(
+            isinstance(v, list) and all(isinstance(x, str) for x in v) for v in (m.get("unchecked"), m.get("folders"))
+        )
+        and written_for(m, out)
+    ):
         return None
     return m
 
@@ -313,8 +344,10 @@ def why_not_ours(out: str | Path, kind: ManifestKind) -> str | None:
     m = read_manifest(out, kind)
     if m is None:
         if (out / kind.name).is_file():
-            return (f"holds a {kind.name} that does not prove flopwise wrote the folder (written by hand, damaged, "
-                    "or copied from another folder: a record proves only the folder it was written for)")
+            return (
+                f"holds a {kind.name} that does not prove flopwise wrote the folder (written by hand, damaged, "
+                "or copied from another folder: a record proves only the folder it was written for)"
+            )
         return f"holds {found[0].relative_to(out).as_posix()} and no flopwise {kind.name}"
     unchecked, folders = set(m["unchecked"]), tuple(f.rstrip("/") + "/" for f in m["folders"])
     for path in found:

@@ -55,14 +55,25 @@ from flopwise.train.trainer import train_step
 MAX_RANKS = 8  # processes one CPU machine runs for a measurement (gloo)
 QUANTITIES = ("params", "grads", "optimizer", "activations", "gathered", "peak", "fsdp_copies")
 # The step's components, measured and predicted: the planner's Estimate.time terms that make each
-COMPONENTS = {"matmul": ("matmul",), "attention": ("attention",),
-              "other_compute": ("other_compute", "grad_accum", "fsdp_copies", "weight_casts"),
-              "optimizer": ("optimizer",), "exposed_comm": ("tp_comm", "dp_comm", "pp_comm", "cp_comm"),
-              "pipeline_bubble": ("pp_bubble",)}
+COMPONENTS = {
+    "matmul": ("matmul",),
+    "attention": ("attention",),
+    "other_compute": ("other_compute", "grad_accum", "fsdp_copies", "weight_casts"),
+    "optimizer": ("optimizer",),
+    "exposed_comm": ("tp_comm", "dp_comm", "pp_comm", "cp_comm"),
+    "pipeline_bubble": ("pp_bubble",),
+}
 STEP_SCOPE = "flopwise.step"  # the record_function around the profiled step
 PROFILED = 3  # profiled steps, of which the median one is split into components
-_MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
-               "aten::_addmm_activation"}
+_MATMUL_OPS = {
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::matmul",
+    "aten::linear",
+    "aten::_addmm_activation",
+}
 _MATMUL_NODES = ("MmBackward", "AddmmBackward", "BmmBackward", "BaddbmmBackward", "LinearBackward", "MatmulBackward")
 _COMM_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::", "gloo:", "nccl:", "record_param_comms")
 _P2P = ("send", "recv", "recv_", "recv_any_source_")
@@ -78,10 +89,15 @@ def measure_rank(run: Run, steps: int, timed: int = 0) -> dict[str, Any]:
     profiled one."""
     engine, opt, par = run.engine, run.optimizer, run.par
     plain = [getattr(m, "module", m) for m in engine.parts]  # DDP's wrapped module
-    out: dict[str, Any] = {"pp_rank": par.rank("pp"), "shard_rank": par.rank("shard"), "dp_rank": par.rank("dp_cp"),
-                           # the stages are Transformers, .layers a ModuleDict (nn.Module's stub can't say so)
-                           "layers": sorted(int(k) for m in plain for k in m.layers.keys()),  # type: ignore[union-attr, operator]
-                           "params": acc.param_bytes(engine.parts), "cpu": par.device.type == "cpu"}
+    out: dict[str, Any] = {
+        "pp_rank": par.rank("pp"),
+        "shard_rank": par.rank("shard"),
+        "dp_rank": par.rank("dp_cp"),
+        # the stages are Transformers, .layers a ModuleDict (nn.Module's stub can't say so)
+        "layers": sorted(int(k) for m in plain for k in m.layers.keys()),  # type: ignore[union-attr, operator]
+        "params": acc.param_bytes(engine.parts),
+        "cpu": par.device.type == "cpu",
+    }
     grads: list[int] = []
     hook = local_optimizer(opt).register_step_pre_hook(lambda *_: grads.append(acc.grad_bytes(engine.parts)))
     faults = Faults()
@@ -119,8 +135,11 @@ def time_steps(run: Run, step: Iterator[int], faults: Faults, n: int) -> dict[st
             with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
                 profiled.append((timed_step(run, next(step), faults, scope=STEP_SCOPE), prof))
     wall, prof = sorted(profiled, key=lambda p: p[0])[PROFILED // 2]
-    return {"step_time_s": {"measured": statistics.median(times), "steps": times}, "profiled_step_s": wall,
-            "components": step_components(prof.events(), wall, cuda, bubble=run.par.size("pp") > 1)}
+    return {
+        "step_time_s": {"measured": statistics.median(times), "steps": times},
+        "profiled_step_s": wall,
+        "components": step_components(prof.events(), wall, cuda, bubble=run.par.size("pp") > 1),
+    }
 
 
 def timed_step(run: Run, step: int, faults: Faults, scope: str | None = None) -> float:
@@ -174,8 +193,13 @@ def step_components(events: list[FunctionEvent], wall: float, cuda: bool, bubble
     the profiler sees no collective for."""
     scope = next(e for e in events if e.name == STEP_SCOPE)
     start, end = scope.time_range.start, scope.time_range.end
-    flight = _merged([(e.time_range.start, e.time_range.end) for e in events
-                      if e.is_async and e.name.startswith(_COMM_PREFIXES) and not e.name.endswith(_P2P)])
+    flight = _merged(
+        [
+            (e.time_range.start, e.time_range.end)
+            for e in events
+            if e.is_async and e.name.startswith(_COMM_PREFIXES) and not e.name.endswith(_P2P)
+        ]
+    )
     out = dict.fromkeys([*COMPONENTS][:-1], 0.0)
     for e in events:
         if e.device_type != torch.autograd.DeviceType.CPU or e.is_async or not start <= e.time_range.start <= end:
@@ -234,20 +258,33 @@ def predicted_time(cfg: Config, lo: Layout) -> tuple[Estimate | None, str | None
     try:
         hw = plan_hardware(cfg)
     except ConfigError:
-        return None, (f"cluster.hardware={cfg.cluster.hardware} has no peak FLOP/s to predict time from: run "
-                      "`flopwise hardware calibrate --out hw.toml` and pass cluster.hardware_file=hw.toml")
+        return None, (
+            f"cluster.hardware={cfg.cluster.hardware} has no peak FLOP/s to predict time from: run "
+            "`flopwise hardware calibrate --out hw.toml` and pass cluster.hardware_file=hw.toml"
+        )
     seq = cfg.data.seq_len
-    return estimate(model_shape(cfg.model, seq, cfg.data.document_mask), hw, lo, seq, cfg.train.global_batch,
-                    STACKS["flopwise"], compile=cfg.train.compile, steps=cfg.train.steps, dtype=cfg.train.dtype,
-                    float8=cfg.train.float8), None
+    return estimate(
+        model_shape(cfg.model, seq, cfg.data.document_mask),
+        hw,
+        lo,
+        seq,
+        cfg.train.global_batch,
+        STACKS["flopwise"],
+        compile=cfg.train.compile,
+        steps=cfg.train.steps,
+        dtype=cfg.train.dtype,
+        float8=cfg.train.float8,
+    ), None
 
 
 def component_times(est: Estimate | None, measured: dict[str, float], last: str) -> dict[str, dict[str, float | None]]:
     """Predicted beside measured per component (`COMPONENTS`); the measured side's `last` is the
     bubble (pp > 1) or idle, both set beside the planner's bubble."""
     names = {c: c for c in COMPONENTS} | {"pipeline_bubble": last}
-    return {names[c]: {"predicted": sum(est.time[k] for k in keys) if est else None, "measured": measured[names[c]]}
-            for c, keys in COMPONENTS.items()}
+    return {
+        names[c]: {"predicted": sum(est.time[k] for k in keys) if est else None, "measured": measured[names[c]]}
+        for c, keys in COMPONENTS.items()
+    }
 
 
 def rank_threads(cfg: Config, world: int) -> int:
@@ -276,8 +313,13 @@ def _rank_main(config: str, out: str, steps: int) -> None:
         dist.destroy_process_group()
 
 
-def measure(path: str | None, overrides: list[str], nproc: int | None = None, steps: int = 3,
-            on_start: Callable[[], None] | None = None) -> dict[str, Any]:
+def measure(
+    path: str | None,
+    overrides: list[str],
+    nproc: int | None = None,
+    steps: int = 3,
+    on_start: Callable[[], None] | None = None,
+) -> dict[str, Any]:
     """Run the layout the config asks for on `nproc` local processes (default: the product of its
     parallel degrees) for `steps` steps; per rank, predicted and measured values side by side.
     `on_start` is called once the arguments and the config are accepted, just before the launch (the
@@ -285,15 +327,18 @@ def measure(path: str | None, overrides: list[str], nproc: int | None = None, st
     if steps < 1:
         raise ConfigError(f"--steps={steps}: measure at least one step")
     if nproc is not None and nproc < 1:
-        raise ConfigError(f"--nproc={nproc}: run at least one process (or leave --nproc out for the product of "
-                          "the parallel degrees)")
+        raise ConfigError(
+            f"--nproc={nproc}: run at least one process (or leave --nproc out for the product of the parallel degrees)"
+        )
     tree = load_tree(path, [*overrides, 'checkpoint.resume="none"'])
     cfg = validate(tree)
     p = cfg.parallel
     world = (p.dp or 1) * p.tp * p.pp * p.cp if nproc is None else nproc
     if world > MAX_RANKS:
-        raise ConfigError(f"--measure runs one process per rank on this machine: {world} ranks asked, at most "
-                          f"{MAX_RANKS}; lower the parallel.* degrees (or --nproc)")
+        raise ConfigError(
+            f"--measure runs one process per rank on this machine: {world} ranks asked, at most "
+            f"{MAX_RANKS}; lower the parallel.* degrees (or --nproc)"
+        )
     cfg = resolve_layout(cfg, tree, world)
     lo = layout_of(cfg, world)
     if on_start is not None:
@@ -302,40 +347,78 @@ def measure(path: str | None, overrides: list[str], nproc: int | None = None, st
         config, out = Path(tmp) / "config.toml", Path(tmp) / "measured.json"
         config.write_text(to_toml(cfg))
         env = {"OMP_NUM_THREADS": str(rank_threads(cfg, world)), **os.environ}
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                            str(world), "-m", "flopwise.measure", str(config), str(out), str(steps)],
-                           capture_output=True, text=True, env=env)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(world),
+                "-m",
+                "flopwise.measure",
+                str(config),
+                str(out),
+                str(steps),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         if r.returncode != 0 or not out.exists():
             errors = [ln for ln in r.stderr.splitlines() if "Error: " in ln and "ChildFailedError" not in ln]
-            raise FlopwiseError(f"the measurement run of {lo.name()} failed (exit {r.returncode}): "
-                                f"{(errors or ['see torchrun output'])[-1].strip()[:300]}")
+            raise FlopwiseError(
+                f"the measurement run of {lo.name()} failed (exit {r.returncode}): "
+                f"{(errors or ['see torchrun output'])[-1].strip()[:300]}"
+            )
         measured = json.loads(out.read_text())
     ranks = []
     for i, m in enumerate(measured):
         want = predict_rank(cfg, lo, m["pp_rank"], m["shard_rank"], m["dp_rank"], m["cpu"])
         kinds = sorted(set(want.collectives) | set(m["collectives"]))
-        ranks.append({"rank": i, **{k: m[k] for k in ("pp_rank", "shard_rank", "dp_rank")},
-                      "layers": {"predicted": want.layers, "measured": m["layers"]},
-                      **{q: {"predicted": getattr(want, q), "measured": m[q]} for q in QUANTITIES},
-                      "collectives": {k: {"predicted": want.collectives.get(k, 0), "measured": m["collectives"].get(k, 0)}
-                                      for k in kinds},
-                      "step_time_s": m["step_time_s"], "profiled_step_s": m["profiled_step_s"],
-                      "step_time_components_s": m["components"]})
+        ranks.append(
+            {
+                "rank": i,
+                **{k: m[k] for k in ("pp_rank", "shard_rank", "dp_rank")},
+                "layers": {"predicted": want.layers, "measured": m["layers"]},
+                **{q: {"predicted": getattr(want, q), "measured": m[q]} for q in QUANTITIES},
+                "collectives": {
+                    k: {"predicted": want.collectives.get(k, 0), "measured": m["collectives"].get(k, 0)} for k in kinds
+                },
+                "step_time_s": m["step_time_s"],
+                "profiled_step_s": m["profiled_step_s"],
+                "step_time_components_s": m["components"],
+            }
+        )
     est, why = predicted_time(cfg, lo)
     # every step starts from a barrier, so the slowest rank's time is the step's
     slowest = statistics.median(max(r) for r in zip(*(m["step_time_s"]["steps"] for m in measured), strict=False))
     # the rank that paces the step: the busiest in its profiled step (least bubble or idle)
     last = "pipeline_bubble" if lo.pp > 1 else "idle"
     pacing = min(ranks, key=lambda r: r["step_time_components_s"][last])
-    time_ = {"step_time_s": {"predicted": est.step_time if est else None, "measured": slowest},
-             "step_time_note": f"measured: the median over {steps} timed steps of the slowest rank's wall time "
-             f"(each step starts from a barrier); components: rank {pacing['rank']}'s profiled step; predicted: "
-             + (why or f"plan.perf.estimate of {lo.name()} on {cfg.cluster.hardware}"
-                + (f" ({cfg.cluster.hardware_file})" if cfg.cluster.hardware_file else "")),
-             "step_time_components_s": component_times(est, pacing["step_time_components_s"], last),
-             "components_rank": pacing["rank"]}
-    return {"layout": lo.name(), "parallel": lo.to_json(), "world": world, "steps": steps, "dtype": cfg.train.dtype,
-            "seq_len": cfg.data.seq_len, "global_batch": cfg.train.global_batch, **time_, "ranks": ranks}
+    time_ = {
+        "step_time_s": {"predicted": est.step_time if est else None, "measured": slowest},
+        "step_time_note": f"measured: the median over {steps} timed steps of the slowest rank's wall time "
+        f"(each step starts from a barrier); components: rank {pacing['rank']}'s profiled step; predicted: "
+        + (
+            why
+            or f"plan.perf.estimate of {lo.name()} on {cfg.cluster.hardware}"
+            + (f" ({cfg.cluster.hardware_file})" if cfg.cluster.hardware_file else "")
+        ),
+        "step_time_components_s": component_times(est, pacing["step_time_components_s"], last),
+        "components_rank": pacing["rank"],
+    }
+    return {
+        "layout": lo.name(),
+        "parallel": lo.to_json(),
+        "world": world,
+        "steps": steps,
+        "dtype": cfg.train.dtype,
+        "seq_len": cfg.data.seq_len,
+        "global_batch": cfg.train.global_batch,
+        **time_,
+        "ranks": ranks,
+    }
 
 
 if __name__ == "__main__":

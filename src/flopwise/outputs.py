@@ -45,7 +45,7 @@ WRITTEN_BY = "written_by"  # a JSON record's key; a CSV table's last column (its
 def _digest(path: Path, data: bytes, at: int) -> str:
     """The seal of `data` at `path` (its seal at offset `at`, and a PNG chunk's CRC after it, masked)."""
     end = at + len(PLACEHOLDER)
-    masked = data[:at] + PLACEHOLDER.encode() + data[end + (4 if data.startswith(PNG_MAGIC) else 0):]
+    masked = data[:at] + PLACEHOLDER.encode() + data[end + (4 if data.startswith(PNG_MAGIC) else 0) :]
     return hashlib.sha256(os.fsencode(path) + b"\0" + masked).hexdigest()
 
 
@@ -57,7 +57,7 @@ def seal(path: Path, data: bytes) -> bytes:
     data = data[:at] + (SEAL + _digest(path, data, at)).encode() + data[end:]
     if data.startswith(PNG_MAGIC):
         chunk = data.rfind(b"tEXt", 0, at)
-        data = data[:end] + zlib.crc32(data[chunk:end]).to_bytes(4, "big") + data[end + 4:]
+        data = data[:end] + zlib.crc32(data[chunk:end]).to_bytes(4, "big") + data[end + 4 :]
     return data
 
 
@@ -103,11 +103,14 @@ def check_writable(path: str | Path, option: str) -> Path:
     folder can be written (tried: `_try_writing`)."""
     path = real_path(path)
     if path.is_symlink():
-        raise ConfigError(f"{option} {path}: is a symbolic link, and flopwise never writes through one; "
-                          "choose another path or move it away")
+        raise ConfigError(
+            f"{option} {path}: is a symbolic link, and flopwise never writes through one; "
+            "choose another path or move it away"
+        )
     if path.exists() and not is_ours(path):
-        raise ConfigError(f"{option} {path}: something flopwise did not write is already there; "
-                          "choose another path or move it away")
+        raise ConfigError(
+            f"{option} {path}: something flopwise did not write is already there; choose another path or move it away"
+        )
     _try_writing(path.parent, option, path)
     return path
 
@@ -144,8 +147,9 @@ def write_csv(path: str | Path, header: list[str], rows: list[list], option: str
     seal), "flopwise COMMAND" in every row."""
     path = check_writable(path, option)
     text = io.StringIO()
-    csv.writer(text, lineterminator="\n").writerows([[*header, f"{WRITTEN_BY} {PLACEHOLDER}"],
-                                                     *([*row, f"flopwise {command}"] for row in rows)])
+    csv.writer(text, lineterminator="\n").writerows(
+        [[*header, f"{WRITTEN_BY} {PLACEHOLDER}"], *([*row, f"flopwise {command}"] for row in rows)]
+    )
     _replace(path, text.getvalue().encode(), option)
     return path
 

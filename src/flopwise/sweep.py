@@ -52,8 +52,14 @@ class LadderRun:
     config: Config
 
 
-def plan_ladder(base: Config, budgets: list[float], sizes: int, spread: float, law_name: str = "chinchilla-3",
-                out: str | Path = "runs/ladder") -> list[LadderRun]:
+def plan_ladder(
+    base: Config,
+    budgets: list[float],
+    sizes: int,
+    spread: float,
+    law_name: str = "chinchilla-3",
+    out: str | Path = "runs/ladder",
+) -> list[LadderRun]:
     """Configs for every (budget, size): sizes spaced geometrically over [N_opt/√spread, N_opt·√spread]
     (sizes that round to the same shape are kept once). A budget too small for one training step of
     one of its sizes is refused, naming the smallest budget that gives each of them a step."""
@@ -67,10 +73,12 @@ def plan_ladder(base: Config, budgets: list[float], sizes: int, spread: float, l
         if not _one_step_each(shapes[budget], budget, tokens_per_step):
             smallest = _smallest_budget(law, budget, sizes, spread, base.model.vocab_size, tokens_per_step)
             largest = max(s.non_embedding_params for s in shapes[budget])
-            raise ConfigError(f"--budgets {budget:g}: too small for one training step of its models ({largest:,} "
-                              f"non-embedding params × {tokens_per_step:,} tokens per step is "
-                              f"{scaling_flops(largest, tokens_per_step):.3g} FLOPs); the smallest budget that gives "
-                              f"each size a step is {smallest:.2g} (or lower train.global_batch / data.seq_len)")
+            raise ConfigError(
+                f"--budgets {budget:g}: too small for one training step of its models ({largest:,} "
+                f"non-embedding params × {tokens_per_step:,} tokens per step is "
+                f"{scaling_flops(largest, tokens_per_step):.3g} FLOPs); the smallest budget that gives "
+                f"each size a step is {smallest:.2g} (or lower train.global_batch / data.seq_len)"
+            )
     runs = []
     for budget in budgets:
         for shape in shapes[budget]:
@@ -80,13 +88,23 @@ def plan_ladder(base: Config, budgets: list[float], sizes: int, spread: float, l
             tree = json.loads(base.model_dump_json(exclude_none=True))
             tree["run"].update(name=name, dir=str(out / name))
             tree["data"]["path"] = str(_data_dir(base, out))
-            tree["model"] = {"arch": "llama", "n_layers": shape.n_layers, "d_model": shape.d_model,
-                             "n_heads": shape.n_heads, "head_dim": shape.head_dim, "ffn_dim": shape.ffn_dim,
-                             "vocab_size": base.model.vocab_size, "max_seq_len": base.model.max_seq_len}
+            tree["model"] = {
+                "arch": "llama",
+                "n_layers": shape.n_layers,
+                "d_model": shape.d_model,
+                "n_heads": shape.n_heads,
+                "head_dim": shape.head_dim,
+                "ffn_dim": shape.ffn_dim,
+                "vocab_size": base.model.vocab_size,
+                "max_seq_len": base.model.max_seq_len,
+            }
             tree["train"].update(steps=steps, eval_every=0, sample_tokens=0, stop_after=None)
             tree["train"].pop("stop_after", None)
-            tree["optim"].update(schedule="cosine", min_lr=0.1 * base.optim.lr,
-                                 warmup_steps=min(base.optim.warmup_steps, max(1, steps // 10)))
+            tree["optim"].update(
+                schedule="cosine",
+                min_lr=0.1 * base.optim.lr,
+                warmup_steps=min(base.optim.warmup_steps, max(1, steps // 10)),
+            )
             tree["checkpoint"].update(interval=0, keep=1, resume="auto")
             runs.append(LadderRun(name, budget, n, steps * tokens_per_step, steps, validate(tree)))
     return runs
@@ -111,6 +129,7 @@ def _one_step_each(shapes: list, budget: float, tokens_per_step: int) -> bool:
 def _smallest_budget(law, budget: float, sizes: int, spread: float, vocab: int, tokens_per_step: int) -> float:
     """The smallest budget (2 significant digits, rounded up) at which every size of the ladder gets
     one step: a decade search, then bisection in log space."""
+
     def ok(c: float) -> bool:
         return _one_step_each(_shapes(law, c, sizes, spread, vocab), c, tokens_per_step)
 
@@ -163,10 +182,14 @@ def write_configs(runs: list[LadderRun], out: Path) -> list[Path]:
 
 def collect(runs: list[LadderRun], out: Path) -> Path:
     """<out>/runs.csv: one row per finished run (marked as flopwise's, so a rerun replaces it)."""
-    rows = [[r.name, f"{r.budget:.6g}", r.params, r.tokens, scaling_flops(r.params, r.tokens), f"{final_val_loss(r):.6f}"]
-            for r in runs if is_finished(r)]
-    return write_csv(out / "runs.csv", ["name", "budget", "params", "tokens", "flops", "loss"], rows, "--out",
-                     "scale sweep")
+    rows = [
+        [r.name, f"{r.budget:.6g}", r.params, r.tokens, scaling_flops(r.params, r.tokens), f"{final_val_loss(r):.6f}"]
+        for r in runs
+        if is_finished(r)
+    ]
+    return write_csv(
+        out / "runs.csv", ["name", "budget", "params", "tokens", "flops", "loss"], rows, "--out", "scale sweep"
+    )
 
 
 def _train_one(config: Config, threads: int | None) -> TrainResult:
@@ -217,10 +240,13 @@ def run_ladder(base: Config, runs: list[LadderRun], out: Path, jobs: int = 1) ->
 
     def finished(r: LadderRun, result: TrainResult) -> None:
         if result.preempted is not None:  # Ctrl-C or SIGTERM: the run checkpointed; the ladder stops here
-            raise TrainingStopped(f"{r.name} stopped by {result.signal or 'a signal'} at step {result.preempted} "
-                                  "(checkpoint written); run the same command again to continue the ladder")
-        logger.info(f"    {r.name}: val loss {result.val_loss:.4f}, {result.tokens_per_s:,.0f} tok/s, "
-                    f"{result.seconds:.0f} s")
+            raise TrainingStopped(
+                f"{r.name} stopped by {result.signal or 'a signal'} at step {result.preempted} "
+                "(checkpoint written); run the same command again to continue the ladder"
+            )
+        logger.info(
+            f"    {r.name}: val loss {result.val_loss:.4f}, {result.tokens_per_s:,.0f} tok/s, {result.seconds:.0f} s"
+        )
 
     if jobs == 1:
         for i, r in todo:
@@ -230,8 +256,10 @@ def run_ladder(base: Config, runs: list[LadderRun], out: Path, jobs: int = 1) ->
     threads = max(1, torch.get_num_threads() // jobs)
     todo.sort(key=lambda ir: (-ir[1].budget, -ir[1].tokens))
     queue, pending, stopped = iter(todo), {}, []
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init) as pool, \
-            _Forward() as stop:
+    with (
+        ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init) as pool,
+        _Forward() as stop,
+    ):
 
         def submit_next() -> None:  # one run per free worker: nothing waits queued to start after a signal
             for i, r in queue:
@@ -256,8 +284,10 @@ def run_ladder(base: Config, runs: list[LadderRun], out: Path, jobs: int = 1) ->
             stop.forward(signal.SIGTERM)  # a worker's error ends the others' runs too, with checkpoints
             raise
     if stop.signal:
-        raise TrainingStopped(f"scale sweep stopped by {stop.signal}: its {stop.workers} worker process(es) stopped "
-                              f"too ({'; '.join(stopped)}); run the same command again to continue the ladder")
+        raise TrainingStopped(
+            f"scale sweep stopped by {stop.signal}: its {stop.workers} worker process(es) stopped "
+            f"too ({'; '.join(stopped)}); run the same command again to continue the ladder"
+        )
     return collect(runs, out)
 
 

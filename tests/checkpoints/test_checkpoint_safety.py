@@ -17,6 +17,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from flopwise.checkpoints import checkpoint, rundir
+from flopwise.checkpoints.export import export_checkpoint
 from flopwise.cli import app
 from flopwise.config import load_config, to_toml
 from flopwise.errors import CheckpointError, ConfigError
@@ -35,8 +37,15 @@ def _save(run, step, cfg, tmp_path, keep=2):
     rundir.claim(run, ["checkpoints"])
     tok = tmp_path / "tokenizer.json"
     tok.write_text("{}")  # copied, never parsed, by export
-    return checkpoint.save(run, step, build_model(cfg.model, "cpu"), None, {"config": to_toml(cfg), "mine": step},
-                           files={"tokenizer.json": tok}, keep=keep)
+    return checkpoint.save(
+        run,
+        step,
+        build_model(cfg.model, "cpu"),
+        None,
+        {"config": to_toml(cfg), "mine": step},
+        files={"tokenizer.json": tok},
+        keep=keep,
+    )
 
 
 def _steps(run) -> list[str]:
@@ -52,6 +61,7 @@ def _one_line(e) -> bool:
 
 
 # --- export / import into a run that already has checkpoints ------------------------------------
+
 
 def test_export_adds_its_step_beside_the_runs_checkpoints(tmp_path):
     cfg = _cfg(tmp_path)
@@ -129,9 +139,17 @@ def test_export_and_import_refuse_a_checkpoints_folder_flopwise_did_not_write(tm
 def _tiny_hf(folder):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64))
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    )
     model.save_pretrained(folder)
     return folder
 
@@ -172,20 +190,27 @@ def test_the_cli_prints_paths_that_exist_and_refuses_in_one_line(tmp_path):
     r = runner.invoke(app, ["convert", "from-hf", str(hf), str(out), "--force"], env={"COLUMNS": "400"})
     assert r.exit_code == 0, r.output
 
-    r = runner.invoke(app, ["checkpoint", "export", str(checkpoint.step_dir(out, 5)), "--out", str(tmp_path / "exp")],
-                      env={"COLUMNS": "400"})
+    r = runner.invoke(
+        app,
+        ["checkpoint", "export", str(checkpoint.step_dir(out, 5)), "--out", str(tmp_path / "exp")],
+        env={"COLUMNS": "400"},
+    )
     assert r.exit_code == 0, r.output
     assert checkpoint.step_dir(tmp_path / "exp", 5).is_dir()
     r = runner.invoke(app, ["checkpoint", "export", str(checkpoint.step_dir(out, 5)), "--out", str(out)])
     assert r.exit_code != 0 and isinstance(r.exception, CheckpointError) and "--force" in str(r.exception)
-    r = runner.invoke(app, ["checkpoint", "export", str(checkpoint.step_dir(out, 0)), "--out", str(tmp_path / "exp")],
-                      env={"COLUMNS": "400"})
+    r = runner.invoke(
+        app,
+        ["checkpoint", "export", str(checkpoint.step_dir(out, 0)), "--out", str(tmp_path / "exp")],
+        env={"COLUMNS": "400"},
+    )
     assert r.exit_code == 0, r.output
     # step 0 sits below step 5 there: the hint names the folder to resume from, not run.dir
     assert "checkpoint.resume=" in r.output and _steps(tmp_path / "exp") == ["step-00000000", "step-00000005"]
 
 
 # --- damaged DCP metadata: refused, never an AttributeError ---------------------------------------
+
 
 def _rewrite_metadata(ckpt, mutate) -> None:
     """Change `.metadata` as objects (the test's own file: trusted) and re-sign it in the manifest,
@@ -194,8 +219,10 @@ def _rewrite_metadata(ckpt, mutate) -> None:
     mutate(md)
     (ckpt / ".metadata").write_bytes(pickle.dumps(md))
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest["files"][".metadata"] = {"bytes": (ckpt / ".metadata").stat().st_size,
-                                      "sha256": checkpoint._sha256(ckpt / ".metadata")}
+    manifest["files"][".metadata"] = {
+        "bytes": (ckpt / ".metadata").stat().st_size,
+        "sha256": checkpoint._sha256(ckpt / ".metadata"),
+    }
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -228,7 +255,8 @@ DAMAGE = {
     "storage-key-not-an-index": lambda md: setattr(md, "storage_data", {"x": list(md.storage_data.values())[-1]}),
     "planner-path-a-string": lambda md: md.planner_data.__setitem__(sorted(md.planner_data)[0], "model"),
     "entries-key-not-a-string": lambda md: md.state_dict_metadata.__setitem__(
-        7, md.state_dict_metadata.pop(sorted(md.state_dict_metadata)[0])),
+        7, md.state_dict_metadata.pop(sorted(md.state_dict_metadata)[0])
+    ),
     "metadata-without-storage-data": lambda md: delattr(md, "storage_data"),
 }
 
@@ -278,9 +306,12 @@ def test_a_bytearray_opcode_is_refused_before_the_unpickler_allocates_it(two_ste
 
     run, first, second = two_steps
     raw = (second / ".metadata").read_bytes()
-    pos = next(p for op, _, p in pickletools.genops(raw)
-               if op.name == "MEMOIZE" and int.from_bytes(raw[p + 1:p + 9], "little") > 2**40)
-    flipped = raw[:pos] + bytes([raw[pos] ^ 0x02]) + raw[pos + 1:]
+    pos = next(
+        p
+        for op, _, p in pickletools.genops(raw)
+        if op.name == "MEMOIZE" and int.from_bytes(raw[p + 1 : p + 9], "little") > 2**40
+    )
+    flipped = raw[:pos] + bytes([raw[pos] ^ 0x02]) + raw[pos + 1 :]
     (second / ".metadata").write_bytes(flipped)  # re-signed, as an attacker would
     manifest = json.loads((second / "manifest.json").read_text())
     manifest["files"][".metadata"] = {"bytes": len(flipped), "sha256": checkpoint._sha256(second / ".metadata")}
@@ -295,6 +326,7 @@ def test_a_bytearray_opcode_is_refused_before_the_unpickler_allocates_it(two_ste
 
 
 # --- user-testing follow-up: failed or refused writes leave nothing behind ---------------------
+
 
 def test_convert_from_hf_of_a_damaged_folder_writes_nothing(tmp_path):
     """Before: `convert from-hf BAD OUT` with a truncated safetensors file failed after claiming
@@ -328,9 +360,11 @@ def test_checkpoint_writes_under_a_file_are_one_line_naming_the_option(tmp_path)
     hf = _tiny_hf(tmp_path / "hf")
     blocker = tmp_path / "afile"
     blocker.write_text("mine")
-    for write, option in ((lambda: rundir.claim(blocker / "run", ["checkpoints"]), "run.dir"),
-                          (lambda: export_checkpoint(src, blocker / "run"), "--out"),
-                          (lambda: import_hf(hf, blocker / "run"), "OUT")):
+    for write, option in (
+        (lambda: rundir.claim(blocker / "run", ["checkpoints"]), "run.dir"),
+        (lambda: export_checkpoint(src, blocker / "run"), "--out"),
+        (lambda: import_hf(hf, blocker / "run"), "OUT"),
+    ):
         with pytest.raises(ConfigError, match=f"^{option} .*afile is a file, not a folder") as e:
             write()
         assert _one_line(e.value)

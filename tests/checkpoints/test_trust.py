@@ -21,6 +21,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
+from flopwise.checkpoints import checkpoint
+from flopwise.checkpoints.export import export_checkpoint
 from flopwise.config import load_config, to_toml
 from flopwise.errors import CheckpointError
 from flopwise.eval.load import load_for_inference
@@ -64,8 +66,14 @@ def plant(ckpt, marker, list_in_manifest: bool = True):
 @pytest.fixture
 def evil(tiny_data, tmp_path):
     cfg = load_config(None, tiny_overrides(tmp_path / "run", tiny_data))
-    ckpt = checkpoint.save(tmp_path / "run", 3, build_model(cfg.model, "cpu"), None, {"config": to_toml(cfg)},
-                           files={"tokenizer.json": tiny_data / "tokenizer.json"})
+    ckpt = checkpoint.save(
+        tmp_path / "run",
+        3,
+        build_model(cfg.model, "cpu"),
+        None,
+        {"config": to_toml(cfg)},
+        files={"tokenizer.json": tiny_data / "tokenizer.json"},
+    )
     marker = tmp_path / "PWNED"
     plant(ckpt, marker)
     return ckpt, marker, cfg
@@ -87,8 +95,9 @@ def test_every_loader_refuses_a_bytes_entry_and_runs_nothing(path, evil, tiny_da
         "eval/generate": lambda: load_for_inference(ckpt),
         "convert to-hf": lambda: export_hf(ckpt, tmp_path / "hf"),
         "checkpoint export": lambda: export_checkpoint(ckpt, tmp_path / "exported"),
-        "resume": lambda: train(load_config(None, tiny_overrides(tmp_path / "resumed", tiny_data, **{
-            "checkpoint.resume": f'"{ckpt}"'}))),
+        "resume": lambda: train(
+            load_config(None, tiny_overrides(tmp_path / "resumed", tiny_data, **{"checkpoint.resume": f'"{ckpt}"'}))
+        ),
         "direct load": lambda: checkpoint.load(ckpt, build_model(cfg.model, "cpu")),  # no verify first
     }
     with pytest.raises(CheckpointError) as e:
@@ -108,8 +117,12 @@ def test_the_cli_prints_one_line_and_exits_2(evil, tmp_path):
     ckpt, marker, _ = evil
     text = tmp_path / "t.txt"
     text.write_text("To be or not to be")
-    r = subprocess.run([sys.executable, "-m", "flopwise", "eval", str(ckpt), "--text", str(text)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "flopwise", "eval", str(ckpt), "--text", str(text)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout
     assert len((r.stderr + r.stdout).strip().splitlines()) == 1 and not marker.exists()
 
@@ -122,8 +135,21 @@ def test_data_prepare_never_deletes_a_folder_that_is_not_its_own(tmp_path):
     precious = tmp_path / "thesis"
     precious.mkdir()
     (precious / "chapter1.tex").write_text("irreplaceable")
+
     def cmd(out, *extra):
-        return [sys.executable, "-m", "flopwise", "data", "prepare", str(src), "--out", str(out), "--train-tokenizer", "300", *extra]
+        return [
+            sys.executable,
+            "-m",
+            "flopwise",
+            "data",
+            "prepare",
+            str(src),
+            "--out",
+            str(out),
+            "--train-tokenizer",
+            "300",
+            *extra,
+        ]
 
     r = subprocess.run(cmd(precious), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--force" in r.stderr + r.stdout and "Traceback" not in r.stderr

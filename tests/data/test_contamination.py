@@ -35,7 +35,7 @@ def ref_text(e) -> str:
 
 def ref_grams(ws: list[str], n: int = N) -> set[str]:
     m = min(n, len(ws))
-    return {" ".join(ws[i:i + m]) for i in range(len(ws) - m + 1)} if ws else set()
+    return {" ".join(ws[i : i + m]) for i in range(len(ws) - m + 1)} if ws else set()
 
 
 def brute_force(tasks: dict[str, list], docs: list[str]) -> tuple[dict[str, list[int]], list[int]]:
@@ -46,7 +46,7 @@ def brute_force(tasks: dict[str, list], docs: list[str]) -> tuple[dict[str, list
     found, touched = set(), []
     for i, doc in enumerate(docs):
         ws = ref_words(doc)
-        hit = {g for m in lengths for g in (" ".join(ws[p:p + m]) for p in range(len(ws) - m + 1)) if g in wanted}
+        hit = {g for m in lengths for g in (" ".join(ws[p : p + m]) for p in range(len(ws) - m + 1)) if g in wanted}
         if hit:
             touched.append(i)
             found |= hit
@@ -64,9 +64,15 @@ def planted(tmp_path_factory):
     wiki = resolve_input("builtin:enwiki").read_text(encoding="utf-8")
     docs = [d for d in re.split(r"\n(?== .+ =\n)", wiki) if d.strip()][:40]
     tasks = {name: load_task(name)[1] for name in ALL}
-    plants = [("alice-lastword", 3, str), ("alice-lastword", 150, shout), ("alice-nextsent", 7, str),
-              ("shakespeare-nextline", 42, shout), ("shakespeare-speaker", 9, str),
-              ("shakespeare-cloze", 1, shout), ("shakespeare-cloze", 3, str)]  # cloze 1 and 3 are under 13 words
+    plants = [
+        ("alice-lastword", 3, str),
+        ("alice-lastword", 150, shout),
+        ("alice-nextsent", 7, str),
+        ("shakespeare-nextline", 42, shout),
+        ("shakespeare-speaker", 9, str),
+        ("shakespeare-cloze", 1, shout),
+        ("shakespeare-cloze", 3, str),
+    ]  # cloze 1 and 3 are under 13 words
     assert all(len(ref_words(ref_text(tasks[t][k]))) < N for t, k, _ in plants[-2:])
     rng = random.Random(0)
     where = rng.sample(range(len(docs)), len(plants))
@@ -101,12 +107,15 @@ def test_prepared_folder_and_cli_json(planted, tmp_path):
     prepare([str(path)], data, tokenizer="bpe:300", val_fraction=0.0)
     truth, _ = brute_force(tasks, docs)
     ids = tmp_path / "ids.json"
-    r = CliRunner().invoke(app, ["data", "contamination", str(data), "--tasks", ",".join(ALL), "--json",
-                                 "--ids-out", str(ids)])
+    r = CliRunner().invoke(
+        app, ["data", "contamination", str(data), "--tasks", ",".join(ALL), "--json", "--ids-out", str(ids)]
+    )
     assert r.exit_code == 0, r.output
     rows = json.loads(r.output)
-    assert rows == [{"task": t, "examples": len(tasks[t]), "contaminated": len(truth[t]),
-                     "share": len(truth[t]) / len(tasks[t])} for t in ALL]
+    assert rows == [
+        {"task": t, "examples": len(tasks[t]), "contaminated": len(truth[t]), "share": len(truth[t]) / len(tasks[t])}
+        for t in ALL
+    ]
     written = json.loads(ids.read_text())
     assert written.pop("written_by").startswith("flopwise data contamination") and written == truth
     r = CliRunner().invoke(app, ["data", "contamination", str(data), "--tasks", "alice-lastword"])
@@ -116,8 +125,12 @@ def test_prepared_folder_and_cli_json(planted, tmp_path):
 def test_short_n_and_bad_inputs(tmp_path):
     (tmp_path / "doc.txt").write_text("Say: I will, my LORD! and go")
     task = tmp_path / "t.jsonl"
-    task.write_text(json.dumps({"context": "I will, my", "target": " lord"}) + "\n"
-                    + json.dumps({"context": "will my", "target": " liege"}) + "\n")
+    task.write_text(
+        json.dumps({"context": "I will, my", "target": " lord"})
+        + "\n"
+        + json.dumps({"context": "will my", "target": " liege"})
+        + "\n"
+    )
     assert measure(str(tmp_path / "doc.txt"), [load_task(str(task))], n=3).contaminated == [[0]]
     assert measure(str(tmp_path / "doc.txt"), [load_task(str(task))], n=2).contaminated == [[0, 1]]
     with pytest.raises(DataError, match="no such file"):
@@ -141,12 +154,25 @@ def test_datatrove_filter_drops_exactly_the_planted_documents(planted):
 def test_clean_subset_scores(tiny_data, tmp_path):
     from flopwise.launch import train
 
-    cfg = load_config(None, tiny_overrides(tmp_path, tiny_data, **{"train.steps": 2, "train.eval_every": 2,
-                                                                   "checkpoint.interval": 0}))
+    cfg = load_config(
+        None, tiny_overrides(tmp_path, tiny_data, **{"train.steps": 2, "train.eval_every": 2, "checkpoint.interval": 0})
+    )
     train(cfg)
     limit, names = 30, ["alice-nextsent", "alice-lastword"]
-    r = CliRunner().invoke(app, ["eval", str(tmp_path), "--tasks", ",".join(names), "--limit", str(limit),
-                                 "--clean-against", str(tiny_data), "--json"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            str(tmp_path),
+            "--tasks",
+            ",".join(names),
+            "--limit",
+            str(limit),
+            "--clean-against",
+            str(tiny_data),
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     rows = json.loads(r.output)
     dirty = measure(str(tiny_data), [load_task(t) for t in names]).contaminated

@@ -30,9 +30,9 @@ def test_prepare_counts_and_split_by_document(tiny_data):
         assert tokens[start + length - 1] == eos
     # documents decode back to the source text; the two splits share no document
     tok = tokenizer_of(tiny_data)
-    docs = {tok.decode(list(tokens[s:s + n - 1])) for s, n in train["documents"]}
+    docs = {tok.decode(list(tokens[s : s + n - 1])) for s, n in train["documents"]}
     vtok = open_split(tiny_data, "val")
-    vdocs = {tok.decode(list(vtok[s:s + n - 1])) for s, n in val["documents"]}
+    vdocs = {tok.decode(list(vtok[s : s + n - 1])) for s, n in val["documents"]}
     sources = {open(f).read() for f in meta["sources"]}
     assert not docs & vdocs and docs | vdocs == sources
 
@@ -41,27 +41,36 @@ def test_prepare_is_deterministic(tiny_data, tmp_path):
     src = read_index(tiny_data)
     tokens = open_split(tiny_data, "train")
     again = tmp_path / "again"
-    prepare([s for s in {str(p.rsplit("/", 1)[0]) for p in src["sources"]}], again, tokenizer="bpe:512",
-            val_fraction=0.1, seed=0)
+    prepare(
+        [s for s in {str(p.rsplit("/", 1)[0]) for p in src["sources"]}],
+        again,
+        tokenizer="bpe:512",
+        val_fraction=0.1,
+        seed=0,
+    )
     assert np.array_equal(open_split(again, "train"), tokens)
 
 
 def test_jsonl_input_and_given_tokenizer(tiny_data, tmp_path):
     f = tmp_path / "docs.jsonl"
-    f.write_text("\n".join(json.dumps({"text": f"Document {i}: Alice was beginning to get very tired."})
-                           for i in range(10)))
+    f.write_text(
+        "\n".join(json.dumps({"text": f"Document {i}: Alice was beginning to get very tired."}) for i in range(10))
+    )
     out = tmp_path / "jsonl"
     stats = prepare([str(f)], out, tokenizer=str(tiny_data / "tokenizer.json"), val_fraction=0.2)
     assert stats.documents == 10 and stats.splits["val"] > 0
     assert read_index(out)["vocab_size"] == 512
 
 
-@pytest.mark.parametrize("content, fragment", [
-    (b"", "contains no text"),
-    (b"   \n\n", "contains no text"),
-    (b"\x00\x01\x02binary\x00" * 100, "looks binary"),
-    (b"caf\xe9 latin-1 text", "not UTF-8"),
-])
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        (b"", "contains no text"),
+        (b"   \n\n", "contains no text"),
+        (b"\x00\x01\x02binary\x00" * 100, "looks binary"),
+        (b"caf\xe9 latin-1 text", "not UTF-8"),
+    ],
+)
 def test_bad_text_inputs(tmp_path, content, fragment):
     f = tmp_path / "in.txt"
     f.write_bytes(content)
@@ -142,7 +151,7 @@ def test_loader_order_is_a_function_of_seed_and_epoch(tiny_data):
     # targets are inputs shifted by one inside the packed stream
     tokens = open_split(tiny_data, "train")
     first = int(np.random.default_rng([1, 0]).permutation(a.streams[0].n_windows)[0])
-    assert xa[0].tolist() == tokens[first * 32:first * 32 + 33].tolist()
+    assert xa[0].tolist() == tokens[first * 32 : first * 32 + 33].tolist()
 
 
 def test_loader_epochs_cover_every_window_once(tiny_data):
@@ -206,7 +215,11 @@ def test_parquet_input(tmp_path, tiny_data):
     import pyarrow.parquet as pq
 
     f = tmp_path / "docs.parquet"
-    pq.write_table(pa.table({"text": [f"Row {i}: the Queen of Hearts, she made some tarts." for i in range(8)],
-                             "id": list(range(8))}), f)
+    pq.write_table(
+        pa.table(
+            {"text": [f"Row {i}: the Queen of Hearts, she made some tarts." for i in range(8)], "id": list(range(8))}
+        ),
+        f,
+    )
     stats = prepare([str(f)], tmp_path / "pq", tokenizer=str(tiny_data / "tokenizer.json"), val_fraction=0.25)
     assert stats.documents == 8 and stats.splits["val"] > 0

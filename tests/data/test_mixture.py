@@ -28,10 +28,11 @@ def window_owner(sources, seq_len):
     owner = {}
     for s in sources:
         meta = json.loads((s.data_dir / "index.json").read_text())
-        tokens = np.concatenate([np.fromfile(s.data_dir / f["file"], dtype=meta["dtype"])
-                                 for f in meta["splits"]["train"]["files"]]).astype(np.int64)
+        tokens = np.concatenate(
+            [np.fromfile(s.data_dir / f["file"], dtype=meta["dtype"]) for f in meta["splits"]["train"]["files"]]
+        ).astype(np.int64)
         for i in range((len(tokens) - 1) // seq_len):
-            owner.setdefault(tokens[i * seq_len:(i + 1) * seq_len + 1].tobytes(), set()).add(s.name)
+            owner.setdefault(tokens[i * seq_len : (i + 1) * seq_len + 1].tobytes(), set()).add(s.name)
     return owner
 
 
@@ -58,8 +59,17 @@ def test_data_mix_predicts_the_loaders_epochs(tmp_path, tiny_data, tiny_mix):
     loader = TokenLoader(sources, "train", 32, 8, seed=0)
     loader.skip(2000)
     tokens = 2000 * 8 * 32
-    r = CliRunner().invoke(app, ["data", "mix", *tiny_overrides(tmp_path, tiny_data, **{"data.sources": tiny_mix}),
-                                 "--tokens", str(tokens), "--json"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "data",
+            "mix",
+            *tiny_overrides(tmp_path, tiny_data, **{"data.sources": tiny_mix}),
+            "--tokens",
+            str(tokens),
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     rows = {x["name"]: x for x in json.loads(r.stdout)}
     for s in sources:
@@ -67,8 +77,16 @@ def test_data_mix_predicts_the_loaders_epochs(tmp_path, tiny_data, tiny_mix):
         assert rows[s.name]["unique_tokens"] == meta["splits"]["train"]["tokens"]
         assert rows[s.name]["epochs"] == pytest.approx(loader.epochs_by_source()[s.name], rel=0.05)
     # windows are seq_len + 1 tokens from a stream cut every seq_len: one epoch is n_windows · seq_len
-    loud = CliRunner().invoke(app, ["data", "mix", *tiny_overrides(tmp_path, tiny_data, **{"data.sources": tiny_mix}),
-                                    "--tokens", str(tokens * 5)])
+    loud = CliRunner().invoke(
+        app,
+        [
+            "data",
+            "mix",
+            *tiny_overrides(tmp_path, tiny_data, **{"data.sources": tiny_mix}),
+            "--tokens",
+            str(tokens * 5),
+        ],
+    )
     assert loud.exit_code == 0 and "warning" in loud.output and "'plays'" in loud.output
 
 
@@ -116,6 +134,7 @@ def test_source_tokenizer_outside_its_folder_is_refused_before_any_read(tmp_path
     index = json.loads((first / "index.json").read_text())
     index["tokenizer"] = "../x.json" if where == "relative" else str(outside)
     (first / "index.json").write_text(json.dumps(index))
+
     def prepare_spy(inputs, out, tokenizer, **kw):  # would read and copy `tokenizer` into the run
         raise AssertionError(f"source prepared into {out} with tokenizer {tokenizer}")
 
@@ -140,8 +159,14 @@ def test_duplicate_source_names_are_a_config_error(tmp_path, tiny_data):
     from flopwise.errors import ConfigError
 
     with pytest.raises(ConfigError, match="data.sources: name 'x' used twice"):
-        load_config(None, tiny_overrides(tmp_path, tiny_data, **{
-            "data.sources": f'[{{path="{tiny_data}", name="x"}}, {{path="{tiny_data}", name="x"}}]'}))
+        load_config(
+            None,
+            tiny_overrides(
+                tmp_path,
+                tiny_data,
+                **{"data.sources": f'[{{path="{tiny_data}", name="x"}}, {{path="{tiny_data}", name="x"}}]'},
+            ),
+        )
 
 
 def test_scale_optimal_counts_unique_tokens_of_a_data_dir(tiny_data):

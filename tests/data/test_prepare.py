@@ -47,11 +47,11 @@ def test_shards_equal_the_single_process_reference(tmp_path):
         assert shards == np.asarray(ids, dtype=np.uint16).tobytes()
         tokens = open_split(out, split)
         assert len(tokens) == len(ids) and np.array_equal(np.asarray(tokens), ids)
-        assert np.array_equal(tokens[10:len(ids) - 10], ids[10:-10])  # a slice across every shard
+        assert np.array_equal(tokens[10 : len(ids) - 10], ids[10:-10])  # a slice across every shard
     from flopwise.data.tasks import heldout_plays
 
     vtok = open_split(out, "val")
-    held = [tok.decode(list(vtok[s:s + n - 1])) for s, n in meta["splits"]["val"]["documents"]]
+    held = [tok.decode(list(vtok[s : s + n - 1])) for s, n in meta["splits"]["val"]["documents"]]
     assert held == heldout_plays() == [docs[i] for i in sorted(val)]
 
 
@@ -74,8 +74,13 @@ def _killed_prepare(plays: Path, out: Path, args: dict) -> list[str]:
     """SIGKILL a prepare of `plays` into `out` after its first finished tokenize task; the finished
     tasks' names."""
     code = f"from flopwise.data.pipeline import prepare; prepare([{str(plays)!r}], {str(out)!r}, **{args!r})"
-    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": SRC},
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": SRC},
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     done = out / "work" / "logs" / "tokenize" / "completions"
     deadline = time.time() + 120
     while not (done.is_dir() and any(done.iterdir())) and proc.poll() is None and time.time() < deadline:
@@ -115,22 +120,26 @@ def test_killed_prepare_resumes_to_the_same_bytes(tmp_path):
 
 # ---- planted corpus ----------------------------------------------------------------------------
 
+
 def _prose(n_docs: int, words: int = 300) -> list[str]:
     """Ordinary prose: 300-word pieces of Alice, Wikipedia and Hamlet, wrapped 12 words a line."""
-    texts = [resolve_input("builtin:alice").read_text(), resolve_input("builtin:enwiki").read_text(),
-             (resolve_input("builtin:shakespeare") / "hamlet_gut.txt").read_text()]
+    texts = [
+        resolve_input("builtin:alice").read_text(),
+        resolve_input("builtin:enwiki").read_text(),
+        (resolve_input("builtin:shakespeare") / "hamlet_gut.txt").read_text(),
+    ]
     docs = []
     for k in range(n_docs):
         w = texts[k % 3].split()
         start = 500 + (k // 3) * words
-        piece = w[start:start + words]
-        docs.append("\n".join(" ".join(piece[j:j + 12]) for j in range(0, words, 12)))
+        piece = w[start : start + words]
+        docs.append("\n".join(" ".join(piece[j : j + 12]) for j in range(0, words, 12)))
     return docs
 
 
 def _shingles(text: str) -> set:
     w = simplify_text(text).split()
-    return {tuple(w[i:i + 5]) for i in range(len(w) - 4)}
+    return {tuple(w[i : i + 5]) for i in range(len(w) - 4)}
 
 
 def _jaccard(a: str, b: str) -> float:
@@ -161,7 +170,7 @@ def _low_quality() -> dict[str, str]:
     w = resolve_input("builtin:alice").read_text().split()[2000:]
 
     def lines(n: int, k: int = 10, at: int = 0) -> list[str]:
-        return [" ".join(w[at + i * k:at + (i + 1) * k]) for i in range(n)]
+        return [" ".join(w[at + i * k : at + (i + 1) * k]) for i in range(n)]
 
     return {
         "Too short to be a document, but the words are fine.": "gopher_short_doc",
@@ -213,11 +222,12 @@ def test_planted_corpus_each_stage_against_the_plant(tmp_path):
     assert sum(verdict(t) is True for t in normal) >= 0.95 * len(normal)
 
     out = tmp_path / "out"
-    stats = prepare([str(corpus)], out, tokenizer="bpe:1024", val_fraction=0.0, workers=1,
-                    filters="gopher", dedup="exact,minhash")
+    stats = prepare(
+        [str(corpus)], out, tokenizer="bpe:1024", val_fraction=0.0, workers=1, filters="gopher", dedup="exact,minhash"
+    )
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     tokens = open_split(out, "train")
-    kept = [tok.decode(list(tokens[s:s + n - 1])) for s, n in read_index(out)["splits"]["train"]["documents"]]
+    kept = [tok.decode(list(tokens[s : s + n - 1])) for s, n in read_index(out)["splits"]["train"]["documents"]]
     report = json.loads((out / "report.json").read_text())
     assert report == stats.report and report["documents_in"] == len(docs)
     stage = {row["stage"]: row for row in report["stages"]}
@@ -279,8 +289,11 @@ def _tree(d: Path) -> dict[str, str]:
     """Every file under `d` (relative path -> sha256 of its bytes): equal before and after means untouched."""
     import hashlib
 
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*"))
-            if p.is_file() and p.name != ".flopwise.lock"}  # a killed prepare's lock: taken over, then removed
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+        if p.is_file() and p.name != ".flopwise.lock"
+    }  # a killed prepare's lock: taken over, then removed
 
 
 def _cli_prepare(inputs, out, *extra):
@@ -418,7 +431,10 @@ def test_files_flopwise_adds_are_recorded_and_big_files_checked_by_their_ends(tm
     manifest = json.loads((out / "manifest.json").read_text())
     assert set(manifest["files"]) == {p.name for p in out.iterdir()} - {"manifest.json"}
     shard = out / "train-00000.bin"
-    assert manifest["files"][shard.name]["bytes"] == shard.stat().st_size > 1000 and "ends" in manifest["files"][shard.name]
+    assert (
+        manifest["files"][shard.name]["bytes"] == shard.stat().st_size > 1000
+        and "ends" in manifest["files"][shard.name]
+    )
     manifests.add_to_manifest(out, DATA_MANIFEST, "recipe.json", b'{"seed": 0}')
     assert manifests.why_not_ours(out, DATA_MANIFEST) is None
     raw = bytearray(shard.read_bytes())

@@ -22,11 +22,19 @@ from flopwise.cli import app
 from flopwise.data.tokenizer import EOS, load_tokenizer, train_bpe
 from flopwise.errors import DataError
 
-WORDS = ("alice rabbit queen hatter tea garden croquet door key bottle cake mushroom caterpillar cat "
-         "grin duchess baby pepper trial tarts jury king knave court dream river sister book").split()
+WORDS = (
+    "alice rabbit queen hatter tea garden croquet door key bottle cake mushroom caterpillar cat "
+    "grin duchess baby pepper trial tarts jury king knave court dream river sister book"
+).split()
 TRUNCATION = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
-PADDING = {"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
-           "pad_type_id": 0, "pad_token": EOS}
+PADDING = {
+    "strategy": "BatchLongest",
+    "direction": "Right",
+    "pad_to_multiple_of": None,
+    "pad_id": 0,
+    "pad_type_id": 0,
+    "pad_token": EOS,
+}
 # stride >= max_length: the library panics in Encoding::truncate on any input longer than max_length
 BAD_STRIDE = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 4}
 # strips one "Ġ" from each end of every token: a token that is a lone space panics (slice 1..0)
@@ -35,8 +43,13 @@ STRIP = {"type": "Strip", "content": "Ġ", "start": 1, "stop": 1}
 
 def documents(n: int = 50) -> list[str]:
     rng = random.Random(0)
-    return [" ".join(" ".join(rng.choice(WORDS) for _ in range(rng.randrange(6, 14))).capitalize() + "."
-                     for _ in range(rng.randrange(4, 9))) for _ in range(n)]
+    return [
+        " ".join(
+            " ".join(rng.choice(WORDS) for _ in range(rng.randrange(6, 14))).capitalize() + "."
+            for _ in range(rng.randrange(4, 9))
+        )
+        for _ in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +61,16 @@ def corpus(tmp_path_factory) -> tuple[Path, Path]:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(docs, trainer=trainers.BpeTrainer(
-        vocab_size=320, min_frequency=2, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    tok.train_from_iterator(
+        docs,
+        trainer=trainers.BpeTrainer(
+            vocab_size=320,
+            min_frequency=2,
+            special_tokens=[EOS],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     tok.save(str(d / "base.json"))
     return d / "docs.jsonl", d / "base.json"
 
@@ -71,8 +91,22 @@ def reference_tokens(base: Path, docs: list[str]) -> int:
 
 
 def prepare_cli(docs: Path, out: Path, tokenizer: Path):
-    return CliRunner().invoke(app, ["data", "prepare", str(docs), "--out", str(out), "--tokenizer", str(tokenizer),
-                                    "--workers", "1", "--val-fraction", "0.1"])
+    return CliRunner().invoke(
+        app,
+        [
+            "data",
+            "prepare",
+            str(docs),
+            "--out",
+            str(out),
+            "--tokenizer",
+            str(tokenizer),
+            "--workers",
+            "1",
+            "--val-fraction",
+            "0.1",
+        ],
+    )
 
 
 @pytest.mark.parametrize("field,block", [("truncation", TRUNCATION), ("padding", PADDING)])
@@ -99,11 +133,31 @@ def test_panicking_tokenizer_is_a_one_line_error(tmp_path, corpus, case):
     """Before: a Rust panic (PanicException, not an Exception) ended `data prepare` with a Rust
     backtrace and a Python traceback. After: one line `error: tokenizer ...`, exit 2."""
     docs, base = corpus
-    user = (edited(base, tmp_path / "stride.json", truncation=BAD_STRIDE) if case == "stride"
-            else edited(base, tmp_path / "strip.json", decoder=STRIP))
-    r = subprocess.run([sys.executable, "-m", "flopwise", "data", "prepare", str(docs), "--out", str(tmp_path / "out"),
-                        "--tokenizer", str(user), "--workers", "1"], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "RUST_BACKTRACE": "1", "COLUMNS": "400"})
+    user = (
+        edited(base, tmp_path / "stride.json", truncation=BAD_STRIDE)
+        if case == "stride"
+        else edited(base, tmp_path / "strip.json", decoder=STRIP)
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flopwise",
+            "data",
+            "prepare",
+            str(docs),
+            "--out",
+            str(tmp_path / "out"),
+            "--tokenizer",
+            str(user),
+            "--workers",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "RUST_BACKTRACE": "1", "COLUMNS": "400"},
+    )
     assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-3000:])
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert "Traceback" not in r.stderr and "panicked" not in r.stderr, r.stderr[-3000:]

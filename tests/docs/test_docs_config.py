@@ -17,7 +17,8 @@ PAGE = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 def test_the_committed_reference_is_what_the_code_generates():
     assert PAGE.read_text() == render(), (
-        "docs/config.md differs from the config model: run `flopwise config docs > docs/config.md`")
+        "docs/config.md differs from the config model: run `flopwise config docs > docs/config.md`"
+    )
 
 
 def _keys(tree: dict, prefix: str = "") -> set[str]:

@@ -135,8 +135,16 @@ def _run(command: str, cwd: Path, fresh: bool = False) -> tuple[int, str]:
         raise ValueError(f"only `flopwise` commands run here, not {argv[0]!r}: mark the block `example: skip`")
     if fresh:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-        r = subprocess.run([sys.executable, "-m", "flopwise", *argv[1:]], cwd=cwd, env=env, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=900)
+        r = subprocess.run(
+            [sys.executable, "-m", "flopwise", *argv[1:]],
+            cwd=cwd,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            timeout=900,
+        )
         return r.returncode, r.stdout
     from flopwise import cli
 
@@ -185,7 +193,8 @@ def test_documented_example(step: Step, folders, tmp_path_factory):
     code, got = _run(step.command, folder, fresh=step.slow)
     want = step.want.strip() + "\n"
     assert CHECKER.check_output(want, got.strip() + "\n", FLAGS), (
-        f"{step.page}:{step.line}: `{step.command}` printed\n{got}\nthe page says\n{want}")
+        f"{step.page}:{step.line}: `{step.command}` printed\n{got}\nthe page says\n{want}"
+    )
     expected = 2 if re.search(r"^error:", step.want, re.M) else 0
     assert code == expected, f"{step.page}:{step.line}: `{step.command}` exited {code}, expected {expected}\n{got}"
 

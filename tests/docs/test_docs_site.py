@@ -66,9 +66,22 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
 
 
 def _dom(url: str) -> _Page:
-    out = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",  # type: ignore[list-item]
-                          "--virtual-time-budget=1000", "--disable-extensions", "--dump-dom", url],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",  # type: ignore[list-item]
+            "--virtual-time-budget=1000",
+            "--disable-extensions",
+            "--dump-dom",
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     page = _Page()
     page.feed(out.stdout)
     return page
@@ -87,8 +100,13 @@ def site(tmp_path_factory):
     pytest.importorskip("mkdocs", reason="mkdocs is not installed: pip install -e '.[docs]'")
     out = tmp_path_factory.mktemp("site")
     started = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-f", str(ROOT / "mkdocs.yml"),
-                        "-d", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-f", str(ROOT / "mkdocs.yml"), "-d", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert r.returncode == 0, f"mkdocs build --strict failed:\n{r.stdout}\n{r.stderr}"
     print(f"site built in {time.perf_counter() - started:.1f} s")
     return out

@@ -41,9 +41,9 @@ def test_generation_stops_where_transformers_max_length_stops(run_dir, tmp_path)
     L = cfg.model.max_seq_len
     ids = tok.encode(TEXT).ids
     hf = transformers.AutoModelForCausalLM.from_pretrained(export_hf(run_dir, tmp_path / "hf")).eval()
-    prompt = ids[:L - 5]
+    prompt = ids[: L - 5]
     ref = hf.generate(torch.tensor([prompt]), max_length=L, do_sample=False, eos_token_id=None, pad_token_id=0)
-    ref = ref[0, len(prompt):].tolist()
+    ref = ref[0, len(prompt) :].tolist()
     assert len(ref) == 5
     assert generate(model, prompt, 20, temperature=0.0) == ref
     assert generate(model, prompt, 20, temperature=0.0, use_cache=False) == ref  # was 20: a sliding window
@@ -61,18 +61,35 @@ def test_generate_cli_context_limit_and_empty_prompt(run_dir):
     ids = tok.encode(TEXT).ids
 
     def gen(prompt: str, n: int) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "flopwise", "generate", str(run_dir), "--prompt", prompt,
-                               "--temperature", "0", "--max-new-tokens", str(n)], capture_output=True, text=True)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "flopwise",
+                "generate",
+                str(run_dir),
+                "--prompt",
+                prompt,
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                str(n),
+            ],
+            capture_output=True,
+            text=True,
+        )
 
-    long = tok.decode(ids[:L + 10])
+    long = tok.decode(ids[: L + 10])
     r = gen(long, 5)  # was: the prompt's last L tokens echoed back, exit 0, no message
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert f"prompt is {len(tok.encode(long).ids)} tokens" in r.stderr and f"max_seq_len={L}" in r.stderr
     r = gen("", 5)  # was: ValueError with a traceback
     assert r.returncode == 2 and "prompt is empty" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    near = tok.decode(ids[:L - 3])
+    near = tok.decode(ids[: L - 3])
     n = len(tok.encode(near).ids)
     r = gen(near, 50)  # was: cut to L - n new tokens without a word
     assert r.returncode == 0 and r.stdout.startswith(near[:40]), r.stderr
-    assert r.stderr.strip() == (f"note: stopped after {L - n} new tokens at the model's context limit "
-                                f"(max_seq_len={L}, the prompt is {n} tokens)")
+    assert r.stderr.strip() == (
+        f"note: stopped after {L - n} new tokens at the model's context limit "
+        f"(max_seq_len={L}, the prompt is {n} tokens)"
+    )

@@ -25,13 +25,19 @@ def test_lm_eval_scores_equal_flopwise_eval_and_hf(tiny_run, tmp_path):
     hf_dir = export_hf(run, tmp_path / "hf")
     names = write_task_yamls(tmp_path / "yaml")
     tm = TaskManager(include_path=str(tmp_path / "yaml"))
-    ours = lm_eval.simple_evaluate(model=FlopwiseLM(str(run)), tasks=names, limit=N,
-                                   task_manager=tm)["results"]
-    hf = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf_dir},dtype=float32", tasks=names,
-                                 limit=N, task_manager=tm, batch_size=8, device="cpu")["results"]
+    ours = lm_eval.simple_evaluate(model=FlopwiseLM(str(run)), tasks=names, limit=N, task_manager=tm)["results"]
+    hf = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={hf_dir},dtype=float32",
+        tasks=names,
+        limit=N,
+        task_manager=tm,
+        batch_size=8,
+        device="cpu",
+    )["results"]
     model, _, tok = load_for_inference(run)
     for name in names:
-        own = evaluate_task(model, tok, *load_task(name[len(TASK_PREFIX):]), limit=N)
+        own = evaluate_task(model, tok, *load_task(name[len(TASK_PREFIX) :]), limit=N)
         metrics = ["acc"] + (["acc_norm"] if own["acc_norm"] is not None else [])
         for m in metrics:  # contexts ending in whitespace included (speaker task: "\n\n")
             assert ours[name][f"{m},none"] == own[m], (name, m)
@@ -62,6 +68,7 @@ def test_rolling_and_generation_against_direct_computation(tiny_run):
     # independent reference (the harness's documented windows): blocks of L predicted tokens, each fed the
     # L tokens before its last one; the final block gets a full L-token context and scores only its rest
     import torch
+
     L, n = lm.model.cfg.max_seq_len, len(ids) - 1
     ref = 0.0
     with torch.no_grad():
@@ -97,13 +104,34 @@ def test_flopwise_lm_eval_keeps_the_users_include_paths(tiny_run, tmp_path):
         folder.mkdir()
         shutil.copy(builtin_tasks()[src], folder / f"{name}.jsonl")
         (folder / f"{name}.yaml").write_text(
-            task_yaml(name, folder / f"{name}.jsonl").replace(f"task: {TASK_PREFIX}{name}", f"task: {name}"))
+            task_yaml(name, folder / f"{name}.jsonl").replace(f"task: {TASK_PREFIX}{name}", f"task: {name}")
+        )
         folders[name] = folder
-    out = subprocess.run([sys.executable, "-m", "flopwise", "lm-eval", "--model", "flopwise", "--model_args",
-                          f"path={run}", "--tasks", f"my_cloze,my_lastword,{TASK_PREFIX}alice-lastword",
-                          "--include_path", str(folders["my_cloze"]), f"--include_path={folders['my_lastword']}",
-                          "--limit", "10", "--output_path", str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flopwise",
+            "lm-eval",
+            "--model",
+            "flopwise",
+            "--model_args",
+            f"path={run}",
+            "--tasks",
+            f"my_cloze,my_lastword,{TASK_PREFIX}alice-lastword",
+            "--include_path",
+            str(folders["my_cloze"]),
+            f"--include_path={folders['my_lastword']}",
+            "--limit",
+            "10",
+            "--output_path",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(next((tmp_path / "out").rglob("results*.json")).read_text())["results"]
     model, _, tok = load_for_inference(run)
@@ -133,10 +161,28 @@ def test_readme_lm_eval_command_with_batch_size_in_model_args(tiny_run, tmp_path
     with pytest.raises(ConfigError, match="--model_args batchsize: .*batch_size"):
         FlopwiseLM.create_from_arg_string(f"path={run},batchsize=16", passed)
     tasks = ["shakespeare-cloze", "shakespeare-speaker"]
-    out = subprocess.run([sys.executable, "-m", "flopwise", "lm-eval", "--model", "flopwise", "--model_args",
-                          f"path={run},batch_size=16", "--tasks", ",".join(TASK_PREFIX + t for t in tasks),
-                          "--limit", "100", "--output_path", str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flopwise",
+            "lm-eval",
+            "--model",
+            "flopwise",
+            "--model_args",
+            f"path={run},batch_size=16",
+            "--tasks",
+            ",".join(TASK_PREFIX + t for t in tasks),
+            "--limit",
+            "100",
+            "--output_path",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(next((tmp_path / "out").rglob("results*.json")).read_text())["results"]
     model, _, tok = load_for_inference(run)

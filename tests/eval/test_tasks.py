@@ -30,8 +30,10 @@ def reference_logprob(model, ctx, cont):
 
 def test_scores_equal_a_plain_forward_and_do_not_depend_on_batching(model):
     g = torch.Generator().manual_seed(0)
-    reqs = [(torch.randint(0, 512, (int(n),), generator=g).tolist(), torch.randint(0, 512, (int(m),), generator=g).tolist())
-            for n, m in [(5, 1), (17, 3), (9, 6), (30, 2), (60, 10)]]  # the last is cut to max_seq_len from the left
+    reqs = [
+        (torch.randint(0, 512, (int(n),), generator=g).tolist(), torch.randint(0, 512, (int(m),), generator=g).tolist())
+        for n, m in [(5, 1), (17, 3), (9, 6), (30, 2), (60, 10)]
+    ]  # the last is cut to max_seq_len from the left
     one = score(model, reqs, batch=1)
     many = score(model, reqs, batch=16)
     for (lp1, g1), (lp2, g2) in zip(one, many, strict=True):
@@ -53,8 +55,10 @@ class ByteTok:
 
 def test_multiple_choice_accuracy_and_length_normalisation(model):
     tok = ByteTok()
-    ex = [Example("The cat sat on the", (" mat", " elephant in the room", " hat"), 0),
-          Example("One, two,", (" three", " four, five"), 1)]
+    ex = [
+        Example("The cat sat on the", (" mat", " elephant in the room", " hat"), 0),
+        Example("One, two,", (" three", " four, five"), 1),
+    ]
     r = evaluate_task(model, tok, "mc", ex)
     expect, expect_norm = 0, 0
     for e in ex:
@@ -97,8 +101,14 @@ def test_k_shot_prompts_are_seeded_and_exclude_the_example():
 
 def test_shipped_tasks_are_what_the_builder_makes():
     shipped = builtin_tasks()
-    assert set(shipped) == {"alice-lastword", "enwiki-lastword", "alice-nextsent", "shakespeare-cloze",
-                            "shakespeare-nextline", "shakespeare-speaker"}
+    assert set(shipped) == {
+        "alice-lastword",
+        "enwiki-lastword",
+        "alice-nextsent",
+        "shakespeare-cloze",
+        "shakespeare-nextline",
+        "shakespeare-speaker",
+    }
     for name, records in shipped_task_records().items():
         lines = [json.loads(x) for x in shipped[name].read_text().splitlines()]
         assert lines == records and len(lines) >= 150
@@ -108,8 +118,12 @@ def test_shipped_tasks_are_what_the_builder_makes():
 
 def test_bad_task_files(tmp_path):
     f = tmp_path / "t.jsonl"
-    for content, fragment in [('{"context": "x"}', "needs 'choices'"), ("nope", "not JSON"),
-                              ('{"context": "x", "choices": ["a", "b"], "gold": 5}', "in range"), ("", "no examples")]:
+    for content, fragment in [
+        ('{"context": "x"}', "needs 'choices'"),
+        ("nope", "not JSON"),
+        ('{"context": "x", "choices": ["a", "b"], "gold": 5}', "in range"),
+        ("", "no examples"),
+    ]:
         f.write_text(content)
         with pytest.raises(DataError, match=fragment):
             load_task(str(f))
@@ -121,26 +135,49 @@ def test_a_task_file_mixing_multiple_choice_and_cloze_is_refused_at_load(tmp_pat
     """Was: loaded, then a TypeError in the summary (the kind taken from the first example only)."""
     mc, cloze = '{"context": "a", "choices": [" b", " c"], "gold": 0}', '{"context": "a", "target": " b"}'
     f = tmp_path / "mixed.jsonl"
-    for lines, msg in [([mc, "", mc, cloze], "line 4 is cloze but line 1 is multiple choice"),
-                       (["", cloze, mc], "line 3 is multiple choice but line 2 is cloze")]:
+    for lines, msg in [
+        ([mc, "", mc, cloze], "line 4 is cloze but line 1 is multiple choice"),
+        (["", cloze, mc], "line 3 is multiple choice but line 2 is cloze"),
+    ]:
         f.write_text("\n".join(lines) + "\n")
         with pytest.raises(DataError, match=f"task file {f}: {msg}; .* in a file of their own"):
             load_task(str(f))
-    r = subprocess.run([sys.executable, "-m", "flopwise", "eval", str(tmp_path / "no-run"), "--tasks", str(f)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "flopwise", "eval", str(tmp_path / "no-run"), "--tasks", str(f)],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "line 3 is multiple choice" in r.stderr
 
 
 def test_tasks_cli_and_during_training(tiny_data, tmp_path):
-    cfg = load_config(None, tiny_overrides(tmp_path, tiny_data, **{"train.eval_tasks": '["alice-lastword"]',
-                                                                   "train.eval_task_limit": 10}))
+    cfg = load_config(
+        None,
+        tiny_overrides(tmp_path, tiny_data, **{"train.eval_tasks": '["alice-lastword"]', "train.eval_task_limit": 10}),
+    )
     train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     task_rows = [r for r in rows if r.get("task") == "alice-lastword"]
     assert [r["step"] for r in task_rows] == [3, 6] and task_rows[0]["n"] == 10
-    r = subprocess.run([sys.executable, "-m", "flopwise", "eval", str(tmp_path), "--tasks",
-                        "alice-lastword,alice-nextsent", "--limit", "12", "--shots", "1", "--json"],
-                       capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flopwise",
+            "eval",
+            str(tmp_path),
+            "--tasks",
+            "alice-lastword,alice-nextsent",
+            "--limit",
+            "12",
+            "--shots",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     out = json.loads(r.stdout)
     assert [o["task"] for o in out] == ["alice-lastword", "alice-nextsent"]
     assert all({"task", "n", "acc", "acc_norm", "ppl"} <= set(o) and o["n"] == 12 for o in out)
@@ -153,7 +190,11 @@ def test_shakespeare_tasks_come_from_held_out_plays_only():
 
     plays = heldout_plays()
     names = [src for src, text in iter_documents(["builtin:shakespeare"]) if text in plays]
-    assert [n.rsplit("/", 1)[-1] for n in names] == ["cymbeline_gut.txt", "julius_caesar_gut.txt", "winters_tale_gut.txt"]
+    assert [n.rsplit("/", 1)[-1] for n in names] == [
+        "cymbeline_gut.txt",
+        "julius_caesar_gut.txt",
+        "winters_tale_gut.txt",
+    ]
     held = "\n".join(plays)
     for name in ("shakespeare-cloze", "shakespeare-nextline", "shakespeare-speaker"):
         _, ex = load_task(name)

@@ -19,8 +19,10 @@ from flopwise.config import load_config
 from flopwise.data.shards import resolve_input
 from flopwise.errors import CheckpointError, ConfigError, DataError
 
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM-Instruct: bos 1, eos 2
 CONTEXT = 128
 CHAT = [{"role": "user", "content": "Who is Alice?"}, {"role": "assistant", "content": "A girl."}]
@@ -30,9 +32,15 @@ def _bpe(text: str) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([text], trainers.BpeTrainer(
-        vocab_size=512, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    tok.train_from_iterator(
+        [text],
+        trainers.BpeTrainer(
+            vocab_size=512,
+            special_tokens=SPECIAL,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     return tok
 
 
@@ -44,19 +52,35 @@ def instruct(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("instruct") / "hf"
     text = resolve_input("builtin:alice").read_text()
     tok = _bpe(text)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                                unk_token="<|endoftext|>", chat_template=CHATML,
-                                                model_max_length=CONTEXT)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        chat_template=CHATML,
+        model_max_length=CONTEXT,
+    )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=CONTEXT, tie_word_embeddings=True, bos_token_id=1,
-        eos_token_id=2, rms_norm_eps=1e-5))
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=CONTEXT,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+            rms_norm_eps=1e-5,
+        )
+    )
     ids = torch.tensor(tok.encode(text).ids)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(0)
     for _ in range(40):
-        x = torch.stack([ids[i:i + 65] for i in torch.randint(0, len(ids) - 65, (16,), generator=g)])
+        x = torch.stack([ids[i : i + 65] for i in torch.randint(0, len(ids) - 65, (16,), generator=g)])
         model(input_ids=x, labels=x).loss.backward()
         opt.step()
         opt.zero_grad()
@@ -97,8 +121,17 @@ def test_data_of_another_tokenizer_is_refused_before_step_1(instruct, user_text,
     data = tmp_path / "data"
     cli("data", "prepare", str(user_text / "train"), "--out", str(data), "--train-tokenizer", "512", "--workers", "1")
     run = tmp_path / "run"
-    r = cli("train", f'model.init_from="hf:{instruct}"', f'data.path="{data}"', f'run.dir="{run}"', "train.steps=2",
-            "data.seq_len=64", "optim.warmup_steps=1", "train.sample_tokens=0", code=2)
+    r = cli(
+        "train",
+        f'model.init_from="hf:{instruct}"',
+        f'data.path="{data}"',
+        f'run.dir="{run}"',
+        "train.steps=2",
+        "data.seq_len=64",
+        "optim.warmup_steps=1",
+        "train.sample_tokens=0",
+        code=2,
+    )
     assert isinstance(r.exception, DataError), r.output
     msg = str(r.exception)
     assert "another tokenizer" in msg and "differ" in msg and f"--tokenizer {instruct}" in msg and "\n" not in msg
@@ -108,10 +141,23 @@ def test_data_of_another_tokenizer_is_refused_before_step_1(instruct, user_text,
 def test_prepare_takes_an_hf_folder_and_refuses_two_tokenizer_options(instruct, user_text, tmp_path):
     data = tmp_path / "data"
     cli("data", "prepare", str(user_text / "train"), "--out", str(data), "--tokenizer", str(instruct), "--workers", "1")
-    ours, theirs = Tokenizer.from_file(str(data / "tokenizer.json")), Tokenizer.from_file(str(instruct / "tokenizer.json"))
+    ours, theirs = (
+        Tokenizer.from_file(str(data / "tokenizer.json")),
+        Tokenizer.from_file(str(instruct / "tokenizer.json")),
+    )
     assert ours.get_vocab(with_added_tokens=True) == theirs.get_vocab(with_added_tokens=True)
-    r = cli("data", "prepare", str(user_text / "train"), "--out", str(tmp_path / "d2"), "--tokenizer", str(instruct),
-            "--train-tokenizer", "512", code=2)
+    r = cli(
+        "data",
+        "prepare",
+        str(user_text / "train"),
+        "--out",
+        str(tmp_path / "d2"),
+        "--tokenizer",
+        str(instruct),
+        "--train-tokenizer",
+        "512",
+        code=2,
+    )
     assert isinstance(r.exception, ConfigError) and "conflict" in str(r.exception)
     assert not (tmp_path / "d2").exists()
 
@@ -133,9 +179,23 @@ def test_a_rising_loss_is_warned_in_the_first_steps(instruct, user_text, tmp_pat
     """Step-0 validation loss, a line naming what was loaded, and the first-steps watch: at a
     learning rate far too high the training loss climbs over the loaded model's own loss."""
     run = tmp_path / "run"
-    r = cli("train", f'model.init_from="hf:{instruct}"', f'data.path="{user_text / "train"}"', f'run.dir="{run}"',
-            "train.steps=8", "optim.lr=0.05", "optim.warmup_steps=1", "data.seq_len=64", "train.sample_tokens=0", "train.eval_every=0", "train.eval_batches=2",
-            "train.global_batch=4", "train.micro_batch=4", "log.every=1", "checkpoint.interval=0")
+    r = cli(
+        "train",
+        f'model.init_from="hf:{instruct}"',
+        f'data.path="{user_text / "train"}"',
+        f'run.dir="{run}"',
+        "train.steps=8",
+        "optim.lr=0.05",
+        "optim.warmup_steps=1",
+        "data.seq_len=64",
+        "train.sample_tokens=0",
+        "train.eval_every=0",
+        "train.eval_batches=2",
+        "train.global_batch=4",
+        "train.micro_batch=4",
+        "log.every=1",
+        "checkpoint.interval=0",
+    )
     out = " ".join(r.output.split())
     assert f"loaded hf:{instruct}: llama, " in out and "parameters" in out and "eos '<|im_end|>'=2" in out
     assert "step 0: val loss" in out
@@ -154,9 +214,19 @@ def test_recipe_import_continue_move_away_export(instruct, user_text, tmp_path):
     cli("data", "prepare", str(user_text / "train"), "--out", str(data), "--tokenizer", str(instruct), "--workers", "1")
     hf = tmp_path / "model"
     shutil.copytree(instruct, hf)
-    r = cli("train", f'model.init_from="hf:{hf}"', f'data.path="{data}"', f'run.dir="{run}"', "train.steps=30",
-            "train.global_batch=8", "train.micro_batch=8", "train.eval_every=0", "train.eval_batches=2", "train.sample_tokens=0",
-            "checkpoint.interval=0")
+    r = cli(
+        "train",
+        f'model.init_from="hf:{hf}"',
+        f'data.path="{data}"',
+        f'run.dir="{run}"',
+        "train.steps=30",
+        "train.global_batch=8",
+        "train.micro_batch=8",
+        "train.eval_every=0",
+        "train.eval_batches=2",
+        "train.sample_tokens=0",
+        "checkpoint.interval=0",
+    )
     assert "continued pre-training defaults" in r.output and "optim.lr=0.0001" in r.output
     imported = tmp_path / "imported"
     cli("convert", "from-hf", str(hf), str(imported))
@@ -197,18 +267,24 @@ def test_eval_text_says_and_takes_its_window(instruct, user_text, tmp_path):
     cli("convert", "from-hf", str(instruct), str(out))
     said = " ".join(cli("eval", str(out), "--text", str(user_text / "heldout.txt")).output.split())
     assert f"windows of {CONTEXT} tokens (the model's context" in said
-    at = {n: json.loads(cli("eval", str(out), "--text", str(user_text / "heldout.txt"), "--seq-len", str(n),
-                             "--json").output) for n in (16, CONTEXT)}
+    at = {
+        n: json.loads(
+            cli("eval", str(out), "--text", str(user_text / "heldout.txt"), "--seq-len", str(n), "--json").output
+        )
+        for n in (16, CONTEXT)
+    }
     assert at[16]["seq_len"] == 16 and at[16]["loss"] > at[CONTEXT]["loss"]  # less context per token: higher loss
     # the reference: transformers on the same windows (seq_len + 1 tokens, one shared between neighbours)
     ids = Tokenizer.from_file(str(instruct / "tokenizer.json")).encode((user_text / "heldout.txt").read_text()).ids
     ref = transformers.AutoModelForCausalLM.from_pretrained(instruct)
-    windows = [torch.tensor(ids[s:s + 17]) for s in range(0, len(ids) - 1, 16)]
+    windows = [torch.tensor(ids[s : s + 17]) for s in range(0, len(ids) - 1, 16)]
     total = 0.0
     with torch.no_grad():
         for group in (torch.stack([w for w in windows if len(w) == 17]), *[w[None] for w in windows if len(w) < 17]):
             logits = ref(input_ids=group[:, :-1]).logits
-            total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), group[:, 1:].flatten(), reduction="sum").item()
+            total += torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), group[:, 1:].flatten(), reduction="sum"
+            ).item()
     assert at[16]["loss"] == pytest.approx(total / (len(ids) - 1), rel=1e-4)
     r = cli("eval", str(out), "--text", str(user_text / "heldout.txt"), "--seq-len", str(CONTEXT + 1), code=2)
     assert isinstance(r.exception, ConfigError) and "max_seq_len" in str(r.exception)
@@ -223,8 +299,15 @@ def test_export_refuses_tensors_that_do_not_match_the_config(instruct, tmp_path)
 
     model, _ = from_hf(instruct)
     cfg = load_config("demo", [f'model.init_from="hf:{instruct}"', "model.vocab_size=600"])
-    checkpoint.save(tmp_path / "run", 1, model, None, {"config": to_toml(cfg)},
-                    files={"tokenizer.json": instruct / "tokenizer.json"}, keep=None)
+    checkpoint.save(
+        tmp_path / "run",
+        1,
+        model,
+        None,
+        {"config": to_toml(cfg)},
+        files={"tokenizer.json": instruct / "tokenizer.json"},
+        keep=None,
+    )
     r = cli("convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "out"), code=2)
     assert isinstance(r.exception, CheckpointError), r.output
     assert "weight is [512, 64], its config implies [600, 64]; nothing was written" in str(r.exception)
@@ -267,8 +350,14 @@ def test_ctrl_c_checkpoints_at_the_end_of_the_step(tiny_data, tmp_path, monkeypa
     from tests.conftest import tiny_overrides
 
     monkeypatch.setenv("FLOPWISE_FAULTS", "sigint:step=3")
-    cfg = load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{
-        "train.steps": 50, "log.every": 50, "train.eval_every": 0, "checkpoint.interval": 0}))
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path / "run",
+            tiny_data,
+            **{"train.steps": 50, "log.every": 50, "train.eval_every": 0, "checkpoint.interval": 0},
+        ),
+    )
     result = train(cfg)
     assert result.preempted == 3 and result.checkpoint is not None and result.checkpoint.name == "step-00000003"
 
@@ -277,11 +366,22 @@ def test_plan_says_whether_it_assumes_compile_and_answers_uncalibrated_on_a_cpu(
     """Trap 6: with plan.tokens unset the planner books a compiled run (20 tokens per parameter is
     >= 1000 steps) where `flopwise train` with train.steps=300 runs eager, and said nothing; on a
     CPU without a calibration file it refused to plan at all. Small plans printed "0.0 days"."""
-    out = " ".join(cli("plan", f'model.init_from="hf:{instruct}"', "train.steps=300", "train.global_batch=1",
-                       "data.seq_len=16", "--top", "1").output.split())
+    out = " ".join(
+        cli(
+            "plan",
+            f'model.init_from="hf:{instruct}"',
+            "train.steps=300",
+            "train.global_batch=1",
+            "data.seq_len=16",
+            "--top",
+            "1",
+        ).output.split()
+    )
     assert "torch.compile assumed (train.compile=auto and the planned run is" in out
     assert "`flopwise train` with train.steps=300 would not compile" in out
     assert "uncalibrated: UNCALIBRATED nominal rates" in out and "flopwise hardware calibrate --out cpu.toml" in out
     assert "0.0 days" not in out and "0.00 TB" not in out
-    eager = " ".join(cli("plan", f'model.init_from="hf:{instruct}"', "train.compile=false", "--top", "1").output.split())
+    eager = " ".join(
+        cli("plan", f'model.init_from="hf:{instruct}"', "train.compile=false", "--top", "1").output.split()
+    )
     assert "torch.compile not assumed (train.compile=false)" in eager

@@ -19,23 +19,62 @@ from flopwise.launch import train  # noqa: E402
 from tests.conftest import tiny_overrides  # noqa: E402
 
 V, S = 128, 40
-LLAMA = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64)
+LLAMA = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", LLAMA),
-    "llama3-rope-scaling": ("LlamaConfig", "LlamaForCausalLM", dict(
-        LLAMA, rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                                    high_freq_factor=4.0, original_max_position_embeddings=16))),
+    "llama3-rope-scaling": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            LLAMA,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
     "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(LLAMA, sliding_window=8)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", LLAMA),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(LLAMA, head_dim=32, tie_word_embeddings=True)),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64)),
-    "neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(vocab_size=V, hidden_size=64, intermediate_size=256,
-                                                          num_hidden_layers=2, num_attention_heads=4,
-                                                          max_position_embeddings=64, rotary_pct=0.25)),
-    "opt": ("OPTConfig", "OPTForCausalLM", dict(vocab_size=V, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
-                                                num_attention_heads=4, max_position_embeddings=64,
-                                                word_embed_proj_dim=64)),
+    "neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(
+            vocab_size=V,
+            hidden_size=64,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            rotary_pct=0.25,
+        ),
+    ),
+    "opt": (
+        "OPTConfig",
+        "OPTForCausalLM",
+        dict(
+            vocab_size=V,
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            word_embed_proj_dim=64,
+        ),
+    ),
 }
 
 
@@ -79,7 +118,9 @@ def test_to_hf_round_trip_loads_in_transformers(family, tmp_path):
         assert (again(input_ids=x).logits - model(x)).abs().max() < 1e-4
     model2, m2 = from_hf(tmp_path / "out")  # and back again, sharded
     assert m2 == m
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True)
+    )
 
 
 def test_trained_demo_checkpoint_exports_and_generates_the_same_text(tiny_run, tmp_path):
@@ -92,7 +133,7 @@ def test_trained_demo_checkpoint_exports_and_generates_the_same_text(tiny_run, t
     ids = hf_tok("Alice was", return_tensors="pt").input_ids
     assert ids[0].tolist() == prompt
     gen = hf.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert gen[0, len(prompt):].tolist() == ours
+    assert gen[0, len(prompt) :].tolist() == ours
     assert hf_tok.decode(gen[0]) == tok.decode(prompt + ours)
 
 
@@ -104,9 +145,19 @@ def test_import_then_continue_training_from_hf(tiny_data, tmp_path):
     ckpt = import_hf(tmp_path / "hf", tmp_path / "imported")
     assert ckpt.name == "step-00000000" and (ckpt / "manifest.json").is_file()
     # continued pretraining: shape and weights from the HF folder, the data's tokenizer given explicitly
-    cfg = load_config(None, tiny_overrides(tmp_path / "cont", tiny_data, **{
-        "model.init_from": f'"hf:{tmp_path / "hf"}"', "train.steps": 2, "optim.warmup_steps": 1,
-        "data.tokenizer": f'"{tiny_data / "tokenizer.json"}"'}))
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path / "cont",
+            tiny_data,
+            **{
+                "model.init_from": f'"hf:{tmp_path / "hf"}"',
+                "train.steps": 2,
+                "optim.warmup_steps": 1,
+                "data.tokenizer": f'"{tiny_data / "tokenizer.json"}"',
+            },
+        ),
+    )
     assert (cfg.model.n_kv_heads, cfg.model.ffn_dim, cfg.model.vocab_size) == (2, 96, 512)
     result = train(cfg)
     from flopwise.data.loader import TokenLoader
@@ -132,9 +183,11 @@ def test_unsupported_fields_are_refused(tmp_path):
     ref = hf_model("llama")
     ref.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    for bad, fragment in [({"model_type": "falcon"}, "not supported"),
-                          ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
-                          ({"hidden_act": "gelu"}, "non-SiLU")]:
+    for bad, fragment in [
+        ({"model_type": "falcon"}, "not supported"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
+        ({"hidden_act": "gelu"}, "non-SiLU"),
+    ]:
         (tmp_path / "config.json").write_text(json.dumps({**cfg, **bad}))
         with pytest.raises(CheckpointError, match=fragment):
             from_hf(tmp_path)

@@ -11,9 +11,16 @@ LENGTHS = [(7, 12, 5, 9), (20, 13), (33,)]  # three windows of 33 tokens: 4, 2 a
 
 
 def small(arch: str) -> ModelConfig:
-    return ModelConfig(arch=arch, n_layers=2, d_model=64, n_heads=4, vocab_size=97, max_seq_len=64,
-                       **({"n_kv_heads": 2} if arch in ("llama", "mistral") else {}),
-                       **({"sliding_window": 6} if arch == "mistral" else {}))
+    return ModelConfig(
+        arch=arch,
+        n_layers=2,
+        d_model=64,
+        n_heads=4,
+        vocab_size=97,
+        max_seq_len=64,
+        **({"n_kv_heads": 2} if arch in ("llama", "mistral") else {}),
+        **({"sliding_window": 6} if arch == "mistral" else {}),
+    )
 
 
 def packed(seed: int = 0) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
@@ -28,9 +35,20 @@ def packed(seed: int = 0) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
     return torch.stack(rows), segments
 
 
-@pytest.mark.parametrize("arch,reset", [("llama", False), ("llama", True), ("mistral", False), ("gpt2", True),
-                                        ("opt", True), ("neox", False), ("bloom", False), ("gopher", False),
-                                        ("qwen3", True)])
+@pytest.mark.parametrize(
+    "arch,reset",
+    [
+        ("llama", False),
+        ("llama", True),
+        ("mistral", False),
+        ("gpt2", True),
+        ("opt", True),
+        ("neox", False),
+        ("bloom", False),
+        ("gopher", False),
+        ("qwen3", True),
+    ],
+)
 def test_packed_window_equals_each_document_alone(arch, reset):
     """Relative schemes (RoPE, ALiBi, Transformer-XL) need no position reset; learned absolute
     positions (GPT-2, OPT) do."""
@@ -42,9 +60,9 @@ def test_packed_window_equals_each_document_alone(arch, reset):
         for b, segs in enumerate(segments):
             start = 0
             for seg in segs:
-                seg = seg[:windows.shape[1] - start]
+                seg = seg[: windows.shape[1] - start]
                 alone = model(seg[None])
-                torch.testing.assert_close(out[b, start:start + len(seg)], alone[0], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(out[b, start : start + len(seg)], alone[0], rtol=1e-5, atol=1e-5)
                 start += len(seg)
 
 
@@ -56,7 +74,7 @@ def test_without_the_mask_documents_see_each_other():
         out = model(windows)
         second = segments[0][1]
         alone = model(second[None])
-    assert not torch.allclose(out[0, 8:8 + len(second)], alone[0], atol=1e-3)
+    assert not torch.allclose(out[0, 8 : 8 + len(second)], alone[0], atol=1e-3)
 
 
 def test_document_ids_and_positions():
@@ -85,6 +103,7 @@ def test_planner_books_the_mask_the_engine_keeps():
     x[:, ::11] = EOS
     added = saved_bytes(model, x, documents=document_ids(x, EOS)) - saved_bytes(model, x)
     bf16 = engine_precision("bf16", fsdp=False, cpu=True)
-    per_layer = (activation_bytes_per_layer(m, 48, 2, mask_keys=48, precision=bf16)
-                 - activation_bytes_per_layer(m, 48, 2, precision=bf16))
+    per_layer = activation_bytes_per_layer(m, 48, 2, mask_keys=48, precision=bf16) - activation_bytes_per_layer(
+        m, 48, 2, precision=bf16
+    )
     assert added == m.n_layers * per_layer > 0

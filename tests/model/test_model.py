@@ -14,8 +14,9 @@ FAMILIES = {
     "neox": dict(arch="neox"),
     "bloom": dict(arch="bloom"),
     "llama-gqa": dict(arch="llama", n_kv_heads=2),
-    "llama3-scaled": dict(arch="llama", rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                                          original_max_seq_len=8)),
+    "llama3-scaled": dict(
+        arch="llama", rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8)
+    ),
     "mistral": dict(arch="mistral", n_kv_heads=2, sliding_window=5),
     "qwen3": dict(arch="qwen3", n_kv_heads=2, head_dim=16),
     "palm-mqa": dict(arch="palm", n_kv_heads=1),
@@ -50,7 +51,7 @@ def test_kv_cache_matches_full_forward(family_model):
     with torch.no_grad():
         full = family_model(x)
         cache = KVCache(m, 2, 20, "cpu", torch.float32)
-        parts = [family_model(x[:, :7], cache)] + [family_model(x[:, t:t + 1], cache) for t in range(7, 20)]
+        parts = [family_model(x[:, :7], cache)] + [family_model(x[:, t : t + 1], cache) for t in range(7, 20)]
     assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5)
 
 
@@ -89,10 +90,11 @@ def test_sliding_window_receptive_field():
 
 def test_alibi_slopes_and_rope_scaling():
     assert torch.allclose(alibi_slopes(8), torch.tensor([2.0 ** -(i + 1) for i in range(8)]))
-    assert len(alibi_slopes(12)) == 12 and alibi_slopes(12)[8] == pytest.approx(2 ** -0.5)
+    assert len(alibi_slopes(12)) == 12 and alibi_slopes(12)[8] == pytest.approx(2**-0.5)
     plain = rope_frequencies(128, 500000.0, None)
-    scaled = rope_frequencies(128, 500000.0, RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                                         original_max_seq_len=8192))
+    scaled = rope_frequencies(
+        128, 500000.0, RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
+    )
     wavelen = 2 * math.pi / plain
     assert torch.equal(scaled[wavelen < 8192 / 4], plain[wavelen < 8192 / 4])  # high frequencies kept
     assert torch.allclose(scaled[wavelen > 8192], plain[wavelen > 8192] / 8)  # low frequencies stretched 8×

@@ -58,24 +58,44 @@ def measured_per_layer(family: str, dtype: str, recompute: str, compiled: bool =
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_planner_books_what_the_engine_saves(family, dtype, recompute):
     got = measured_per_layer(family, dtype, recompute)
-    want = activation_bytes_per_layer(model_config(family, 4), SEQ, BATCH, recompute=recompute,
-                                      precision=engine_precision(dtype, fsdp=False, cpu=True))
+    want = activation_bytes_per_layer(
+        model_config(family, 4),
+        SEQ,
+        BATCH,
+        recompute=recompute,
+        precision=engine_precision(dtype, fsdp=False, cpu=True),
+    )
     assert got == pytest.approx(want, rel=0.05)
 
 
 # Compiled blocks (AOTAutograd's partitioner recomputes pointwise ops, keeps the bf16 weight casts):
 # each case compiles two models (~10 s on 2 cores); llama and gpt2 without recompute run by default.
-COMPILED_CASES = [pytest.param(f, d, r, marks=[pytest.mark.compile] if f in ("llama", "gpt2") and r == "none"
-                               else [pytest.mark.compile, pytest.mark.slow])
-                  for f in FAMILIES for d in ("fp32", "bf16") for r in ("none", "selective", "full")]
+COMPILED_CASES = [
+    pytest.param(
+        f,
+        d,
+        r,
+        marks=[pytest.mark.compile]
+        if f in ("llama", "gpt2") and r == "none"
+        else [pytest.mark.compile, pytest.mark.slow],
+    )
+    for f in FAMILIES
+    for d in ("fp32", "bf16")
+    for r in ("none", "selective", "full")
+]
 
 
 @pytest.mark.parametrize("family, dtype, recompute", COMPILED_CASES)
 def test_planner_books_what_a_compiled_block_saves(family, dtype, recompute):
     """Exact, byte for byte: the partitioner's choices scale with s·b, so the small shapes stand for large ones."""
     got = measured_per_layer(family, dtype, recompute, compiled=True)
-    want = activation_bytes_per_layer(model_config(family, 2), SEQ, BATCH, recompute=recompute,
-                                      precision=engine_precision(dtype, fsdp=False, cpu=True, compiled=True))
+    want = activation_bytes_per_layer(
+        model_config(family, 2),
+        SEQ,
+        BATCH,
+        recompute=recompute,
+        precision=engine_precision(dtype, fsdp=False, cpu=True, compiled=True),
+    )
     assert got == want
 
 
@@ -85,8 +105,13 @@ def test_compiled_document_mask_term():
     """The compiled core keeps SDPA's attention-dtype copy of the document mask, as eager does."""
     documents = (torch.arange(SEQ) // 16).expand(BATCH, SEQ)
     got = measured_per_layer("llama", "bf16", "none", compiled=True, documents=documents)
-    want = activation_bytes_per_layer(model_config("llama", 2), SEQ, BATCH, mask_keys=SEQ,
-                                      precision=engine_precision("bf16", fsdp=False, cpu=True, compiled=True))
+    want = activation_bytes_per_layer(
+        model_config("llama", 2),
+        SEQ,
+        BATCH,
+        mask_keys=SEQ,
+        precision=engine_precision("bf16", fsdp=False, cpu=True, compiled=True),
+    )
     assert got == want
 
 
@@ -95,8 +120,9 @@ def test_document_mask_term(dtype):
     """A (b, 1, s, s) document mask: SDPA keeps a compute-dtype copy per layer."""
     documents = (torch.arange(SEQ) // 16).expand(BATCH, SEQ)
     got = measured_per_layer("llama", dtype, "none", documents=documents)
-    want = activation_bytes_per_layer(model_config("llama", 4), SEQ, BATCH, mask_keys=SEQ,
-                                      precision=engine_precision(dtype, fsdp=False, cpu=True))
+    want = activation_bytes_per_layer(
+        model_config("llama", 4), SEQ, BATCH, mask_keys=SEQ, precision=engine_precision(dtype, fsdp=False, cpu=True)
+    )
     assert got == pytest.approx(want, rel=0.05)
 
 
@@ -130,31 +156,45 @@ DIST_LAYOUTS = {  # (overrides, dtype)
     "tp2": ({"parallel.tp": 2}, "bf16"),
     "tp2-sp": ({"parallel.tp": 2, "parallel.sequence_parallel": "true"}, "bf16"),
     "tp2-sp-fp32": ({"parallel.tp": 2, "parallel.sequence_parallel": "true"}, "fp32"),
-    "tp2-sp-selective": ({"parallel.tp": 2, "parallel.sequence_parallel": "true",
-                          "parallel.recompute": '"selective"'}, "bf16"),
+    "tp2-sp-selective": (
+        {"parallel.tp": 2, "parallel.sequence_parallel": "true", "parallel.recompute": '"selective"'},
+        "bf16",
+    ),
     "tp2-sp-full": ({"parallel.tp": 2, "parallel.sequence_parallel": "true", "parallel.recompute": '"full"'}, "bf16"),
     "cp2": ({"parallel.cp": 2}, "bf16"),
     "fsdp2": ({"parallel.zero": 2}, "bf16"),
     "fsdp2-zero3-full": ({"parallel.zero": 3, "parallel.recompute": '"full"'}, "bf16"),
 }
-DIST_CASES = [(f, lo) for f in ("llama", "gpt2", "neox") for lo in DIST_LAYOUTS
-              if not (f == "gpt2" and "-sp" in lo)]  # the engine refuses sequence parallel with learned positions
+DIST_CASES = [
+    (f, lo) for f in ("llama", "gpt2", "neox") for lo in DIST_LAYOUTS if not (f == "gpt2" and "-sp" in lo)
+]  # the engine refuses sequence parallel with learned positions
 
 
 def _dist_overrides(family: str, layout: str, n_layers: int) -> list[str]:
     extra, dtype = DIST_LAYOUTS[layout]
     m = {f"model.{k}": f'"{v}"' if isinstance(v, str) else v for k, v in FAMILIES[family].items()}
-    base = {**m, "model.n_layers": n_layers, "model.vocab_size": 256, "model.max_seq_len": SEQ, "data.seq_len": SEQ,
-            "train.micro_batch": BATCH, "train.global_batch": BATCH * (2 if "fsdp" in layout else 1),
-            "train.dtype": f'"{dtype}"', **extra}
+    base = {
+        **m,
+        "model.n_layers": n_layers,
+        "model.vocab_size": 256,
+        "model.max_seq_len": SEQ,
+        "data.seq_len": SEQ,
+        "train.micro_batch": BATCH,
+        "train.global_batch": BATCH * (2 if "fsdp" in layout else 1),
+        "train.dtype": f'"{dtype}"',
+        **extra,
+    }
     return [f"{k}={v}" for k, v in base.items()]
 
 
 @pytest.fixture(scope="module")
 def measured_dist(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("activations")
-    jobs = [{"name": f"{f}-{lo}-{n}", "kind": "activations", "overrides": _dist_overrides(f, lo, n)}
-            for f, lo in DIST_CASES for n in (2, 4)]
+    jobs = [
+        {"name": f"{f}-{lo}-{n}", "kind": "activations", "overrides": _dist_overrides(f, lo, n)}
+        for f, lo in DIST_CASES
+        for n in (2, 4)
+    ]
     return run_jobs(2, jobs, tmp)
 
 
@@ -167,8 +207,16 @@ def test_planner_books_what_each_rank_saves(family, layout, measured_dist):
 
     lo = layout_of(load_config(None, _dist_overrides(family, layout, 4)), 2)
     fsdp, dtype = lo.zero >= 2, DIST_LAYOUTS[layout][1]
-    want = activation_bytes_per_layer(model_config(family, 4), SEQ // lo.cp, BATCH, lo.tp, lo.sequence_parallel,
-                                      lo.recompute, precision=engine_precision(dtype, fsdp, cpu=True), cp=lo.cp)
+    want = activation_bytes_per_layer(
+        model_config(family, 4),
+        SEQ // lo.cp,
+        BATCH,
+        lo.tp,
+        lo.sequence_parallel,
+        lo.recompute,
+        precision=engine_precision(dtype, fsdp, cpu=True),
+        cp=lo.cp,
+    )
     two, four = (measured_dist[f"{family}-{layout}-{n}"]["ranks"] for n in (2, 4))
     for r2, r4 in zip(two, four, strict=True):
         assert (r4["bytes"] - r2["bytes"]) / 2 == pytest.approx(want, rel=0.05), (r2, r4)
@@ -201,8 +249,15 @@ def test_planner_books_what_the_model_keeps_outside_its_layers(family, dtype, co
             loss(model(x[:, :-1]), x[:, 1:].contiguous())
         return s.bytes
 
-    want = end_activation_bytes(model_config(family, 1), SEQ, BATCH, 1, True, True,
-                                engine_precision(dtype, fsdp=False, cpu=True, compiled=compiled))
+    want = end_activation_bytes(
+        model_config(family, 1),
+        SEQ,
+        BATCH,
+        1,
+        True,
+        True,
+        engine_precision(dtype, fsdp=False, cpu=True, compiled=compiled),
+    )
     assert 2 * total(1) - total(2) == pytest.approx(want, rel=0.01)
 
 
@@ -218,11 +273,23 @@ def test_compiled_run_measures_what_the_planner_predicts(tiny_data, tmp_path):
     from flopwise.plan.rank import predict_rank
 
     torch._dynamo.reset()
-    cfg = load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{
-        "train.compile": "true", "train.dtype": '"bf16"', "train.micro_batch": 8, "checkpoint.resume": '"none"'}))
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path / "run",
+            tiny_data,
+            **{"train.compile": "true", "train.dtype": '"bf16"', "train.micro_batch": 8, "checkpoint.resume": '"none"'},
+        ),
+    )
     run = build_run(cfg)
     got = measure_rank(run, 2)["activations"]
     want = predict_rank(run.cfg, run.par.layout, 0, 0, 0, cpu=True).activations
-    eager = predict_rank(run.cfg.model_copy(update={"train": run.cfg.train.model_copy(update={"compile": False})}),
-                         run.par.layout, 0, 0, 0, cpu=True).activations
+    eager = predict_rank(
+        run.cfg.model_copy(update={"train": run.cfg.train.model_copy(update={"compile": False})}),
+        run.par.layout,
+        0,
+        0,
+        0,
+        cpu=True,
+    ).activations
     assert got == pytest.approx(want, rel=0.02) and want < eager

@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from flopwise.build import build_engine
+from flopwise.checkpoints import checkpoint
 from flopwise.config import load_config
 from flopwise.errors import CheckpointError
 from flopwise.flops import count_params
@@ -27,26 +29,43 @@ STEPS = 3
 
 def base(run_dir, data, **extra) -> list[str]:
     """A 4-layer untied Llama (so pp2 × 2 virtual stages fits) on 8 × 32-token sequences."""
-    kw = {"model.n_layers": 4, "model.tie_embeddings": "false", "train.steps": STEPS, "train.micro_batch": 2,
-          "train.eval_every": 0, "checkpoint.interval": 0, "train.eval_batches": 1}
+    kw = {
+        "model.n_layers": 4,
+        "model.tie_embeddings": "false",
+        "train.steps": STEPS,
+        "train.micro_batch": 2,
+        "train.eval_every": 0,
+        "checkpoint.interval": 0,
+        "train.eval_batches": 1,
+    }
     kw.update(extra)
     return tiny_overrides(run_dir, data, **kw)
 
 
 LAYOUTS = {
     2: {
-        "dp2-zero0": {"parallel.zero": 0}, "dp2-zero1": {"parallel.zero": 1},
-        "dp2-zero2": {"parallel.zero": 2}, "dp2-zero3": {"parallel.zero": 3},
-        "tp2": {"parallel.tp": 2}, "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": "true"},
+        "dp2-zero0": {"parallel.zero": 0},
+        "dp2-zero1": {"parallel.zero": 1},
+        "dp2-zero2": {"parallel.zero": 2},
+        "dp2-zero3": {"parallel.zero": 3},
+        "tp2": {"parallel.tp": 2},
+        "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": "true"},
         "pp2-gpipe": {"parallel.pp": 2, "parallel.pp_schedule": '"gpipe"'},
         "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": '"1f1b"'},
-        "pp2-interleaved-v2": {"parallel.pp": 2, "parallel.pp_schedule": '"interleaved-1f1b"', "parallel.virtual_stages": 2},
+        "pp2-interleaved-v2": {
+            "parallel.pp": 2,
+            "parallel.pp_schedule": '"interleaved-1f1b"',
+            "parallel.virtual_stages": 2,
+        },
         "pp2-zero-bubble": {"parallel.pp": 2, "parallel.pp_schedule": '"zero-bubble"', "parallel.virtual_stages": 2},
         "pp2-dualpipev": {"parallel.pp": 2, "parallel.pp_schedule": '"dualpipev"', "parallel.virtual_stages": 2},
         "cp2": {"parallel.cp": 2},
         "dp2-zero3-recompute-full": {"parallel.zero": 3, "parallel.recompute": '"full"'},
-        "tp2-sp-recompute-selective": {"parallel.tp": 2, "parallel.sequence_parallel": "true",
-                                       "parallel.recompute": '"selective"'},
+        "tp2-sp-recompute-selective": {
+            "parallel.tp": 2,
+            "parallel.sequence_parallel": "true",
+            "parallel.recompute": '"selective"',
+        },
         "pp2-1f1b-recompute-full": {"parallel.pp": 2, "parallel.recompute": '"full"'},
         "dp2-zero3-compile": {"parallel.zero": 3, "train.compile": "true"},  # per-block compile under FSDP2
     },
@@ -59,22 +78,42 @@ LAYOUTS = {
         "pp2xtp2-sp": {"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": "true"},
         "pp2xcp2": {"parallel.pp": 2, "parallel.cp": 2},
     },
-    8: {"pp2xtp2xdp2": {"parallel.pp": 2, "parallel.tp": 2, "parallel.zero": 3},
-        "pp2xtp2xdp2-zero0": {"parallel.pp": 2, "parallel.tp": 2, "parallel.zero": 0}},
+    8: {
+        "pp2xtp2xdp2": {"parallel.pp": 2, "parallel.tp": 2, "parallel.zero": 3},
+        "pp2xtp2xdp2-zero0": {"parallel.pp": 2, "parallel.tp": 2, "parallel.zero": 0},
+    },
 }
 
 
 # bf16: FSDP2's policy (bf16 parameters, fp32 reduce and master weights) and DDP under autocast
 # against one process under autocast; the stated tolerance is 1e-3 relative (measured: ≤ 4e-5).
 BF16 = {"dp2-zero0-bf16": {"parallel.zero": 0}, "dp2-zero3-bf16": {"parallel.zero": 3}}
-MEMORY_MODEL = {"model.n_layers": 8, "model.ffn_dim": 768}  # no tensor a large share, so ZeRO-1's per-tensor split balances
-COMM = {"comm-zero0": {"parallel.zero": 0}, "comm-zero1": {"parallel.zero": 1}, "comm-zero2": {"parallel.zero": 2},
-        "comm-zero3": {"parallel.zero": 3}, "comm-tp2": {"parallel.tp": 2}, "comm-tp2-sp": {"parallel.tp": 2,
-        "parallel.sequence_parallel": "true"}, "comm-pp2": {"parallel.pp": 2}}
+MEMORY_MODEL = {
+    "model.n_layers": 8,
+    "model.ffn_dim": 768,
+}  # no tensor a large share, so ZeRO-1's per-tensor split balances
+COMM = {
+    "comm-zero0": {"parallel.zero": 0},
+    "comm-zero1": {"parallel.zero": 1},
+    "comm-zero2": {"parallel.zero": 2},
+    "comm-zero3": {"parallel.zero": 3},
+    "comm-tp2": {"parallel.tp": 2},
+    "comm-tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": "true"},
+    "comm-pp2": {"parallel.pp": 2},
+}
 # parallel.layout=auto: the planner picks the layout for the world size (planning for H100s), the
 # engine runs it, and the losses are one process's. Two families: GQA Llama and MHA GPT-2.
-MHA = {"model.preset": '"gpt2-124m"', "model.n_layers": 4, "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 4,
-       "model.ffn_dim": 256, "model.vocab_size": 512, "model.max_seq_len": 128, "model.tie_embeddings": "false"}
+MHA = {
+    "model.preset": '"gpt2-124m"',
+    "model.n_layers": 4,
+    "model.d_model": 64,
+    "model.n_heads": 4,
+    "model.n_kv_heads": 4,
+    "model.ffn_dim": 256,
+    "model.vocab_size": 512,
+    "model.max_seq_len": 128,
+    "model.tie_embeddings": "false",
+}
 AUTO = {"parallel.layout": '"auto"', "cluster.hardware": '"h100-sxm"'}
 CHAIN_STEPS = 5  # zero3·dp4 steps 1-2 -> tp2·dp2 step 3 -> pp2·tp2·dp2 step 4 -> one process step 5
 
@@ -83,16 +122,24 @@ MIX_LAYOUTS = {"dp2-zero3": {"parallel.zero": 3}, "pp2": {"parallel.pp": 2}}
 # data.document_mask under every kind of split: documents ids travel to each pipeline stage and
 # are indexed by each context-parallel rank's true positions
 MASK = {"data.document_mask": "true", "data.reset_positions": "true"}
-MASK_LAYOUTS = {"dp2-zero3": {"parallel.zero": 3}, "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": "true"},
-                "cp2": {"parallel.cp": 2}, "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": '"1f1b"'},
-                "pp2-interleaved": {"parallel.pp": 2, "parallel.pp_schedule": '"interleaved-1f1b"',
-                                    "parallel.virtual_stages": 2}}
+MASK_LAYOUTS = {
+    "dp2-zero3": {"parallel.zero": 3},
+    "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": "true"},
+    "cp2": {"parallel.cp": 2},
+    "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": '"1f1b"'},
+    "pp2-interleaved": {"parallel.pp": 2, "parallel.pp_schedule": '"interleaved-1f1b"', "parallel.virtual_stages": 2},
+}
 # ALiBi: each tensor-parallel rank attends with its own heads' slopes (a head-sharded buffer), each
 # context-parallel rank with its queries' true distances to the gathered keys
 ALIBI = {"model.pos": '"alibi"'}
-ALIBI_LAYOUTS = {2: {"tp2": {"parallel.tp": 2}, "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": "true"},
-                     "cp2": {"parallel.cp": 2}},
-                 4: {"cp2xtp2": {"parallel.cp": 2, "parallel.tp": 2}}}
+ALIBI_LAYOUTS = {
+    2: {
+        "tp2": {"parallel.tp": 2},
+        "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": "true"},
+        "cp2": {"parallel.cp": 2},
+    },
+    4: {"cp2xtp2": {"parallel.cp": 2, "parallel.tp": 2}},
+}
 
 
 @pytest.fixture(scope="module")
@@ -100,46 +147,85 @@ def runs(tiny_data, tiny_mix, tiny_docs, tmp_path_factory) -> dict:
     """All launches, in order (the resharding chain runs through them); results by job name."""
     tmp = tmp_path_factory.mktemp("dist")
     chain = tmp / "chain"
+
     def job(name, kind, **extra):
         return {"name": name, "kind": kind, "overrides": base(tmp / name, tiny_data, **extra)}
 
     def chain_job(name, stop, **extra):
-        return {"name": name, "kind": "losses", "overrides": base(chain, tiny_data, **{
-            "train.steps": CHAIN_STEPS, "train.stop_after": stop, "checkpoint.interval": 1, "checkpoint.keep": 10,
-            **extra})}
+        return {
+            "name": name,
+            "kind": "losses",
+            "overrides": base(
+                chain,
+                tiny_data,
+                **{
+                    "train.steps": CHAIN_STEPS,
+                    "train.stop_after": stop,
+                    "checkpoint.interval": 1,
+                    "checkpoint.keep": 10,
+                    **extra,
+                },
+            ),
+        }
 
     def reshard_job(name, **extra):
-        return {"name": name, "kind": "reshard", "overrides": base(tmp / name, tiny_data, **{
-            "checkpoint.resume": f'"{chain / "checkpoints" / "step-00000002"}"', **extra})}
+        return {
+            "name": name,
+            "kind": "reshard",
+            "overrides": base(
+                tmp / name, tiny_data, **{"checkpoint.resume": f'"{chain / "checkpoints" / "step-00000002"}"', **extra}
+            ),
+        }
 
     def mix_jobs(name, **extra):
         """A data mixture run whole, and the same run stopped after step 2 and resumed."""
         kw = {"data.sources": tiny_mix, "train.steps": 4, "checkpoint.interval": 1, **extra}
-        return [job(f"mix-{name}-full", "losses", **kw),
-                {"name": f"mix-{name}-part", "kind": "losses", "overrides": base(tmp / f"mix-{name}-cut", tiny_data, **{
-                    **kw, "train.stop_after": 2})},
-                {"name": f"mix-{name}-rest", "kind": "losses", "overrides": base(tmp / f"mix-{name}-cut", tiny_data, **kw)}]
+        return [
+            job(f"mix-{name}-full", "losses", **kw),
+            {
+                "name": f"mix-{name}-part",
+                "kind": "losses",
+                "overrides": base(tmp / f"mix-{name}-cut", tiny_data, **{**kw, "train.stop_after": 2}),
+            },
+            {"name": f"mix-{name}-rest", "kind": "losses", "overrides": base(tmp / f"mix-{name}-cut", tiny_data, **kw)},
+        ]
 
     launches = {
         2: [job(n, "losses", **x) for n, x in LAYOUTS[2].items()]
         + [j for n, x in MIX_LAYOUTS.items() for j in mix_jobs(n, **x)]
-        + [{"name": f"mask-{n}", "kind": "losses", "overrides": base(tmp / f"mask-{n}", tiny_docs, **x, **MASK)}
-           for n, x in MASK_LAYOUTS.items()]
+        + [
+            {"name": f"mask-{n}", "kind": "losses", "overrides": base(tmp / f"mask-{n}", tiny_docs, **x, **MASK)}
+            for n, x in MASK_LAYOUTS.items()
+        ]
         + [job(f"alibi-{n}", "losses", **x, **ALIBI) for n, x in ALIBI_LAYOUTS[2].items()]
         + [job(n, "losses", **x, **{"train.dtype": '"bf16"'}) for n, x in BF16.items()]
-        + [job(f"memory-zero{z}", "memory", **MEMORY_MODEL, **{"parallel.zero": z, "train.micro_batch": 4}) for z in range(4)]
-        + [job(n, "comm", **x, **{"train.micro_batch": 4 if "pp" not in n else 2, "train.global_batch": 8 if "tp" not in n else 4})
-           for n, x in COMM.items()],
+        + [
+            job(f"memory-zero{z}", "memory", **MEMORY_MODEL, **{"parallel.zero": z, "train.micro_batch": 4})
+            for z in range(4)
+        ]
+        + [
+            job(
+                n,
+                "comm",
+                **x,
+                **{"train.micro_batch": 4 if "pp" not in n else 2, "train.global_batch": 8 if "tp" not in n else 4},
+            )
+            for n, x in COMM.items()
+        ],
         4: [job(n, "losses", **x) for n, x in LAYOUTS[4].items()]
         + [job(f"alibi-{n}", "losses", **x, **ALIBI) for n, x in ALIBI_LAYOUTS[4].items()]
         + [job("auto4-gqa", "losses", **AUTO), job("auto4-mha", "losses", **AUTO, **MHA)]
-        + [chain_job("chain-zero3-dp4", 2, **{"parallel.zero": 3}),
-           chain_job("chain-tp2-dp2", 3, **{"parallel.tp": 2, "parallel.zero": 3}),
-           reshard_job("reshard-tp2-dp2", **{"parallel.tp": 2, "parallel.zero": 3})],
+        + [
+            chain_job("chain-zero3-dp4", 2, **{"parallel.zero": 3}),
+            chain_job("chain-tp2-dp2", 3, **{"parallel.tp": 2, "parallel.zero": 3}),
+            reshard_job("reshard-tp2-dp2", **{"parallel.tp": 2, "parallel.zero": 3}),
+        ],
         8: [job(n, "losses", **x) for n, x in LAYOUTS[8].items()]
         + [job("auto8-gqa", "losses", **AUTO), job("auto8-mha", "losses", **AUTO, **MHA)]
-        + [chain_job("chain-pp2-tp2-dp2", 4, **{"parallel.pp": 2, "parallel.tp": 2, "parallel.zero": 3}),
-           reshard_job("reshard-pp2-tp2-dp2", **{"parallel.pp": 2, "parallel.tp": 2, "parallel.zero": 3})],
+        + [
+            chain_job("chain-pp2-tp2-dp2", 4, **{"parallel.pp": 2, "parallel.tp": 2, "parallel.zero": 3}),
+            reshard_job("reshard-pp2-tp2-dp2", **{"parallel.pp": 2, "parallel.tp": 2, "parallel.zero": 3}),
+        ],
     }
     results = {"_chain": chain, "_tmp": tmp}
     for world, jobs in launches.items():
@@ -296,8 +382,12 @@ def test_resharded_state_is_exactly_equal(layout, runs, tiny_data):
 
 def test_export_consolidates_and_refuses_a_mismatched_model(runs, tiny_data, tmp_path):
     ckpt = runs["_chain"] / "checkpoints" / "step-00000002"
-    r = subprocess.run([sys.executable, "-m", "flopwise", "checkpoint", "export", str(ckpt), "--out", str(tmp_path / "x")],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "flopwise", "checkpoint", "export", str(ckpt), "--out", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     src, out = _state(ckpt, tiny_data), _state(tmp_path / "x", tiny_data)
     assert all(torch.equal(src[k], out[k]) for k in src)
@@ -311,9 +401,24 @@ def test_export_consolidates_and_refuses_a_mismatched_model(runs, tiny_data, tmp
 
 def test_flopwise_train_under_torchrun(tiny_data, tmp_path):
     """The CLI itself as a 2-rank job: rank 0 alone reports, each rank writes its own shard."""
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "flopwise", "train", *base(tmp_path, tiny_data, **{"parallel.zero": 3})],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "flopwise",
+            "train",
+            *base(tmp_path, tiny_data, **{"parallel.zero": 3}),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("run summary") == 1 and "layout dp2 zero3 on 2 processes (gloo)" in r.stdout
     ckpt = checkpoint.latest(tmp_path)

@@ -15,6 +15,8 @@ from torch import nn
 
 pytest.importorskip("torchao")
 
+from torchao.float8.float8_linear import Float8Linear
+
 from flopwise.config import ModelConfig, load_config, validate  # noqa: E402
 from flopwise.errors import ConfigError  # noqa: E402
 from flopwise.launch import train  # noqa: E402
@@ -32,8 +34,14 @@ SEQ, BATCH = 64, 2
 
 
 def run(tmp, data, **kw):
-    base = {"train.dtype": '"bf16"', "train.steps": 20, "train.eval_every": 0, "checkpoint.interval": 0,
-            "checkpoint.resume": '"none"', "log.every": 5}
+    base = {
+        "train.dtype": '"bf16"',
+        "train.steps": 20,
+        "train.eval_every": 0,
+        "checkpoint.interval": 0,
+        "checkpoint.resume": '"none"',
+        "log.every": 5,
+    }
     return train(load_config(None, tiny_overrides(tmp, data, **{**base, **kw})))
 
 
@@ -64,11 +72,17 @@ def test_emulated_float8_trains_like_bf16(tiny_data, tmp_path, recipe, bf16):
 
 def test_float8_needs_a_float8_gpu_unless_emulated(tmp_path):
     """Refused before the run folder or its data exist."""
-    r = subprocess.run([sys.executable, "-m", "flopwise", "train", "train.float8=rowwise"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "flopwise", "train", "train.float8=rowwise"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2 and r.stderr.strip() == (
         "error: train.float8 needs a CUDA GPU of compute capability >= 8.9; found cpu; "
-        "set train.float8=none (or train.float8_emulate=true to emulate)")
+        "set train.float8=none (or train.float8_emulate=true to emulate)"
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -97,13 +111,20 @@ def test_float8_composes_with_recompute_and_compile(tiny_data, tmp_path):
     float8 without recompute, within compile's reordering of float sums."""
     torch._dynamo.reset()
     eager = run(tmp_path / "eager", tiny_data, **emulated("rowwise"), **{"train.steps": 6})
-    both = run(tmp_path / "both", tiny_data, **emulated("rowwise"),
-               **{"train.steps": 6, "parallel.recompute": '"full"', "train.compile": "true"})
+    both = run(
+        tmp_path / "both",
+        tiny_data,
+        **emulated("rowwise"),
+        **{"train.steps": 6, "parallel.recompute": '"full"', "train.compile": "true"},
+    )
     assert both.losses == pytest.approx(eager.losses, rel=0.01)
 
 
 TWO_RANKS = {  # name: (recipe, layout)
-    "fsdp2-zero3": ("tensorwise", {"parallel.zero": 3}),  # FSDP2 all-gathers the weights in float8, scaled by the shards' amax
+    "fsdp2-zero3": (
+        "tensorwise",
+        {"parallel.zero": 3},
+    ),  # FSDP2 all-gathers the weights in float8, scaled by the shards' amax
     "tp2-sp": ("rowwise", {"parallel.tp": 2, "parallel.sequence_parallel": "true"}),  # DTensor shards, bf16 collectives
 }
 
@@ -112,10 +133,27 @@ TWO_RANKS = {  # name: (recipe, layout)
 def two_ranks(tiny_data, tmp_path_factory) -> dict:
     """Both layouts' 6 steps in one torchrun launch of 2 gloo ranks (tests/dist: a launch costs 10-30 s)."""
     tmp = tmp_path_factory.mktemp("float8_two_ranks")
-    jobs = [{"name": name, "kind": "losses", "overrides": tiny_overrides(tmp / name, tiny_data, **{
-        "train.dtype": '"bf16"', "train.steps": 6, "train.eval_every": 0, "checkpoint.interval": 0,
-        "checkpoint.resume": '"none"', "log.every": 1, **layout, **emulated(recipe)})}
-        for name, (recipe, layout) in TWO_RANKS.items()]
+    jobs = [
+        {
+            "name": name,
+            "kind": "losses",
+            "overrides": tiny_overrides(
+                tmp / name,
+                tiny_data,
+                **{
+                    "train.dtype": '"bf16"',
+                    "train.steps": 6,
+                    "train.eval_every": 0,
+                    "checkpoint.interval": 0,
+                    "checkpoint.resume": '"none"',
+                    "log.every": 1,
+                    **layout,
+                    **emulated(recipe),
+                },
+            ),
+        }
+        for name, (recipe, layout) in TWO_RANKS.items()
+    ]
     return run_jobs(2, jobs, tmp)
 
 
@@ -131,9 +169,11 @@ def test_float8_composes_with_two_ranks(tiny_data, tmp_path, name, two_ranks):
 
 # --- the planner's bytes against SavedBytes ------------------------------------------------------
 
+
 def model_config(n_layers: int) -> ModelConfig:
-    return ModelConfig(arch="llama", d_model=128, n_heads=4, n_kv_heads=2, n_layers=n_layers, vocab_size=256,
-                       max_seq_len=SEQ)
+    return ModelConfig(
+        arch="llama", d_model=128, n_heads=4, n_kv_heads=2, n_layers=n_layers, vocab_size=256, max_seq_len=SEQ
+    )
 
 
 def measure(n_layers: int, dtype: str, compiled: bool = False) -> SavedBytes:
@@ -155,7 +195,8 @@ def test_planner_books_what_float8_linears_save(dtype):
     two, four = measure(2, dtype), measure(4, dtype)
     precision = engine_precision(dtype, fsdp=False, cpu=True, float8=True)
     assert (four.bytes - two.bytes) / 2 == pytest.approx(
-        activation_bytes_per_layer(model_config(4), SEQ, BATCH, precision=precision), rel=0.05)
+        activation_bytes_per_layer(model_config(4), SEQ, BATCH, precision=precision), rel=0.05
+    )
     copies = autocast_weight_copy_bytes(model_config(4), 4, head=True, float8=True) if dtype == "bf16" else 0
     assert four.weight_copies == copies
     assert copies < autocast_weight_copy_bytes(model_config(4), 4, head=True) or dtype == "fp32"
@@ -170,8 +211,14 @@ def test_run_measures_what_the_planner_predicts(tiny_data, tmp_path):
     from flopwise.measure import measure_rank
     from flopwise.plan.rank import predict_rank
 
-    cfg = load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{
-        "train.dtype": '"bf16"', "train.micro_batch": 8, "checkpoint.resume": '"none"', **emulated("rowwise")}))
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path / "run",
+            tiny_data,
+            **{"train.dtype": '"bf16"', "train.micro_batch": 8, "checkpoint.resume": '"none"', **emulated("rowwise")},
+        ),
+    )
     run = build_run(cfg)
     got = measure_rank(run, 2)
     want = predict_rank(run.cfg, run.par.layout, 0, 0, 0, cpu=True)
@@ -186,11 +233,15 @@ def test_planner_bounds_what_compiled_float8_blocks_save():
     weight casts; the partitioner keeps no more than that (on a CPU, where the float8 matmul is
     emulated by ordinary ops, it recomputes more and keeps less)."""
     got = measure(2, "bf16", compiled=True).bytes - measure(1, "bf16", compiled=True).bytes
-    booked = activation_bytes_per_layer(model_config(2), SEQ, BATCH,
-                                        precision=engine_precision("bf16", fsdp=False, cpu=True, compiled=True,
-                                                                   float8=True))
-    plain = activation_bytes_per_layer(model_config(2), SEQ, BATCH,
-                                       precision=engine_precision("bf16", fsdp=False, cpu=True, compiled=True))
+    booked = activation_bytes_per_layer(
+        model_config(2),
+        SEQ,
+        BATCH,
+        precision=engine_precision("bf16", fsdp=False, cpu=True, compiled=True, float8=True),
+    )
+    plain = activation_bytes_per_layer(
+        model_config(2), SEQ, BATCH, precision=engine_precision("bf16", fsdp=False, cpu=True, compiled=True)
+    )
     assert got <= booked < plain
 
 
@@ -200,10 +251,17 @@ def test_fsdp2_float8_all_gather_measures_what_the_planner_predicts(tiny_data, t
     """`flopwise plan --measure` on two ranks, ZeRO-2, tensorwise: FSDP2 gathers the float8
     linears' weights in 1 byte per element; the gathered bytes equal the planner's, and the step's
     high-water mark is within 1%."""
-    keys = tiny_overrides(tmp_path / "run", tiny_data, **{
-        "train.dtype": '"bf16"', "train.compile": "false", "parallel.zero": 2, **emulated("tensorwise")})
-    r = subprocess.run([sys.executable, "-m", "flopwise", "plan", *keys, "--measure", "--nproc", "2", "--steps", "3",
-                        "--json"], capture_output=True, text=True, timeout=600)
+    keys = tiny_overrides(
+        tmp_path / "run",
+        tiny_data,
+        **{"train.dtype": '"bf16"', "train.compile": "false", "parallel.zero": 2, **emulated("tensorwise")},
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "flopwise", "plan", *keys, "--measure", "--nproc", "2", "--steps", "3", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     for rank in json.loads(r.stdout)["ranks"]:
         assert rank["gathered"]["measured"] == rank["gathered"]["predicted"]

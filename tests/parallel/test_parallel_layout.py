@@ -16,8 +16,14 @@ from flopwise.plan.layout import FIXED_VIRTUAL_STAGES, SCHEDULES, Layout, balanc
 
 
 def cfg(**kw):
-    base = {"model.preset": '"demo-tiny"', "model.n_layers": 4, "model.tie_embeddings": "false", "data.seq_len": 32,
-            "train.global_batch": 8, "train.micro_batch": 2}
+    base = {
+        "model.preset": '"demo-tiny"',
+        "model.n_layers": 4,
+        "model.tie_embeddings": "false",
+        "data.seq_len": 32,
+        "train.global_batch": 8,
+        "train.micro_batch": 2,
+    }
     base.update(kw)
     return load_config(None, [f"{k}={v}" for k, v in base.items()])
 
@@ -27,19 +33,33 @@ def test_dp_defaults_to_what_is_left():
     assert (lo.dp, lo.tp, lo.world) == (4, 2, 8)
 
 
-@pytest.mark.parametrize("kw, world, match", [
-    ({"parallel.tp": 2}, 1, r"= 2 but the world size is 1.*torchrun --nproc-per-node 2"),
-    ({"parallel.dp": 2, "parallel.tp": 2}, 8, r"pp=1 × dp=2 × cp=1 × tp=2 = 4 but the world size is 8"),
-    ({"parallel.pp": 2, "model.tie_embeddings": "true"}, 2, "tie_embeddings"),
-    ({"parallel.tp": 4}, 4, "exceeds model.n_kv_heads=2"),
-    ({"parallel.tp": 2, "parallel.zero": 1}, 4, "use parallel.zero=0, 2 or 3"),
-    ({"parallel.pp": 2, "parallel.pp_layers": "[1, 2]"}, 2, "pp_layers"),
-    # the tester's DualPipeV run: torch refused it on every rank after the process groups were up
-    ({"parallel.pp": 2, "parallel.pp_schedule": '"dualpipev"', "parallel.virtual_stages": 2, "train.micro_batch": 4},
-     2, r"dualpipev needs at least 4 micro-batches.*gives 2; set train.micro_batch=2"),
-    ({"parallel.pp": 4, "train.micro_batch": 1, "train.global_batch": 2}, 4,
-     r"1f1b needs at least 4 micro-batches.*raise train.global_batch to 4"),
-])
+@pytest.mark.parametrize(
+    "kw, world, match",
+    [
+        ({"parallel.tp": 2}, 1, r"= 2 but the world size is 1.*torchrun --nproc-per-node 2"),
+        ({"parallel.dp": 2, "parallel.tp": 2}, 8, r"pp=1 × dp=2 × cp=1 × tp=2 = 4 but the world size is 8"),
+        ({"parallel.pp": 2, "model.tie_embeddings": "true"}, 2, "tie_embeddings"),
+        ({"parallel.tp": 4}, 4, "exceeds model.n_kv_heads=2"),
+        ({"parallel.tp": 2, "parallel.zero": 1}, 4, "use parallel.zero=0, 2 or 3"),
+        ({"parallel.pp": 2, "parallel.pp_layers": "[1, 2]"}, 2, "pp_layers"),
+        # the tester's DualPipeV run: torch refused it on every rank after the process groups were up
+        (
+            {
+                "parallel.pp": 2,
+                "parallel.pp_schedule": '"dualpipev"',
+                "parallel.virtual_stages": 2,
+                "train.micro_batch": 4,
+            },
+            2,
+            r"dualpipev needs at least 4 micro-batches.*gives 2; set train.micro_batch=2",
+        ),
+        (
+            {"parallel.pp": 4, "train.micro_batch": 1, "train.global_batch": 2},
+            4,
+            r"1f1b needs at least 4 micro-batches.*raise train.global_batch to 4",
+        ),
+    ],
+)
 def test_unrunnable_layouts_get_one_line_errors(kw, world, match):
     with pytest.raises(ConfigError, match=match) as e:
         layout_of(cfg(**kw), world)
@@ -59,9 +79,10 @@ def torch_takes(schedule: str, pp: int, v: int, n_micro: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("schedule, v", [(s, v) for s in SCHEDULES
-                                         for v in ([2, 3] if s == "interleaved-1f1b" else
-                                                   [FIXED_VIRTUAL_STAGES.get(s, 1)])])
+@pytest.mark.parametrize(
+    "schedule, v",
+    [(s, v) for s in SCHEDULES for v in ([2, 3] if s == "interleaved-1f1b" else [FIXED_VIRTUAL_STAGES.get(s, 1)])],
+)
 def test_micro_batch_counts_check_layout_takes_are_torchs(schedule, v):
     """For every schedule the engine offers, on pp = 2..4 and 1..3·pp+1 micro-batches, check_layout
     accepts exactly the counts torch's schedule class accepts (so the smallest too): a run is refused
@@ -83,8 +104,16 @@ def test_searched_dualpipev_layouts_are_ones_torch_builds():
     from flopwise.plan.search import search
 
     m = ModelConfig(preset="llama3-70b", max_seq_len=8192)
-    res = search(model_shape(m, 8192), get_hardware("h100-sxm"), 256, 8192, 32, STACKS["flopwise"],
-                 {"pp_schedule": "dualpipev"}, keep=10**6)
+    res = search(
+        model_shape(m, 8192),
+        get_hardware("h100-sxm"),
+        256,
+        8192,
+        32,
+        STACKS["flopwise"],
+        {"pp_schedule": "dualpipev"},
+        keep=10**6,
+    )
     piped = [e.layout for e in res.ranked if e.layout.pp > 1]
     assert res.fitting and piped
     for lo in {(lo.pp, lo.microbatches(32)) for lo in piped}:
@@ -127,6 +156,7 @@ class ThreadGather:
             out = torch.cat(self.slots, dim=2)
             self.barrier.wait()  # nobody overwrites a slot before every rank has read it
             return out
+
         return gather
 
 
@@ -136,8 +166,15 @@ def test_context_parallel_shards_equal_the_whole_sequence(arch, documents):
     """Each cp rank's logits, computed from its shard, the span ContextParallel hands the model and
     the gathered keys, are the one-process model's at its positions: RoPE, sliding window, learned
     positions (with per-document positions), ALiBi, partial RoPE; with and without documents."""
-    m = ModelConfig(arch=arch, n_layers=2, d_model=32, n_heads=4, vocab_size=97, max_seq_len=32,
-                    **({"sliding_window": 5} if arch == "mistral" else {}))
+    m = ModelConfig(
+        arch=arch,
+        n_layers=2,
+        d_model=32,
+        n_heads=4,
+        vocab_size=97,
+        max_seq_len=32,
+        **({"sliding_window": 5} if arch == "mistral" else {}),
+    )
     model = build_model(m, seed=0).eval()
     x = torch.randint(1, 97, (2, 24), generator=torch.Generator().manual_seed(0))
     x[:, ::7] = 0
@@ -162,5 +199,6 @@ def test_context_parallel_shards_equal_the_whole_sequence(arch, documents):
     for t in threads:
         t.join(timeout=60)
     for rank in range(size):
-        torch.testing.assert_close(out[rank], whole[:, ContextParallel(rank, size, None).positions(24)],
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            out[rank], whole[:, ContextParallel(rank, size, None).positions(24)], rtol=1e-5, atol=1e-5
+        )

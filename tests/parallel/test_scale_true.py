@@ -40,9 +40,14 @@ def test_any_box_of_a_weight_draws_the_values_of_the_whole():
     for shape in [(300, 384), (40, 20000)]:
         whole = normal_box(7, "w", shape, (0, 0), shape)
         rows, cols = shape
-        for (r, c), (nr, nc) in [((17, 0), (rows // 2, cols)), ((0, cols // 2), (rows, cols - cols // 2)),
-                                 ((33, 1234 % cols), (5, 97)), ((rows - 1, cols - 1), (1, 1)), ((3, 16000 % cols), (2, 0))]:
-            assert torch.equal(normal_box(7, "w", shape, (r, c), (nr, nc)), whole[r:r + nr, c:c + nc])
+        for (r, c), (nr, nc) in [
+            ((17, 0), (rows // 2, cols)),
+            ((0, cols // 2), (rows, cols - cols // 2)),
+            ((33, 1234 % cols), (5, 97)),
+            ((rows - 1, cols - 1), (1, 1)),
+            ((3, 16000 % cols), (2, 0)),
+        ]:
+            assert torch.equal(normal_box(7, "w", shape, (r, c), (nr, nc)), whole[r : r + nr, c : c + nc])
     assert 0.98 < whole.std() < 1.02 and abs(whole.mean()) < 0.01
     assert not torch.equal(normal_box(7, "w", (4, 8), (0, 0), (4, 8)), normal_box(7, "v", (4, 8), (0, 0), (4, 8)))
 
@@ -58,13 +63,16 @@ def test_grouped_query_attention_saves_keys_and_values_at_kv_width():
 
     def saved_bytes(fn) -> int:
         sizes = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda x: sizes.append(x.numel() * x.element_size()) or x, lambda x: x):
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda x: sizes.append(x.numel() * x.element_size()) or x, lambda x: x
+        ):
             out = fn()
         return sum(sizes), out
 
     ours, y = saved_bytes(lambda: attn.core(q, k, v, None, True))
-    ref, y_ref = saved_bytes(lambda: F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
-                                                                    is_causal=True))
+    ref, y_ref = saved_bytes(
+        lambda: F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
+    )
     assert torch.allclose(y, y_ref, atol=1e-6)
     assert ref - ours == 2 * b * (8 - 2) * t * hd * 4
 
@@ -73,10 +81,22 @@ def test_one_host_sync_per_log_step(tiny_data, tmp_path):
     """Steps between log points read nothing from the device: 10 more steps at log.every=5 add
     two sync points (the per-step cost, measured on the same run lengths, not counted by the
     trainer itself); the steps' losses still reach the result one by one."""
+
     def run(steps: int) -> tuple[int, list[float]]:
-        cfg = load_config(None, tiny_overrides(tmp_path / f"r{steps}", tiny_data, **{
-            "train.steps": steps, "log.every": 5, "train.eval_every": 0, "checkpoint.interval": 0,
-            "checkpoint.resume": '"none"'}))
+        cfg = load_config(
+            None,
+            tiny_overrides(
+                tmp_path / f"r{steps}",
+                tiny_data,
+                **{
+                    "train.steps": steps,
+                    "log.every": 5,
+                    "train.eval_every": 0,
+                    "checkpoint.interval": 0,
+                    "checkpoint.resume": '"none"',
+                },
+            ),
+        )
         with HostSyncCounter() as c:
             r = train(cfg)
         return c.count, r.losses
@@ -88,7 +108,7 @@ def test_one_host_sync_per_log_step(tiny_data, tmp_path):
 
 def test_one_process_uses_the_same_initialiser(tmp_path):
     """The single-process engine's weights are the model built whole with the run's seed."""
-    cfg = load_config(None, ["model.preset=\"demo-tiny\"", "run.seed=5", "data.seq_len=64", f"run.dir=\"{tmp_path}\""])
+    cfg = load_config(None, ['model.preset="demo-tiny"', "run.seed=5", "data.seq_len=64", f'run.dir="{tmp_path}"'])
     engine, _ = build_engine(cfg, Parallel(Layout(micro_batch=cfg.train.micro_batch), None, torch.device("cpu")))
     whole = build_model(cfg.model, "cpu", seed=5).state_dict()
     assert all(torch.equal(v, whole[k]) for k, v in engine.parts[0].state_dict().items())
@@ -101,8 +121,9 @@ def _write_checkpoint(tmp: Path, tiny_data: Path, **model) -> tuple[Path, int]:
     """A weights-only checkpoint of a model built whole; (its folder, its largest tensor's bytes)."""
     cfg = load_config(None, tiny_overrides(tmp / "src", tiny_data, **{f"model.{k}": v for k, v in model.items()}))
     net = build_model(cfg.model, "cpu", seed=1)
-    ckpt = checkpoint.save(tmp / "src", 3, net, None, {"config": to_toml(cfg)},
-                           files={"tokenizer.json": tiny_data / "tokenizer.json"})
+    ckpt = checkpoint.save(
+        tmp / "src", 3, net, None, {"config": to_toml(cfg)}, files={"tokenizer.json": tiny_data / "tokenizer.json"}
+    )
     return ckpt, max(p.numel() * 4 for p in net.parameters())
 
 
@@ -131,8 +152,17 @@ def test_streamed_export_peak_memory_is_about_one_tensor(tiny_data, tmp_path):
     adds about the largest tensor (131 MB; at most twice it, the reader's transient copy, plus
     64 MB) to the process's peak resident memory; loading the model whole, as the exporters did
     before, adds all of it."""
-    ckpt, largest = _write_checkpoint(tmp_path, tiny_data, n_layers=8, d_model=1024, n_heads=16, n_kv_heads=16,
-                                      ffn_dim=2816, vocab_size=32000, max_seq_len=64)
+    ckpt, largest = _write_checkpoint(
+        tmp_path,
+        tiny_data,
+        n_layers=8,
+        d_model=1024,
+        n_heads=16,
+        n_kv_heads=16,
+        ffn_dim=2816,
+        vocab_size=32000,
+        max_seq_len=64,
+    )
     total = sum(p.stat().st_size for p in ckpt.glob("*.distcp"))
     probe = textwrap.dedent(f"""
         import sys
@@ -143,8 +173,8 @@ def test_streamed_export_peak_memory_is_about_one_tensor(tiny_data, tmp_path):
         def hwm():  # this process's peak resident set (getrusage's would include the forking parent's)
             return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024
         before = hwm()
-        {{"ckpt": lambda: export_checkpoint({str(ckpt)!r}, {str(tmp_path / 'out')!r}),
-          "hf": lambda: export_hf({str(ckpt)!r}, {str(tmp_path / 'hf')!r}, max_shard_bytes=64 << 20),
+        {{"ckpt": lambda: export_checkpoint({str(ckpt)!r}, {str(tmp_path / "out")!r}),
+          "hf": lambda: export_hf({str(ckpt)!r}, {str(tmp_path / "hf")!r}, max_shard_bytes=64 << 20),
           "whole": lambda: load_for_inference({str(ckpt)!r})}}[sys.argv[1]]()
         print("added", hwm() - before)
     """)
@@ -163,8 +193,9 @@ def test_streamed_export_peak_memory_is_about_one_tensor(tiny_data, tmp_path):
 
 def _hf_folder(tmp: Path) -> tuple[Path, ModelConfig]:
     """A 4-layer GQA Llama in HF format (random weights, untied: pipeline-able)."""
-    m = ModelConfig(arch="llama", n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=512,
-                    max_seq_len=128)
+    m = ModelConfig(
+        arch="llama", n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=512, max_seq_len=128
+    )
     to_hf(build_model(m, "cpu", seed=11), m, tmp / "hf")
     return tmp / "hf", m
 
@@ -176,9 +207,11 @@ def _layout_overrides(tmp, data, name, **extra):
 
 LAYOUTS = {
     2: {"dp2-zero3": {"parallel.zero": 3}},
-    4: {"tp2xdp2-zero3": {"parallel.tp": 2, "parallel.zero": 3, "parallel.sequence_parallel": "true"},
+    4: {
+        "tp2xdp2-zero3": {"parallel.tp": 2, "parallel.zero": 3, "parallel.sequence_parallel": "true"},
         "pp2xdp2-zero3": {"parallel.pp": 2, "parallel.zero": 3},
-        "cp2xdp2-zero3": {"parallel.cp": 2, "parallel.zero": 3}},
+        "cp2xdp2-zero3": {"parallel.cp": 2, "parallel.zero": 3},
+    },
 }
 
 
@@ -186,11 +219,14 @@ LAYOUTS = {
 def sharded(tiny_data, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("scale")
     hf, _ = _hf_folder(tmp)
-    hf_job = _layout_overrides(tmp, tiny_data, "hf-tp2xdp2-zero3", **{
-        "parallel.tp": 2, "parallel.zero": 3, "model.init_from": f'"hf:{hf}"'})
+    hf_job = _layout_overrides(
+        tmp, tiny_data, "hf-tp2xdp2-zero3", **{"parallel.tp": 2, "parallel.zero": 3, "model.init_from": f'"hf:{hf}"'}
+    )
     results = {"_tmp": tmp, "_hf": hf}
     results.update(run_jobs(2, [_layout_overrides(tmp, tiny_data, n, **x) for n, x in LAYOUTS[2].items()], tmp))
-    results.update(run_jobs(4, [_layout_overrides(tmp, tiny_data, n, **x) for n, x in LAYOUTS[4].items()] + [hf_job], tmp))
+    results.update(
+        run_jobs(4, [_layout_overrides(tmp, tiny_data, n, **x) for n, x in LAYOUTS[4].items()] + [hf_job], tmp)
+    )
     return results
 
 
@@ -239,9 +275,20 @@ def test_building_a_half_billion_model_on_four_ranks_holds_a_quarter_each(tmp_pa
     """A 0.48B-parameter Llama (1.9 GB in fp32) built for zero3 on 4 ranks: each rank's peak
     resident memory grows by at most a quarter of the model plus 200 MB while it builds
     (measured before meta-device init: 2.06 GB per rank, the whole model)."""
-    ov = ["model.n_layers=32", "model.d_model=1024", "model.n_heads=16", "model.ffn_dim=2816", "model.vocab_size=32000",
-          "model.max_seq_len=64", "data.seq_len=64", "train.global_batch=4", "train.micro_batch=1", "parallel.zero=3",
-          'train.dtype="fp32"', f'run.dir="{tmp_path}"']
+    ov = [
+        "model.n_layers=32",
+        "model.d_model=1024",
+        "model.n_heads=16",
+        "model.ffn_dim=2816",
+        "model.vocab_size=32000",
+        "model.max_seq_len=64",
+        "data.seq_len=64",
+        "train.global_batch=4",
+        "train.micro_batch=1",
+        "parallel.zero=3",
+        'train.dtype="fp32"',
+        f'run.dir="{tmp_path}"',
+    ]
     cfg = load_config(None, ov)
     full = sum(p.numel() for p in build_model(cfg.model, "meta").parameters()) * 4
     r = run_jobs(4, [{"name": "mem", "kind": "build_memory", "overrides": ov}], tmp_path)["mem"]
@@ -255,8 +302,12 @@ def test_gpu_benchmark_script_runs_its_path_on_cpu(tmp_path):
     shape: it trains (finite loss) and reports every figure the GPU run records."""
     script = BENCHMARKS / "gpu" / "llama1b.py"
     out = tmp_path / "gpu.json"
-    r = subprocess.run([sys.executable, str(script), "--tiny", "--steps", "2", "--warmup", "1", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(script), "--tiny", "--steps", "2", "--warmup", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(out.read_text())
     assert math.isfinite(got["final_loss"]) and got["tokens_per_s"] > 0 and 0 < got["mfu_vs_measured_matmul"] < 1

@@ -105,8 +105,17 @@ def test_plan_says_whether_the_float8_asked_for_pays():
     cells = [pub for (m, k, n), pub in table.items() if m == 8192 and k == 1024 and n <= 4096]
     assert len(cells) == 3 and max(cells) < 1
     for preset, seq, pays in [("llama3-8b", 8192, True), ("gpt2-124m", 1024, False)]:
-        cfg = load_config(None, [f'model.preset="{preset}"', f"data.seq_len={seq}", "train.global_batch=64",
-                                 'cluster.hardware="h100-sxm"', "cluster.gpus=8", 'train.float8="rowwise"'])
+        cfg = load_config(
+            None,
+            [
+                f'model.preset="{preset}"',
+                f"data.seq_len={seq}",
+                "train.global_batch=64",
+                'cluster.hardware="h100-sxm"',
+                "cluster.gpus=8",
+                'train.float8="rowwise"',
+            ],
+        )
         note = plan(cfg, keep=1).float8_note()
         assert note.startswith("float8 pays" if pays else "float8 does not pay"), note
         assert "the same layout in bf16" in note

@@ -24,13 +24,24 @@ MEGATRON = STACKS["megatron-2021"]
 
 def megatron_gpt(n_layers, d_model, n_heads):
     """The GPT shape of Narayanan/Korthikanti: 4h GeLU MLP, biases, dropout 0.1, V = 51,200, s = 2048."""
-    return ModelConfig(arch="gpt2", n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab_size=51200,
-                       max_seq_len=2048, dropout=0.1)
+    return ModelConfig(
+        arch="gpt2",
+        n_layers=n_layers,
+        d_model=d_model,
+        n_heads=n_heads,
+        vocab_size=51200,
+        max_seq_len=2048,
+        dropout=0.1,
+    )
 
 
 # Narayanan et al. 2021 Table 1 (four rows): layers, hidden, heads, tp, pp, GPUs, batch, TFLOP/s per GPU.
-NARAYANAN = [(24, 2304, 24, 1, 1, 32, 512, 137), (40, 6144, 48, 8, 1, 256, 1024, 135),
-             (80, 12288, 96, 8, 8, 1536, 2304, 148), (128, 25600, 160, 8, 64, 3072, 3072, 163)]
+NARAYANAN = [
+    (24, 2304, 24, 1, 1, 32, 512, 137),
+    (40, 6144, 48, 8, 1, 256, 1024, 135),
+    (80, 12288, 96, 8, 8, 1536, 2304, 148),
+    (128, 25600, 160, 8, 64, 3072, 3072, 163),
+]
 
 
 @pytest.mark.parametrize("row", NARAYANAN, ids=lambda r: f"{r[0]}x{r[1]}")
@@ -42,8 +53,16 @@ def test_narayanan_table1_hardware_tflops(row):
     bubble, the scatter/gather receiver's all-gather, 16-bit gradient accumulation per micro-batch)."""
     layers, hidden, heads, tp, pp, gpus, batch, published = row
     sh = model_shape(megatron_gpt(layers, hidden, heads), 2048)
-    fixed = {"tp": tp, "pp": pp, "cp": 1, "recompute": "full", "sequence_parallel": False, "zero": 0,
-             "dp_replicate": 1, "pp_schedule": "interleaved-1f1b" if pp > 1 else "1f1b"}
+    fixed = {
+        "tp": tp,
+        "pp": pp,
+        "cp": 1,
+        "recompute": "full",
+        "sequence_parallel": False,
+        "zero": 0,
+        "dp_replicate": 1,
+        "pp_schedule": "interleaved-1f1b" if pp > 1 else "1f1b",
+    }
     if pp > 1:
         fixed["micro_batch"] = 1
     best = search(sh, A100, gpus, 2048, batch, MEGATRON, fixed).best
@@ -57,17 +76,40 @@ def test_megatron_layouts_split_layers_evenly():
     m = megatron_gpt(80, 12288, 96)
     lo = Layout(dp=24, tp=8, pp=8, micro_batch=1, pp_schedule="interleaved-1f1b", virtual_stages=6)
     assert "divisible by pp·virtual_stages=48" in check_layout(lo, m, 2048, 2304, engine=False)
-    res = search(model_shape(m, 2048), A100, 1536, 2048, 2304, MEGATRON,
-                 {"tp": 8, "pp": 8, "recompute": "full", "zero": 0, "micro_batch": 1, "cp": 1,
-                  "pp_schedule": "interleaved-1f1b", "sequence_parallel": False, "dp_replicate": 1}, keep=100)
+    res = search(
+        model_shape(m, 2048),
+        A100,
+        1536,
+        2048,
+        2304,
+        MEGATRON,
+        {
+            "tp": 8,
+            "pp": 8,
+            "recompute": "full",
+            "zero": 0,
+            "micro_batch": 1,
+            "cp": 1,
+            "pp_schedule": "interleaved-1f1b",
+            "sequence_parallel": False,
+            "dp_replicate": 1,
+        },
+        keep=100,
+    )
     assert sorted({e.layout.virtual_stages for e in res.ranked}) == [2, 5, 10]
 
 
 # Korthikanti et al. 2022 Table 3/5: the full layout is published; MFU in percent. Their Megatron-LM
 # fuses gradient accumulation into the weight-gradient GEMM (the megatron-2022 stack).
-KORTHIKANTI = [((48, 6144, 64), Layout(dp=1, tp=8, pp=1, micro_batch=4), 4, 41.5),
-               ((105, 20480, 128), Layout(dp=1, tp=8, pp=35, micro_batch=1, pp_schedule="interleaved-1f1b",
-                                          virtual_stages=3), 280, 56.0)]
+KORTHIKANTI = [
+    ((48, 6144, 64), Layout(dp=1, tp=8, pp=1, micro_batch=4), 4, 41.5),
+    (
+        (105, 20480, 128),
+        Layout(dp=1, tp=8, pp=35, micro_batch=1, pp_schedule="interleaved-1f1b", virtual_stages=3),
+        280,
+        56.0,
+    ),
+]
 
 
 @pytest.mark.parametrize("shape,layout,batch,published", KORTHIKANTI, ids=["22B", "530B"])
@@ -97,16 +139,20 @@ def test_korthikanti_table4_sequence_parallel_layer(recompute, published_ms):
     recompute, within 2% of Korthikanti et al. 2022 Table 4: Megatron re-gathers the column-parallel
     inputs in backward (§4.2.2), which is why the measured backward is no faster with sequence
     parallelism although its norm and dropout traffic drops by t."""
-    lt = layer_times(model_shape(megatron_gpt(48, 6144, 64), 2048), A100, STACKS["megatron-2022"], 2048, 4, 8, 1,
-                     True)
+    lt = layer_times(model_shape(megatron_gpt(48, 6144, 64), 2048), A100, STACKS["megatron-2022"], 2048, 4, 8, 1, True)
     layer = lt.fwd + lt.tp_fwd + lt.bwd + lt.tp_bwd + (lt.attn_fwd if recompute == "selective" else 0.0)
     assert 1e3 * layer == pytest.approx(published_ms, rel=0.02)
 
 
-@pytest.mark.parametrize("lo", [Layout(dp=2, pp=4, zero=2, micro_batch=1),
-                                Layout(dp=1, pp=2, pp_schedule="interleaved-1f1b", virtual_stages=2, micro_batch=1),
-                                Layout(dp=1, pp=2, pp_schedule="zero-bubble", virtual_stages=2, micro_batch=1)],
-                         ids=["1f1b", "interleaved", "zbv"])
+@pytest.mark.parametrize(
+    "lo",
+    [
+        Layout(dp=2, pp=4, zero=2, micro_batch=1),
+        Layout(dp=1, pp=2, pp_schedule="interleaved-1f1b", virtual_stages=2, micro_batch=1),
+        Layout(dp=1, pp=2, pp_schedule="zero-bubble", virtual_stages=2, micro_batch=1),
+    ],
+    ids=["1f1b", "interleaved", "zbv"],
+)
 def test_planner_stage_split_is_the_engines(lo):
     """The parameters the planner puts on each pipeline rank are those of the stage modules the
     engine builds for that rank (counted on the meta device), for looped and V-shaped schedules."""
@@ -116,7 +162,7 @@ def test_planner_stage_split_is_the_engines(lo):
     from flopwise.parallel.mesh import Parallel
     from flopwise.parallel.pipeline import split_stages
 
-    cfg = load_config(None, ["model.preset=\"llama2-7b\"", "model.n_layers=8", "data.seq_len=256"])
+    cfg = load_config(None, ['model.preset="llama2-7b"', "model.n_layers=8", "data.seq_len=256"])
     sh = model_shape(cfg.model, 256)
     planned = [load.params for load in rank_loads(sh, lo, balanced=True)]
     built = []
@@ -131,9 +177,24 @@ def test_planner_stage_split_is_the_engines(lo):
 def test_megatron_1t_search_finds_a_layout_at_least_as_fast_as_published():
     """Given 1T on 3072 A100s with batch 3072, the search's best ≥ the published tp 8 · pp 64."""
     sh = model_shape(megatron_gpt(128, 25600, 160), 2048)
-    published = search(sh, A100, 3072, 2048, 3072, MEGATRON,
-                       {"tp": 8, "pp": 64, "cp": 1, "recompute": "full", "pp_schedule": "interleaved-1f1b",
-                        "zero": 0, "dp_replicate": 1, "sequence_parallel": False}).best
+    published = search(
+        sh,
+        A100,
+        3072,
+        2048,
+        3072,
+        MEGATRON,
+        {
+            "tp": 8,
+            "pp": 64,
+            "cp": 1,
+            "recompute": "full",
+            "pp_schedule": "interleaved-1f1b",
+            "zero": 0,
+            "dp_replicate": 1,
+            "sequence_parallel": False,
+        },
+    ).best
     free = search(sh, A100, 3072, 2048, 3072, MEGATRON)
     assert free.best.fits and free.best.tokens_per_s >= published.tokens_per_s
     assert why_slower(published, free.best).split()[0].startswith("+")  # says what the published one pays
@@ -151,11 +212,26 @@ def test_405b_on_16k_search_is_bounded():
 
 
 def test_fixed_keys_evaluate_exactly_that_layout():
-    tree = load_tree(None, ["model.preset=llama3-70b", "data.seq_len=8192", "train.global_batch=512",
-                            "train.micro_batch=1", "cluster.hardware=h100-sxm", "cluster.gpus=1024",
-                            "parallel.dp=32", "parallel.tp=8", "parallel.pp=4", "parallel.cp=1", "parallel.zero=2",
-                            "parallel.dp_replicate=1", "parallel.pp_schedule=1f1b", "parallel.recompute=selective",
-                            "parallel.sequence_parallel=true"])
+    tree = load_tree(
+        None,
+        [
+            "model.preset=llama3-70b",
+            "data.seq_len=8192",
+            "train.global_batch=512",
+            "train.micro_batch=1",
+            "cluster.hardware=h100-sxm",
+            "cluster.gpus=1024",
+            "parallel.dp=32",
+            "parallel.tp=8",
+            "parallel.pp=4",
+            "parallel.cp=1",
+            "parallel.zero=2",
+            "parallel.dp_replicate=1",
+            "parallel.pp_schedule=1f1b",
+            "parallel.recompute=selective",
+            "parallel.sequence_parallel=true",
+        ],
+    )
     report = plan(validate(tree), tree)
     assert len(report.result.ranked) == 1
     lo = report.best.layout
@@ -193,8 +269,17 @@ def test_audit_implied_mfu_and_verdicts():
     gpt3 = audit_claim(catalogue()["gpt3-175b"], predict=False)
     assert gpt3.verdict == "underdetermined" and gpt3.missing
     # a user claim of 90% MFU on A100s for a 7B model: below peak, above the planner's reach
-    claim = parse_claim(["preset=llama2-7b", "tokens=1e12", "hardware=a100-80gb", "devices=64",
-                         "seq_len=4096", "batch_tokens=4194304", f"tokens_per_s_per_device={0.9 * 312e12 / 4.4e10:.0f}"])
+    claim = parse_claim(
+        [
+            "preset=llama2-7b",
+            "tokens=1e12",
+            "hardware=a100-80gb",
+            "devices=64",
+            "seq_len=4096",
+            "batch_tokens=4194304",
+            f"tokens_per_s_per_device={0.9 * 312e12 / 4.4e10:.0f}",
+        ]
+    )
     verdict = audit_claim(claim)
     assert verdict.predicted_mfu is not None and verdict.verdict == "optimistic", verdict
 
@@ -219,8 +304,11 @@ def test_search_offers_no_hsdp_with_shard_groups_of_one_rank():
     cfg = validate(tree)
     report = plan(cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"gpus": 2})}), tree, keep=10**6)
     assert report.result.fitting
-    assert not [e.layout.name() for e in report.result.ranked
-                if e.layout.dp_replicate == e.layout.dp > 1 and e.layout.cp == 1 and e.layout.zero >= 2]
+    assert not [
+        e.layout.name()
+        for e in report.result.ranked
+        if e.layout.dp_replicate == e.layout.dp > 1 and e.layout.cp == 1 and e.layout.zero >= 2
+    ]
     assert resolve_layout(cfg, tree, 2).parallel.dp_replicate == 1
     asked = load_config(None, ["parallel.zero=2", "parallel.dp_replicate=2", "train.micro_batch=8"])
     assert layout_of(asked, 2).name() == "dp2·hsdp2 zero2"
@@ -231,8 +319,10 @@ def test_no_layout_error_names_the_causes_most_common_first():
     micro-batches for pp=2: lower train.micro_batch' at micro-batch 1. Now: the rules that ruled the
     layouts out, counted, most common first, among them the engine's ZeRO-1 + tp limit and the demo
     config's batch of 16."""
-    tree = load_tree(None, ["model.preset=llama3-8b", "cluster.hardware=h100-sxm", "cluster.gpus=64",
-                            "parallel.tp=2", "parallel.zero=1"])
+    tree = load_tree(
+        None,
+        ["model.preset=llama3-8b", "cluster.hardware=h100-sxm", "cluster.gpus=64", "parallel.tp=2", "parallel.zero=1"],
+    )
     with pytest.raises(ConfigError) as e:
         plan(validate(tree), tree)
     msg = str(e.value)
@@ -244,38 +334,103 @@ def test_no_layout_error_names_the_causes_most_common_first():
 def test_plan_prints_wall_clock_with_failures(cli):
     """Days and GPU-hours are failure-free; the reliability line adds the days with failures (days
     over goodput), and the JSON carries them."""
-    args = ["plan", "model.preset=llama3-8b", "data.seq_len=4096", "train.global_batch=256",
-            "cluster.hardware=h100-sxm", "cluster.gpus=64", "plan.tokens=1e12", "--top", "1"]
+    args = [
+        "plan",
+        "model.preset=llama3-8b",
+        "data.seq_len=4096",
+        "train.global_batch=256",
+        "cluster.hardware=h100-sxm",
+        "cluster.gpus=64",
+        "plan.tokens=1e12",
+        "--top",
+        "1",
+    ]
     j = json.loads(cli(*args, "--json").stdout)
     rel, days = j["reliability"], j["layouts"][0]["train_days"]
     assert rel["wall_days"] == pytest.approx(days / rel["goodput"]) and rel["wall_days"] > days
     r = cli(*args)
     assert r.returncode == 0, r.stderr
-    assert f"{rel['wall_days']:.1f} days of wall-clock with them ({days:.1f} days without)" in " ".join(r.stdout.split())
+    assert f"{rel['wall_days']:.1f} days of wall-clock with them ({days:.1f} days without)" in " ".join(
+        r.stdout.split()
+    )
 
 
 def test_plan_cli_json_and_out_config(tmp_path, cli):
     out = tmp_path / "best.toml"
-    r = cli("plan", "model.preset=llama3-8b", "data.seq_len=4096", "train.global_batch=256",
-                "cluster.hardware=h100-sxm", "cluster.gpus=64", "plan.tokens=1e12", "--json", "--top", "3",
-                "--out-config", str(out), "--plot", str(tmp_path / "mem.png"))
+    r = cli(
+        "plan",
+        "model.preset=llama3-8b",
+        "data.seq_len=4096",
+        "train.global_batch=256",
+        "cluster.hardware=h100-sxm",
+        "cluster.gpus=64",
+        "plan.tokens=1e12",
+        "--json",
+        "--top",
+        "3",
+        "--out-config",
+        str(out),
+        "--plot",
+        str(tmp_path / "mem.png"),
+    )
     assert r.returncode == 0, r.stderr
     j = json.loads(r.stdout)
     assert set(j["model"]) >= {"params", "non_embedding_params", "flops_per_token"}
     lay = j["layouts"][0]
-    for key in ("dp", "dp_replicate", "zero", "tp", "pp", "cp", "pp_schedule", "virtual_stages", "micro_batch",
-                "recompute", "sequence_parallel", "fits", "step_time_s", "tokens_per_s", "model_tflops_per_gpu",
-                "hardware_tflops_per_gpu", "mfu", "hfu", "train_days", "gpu_hours"):
+    for key in (
+        "dp",
+        "dp_replicate",
+        "zero",
+        "tp",
+        "pp",
+        "cp",
+        "pp_schedule",
+        "virtual_stages",
+        "micro_batch",
+        "recompute",
+        "sequence_parallel",
+        "fits",
+        "step_time_s",
+        "tokens_per_s",
+        "model_tflops_per_gpu",
+        "hardware_tflops_per_gpu",
+        "mfu",
+        "hfu",
+        "train_days",
+        "gpu_hours",
+    ):
         assert key in lay
-    assert set(lay["memory_per_gpu_bytes"]) == {"params", "grads", "optimizer", "activations", "other", "step_peak",
-                                                "total"}
-    assert set(lay["time_breakdown_s"]) == {"matmul", "attention", "other_compute", "tp_comm", "dp_comm", "pp_bubble", "pp_comm", "cp_comm",
-                                            "grad_accum", "fsdp_copies", "weight_casts", "optimizer"}
+    assert set(lay["memory_per_gpu_bytes"]) == {
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "other",
+        "step_peak",
+        "total",
+    }
+    assert set(lay["time_breakdown_s"]) == {
+        "matmul",
+        "attention",
+        "other_compute",
+        "tp_comm",
+        "dp_comm",
+        "pp_bubble",
+        "pp_comm",
+        "cp_comm",
+        "grad_accum",
+        "fsdp_copies",
+        "weight_casts",
+        "optimizer",
+    }
     assert lay["gpu_hours"] == pytest.approx(1e12 / lay["tokens_per_s"] * 64 / 3600)
     assert len(j["layouts"]) == 3 and j["layouts"][0]["tokens_per_s"] >= j["layouts"][1]["tokens_per_s"]
     written = load_config(out)
-    assert (written.parallel.tp, written.parallel.pp, written.train.micro_batch) == (lay["tp"], lay["pp"],
-                                                                                     lay["micro_batch"])
+    assert (written.parallel.tp, written.parallel.pp, written.train.micro_batch) == (
+        lay["tp"],
+        lay["pp"],
+        lay["micro_batch"],
+    )
     # training the written config trains the planned tokens (plan.tokens=1e12), not the base config's steps
     assert written.train.steps * 256 * 4096 == pytest.approx(1e12, rel=1e-3)
     assert (tmp_path / "mem.png").stat().st_size > 1000
@@ -308,12 +463,30 @@ def one_line_error(r, *names):
 CLAIM_70B = {"preset": "llama3-70b", "hardware": "h100-sxm", "tokens": "15e12", "devices": "1024", "days": "60"}
 
 
-@pytest.mark.parametrize("word, named", [
-    ("tokens=-15e12", "tokens="), ("days=-1", "days="), ("days=nan", "days="), ("days=0", "days="),
-    ("days=inf", "days="), ("devices=1.5", "devices="), ("devices=0", "devices="), ("devices=true", "devices="),
-    ("seq_len=0", "seq_len="), ("tokens=abc", "tokens="), ("stated_mfu=-0.4", "stated_mfu="),
-    ("preset=nope", "preset="), ("hardware=nope", "hardware="), ("hardware=cpu", "hardware="),
-    ("hardware=[1]", "hardware="), ("stated=1", "'stated'"), ("name=x", "'name'"), ("source=x", "'source'"), ("status=V", "'status'")])
+@pytest.mark.parametrize(
+    "word, named",
+    [
+        ("tokens=-15e12", "tokens="),
+        ("days=-1", "days="),
+        ("days=nan", "days="),
+        ("days=0", "days="),
+        ("days=inf", "days="),
+        ("devices=1.5", "devices="),
+        ("devices=0", "devices="),
+        ("devices=true", "devices="),
+        ("seq_len=0", "seq_len="),
+        ("tokens=abc", "tokens="),
+        ("stated_mfu=-0.4", "stated_mfu="),
+        ("preset=nope", "preset="),
+        ("hardware=nope", "hardware="),
+        ("hardware=cpu", "hardware="),
+        ("hardware=[1]", "hardware="),
+        ("stated=1", "'stated'"),
+        ("name=x", "'name'"),
+        ("source=x", "'source'"),
+        ("status=V", "'status'"),
+    ],
+)
 def test_audit_claim_values_are_type_and_range_checked(word, named):
     """Each of these once gave a verdict (a negative or NaN MFU called plausible, 1.5 devices read
     as 1, 0 devices called underdetermined) or a traceback; now a ConfigError naming the key."""
@@ -331,20 +504,32 @@ def test_audit_claim_counts_and_catalogue_names():
     from flopwise.errors import ConfigError
 
     with pytest.raises(ConfigError, match="days=0"):  # a dict passed to the library is checked too
-        audit_claim({"name": "claim", "status": "claim", "preset": "llama3-70b", "hardware": "h100-sxm",
-                     "tokens": 15e12, "devices": 1024, "days": 0})
+        audit_claim(
+            {
+                "name": "claim",
+                "status": "claim",
+                "preset": "llama3-70b",
+                "hardware": "h100-sxm",
+                "tokens": 15e12,
+                "devices": 1024,
+                "days": 0,
+            }
+        )
     # a bare word names a catalogue entry: Llama 3 405B's published 15.6T tokens on 16,384 H100s
     entry = parse_claim(["llama3-405b"])
-    assert (entry["name"], entry["tokens"], entry["devices"], entry["hardware"]) == ("llama3-405b", 15.6e12, 16384,
-                                                                                      "h100-sxm")
+    assert (entry["name"], entry["tokens"], entry["devices"], entry["hardware"]) == (
+        "llama3-405b",
+        15.6e12,
+        16384,
+        "h100-sxm",
+    )
     with pytest.raises(ConfigError, match="one catalogue entry alone"):
         parse_claim(["llama3-405b", "devices=8"])
 
 
 def test_audit_cli_bad_claims_are_one_line(cli):
     one_line_error(cli("audit", *(f"{k}={v}" for k, v in {**CLAIM_70B, "days": "0"}.items())), "days=0")
-    one_line_error(cli("audit", *(f"{k}={v}" for k, v in {**CLAIM_70B, "hardware": "nope"}.items())),
-                   "hardware='nope'")
+    one_line_error(cli("audit", *(f"{k}={v}" for k, v in {**CLAIM_70B, "hardware": "nope"}.items())), "hardware='nope'")
     one_line_error(cli("audit", "nope"), "'nope'", "llama3-405b")
     r = cli("audit", "llama3-405b", "--json")
     assert r.returncode == 0, r.stderr
@@ -380,14 +565,28 @@ def test_every_layout_the_search_returns_passes_the_engines_validation(case):
     from flopwise.plan.planner import layout_config
 
     preset, gpus = case.split("/")
-    seq, batch, hw = {"llama3-405b": (8192, 2048, "h100-sxm"), "llama3-70b": (8192, 512, "h100-sxm"),
-                      "megatron-1t": (2048, 3072, "a100-80gb")}[preset]
-    model = (["model.arch=\"gpt2\"", "model.n_layers=128", "model.d_model=25600", "model.n_heads=160",
-              "model.vocab_size=51200", "model.max_seq_len=2048", "model.tie_embeddings=false"] if preset == "megatron-1t" else [f'model.preset="{preset}"'])
+    seq, batch, hw = {
+        "llama3-405b": (8192, 2048, "h100-sxm"),
+        "llama3-70b": (8192, 512, "h100-sxm"),
+        "megatron-1t": (2048, 3072, "a100-80gb"),
+    }[preset]
+    model = (
+        [
+            'model.arch="gpt2"',
+            "model.n_layers=128",
+            "model.d_model=25600",
+            "model.n_heads=160",
+            "model.vocab_size=51200",
+            "model.max_seq_len=2048",
+            "model.tie_embeddings=false",
+        ]
+        if preset == "megatron-1t"
+        else [f'model.preset="{preset}"']
+    )
     cfg = load_config(None, [*model, f"data.seq_len={seq}", f"train.global_batch={batch}"])
     res = search(model_shape(cfg.model, seq), get_hardware(hw), int(gpus), seq, batch, STACKS["flopwise"], keep=10**6)
     assert res.fitting > 0 and res.best.fits
-    for est in res.ranked[::max(1, len(res.ranked) // 700)]:
+    for est in res.ranked[:: max(1, len(res.ranked) // 700)]:
         assert layout_of(layout_config(cfg, est.layout), int(gpus)) == est.layout
 
 
@@ -396,20 +595,32 @@ def test_audit_calls_a_model_that_fits_no_layout_impossible():
     state over 8 × 80 GB): impossible, with the memory figure, whatever time is claimed."""
     v = audit_claim({"name": "claim", "preset": "llama3-405b", "hardware": "h100-sxm", "devices": 8, "days": 5000})
     assert v.verdict == "impossible" and any("does not fit" in n and "GiB" in n for n in v.notes)
-    ok = audit_claim({"name": "claim", "preset": "llama3-8b", "hardware": "h100-sxm", "devices": 64, "days": 30,
-                      "tokens": 1e12})
+    ok = audit_claim(
+        {"name": "claim", "preset": "llama3-8b", "hardware": "h100-sxm", "devices": 64, "days": 30, "tokens": 1e12}
+    )
     assert ok.verdict == "plausible"
 
 
-@pytest.mark.parametrize("over", [
-    ['train.dtype="fp32"', "parallel.dp=4", "parallel.zero=1"],
-    ['train.dtype="bf16"', "parallel.dp=4", "parallel.zero=1", "train.micro_batch=2"],
-    ['train.dtype="bf16"', "parallel.dp=2", "parallel.tp=2", "parallel.zero=3"],
-    ['train.dtype="fp32"', "parallel.dp=4", "parallel.zero=2", "model.n_layers=3"],
-    ['train.dtype="bf16"', "parallel.dp=2", "parallel.pp=2", "parallel.zero=1"],
-    ['train.dtype="fp32"', "parallel.dp=2", "parallel.pp=2", "parallel.zero=3", 'parallel.pp_schedule="zero-bubble"',
-     "parallel.virtual_stages=2", "model.n_layers=4"],
-], ids=["zero1-fp32", "zero1-accum-bf16", "tp2-zero3-bf16", "zero2-fp32-uneven", "pp2-1f1b", "pp2-zbv-fp32"])
+@pytest.mark.parametrize(
+    "over",
+    [
+        ['train.dtype="fp32"', "parallel.dp=4", "parallel.zero=1"],
+        ['train.dtype="bf16"', "parallel.dp=4", "parallel.zero=1", "train.micro_batch=2"],
+        ['train.dtype="bf16"', "parallel.dp=2", "parallel.tp=2", "parallel.zero=3"],
+        ['train.dtype="fp32"', "parallel.dp=4", "parallel.zero=2", "model.n_layers=3"],
+        ['train.dtype="bf16"', "parallel.dp=2", "parallel.pp=2", "parallel.zero=1"],
+        [
+            'train.dtype="fp32"',
+            "parallel.dp=2",
+            "parallel.pp=2",
+            "parallel.zero=3",
+            'parallel.pp_schedule="zero-bubble"',
+            "parallel.virtual_stages=2",
+            "model.n_layers=4",
+        ],
+    ],
+    ids=["zero1-fp32", "zero1-accum-bf16", "tp2-zero3-bf16", "zero2-fp32-uneven", "pp2-1f1b", "pp2-zbv-fp32"],
+)
 def test_search_books_each_rank_as_predict_rank_does(over):
     """One per-rank account: the memory the search ranks a layout by is predict_rank's (the
     account `plan --measure` and the joint tests hold against the engine), with the run's
@@ -418,20 +629,49 @@ def test_search_books_each_rank_as_predict_rank_does(over):
     from flopwise.parallel.mesh import layout_of
     from flopwise.plan.rank import predict_rank
 
-    cfg = load_config(None, ['model.preset="demo-tiny"', "model.tie_embeddings=false", "data.seq_len=64",
-                             "train.global_batch=16", "train.micro_batch=1", "train.compile=false", *over])
+    cfg = load_config(
+        None,
+        [
+            'model.preset="demo-tiny"',
+            "model.tie_embeddings=false",
+            "data.seq_len=64",
+            "train.global_batch=16",
+            "train.micro_batch=1",
+            "train.compile=false",
+            *over,
+        ],
+    )
     lo = layout_of(cfg, 4)
-    est = evaluate(cfg.model, get_hardware("h100-sxm"), lo, cfg.data.seq_len, cfg.train.global_batch,
-                   compile=cfg.train.compile, steps=cfg.train.steps, dtype=cfg.train.dtype)
+    est = evaluate(
+        cfg.model,
+        get_hardware("h100-sxm"),
+        lo,
+        cfg.data.seq_len,
+        cfg.train.global_batch,
+        compile=cfg.train.compile,
+        steps=cfg.train.steps,
+        dtype=cfg.train.dtype,
+    )
     quantities = ("params", "grads", "optimizer", "activations", "peak")
     booked = tuple(est.memory["step_peak" if q == "peak" else q] for q in quantities)
-    ranks = [predict_rank(cfg, lo, p, s, d) for p in range(lo.pp) for s in range(lo.dp_shard * lo.cp)
-             for d in range(lo.dp * lo.cp)]
+    ranks = [
+        predict_rank(cfg, lo, p, s, d)
+        for p in range(lo.pp)
+        for s in range(lo.dp_shard * lo.cp)
+        for d in range(lo.dp * lo.cp)
+    ]
     rows = {tuple(getattr(r, q) for q in quantities) for r in ranks}
     if lo.pp == 1:
         assert booked == tuple(max(row[i] for row in rows) for i in range(len(quantities)))
     else:
         assert booked in rows
-    other = evaluate(cfg.model, get_hardware("h100-sxm"), lo, cfg.data.seq_len, cfg.train.global_batch,
-                     compile=False, dtype="fp32" if cfg.train.dtype == "bf16" else "bf16")
+    other = evaluate(
+        cfg.model,
+        get_hardware("h100-sxm"),
+        lo,
+        cfg.data.seq_len,
+        cfg.train.global_batch,
+        compile=False,
+        dtype="fp32" if cfg.train.dtype == "bf16" else "bf16",
+    )
     assert other.memory["activations"] != est.memory["activations"]  # the dtype reaches the account

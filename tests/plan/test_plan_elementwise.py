@@ -42,12 +42,28 @@ class KernelBytes(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("arch", [[], ['model.mlp="gelu"', 'model.pos="learned"'], ["model.parallel_block=true"]],
-                         ids=["llama", "gpt", "parallel"])
+@pytest.mark.parametrize(
+    "arch",
+    [[], ['model.mlp="gelu"', 'model.pos="learned"'], ["model.parallel_block=true"]],
+    ids=["llama", "gpt", "parallel"],
+)
 def test_eager_layer_bytes_are_the_kernels_the_engine_runs(arch, dtype):
-    cfg = load_config(None, ["model.n_layers=1", "model.d_model=256", "model.n_heads=4", "model.n_kv_heads=2",
-                             "model.ffn_dim=512", "model.vocab_size=512", f"model.max_seq_len={SEQ}",
-                             f"data.seq_len={SEQ}", 'model.norm="layernorm"', f'train.dtype="{dtype}"', *arch])
+    cfg = load_config(
+        None,
+        [
+            "model.n_layers=1",
+            "model.d_model=256",
+            "model.n_heads=4",
+            "model.n_kv_heads=2",
+            "model.ffn_dim=512",
+            "model.vocab_size=512",
+            f"model.max_seq_len={SEQ}",
+            f"data.seq_len={SEQ}",
+            'model.norm="layernorm"',
+            f'train.dtype="{dtype}"',
+            *arch,
+        ],
+    )
     m = cfg.model
     model = Transformer(m)
     model.init_weights(0)
@@ -64,8 +80,9 @@ def test_eager_layer_bytes_are_the_kernels_the_engine_runs(arch, dtype):
         hq, hkv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
         measured -= 2 * 6 * tokens * (2 * hq + 2 * hkv)
     precision = engine_precision(dtype, False)
-    fwd, bwd, _ = layer_elementwise_bytes(model_shape(m, SEQ), tokens, 1, False,
-                                          (precision.compute, precision.residual))
+    fwd, bwd, _ = layer_elementwise_bytes(
+        model_shape(m, SEQ), tokens, 1, False, (precision.compute, precision.residual)
+    )
     # autocast's casts of the fp32 weights and of their gradients back, booked apart
     casts = weight_cast_bytes(m, 1, 1, False, 1, False) if dtype == "bf16" else 0.0
     assert fwd + bwd + casts == pytest.approx(measured, rel=0.03)

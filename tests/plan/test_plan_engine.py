@@ -26,42 +26,81 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 FAMILIES = {
     "gqa": {"model.n_layers": 4, "model.tie_embeddings": "false"},  # demo-tiny: Llama, 4 heads, 2 kv heads
-    "mha": {"model.preset": '"gpt2-124m"', "model.n_layers": 4, "model.d_model": 64, "model.n_heads": 4,
-            "model.n_kv_heads": 4, "model.ffn_dim": 256, "model.vocab_size": 512, "model.max_seq_len": 128,
-            "model.tie_embeddings": "false"},
+    "mha": {
+        "model.preset": '"gpt2-124m"',
+        "model.n_layers": 4,
+        "model.d_model": 64,
+        "model.n_heads": 4,
+        "model.n_kv_heads": 4,
+        "model.ffn_dim": 256,
+        "model.vocab_size": 512,
+        "model.max_seq_len": 128,
+        "model.tie_embeddings": "false",
+    },
 }
 LAYOUTS = {
-    "dp4-zero0": {"parallel.zero": 0}, "dp4-zero1": {"parallel.zero": 1}, "dp4-zero2": {"parallel.zero": 2},
-    "dp4-zero3": {"parallel.zero": 3}, "hsdp2x2": {"parallel.zero": 3, "parallel.dp_replicate": 2},
-    "tp2xdp2-zero3": {"parallel.tp": 2, "parallel.zero": 3}, "tp2xdp2-zero0": {"parallel.tp": 2, "parallel.zero": 0},
+    "dp4-zero0": {"parallel.zero": 0},
+    "dp4-zero1": {"parallel.zero": 1},
+    "dp4-zero2": {"parallel.zero": 2},
+    "dp4-zero3": {"parallel.zero": 3},
+    "hsdp2x2": {"parallel.zero": 3, "parallel.dp_replicate": 2},
+    "tp2xdp2-zero3": {"parallel.tp": 2, "parallel.zero": 3},
+    "tp2xdp2-zero0": {"parallel.tp": 2, "parallel.zero": 0},
     "tp2xpp2": {"parallel.tp": 2, "parallel.pp": 2},
-    "cp2xdp2-zero2": {"parallel.cp": 2, "parallel.zero": 2}, "cp2xtp2-zero2": {"parallel.cp": 2, "parallel.tp": 2, "parallel.zero": 2},
+    "cp2xdp2-zero2": {"parallel.cp": 2, "parallel.zero": 2},
+    "cp2xtp2-zero2": {"parallel.cp": 2, "parallel.tp": 2, "parallel.zero": 2},
     "pp2xdp2-zero1": {"parallel.pp": 2, "parallel.zero": 1},
-    "pp2xdp2-interleaved-zero3": {"parallel.pp": 2, "parallel.zero": 3, "parallel.pp_schedule": '"interleaved-1f1b"',
-                                  "parallel.virtual_stages": 2},
-    "pp2xdp2-zbv-zero2": {"parallel.pp": 2, "parallel.zero": 2, "parallel.pp_schedule": '"zero-bubble"',
-                          "parallel.virtual_stages": 2},
+    "pp2xdp2-interleaved-zero3": {
+        "parallel.pp": 2,
+        "parallel.zero": 3,
+        "parallel.pp_schedule": '"interleaved-1f1b"',
+        "parallel.virtual_stages": 2,
+    },
+    "pp2xdp2-zbv-zero2": {
+        "parallel.pp": 2,
+        "parallel.zero": 2,
+        "parallel.pp_schedule": '"zero-bubble"',
+        "parallel.virtual_stages": 2,
+    },
     "dp4-zero1-recompute": {"parallel.zero": 1, "parallel.recompute": '"full"'},
     # bf16: FSDP2 casts the fp32 shards before it gathers; tensorwise float8 gathers the linears in float8
     "dp4-zero3-bf16": {"parallel.zero": 3, "train.dtype": '"bf16"'},
     "tp2xdp2-zero0-bf16": {"parallel.tp": 2, "parallel.zero": 0, "train.dtype": '"bf16"'},  # replicate's unshard casts
-    "dp4-zero3-float8": {"parallel.zero": 3, "train.dtype": '"bf16"', "train.float8": '"tensorwise"',
-                         "train.float8_emulate": "true"},
+    "dp4-zero3-float8": {
+        "parallel.zero": 3,
+        "train.dtype": '"bf16"',
+        "train.float8": '"tensorwise"',
+        "train.float8_emulate": "true",
+    },
 }
 
 
 def _overrides(tmp, data, family, layout):
-    return tiny_overrides(tmp / f"{family}-{layout}", data, **{**FAMILIES[family], **LAYOUTS[layout],
-                          "train.micro_batch": 1, "train.global_batch": 8})
+    return tiny_overrides(
+        tmp / f"{family}-{layout}",
+        data,
+        **{**FAMILIES[family], **LAYOUTS[layout], "train.micro_batch": 1, "train.global_batch": 8},
+    )
 
 
 @pytest.fixture(scope="module")
 def measured(tiny_data, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("plan_engine")
-    jobs = [{"name": f"{f}-{lo}", "kind": "states", "overrides": _overrides(tmp, tiny_data, f, lo)}
-            for f in FAMILIES for lo in LAYOUTS]
-    jobs += [{"name": f"comm-zero{z}", "kind": "comm", "overrides": tiny_overrides(tmp / f"comm{z}", tiny_data, **{
-        "parallel.zero": z, "train.micro_batch": 1, "train.global_batch": 8})} for z in range(4)]
+    jobs = [
+        {"name": f"{f}-{lo}", "kind": "states", "overrides": _overrides(tmp, tiny_data, f, lo)}
+        for f in FAMILIES
+        for lo in LAYOUTS
+    ]
+    jobs += [
+        {
+            "name": f"comm-zero{z}",
+            "kind": "comm",
+            "overrides": tiny_overrides(
+                tmp / f"comm{z}", tiny_data, **{"parallel.zero": z, "train.micro_batch": 1, "train.global_batch": 8}
+            ),
+        }
+        for z in range(4)
+    ]
     jobs += [{"name": f"peak-{name}", "kind": "demo_states", "overrides": _peak_overrides(tmp, name)} for name in PEAK]
     return {"_tmp": tmp, **run_jobs(4, jobs, tmp)}
 
@@ -72,17 +111,27 @@ def measured(tiny_data, tmp_path_factory) -> dict:
 # FSDP2 over DTensor shards and of the vocab-parallel loss, the pipeline schedule's send/receive
 # buffers and stage outputs, and
 # what the compiled backward of the head allocates beside the logits' gradient
-PEAK = {"dp4-zero0": ({"parallel.zero": 0}, 0.01), "dp4-zero1-accum": ({"parallel.zero": 1, "train.micro_batch": 2}, 0.01),
-        "dp4-zero2": ({"parallel.zero": 2}, 0.01), "dp4-zero3": ({"parallel.zero": 3}, 0.01),
-        "dp4-zero3-fp32": ({"parallel.zero": 3, "train.dtype": '"fp32"'}, 0.01),
-        "dp4-zero0-compiled": ({"parallel.zero": 0, "train.compile": "true"}, 0.05),
-        "tp2xdp2-zero3": ({"parallel.tp": 2, "parallel.zero": 3}, 0.15),
-        "pp2xdp2-zero1": ({"parallel.pp": 2, "parallel.zero": 1, "train.micro_batch": 2}, 0.06)}
+PEAK = {
+    "dp4-zero0": ({"parallel.zero": 0}, 0.01),
+    "dp4-zero1-accum": ({"parallel.zero": 1, "train.micro_batch": 2}, 0.01),
+    "dp4-zero2": ({"parallel.zero": 2}, 0.01),
+    "dp4-zero3": ({"parallel.zero": 3}, 0.01),
+    "dp4-zero3-fp32": ({"parallel.zero": 3, "train.dtype": '"fp32"'}, 0.01),
+    "dp4-zero0-compiled": ({"parallel.zero": 0, "train.compile": "true"}, 0.05),
+    "tp2xdp2-zero3": ({"parallel.tp": 2, "parallel.zero": 3}, 0.15),
+    "pp2xdp2-zero1": ({"parallel.pp": 2, "parallel.zero": 1, "train.micro_batch": 2}, 0.06),
+}
 
 
 def _peak_overrides(tmp, name: str) -> list[str]:
-    over = {"train.compile": "false", "train.global_batch": 16, "train.micro_batch": 4, "checkpoint.resume": '"none"',
-            "run.dir": f'"{tmp / name}"', **PEAK[name][0]}
+    over = {
+        "train.compile": "false",
+        "train.global_batch": 16,
+        "train.micro_batch": 4,
+        "checkpoint.resume": '"none"',
+        "run.dir": f'"{tmp / name}"',
+        **PEAK[name][0],
+    }
     return [f"{k}={v}" for k, v in over.items()]
 
 
@@ -115,8 +164,12 @@ def test_step_collectives_equal_the_planners_volumes(zero, measured, tiny_data):
     """dp4, two micro-batches per rank: the elements each kind of collective moves in one step
     equal the planner's for this engine (plan.comm.dp_collectives: FSDP2 re-gathers for every
     micro-batch; torch's ZeRO-1 broadcasts the stepped parameters)."""
-    cfg = load_config(None, tiny_overrides(measured["_tmp"], tiny_data, **{
-        "parallel.zero": zero, "train.micro_batch": 1, "train.global_batch": 8}))
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            measured["_tmp"], tiny_data, **{"parallel.zero": zero, "train.micro_batch": 1, "train.global_batch": 8}
+        ),
+    )
     want = predict_rank(cfg, layout_of(cfg, 4), 0, 0, 0).collectives
     assert measured[f"comm-zero{zero}"]["volumes"] == want
 
@@ -126,8 +179,12 @@ def test_plan_measure_command_prints_the_engines_bytes_beside_the_planners(tiny_
     optimizer bytes and collective volumes equal what the two torchrun ranks measured, and its saved
     activations are within 5%."""
     args = tiny_overrides(tmp_path / "run", tiny_data, **{"parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 2})
-    r = subprocess.run([sys.executable, "-m", "flopwise", "plan", *args, "--measure", "--steps", "2", "--json"],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "flopwise", "plan", *args, "--measure", "--steps", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)
     assert report["world"] == 2 and len(report["ranks"]) == 2 and report["layout"] == "dp2 zero3"
@@ -137,8 +194,9 @@ def test_plan_measure_command_prints_the_engines_bytes_beside_the_planners(tiny_
             assert rank[q]["predicted"] == rank[q]["measured"] > 0, (q, rank)
         acts = rank["activations"]
         assert acts["measured"] == pytest.approx(acts["predicted"], rel=0.05), acts
-        assert {k: v["measured"] for k, v in rank["collectives"].items()} == \
-               {k: v["predicted"] for k, v in rank["collectives"].items()}
+        assert {k: v["measured"] for k, v in rank["collectives"].items()} == {
+            k: v["predicted"] for k, v in rank["collectives"].items()
+        }
         assert set(rank["collectives"]) == {"all_gather", "reduce_scatter"}
 
 
@@ -156,9 +214,19 @@ def test_step_high_water_mark_is_the_planners(name, measured):
 
 # `flopwise plan <H200_1B> train.compile=<c> --measure --nproc 1 --steps 3 --json`, run on a lent
 # H200 (torch 2.11, CUDA; 2026-12-04): benchmarks/results/gpu_measure_llama1b_compile_<c>.json
-H200_1B = ["model.n_layers=16", "model.d_model=2048", "model.n_heads=32", "model.n_kv_heads=8", "model.ffn_dim=8192",
-           "model.vocab_size=32000", "model.max_seq_len=2048", "data.seq_len=2048", "train.global_batch=8",
-           "train.micro_batch=8", 'train.dtype="bf16"']
+H200_1B = [
+    "model.n_layers=16",
+    "model.d_model=2048",
+    "model.n_heads=32",
+    "model.n_kv_heads=8",
+    "model.ffn_dim=8192",
+    "model.vocab_size=32000",
+    "model.max_seq_len=2048",
+    "data.seq_len=2048",
+    "train.global_batch=8",
+    "train.micro_batch=8",
+    'train.dtype="bf16"',
+]
 
 
 @pytest.mark.parametrize("compile_", ["false", "true"])
@@ -195,16 +263,34 @@ SEARCHED = {  # name: (parallel overrides, processes, tolerance of the step's hi
 
 def _searched_overrides(tmp, data, name: str) -> list[str]:
     par, world, _ = SEARCHED[name]
-    fixed = {"parallel.tp": 1, "parallel.pp": 1, "parallel.cp": 1, "parallel.dp_replicate": 1,
-             "parallel.recompute": '"none"', "parallel.sequence_parallel": "false", **par}
-    return tiny_overrides(tmp / name, data, **{**FAMILIES["mha"], **fixed, "train.micro_batch": 2,
-                                               "train.global_batch": 8, "train.compile": "false",
-                                               "cluster.hardware": '"h100-sxm"', "cluster.gpus": world})
+    fixed = {
+        "parallel.tp": 1,
+        "parallel.pp": 1,
+        "parallel.cp": 1,
+        "parallel.dp_replicate": 1,
+        "parallel.recompute": '"none"',
+        "parallel.sequence_parallel": "false",
+        **par,
+    }
+    return tiny_overrides(
+        tmp / name,
+        data,
+        **{
+            **FAMILIES["mha"],
+            **fixed,
+            "train.micro_batch": 2,
+            "train.global_batch": 8,
+            "train.compile": "false",
+            "cluster.hardware": '"h100-sxm"',
+            "cluster.gpus": world,
+        },
+    )
 
 
 def _cli_json(*args: str) -> dict:
-    r = subprocess.run([sys.executable, "-m", "flopwise", "plan", *args, "--json"], capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "flopwise", "plan", *args, "--json"], capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)
 
@@ -222,8 +308,10 @@ def test_search_memory_is_what_the_engine_holds(name, tiny_data, tmp_path):
     assert {k: layout[k] for k in measured["parallel"]} == measured["parallel"]
     assert measured["world"] == SEARCHED[name][1] and measured["dtype"] == "fp32"
     memory = layout["memory_per_gpu_bytes"]
-    most = {q: max(r[q]["measured"] for r in measured["ranks"]) for q in ("params", "grads", "optimizer",
-                                                                          "activations", "peak")}
+    most = {
+        q: max(r[q]["measured"] for r in measured["ranks"])
+        for q in ("params", "grads", "optimizer", "activations", "peak")
+    }
     print(name, {q: (memory["step_peak" if q == "peak" else q], most[q]) for q in most})  # planned, measured
     for q in ("params", "grads", "optimizer"):
         assert memory[q] == most[q] > 0, q

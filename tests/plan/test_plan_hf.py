@@ -21,8 +21,14 @@ from flopwise.plan.planner import plan  # noqa: E402
 from tests.conftest import tiny_overrides  # noqa: E402
 
 V = 97
-SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-             max_position_embeddings=64)
+SMALL = dict(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+)
 FAMILIES = {  # name: (config class, model class, config kwargs, max shard size for save_pretrained)
     "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", dict(SMALL, num_key_value_heads=2), None),
     "llama-tied-sharded": ("LlamaConfig", "LlamaForCausalLM", dict(SMALL, tie_word_embeddings=True), "20KB"),
@@ -30,11 +36,26 @@ FAMILIES = {  # name: (config class, model class, config kwargs, max shard size 
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(SMALL, num_key_value_heads=2), None),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(SMALL, num_key_value_heads=2, head_dim=16), None),
     "neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(SMALL, rotary_pct=0.5), None),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                                  bos_token_id=0, eos_token_id=0), None),
-    "opt": ("OPTConfig", "OPTForCausalLM", dict(vocab_size=V, hidden_size=32, ffn_dim=48, num_hidden_layers=2,
-                                                num_attention_heads=4, max_position_embeddings=64,
-                                                word_embed_proj_dim=32), None),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0),
+        None,
+    ),
+    "opt": (
+        "OPTConfig",
+        "OPTForCausalLM",
+        dict(
+            vocab_size=V,
+            hidden_size=32,
+            ffn_dim=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            word_embed_proj_dim=32,
+        ),
+        None,
+    ),
 }
 PLAN = ["cluster.hardware=h100-sxm", "data.seq_len=64"]
 
@@ -78,8 +99,7 @@ def test_hf_overrides_and_search_work_as_for_a_preset(checkpoints, cli):
     """cluster.*, parallel.*, train.* and model.* overrides apply over the HF model; the text
     output states the checkpoint agrees."""
     folder, n, _ = checkpoints["llama-gqa"]
-    r = cli("plan", *PLAN, "cluster.gpus=2", "parallel.tp=2", "train.global_batch=8", "--hf", str(folder),
-                 "--json")
+    r = cli("plan", *PLAN, "cluster.gpus=2", "parallel.tp=2", "train.global_batch=8", "--hf", str(folder), "--json")
     got = json.loads(r.stdout)
     assert got["params"] == n and got["hardware"]["gpus"] == 2 and got["model"]["global_batch"] == 8
     assert {lo["tp"] for lo in got["layouts"]} == {2}
@@ -140,9 +160,20 @@ def tiny_device(tmp_path):
 def search_verdict(overrides: list[str], mb: int, recompute: str) -> dict:
     """The layout search's own estimate of the config's layout at this micro-batch and recompute
     (every layout key given, so the search evaluates exactly that one)."""
-    tree = load_tree("demo", [*overrides, f"train.micro_batch={mb}", f'parallel.recompute="{recompute}"',
-                              "parallel.zero=0", "parallel.tp=1", "parallel.pp=1", "parallel.cp=1",
-                              "parallel.dp_replicate=1", "parallel.sequence_parallel=false"])
+    tree = load_tree(
+        "demo",
+        [
+            *overrides,
+            f"train.micro_batch={mb}",
+            f'parallel.recompute="{recompute}"',
+            "parallel.zero=0",
+            "parallel.tp=1",
+            "parallel.pp=1",
+            "parallel.cp=1",
+            "parallel.dp_replicate=1",
+            "parallel.sequence_parallel=false",
+        ],
+    )
     best = plan(validate(tree), tree).best
     return {"fits": best.fits, "total": best.memory["total"]}
 
@@ -177,8 +208,16 @@ def test_max_micro_batch_past_the_batch_and_pipeline_rules(tiny_device, cli):
     assert mb == gb > 4
     assert search_verdict([*tiny_device, f"train.global_batch={gb}"], mb, "full")["fits"]
     assert not search_verdict([*tiny_device, f"train.global_batch={gb + 1}"], mb + 1, "full")["fits"]
-    pp = cli("plan", "demo", *tiny_device, "cluster.gpus=2", "parallel.pp=2", "model.tie_embeddings=false",
-                  "--max-micro-batch", "--json")
+    pp = cli(
+        "plan",
+        "demo",
+        *tiny_device,
+        "cluster.gpus=2",
+        "parallel.pp=2",
+        "model.tie_embeddings=false",
+        "--max-micro-batch",
+        "--json",
+    )
     assert pp.returncode == 0, pp.stderr
     assert json.loads(pp.stdout)["valid_micro_batches"] == [1, 2, 4, 8, 16, 32]
 
@@ -188,9 +227,17 @@ def test_max_micro_batch_past_the_batch_and_pipeline_rules(tiny_device, cli):
 # demo-tiny's own RMSNorm and bf16 autocast, under which a CPU keeps more than a GPU (RMSNorm's
 # composite ops keep the fp32 normalised input; the attention core computes in fp32): the `cpu`
 # entry books the CPU engine's tensors (plan.memory.engine_precision)
-JOINT = {"train.dtype": '"bf16"', "data.seq_len": 128, "train.global_batch": 60,
-         "train.compile": "false", "parallel.zero": 0, "parallel.recompute": '"none"', "train.steps": 4,
-         "optim.warmup_steps": 1, "checkpoint.resume": '"none"'}
+JOINT = {
+    "train.dtype": '"bf16"',
+    "data.seq_len": 128,
+    "train.global_batch": 60,
+    "train.compile": "false",
+    "parallel.zero": 0,
+    "parallel.recompute": '"none"',
+    "train.steps": 4,
+    "optim.warmup_steps": 1,
+    "checkpoint.resume": '"none"',
+}
 
 
 def test_max_micro_batch_is_where_the_engines_measured_memory_runs_out(tiny_data, tmp_path, cli):
@@ -217,8 +264,14 @@ def test_max_micro_batch_is_where_the_engines_measured_memory_runs_out(tiny_data
     memory = (budget + RUNTIME_RESERVE) / (1 - FIT_MARGIN)
     cpu = TINY.replace("[tiny]", "[cpu]").replace("memory_bytes = 1.5e9", f"memory_bytes = {memory!r}")
     (tmp_path / "hw.toml").write_text(cpu)
-    r = cli("plan", *tiny_overrides(tmp_path / "plan", tiny_data, **JOINT), "cluster.hardware=cpu",
-                 f'cluster.hardware_file="{tmp_path / "hw.toml"}"', "--max-micro-batch", "--json")
+    r = cli(
+        "plan",
+        *tiny_overrides(tmp_path / "plan", tiny_data, **JOINT),
+        "cluster.hardware=cpu",
+        f'cluster.hardware_file="{tmp_path / "hw.toml"}"',
+        "--max-micro-batch",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["usable_memory_bytes"] - got["assumptions"]["runtime_reserve_bytes"] == pytest.approx(budget)

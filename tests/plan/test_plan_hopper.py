@@ -3,8 +3,8 @@
 
 The tables come from the kernel profile of one of those runs (flopwise.plan.hopper; printed by
 benchmarks/hopper_tables.py): the first test ties the shipped numbers to that recording, so they can
-be re-derived rather than trusted. The reference for the step time is the wall clock of the other recorded runs, which the
-tables were not taken from (another batch size, another data-parallel wrapper).
+be re-derived rather than trusted. The reference for the step time is the wall clock of the other
+recorded runs, which the tables were not taken from (another batch size, another data-parallel wrapper).
 """
 
 import json
@@ -25,8 +25,9 @@ def test_built_in_h200_tables_are_the_recorded_profile():
     assert _rows(get_hardware("h200").calibration) == pytest.approx(_rows(hopper.derive(profiled)), rel=2e-3)
 
 
-@pytest.mark.parametrize(("run", "within"), [("gpu_llama1b_z3_b16", 0.05), ("gpu_llama1b_z0_b8", 0.05),
-                                             ("gpu_llama1b_z0_b8_eager", 0.13)])
+@pytest.mark.parametrize(
+    ("run", "within"), [("gpu_llama1b_z3_b16", 0.05), ("gpu_llama1b_z0_b8", 0.05), ("gpu_llama1b_z0_b8_eager", 0.13)]
+)
 def test_h200_step_time_of_runs_the_tables_were_not_taken_from(run, within):
     """measured/predicted: 1.038, 1.043 and 1.111 (A100's assumed shares left the compiled runs
     1.09-1.10). One memory-bound rate, from the compiled profile, where a third of that time is

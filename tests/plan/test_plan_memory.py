@@ -7,12 +7,30 @@ from flopwise.plan.memory import activation_bytes_per_layer, in_flight_microbatc
 
 # ZeRO (Rajbhandari et al. 2020) Table 1: GB (1e9 bytes) per device by DP degree, for P_os, P_os+g, P_os+g+p.
 ZERO_TABLE1 = {
-    7.5e9: {1: (120, 120, 120), 4: (52.5, 41.3, 30), 16: (35.6, 21.6, 7.5), 64: (31.4, 16.6, 1.88),
-            256: (30.4, 15.4, 0.47), 1024: (30.1, 15.1, 0.12)},
-    128e9: {1: (2048, 2048, 2048), 4: (896, 704, 512), 16: (608, 368, 128), 64: (536, 284, 32),
-            256: (518, 263, 8), 1024: (513, 257, 2)},
-    1e12: {1: (16000, 16000, 16000), 4: (7000, 5500, 4000), 16: (4750, 2875, 1000), 64: (4187, 2218, 250),
-           256: (4046, 2054, 62.5), 1024: (4011, 2013, 15.6)},
+    7.5e9: {
+        1: (120, 120, 120),
+        4: (52.5, 41.3, 30),
+        16: (35.6, 21.6, 7.5),
+        64: (31.4, 16.6, 1.88),
+        256: (30.4, 15.4, 0.47),
+        1024: (30.1, 15.1, 0.12),
+    },
+    128e9: {
+        1: (2048, 2048, 2048),
+        4: (896, 704, 512),
+        16: (608, 368, 128),
+        64: (536, 284, 32),
+        256: (518, 263, 8),
+        1024: (513, 257, 2),
+    },
+    1e12: {
+        1: (16000, 16000, 16000),
+        4: (7000, 5500, 4000),
+        16: (4750, 2875, 1000),
+        64: (4187, 2218, 250),
+        256: (4046, 2054, 62.5),
+        1024: (4011, 2013, 15.6),
+    },
 }
 
 
@@ -39,14 +57,17 @@ def gpt(**kw):
     return ModelConfig(arch="gpt2", d_model=H, n_heads=A, max_seq_len=S, mlp="gelu", dropout=0.1, **kw)
 
 
-@pytest.mark.parametrize("t, sp, recompute, coeff", [
-    (1, False, "none", 34 + 5 * A * S / H),
-    (8, False, "none", 10 + 24 / 8 + 5 * A * S / (H * 8)),
-    (8, True, "none", 34 / 8 + 5 * A * S / (H * 8)),
-    (8, False, "selective", 10 + 24 / 8),
-    (8, True, "selective", 34 / 8),
-    (1, False, "full", 2),
-])
+@pytest.mark.parametrize(
+    "t, sp, recompute, coeff",
+    [
+        (1, False, "none", 34 + 5 * A * S / H),
+        (8, False, "none", 10 + 24 / 8 + 5 * A * S / (H * 8)),
+        (8, True, "none", 34 / 8 + 5 * A * S / (H * 8)),
+        (8, False, "selective", 10 + 24 / 8),
+        (8, True, "selective", 34 / 8),
+        (1, False, "full", 2),
+    ],
+)
 def test_korthikanti_table_2(t, sp, recompute, coeff):
     got = activation_bytes_per_layer(gpt(), S, B, tp=t, sequence_parallel=sp, recompute=recompute, flash=False)
     assert got == pytest.approx(S * B * H * coeff, rel=1e-12)

@@ -36,16 +36,24 @@ def _measure(tmp_path, *overrides: str) -> dict:
     hw.write_text(HARDWARE)
     args = [f'run.dir="{tmp_path / "run"}"', "train.global_batch=8", f'cluster.hardware_file="{hw}"', *overrides]
     # one thread a rank: the test machine's cores are shared, and oversubscribed threads spin
-    r = subprocess.run([sys.executable, "-m", "flopwise", "plan", "demo", *args, "--measure", "--steps", "3", "--json"],
-                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [sys.executable, "-m", "flopwise", "plan", "demo", *args, "--measure", "--steps", "3", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", [["train.micro_batch=8"],
-                                    ["parallel.dp=2", "parallel.zero=1", "train.micro_batch=4"]], ids=["single", "dp2-zero1"])
+@pytest.mark.parametrize(
+    "layout",
+    [["train.micro_batch=8"], ["parallel.dp=2", "parallel.zero=1", "train.micro_batch=4"]],
+    ids=["single", "dp2-zero1"],
+)
 def test_measured_step_time_is_the_sum_of_its_profiled_components(layout, tmp_path):
     """Per rank the timed steps' median; at the top the slowest rank's, beside a prediction from the
     hardware file; the profiled components add up to the wall-clock step within 15%. Data
@@ -59,8 +67,11 @@ def test_measured_step_time_is_the_sum_of_its_profiled_components(layout, tmp_pa
         own = rank["step_time_s"]
         assert len(own["steps"]) == 3 and own["measured"] == statistics.median(own["steps"]) > 0
         assert set(rank["step_time_components_s"]) == MEASURED
-    assert step["measured"] == pytest.approx(statistics.median(
-        max(times) for times in zip(*(r["step_time_s"]["steps"] for r in report["ranks"]), strict=False)))
+    assert step["measured"] == pytest.approx(
+        statistics.median(
+            max(times) for times in zip(*(r["step_time_s"]["steps"] for r in report["ranks"]), strict=False)
+        )
+    )
     parts = report["ranks"][report["components_rank"]]["step_time_components_s"]
     assert all(v >= 0 for v in parts.values()), parts
     assert parts["matmul"] > 0 and parts["attention"] > 0 and parts["optimizer"] > 0

@@ -163,31 +163,83 @@ def test_fit_reproduces_epochs_replication():
     pts = chinchilla_points()
     assert len(pts) == 240
     law = fit_approach3(pts).law
-    for value, (lo, hi) in [(law.E, (1.769, 1.871)), (law.A, (285, 744)), (law.B, (1042, 5810)),
-                            (law.alpha, (0.317, 0.373)), (law.beta, (0.331, 0.415))]:
+    for value, (lo, hi) in [
+        (law.E, (1.769, 1.871)),
+        (law.A, (285, 744)),
+        (law.B, (1042, 5810)),
+        (law.alpha, (0.317, 0.373)),
+        (law.beta, (0.331, 0.415)),
+    ]:
         assert lo <= value <= hi
-    assert (law.A, law.B, law.E, law.alpha, law.beta) == pytest.approx((477.84, 2143.86, 1.8172, 0.3473, 0.3672),
-                                                                      rel=0.005)
+    assert (law.A, law.B, law.E, law.alpha, law.beta) == pytest.approx(
+        (477.84, 2143.86, 1.8172, 0.3473, 0.3672), rel=0.005
+    )
 
 
 def test_scale_cli(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "flopwise", "scale", "optimal", "--flops", "1e21", "--law", "epoch",
-                        "--json"], capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "flopwise", "scale", "optimal", "--flops", "1e21", "--law", "epoch", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     out = json.loads(r.stdout)
-    assert {"params", "tokens", "tokens_per_param", "flops", "predicted_loss", "law", "shape", "global_batch_tokens",
-            "lr"} <= set(out)
+    assert {
+        "params",
+        "tokens",
+        "tokens_per_param",
+        "flops",
+        "predicted_loss",
+        "law",
+        "shape",
+        "global_batch_tokens",
+        "lr",
+    } <= set(out)
     assert set(out["shape"]) >= {"n_layers", "d_model", "n_heads", "ffn_dim"}
     pts = chinchilla_points()
     law_file = tmp_path / "law.json"
-    r = subprocess.run([sys.executable, "-m", "flopwise", "scale", "fit", str(CHINCHILLA_CSV), "--drop-highest", "5",
-                        "--bootstrap", "20", "--json",
-                        "--out", str(law_file), "--plots", str(tmp_path / "plots")], capture_output=True, text=True,
-                       check=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flopwise",
+            "scale",
+            "fit",
+            str(CHINCHILLA_CSV),
+            "--drop-highest",
+            "5",
+            "--bootstrap",
+            "20",
+            "--json",
+            "--out",
+            str(law_file),
+            "--plots",
+            str(tmp_path / "plots"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     fit = json.loads(r.stdout)
     assert {"E", "A", "B", "alpha", "beta", "ci", "a"} <= set(fit) and fit["E"] == pytest.approx(1.8172, rel=0.005)
     assert {p.name for p in (tmp_path / "plots").iterdir()} == {"isoflop.png", "fit.png", "frontier.png"}
-    r = subprocess.run([sys.executable, "-m", "flopwise", "scale", "optimal", "--flops", "1e21", "--law",
-                        f"fitted:{law_file}", "--json"], capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flopwise",
+            "scale",
+            "optimal",
+            "--flops",
+            "1e21",
+            "--law",
+            f"fitted:{law_file}",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert json.loads(r.stdout)["params"] == pytest.approx(fit_approach3(pts).law.frontier(1e21)[0], rel=1e-3)
 
 
@@ -201,17 +253,26 @@ def test_fit_input_errors(tmp_path):
     bad.write_text("params,tokens,loss\n1e6,abc,3\n")
     with pytest.raises(DataError, match="non-numeric"):
         read_points(bad)
-    r = subprocess.run([sys.executable, "-m", "flopwise", "scale", "optimal", "--flops", "1e21", "--law", "nope"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "flopwise", "scale", "optimal", "--flops", "1e21", "--law", "nope"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and "unknown" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("kwargs, option", [
-    ({"flops": math.nan}, "--flops nan"), ({"flops": math.inf}, "--flops inf"), ({"flops": -1.0}, "--flops -1"),
-    ({"flops": 1e21, "unique_tokens": 0.0}, "--unique-tokens 0"),
-    ({"flops": 1e21, "unique_tokens": math.nan}, "--unique-tokens nan"),
-    ({"flops": 1e21, "inference_tokens": -1e13}, "--inference-tokens -1e"),
-    ({"flops": 1e21, "inference_tokens": math.nan}, "--inference-tokens nan")])
+@pytest.mark.parametrize(
+    "kwargs, option",
+    [
+        ({"flops": math.nan}, "--flops nan"),
+        ({"flops": math.inf}, "--flops inf"),
+        ({"flops": -1.0}, "--flops -1"),
+        ({"flops": 1e21, "unique_tokens": 0.0}, "--unique-tokens 0"),
+        ({"flops": 1e21, "unique_tokens": math.nan}, "--unique-tokens nan"),
+        ({"flops": 1e21, "inference_tokens": -1e13}, "--inference-tokens -1e"),
+        ({"flops": 1e21, "inference_tokens": math.nan}, "--inference-tokens nan"),
+    ],
+)
 def test_allocate_checks_its_budget_and_token_counts(kwargs, option):
     """Each once crashed inside the optimiser (math domain error, ZeroDivisionError in
     effective_tokens) or was accepted (negative inference tokens)."""
@@ -221,10 +282,15 @@ def test_allocate_checks_its_budget_and_token_counts(kwargs, option):
         allocate(**kwargs)
 
 
-@pytest.mark.parametrize("args, named", [
-    (["--flops", "nan"], "--flops nan"), (["--flops", "1e21", "--unique-tokens", "0"], "--unique-tokens 0"),
-    (["--gpu-hours", "-5", "--hardware", "h100-sxm"], "--gpu-hours -5"),
-    (["--gpu-hours", "5", "--hardware", "nope"], "--hardware: unknown hardware 'nope'")])
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--flops", "nan"], "--flops nan"),
+        (["--flops", "1e21", "--unique-tokens", "0"], "--unique-tokens 0"),
+        (["--gpu-hours", "-5", "--hardware", "h100-sxm"], "--gpu-hours -5"),
+        (["--gpu-hours", "5", "--hardware", "nope"], "--hardware: unknown hardware 'nope'"),
+    ],
+)
 def test_scale_optimal_bad_budgets_are_one_line(args, named):
     r = subprocess.run([sys.executable, "-m", "flopwise", "scale", "optimal", *args], capture_output=True, text=True)
     lines = r.stderr.strip().splitlines()

@@ -12,7 +12,7 @@ def synthetic(seed=0, noise=0.01):
     """A known ground truth: NLL = exp(3) * C^-0.08, acc = 0.25 + 0.75 / (1 + exp(4 (NLL - 1.1)))."""
     rng = np.random.default_rng(seed)
     flops = np.geomspace(1e12, 1e14, 9)
-    nll = np.exp(3.0) * flops ** -0.08
+    nll = np.exp(3.0) * flops**-0.08
     acc = 0.25 + 0.75 / (1 + np.exp(4 * (nll - 1.1)))
     return TaskPoints("t", flops, acc + rng.normal(0, noise, 9), nll * np.exp(rng.normal(0, noise, 9)), 0.25)
 
@@ -25,7 +25,7 @@ def test_two_step_fit_recovers_the_generating_law():
 def test_held_out_prediction_lies_in_its_bootstrap_interval():
     p = synthetic(noise=0.01)
     target = 1e15  # 10x beyond the largest run
-    truth_nll = np.exp(3.0) * target ** -0.08
+    truth_nll = np.exp(3.0) * target**-0.08
     truth_acc = 0.25 + 0.75 / (1 + np.exp(4 * (truth_nll - 1.1)))
     pred = predict_task(p, target, bootstrap=300, seed=0)
     assert pred.nll_interval[0] <= truth_nll <= pred.nll_interval[1]
@@ -46,8 +46,9 @@ def test_jaggedness_flags():
 
 def test_table_io_and_plot(tmp_path):
     p = synthetic()
-    rows = ["name,flops,task,acc,nll,chance"] + [f"r{i},{c},t,{a},{n},0.25" for i, (c, a, n)
-                                                   in enumerate(zip(p.flops, p.acc, p.nll, strict=True))]
+    rows = ["name,flops,task,acc,nll,chance"] + [
+        f"r{i},{c},t,{a},{n},0.25" for i, (c, a, n) in enumerate(zip(p.flops, p.acc, p.nll, strict=True))
+    ]
     (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
     tasks = read_task_table(tmp_path / "t.csv")
     assert np.allclose(tasks["t"].nll, p.nll) and tasks["t"].chance == 0.25
@@ -64,22 +65,37 @@ def test_cli_predict_task(tmp_path):
     from flopwise.cli import app
 
     p = synthetic()
-    rows = ["name,flops,task,acc,nll,chance"] + [f"r{i},{c},t,{a},{n},0.25" for i, (c, a, n)
-                                                   in enumerate(zip(p.flops, p.acc, p.nll, strict=True))]
+    rows = ["name,flops,task,acc,nll,chance"] + [
+        f"r{i},{c},t,{a},{n},0.25" for i, (c, a, n) in enumerate(zip(p.flops, p.acc, p.nll, strict=True))
+    ]
     (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
-    res = CliRunner().invoke(app, ["scale", "predict-task", str(tmp_path / "t.csv"), "--flops", "1e15",
-                                   "--out", str(tmp_path / "o"), "--bootstrap", "50"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "scale",
+            "predict-task",
+            str(tmp_path / "t.csv"),
+            "--flops",
+            "1e15",
+            "--out",
+            str(tmp_path / "o"),
+            "--bootstrap",
+            "50",
+        ],
+    )
     assert res.exit_code == 0, res.output
     import json
+
     rec = json.loads((tmp_path / "o" / "prediction.json").read_text())["tasks"]["t"]
-    assert rec["nll_interval_95"][0] <= np.exp(3.0) * 1e15 ** -0.08 <= rec["nll_interval_95"][1]
+    assert rec["nll_interval_95"][0] <= np.exp(3.0) * 1e15**-0.08 <= rec["nll_interval_95"][1]
     assert (tmp_path / "o" / "tasks.png").is_file()
 
 
 def write_table(path):
     p = synthetic()
-    rows = ["name,flops,task,acc,nll,chance"] + [f"r{i},{c},t,{a},{n},0.25" for i, (c, a, n)
-                                                   in enumerate(zip(p.flops, p.acc, p.nll, strict=True))]
+    rows = ["name,flops,task,acc,nll,chance"] + [
+        f"r{i},{c},t,{a},{n},0.25" for i, (c, a, n) in enumerate(zip(p.flops, p.acc, p.nll, strict=True))
+    ]
     path.write_text("\n".join(rows) + "\n")
     return path
 
@@ -91,8 +107,12 @@ def test_table_that_is_not_a_csv_or_holds_bad_values(tmp_path):
     (tmp_path / "t.pkl").write_bytes(pickle.dumps({"flops": [1e12, 1e13]}))
     with pytest.raises(DataError, match="not a CSV"):
         read_task_table(tmp_path / "t.pkl")
-    for bad, message in (("r,abc,t,0.5,1.0,0.25", "row 1: non-numeric"), ("r,-1,t,0.5,1.0,0.25", "row 1: needs"),
-                         ("r,1e12,t,1.5,1.0,0.25", "row 1: needs"), ("r,1e12,t,0.5,0,0.25", "row 1: needs")):
+    for bad, message in (
+        ("r,abc,t,0.5,1.0,0.25", "row 1: non-numeric"),
+        ("r,-1,t,0.5,1.0,0.25", "row 1: needs"),
+        ("r,1e12,t,1.5,1.0,0.25", "row 1: needs"),
+        ("r,1e12,t,0.5,0,0.25", "row 1: needs"),
+    ):
         (tmp_path / "bad.csv").write_text(f"name,flops,task,acc,nll,chance\n{bad}\n")
         with pytest.raises(DataError, match=message):
             read_task_table(tmp_path / "bad.csv")
@@ -105,8 +125,24 @@ def test_cli_predict_task_bad_flops_writes_nothing(tmp_path, flops):
     import sys
 
     table = write_table(tmp_path / "t.csv")
-    r = subprocess.run([sys.executable, "-m", "flopwise", "scale", "predict-task", str(table), "--flops", flops,
-                        "--out", str(tmp_path / "o"), "--bootstrap", "10"], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flopwise",
+            "scale",
+            "predict-task",
+            str(table),
+            "--flops",
+            flops,
+            "--out",
+            str(tmp_path / "o"),
+            "--bootstrap",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+    )
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and f"--flops {flops}" in lines[0], r.stderr
     assert not (tmp_path / "o").exists()
@@ -118,8 +154,22 @@ def test_cli_predict_task_pickle_table_is_one_line(tmp_path):
     import sys
 
     (tmp_path / "t.pkl").write_bytes(pickle.dumps([1, 2, 3]))
-    r = subprocess.run([sys.executable, "-m", "flopwise", "scale", "predict-task", str(tmp_path / "t.pkl"),
-                        "--flops", "1e15", "--out", str(tmp_path / "o")], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flopwise",
+            "scale",
+            "predict-task",
+            str(tmp_path / "t.pkl"),
+            "--flops",
+            "1e15",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "not a CSV" in lines[0], r.stderr
     assert not (tmp_path / "o").exists()

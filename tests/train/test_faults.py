@@ -24,8 +24,20 @@ def launch(run_dir, data, faults="", restarts=1, timeout=300, nproc=2, **extra) 
     other users of the machine never collide on a fixed one)."""
     kw = {"train.steps": STEPS, "train.eval_every": 0, "train.eval_batches": 1, "checkpoint.interval": 3, **extra}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FLOPWISE_FAULTS": faults, "COLUMNS": "400"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts", str(restarts),
-           "--standalone", "-m", "flopwise", "train", *tiny_overrides(run_dir, data, **kw)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(restarts),
+        "--standalone",
+        "-m",
+        "flopwise",
+        "train",
+        *tiny_overrides(run_dir, data, **kw),
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -47,12 +59,17 @@ def reference(tiny_data, tmp_path_factory):
     return checkpoint.latest(run_dir)
 
 
-@pytest.mark.parametrize("faults,async_save,resumed", [
-    ("kill:step=5:rank=1", "false", (3,)),   # mid-step
-    ("kill:step=7:rank=0", "true", (3, 6)),  # step 3 complete (the save at 6 waited for it), 6 maybe in flight
-    ("kill:save=2:rank=0", "false", (3,))])  # mid checkpoint write
-def test_sigkill_restarts_from_the_last_checkpoint_and_matches_bitwise(tiny_data, tmp_path, reference, faults,
-                                                                       async_save, resumed):
+@pytest.mark.parametrize(
+    "faults,async_save,resumed",
+    [
+        ("kill:step=5:rank=1", "false", (3,)),  # mid-step
+        ("kill:step=7:rank=0", "true", (3, 6)),  # step 3 complete (the save at 6 waited for it), 6 maybe in flight
+        ("kill:save=2:rank=0", "false", (3,)),
+    ],
+)  # mid checkpoint write
+def test_sigkill_restarts_from_the_last_checkpoint_and_matches_bitwise(
+    tiny_data, tmp_path, reference, faults, async_save, resumed
+):
     t0 = time.perf_counter()
     r = launch(tmp_path, tiny_data, faults, **{"checkpoint.async": async_save})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -94,7 +111,8 @@ def test_nan_on_one_rank_is_skipped_by_all_and_a_straggler_is_named(tiny_data, t
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert {"step": 4, "event": "skipped_update", "reason": "non-finite loss or gradient norm"} in [
-        {k: x[k] for k in ("step", "event", "reason") if k in x} for x in rows]
+        {k: x[k] for k in ("step", "event", "reason") if k in x} for x in rows
+    ]
     slow = next(x for x in rows if x["step"] == 2 and "rank_step_s" in x)
     assert slow["slowest_rank"] == 1 and slow["rank_step_s"][1] > slow["rank_step_s"][0] + 0.5
     assert checkpoint.verify(checkpoint.latest(tmp_path)) is None
@@ -110,8 +128,13 @@ def test_disk_full_on_one_rank_stops_every_rank_with_the_previous_checkpoint_int
 
 
 def test_hung_rank_dumps_stacks_times_out_and_the_restart_finishes(tiny_data, tmp_path, reference):
-    r = launch(tmp_path, tiny_data, "hang:step=5:rank=1", timeout=400,
-               **{"watchdog.collective_timeout_s": 15, "watchdog.min_s": 2, "watchdog.hang_factor": 3})
+    r = launch(
+        tmp_path,
+        tiny_data,
+        "hang:step=5:rank=1",
+        timeout=400,
+        **{"watchdog.collective_timeout_s": 15, "watchdog.min_s": 2, "watchdog.hang_factor": 3},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "a collective timed out at step 5 after watchdog.collective_timeout_s=15" in r.stderr
     hung = (tmp_path / "hang-rank1.txt").read_text()
@@ -126,8 +149,13 @@ def test_auto_interval_is_rank_0s_choice_when_ranks_time_differently(tiny_data, 
     steps, so its median step time (and its Daly interval) differs from rank 0's. Rank 0 decides and
     broadcasts: every rank saves at the same steps (a disagreement would be a collective mismatch)."""
     slow = ",".join(f"slow:step={s}:rank=1:seconds=0.4" for s in range(1, 6))
-    r = launch(tmp_path, tiny_data, slow, restarts=0, **{
-        "train.steps": 14, "checkpoint.interval": '"auto"', "checkpoint.keep": 20, "cluster.gpu_mtbf_hours": 0.002})
+    r = launch(
+        tmp_path,
+        tiny_data,
+        slow,
+        restarts=0,
+        **{"train.steps": 14, "checkpoint.interval": '"auto"', "checkpoint.keep": 20, "cluster.gpu_mtbf_hours": 0.002},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     [line] = [x for x in r.stdout.splitlines() if "checkpoint.interval=auto" in x]
     every = int(line.split("every ")[1].split(" steps")[0].replace(",", ""))

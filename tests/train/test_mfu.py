@@ -17,12 +17,21 @@ from tests.conftest import tiny_overrides
 
 # torch.cuda.get_device_name / total_memory as the driver reports them on each chip
 DRIVER_NAMES = [
-    ("NVIDIA A100-SXM4-40GB", 40 * GiB, "a100-40gb"), ("NVIDIA A100-SXM4-80GB", 80 * GiB, "a100-80gb"),
-    ("NVIDIA A100 80GB PCIe", 80 * GiB, "a100-80gb"), ("NVIDIA A100-PCIE-40GB", 40 * GiB, "a100-40gb"),
-    ("NVIDIA H100 80GB HBM3", 80 * GiB, "h100-sxm"), ("NVIDIA H100 PCIe", 80 * GiB, "h100-pcie"),
-    ("NVIDIA H100 NVL", 94e9, "h100-nvl"), ("NVIDIA H200", 141e9, "h200"), ("NVIDIA H200 NVL", 141e9, "h200-nvl"),
-    ("NVIDIA L4", 24e9, "l4"), ("NVIDIA L40S", 48e9, "l40s"), ("NVIDIA B200", 180e9, "b200"),
-    ("NVIDIA GeForce RTX 4090", 24 * GiB, None), ("NVIDIA GH200 480GB", 96e9, None), ("Tesla T4", 16e9, None),
+    ("NVIDIA A100-SXM4-40GB", 40 * GiB, "a100-40gb"),
+    ("NVIDIA A100-SXM4-80GB", 80 * GiB, "a100-80gb"),
+    ("NVIDIA A100 80GB PCIe", 80 * GiB, "a100-80gb"),
+    ("NVIDIA A100-PCIE-40GB", 40 * GiB, "a100-40gb"),
+    ("NVIDIA H100 80GB HBM3", 80 * GiB, "h100-sxm"),
+    ("NVIDIA H100 PCIe", 80 * GiB, "h100-pcie"),
+    ("NVIDIA H100 NVL", 94e9, "h100-nvl"),
+    ("NVIDIA H200", 141e9, "h200"),
+    ("NVIDIA H200 NVL", 141e9, "h200-nvl"),
+    ("NVIDIA L4", 24e9, "l4"),
+    ("NVIDIA L40S", 48e9, "l40s"),
+    ("NVIDIA B200", 180e9, "b200"),
+    ("NVIDIA GeForce RTX 4090", 24 * GiB, None),
+    ("NVIDIA GH200 480GB", 96e9, None),
+    ("Tesla T4", 16e9, None),
 ]
 
 
@@ -33,8 +42,18 @@ def test_gpu_driver_names_map_to_their_catalogue_entry(name, memory, entry):
 
 def test_catalogue_dense_bf16_peaks_are_the_datasheets():
     """Dense (no 2:4 sparsity) bf16 tensor-core TFLOP/s as NVIDIA's datasheets state them."""
-    datasheet = {"a100-40gb": 312, "a100-80gb": 312, "h100-sxm": 989.4, "h100-pcie": 756.5, "h100-nvl": 835.5,
-                 "h200": 989.4, "h200-nvl": 835.5, "l4": 121, "l40s": 362.05, "b200": 2250}
+    datasheet = {
+        "a100-40gb": 312,
+        "a100-80gb": 312,
+        "h100-sxm": 989.4,
+        "h100-pcie": 756.5,
+        "h100-nvl": 835.5,
+        "h200": 989.4,
+        "h200-nvl": 835.5,
+        "l4": 121,
+        "l40s": 362.05,
+        "b200": 2250,
+    }
     assert {k: CATALOGUE[k].peak("bf16") / 1e12 for k in datasheet} == pytest.approx(datasheet)
 
 
@@ -66,9 +85,20 @@ def test_a_catalogue_peak_is_never_remeasured_and_an_impossible_rate_logs_no_mfu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_default_train_runs_on_cuda_against_the_catalogue_peak(tmp_path):
     """`flopwise train` with no device argument picks the GPU and names the catalogue peak it divides by."""
-    out = subprocess.run([sys.executable, "-m", "flopwise", "train", "train.steps=20", "optim.warmup_steps=5",
-                          f'run.dir="{tmp_path / "run"}"'],
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flopwise",
+            "train",
+            "train.steps=20",
+            "optim.warmup_steps=5",
+            f'run.dir="{tmp_path / "run"}"',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "cuda" in out.stdout and ("catalogue" in out.stdout or "not in the catalogue" in out.stdout)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_overrides
 from flopwise.checkpoints import checkpoint
 from flopwise.config import load_config
 from flopwise.launch import train
@@ -31,8 +30,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.multinode]
 
 def overrides(run_dir, data, **extra) -> list[str]:
     """A 4-layer untied Llama (pp2 splits it), 8 sequences of 32 tokens a step, 2 per micro-batch."""
-    kw = {"model.n_layers": 4, "model.tie_embeddings": "false", "train.steps": 3, "train.micro_batch": 2,
-          "train.eval_every": 0, "checkpoint.interval": 0, "train.eval_batches": 1}
+    kw = {
+        "model.n_layers": 4,
+        "model.tie_embeddings": "false",
+        "train.steps": 3,
+        "train.micro_batch": 2,
+        "train.eval_every": 0,
+        "checkpoint.interval": 0,
+        "train.eval_batches": 1,
+    }
     return tiny_overrides(run_dir, data, **{**kw, **extra})
 
 
@@ -50,9 +56,27 @@ def start_nodes(n: int, nproc: int, port: int, args: list[str], logs: Path, env:
     """`n` torchrun agents, each its own process group (a node: killing it kills its workers),
     meeting at 127.0.0.1:`port`; stdout/stderr to logs/node{i}.out/.err."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(n), "--nproc-per-node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"job{port}",
-           "--max-restarts", "0", "-m", "flopwise", "train", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(n),
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        f"job{port}",
+        "--max-restarts",
+        "0",
+        "-m",
+        "flopwise",
+        "train",
+        *args,
+    ]
     logs.mkdir(exist_ok=True)
     procs = []
     for i in range(n):
@@ -105,20 +129,29 @@ def _kill_node(p: subprocess.Popen) -> None:
 LAYOUT_LINE = re.compile(r"layout (.+) on (\d+) processes on (\d+) nodes \((.+)\) \(gloo\)")
 
 
-@pytest.mark.parametrize("nodes,name,extra,where", [
-    # zero3: pp with DDP (zero 0/1) trips an internal assert in torch 2.13's reducer, on one node too
-    (2, "pp2xdp2", {"parallel.pp": 2, "parallel.pp_schedule": '"1f1b"', "parallel.zero": 3},
-     "dp inside a node; pp across"),
-    (4, "auto", {"parallel.layout": '"auto"', "cluster.hardware": '"h100-sxm"'}, None),
-])
+@pytest.mark.parametrize(
+    "nodes,name,extra,where",
+    [
+        # zero3: pp with DDP (zero 0/1) trips an internal assert in torch 2.13's reducer, on one node too
+        (
+            2,
+            "pp2xdp2",
+            {"parallel.pp": 2, "parallel.pp_schedule": '"1f1b"', "parallel.zero": 3},
+            "dp inside a node; pp across",
+        ),
+        (4, "auto", {"parallel.layout": '"auto"', "cluster.hardware": '"h100-sxm"'}, None),
+    ],
+)
 def test_nodes_train_like_one_process(nodes, name, extra, where, tiny_data, tmp_path):
     """pp2 × dp2 over 2 nodes of 2 ranks (pipeline stages on different nodes, data parallel inside
     each), and parallel.layout=auto over 4 nodes of 1 rank, which plans for 1 device per node (a
     layout other than the one it plans for 4 devices in one node): per-step losses equal one
     process's."""
     nproc = 4 // nodes
-    results = finish(start_nodes(nodes, nproc, 29710 + nodes, overrides(tmp_path / "run", tiny_data, **extra),
-                                 tmp_path / "logs"), tmp_path / "logs")
+    results = finish(
+        start_nodes(nodes, nproc, 29710 + nodes, overrides(tmp_path / "run", tiny_data, **extra), tmp_path / "logs"),
+        tmp_path / "logs",
+    )
     for rc, _, err in results:
         assert rc == 0, err[-3000:]
     line = LAYOUT_LINE.search("".join(o for _, o, _ in results))
@@ -128,8 +161,10 @@ def test_nodes_train_like_one_process(nodes, name, extra, where, tiny_data, tmp_
         assert line[4] == where
     else:  # auto: what the planner chooses for 4 nodes of 1 device, not for 1 node of 4
         cfg = load_config(None, overrides(tmp_path, tiny_data, **extra))
-        per_node = {n: layout_label(config_layout(resolve_layout(cfg, cfg.model_dump(exclude_unset=True), 4, n), 4))
-                    for n in (1, 4)}
+        per_node = {
+            n: layout_label(config_layout(resolve_layout(cfg, cfg.model_dump(exclude_unset=True), 4, n), 4))
+            for n in (1, 4)
+        }
         assert per_node[1] != per_node[4] and line[1] == per_node[1], (line[0], per_node)
     assert logged_losses(tmp_path / "run") == pytest.approx(reference(tmp_path / "ref", tiny_data), rel=1e-5)
 
@@ -137,40 +172,64 @@ def test_nodes_train_like_one_process(nodes, name, extra, where, tiny_data, tmp_
 def test_node_lost_then_restart_on_fewer_nodes(tiny_data, tmp_path):
     """tp2 × dp2 over 2 nodes (tp inside each): the second node's agent is killed with its workers
     during step 5 (not the first's: the node holding the rendezvous endpoint is torchrun's single
-    point of failure, whose loss ends the other agents with RendezvousConnectionError); the other node names it and the step in one line and exits non-zero at once; the
-    checkpoint of step 4 is complete; the job restarted on one node (tp2) resumes from it, says so,
+    point of failure, whose loss ends the other agents with RendezvousConnectionError); the other
+    node names it and the step in one line and exits non-zero at once; the checkpoint of step 4 is complete; the job restarted on one node (tp2) resumes from it, says so,
     and every step's loss, before and after, equals one uninterrupted process's."""
     run, logs = tmp_path / "run", tmp_path / "logs"
     layout = {"parallel.tp": 2, "parallel.zero": 3}
-    args = overrides(run, tiny_data, **{**layout, "train.steps": 8, "checkpoint.interval": 2,
-                                        "watchdog.collective_timeout_s": 120})
+    args = overrides(
+        run, tiny_data, **{**layout, "train.steps": 8, "checkpoint.interval": 2, "watchdog.collective_timeout_s": 120}
+    )
     # every rank sleeps 20 s in step 5, after its backward: the node dies there, mid-step
     procs = start_nodes(2, 2, 29720, args, logs, env={"FLOPWISE_FAULTS": "slow:step=5:seconds=20"})
     deadline = time.monotonic() + 300
-    while (latest := checkpoint.latest(run) if (run / "checkpoints").exists() else None) is None or \
-            latest.name != "step-00000004":
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
-            (logs / "node0.err").read_text()[-3000:]
+    while (
+        latest := checkpoint.latest(run) if (run / "checkpoints").exists() else None
+    ) is None or latest.name != "step-00000004":
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (logs / "node0.err").read_text()[
+            -3000:
+        ]
         time.sleep(0.1)
     t_kill = time.monotonic()
     _kill_node(procs[1])
-    (rc, out, err), = finish(procs[:1], logs, timeout=120)
+    ((rc, out, err),) = finish(procs[:1], logs, timeout=120)
     assert time.monotonic() - t_kill < 60  # told at once, not after the collective timeout
     assert rc != 0
     told = [line for line in err.splitlines() if "went away" in line]
     assert len(told) == 1, err[-3000:]
     # the lost node is named by the ranks missing from the job's store, or, when it held that store, as such
-    m = re.search(r"rank \d \(node (\d)\): another rank's connection closed at step 5: node (\d) \((rank \d-\d|it "
-                  r"held the job's store)\) went away; .* from the last complete checkpoint, step-00000004", told[0])
+    m = re.search(
+        r"rank \d \(node (\d)\): another rank's connection closed at step 5: node (\d) \((rank \d-\d|it "
+        r"held the job's store)\) went away; .* from the last complete checkpoint, step-00000004",
+        told[0],
+    )
     assert m and m[1] != m[2], told[0]
     assert "tp inside a node; dp across" in out
     assert [p.name for p in checkpoint.list_complete(run)] == ["step-00000002", "step-00000004"]
 
-    again = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                            "-m", "flopwise", "train", *args, "parallel.dp=1"], check=False, capture_output=True,
-                           text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    again = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "flopwise",
+            "train",
+            *args,
+            "parallel.dp=1",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert again.returncode == 0, again.stderr[-3000:]
-    assert re.search(r"resumed from \S+step-00000004 at step 4 \(written by layout dp2·tp2 zero3", again.stdout), \
+    assert re.search(r"resumed from \S+step-00000004 at step 4 \(written by layout dp2·tp2 zero3", again.stdout), (
         again.stdout[-2000:]
+    )
     ref = reference(tmp_path / "ref", tiny_data, **{"train.steps": 8, "checkpoint.interval": 2})
     assert logged_losses(run) == pytest.approx(ref, rel=1e-5)

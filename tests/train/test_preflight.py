@@ -26,11 +26,14 @@ GiB = 2**30
 
 def max_rss_of(cmd: list[str], cwd) -> tuple[subprocess.CompletedProcess, int]:
     """Run `cmd` from a fresh Python whose only child it is; (its result, its peak resident bytes)."""
-    probe = ("import resource, subprocess, sys, json; r = subprocess.run(sys.argv[1:], capture_output=True, "
-             "text=True); peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss; "
-             "print(json.dumps([r.returncode, r.stdout, r.stderr, peak]))")
-    out = subprocess.run([sys.executable, "-c", probe, *cmd], capture_output=True, text=True, cwd=cwd, env=ENV,
-                         timeout=300, check=True)
+    probe = (
+        "import resource, subprocess, sys, json; r = subprocess.run(sys.argv[1:], capture_output=True, "
+        "text=True); peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss; "
+        "print(json.dumps([r.returncode, r.stdout, r.stderr, peak]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, *cmd], capture_output=True, text=True, cwd=cwd, env=ENV, timeout=300, check=True
+    )
     rc, stdout, stderr, kib = json.loads(out.stdout)
     return subprocess.CompletedProcess(cmd, rc, stdout, stderr), kib * 1024
 
@@ -53,8 +56,11 @@ def test_a_7b_model_is_refused_before_data_or_a_run_folder_exist(tmp_path):
 def test_the_refusal_names_the_nearest_change_that_fits(tmp_path, tiny_data, monkeypatch):
     """A 355M model at micro-batch 16 × 1024 tokens cannot fit in what a 24 GiB machine shares out;
     the planner's search names the smallest change, and that change then passes the pre-flight."""
-    over = tiny_overrides(tmp_path / "run", tiny_data, **{"model.preset": '"gpt2-355m"', "data.seq_len": 1024,
-                                                          "train.global_batch": 16, "train.micro_batch": 16})
+    over = tiny_overrides(
+        tmp_path / "run",
+        tiny_data,
+        **{"model.preset": '"gpt2-355m"', "data.seq_len": 1024, "train.global_batch": 16, "train.micro_batch": 16},
+    )
     monkeypatch.setattr("flopwise.train.preflight.mem_available", lambda: 12.0 * GiB)
     with pytest.raises(WillNotFit) as e:
         train(load_config(None, over))
@@ -72,8 +78,11 @@ def test_a_run_predicted_to_fit_starts_and_says_so(tmp_path, tiny_data):
     with printing_to(Console(file=out, width=400)):
         r = train(cfg)
     assert r.steps == 2 and len(r.losses) == 2
-    assert re.search(r"pre-flight: rank 0 of 1 \(single, micro-batch 4, recompute none\) needs [\d.]+ GiB; "
-                     r"[\d.]+ GiB usable", out.getvalue())
+    assert re.search(
+        r"pre-flight: rank 0 of 1 \(single, micro-batch 4, recompute none\) needs [\d.]+ GiB; "
+        r"[\d.]+ GiB usable",
+        out.getvalue(),
+    )
 
 
 def test_preflight_false_skips_the_check(tmp_path, tiny_data, monkeypatch):
@@ -89,9 +98,26 @@ def test_preflight_false_skips_the_check(tmp_path, tiny_data, monkeypatch):
 
 @pytest.mark.multiproc
 def test_two_ranks_agree_and_rank_0_says_why_once(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "flopwise", "train", "model.preset=llama2-7b", "train.micro_batch=8"],
-                       capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "flopwise",
+            "train",
+            "model.preset=llama2-7b",
+            "train.micro_batch=8",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=ENV,
+        timeout=300,
+    )
     text = r.stdout + r.stderr
     assert text.count("error: train.preflight: will not fit") == 1, text[-3000:]
     assert "of 2 (dp2, micro-batch 8" in text and "MemAvailable / 2 local ranks" in text

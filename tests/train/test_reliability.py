@@ -13,6 +13,7 @@ import pytest
 import torch
 from rich.console import Console
 
+from flopwise.checkpoints import checkpoint
 from flopwise.config import GuardConfig, WatchdogConfig, load_config
 from flopwise.errors import CheckpointError, ConfigError, TrainingStopped
 from flopwise.eval.load import load_for_inference
@@ -73,7 +74,9 @@ def test_corrupt_latest_is_reported_and_the_previous_one_resumed(tiny_data, tmp_
     assert checkpoint.is_complete(latest)  # sizes still match
     assert "sha256" in checkpoint.verify(latest)
     r, out = run(tmp_path, tiny_data, **{"train.steps": 9})
-    assert "skipping damaged checkpoint step-00000009 (__0_0.distcp fails its sha256 checksum); using step-00000006" in out
+    assert (
+        "skipping damaged checkpoint step-00000009 (__0_0.distcp fails its sha256 checksum); using step-00000006" in out
+    )
     assert "resumed from" in out and "step-00000006 at step 6" in out
     assert r.checkpoint.name == "step-00000009" and checkpoint.verify(r.checkpoint) is None
     ref, _ = run(tmp_path / "ref", tiny_data, **{"train.steps": 9})
@@ -176,20 +179,34 @@ def test_disk_full_with_on_error_continue_trains_on(tiny_data, tmp_path, monkeyp
 
 
 def test_nan_gradient_skips_the_update(tiny_data, tmp_path, monkeypatch):
-    r, out = run(tmp_path / "nan", tiny_data, "nan_grad:step=4", monkeypatch,
-                 **{"train.steps": 4, "checkpoint.interval": 0})
+    r, out = run(
+        tmp_path / "nan", tiny_data, "nan_grad:step=4", monkeypatch, **{"train.steps": 4, "checkpoint.interval": 0}
+    )
     assert "step 4: non-finite loss or gradient norm" in out and "update skipped" in out
-    ref, _ = run(tmp_path / "ref", tiny_data, "", monkeypatch,
-                 **{"train.steps": 4, "train.stop_after": 3, "checkpoint.interval": 0})
+    ref, _ = run(
+        tmp_path / "ref",
+        tiny_data,
+        "",
+        monkeypatch,
+        **{"train.steps": 4, "train.stop_after": 3, "checkpoint.interval": 0},
+    )
     assert same_weights(r.checkpoint, ref.checkpoint)  # step 4 changed nothing
     events = [json.loads(x) for x in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
     assert {"step": 4, "event": "skipped_update", "reason": "non-finite loss or gradient norm"} in [
-        {k: e[k] for k in ("step", "event", "reason") if k in e} for e in events]
+        {k: e[k] for k in ("step", "event", "reason") if k in e} for e in events
+    ]
 
 
 def test_poisoned_batch_rolls_back_and_skips_the_data(tiny_data, tmp_path, monkeypatch):
-    kw = {"train.steps": 36, "checkpoint.interval": 10, "train.eval_every": 0, "log.every": 100,
-          "guard.window": 10, "guard.min_window": 5, "guard.skip_batches": 3}
+    kw = {
+        "train.steps": 36,
+        "checkpoint.interval": 10,
+        "train.eval_every": 0,
+        "log.every": 100,
+        "guard.window": 10,
+        "guard.min_window": 5,
+        "guard.skip_batches": 3,
+    }
     r, out = run(tmp_path, tiny_data, "poison:step=30", monkeypatch, **kw)
     assert "step 30: loss spike" in out and "rolled back to step 20 and skipped 10 batches" in out
     [rec] = [json.loads(x) for x in (tmp_path / "skipped.jsonl").read_text().splitlines()]
@@ -266,8 +283,9 @@ def test_async_checkpoints_resume_bitwise(tiny_data, tmp_path, monkeypatch):
 
 
 def test_auto_interval_from_the_measured_write(tiny_data, tmp_path):
-    r, out = run(tmp_path, tiny_data, **{"train.steps": 12, "checkpoint.interval": '"auto"',
-                                         "cluster.gpu_mtbf_hours": 0.001})
+    r, out = run(
+        tmp_path, tiny_data, **{"train.steps": 12, "checkpoint.interval": '"auto"', "cluster.gpu_mtbf_hours": 0.001}
+    )
     line = next(x for x in out.splitlines() if "checkpoint.interval=auto" in x)
     every = int(line.split("every ")[1].split(" steps")[0].replace(",", ""))
     assert "cluster.gpu_mtbf_hours=0.001 over 1 device(s)" in line and every >= 1
@@ -295,8 +313,12 @@ def test_watchdog_dumps_every_thread_when_a_step_hangs(tmp_path):
 
 def test_fault_spec_errors_are_config_errors():
     assert parse("kill:step=3:rank=1, enospc:save=2")[1].save == 2
-    for bad, frag in [("explode:step=1", "unknown fault"), ("kill", "exactly one of"),
-                      ("kill:step=x", "must be a number"), ("kill:when=3", "expected step=N")]:
+    for bad, frag in [
+        ("explode:step=1", "unknown fault"),
+        ("kill", "exactly one of"),
+        ("kill:step=x", "must be a number"),
+        ("kill:when=3", "expected step=N"),
+    ]:
         with pytest.raises(ConfigError, match=frag):
             parse(bad)
 

@@ -17,8 +17,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 @pytest.mark.timeout(2400)
 def test_default_train_beats_the_unigram_entropy(tmp_path):
     """`flopwise train` with the demo defaults: val loss clearly below the corpus's unigram entropy."""
-    r = subprocess.run([sys.executable, "-m", "flopwise", "train", f'run.dir="{tmp_path}"'],
-                       capture_output=True, text=True, timeout=1500)
+    r = subprocess.run(
+        [sys.executable, "-m", "flopwise", "train", f'run.dir="{tmp_path}"'],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     val = [x["val_loss"] for x in rows if "val_loss" in x][-1]

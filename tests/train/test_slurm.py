@@ -26,8 +26,13 @@ def _slurm_up() -> str | None:
     """Why the SLURM tests cannot run here, or None when they can."""
     if shutil.which("sbatch") is None:
         return "SLURM is not installed (scripts/slurm-local.sh start installs and starts it)"
-    r = subprocess.run(["sinfo", "-h", "-o", "%T"], check=False, capture_output=True, text=True,
-                       env={**os.environ, "SLURM_CONF": str(STATE / "slurm.conf")})
+    r = subprocess.run(
+        ["sinfo", "-h", "-o", "%T"],
+        check=False,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SLURM_CONF": str(STATE / "slurm.conf")},
+    )
     if r.returncode != 0 or "idle" not in r.stdout and "alloc" not in r.stdout:
         return f"SLURM is not running at {STATE} (scripts/slurm-local.sh start): {r.stderr.strip()[:200]}"
     return None
@@ -43,16 +48,31 @@ def slurm(*args: str) -> str:
     return r.stdout
 
 
-ENV = {**os.environ, "SLURM_CONF": str(STATE / "slurm.conf"),
-       "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
-       "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+ENV = {
+    **os.environ,
+    "SLURM_CONF": str(STATE / "slurm.conf"),
+    "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+    "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+}
 
 
 def submit(where: Path, name: str, args: list[str], *sbatch: str, faults: str = "") -> str:
     """sbatch examples/train.sbatch on one node from `where`; the job id."""
     env = f"ALL,FLOPWISE_FAULTS={faults}" if faults else "ALL"
-    return slurm("sbatch", "--parsable", "--nodes", "1", "--job-name", name, "--chdir", str(where),
-                 f"--export={env}", *sbatch, str(ROOT / "examples" / "train.sbatch"), *args).strip()
+    return slurm(
+        "sbatch",
+        "--parsable",
+        "--nodes",
+        "1",
+        "--job-name",
+        name,
+        "--chdir",
+        str(where),
+        f"--export={env}",
+        *sbatch,
+        str(ROOT / "examples" / "train.sbatch"),
+        *args,
+    ).strip()
 
 
 def job(jid: str) -> dict[str, str]:
@@ -62,8 +82,9 @@ def job(jid: str) -> dict[str, str]:
 def wait(jid: str, timeout: float = 300, restarts: int = 0) -> dict[str, str]:
     """The job's fields once it has ended (after `restarts` requeues)."""
     deadline = time.monotonic() + timeout
-    while (j := job(jid))["JobState"] not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") or \
-            int(j["Restarts"]) < restarts:
+    while (j := job(jid))["JobState"] not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") or int(
+        j["Restarts"]
+    ) < restarts:
         assert time.monotonic() < deadline, f"job {jid} still {j['JobState']} after {timeout} s"
         time.sleep(1)
     return j
@@ -87,6 +108,7 @@ def tensors(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
                 yield from flat(v, f"{prefix}{k}.")
             elif isinstance(v, torch.Tensor):
                 yield f"{prefix}{k}", v
+
     return dict(flat(torch.load(out, weights_only=True)))
 
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from flopwise.checkpoints import checkpoint
 from flopwise.config import ModelConfig, OptimConfig, load_config
 from flopwise.errors import CheckpointError, ConfigError, DataError
 from flopwise.eval.load import load_for_inference
@@ -59,8 +60,9 @@ def test_metrics_records_and_artifacts(tiny_data, tmp_path):
 
 
 def test_loss_decreases(tiny_data, tmp_path):
-    r = run(tmp_path, tiny_data, **{"train.steps": 30, "optim.lr": 3e-3, "checkpoint.interval": 0,
-                                   "train.eval_every": 0})
+    r = run(
+        tmp_path, tiny_data, **{"train.steps": 30, "optim.lr": 3e-3, "checkpoint.interval": 0, "train.eval_every": 0}
+    )
     assert sum(r.losses[-5:]) / 5 < r.losses[0] - 0.5
     # a run flushes subnormals while it trains (build.subnormals_flushed) and gives the process its
     # floating-point state back: hypothesis, numpy and a caller's own code see subnormals again
@@ -94,8 +96,12 @@ def test_one_document_has_no_validation_split_and_is_refused_before_step_one(tmp
     from flopwise.data.shards import resolve_input
 
     (tmp_path / "book.txt").write_text(resolve_input("builtin:alice").read_text())
-    cfg = load_config(None, tiny_overrides(tmp_path / "run", "x", **{"data.path": f'"{tmp_path / "book.txt"}"',
-                                                                      "data.tokenizer": '"bpe:512"'}))
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path / "run", "x", **{"data.path": f'"{tmp_path / "book.txt"}"', "data.tokenizer": '"bpe:512"'}
+        ),
+    )
     with pytest.raises(DataError, match="no validation split of one data.seq_len=32 sequence"):
         train(cfg)
     assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "checkpoints").exists()
@@ -206,12 +212,27 @@ def test_eval_and_generate_cli(tiny_data, tmp_path):
     run(tmp_path, tiny_data)
     text = tmp_path / "t.txt"
     text.write_text("Alice was beginning to get very tired of sitting by her sister on the bank. " * 20)
-    r = subprocess.run([sys.executable, "-m", "flopwise", "eval", str(tmp_path), "--text", str(text), "--json"],
-                       capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "flopwise", "eval", str(tmp_path), "--text", str(text), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     out = json.loads(r.stdout)
     assert set(out) == {"loss", "ppl", "tokens"} and out["ppl"] == pytest.approx(math.exp(out["loss"]))
-    args = [sys.executable, "-m", "flopwise", "generate", str(tmp_path), "--prompt", "Alice", "--temperature", "0",
-            "--max-new-tokens", "12"]
+    args = [
+        sys.executable,
+        "-m",
+        "flopwise",
+        "generate",
+        str(tmp_path),
+        "--prompt",
+        "Alice",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "12",
+    ]
     cached = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     full = subprocess.run(args + ["--no-cache"], capture_output=True, text=True, check=True).stdout
     assert cached == full and cached.startswith("Alice")

@@ -76,8 +76,10 @@ def _no_link(root: Path) -> Path:
     """A run's checkpoints folder, refused in one line if it is a symlink: retention and writes never
     act on what a link points to (a user's folders there may look like checkpoint temporaries)."""
     if root.is_symlink():
-        raise CheckpointError(f"{root} is a symbolic link; flopwise never writes or deletes through one: "
-                              "move it away (or make it a real folder)")
+        raise CheckpointError(
+            f"{root} is a symbolic link; flopwise never writes or deletes through one: "
+            "move it away (or make it a real folder)"
+        )
     return root
 
 
@@ -176,9 +178,16 @@ def _content(model: Modules, optimizer: torch.optim.Optimizer | None) -> dict:
     return content
 
 
-def begin(run_dir: str | Path, step: int, model: Modules, optimizer: torch.optim.Optimizer | None,
-          writer: Callable[[Path], FileSystemWriter] = FileSystemWriter, asynchronous: bool = False,
-          async_group=None, tmp: Path | None = None):
+def begin(
+    run_dir: str | Path,
+    step: int,
+    model: Modules,
+    optimizer: torch.optim.Optimizer | None,
+    writer: Callable[[Path], FileSystemWriter] = FileSystemWriter,
+    asynchronous: bool = False,
+    async_group=None,
+    tmp: Path | None = None,
+):
     """Start writing checkpoint `step` into step-N.tmp (or `tmp`, an empty folder from
     `scratch_dir`, single process): the DCP tensors of every rank. Returns (tmp, future): the
     future is None for a synchronous write (done on return) or DCP's async future (tensors staged
@@ -194,8 +203,12 @@ def begin(run_dir: str | Path, step: int, model: Modules, optimizer: torch.optim
             if asynchronous:
                 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-                return tmp, dcp.async_save(content, storage_writer=writer(tmp), process_group=async_group,
-                                           async_checkpointer_type=AsyncCheckpointerType.THREAD)
+                return tmp, dcp.async_save(
+                    content,
+                    storage_writer=writer(tmp),
+                    process_group=async_group,
+                    async_checkpointer_type=AsyncCheckpointerType.THREAD,
+                )
             dcp.save(content, storage_writer=writer(tmp))
     except (CheckpointException, OSError, RuntimeError) as e:
         abandon(tmp)
@@ -203,8 +216,16 @@ def begin(run_dir: str | Path, step: int, model: Modules, optimizer: torch.optim
     return tmp, None
 
 
-def finish(run_dir: str | Path, step: int, tmp: Path, state: dict, files: dict[str, Path] | None = None,
-           keep: int | None = 2, collective: bool = True, replace: bool = True) -> Path:
+def finish(
+    run_dir: str | Path,
+    step: int,
+    tmp: Path,
+    state: dict,
+    files: dict[str, Path] | None = None,
+    keep: int | None = 2,
+    collective: bool = True,
+    replace: bool = True,
+) -> Path:
     """Complete a checkpoint whose tensors are written: state.json, extra files, then the manifest
     (last, so it vouches for everything), fsync, atomic rename, retention. `collective=False`:
     called by rank 0 alone (finalizing an async save, whose tensors every rank has written).
@@ -218,8 +239,13 @@ def finish(run_dir: str | Path, step: int, tmp: Path, state: dict, files: dict[s
         for name, src in (files or {}).items():
             shutil.copyfile(src, tmp / name)
         entries = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
-        manifest = {"format": FORMAT, "step": step, "config_hash": state.get("config_hash"),
-                    "layout": state.get("layout"), "files": entries}
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "config_hash": state.get("config_hash"),
+            "layout": state.get("layout"),
+            "files": entries,
+        }
         (tmp / MANIFEST).write_text(json.dumps(manifest))
         for p in [*tmp.iterdir(), tmp]:
             fd = os.open(p, os.O_RDONLY)
@@ -265,11 +291,14 @@ def claim_step(run_dir: str | Path, step: int, force: bool = False) -> Path:
     final = step_dir(run_dir, step)
     if final.exists() or final.is_symlink():
         if final.is_symlink() or not (final / MANIFEST).is_file():
-            raise CheckpointError(f"{final} is already there and is not a flopwise checkpoint (no {MANIFEST}); "
-                                  "nothing was written: move it away or choose another output folder")
+            raise CheckpointError(
+                f"{final} is already there and is not a flopwise checkpoint (no {MANIFEST}); "
+                "nothing was written: move it away or choose another output folder"
+            )
         if not force:
-            raise CheckpointError(f"{final} already exists; nothing was written (--force replaces it, or choose "
-                                  "another output folder)")
+            raise CheckpointError(
+                f"{final} already exists; nothing was written (--force replaces it, or choose another output folder)"
+            )
     return final
 
 
@@ -288,8 +317,9 @@ def scratch_dir(run_dir: str | Path, step: int) -> Path:
             except FileExistsError:
                 continue
     except OSError as e:
-        raise CheckpointError(f"cannot write a checkpoint under {root} ({e.strerror or e}); "
-                              "nothing was written") from None
+        raise CheckpointError(
+            f"cannot write a checkpoint under {root} ({e.strerror or e}); nothing was written"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -311,14 +341,24 @@ def abandon(tmp: Path) -> None:
 def not_written(run_dir: str | Path, step: int, reason: str) -> CheckpointError:
     prev = latest(run_dir, verify_checksums=False)
     kept = f"the latest complete checkpoint is still {prev.name}" if prev else "there is no earlier checkpoint"
-    return CheckpointError(f"checkpoint step-{step:08d} not written ({reason}); {kept}. Free space or fix "
-                           "permissions under checkpoints/, or set checkpoint.on_error=continue")
+    return CheckpointError(
+        f"checkpoint step-{step:08d} not written ({reason}); {kept}. Free space or fix "
+        "permissions under checkpoints/, or set checkpoint.on_error=continue"
+    )
 
 
-def save(run_dir: str | Path, step: int, model: Modules, optimizer: torch.optim.Optimizer | None,
-         state: dict, files: dict[str, Path] | None = None, keep: int | None = 2,
-         writer: Callable[[Path], FileSystemWriter] = FileSystemWriter, replace: bool = True,
-         tmp: Path | None = None) -> Path:
+def save(
+    run_dir: str | Path,
+    step: int,
+    model: Modules,
+    optimizer: torch.optim.Optimizer | None,
+    state: dict,
+    files: dict[str, Path] | None = None,
+    keep: int | None = 2,
+    writer: Callable[[Path], FileSystemWriter] = FileSystemWriter,
+    replace: bool = True,
+    tmp: Path | None = None,
+) -> Path:
     """Write checkpoint `step` atomically and keep the newest `keep` complete ones (None: delete
     none; optimizer=None: weights only, e.g. a model imported from Hugging Face). `model` may be a
     list of pipeline stage modules; every rank calls this with its own shards. A failed write
@@ -377,16 +417,19 @@ def _candidates(run_dir: str | Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")
-                   and not p.name.endswith(".tmp")), key=lambda p: p.name)
+    return sorted(
+        (p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp")),
+        key=lambda p: p.name,
+    )
 
 
 def list_complete(run_dir: str | Path) -> list[Path]:
     return [p for p in _candidates(run_dir) if is_complete(p)]
 
 
-def latest(run_dir: str | Path, verify_checksums: bool = True,
-           report: Callable[[str], None] | None = None) -> Path | None:
+def latest(
+    run_dir: str | Path, verify_checksums: bool = True, report: Callable[[str], None] | None = None
+) -> Path | None:
     """The newest checkpoint that verifies; each damaged newer one is reported in one line and skipped."""
     skipped: list[tuple[str, str]] = []
     for p in reversed(_candidates(run_dir)):
@@ -407,14 +450,18 @@ def prune(run_dir: str | Path, keep: int, protect: Path | None = None) -> None:
     the one just written) and leftover .tmp folders of interrupted writes (no write is in flight
     when this runs)."""
     failed: list[str] = []
-    old_ones = [p for p in list_complete(run_dir)[:-max(1, keep)] if protect is None or p != Path(protect)]
+    old_ones = [p for p in list_complete(run_dir)[: -max(1, keep)] if protect is None or p != Path(protect)]
     root = _no_link(Path(run_dir) / "checkpoints")
     for old in [*old_ones, *root.glob("step-*.tmp")]:
         if not old.is_symlink():  # a link there is not flopwise's to delete, nor what it points to
             shutil.rmtree(old, onerror=lambda _fn, path, info: failed.append(f"{path} ({info[1]})"))
     if failed:  # the new checkpoint is complete; say what could not be cleared, and go on
-        warnings.warn(f"checkpoint retention could not delete {failed[0]}" + (f" and {len(failed) - 1} more"
-                      if len(failed) > 1 else "") + "; free the space by hand", stacklevel=2)
+        warnings.warn(
+            f"checkpoint retention could not delete {failed[0]}"
+            + (f" and {len(failed) - 1} more" if len(failed) > 1 else "")
+            + "; free the space by hand",
+            stacklevel=2,
+        )
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -422,12 +469,25 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     # Not BytesStorageMetadata: DCP loads such an entry with torch.load(weights_only=False), i.e.
     # unpickles bytes from the folder. flopwise writes tensors only, so a bytes entry is an attack.
-    DCP = {("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-        ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-        ("collections", "OrderedDict")}
+    DCP = {
+        ("torch.distributed.checkpoint.metadata", n)
+        for n in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    } | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("collections", "OrderedDict"),
+    }
 
     def find_class(self, module: str, name: str):
         if (module, name) in self.DCP or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
@@ -446,16 +506,36 @@ def _short(value: object) -> str:
 
 def _is_size(value: object, rank: int | None = None) -> TypeGuard[tuple[int, ...]]:
     """A torch.Size-like tuple of non-negative ints (of `rank` entries when given); bools are not sizes."""
-    return (isinstance(value, tuple) and all(type(n) is int and n >= 0 for n in value)
-            and (rank is None or len(value) == rank))
+    return (
+        isinstance(value, tuple)
+        and all(type(n) is int and n >= 0 for n in value)
+        and (rank is None or len(value) == rank)
+    )
 
 
 @cache
 def _loadable_dtypes() -> frozenset:
     """The dtypes a tensor entry may declare: ordinary floating point, complex, integer and bool
     ones (not quantized, bit-packed or sub-byte dtypes, which no model state holds)."""
-    names = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "complex64",
-             "complex128", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool")
+    names = (
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "complex64",
+        "complex128",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+    )
     return frozenset(d for n in names if isinstance(d := getattr(torch, n, None), torch.dtype))
 
 
@@ -469,8 +549,10 @@ def _tiling_problem(entry: TensorStorageMetadata) -> str | None:
     dtype = getattr(props, "dtype", None)
     if not isinstance(props, TensorProperties) or not isinstance(dtype, torch.dtype) or dtype not in _loadable_dtypes():
         return f"has properties {_short(props)}"
-    if not (isinstance(getattr(props, "layout", None), torch.layout)
-            and all(isinstance(getattr(props, f, None), bool) for f in ("requires_grad", "pin_memory"))):
+    if not (
+        isinstance(getattr(props, "layout", None), torch.layout)
+        and all(isinstance(getattr(props, f, None), bool) for f in ("requires_grad", "pin_memory"))
+    ):
         return f"has properties {_short(props)}"
     size = getattr(entry, "size", None)
     if not _is_size(size):
@@ -481,8 +563,12 @@ def _tiling_problem(entry: TensorStorageMetadata) -> str | None:
     total = 0
     for chunk in chunks:
         offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
-        if not (isinstance(chunk, ChunkStorageMetadata) and _is_size(offsets, len(size)) and _is_size(sizes, len(size))
-                and all(o + n <= d for o, n, d in zip(offsets, sizes, size, strict=True))):
+        if not (
+            isinstance(chunk, ChunkStorageMetadata)
+            and _is_size(offsets, len(size))
+            and _is_size(sizes, len(size))
+            and all(o + n <= d for o, n, d in zip(offsets, sizes, size, strict=True))
+        ):
             return f"has a chunk outside its size {list(size)}"
         total += math.prod(sizes)
     if total != math.prod(size):
@@ -495,8 +581,11 @@ def _storage_problem(key: object, info: object) -> str | None:
     points at a plain file of the folder, at a non-negative offset and length, with no stream
     transforms (flopwise writes none)."""
     damaged = "(damaged); use another checkpoint"
-    if not (isinstance(key, MetadataIndex) and isinstance(getattr(key, "fqn", None), str)
-            and (getattr(key, "offset", None) is None or _is_size(getattr(key, "offset", None)))):
+    if not (
+        isinstance(key, MetadataIndex)
+        and isinstance(getattr(key, "fqn", None), str)
+        and (getattr(key, "offset", None) is None or _is_size(getattr(key, "offset", None)))
+    ):
         return f"has a storage key {_short(key)} {damaged}"
     if not isinstance(info, _StorageInfo):
         return f"has a storage record {_short(info)} for {_short(key.fqn)} {damaged}"
@@ -534,22 +623,32 @@ def _metadata_problem(metadata: object) -> str | None:
         if not isinstance(key, str):
             return f"has an entry named {_short(key)} (damaged); use another checkpoint"
         if not isinstance(entry, TensorStorageMetadata):
-            return (f"stores {_short(key)} as {type(entry).__name__}, which flopwise never writes (it would be "
-                    "unpickled); refused")
+            return (
+                f"stores {_short(key)} as {type(entry).__name__}, which flopwise never writes (it would be "
+                "unpickled); refused"
+            )
         if why := _tiling_problem(entry):
             return f"entry {_short(key)} {why} (damaged); use another checkpoint"
         for chunk in entry.chunks:  # each chunk stored somewhere, in at least its raw bytes
             info = storage.get(MetadataIndex(key, chunk.offsets))
             need = math.prod(chunk.sizes) * entry.properties.dtype.itemsize
             if info is None:
-                return (f"entry {_short(key)} has a chunk at {list(chunk.offsets)} that is stored nowhere (damaged); "
-                        "use another checkpoint")
+                return (
+                    f"entry {_short(key)} has a chunk at {list(chunk.offsets)} that is stored nowhere (damaged); "
+                    "use another checkpoint"
+                )
             if info.length < need:
-                return (f"entry {_short(key)} has a chunk of {need} bytes stored in {info.length} (damaged); "
-                        "use another checkpoint")
+                return (
+                    f"entry {_short(key)} has a chunk of {need} bytes stored in {info.length} (damaged); "
+                    "use another checkpoint"
+                )
     for key, path in (metadata.planner_data or {}).items():
-        if not (isinstance(key, str) and isinstance(path, tuple | list) and path
-                and all(isinstance(p, str | int) and not isinstance(p, bool) for p in path)):
+        if not (
+            isinstance(key, str)
+            and isinstance(path, tuple | list)
+            and path
+            and all(isinstance(p, str | int) and not isinstance(p, bool) for p in path)
+        ):
             return f"has planner data {_short(key)}: {_short(path)} (damaged); use another checkpoint"
     return None
 
@@ -582,8 +681,9 @@ def read_dcp_metadata(path: Path) -> Metadata:
         metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
         why = _metadata_problem(metadata)
     except Exception as e:  # untrusted bytes: any way the unpickler fails means refused
-        raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} refused ({type(e).__name__}: "
-                              f"{' '.join(str(e).split())[:200]})") from None
+        raise CheckpointError(
+            f"checkpoint {path}: {DCP_METADATA} refused ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+        ) from None
     if why:
         raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} {why}")
     return metadata
@@ -645,8 +745,9 @@ def load(path: Path, model: Modules, optimizer: torch.optim.Optimizer | None = N
                 sd["optim"] = _optim_state(modules, optimizer)
             dcp.load(sd, storage_reader=SafeReader(str(path)))
             for m in modules:
-                set_model_state_dict(m, {k: sd["model"][k] for k in get_model_state_dict(m)},
-                                     options=StateDictOptions(strict=True))
+                set_model_state_dict(
+                    m, {k: sd["model"][k] for k in get_model_state_dict(m)}, options=StateDictOptions(strict=True)
+                )
         except (CheckpointException, RuntimeError, ValueError, KeyError, SystemError) as e:
             raise CheckpointError(f"checkpoint {path}: does not fit this model/layout ({reason(e)})") from None
     return read_state(path)

@@ -67,7 +67,9 @@ class CheckpointTensors(checkpoint.SafeReader):
         md = self.read_metadata()
         for key, spec in md.state_dict_metadata.items():
             if not isinstance(spec, TensorStorageMetadata):
-                raise CheckpointError(f"checkpoint {self.dir}: entry {key!r} is not a tensor (flopwise writes only tensors)")
+                raise CheckpointError(
+                    f"checkpoint {self.dir}: entry {key!r} is not a tensor (flopwise writes only tensors)"
+                )
         return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
@@ -131,8 +133,9 @@ def export_checkpoint(path: str | Path, out: str | Path, force: bool = False) ->
     try:
         step = int(state.pop("step"))
     except (KeyError, TypeError, ValueError, OverflowError):
-        raise CheckpointError(f"checkpoint {ckpt}: state.json holds no valid step (damaged); "
-                              "use another checkpoint") from None
+        raise CheckpointError(
+            f"checkpoint {ckpt}: state.json holds no valid step (damaged); use another checkpoint"
+        ) from None
     out = real_path(out)
     rundir.check_claim(out, ["checkpoints"], "--out")  # a refusal names this command's option
     check_folder(out, "--out")
@@ -142,8 +145,12 @@ def export_checkpoint(path: str | Path, out: str | Path, force: bool = False) ->
 
 def _export(ckpt: Path, source: CheckpointTensors, state: dict, cfg, step: int, out: Path, force: bool) -> Path:
     checkpoint.claim_step(out, step, force)
-    state.update(config=to_toml(cfg), config_hash=config_hash(cfg), layout={**Layout(micro_batch=1).to_json(), "world_size": 1},
-                 exported_from=str(ckpt))
+    state.update(
+        config=to_toml(cfg),
+        config_hash=config_hash(cfg),
+        layout={**Layout(micro_batch=1).to_json(), "world_size": 1},
+        exported_from=str(ckpt),
+    )
     tmp = checkpoint.scratch_dir(out, step)
     try:
         with checkpoint.without_process_group():

@@ -49,15 +49,24 @@ def _read(run_dir: Path) -> dict | None:
         record = json.loads(path.read_text(encoding="utf-8")) if path.is_file() and not path.is_symlink() else None
     except (OSError, ValueError):
         record = None
-    if not (isinstance(record, dict) and record.get("format") == FORMAT and isinstance(record.get("files"), dict)
-            and isinstance(record.get("writes"), list) and all(isinstance(n, str) for n in record["writes"])):
-        raise ConfigError(f"run folder {run_dir}: {RUN_FILE} is not a flopwise run record (of this version); "
-                          "choose a new or empty folder, or move that file away")
+    if not (
+        isinstance(record, dict)
+        and record.get("format") == FORMAT
+        and isinstance(record.get("files"), dict)
+        and isinstance(record.get("writes"), list)
+        and all(isinstance(n, str) for n in record["writes"])
+    ):
+        raise ConfigError(
+            f"run folder {run_dir}: {RUN_FILE} is not a flopwise run record (of this version); "
+            "choose a new or empty folder, or move that file away"
+        )
     if not written_for(record, run_dir):
         bound = record.get("folder")
         where = bound.get("path") if isinstance(bound, dict) and bound.get("path") else "another folder"
-        raise ConfigError(f"run folder {run_dir}: {RUN_FILE} was written for {where}, not this one (a copied run "
-                          "folder proves nothing): choose a new or empty folder, or move the copied files away")
+        raise ConfigError(
+            f"run folder {run_dir}: {RUN_FILE} was written for {where}, not this one (a copied run "
+            "folder proves nothing): choose a new or empty folder, or move the copied files away"
+        )
     return record
 
 
@@ -89,13 +98,17 @@ def check_claim(run_dir: str | Path, names: Iterable[str], option: str = "run.di
     flopwise did not write (`_why_foreign`)."""
     run_dir = real_path(run_dir)
     if run_dir.is_symlink() or (run_dir.exists() and not run_dir.is_dir()):
-        raise ConfigError(f"{option} {run_dir}: is {'a symbolic link' if run_dir.is_symlink() else 'a file'}, "
-                          "not a folder; choose a folder")
+        raise ConfigError(
+            f"{option} {run_dir}: is {'a symbolic link' if run_dir.is_symlink() else 'a file'}, "
+            "not a folder; choose a folder"
+        )
     record = _read(run_dir) if run_dir.is_dir() else None
     for name in sorted(set(names)):
         if why := _why_foreign(run_dir, name, record):
-            raise ConfigError(f"run folder {run_dir} ({option}): {name} {why}; nothing was written: choose a new or "
-                              f"empty folder for {option}, or move it away")
+            raise ConfigError(
+                f"run folder {run_dir} ({option}): {name} {why}; nothing was written: choose a new or "
+                f"empty folder for {option}, or move it away"
+            )
     return set(record["writes"]) if record else set()
 
 
@@ -145,8 +158,9 @@ def _entry(size: int, sha256: str, before: dict | None) -> dict:
 def _owned(record: dict, run_dir: Path, name: str) -> dict | None:
     """The record of `name`, which must be a claimed name holding what flopwise wrote (or nothing)."""
     if name not in record["writes"] or (why := _why_foreign(run_dir, name, record)):
-        raise ConfigError(f"run folder {run_dir}: {name} "
-                          f"{why or 'was not claimed by this command'}; nothing was written there")
+        raise ConfigError(
+            f"run folder {run_dir}: {name} {why or 'was not claimed by this command'}; nothing was written there"
+        )
     path = run_dir / name
     return record["files"].get(name) if path.exists() else None
 

@@ -70,7 +70,7 @@ def _window_hashes(values: np.ndarray, lengths: Iterable[int]) -> Iterator[tuple
             return
         count = len(values) - m + 1
         for i in range(done, m):
-            h = h[:count] + _MULTIPLIERS[i] * values[i:i + count]
+            h = h[:count] + _MULTIPLIERS[i] * values[i : i + count]
         done = m
         yield m, h, unknown[m:] == unknown[:count]
 
@@ -78,6 +78,7 @@ def _window_hashes(values: np.ndarray, lengths: Iterable[int]) -> Iterator[tuple
 @dataclass
 class _Grams:
     """The grams of one length: sorted unique hashes, and for every (example, gram) pair its key."""
+
     keys: np.ndarray
     key_of_pair: np.ndarray
     example_of_pair: np.ndarray
@@ -103,7 +104,7 @@ class TaskGrams:
             for w in ws:
                 self.values.setdefault(w, _word_value(w))
             m = min(n, len(ws))
-            (_, h, _), = _window_hashes(self._values(ws), [m])
+            ((_, h, _),) = _window_hashes(self._values(ws), [m])
             hashes, owners = pairs.setdefault(m, ([], []))
             hashes += h.tolist()
             owners += [k] * len(h)
@@ -137,6 +138,7 @@ class TaskGrams:
 @dataclass
 class Contamination:
     """Per task, which examples share a gram with the training data; which training documents do."""
+
     tasks: list[str]
     examples: list[int]
     contaminated: list[list[int]]
@@ -147,8 +149,10 @@ class Contamination:
     seconds: float = 0.0
 
     def rows(self) -> list[dict]:
-        return [{"task": t, "examples": n, "contaminated": len(c), "share": len(c) / n if n else 0.0}
-                for t, n, c in zip(self.tasks, self.examples, self.contaminated, strict=True)]
+        return [
+            {"task": t, "examples": n, "contaminated": len(c), "share": len(c) / n if n else 0.0}
+            for t, n, c in zip(self.tasks, self.examples, self.contaminated, strict=True)
+        ]
 
 
 def scan(grams: TaskGrams, documents: Iterable[str]) -> Contamination:
@@ -192,8 +196,8 @@ def training_texts(data: str, batch: int = 256) -> Iterator[str]:
     spans = meta["splits"]["train"]["documents"]
     for b in range(0, len(spans), batch):
         ids = []
-        for start, length in spans[b:b + batch]:
-            doc = tokens[start:start + length]
+        for start, length in spans[b : b + batch]:
+            doc = tokens[start : start + length]
             ids.append((doc[:-1] if length and doc[-1] == eos else doc).tolist())
         yield from tok.decode_batch(ids, skip_special_tokens=False)
 

@@ -34,8 +34,10 @@ class WindowStream:
         self.index_documents = read_index(source.data_dir)["splits"][split].get("documents", [])
         self.n_windows = (len(self.tokens) - 1) // seq_len
         if self.n_windows < 1:
-            raise DataError(f"data split {split!r} of {source.data_dir}: {len(self.tokens)} tokens, too few for one "
-                            f"sequence of data.seq_len={seq_len}")
+            raise DataError(
+                f"data split {split!r} of {source.data_dir}: {len(self.tokens)} tokens, too few for one "
+                f"sequence of data.seq_len={seq_len}"
+            )
         # the first source keeps the key a one-source loader always had, so its order is unchanged
         self.key = [seed] if index == 0 else [seed, index]
         self.epoch, self.cursor, self.taken = 0, 0, 0
@@ -53,7 +55,7 @@ class WindowStream:
         while len(ids) < n:
             order = self._order(self.epoch)
             k = min(n - len(ids), self.n_windows - self.cursor)
-            ids.extend(order[self.cursor:self.cursor + k])
+            ids.extend(order[self.cursor : self.cursor + k])
             self.cursor += k
             if self.cursor == self.n_windows:
                 self.epoch, self.cursor = self.epoch + 1, 0
@@ -62,7 +64,7 @@ class WindowStream:
 
     def rows(self, ids: Sequence[int]) -> list[np.ndarray]:
         s = self.seq_len
-        return [np.asarray(self.tokens[i * s:(i + 1) * s + 1], dtype=np.int64) for i in ids]
+        return [np.asarray(self.tokens[i * s : (i + 1) * s + 1], dtype=np.int64) for i in ids]
 
     def documents(self, ids: np.ndarray) -> list[int]:
         """Indices (in the split's index.json order) of the documents the given windows touch."""
@@ -74,15 +76,28 @@ class WindowStream:
         return sorted({int(d) for a, b in zip(first, last, strict=True) for d in range(max(a, 0), b + 1)})
 
     def state_dict(self) -> dict:
-        return {"name": self.source.name, "epoch": self.epoch, "cursor": self.cursor, "taken": self.taken,
-                "n_windows": self.n_windows}
+        return {
+            "name": self.source.name,
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "taken": self.taken,
+            "n_windows": self.n_windows,
+        }
 
 
 class TokenLoader:
     """Global batches of windows drawn from `data` (one data folder, or weighted sources)."""
 
-    def __init__(self, data: str | Path | Sequence[Source], split: str, seq_len: int, global_batch: int, seed: int,
-                 dp_rank: int = 0, dp_size: int = 1):
+    def __init__(
+        self,
+        data: str | Path | Sequence[Source],
+        split: str,
+        seq_len: int,
+        global_batch: int,
+        seed: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ):
         if global_batch % dp_size:
             raise DataError(f"train.global_batch={global_batch} is not divisible by the data-parallel size {dp_size}")
         sources = [Source("data", Path(data))] if isinstance(data, (str, Path)) else list(data)
@@ -101,8 +116,9 @@ class TokenLoader:
         """The source of each sequence of global batch `batch` (a function of seed and batch only)."""
         if len(self.streams) == 1:
             return np.zeros(self.global_batch, dtype=np.int64)
-        return np.random.default_rng([self.seed, MIX_KEY, batch]).choice(len(self.streams), self.global_batch,
-                                                                          p=self.weights)
+        return np.random.default_rng([self.seed, MIX_KEY, batch]).choice(
+            len(self.streams), self.global_batch, p=self.weights
+        )
 
     def _take_global(self) -> np.ndarray:
         """(source, window) of each sequence of the next global batch; advances the position."""
@@ -118,12 +134,14 @@ class TokenLoader:
         """This rank's share of the next global batch: (global_batch / dp_size, seq_len + 1) int64."""
         pairs = self._take_global()
         local = self.global_batch // self.dp_size
-        mine = pairs[self.dp_rank * local:(self.dp_rank + 1) * local]
+        mine = pairs[self.dp_rank * local : (self.dp_rank + 1) * local]
         return torch.from_numpy(np.stack([self.streams[s].rows([i])[0] for s, i in mine]))
 
     def skip(self, n_batches: int) -> np.ndarray:
         """Advance past `n_batches` global batches without reading them; their (source, window) pairs."""
-        return np.concatenate([self._take_global() for _ in range(n_batches)]) if n_batches else np.empty((0, 2), np.int64)
+        return (
+            np.concatenate([self._take_global() for _ in range(n_batches)]) if n_batches else np.empty((0, 2), np.int64)
+        )
 
     def by_source(self, pairs: np.ndarray) -> dict[str, np.ndarray]:
         return {st.source.name: pairs[pairs[:, 0] == s, 1] for s, st in enumerate(self.streams)}
@@ -140,22 +158,32 @@ class TokenLoader:
         return {st.source.name: st.taken / st.n_windows for st in self.streams}
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "seq_len": self.seq_len, "batches": self.batches,
-                "sources": [st.state_dict() for st in self.streams]}
+        return {
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "batches": self.batches,
+            "sources": [st.state_dict() for st in self.streams],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "seq_len"):
             if state.get(key) != getattr(self, key):
-                raise DataError(f"loader state: checkpoint has {key}={state.get(key)} but this run has "
-                                f"{getattr(self, key)}; resume with the same data and data.seq_len")
+                raise DataError(
+                    f"loader state: checkpoint has {key}={state.get(key)} but this run has "
+                    f"{getattr(self, key)}; resume with the same data and data.seq_len"
+                )
         saved = state.get("sources", [])
         if [s["name"] for s in saved] != self.names and not (len(saved) == len(self.names) == 1):
-            raise DataError(f"loader state: checkpoint's data sources are {[s['name'] for s in saved]} but this run's "
-                            f"are {self.names}; resume with the same data.sources (names and order)")
+            raise DataError(
+                f"loader state: checkpoint's data sources are {[s['name'] for s in saved]} but this run's "
+                f"are {self.names}; resume with the same data.sources (names and order)"
+            )
         for st, s in zip(self.streams, saved, strict=True):
             if s["n_windows"] != st.n_windows:
-                raise DataError(f"loader state: source {st.source.name!r} had {s['n_windows']} windows in the "
-                                f"checkpoint but has {st.n_windows} here; resume with the same data and data.seq_len")
+                raise DataError(
+                    f"loader state: source {st.source.name!r} had {s['n_windows']} windows in the "
+                    f"checkpoint but has {st.n_windows} here; resume with the same data and data.seq_len"
+                )
             st.epoch, st.cursor, st.taken = int(s["epoch"]), int(s["cursor"]), int(s["taken"])
         self.batches = int(state["batches"])
 
@@ -168,5 +196,6 @@ def eval_batches(data_dir, seq_len: int, batch: int, n_batches: int, split: str 
         raise DataError(f"data split {split!r}: too few tokens for one sequence of {seq_len}")
     for b in range(min(n_batches, max(1, n_windows // batch))):
         ids = range(b * batch, min((b + 1) * batch, n_windows))
-        yield torch.from_numpy(np.stack([np.asarray(tokens[i * seq_len:(i + 1) * seq_len + 1], dtype=np.int64)
-                                         for i in ids]))
+        yield torch.from_numpy(
+            np.stack([np.asarray(tokens[i * seq_len : (i + 1) * seq_len + 1], dtype=np.int64) for i in ids])
+        )

@@ -44,10 +44,10 @@ class SourceDraw:
     """One source of a mixture and what `tokens` training tokens take from it."""
 
     name: str
-    share: float          # normalised weight
-    unique_tokens: int    # its train split
+    share: float  # normalised weight
+    unique_tokens: int  # its train split
     documents: int
-    drawn_tokens: float   # share · planned tokens
+    drawn_tokens: float  # share · planned tokens
     epochs: float
     effective_tokens: float
 
@@ -66,8 +66,17 @@ def draws(sources: list[Source], tokens: float) -> list[SourceDraw]:
         if unique < 1:
             raise DataError(f"data source {s.name!r} ({s.data_dir}): its train split is empty")
         drawn = tokens * s.weight / total
-        out.append(SourceDraw(s.name, s.weight / total, unique, len(train.get("documents", [])), drawn,
-                              drawn / unique, effective_tokens(drawn, unique)))
+        out.append(
+            SourceDraw(
+                s.name,
+                s.weight / total,
+                unique,
+                len(train.get("documents", [])),
+                drawn,
+                drawn / unique,
+                effective_tokens(drawn, unique),
+            )
+        )
     return out
 
 
@@ -101,8 +110,10 @@ def check_tokenizers(sources: list[Source]) -> None:
         if first is None:
             first = (s, digest)
         elif digest != first[1]:
-            raise DataError(f"data source {s.name!r} ({s.data_dir}) was tokenized differently from "
-                            f"{first[0].name!r}; prepare every source with the same --tokenizer")
+            raise DataError(
+                f"data source {s.name!r} ({s.data_dir}) was tokenized differently from "
+                f"{first[0].name!r}; prepare every source with the same --tokenizer"
+            )
 
 
 def fingerprint(sources: list[Source]) -> str:

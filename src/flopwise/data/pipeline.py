@@ -111,6 +111,7 @@ WORK_FILES = ("datatrove.log", "wall.jsonl", "plan.json", "plan.json.tmp")
 @dataclass
 class Survey:
     """The counting pass: files, documents, bytes, and where tasks may start."""
+
     files: list[str]
     sources: list[str]
     documents: int
@@ -139,8 +140,10 @@ def survey(inputs: list[str]) -> Survey:
             s.documents += 1
             s.bytes += len(text.encode())
     if not s.documents:
-        raise DataError(f"data input {', '.join(inputs)}: contains no text"
-                        + (f" (skipped: {skipped_note(skipped)})" if skipped else ""))
+        raise DataError(
+            f"data input {', '.join(inputs)}: contains no text"
+            + (f" (skipped: {skipped_note(skipped)})" if skipped else "")
+        )
     return s
 
 
@@ -153,8 +156,10 @@ def plan_tasks(s: Survey, n_tasks: int) -> list[dict]:
         if cuts[-1] < c < len(s.chunks):
             cuts.append(c)
     ends = [s.chunks[c][0] for c in cuts[1:]] + [s.documents]
-    return [{"first": s.chunks[c][0], "end": end, "file": s.chunks[c][1], "pos": s.chunks[c][2],
-             "line": s.chunks[c][3]} for c, end in zip(cuts, ends, strict=True)]
+    return [
+        {"first": s.chunks[c][0], "end": end, "file": s.chunks[c][1], "pos": s.chunks[c][2], "line": s.chunks[c][3]}
+        for c, end in zip(cuts, ends, strict=True)
+    ]
 
 
 def sample_texts(files: list[str], limit: int = SAMPLE_BYTES) -> Iterator[str]:
@@ -199,8 +204,9 @@ def _run(stage: str, pipeline: list, tasks: int, workers: int, work: Path):
 
     # spawn, not fork: this process has run tokenizers' thread pool (BPE training) and a progress
     # thread, and forking a threaded process can deadlock the child
-    executor = LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(workers, tasks),
-                                     logging_dir=str(work / "logs" / stage), start_method="spawn")
+    executor = LocalPipelineExecutor(
+        pipeline, tasks=tasks, workers=min(workers, tasks), logging_dir=str(work / "logs" / stage), start_method="spawn"
+    )
     t0 = time.perf_counter()
     try:
         with _quiet(work / "datatrove.log"):
@@ -210,8 +216,10 @@ def _run(stage: str, pipeline: list, tasks: int, workers: int, work: Path):
     except DataError:
         raise
     except Exception as e:
-        raise DataError(f"data prepare: stage {stage} failed ({type(e).__name__}: {str(e)[:200]}); "
-                        f"see {work / 'datatrove.log'}, then rerun to resume") from None
+        raise DataError(
+            f"data prepare: stage {stage} failed ({type(e).__name__}: {str(e)[:200]}); "
+            f"see {work / 'datatrove.log'}, then rerun to resume"
+        ) from None
 
 
 def _stage_stats(work: Path, stage: str) -> list[tuple[str, dict[str, float]]]:
@@ -224,7 +232,9 @@ def _stage_stats(work: Path, stage: str) -> list[tuple[str, dict[str, float]]]:
                 steps.append((step["name"], {}))
             totals = steps[k][1]
             timing = step.get("time_stats", 0)
-            totals["_seconds"] = totals.get("_seconds", 0) + (timing.get("total", 0) if isinstance(timing, dict) else timing)
+            totals["_seconds"] = totals.get("_seconds", 0) + (
+                timing.get("total", 0) if isinstance(timing, dict) else timing
+            )
             for label, metric in step.get("stats", {}).items():
                 value = metric["total"] if isinstance(metric, dict) else metric
                 totals[label] = totals.get(label, 0) + int(value)
@@ -240,8 +250,10 @@ def _filter_steps(filters: list[str], words, decontaminate: Sequence[str] = ()) 
     for name in filters:
         if name == "gopher":
             # MassiveText's order (Rae et al. 2021 Fig. A1): quality filters, then repetition removal
-            steps += [("gopher_quality", GopherQualityFilter(language=words)),
-                      ("gopher_repetition", GopherRepetitionFilter(language=words))]
+            steps += [
+                ("gopher_quality", GopherQualityFilter(language=words)),
+                ("gopher_repetition", GopherRepetitionFilter(language=words)),
+            ]
         else:
             steps.append(("c4", C4QualityFilter(min_num_sentences=3, min_words_per_line=5, language=words)))
     if decontaminate:  # GPT-3's 13-gram rule against the named evaluation tasks (data/contamination.py)
@@ -273,10 +285,21 @@ def _progress_loop(work: Path, total: int, progress: Callable, stop: threading.E
         progress("tokenize", done, total, tokens)
 
 
-def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val_fraction: float = 0.05,
-            seed: int = 0, progress: Callable[[str, int, int, int], None] | None = None, force: bool = False,
-            workers: int | None = None, tasks: int | None = None, filters: Sequence[str] | str = (),
-            dedup: Sequence[str] | str = (), decontaminate: Sequence[str] | str = (), setting: str | None = None) -> PrepareStats:
+def prepare(
+    inputs: list[str],
+    out: str | Path,
+    tokenizer: str = "bpe:4096",
+    val_fraction: float = 0.05,
+    seed: int = 0,
+    progress: Callable[[str, int, int, int], None] | None = None,
+    force: bool = False,
+    workers: int | None = None,
+    tasks: int | None = None,
+    filters: Sequence[str] | str = (),
+    dedup: Sequence[str] | str = (),
+    decontaminate: Sequence[str] | str = (),
+    setting: str | None = None,
+) -> PrepareStats:
     """Tokenize `inputs` into numbered shards in `out` (see the module docstring for the stages).
 
     workers: processes (default: all cores); tasks: pipeline tasks = shard files per split
@@ -296,8 +319,9 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
     t0 = time.perf_counter()
     out = real_path(out)
     filters, dedup = _parse("--filter", filters, FILTERS), _parse("--dedup", dedup, DEDUPS)
-    decontaminate = [t.strip() for t in (decontaminate.split(",") if isinstance(decontaminate, str) else decontaminate)
-                     if t.strip()]
+    decontaminate = [
+        t.strip() for t in (decontaminate.split(",") if isinstance(decontaminate, str) else decontaminate) if t.strip()
+    ]
     words = Whitespace()
     quality = _filter_steps(filters, words, decontaminate)  # built once, now: an unknown task fails here
     workers = workers or os.cpu_count() or 1
@@ -313,12 +337,22 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
         if reason and not force:
             raise DataError(_refusal(out, reason, keep, setting))
         if out.is_symlink() or (out.exists() and not out.is_dir()):  # --force replaces a folder, never a file
-            raise DataError(f"--out {out}: is a file, not a folder; --force replaces only a folder: choose another "
-                            "--out, or move the file away")
+            raise DataError(
+                f"--out {out}: is a file, not a folder; --force replaces only a folder: choose another "
+                "--out, or move the file away"
+            )
         check_folder(out, setting or "--out")
-        key = {"format": FORMAT, "inputs": _input_key(files), "tokenizer": str(spec),
-               "tokenizer_file": _input_key([tok_file]) if tok_file else None, "val_fraction": val_fraction, "seed": seed,
-               "filters": filters, "dedup": dedup, "decontaminate": decontaminate}
+        key = {
+            "format": FORMAT,
+            "inputs": _input_key(files),
+            "tokenizer": str(spec),
+            "tokenizer_file": _input_key([tok_file]) if tok_file else None,
+            "val_fraction": val_fraction,
+            "seed": seed,
+            "filters": filters,
+            "dedup": dedup,
+            "decontaminate": decontaminate,
+        }
         work = out / WORK
         plan = None
         if reason is None:  # resume only a folder the manifest vouches for
@@ -336,18 +370,38 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bpe:4096", val
         meta = _finish(out, plan, tok, dtype, seed, val_fraction, report)
         if progress:
             progress("tokenize", plan["bytes"], plan["bytes"], meta["counts"]["tokens"])
-        return PrepareStats(meta["counts"]["documents"], meta["counts"]["tokens"], meta["counts"]["bytes"],
-                            time.perf_counter() - t0, {s: e["tokens"] for s, e in meta["splits"].items()}, report)
+        return PrepareStats(
+            meta["counts"]["documents"],
+            meta["counts"]["tokens"],
+            meta["counts"]["bytes"],
+            time.perf_counter() - t0,
+            {s: e["tokens"] for s, e in meta["splits"].items()},
+            report,
+        )
 
 
-def _fresh_plan(inputs: list[str], out: Path, spec, given, key: dict, keep: set[Path], force: bool, workers: int,
-                tasks: int | None, val_fraction: float, seed: int, setting: str | None) -> dict:
+def _fresh_plan(
+    inputs: list[str],
+    out: Path,
+    spec,
+    given,
+    key: dict,
+    keep: set[Path],
+    force: bool,
+    workers: int,
+    tasks: int | None,
+    val_fraction: float,
+    seed: int,
+    setting: str | None,
+) -> dict:
     """Survey the inputs, train or take the tokenizer, clear `out` (keeping `keep`) and write the
     manifest, tokenizer, validation ids and the task plan: a prepare that a rerun can resume."""
     work = out / WORK
     s = survey(inputs)
     tok = given or train_bpe(sample_texts(s.files), spec)
-    if not force and (reason := why_not_ours(out, DATA_MANIFEST)):  # again: the survey and training may have taken hours
+    if not force and (
+        reason := why_not_ours(out, DATA_MANIFEST)
+    ):  # again: the survey and training may have taken hours
         raise DataError(_refusal(out, reason, keep, setting))
     remove_all_but(out, keep)
     n_tasks = tasks or max(workers, math.ceil(s.bytes / TASK_BYTES))
@@ -360,15 +414,23 @@ def _fresh_plan(inputs: list[str], out: Path, spec, given, key: dict, keep: set[
     tok.save(str(out / "tokenizer.json"))
     np.save(work / "val.npy", np.asarray(sorted(val_documents(s.documents, val_fraction, seed)), dtype=np.int64))
     write_manifest(out, DATA_MANIFEST, _records(out, ["tokenizer.json", f"{WORK}/val.npy"]), unchecked, folders)
-    plan = {"key": key, "files": s.files, "sources": s.sources, "documents": s.documents, "bytes": s.bytes,
-            "skipped": s.skipped, "tasks": plan_tasks(s, n_tasks)}
+    plan = {
+        "key": key,
+        "files": s.files,
+        "sources": s.sources,
+        "documents": s.documents,
+        "bytes": s.bytes,
+        "skipped": s.skipped,
+        "tasks": plan_tasks(s, n_tasks),
+    }
     (work / "plan.json.tmp").write_text(json.dumps(plan))
     os.replace(work / "plan.json.tmp", work / "plan.json")  # last: the plan means "resumable"
     return plan
 
 
-def _run_stages(out: Path, plan: dict, quality: list, words, dedup: list[str], dtype,
-                workers: int, progress) -> tuple[list[str], list[str]]:
+def _run_stages(
+    out: Path, plan: dict, quality: list, words, dedup: list[str], dtype, workers: int, progress
+) -> tuple[list[str], list[str]]:
     """Deduplicate (if asked) and tokenize into shards with datatrove, resuming finished tasks;
     `quality`: the (name, filter) steps (`_filter_steps`), `words` their word splitter. The names of
     the quality and dedup stages that ran, for the report."""
@@ -401,19 +463,50 @@ def _run_stages(out: Path, plan: dict, quality: list, words, dedup: list[str], d
 
     dedup_steps = []
     if "exact" in dedup:
-        _run("exact-signature", head("exact-signature") + [ExactDedupSignature(str(work / "exact" / "sigs"), exact_cfg)],
-             n_tasks, workers, work)
-        _run("exact-find", [ExactFindDedups(str(work / "exact" / "sigs"), str(work / "exact" / "dups"), exact_cfg)],
-             1, workers, work)
+        _run(
+            "exact-signature",
+            head("exact-signature") + [ExactDedupSignature(str(work / "exact" / "sigs"), exact_cfg)],
+            n_tasks,
+            workers,
+            work,
+        )
+        _run(
+            "exact-find",
+            [ExactFindDedups(str(work / "exact" / "sigs"), str(work / "exact" / "dups"), exact_cfg)],
+            1,
+            workers,
+            work,
+        )
         dedup_steps.append(("exact", ExactDedupFilter(str(work / "exact" / "dups"), exact_cfg)))
     if "minhash" in dedup:
         before = [s for _, f in dedup_steps for s in (f, Tally())]
         sig = MinhashDedupSignature(str(work / "minhash" / "sigs"), minhash_cfg, language=words)
         _run("minhash-signature", head("minhash-signature") + before + [sig], n_tasks, workers, work)
-        _run("minhash-buckets", [MinhashDedupBuckets(str(work / "minhash" / "sigs"), str(work / "minhash" / "buckets"),
-                                                     config=minhash_cfg)], MINHASH["num_buckets"], workers, work)
-        _run("minhash-cluster", [MinhashDedupCluster(str(work / "minhash" / "buckets"), str(work / "minhash" / "remove"),
-                                                     config=minhash_cfg, save_cluster_id=True)], 1, workers, work)
+        _run(
+            "minhash-buckets",
+            [
+                MinhashDedupBuckets(
+                    str(work / "minhash" / "sigs"), str(work / "minhash" / "buckets"), config=minhash_cfg
+                )
+            ],
+            MINHASH["num_buckets"],
+            workers,
+            work,
+        )
+        _run(
+            "minhash-cluster",
+            [
+                MinhashDedupCluster(
+                    str(work / "minhash" / "buckets"),
+                    str(work / "minhash" / "remove"),
+                    config=minhash_cfg,
+                    save_cluster_id=True,
+                )
+            ],
+            1,
+            workers,
+            work,
+        )
         dedup_steps.append(("minhash", MinhashDedupFilter(str(work / "minhash" / "remove"))))
 
     pipeline = head("tokenize") + [s for _, f in dedup_steps for s in (f, Tally())]
@@ -481,14 +574,20 @@ def _inputs_kept(out: Path, files: list[Path], tokenizer: Path | None, force: bo
     for f in inputs:
         if f == root or f.is_relative_to(scratch):
             where = "--out itself" if f == root else "inside its work folder"
-            raise DataError(f"{_where(out, setting)}: input {f} is {where}, which prepare replaces; "
-                            f"choose another {setting or '--out'}")
-    inside = [f for f in inputs[:len(files)] if f.is_relative_to(root)]
+            raise DataError(
+                f"{_where(out, setting)}: input {f} is {where}, which prepare replaces; "
+                f"choose another {setting or '--out'}"
+            )
+    inside = [f for f in inputs[: len(files)] if f.is_relative_to(root)]
     if inside and not force:
-        fix = (f"move the input elsewhere, or set {setting} to another folder" if setting else
-               "choose another --out, or pass --force to replace the folder but keep its inputs")
-        raise DataError(f"{_where(out, setting)}: input {inside[0]} is inside it and preparing there would delete it; "
-                        + fix)
+        fix = (
+            f"move the input elsewhere, or set {setting} to another folder"
+            if setting
+            else "choose another --out, or pass --force to replace the folder but keep its inputs"
+        )
+        raise DataError(
+            f"{_where(out, setting)}: input {inside[0]} is inside it and preparing there would delete it; " + fix
+        )
     return {f for f in inputs if f.is_relative_to(root)}
 
 
@@ -499,19 +598,25 @@ def _where(out: Path, setting: str | None) -> str:
 def _refusal(out: Path, reason: str, keep: set[Path], setting: str | None) -> str:
     """Why `out` is not replaced, and what replacing it would delete: --force's (the command line's)
     files listed by name, so it is never passed blind; a run's data folder has no --force."""
-    head = (f"{_where(out, setting)}: {reason}; flopwise replaces only a folder whose {DATA_MANIFEST.name} shows it "
-            "wrote every file in it: ")
+    head = (
+        f"{_where(out, setting)}: {reason}; flopwise replaces only a folder whose {DATA_MANIFEST.name} shows it "
+        "wrote every file in it: "
+    )
     if setting:
         return head + f"set {setting} to a new or empty folder, or move the files in {out} away"
     if out.is_symlink() or not out.is_dir():
         return head + "choose another --out, or move the file away"
     try:
-        doomed = [p.relative_to(out).as_posix() for p in files_under(out) if p.resolve() not in keep and p != out / LOCK]
+        doomed = [
+            p.relative_to(out).as_posix() for p in files_under(out) if p.resolve() not in keep and p != out / LOCK
+        ]
     except OSError:
         return head + "choose another folder"
     shown = ", ".join(doomed[:3]) + (f" and {len(doomed) - 3} more" if len(doomed) > 3 else "")
-    return head + (f"choose another folder, or pass --force to replace it, deleting its {len(doomed)} "
-                   f"file{'s' if len(doomed) != 1 else ''} ({shown}){'; its inputs are kept' if keep else ''}")
+    return head + (
+        f"choose another folder, or pass --force to replace it, deleting its {len(doomed)} "
+        f"file{'s' if len(doomed) != 1 else ''} ({shown}){'; its inputs are kept' if keep else ''}"
+    )
 
 
 def _index(out: Path, work: Path, plan: dict, tok, dtype: np.dtype, seed: int, val_fraction: float) -> dict:
@@ -533,16 +638,29 @@ def _index(out: Path, work: Path, plan: dict, tok, dtype: np.dtype, seed: int, v
         kept_bytes += task["bytes"]
     probs = counts[counts > 0] / max(counts.sum(), 1)
     return {
-        "format": FORMAT, "dtype": dtype.name, "vocab_size": vocab, "eos_id": eos_id(tok), "eos": EOS,
-        "tokenizer": "tokenizer.json", "seed": seed, "val_fraction": val_fraction, "sources": plan["sources"],
+        "format": FORMAT,
+        "dtype": dtype.name,
+        "vocab_size": vocab,
+        "eos_id": eos_id(tok),
+        "eos": EOS,
+        "tokenizer": "tokenizer.json",
+        "seed": seed,
+        "val_fraction": val_fraction,
+        "sources": plan["sources"],
         "splits": splits,
         "counts": {"documents": documents, "tokens": sum(e["tokens"] for e in splits.values()), "bytes": kept_bytes},
         "unigram_entropy_nats": float(-(probs * np.log(probs)).sum()),
     }
 
 
-def _report(work: Path, plan: dict, filters: list[str], filter_names: list[str], dedup_names: list[str],
-            decontaminate: list[str]) -> dict:
+def _report(
+    work: Path,
+    plan: dict,
+    filters: list[str],
+    filter_names: list[str],
+    dedup_names: list[str],
+    decontaminate: list[str],
+) -> dict:
     """Documents and bytes in, what each stage removed (with datatrove's per-rule drop reasons for
     the filters, clusters for the dedup stages) and its own CPU time in the tokenize pass, what was
     kept, and the wall time of every executor stage: from the stages' stats summed over all tasks
@@ -557,17 +675,22 @@ def _report(work: Path, plan: dict, filters: list[str], filter_names: list[str],
     rows = []
     for k, (name, st) in enumerate(zip(filter_names + dedup_names, stages, strict=True)):
         before, after = tallies[k], tallies[k + 1]
-        row = {"stage": name, "documents_in": count(before, "documents"),
-               "documents_removed": count(before, "documents") - count(after, "documents"),
-               "bytes_removed": count(before, "bytes") - count(after, "bytes"),
-               "cpu_seconds": round(st.get("_seconds", 0), 2)}
+        row = {
+            "stage": name,
+            "documents_in": count(before, "documents"),
+            "documents_removed": count(before, "documents") - count(after, "documents"),
+            "bytes_removed": count(before, "bytes") - count(after, "bytes"),
+            "cpu_seconds": round(st.get("_seconds", 0), 2),
+        }
         if name in filter_names:
-            row["rules"] = {label.removeprefix("dropped_"): n for label, n in sorted(st.items())
-                            if label.startswith("dropped_")}
+            row["rules"] = {
+                label.removeprefix("dropped_"): n for label, n in sorted(st.items()) if label.startswith("dropped_")
+            }
             if name == "c4":  # C4 also drops lines from the documents it keeps
                 row["bytes_removed_with_lines"] = row.pop("bytes_removed")
-                row["lines"] = {label.removeprefix("line-"): n for label, n in sorted(st.items())
-                                if label.startswith("line-")}
+                row["lines"] = {
+                    label.removeprefix("line-"): n for label, n in sorted(st.items()) if label.startswith("line-")
+                }
         elif name == "exact":
             row["clusters"] = count(after, "clusters")
         else:
@@ -579,10 +702,19 @@ def _report(work: Path, plan: dict, filters: list[str], filter_names: list[str],
     for line in (work / "wall.jsonl").read_text().splitlines():
         entry = json.loads(line)
         wall[entry["stage"]] = round(wall.get(entry["stage"], 0) + entry["seconds"], 2)
-    return {"documents_in": count(first, "documents"), "bytes_in": count(first, "bytes"),
-            "skipped": plan.get("skipped", {}), "stages": rows,
-            "wall_seconds": wall,
-            "documents_kept": count(last, "documents"), "bytes_kept": count(last, "bytes"),
-            "settings": {"filters": filters, "dedup": dedup_names, "decontaminate": decontaminate,
-                         "minhash": MINHASH | {"threshold": round((1 / MINHASH["num_buckets"])
-                                                                 ** (1 / MINHASH["hashes_per_bucket"]), 3)}}}
+    return {
+        "documents_in": count(first, "documents"),
+        "bytes_in": count(first, "bytes"),
+        "skipped": plan.get("skipped", {}),
+        "stages": rows,
+        "wall_seconds": wall,
+        "documents_kept": count(last, "documents"),
+        "bytes_kept": count(last, "bytes"),
+        "settings": {
+            "filters": filters,
+            "dedup": dedup_names,
+            "decontaminate": decontaminate,
+            "minhash": MINHASH
+            | {"threshold": round((1 / MINHASH["num_buckets"]) ** (1 / MINHASH["hashes_per_bucket"]), 3)},
+        },
+    }

@@ -35,8 +35,11 @@ from flopwise.errors import DataError
 from flopwise.manifest import ManifestKind
 
 FORMAT = "flopwise-shards/2"
-BUILTIN = {"shakespeare": "corpus/shakespeare", "alice": "corpus/eval/alice29.txt",
-           "enwiki": "corpus/eval/enwiki-105-articles.txt"}
+BUILTIN = {
+    "shakespeare": "corpus/shakespeare",
+    "alice": "corpus/eval/alice29.txt",
+    "enwiki": "corpus/eval/enwiki-105-articles.txt",
+}
 TEXT_SUFFIXES = {".txt", ".md", ".text", ""}
 WORK = "work"  # the unfinished-prepare folder inside --out: plan, logs, dedup intermediates
 DATA_MANIFEST = ManifestKind("manifest.json", "flopwise-data-manifest/1")  # what proves a data dir is flopwise's
@@ -47,8 +50,9 @@ def resolve_input(spec: str) -> Path:
     if spec.startswith("builtin:"):
         name = spec.split(":", 1)[1]
         if name not in BUILTIN:
-            raise DataError(f"data input {spec!r}: unknown built-in corpus (known: "
-                            f"{', '.join('builtin:' + k for k in BUILTIN)})")
+            raise DataError(
+                f"data input {spec!r}: unknown built-in corpus (known: {', '.join('builtin:' + k for k in BUILTIN)})"
+            )
         return Path(str(resources.files("flopwise") / BUILTIN[name]))
     p = Path(spec)
     if not p.exists():
@@ -87,9 +91,11 @@ def _jsonl_documents(path: Path, start: int, line: int) -> Iterator[tuple[int, i
             try:
                 rec["text"].encode("utf-8")
             except UnicodeEncodeError as e:  # a JSON escape of half a surrogate pair: not text, no token for it
-                raise DataError(f"data file {path}: line {n}: 'text' holds a lone surrogate "
-                                f"(\\u{ord(rec['text'][e.start]):04x}), which is not Unicode text; fix the line's "
-                                "escapes") from None
+                raise DataError(
+                    f"data file {path}: line {n}: 'text' holds a lone surrogate "
+                    f"(\\u{ord(rec['text'][e.start]):04x}), which is not Unicode text; fix the line's "
+                    "escapes"
+                ) from None
             if rec["text"].strip():
                 yield here, n, rec["text"]
 
@@ -104,8 +110,10 @@ def skip(skipped: Skipped | None, reason: str, what: str) -> None:
 
 def skipped_note(skipped: Skipped) -> str:
     """`skipped` in a few words for a summary or an error line: reasons, counts, the first names."""
-    return "; ".join(f"{len(names)} {reason} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
-                     for reason, names in skipped.items())
+    return "; ".join(
+        f"{len(names)} {reason} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+        for reason, names in skipped.items()
+    )
 
 
 def _parquet_documents(path: Path, start: int, skipped: Skipped | None = None) -> Iterator[tuple[int, int, str]]:
@@ -140,8 +148,9 @@ def _parquet_documents(path: Path, start: int, skipped: Skipped | None = None) -
         skip(skipped, "Parquet files with rows whose text is not a string", f"{path}: {wrong} of its rows")
 
 
-def read_documents(path: Path, start: int = 0, line: int = 1,
-                   skipped: Skipped | None = None) -> Iterator[tuple[int, int, str]]:
+def read_documents(
+    path: Path, start: int = 0, line: int = 1, skipped: Skipped | None = None
+) -> Iterator[tuple[int, int, str]]:
     """(position, line, text) of every non-empty document of one file from position `start` on: a
     JSONL line (its byte offset and line number), a Parquet row (its index), or a whole text file
     (position 0). Streamed: one document in memory at a time. Parquet rows whose text is binary are
@@ -180,8 +189,10 @@ def input_files(spec: str, skipped: Skipped | None = None) -> list[Path]:
             skip(left, "files of another type (not .txt, .md, .jsonl, .parquet)", str(f))
     files = [f for f in files if f.suffix.lower() in TEXT_SUFFIXES | {".jsonl", ".parquet"}]
     if not files:
-        raise DataError(f"data input {spec}: no .txt, .jsonl or .parquet files found"
-                        + (f" (skipped: {skipped_note(left)})" if left else ""))
+        raise DataError(
+            f"data input {spec}: no .txt, .jsonl or .parquet files found"
+            + (f" (skipped: {skipped_note(left)})" if left else "")
+        )
     for reason, names in left.items():
         for name in names:
             skip(skipped, reason, name)
@@ -226,7 +237,7 @@ def val_documents(n_docs: int, val_fraction: float, seed: int) -> set[int]:
     """Indices of the documents `prepare` puts in the val split (tasks built from held-out text use it)."""
     order = np.random.default_rng(seed).permutation(n_docs)
     n_val = math.ceil(val_fraction * n_docs) if val_fraction > 0 and n_docs > 1 else 0
-    return {int(i) for i in order[:min(n_val, n_docs - 1)]}
+    return {int(i) for i in order[: min(n_val, n_docs - 1)]}
 
 
 def read_index(data_dir: str | Path) -> dict:
@@ -274,8 +285,10 @@ class ShardedTokens:
                 return np.zeros(0, dtype=self.dtype)
             first = int(np.searchsorted(self.starts, a, side="right")) - 1
             last = int(np.searchsorted(self.starts, b - 1, side="right")) - 1
-            pieces = [self.parts[k][max(a - self.starts[k], 0):min(b - self.starts[k], len(self.parts[k]))]
-                      for k in range(first, last + 1)]
+            pieces = [
+                self.parts[k][max(a - self.starts[k], 0) : min(b - self.starts[k], len(self.parts[k]))]
+                for k in range(first, last + 1)
+            ]
             return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         i = int(key) + (len(self) if int(key) < 0 else 0)
         if not 0 <= i < len(self):
@@ -284,7 +297,7 @@ class ShardedTokens:
         return self.parts[k][i - self.starts[k]]
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        whole = self[0:len(self)] if len(self) else np.zeros(0, dtype=self.dtype)
+        whole = self[0 : len(self)] if len(self) else np.zeros(0, dtype=self.dtype)
         return np.asarray(whole, dtype=dtype)
 
 
@@ -304,21 +317,27 @@ def open_split(data_dir: str | Path, split: str) -> ShardedTokens:
             raise DataError(f"data index {d / 'index.json'}: shard {path.name} needs a token count >= 0")
         expected = shard["tokens"] * dtype.itemsize
         if path.stat().st_size != expected:
-            raise DataError(f"data shard {path}: {path.stat().st_size} bytes, but the index says "
-                            f"{shard['tokens']} tokens of {dtype.name} ({expected} bytes); re-run data prepare")
+            raise DataError(
+                f"data shard {path}: {path.stat().st_size} bytes, but the index says "
+                f"{shard['tokens']} tokens of {dtype.name} ({expected} bytes); re-run data prepare"
+            )
         if not expected:
             continue
         tokens = np.memmap(path, dtype=dtype, mode="r")
         step = 1 << 24
-        top = max(int(tokens[i:i + step].max()) for i in range(0, len(tokens), step))
+        top = max(int(tokens[i : i + step].max()) for i in range(0, len(tokens), step))
         if top >= meta["vocab_size"]:
-            raise DataError(f"data shard {path}: token id {top} >= vocab_size {meta['vocab_size']}; "
-                            "the shard does not belong to this index")
+            raise DataError(
+                f"data shard {path}: token id {top} >= vocab_size {meta['vocab_size']}; "
+                "the shard does not belong to this index"
+            )
         parts.append(tokens)
     result = ShardedTokens(parts, dtype)
     if len(result) != int(entry["tokens"]):
-        raise DataError(f"data index {d / 'index.json'}: split {split} says {entry['tokens']} tokens but its "
-                        f"files hold {len(result)}; re-run data prepare")
+        raise DataError(
+            f"data index {d / 'index.json'}: split {split} says {entry['tokens']} tokens but its "
+            f"files hold {len(result)}; re-run data prepare"
+        )
     return result
 
 

@@ -120,8 +120,9 @@ class ShardWriter(PipelineStep):
         tok = load_tokenizer(out / "tokenizer.json")
         eos, vocab, dtype = eos_id(tok), tok.get_vocab_size(), np.dtype(self.dtype)
         val = np.load(work / "val.npy", mmap_mode="r")
-        entries: dict[str, dict[str, Any]] = {s: {"file": f"{s}-{rank:05d}.bin", "tokens": 0, "documents": []}
-                                              for s in ("train", "val")}
+        entries: dict[str, dict[str, Any]] = {
+            s: {"file": f"{s}-{rank:05d}.bin", "tokens": 0, "documents": []} for s in ("train", "val")
+        }
         counts = np.zeros(vocab, dtype=np.int64)
         kept = kept_bytes = 0
         progress = work / "progress" / f"tokens-{rank:05d}"
@@ -153,8 +154,9 @@ class ShardWriter(PipelineStep):
         for s, e in entries.items():
             e["sha256"] = hashes[s].hexdigest()
         np.save(work / "tasks" / f"{rank:05d}-counts.npy", counts)
-        _write_atomic(work / "tasks" / f"{rank:05d}.json",
-                      json.dumps({"splits": entries, "documents": kept, "bytes": kept_bytes}))
+        _write_atomic(
+            work / "tasks" / f"{rank:05d}.json", json.dumps({"splits": entries, "documents": kept, "bytes": kept_bytes})
+        )
 
 
 class Whitespace(WordTokenizer):

@@ -62,9 +62,16 @@ def load_task(spec: str) -> tuple[str, list[Example]]:
             raise DataError(f"task file {path}: line {n} needs a string 'context'")
         if "choices" in rec:
             ch, gold = rec["choices"], rec.get("gold")
-            if not (isinstance(ch, list) and len(ch) >= 2 and all(isinstance(c, str) for c in ch)
-                    and isinstance(gold, int) and 0 <= gold < len(ch)):
-                raise DataError(f"task file {path}: line {n} needs 'choices' (2+ strings) and an integer 'gold' in range")
+            if not (
+                isinstance(ch, list)
+                and len(ch) >= 2
+                and all(isinstance(c, str) for c in ch)
+                and isinstance(gold, int)
+                and 0 <= gold < len(ch)
+            ):
+                raise DataError(
+                    f"task file {path}: line {n} needs 'choices' (2+ strings) and an integer 'gold' in range"
+                )
             examples.append(Example(rec["context"], tuple(ch), gold))
         elif isinstance(rec.get("target"), str):
             examples.append(Example(rec["context"], target=rec["target"]))
@@ -73,8 +80,10 @@ def load_task(spec: str) -> tuple[str, list[Example]]:
         first_line = first_line or n
         if (examples[-1].choices is None) != (examples[0].choices is None):  # one kind per task: one set of metrics
             kinds = ("multiple choice", "cloze") if examples[0].choices else ("cloze", "multiple choice")
-            raise DataError(f"task file {path}: line {n} is {kinds[1]} but line {first_line} is {kinds[0]}; "
-                            f"a task is one kind: put the {kinds[1]} examples in a file of their own")
+            raise DataError(
+                f"task file {path}: line {n} is {kinds[1]} but line {first_line} is {kinds[0]}; "
+                f"a task is one kind: put the {kinds[1]} examples in a file of their own"
+            )
     if not examples:
         raise DataError(f"task file {path}: no examples")
     return path.stem, examples
@@ -141,21 +150,27 @@ def heldout_plays() -> list[str]:
 
 def build_line_cloze(plays: list[str], n: int, seed: int) -> list[dict]:
     """Cloze: a speech's speaker and first lines, and the last word of its last line held out."""
-    pool = [(who, verse) for play in plays for who, verse in speeches(play)
-            if len(verse[-1].split()) >= 4 and re.sub(r"[^\w'-]", "", verse[-1].split()[-1])]
+    pool = [
+        (who, verse)
+        for play in plays
+        for who, verse in speeches(play)
+        if len(verse[-1].split()) >= 4 and re.sub(r"[^\w'-]", "", verse[-1].split()[-1])
+    ]
     items = []
     for who, verse in sorted(random.Random(seed).sample(pool, min(n, len(pool)))):
         words = verse[-1].split()
         last = re.sub(r"[^\w'-]", "", words[-1])
-        items.append({"context": "\n".join([f"{who}.", *verse[-3:-1], " ".join(words[:-1])]),
-                      "target": " " + last})
+        items.append({"context": "\n".join([f"{who}.", *verse[-3:-1], " ".join(words[:-1])]), "target": " " + last})
     return items
 
 
 def build_next_line(plays: list[str], n: int, seed: int, n_choices: int = 4) -> list[dict]:
     """Multiple choice: the line that really follows within a speech, against lines of other speeches."""
-    lines = [(k, who, verse, i) for k, (who, verse) in enumerate(sp for play in plays for sp in speeches(play))
-             for i in range(len(verse) - 1)]
+    lines = [
+        (k, who, verse, i)
+        for k, (who, verse) in enumerate(sp for play in plays for sp in speeches(play))
+        for i in range(len(verse) - 1)
+    ]
     everyone = [verse[i] for _, _, verse, i in lines]
     rng = random.Random(seed)
     items = []
@@ -163,8 +178,13 @@ def build_next_line(plays: list[str], n: int, seed: int, n_choices: int = 4) -> 
         wrong = rng.sample([x for x in everyone if x != verse[i + 1]], n_choices - 1)
         gold = rng.randrange(n_choices)
         choices = wrong[:gold] + [verse[i + 1]] + wrong[gold:]
-        items.append({"context": f"{who}.\n" + "\n".join(verse[max(0, i - 1):i + 1]),
-                      "choices": ["\n" + c for c in choices], "gold": gold})
+        items.append(
+            {
+                "context": f"{who}.\n" + "\n".join(verse[max(0, i - 1) : i + 1]),
+                "choices": ["\n" + c for c in choices],
+                "gold": gold,
+            }
+        )
     return items
 
 
@@ -175,7 +195,7 @@ def build_speaker(plays: list[str], n: int, seed: int, n_choices: int = 4) -> li
     for play in plays:
         sp = speeches(play)
         names = sorted({who for who, _ in sp})
-        cases += [(sp[i - 2:i], sp[i][0], names) for i in range(2, len(sp)) if len(names) >= n_choices]
+        cases += [(sp[i - 2 : i], sp[i][0], names) for i in range(2, len(sp)) if len(names) >= n_choices]
     items = []
     for before, who, names in rng.sample(cases, min(n, len(cases))):
         wrong = rng.sample([x for x in names if x != who], n_choices - 1)
@@ -192,12 +212,14 @@ def shipped_task_records() -> dict[str, list[dict]]:
     alice = (root / "alice29.txt").read_text(encoding="utf-8")
     wiki = (root / "enwiki-105-articles.txt").read_text(encoding="utf-8")
     plays = heldout_plays()
-    return {"alice-lastword": build_lastword(alice, 200, seed=1),
-            "enwiki-lastword": build_lastword(wiki, 200, seed=2),
-            "alice-nextsent": build_next_sentence(alice, 200, seed=3),
-            "shakespeare-cloze": build_line_cloze(plays, 300, seed=4),
-            "shakespeare-nextline": build_next_line(plays, 300, seed=5),
-            "shakespeare-speaker": build_speaker(plays, 300, seed=6)}
+    return {
+        "alice-lastword": build_lastword(alice, 200, seed=1),
+        "enwiki-lastword": build_lastword(wiki, 200, seed=2),
+        "alice-nextsent": build_next_sentence(alice, 200, seed=3),
+        "shakespeare-cloze": build_line_cloze(plays, 300, seed=4),
+        "shakespeare-nextline": build_next_line(plays, 300, seed=5),
+        "shakespeare-speaker": build_speaker(plays, 300, seed=6),
+    }
 
 
 def write_shipped_tasks(out: Path) -> None:

@@ -97,8 +97,10 @@ def bpe_vocab(vocab_size: int) -> int:
     """A vocab size a BPE can be trained to: at least the 256 bytes + EOS, at most MAX_VOCAB (the
     trainer allocates per entry up front: 1e10 was a Rust abort, 'memory allocation of 566 GB failed')."""
     if not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
-        raise DataError(f"tokenizer vocab {vocab_size}: a byte-level BPE needs {MIN_VOCAB} (256 bytes + EOS) to "
-                        f"{MAX_VOCAB:,} entries (the largest published vocabularies are ~256k); use e.g. bpe:4096")
+        raise DataError(
+            f"tokenizer vocab {vocab_size}: a byte-level BPE needs {MIN_VOCAB} (256 bytes + EOS) to "
+            f"{MAX_VOCAB:,} entries (the largest published vocabularies are ~256k); use e.g. bpe:4096"
+        )
     return vocab_size
 
 
@@ -107,8 +109,13 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> GuardedTokenizer:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok = guarded(bpe, f"bpe:{vocab_size}")
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
@@ -121,12 +128,16 @@ def load_tokenizer(path: str | Path) -> GuardedTokenizer:
     p = Path(path)
     if p.is_dir():
         if not (p / "tokenizer.json").is_file():
-            raise DataError(f"tokenizer {p}: a folder without a tokenizer.json (give a Hugging Face model folder "
-                            "that has one, a tokenizer.json, or bpe:VOCAB to train one)")
+            raise DataError(
+                f"tokenizer {p}: a folder without a tokenizer.json (give a Hugging Face model folder "
+                "that has one, a tokenizer.json, or bpe:VOCAB to train one)"
+            )
         p = p / "tokenizer.json"
     if not p.is_file():
-        raise DataError(f"tokenizer {p}: not found (give a tokenizer.json, a Hugging Face folder holding one, or "
-                        "bpe:VOCAB to train one)")
+        raise DataError(
+            f"tokenizer {p}: not found (give a tokenizer.json, a Hugging Face folder holding one, or "
+            "bpe:VOCAB to train one)"
+        )
     _check_bpe_prefix(p)
     try:
         raw = Tokenizer.from_file(str(p))
@@ -148,8 +159,10 @@ def _dense_ids(tok: GuardedTokenizer, p: Path) -> None:
     size = tok.get_vocab_size()
     top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
     if top >= size:
-        raise DataError(f"tokenizer {p}: token id {top} is beyond its vocabulary of {size} entries (ids must run "
-                        f"0..{size - 1}); fix the ids in the file or train a new tokenizer")
+        raise DataError(
+            f"tokenizer {p}: token id {top} is beyond its vocabulary of {size} entries (ids must run "
+            f"0..{size - 1}); fix the ids in the file or train a new tokenizer"
+        )
 
 
 def _whole_documents(tok: GuardedTokenizer, p: Path) -> None:
@@ -159,15 +172,23 @@ def _whole_documents(tok: GuardedTokenizer, p: Path) -> None:
     if trunc is not None:
         stride, max_length = trunc.get("stride", 0), trunc.get("max_length", 0)
         if stride >= max_length:
-            raise DataError(f"tokenizer {p}: truncation.stride={stride} must be below truncation.max_length="
-                            f"{max_length} (the tokenizers library panics on it); remove the truncation block")
+            raise DataError(
+                f"tokenizer {p}: truncation.stride={stride} must be below truncation.max_length="
+                f"{max_length} (the tokenizers library panics on it); remove the truncation block"
+            )
         tok.no_truncation()
-        warnings.warn(f"tokenizer {p}: its truncation block (max_length {max_length}) is switched off: flopwise "
-                      "tokenizes whole documents (it would keep only their first tokens)", stacklevel=3)
+        warnings.warn(
+            f"tokenizer {p}: its truncation block (max_length {max_length}) is switched off: flopwise "
+            "tokenizes whole documents (it would keep only their first tokens)",
+            stacklevel=3,
+        )
     if tok.padding is not None:
         tok.no_padding()
-        warnings.warn(f"tokenizer {p}: its padding block is switched off: flopwise tokenizes whole documents "
-                      "(it would add pad tokens to them)", stacklevel=3)
+        warnings.warn(
+            f"tokenizer {p}: its padding block is switched off: flopwise tokenizes whole documents "
+            "(it would add pad tokens to them)",
+            stacklevel=3,
+        )
 
 
 def _probe(tok: GuardedTokenizer) -> None:
@@ -217,11 +238,15 @@ def _check_bpe_prefix(p: Path) -> None:
         parts = merge.split(" ", 1) if isinstance(merge, str) else merge
         if not (isinstance(parts, list) and len(parts) == 2 and all(isinstance(x, str) for x in parts)):
             return  # malformed: tokenizers refuses it with an error
-        for field, affix, ok in (("continuing_subword_prefix", prefix, parts[1].startswith),
-                                 ("end_of_word_suffix", suffix, parts[0].endswith)):
+        for field, affix, ok in (
+            ("continuing_subword_prefix", prefix, parts[1].startswith),
+            ("end_of_word_suffix", suffix, parts[0].endswith),
+        ):
             if isinstance(affix, str) and affix and not ok(affix):
-                raise DataError(f"tokenizer {p}: model.{field}={affix!r} but merge {' '.join(parts)!r} lacks it; "
-                                "fix the tokenizer.json (or set the field to null)")
+                raise DataError(
+                    f"tokenizer {p}: model.{field}={affix!r} but merge {' '.join(parts)!r} lacks it; "
+                    "fix the tokenizer.json (or set the field to null)"
+                )
 
 
 def eos_id(tok: Tokenizer | GuardedTokenizer, where: str | Path = "tokenizer") -> int:

@@ -9,8 +9,9 @@ from flopwise.model.layers import KVCache
 from flopwise.model.transformer import Transformer
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-                gen: torch.Generator | None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, gen: torch.Generator | None
+) -> torch.Tensor:
     """logits (b, vocab) -> next ids (b,). temperature 0 is greedy."""
     if temperature <= 0:
         return logits.argmax(dim=-1)
@@ -33,15 +34,25 @@ def room(max_seq_len: int, n_prompt: int) -> int:
     if n_prompt == 0:
         raise DataError("the prompt is empty (0 tokens): give generation some text to continue")
     if n_prompt >= max_seq_len:
-        raise DataError(f"the prompt is {n_prompt} tokens but the model's context, max_seq_len={max_seq_len}, holds "
-                        f"prompt and output together: shorten the prompt to at most {max_seq_len - 1} tokens")
+        raise DataError(
+            f"the prompt is {n_prompt} tokens but the model's context, max_seq_len={max_seq_len}, holds "
+            f"prompt and output together: shorten the prompt to at most {max_seq_len - 1} tokens"
+        )
     return max_seq_len - n_prompt
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-             use_cache: bool = True, stop_id: int | None = None) -> list[int]:
+def generate(
+    model: Transformer,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    use_cache: bool = True,
+    stop_id: int | None = None,
+) -> list[int]:
     """Continue `prompt`; stops at max_new_tokens, at `stop_id`, or when prompt and output fill the
     model's max_seq_len (`room`), with or without the cache.
 

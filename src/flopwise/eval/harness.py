@@ -35,8 +35,14 @@ TASK_PREFIX = "flopwise_"
 class FlopwiseLM(LM):
     """A flopwise checkpoint (or run dir: its newest checkpoint), consolidated for inference."""
 
-    def __init__(self, path: str, batch_size: int | str = 8, device: str | None = None, max_gen_toks: int = 64,
-                 max_batch_size: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        batch_size: int | str = 8,
+        device: str | None = None,
+        max_gen_toks: int = 64,
+        max_batch_size: int | None = None,
+    ) -> None:
         """`max_batch_size` is accepted because lm-eval's CLI always passes it; there is no auto
         batching here (`batch_size=auto` means 8)."""
         super().__init__()
@@ -60,8 +66,10 @@ class FlopwiseLM(LM):
         known = [k for k in inspect.signature(cls.__init__).parameters if k != "self"]
         unknown = [k for k in arg_dict if k not in known]
         if unknown or "path" not in arg_dict:
-            raise ConfigError(f"--model_args {unknown[0] if unknown else 'has no path'}: the flopwise model takes "
-                              f"{', '.join(known)} (path=RUN_OR_CHECKPOINT required)")
+            raise ConfigError(
+                f"--model_args {unknown[0] if unknown else 'has no path'}: the flopwise model takes "
+                f"{', '.join(known)} (path=RUN_OR_CHECKPOINT required)"
+            )
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
         return cls(**arg_dict, **extra)
 
@@ -74,16 +82,22 @@ class FlopwiseLM(LM):
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         # An empty context is conditioned on EOS, the document separator the model was trained with.
-        pairs = [encode_pair(self.tok, ctx, cont) if ctx else ([self.eos], self._enc(cont))
-                 for ctx, cont in (r.args for r in requests)]
+        pairs = [
+            encode_pair(self.tok, ctx, cont) if ctx else ([self.eos], self._enc(cont))
+            for ctx, cont in (r.args for r in requests)
+        ]
         return score(self.model, pairs, self.batch)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each document alone, every token predicted once, windows of the model's context length."""
         out = []
         for (text,) in (r.args for r in requests):
-            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                self._enc(text), prefix_token=self.eos, max_seq_len=self.model.cfg.max_seq_len, context_len=1)]
+            windows = [
+                make_disjoint_window(w)
+                for w in get_rolling_token_windows(
+                    self._enc(text), prefix_token=self.eos, max_seq_len=self.model.cfg.max_seq_len, context_len=1
+                )
+            ]
             out.append(sum(lp for lp, _ in score(self.model, windows, self.batch)))
         return out
 
@@ -99,26 +113,32 @@ class FlopwiseLM(LM):
             n_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
             keep = self.model.cfg.max_seq_len - n_new
             if keep < 1:
-                raise ConfigError(f"max_gen_toks={n_new} leaves no room for a context in the model's "
-                                  f"max_seq_len={self.model.cfg.max_seq_len}: ask for fewer new tokens")
-            ids = generate(self.model, (self._enc(ctx) or [self.eos])[-keep:], n_new, temperature=0.0,
-                           stop_id=self.eos)
+                raise ConfigError(
+                    f"max_gen_toks={n_new} leaves no room for a context in the model's "
+                    f"max_seq_len={self.model.cfg.max_seq_len}: ask for fewer new tokens"
+                )
+            ids = generate(self.model, (self._enc(ctx) or [self.eos])[-keep:], n_new, temperature=0.0, stop_id=self.eos)
             text = self.tok.decode([i for i in ids if i != self.eos])
             cuts = [text.index(s) for s in until if s and s in text]
-            out.append(text[:min(cuts)] if cuts else text)
+            out.append(text[: min(cuts)] if cuts else text)
         return out
 
 
 def task_yaml(name: str, path: Path) -> str:
     """An lm-eval task over a local JSONL file in flopwise's task format (read by `datasets`, offline)."""
     _, examples = load_task(str(path))
-    head = (f"task: {TASK_PREFIX}{name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-            f"    test: {path.resolve()}\ntest_split: test\ndoc_to_text: context\ntarget_delimiter: ''\n")
+    head = (
+        f"task: {TASK_PREFIX}{name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {path.resolve()}\ntest_split: test\ndoc_to_text: context\ntarget_delimiter: ''\n"
+    )
     if examples[0].choices:
-        return head + ("output_type: multiple_choice\ndoc_to_choice: choices\ndoc_to_target: gold\n"
-                       "metric_list:\n  - metric: acc\n  - metric: acc_norm\n")
-    return head + ("output_type: loglikelihood\ndoc_to_target: target\n"
-                   "metric_list:\n  - metric: acc\n  - metric: perplexity\n")
+        return head + (
+            "output_type: multiple_choice\ndoc_to_choice: choices\ndoc_to_target: gold\n"
+            "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
+        )
+    return head + (
+        "output_type: loglikelihood\ndoc_to_target: target\nmetric_list:\n  - metric: acc\n  - metric: perplexity\n"
+    )
 
 
 def write_task_yamls(out: Path, tasks: dict[str, Path] | None = None) -> list[str]:

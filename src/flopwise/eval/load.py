@@ -14,8 +14,9 @@ from flopwise.data.tokenizer import GuardedTokenizer, load_tokenizer
 from flopwise.model.transformer import Transformer, build_model
 
 
-def load_for_inference(path: str | Path, device: str = "cpu",
-                       report: Callable[[str], None] | None = None) -> tuple[Transformer, Config, GuardedTokenizer]:
+def load_for_inference(
+    path: str | Path, device: str = "cpu", report: Callable[[str], None] | None = None
+) -> tuple[Transformer, Config, GuardedTokenizer]:
     """(model, config, tokenizer) of a checkpoint folder or a run folder, in eval mode; `report`
     hears which checkpoint of a run folder is used, and why, when its newest is damaged."""
     ckpt = checkpoint.resolve(path, report)

@@ -12,8 +12,9 @@ from flopwise.model.transformer import Transformer
 
 
 @torch.no_grad()
-def text_loss(model: Transformer, token_ids: list[int], seq_len: int, batch: int = 8,
-              autocast_dtype: torch.dtype | None = None) -> dict:
+def text_loss(
+    model: Transformer, token_ids: list[int], seq_len: int, batch: int = 8, autocast_dtype: torch.dtype | None = None
+) -> dict:
     """Non-overlapping windows of seq_len + 1 tokens; every token after the first of each window is
     scored given the window's preceding tokens. Returns loss (nats/token), ppl, tokens scored."""
     model.eval()
@@ -22,9 +23,9 @@ def text_loss(model: Transformer, token_ids: list[int], seq_len: int, batch: int
     if len(ids) < 2:
         raise DataError("text too short to score: it tokenizes to fewer than 2 tokens")
     starts = range(0, len(ids) - 1, seq_len)
-    windows = [ids[s:s + seq_len + 1] for s in starts]  # the last one may be shorter
+    windows = [ids[s : s + seq_len + 1] for s in starts]  # the last one may be shorter
     full = [w for w in windows if len(w) == seq_len + 1]
-    batches = [full[b:b + batch] for b in range(0, len(full), batch)]
+    batches = [full[b : b + batch] for b in range(0, len(full), batch)]
     batches += [[w] for w in windows if len(w) < seq_len + 1]
     total, count = 0.0, 0
     for chunk in batches:

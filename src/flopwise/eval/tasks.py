@@ -40,8 +40,9 @@ def with_shots(examples: list[Example], shots: int, seed: int) -> list[str]:
 
 
 @torch.no_grad()
-def score(model, requests: list[tuple[list[int], list[int]]], batch: int = 16,
-          progress: Callable[[int], None] | None = None) -> list[tuple[float, bool]]:
+def score(
+    model, requests: list[tuple[list[int], list[int]]], batch: int = 16, progress: Callable[[int], None] | None = None
+) -> list[tuple[float, bool]]:
     """(sum of log p(continuation | context), greedy reproduces it) for each (context, continuation)."""
     model.eval()
     device = model.tok_embeddings.weight.device
@@ -49,7 +50,7 @@ def score(model, requests: list[tuple[list[int], list[int]]], batch: int = 16,
     out: dict[int, tuple[float, bool]] = {}
     order = sorted(range(len(requests)), key=lambda i: -(len(requests[i][0]) + len(requests[i][1])))
     for start in range(0, len(order), batch):
-        idx = order[start:start + batch]
+        idx = order[start : start + batch]
         seqs = []
         for i in idx:
             ctx, cont = requests[i]
@@ -59,7 +60,7 @@ def score(model, requests: list[tuple[list[int], list[int]]], batch: int = 16,
         width = max(len(s) for s in seqs) - 1
         x = torch.zeros(len(seqs), width, dtype=torch.long)
         for r, s in enumerate(seqs):
-            x[r, :len(s) - 1] = torch.tensor(s[:-1])
+            x[r, : len(s) - 1] = torch.tensor(s[:-1])
         logprobs = model(x.to(device)).float().log_softmax(-1).cpu()
         for r, (i, s) in enumerate(zip(idx, seqs, strict=True)):
             n = len(requests[i][1])
@@ -82,12 +83,21 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     if n:
         context, continuation = context[:-n], context[-n:] + continuation
     ctx = tokenizer.encode(context).ids
-    return ctx, tokenizer.encode(context + continuation).ids[len(ctx):]
+    return ctx, tokenizer.encode(context + continuation).ids[len(ctx) :]
 
 
-def evaluate_task(model, tokenizer, name: str, examples: list[Example], shots: int = 0, seed: int = 0,
-                  batch: int = 16, limit: int | None = None, progress=None,
-                  clean: Collection[int] | None = None) -> dict:
+def evaluate_task(
+    model,
+    tokenizer,
+    name: str,
+    examples: list[Example],
+    shots: int = 0,
+    seed: int = 0,
+    batch: int = 16,
+    limit: int | None = None,
+    progress=None,
+    clean: Collection[int] | None = None,
+) -> dict:
     """Scores of a task; with `clean` (indices of uncontaminated examples) also the clean subset's
     `clean_n`, `clean_acc`, `clean_acc_norm`, from the same per-example results (GPT-3, Llama 2)."""
     tokenizer = guarded(tokenizer)  # a panic of the tokenizers library is a one-line DataError
@@ -115,7 +125,7 @@ def evaluate_task(model, tokenizer, name: str, examples: list[Example], shots: i
             brier = float(((probs - torch.nn.functional.one_hot(torch.tensor(e.gold), len(rows))) ** 2).sum())
             outcomes.append((best == e.gold, best_norm == e.gold, -gold[1][0], gold[2], brier))
         else:
-            (_, (lp, greedy), n), = rows
+            ((_, (lp, greedy), n),) = rows
             outcomes.append((greedy, None, -lp, n, None))
     is_mc = examples[0].choices is not None
     result = {"task": name, **_summary(outcomes, is_mc), "shots": shots}
@@ -131,10 +141,14 @@ def _summary(outcomes: list[tuple], is_mc: bool) -> dict:
     nll = sum(o[2] for o in outcomes)
     ntok = sum(o[3] for o in outcomes)
     # nll: the correct answer's negative log-likelihood per example (Llama 3's continuous task metric)
-    return {"n": n, "acc": sum(o[0] for o in outcomes) / n,
-            "acc_norm": sum(o[1] for o in outcomes) / n if is_mc else None, "ppl": math.exp(nll / ntok),
-            "nll": nll / n, "brier": sum(o[4] for o in outcomes) / n if is_mc else None}
+    return {
+        "n": n,
+        "acc": sum(o[0] for o in outcomes) / n,
+        "acc_norm": sum(o[1] for o in outcomes) / n if is_mc else None,
+        "ppl": math.exp(nll / ntok),
+        "nll": nll / n,
+        "brier": sum(o[4] for o in outcomes) / n if is_mc else None,
+    }
 
 
 # --- building the shipped tasks from held-out text ---------------------------------------------
-

@@ -49,17 +49,30 @@ def _import_hf(hf_dir: Path, out: Path, force: bool) -> Path:
         checkpoint.claim_step(out, 0, force)
     model, m = from_hf(hf_dir)
     checkpoint.claim_step(out, 0, force)
-    tree = {"run": {"name": hf_dir.name, "dir": str(out)}, "model": m.model_dump(exclude_none=True),
-            "data": {"seq_len": min(m.max_seq_len, 2048), "tokenizer": str(hf_dir / "tokenizer.json")}}
+    tree = {
+        "run": {"name": hf_dir.name, "dir": str(out)},
+        "model": m.model_dump(exclude_none=True),
+        "data": {"seq_len": min(m.max_seq_len, 2048), "tokenizer": str(hf_dir / "tokenizer.json")},
+    }
     cfg = validate(tree)
     tok = hf_dir / "tokenizer.json"
     files = {"tokenizer.json": tok, **side_files(hf_dir)} if tok.is_file() else {}
-    return checkpoint.save(out, 0, model, None, {"config": to_toml(cfg), "source": str(hf_dir)}, files=files,
-                           keep=None, replace=force, tmp=checkpoint.scratch_dir(out, 0))
+    return checkpoint.save(
+        out,
+        0,
+        model,
+        None,
+        {"config": to_toml(cfg), "source": str(hf_dir)},
+        files=files,
+        keep=None,
+        replace=force,
+        tmp=checkpoint.scratch_dir(out, 0),
+    )
 
 
-def check_export(src: Path, m: ModelConfig, shapes: dict[str, tuple[int, ...]], tok,
-                 ids: dict[str, int | None]) -> None:
+def check_export(
+    src: Path, m: ModelConfig, shapes: dict[str, tuple[int, ...]], tok, ids: dict[str, int | None]
+) -> None:
     """Refuse (one line, nothing written) a checkpoint whose tensors do not fit its config (a
     missing, extra or reshaped tensor) or whose tokenizer does not fit its model (more tokens
     than embedding rows, a special token past them): its export would load wrong or not at all."""
@@ -69,16 +82,22 @@ def check_export(src: Path, m: ModelConfig, shapes: dict[str, tuple[int, ...]], 
     for name in sorted(want.keys() | shapes.keys()):
         tied_once = m.tie_embeddings and name == "output.weight" and name not in shapes
         if want.get(name) != shapes.get(name) and not tied_once:
-            raise CheckpointError(f"convert to-hf: checkpoint {src}: tensor {name} is "
-                                  f"{list(shapes[name]) if name in shapes else 'missing'}, its config implies "
-                                  f"{list(want[name]) if name in want else 'none'}; nothing was written")
+            raise CheckpointError(
+                f"convert to-hf: checkpoint {src}: tensor {name} is "
+                f"{list(shapes[name]) if name in shapes else 'missing'}, its config implies "
+                f"{list(want[name]) if name in want else 'none'}; nothing was written"
+            )
     if tok.get_vocab_size() > m.vocab_size:
-        raise CheckpointError(f"convert to-hf: checkpoint {src}: its tokenizer has {tok.get_vocab_size():,} tokens, "
-                              f"the model {m.vocab_size:,} embedding rows; nothing was written")
+        raise CheckpointError(
+            f"convert to-hf: checkpoint {src}: its tokenizer has {tok.get_vocab_size():,} tokens, "
+            f"the model {m.vocab_size:,} embedding rows; nothing was written"
+        )
     for key, i in ids.items():
         if i is not None and not 0 <= i < m.vocab_size:
-            raise CheckpointError(f"convert to-hf: checkpoint {src}: {key} token id {i} is past the model's "
-                                  f"{m.vocab_size:,} embedding rows; nothing was written")
+            raise CheckpointError(
+                f"convert to-hf: checkpoint {src}: {key} token id {i} is past the model's "
+                f"{m.vocab_size:,} embedding rows; nothing was written"
+            )
 
 
 def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
@@ -91,8 +110,10 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 
 
 def _export_hf(ckpt: str | Path, out_dir: Path, max_shard_bytes: int) -> Path:
     if reason := why_not_ours(out_dir, HF_MANIFEST):
-        raise CheckpointError(f"convert to-hf: {out_dir} {reason}; flopwise writes a Hugging Face folder only into a "
-                              "new or empty one, or one it exported before: choose another folder")
+        raise CheckpointError(
+            f"convert to-hf: {out_dir} {reason}; flopwise writes a Hugging Face folder only into a "
+            "new or empty one, or one it exported before: choose another folder"
+        )
     check_folder(out_dir, "OUT_DIR")
     src = checkpoint.resolve(ckpt)
     cfg = checkpoint_config(src, checkpoint.read_state(src))
@@ -106,20 +127,30 @@ def _export_hf(ckpt: str | Path, out_dir: Path, max_shard_bytes: int) -> Path:
         got = tensors.read([f"model.{n}" for n in names])
         return {n: got[f"model.{n}"] for n in names}
 
-    out = write_hf(cfg.model, shapes, fetch, out_dir, eos_id=ids["eos"], bos_id=ids["bos"],
-                   max_shard_bytes=max_shard_bytes)
+    out = write_hf(
+        cfg.model, shapes, fetch, out_dir, eos_id=ids["eos"], bos_id=ids["bos"], max_shard_bytes=max_shard_bytes
+    )
     shutil.copyfile(src / "tokenizer.json", out / "tokenizer.json")
     kept = side_files(src)  # the model's own special tokens, chat template, generation settings, as they were
     for name, path in kept.items():
         shutil.copyfile(path, out / name)
     if "tokenizer_config.json" not in kept:  # a tokenizer flopwise trained: its end-of-text token does both
-        (out / "tokenizer_config.json").write_text(json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.id_to_token(ids["eos"]) or EOS,
-            "bos_token": tok.id_to_token(ids["bos"]) or EOS, "model_max_length": cfg.model.max_seq_len,
-            "clean_up_tokenization_spaces": False}, indent=1))
+        (out / "tokenizer_config.json").write_text(
+            json.dumps(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "eos_token": tok.id_to_token(ids["eos"]) or EOS,
+                    "bos_token": tok.id_to_token(ids["bos"]) or EOS,
+                    "model_max_length": cfg.model.max_seq_len,
+                    "clean_up_tokenization_spaces": False,
+                },
+                indent=1,
+            )
+        )
     if "generation_config.json" not in kept:
-        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": ids["eos"], "bos_token_id": ids["bos"]},
-                                                               indent=1))
+        (out / "generation_config.json").write_text(
+            json.dumps({"eos_token_id": ids["eos"], "bos_token_id": ids["bos"]}, indent=1)
+        )
     written = [p for p in files_under(out) if p.relative_to(out).as_posix() not in (HF_MANIFEST.name, LOCK)]
     write_manifest(out, HF_MANIFEST, {p.relative_to(out).as_posix(): file_record(p) for p in written}, complete=True)
     return out

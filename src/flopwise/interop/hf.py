@@ -30,8 +30,14 @@ from flopwise.config import ModelConfig, hf_model_fields
 from flopwise.hf_config import LLAMA_LIKE, hf_config_from_model, refuse, weight_map
 from flopwise.model.init import canonical_name, global_box
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+)
 # --- weights ---------------------------------------------------------------------------------
 
 
@@ -49,50 +55,78 @@ def _names(m: ModelConfig) -> list[tuple[str, str]]:
             pairs.append(("output.weight", "lm_head.weight"))
         for i in range(m.n_layers):
             f, h = f"layers.{i}.", f"model.layers.{i}."
-            pairs += [(f + "attention.wq.weight", h + "self_attn.q_proj.weight"),
-                      (f + "attention.wk.weight", h + "self_attn.k_proj.weight"),
-                      (f + "attention.wv.weight", h + "self_attn.v_proj.weight"),
-                      (f + "attention.wo.weight", h + "self_attn.o_proj.weight"),
-                      (f + "feed_forward.w1.weight", h + "mlp.gate_proj.weight"),
-                      (f + "feed_forward.w3.weight", h + "mlp.up_proj.weight"),
-                      (f + "feed_forward.w2.weight", h + "mlp.down_proj.weight"),
-                      (f + "attention_norm.weight", h + "input_layernorm.weight"),
-                      (f + "ffn_norm.weight", h + "post_attention_layernorm.weight")]
+            pairs += [
+                (f + "attention.wq.weight", h + "self_attn.q_proj.weight"),
+                (f + "attention.wk.weight", h + "self_attn.k_proj.weight"),
+                (f + "attention.wv.weight", h + "self_attn.v_proj.weight"),
+                (f + "attention.wo.weight", h + "self_attn.o_proj.weight"),
+                (f + "feed_forward.w1.weight", h + "mlp.gate_proj.weight"),
+                (f + "feed_forward.w3.weight", h + "mlp.up_proj.weight"),
+                (f + "feed_forward.w2.weight", h + "mlp.down_proj.weight"),
+                (f + "attention_norm.weight", h + "input_layernorm.weight"),
+                (f + "ffn_norm.weight", h + "post_attention_layernorm.weight"),
+            ]
             if m.qkv_bias:
                 pairs += [(f + f"attention.w{x}.bias", h + f"self_attn.{x}_proj.bias") for x in "qkv"]
             if m.qk_norm:
-                pairs += [(f + "attention.q_norm.weight", h + "self_attn.q_norm.weight"),
-                          (f + "attention.k_norm.weight", h + "self_attn.k_norm.weight")]
+                pairs += [
+                    (f + "attention.q_norm.weight", h + "self_attn.q_norm.weight"),
+                    (f + "attention.k_norm.weight", h + "self_attn.k_norm.weight"),
+                ]
     elif m.arch == "gpt2":
-        pairs += [("tok_embeddings.weight", "transformer.wte.weight"), ("pos_embeddings.weight", "transformer.wpe.weight")]
+        pairs += [
+            ("tok_embeddings.weight", "transformer.wte.weight"),
+            ("pos_embeddings.weight", "transformer.wpe.weight"),
+        ]
         pairs += _with_bias("", "transformer.", (("norm", "ln_f"),))
         for i in range(m.n_layers):
             f, h = f"layers.{i}.", f"transformer.h.{i}."
             pairs += _with_bias(f, h, (("attention_norm", "ln_1"), ("ffn_norm", "ln_2")))
-            pairs += [(f + "attention.wo.bias", h + "attn.c_proj.bias"), (f + "feed_forward.w1.bias", h + "mlp.c_fc.bias"),
-                      (f + "feed_forward.w2.bias", h + "mlp.c_proj.bias")]
+            pairs += [
+                (f + "attention.wo.bias", h + "attn.c_proj.bias"),
+                (f + "feed_forward.w1.bias", h + "mlp.c_fc.bias"),
+                (f + "feed_forward.w2.bias", h + "mlp.c_proj.bias"),
+            ]
     elif m.arch == "neox":
         pairs += [("tok_embeddings.weight", "gpt_neox.embed_in.weight")]
         pairs += _with_bias("", "gpt_neox.", (("norm", "final_layer_norm"),))
         if not m.tie_embeddings:
             pairs.append(("output.weight", "embed_out.weight"))
         for i in range(m.n_layers):
-            pairs += _with_bias(f"layers.{i}.", f"gpt_neox.layers.{i}.", (
-                ("attention_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
-                ("attention.wo", "attention.dense"), ("feed_forward.w1", "mlp.dense_h_to_4h"),
-                ("feed_forward.w2", "mlp.dense_4h_to_h")))
+            pairs += _with_bias(
+                f"layers.{i}.",
+                f"gpt_neox.layers.{i}.",
+                (
+                    ("attention_norm", "input_layernorm"),
+                    ("ffn_norm", "post_attention_layernorm"),
+                    ("attention.wo", "attention.dense"),
+                    ("feed_forward.w1", "mlp.dense_h_to_4h"),
+                    ("feed_forward.w2", "mlp.dense_4h_to_h"),
+                ),
+            )
     elif m.arch == "opt":
-        pairs += [("tok_embeddings.weight", "model.decoder.embed_tokens.weight"),
-                  ("pos_embeddings.weight", "model.decoder.embed_positions.weight")]
+        pairs += [
+            ("tok_embeddings.weight", "model.decoder.embed_tokens.weight"),
+            ("pos_embeddings.weight", "model.decoder.embed_positions.weight"),
+        ]
         pairs += _with_bias("", "model.decoder.", (("norm", "final_layer_norm"),))
         if not m.tie_embeddings:
             pairs.append(("output.weight", "lm_head.weight"))
         for i in range(m.n_layers):
-            pairs += _with_bias(f"layers.{i}.", f"model.decoder.layers.{i}.", (
-                ("attention_norm", "self_attn_layer_norm"), ("ffn_norm", "final_layer_norm"),
-                ("attention.wq", "self_attn.q_proj"), ("attention.wk", "self_attn.k_proj"),
-                ("attention.wv", "self_attn.v_proj"), ("attention.wo", "self_attn.out_proj"),
-                ("feed_forward.w1", "fc1"), ("feed_forward.w2", "fc2")))
+            pairs += _with_bias(
+                f"layers.{i}.",
+                f"model.decoder.layers.{i}.",
+                (
+                    ("attention_norm", "self_attn_layer_norm"),
+                    ("ffn_norm", "final_layer_norm"),
+                    ("attention.wq", "self_attn.q_proj"),
+                    ("attention.wk", "self_attn.k_proj"),
+                    ("attention.wv", "self_attn.v_proj"),
+                    ("attention.wo", "self_attn.out_proj"),
+                    ("feed_forward.w1", "fc1"),
+                    ("feed_forward.w2", "fc2"),
+                ),
+            )
     return pairs
 
 
@@ -132,9 +166,9 @@ class TensorSource:
             if len(shape) == 1:
                 parts.append(sl[a:b])
             elif self.transpose:
-                parts.append(sl[offset[1]:offset[1] + shape[1], a:b].t())
+                parts.append(sl[offset[1] : offset[1] + shape[1], a:b].t())
             else:
-                parts.append(sl[a:b, offset[1]:offset[1] + shape[1]])
+                parts.append(sl[a:b, offset[1] : offset[1] + shape[1]])
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
@@ -163,7 +197,9 @@ def _sources(m: ModelConfig) -> dict[str, TensorSource]:
 def _recipes(m: ModelConfig) -> list[tuple[str, list[str], Callable[..., torch.Tensor]]]:
     """(HF name, flopwise names, how to make the HF tensor from them), in the order they are written."""
     same = lambda t: t  # noqa: E731
-    out: list[tuple[str, list[str], Callable[..., torch.Tensor]]] = [(theirs, [ours], same) for ours, theirs in _names(m)]
+    out: list[tuple[str, list[str], Callable[..., torch.Tensor]]] = [
+        (theirs, [ours], same) for ours, theirs in _names(m)
+    ]
     d, hd, nh = m.d_model, m.head_dim, m.n_heads
     for i in range(m.n_layers):
         f = f"layers.{i}."
@@ -171,15 +207,23 @@ def _recipes(m: ModelConfig) -> list[tuple[str, list[str], Callable[..., torch.T
         qkv_b = [f + f"attention.{n}.bias" for n in ("wq", "wk", "wv")]
         if m.arch == "gpt2":
             h = f"transformer.h.{i}."
-            out += [(h + "attn.c_attn.weight", qkv_w, lambda q, k, v: torch.cat([q, k, v], 0).t()),
-                    (h + "attn.c_attn.bias", qkv_b, lambda q, k, v: torch.cat([q, k, v])),
-                    (h + "attn.c_proj.weight", [f + "attention.wo.weight"], torch.t),
-                    (h + "mlp.c_fc.weight", [f + "feed_forward.w1.weight"], torch.t),
-                    (h + "mlp.c_proj.weight", [f + "feed_forward.w2.weight"], torch.t)]
+            out += [
+                (h + "attn.c_attn.weight", qkv_w, lambda q, k, v: torch.cat([q, k, v], 0).t()),
+                (h + "attn.c_attn.bias", qkv_b, lambda q, k, v: torch.cat([q, k, v])),
+                (h + "attn.c_proj.weight", [f + "attention.wo.weight"], torch.t),
+                (h + "mlp.c_fc.weight", [f + "feed_forward.w1.weight"], torch.t),
+                (h + "mlp.c_proj.weight", [f + "feed_forward.w2.weight"], torch.t),
+            ]
         elif m.arch == "neox":
             h = f"gpt_neox.layers.{i}.attention.query_key_value."
-            out += [(h + "weight", qkv_w, lambda *t: torch.stack([x.view(nh, hd, d) for x in t], 1).reshape(3 * nh * hd, d)),
-                    (h + "bias", qkv_b, lambda *t: torch.stack([x.view(nh, hd) for x in t], 1).reshape(3 * nh * hd))]
+            out += [
+                (
+                    h + "weight",
+                    qkv_w,
+                    lambda *t: torch.stack([x.view(nh, hd, d) for x in t], 1).reshape(3 * nh * hd, d),
+                ),
+                (h + "bias", qkv_b, lambda *t: torch.stack([x.view(nh, hd) for x in t], 1).reshape(3 * nh * hd)),
+            ]
     return out
 
 
@@ -197,14 +241,19 @@ def load_hf_weights(modules: list[nn.Module], path: str | Path) -> None:
     path = Path(path)
     files = weight_map(path)
     if not files:
-        refuse(path, "no model.safetensors or model.safetensors.index.json with tensors (pickled .bin weights are refused)")
+        refuse(
+            path, "no model.safetensors or model.safetensors.index.json with tensors (pickled .bin weights are refused)"
+        )
     # DDP's wrapped Transformer, or the Transformer (whose .cfg nn.Module's stub cannot know)
     m: ModelConfig = getattr(modules[0], "module", modules[0]).cfg  # type: ignore[assignment]
     sources = _sources(m)
     ignored = sorted(set(files) - {src.name for src in sources.values()})
     if ignored:  # buffers (GPT-2's attention masks, rotary tables) or tensors of another architecture
-        warnings.warn(f"{path}: {len(ignored)} tensor(s) not used by a {m.arch} model are ignored: "
-                      f"{', '.join(ignored[:4])}{', ...' if len(ignored) > 4 else ''}", stacklevel=2)
+        warnings.warn(
+            f"{path}: {len(ignored)} tensor(s) not used by a {m.arch} model are ignored: "
+            f"{', '.join(ignored[:4])}{', ...' if len(ignored) > 4 else ''}",
+            stacklevel=2,
+        )
     with contextlib.ExitStack() as stack:
         handles: dict[str, Any] = {}
         for module in modules:
@@ -222,8 +271,11 @@ def load_hf_weights(modules: list[nn.Module], path: str | Path) -> None:
                 except Exception as e:
                     refuse(path, f"{fname}: cannot read {src.name} ({str(e).splitlines()[0][:100]})")
                 if shape != src.hf_shape(tuple(p.shape)):
-                    refuse(path, f"tensor {src.name} has shape {list(shape)}, config.json implies "
-                                f"{list(src.hf_shape(tuple(p.shape)))}")
+                    refuse(
+                        path,
+                        f"tensor {src.name} has shape {list(shape)}, config.json implies "
+                        f"{list(src.hf_shape(tuple(p.shape)))}",
+                    )
                 local = p.to_local() if isinstance(p, DTensor) else p
                 if local.numel():
                     offset, box = global_box(p)
@@ -247,17 +299,40 @@ def from_hf(path: str | Path, device: str = "cpu"):
     return model, m
 
 
-def to_hf(model: torch.nn.Module, m: ModelConfig, path: str | Path, tokenizer_dir: str | Path | None = None,
-          eos_id: int | None = None, max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype = torch.float32) -> Path:
+def to_hf(
+    model: torch.nn.Module,
+    m: ModelConfig,
+    path: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    eos_id: int | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
     """Write a model in memory as config.json + safetensors + tokenizer (see `write_hf`)."""
     sd = model.state_dict()
-    return write_hf(m, {k: tuple(v.shape) for k, v in sd.items()}, lambda names: {n: sd[n] for n in names}, path,
-                    tokenizer_dir, eos_id, max_shard_bytes=max_shard_bytes, dtype=dtype)
+    return write_hf(
+        m,
+        {k: tuple(v.shape) for k, v in sd.items()},
+        lambda names: {n: sd[n] for n in names},
+        path,
+        tokenizer_dir,
+        eos_id,
+        max_shard_bytes=max_shard_bytes,
+        dtype=dtype,
+    )
 
 
-def write_hf(m: ModelConfig, shapes: dict[str, tuple[int, ...]], fetch: Callable[[list[str]], dict[str, torch.Tensor]],
-             path: str | Path, tokenizer_dir: str | Path | None = None, eos_id: int | None = None,
-             bos_id: int | None = None, max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype = torch.float32) -> Path:
+def write_hf(
+    m: ModelConfig,
+    shapes: dict[str, tuple[int, ...]],
+    fetch: Callable[[list[str]], dict[str, torch.Tensor]],
+    path: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    eos_id: int | None = None,
+    bos_id: int | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
     """Write config.json + safetensors (sharded with an index above `max_shard_bytes`) + tokenizer,
     one shard at a time: `fetch(names)` supplies the flopwise tensors a shard needs, so peak
     memory is one shard (or the largest tensor, if larger), not the model. `bos_id`: default `eos_id`."""
@@ -279,20 +354,26 @@ def write_hf(m: ModelConfig, shapes: dict[str, tuple[int, ...]], fetch: Callable
     shards.append(current)
     for old in path.glob("model*.safetensors*"):
         old.unlink()
-    names = ["model.safetensors"] if len(shards) == 1 else [
-        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
     weight_map, total = {}, 0
     for name, shard in zip(names, shards, strict=True):
         ours = fetch(sorted({n for _, inputs, _ in shard for n in inputs}))
-        tensors = {theirs: make(*(ours[n].detach().to("cpu", dtype) for n in inputs)).contiguous()
-                   for theirs, inputs, make in shard}
+        tensors = {
+            theirs: make(*(ours[n].detach().to("cpu", dtype) for n in inputs)).contiguous()
+            for theirs, inputs, make in shard
+        }
         del ours
         save_file(tensors, str(path / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in tensors})
         total += sum(v.numel() * v.element_size() for v in tensors.values())
     if len(shards) > 1:
         (path / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+        )
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:

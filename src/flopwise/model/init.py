@@ -43,8 +43,9 @@ def global_box(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (0,) * p.dim(), tuple(p.shape)
 
 
-def normal_box(seed: int, name: str, full_shape: tuple[int, ...], offset: tuple[int, ...],
-               shape: tuple[int, ...]) -> torch.Tensor:
+def normal_box(
+    seed: int, name: str, full_shape: tuple[int, ...], offset: tuple[int, ...], shape: tuple[int, ...]
+) -> torch.Tensor:
     """Standard-normal fp32 values of the box [offset, offset + shape) of weight `name`."""
     rows, cols = full_shape[0], math.prod(full_shape[1:])
     r0, nr = offset[0], shape[0]
@@ -64,7 +65,7 @@ def normal_box(seed: int, name: str, full_shape: tuple[int, ...], offset: tuple[
             block = torch.randn((re - rs) * (ce - cs), generator=gen).view(re - rs, ce - cs)
             a, b = max(r0, rs), min(r0 + nr, re)
             c, d = max(c0, cs), min(c0 + nc, ce)
-            out[a - r0:b - r0, c - c0:d - c0] = block[a - rs:b - rs, c - cs:d - cs]
+            out[a - r0 : b - r0, c - c0 : d - c0] = block[a - rs : b - rs, c - cs : d - cs]
     return out.view(shape)
 
 

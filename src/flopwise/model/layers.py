@@ -35,7 +35,8 @@ def rope_frequencies(rotary_dim: int, theta: float, scaling: RopeScaling | None)
     low_wl = scaling.original_max_seq_len / scaling.low_freq_factor
     high_wl = scaling.original_max_seq_len / scaling.high_freq_factor
     smooth = (scaling.original_max_seq_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
     mid = (1 - smooth) * inv / scaling.factor + smooth * inv
     out = torch.where(wavelen > low_wl, inv / scaling.factor, torch.where(wavelen < high_wl, inv, mid))
     return out.float()
@@ -60,6 +61,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
     """Press et al. 2022: geometric slopes 2^(-8i/n); for non powers of two, interleave the next."""
+
     def pow2(n: int) -> list[float]:
         start = 2 ** (-(2 ** -(math.log2(n) - 3)))
         return [start ** (i + 1) for i in range(n)]
@@ -96,8 +98,9 @@ class Span:
     @classmethod
     def after(cls, start: int, t: int, device: torch.device | str | None = None) -> Span:
         """`t` new tokens after `start` cached ones (start 0: a whole sequence)."""
-        return cls(torch.arange(start, start + t, device=device), torch.arange(0, start + t, device=device),
-                   whole=start == 0)
+        return cls(
+            torch.arange(start, start + t, device=device), torch.arange(0, start + t, device=device), whole=start == 0
+        )
 
     @property
     def length(self) -> int:
@@ -129,8 +132,8 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.pos + k.shape[2]
-        self.k[layer][:, :, self.pos:end] = k
-        self.v[layer][:, :, self.pos:end] = v
+        self.k[layer][:, :, self.pos : end] = k
+        self.v[layer][:, :, self.pos : end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
@@ -152,8 +155,9 @@ class CoreAttention(nn.Module):
         gqa = q.shape[1] != k.shape[1]
         if q.device.type == "cpu" and q.dtype != torch.float32:
             with torch.autocast("cpu", enabled=False):
-                y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=p,
-                                                   is_causal=is_causal, enable_gqa=gqa)
+                y = F.scaled_dot_product_attention(
+                    q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=p, is_causal=is_causal, enable_gqa=gqa
+                )
             return y.to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, enable_gqa=gqa)
 

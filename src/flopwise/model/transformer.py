@@ -80,8 +80,9 @@ class Transformer(nn.Module):
             if (reset := getattr(module, "reset_buffers", None)) is not None:
                 reset(device)
 
-    def context(self, span: Span, documents: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> AttnContext:
+    def context(
+        self, span: Span, documents: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> AttnContext:
         """What every layer shares for the tokens at `span`: positions, rope tables, the mask (see
         `forward` for `documents` and `positions`)."""
         m = self.cfg
@@ -96,8 +97,14 @@ class Transformer(nn.Module):
             mask = causal(span)
         return AttnContext(span, cos, sin, mask, mask is None, pos_ids)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, documents: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, span: Span | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        documents: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        span: Span | None = None,
+    ) -> torch.Tensor:
         """tokens (b, t) -> logits (b, t, vocab). A pipeline stage without the embedding takes the
         previous stage's hidden states (b, t, d) instead, and one without the head returns them.
 

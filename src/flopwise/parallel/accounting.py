@@ -36,8 +36,12 @@ def grad_bytes(modules) -> int:
 
 def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Moments only (the per-parameter step counters are scalars)."""
-    return sum(local_bytes(v) for s in optimizer.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return sum(
+        local_bytes(v)
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:
@@ -49,8 +53,16 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage:
 
 # Autograd nodes that only view or cast their one input: a saved tensor reached from a parameter
 # through these alone is that parameter (a view) or a copy of it (autocast's low-precision cast).
-_WEIGHT_PATH = ("TBackward0", "ToCopyBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
-                "ExpandBackward0", "UnsafeViewBackward0", "AliasBackward0")
+_WEIGHT_PATH = (
+    "TBackward0",
+    "ToCopyBackward0",
+    "ViewBackward0",
+    "TransposeBackward0",
+    "PermuteBackward0",
+    "ExpandBackward0",
+    "UnsafeViewBackward0",
+    "AliasBackward0",
+)
 
 
 def _from_parameter(t: torch.Tensor, params: set[int]) -> bool:
@@ -96,8 +108,13 @@ class SavedBytes(saved_tensors_hooks):
     def __init__(self, *modules: nn.Module):
         self.modules = modules
         self.bytes = self.total = self.weight_copies = self.gathered = 0
-        self._fsdp_groups = [g for m in modules for sub in m.modules() if isinstance(sub, FSDPModule)
-                             for g in sub._get_fsdp_state()._fsdp_param_groups]
+        self._fsdp_groups = [
+            g
+            for m in modules
+            for sub in m.modules()
+            if isinstance(sub, FSDPModule)
+            for g in sub._get_fsdp_state()._fsdp_param_groups
+        ]
         self.saved: list[tuple[tuple[int, ...], torch.dtype, int, str]] = []
         self._live: dict[int, list[int]] = {}  # storage address -> [bytes, saved tensors holding it]
         self._now = 0
@@ -219,14 +236,18 @@ class FsdpCopyBytes(TorchDispatchMode):
             self.bytes["copy_in"] += _nbytes(inputs) + sum(t.numel() for t in inputs) * buffer.element_size()
         elif func is torch.ops.fsdp.split_with_sizes_copy.default:
             self.bytes["copy_out"] += _nbytes(args[:1]) + _nbytes(kwargs["out"])
-        elif func is torch.ops.aten.copy_.default and self._reduce_input is not None \
-                and (args[1].data_ptr(), args[1].numel()) == self._reduce_input:
+        elif (
+            func is torch.ops.aten.copy_.default
+            and self._reduce_input is not None
+            and (args[1].data_ptr(), args[1].numel()) == self._reduce_input
+        ):
             self.bytes["reduce_copy"] += _nbytes(args[:2])
         elif func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self._unshard_inputs:
             self.bytes["unshard_cast"] += _nbytes([args[0], out])
             self._casts.add(out.data_ptr())  # what the copy below reads
-        elif func is torch.ops.aten.copy_.default and (args[1].data_ptr() in self._unshard_inputs
-                                                       or args[1].data_ptr() in self._casts):
+        elif func is torch.ops.aten.copy_.default and (
+            args[1].data_ptr() in self._unshard_inputs or args[1].data_ptr() in self._casts
+        ):
             self._casts.discard(args[1].data_ptr())
             self.bytes["unshard_copy"] += _nbytes(args[:2])
         if func is torch.ops.fsdp.chunk_cat.default:
@@ -276,7 +297,15 @@ class HostSyncCounter(TorchDispatchMode):
     device tensor to the CPU, and `.tolist()`/`.numpy()` (not dispatched ops: wrapped while counting).
     On CPU nothing actually waits, but the same points are where a GPU's host would stall."""
 
-    DATA_DEPENDENT = ("_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "is_nonzero", "equal")
+    DATA_DEPENDENT = (
+        "_local_scalar_dense",
+        "nonzero",
+        "masked_select",
+        "_unique2",
+        "unique_dim",
+        "is_nonzero",
+        "equal",
+    )
 
     def __init__(self):
         super().__init__()
@@ -313,7 +342,12 @@ class HostSyncCounter(TorchDispatchMode):
             self._hit(name)
         elif name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
             self._hit("boolean index")
-        elif name == "_to_copy" and first is not None and first.device.type != "cpu" and str(kwargs.get("device")) == "cpu":
+        elif (
+            name == "_to_copy"
+            and first is not None
+            and first.device.type != "cpu"
+            and str(kwargs.get("device")) == "cpu"
+        ):
             self._hit("to_cpu")
         return func(*args, **kwargs)
 
@@ -340,6 +374,7 @@ class PeakMemory:
             self._start = torch.cuda.memory_allocated(self.device)
         else:
             from torch.profiler import ProfilerActivity, profile
+
             self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self._prof.__enter__()
         return self
@@ -351,6 +386,7 @@ class PeakMemory:
             return
         self._prof.__exit__(*exc)
         from torch._C._profiler import _EventType, _ExtraFields_Allocation
+
         profiler = self._prof.profiler  # its results are set by the __exit__ above
         assert profiler is not None and profiler.kineto_results is not None
         events, nodes = [], list(profiler.kineto_results.experimental_event_tree())
@@ -358,7 +394,11 @@ class PeakMemory:
             n = nodes.pop()
             nodes.extend(n.children)
             alloc = n.extra_fields
-            if n.tag == _EventType.Allocation and isinstance(alloc, _ExtraFields_Allocation) and alloc.device.type == "cpu":
+            if (
+                n.tag == _EventType.Allocation
+                and isinstance(alloc, _ExtraFields_Allocation)
+                and alloc.device.type == "cpu"
+            ):
                 events.append((n.start_time_ns, alloc.alloc_size, alloc.total_allocated))
         if events:  # the running total is the process's since it first profiled: start from the block's own
             _, size, total = min(events)

@@ -32,7 +32,9 @@ class ContextParallel:
     def positions(self, seq: int, rank: int | None = None) -> torch.Tensor:
         """Absolute positions of `rank`'s tokens in a sequence of `seq` tokens."""
         c = seq // (2 * self.size)
-        return torch.cat([torch.arange(i * c, (i + 1) * c) for i in self.chunk_ids(self.rank if rank is None else rank)])
+        return torch.cat(
+            [torch.arange(i * c, (i + 1) * c) for i in self.chunk_ids(self.rank if rank is None else rank)]
+        )
 
     def key_positions(self, seq: int) -> torch.Tensor:
         """Positions of the all-gathered keys, in gather order (rank 0's chunks, rank 1's, ...)."""

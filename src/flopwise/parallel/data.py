@@ -63,18 +63,24 @@ def apply_replicate(model: Transformer, par: Parallel, dtype: str) -> nn.Module:
 
 
 # torch 2.13 renamed DDP's per-forward buffer sync (broadcast_buffers, now deprecated with a warning)
-_NO_BUFFER_SYNC: dict[str, Any] = ({"forward_sync_buffers": False}
-                   if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
-                   else {"broadcast_buffers": False})
+_NO_BUFFER_SYNC: dict[str, Any] = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 def apply_ddp(model: nn.Module, par: Parallel) -> nn.Module:
     # no buffer sync in forward: the buffers (rope tables, ALiBi slopes) are computed, identical everywhere.
     # gradient_as_bucket_view: the gradients are views of DDP's all-reduce buckets, not a second fp32
     # copy of them (the planner books one Ψ of gradients, held all step)
-    return DistributedDataParallel(model, process_group=par.group("dp_cp"), **_NO_BUFFER_SYNC,
-                                   gradient_as_bucket_view=True,
-                                   device_ids=[par.device.index] if par.device.type == "cuda" else None)
+    return DistributedDataParallel(
+        model,
+        process_group=par.group("dp_cp"),
+        **_NO_BUFFER_SYNC,
+        gradient_as_bucket_view=True,
+        device_ids=[par.device.index] if par.device.type == "cuda" else None,
+    )
 
 
 def uses_ddp(par: Parallel) -> bool:

@@ -41,8 +41,9 @@ def _torchao():
     try:
         import torchao.float8 as f8
     except ImportError:
-        raise ConfigError("train.float8 needs torchao: pip install 'flopwise[float8]' "
-                          "(or set train.float8=none)") from None
+        raise ConfigError(
+            "train.float8 needs torchao: pip install 'flopwise[float8]' (or set train.float8=none)"
+        ) from None
     finally:
         for q, level in zip(quiet, levels, strict=True):
             q.setLevel(level)
@@ -61,8 +62,10 @@ def check_float8(cfg: Config, device: torch.device) -> None:
             props = torch.cuda.get_device_properties(device)
             found = f"{props.name} (compute capability {props.major}.{props.minor})"
         if device.type != "cuda" or (props.major, props.minor) < MIN_CAPABILITY:
-            raise ConfigError(f"train.float8 needs a CUDA GPU of compute capability >= 8.9; found {found}; "
-                              "set train.float8=none (or train.float8_emulate=true to emulate)")
+            raise ConfigError(
+                f"train.float8 needs a CUDA GPU of compute capability >= 8.9; found {found}; "
+                "set train.float8=none (or train.float8_emulate=true to emulate)"
+            )
     _torchao()
 
 
@@ -89,8 +92,9 @@ def apply_float8(model: nn.Module, cfg: Config, lo: Layout, device: torch.device
     f8 = _torchao()
     eligible = {name for name, shape in block_linears(cfg.model, lo.tp) if float8_eligible(shape)}
     config = float8_config(recipe, cfg.train.float8_emulate, float8_all_gather(recipe, lo))
-    f8.convert_to_float8_training(model.layers, config=config,
-                                  module_filter_fn=lambda _, fqn: fqn.partition(".")[2] in eligible)
+    f8.convert_to_float8_training(
+        model.layers, config=config, module_filter_fn=lambda _, fqn: fqn.partition(".")[2] in eligible
+    )
     if device.type != "cuda":
         from torchao.float8.float8_linear import Float8Linear
 

@@ -33,8 +33,9 @@ def world_size() -> int:
 def layout_of(cfg: Config, world: int) -> Layout:
     """The layout the config asks for on `world` processes; dp defaults to what is left."""
     lo = config_layout(cfg, world)
-    reason = check_layout(lo, cfg.model, cfg.data.seq_len, cfg.train.global_batch, world,
-                          pp_layers=cfg.parallel.pp_layers)
+    reason = check_layout(
+        lo, cfg.model, cfg.data.seq_len, cfg.train.global_batch, world, pp_layers=cfg.parallel.pp_layers
+    )
     if reason and world == 1 and lo.world > 1:
         reason += f" (launch with: torchrun --nproc-per-node {lo.world} -m flopwise train ...)"
     if reason:
@@ -90,8 +91,9 @@ def init(cfg: Config, device: torch.device) -> Parallel:
     if not dist.is_initialized():
         timeout = timedelta(seconds=cfg.watchdog.collective_timeout_s)
         store, rank, size = _attempt_store(timeout)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
-                                world_size=size, timeout=timeout)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=size, timeout=timeout
+        )
     nodes: list[int] = [0] * dist.get_world_size()
     dist.all_gather_object(nodes, int(os.environ.get("GROUP_RANK", "0")))
     return Parallel(layout, make_mesh(layout, device), device, nodes, store)

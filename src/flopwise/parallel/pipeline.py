@@ -29,8 +29,13 @@ from flopwise.model.transformer import Transformer, build_model
 from flopwise.parallel.mesh import Parallel
 from flopwise.plan.layout import FIXED_VIRTUAL_STAGES, stage_ids, stage_sizes
 
-SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
-                    "zero-bubble": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+SCHEDULE_CLASSES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "zero-bubble": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
 V_SHAPED = tuple(FIXED_VIRTUAL_STAGES)  # two stages per rank, in a V
 
 
@@ -57,8 +62,12 @@ def split_stages(cfg: Config, par: Parallel) -> list[tuple[int, Transformer]]:
     return out
 
 
-def build_schedule(parts: list[tuple[int, nn.Module]], par: Parallel, n_microbatches: int,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+def build_schedule(
+    parts: list[tuple[int, nn.Module]],
+    par: Parallel,
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+):
     lo = par.layout
     stages = [PipelineStage(mod, sid, lo.n_stages, par.device, group=par.group("pp")) for sid, mod in parts]
     cls = SCHEDULE_CLASSES[lo.pp_schedule]

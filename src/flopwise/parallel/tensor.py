@@ -53,17 +53,23 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> N
     for block in model.layers.values():
         a = block.get_submodule("attention")
         bplan: dict[str, ParallelStyle] = {
-            "attention_norm": norm, "ffn_norm": norm,
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention_norm": norm,
+            "ffn_norm": norm,
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
         if block.get_submodule("feed_forward").w3 is not None:
             bplan["feed_forward.w3"] = ColwiseParallel()
         # Enter attention and the MLP as one DTensor: the input gradients of wq/wk/wv (and w1/w3) then
         # sum as partials and cost one all-reduce (reduce-scatter under SP), Megatron's "f" operator,
         # instead of one per projection.
-        bplan["attention"] = PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None))
+        bplan["attention"] = PrepareModuleInput(
+            input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
+        )
         bplan["feed_forward"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
         if a.q_norm is not None:  # per-head norms see local heads: shard them on the head dim
             bplan["attention.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
@@ -78,7 +84,9 @@ def shard_head_buffers(model: Transformer, mesh: DeviceMesh) -> None:
     fills the buffer after materialising."""
     slopes = getattr(model, "alibi", None)
     if slopes is not None and not isinstance(slopes, DTensor):
-        model.register_buffer("alibi", distribute_tensor(slopes, mesh, [Shard(0)], src_data_rank=None), persistent=False)
+        model.register_buffer(
+            "alibi", distribute_tensor(slopes, mesh, [Shard(0)], src_data_rank=None), persistent=False
+        )
 
 
 def keep_embedding_grad_sharded(model: Transformer) -> None:

@@ -51,9 +51,17 @@ class EngineRun:
 
     @classmethod
     def of(cls, cfg: Config, cpu: bool = False) -> EngineRun:
-        return cls(model=cfg.model, seq=cfg.data.seq_len, global_batch=cfg.train.global_batch, dtype=cfg.train.dtype,
-                   compile=cfg.train.compile, steps=cfg.train.steps, document_mask=cfg.data.document_mask, cpu=cpu,
-                   float8=cfg.train.float8)
+        return cls(
+            model=cfg.model,
+            seq=cfg.data.seq_len,
+            global_batch=cfg.train.global_batch,
+            dtype=cfg.train.dtype,
+            compile=cfg.train.compile,
+            steps=cfg.train.steps,
+            document_mask=cfg.data.document_mask,
+            cpu=cpu,
+            float8=cfg.train.float8,
+        )
 
 
 @dataclass(kw_only=True, slots=True)  # not frozen: a search builds tens of thousands
@@ -69,49 +77,97 @@ class RankMemory:
     peak: float  # allocated at the step's high-water mark, above the resident model states
 
 
-def rank_memory(run: EngineRun, lo: Layout, *, layers: int, embedding: bool, head: bool, pp_rank: int = 0,
-                shard_rank: int = 0, dp_rank: int = 0, flash: bool = True, cache: dict | None = None) -> RankMemory:
+def rank_memory(
+    run: EngineRun,
+    lo: Layout,
+    *,
+    layers: int,
+    embedding: bool,
+    head: bool,
+    pp_rank: int = 0,
+    shard_rank: int = 0,
+    dp_rank: int = 0,
+    flash: bool = True,
+    cache: dict | None = None,
+) -> RankMemory:
     """What the rank at these mesh coordinates holds: `layers` blocks (its pipeline stages), the
     embedding and/or the head; `pp_rank` sets its micro-batches in flight, `shard_rank` its FSDP2
     shard, `dp_rank` its ZeRO-1 share. `cache`: one dict per run (a search shares it across
     layouts): the tensor walks are memoised by what they depend on."""
     m, fsdp2, n_micro = run.model, lo.fsdp2, lo.microbatches(run.global_batch)
     compiled, float8 = compiles(run.compile, run.steps, lo), run.float8 != "none"
-    precision = memo(cache, ("precision", fsdp2, compiled, float8),
-                     lambda: engine_precision(run.dtype, fsdp2, run.cpu, compiled, float8))
-    states = memo(cache, ("states", layers, embedding, head, lo.tp, lo.zero, lo.world > 1, lo.dp_shard * lo.cp,
-                          lo.dp * lo.cp, shard_rank, dp_rank),
-                  lambda: rank_model_states(m, lo, layers, embedding, head, shard_rank=shard_rank, dp_rank=dp_rank,
-                                            cache=cache))
-    in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, n_micro, lo.virtual_stages if lo.pp > 1 else 1,
-                                       pp_rank)
-    acts = (rank_activation_bytes(m, lo, run.seq, run.global_batch, layers, flash, run.document_mask, precision,
-                                  pp_rank, cache)
-            + in_flight * memo(cache, ("end", fsdp2, compiled, lo.cp, lo.micro_batch, lo.tp, embedding, head),
-                               lambda: end_activation_bytes(m, run.seq // lo.cp, lo.micro_batch, lo.tp, embedding,
-                                                            head, precision)))
+    precision = memo(
+        cache,
+        ("precision", fsdp2, compiled, float8),
+        lambda: engine_precision(run.dtype, fsdp2, run.cpu, compiled, float8),
+    )
+    states = memo(
+        cache,
+        (
+            "states",
+            layers,
+            embedding,
+            head,
+            lo.tp,
+            lo.zero,
+            lo.world > 1,
+            lo.dp_shard * lo.cp,
+            lo.dp * lo.cp,
+            shard_rank,
+            dp_rank,
+        ),
+        lambda: rank_model_states(m, lo, layers, embedding, head, shard_rank=shard_rank, dp_rank=dp_rank, cache=cache),
+    )
+    in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, n_micro, lo.virtual_stages if lo.pp > 1 else 1, pp_rank)
+    acts = rank_activation_bytes(
+        m, lo, run.seq, run.global_batch, layers, flash, run.document_mask, precision, pp_rank, cache
+    ) + in_flight * memo(
+        cache,
+        ("end", fsdp2, compiled, lo.cp, lo.micro_batch, lo.tp, embedding, head),
+        lambda: end_activation_bytes(m, run.seq // lo.cp, lo.micro_batch, lo.tp, embedding, head, precision),
+    )
     gathered = 0.0
     if fsdp2 and not lo.reshards_params:
         f8_gather = float8_all_gather(run.float8, lo)
-        gathered = memo(cache, ("gathered", layers, embedding, head, lo.tp, lo.zero >= 2, lo.dp_shard * lo.cp, f8_gather),
-                        lambda: gathered_param_bytes(m, lo, layers, embedding, head, run.dtype, cache, f8_gather))
+        gathered = memo(
+            cache,
+            ("gathered", layers, embedding, head, lo.tp, lo.zero >= 2, lo.dp_shard * lo.cp, f8_gather),
+            lambda: gathered_param_bytes(m, lo, layers, embedding, head, run.dtype, cache, f8_gather),
+        )
     other = gathered
     if run.dtype == "bf16" and not fsdp2:  # autocast's bf16 weights; compiled blocks keep theirs in `acts`
         kept = 0 if compiled else layers
-        other += memo(cache, ("copies", kept, head, lo.tp, float8),
-                      lambda: autocast_weight_copy_bytes(m, kept, head, lo.tp, float8))
+        other += memo(
+            cache,
+            ("copies", kept, head, lo.tp, float8),
+            lambda: autocast_weight_copy_bytes(m, kept, head, lo.tp, float8),
+        )
     # the loss's working set and ZeRO-3's re-gathered blocks come one after the other in backward
-    work = memo(cache, ("work", fsdp2, compiled, lo.cp, lo.micro_batch, lo.tp, lo.reshards_params, head),
-                lambda: max(loss_working_bytes(m, run.seq // lo.cp, lo.micro_batch, lo.tp, precision) if head else 0.0,
-                            regathered_bytes(rank_param_count(m, lo, 1, False, False, cache), lo, precision.compute)))
+    work = memo(
+        cache,
+        ("work", fsdp2, compiled, lo.cp, lo.micro_batch, lo.tp, lo.reshards_params, head),
+        lambda: max(
+            loss_working_bytes(m, run.seq // lo.cp, lo.micro_batch, lo.tp, precision) if head else 0.0,
+            regathered_bytes(rank_param_count(m, lo, 1, False, False, cache), lo, precision.compute),
+        ),
+    )
     grads, held = step_grads(lo, n_micro, states.grads)
-    return RankMemory(params=states.params, grads=states.grads, optimizer=states.optimizer, activations=acts,
-                      gathered=gathered, other=other + work, buffers=buffer_bytes(m, layers, lo.tp),
-                      step_grads=grads, peak=step_peak_bytes(grads, held, acts, other + work))
+    return RankMemory(
+        params=states.params,
+        grads=states.grads,
+        optimizer=states.optimizer,
+        activations=acts,
+        gathered=gathered,
+        other=other + work,
+        buffers=buffer_bytes(m, layers, lo.tp),
+        step_grads=grads,
+        peak=step_peak_bytes(grads, held, acts, other + work),
+    )
 
 
-def busiest_dp_rank(m: ModelConfig, lo: Layout, layers: int, embedding: bool, head: bool,
-                    cache: dict | None = None) -> int:
+def busiest_dp_rank(
+    m: ModelConfig, lo: Layout, layers: int, embedding: bool, head: bool, cache: dict | None = None
+) -> int:
     """The data-parallel rank (of dp·cp) whose optimizer state is largest: under ZeRO-1 torch's
     ZeroRedundancyOptimizer gives whole tensors, unevenly; every other share is even or the first
     rank's largest (FSDP2's torch.chunk)."""

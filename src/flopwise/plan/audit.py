@@ -29,10 +29,17 @@ from flopwise.presets import PRESETS
 PLANNER_BAND = 0.10  # the planner's validated error on published throughput (tests/test_plan_validation.py)
 # What a claim may state: counts are whole numbers >= 1, amounts finite numbers > 0 (an example each)
 COUNT_KEYS = {"devices": "devices=1024", "assumed_devices": "assumed_devices=1024", "seq_len": "seq_len=8192"}
-AMOUNT_KEYS = {"params": "params=70e9", "tokens": "tokens=15e12", "batch_tokens": "batch_tokens=16e6",
-               "days": "days=54", "device_hours": "device_hours=6.4e6", "tokens_per_s_per_device":
-               "tokens_per_s_per_device=380", "tflops_per_device": "tflops_per_device=400",
-               "stated_mfu": "stated_mfu=0.41", "stated_flops": "stated_flops=3.8e25"}
+AMOUNT_KEYS = {
+    "params": "params=70e9",
+    "tokens": "tokens=15e12",
+    "batch_tokens": "batch_tokens=16e6",
+    "days": "days=54",
+    "device_hours": "device_hours=6.4e6",
+    "tokens_per_s_per_device": "tokens_per_s_per_device=380",
+    "tflops_per_device": "tflops_per_device=400",
+    "stated_mfu": "stated_mfu=0.41",
+    "stated_flops": "stated_flops=3.8e25",
+}
 USER_KEYS = {"preset", "hardware", *COUNT_KEYS, *AMOUNT_KEYS}
 CLAIM_KEYS = USER_KEYS | {"name", "stated", "source", "status"}  # the last four: the catalogue's bookkeeping
 
@@ -51,11 +58,15 @@ def parse_claim(items: list[str]) -> dict[str, Any]:
         entries = catalogue()
         unknown = [b for b in bare if b not in entries]
         if unknown:
-            raise ConfigError(f"audit claim {unknown[0]!r}: neither key=value (keys: {keys}) nor a catalogue entry "
-                              f"({', '.join(entries)})")
+            raise ConfigError(
+                f"audit claim {unknown[0]!r}: neither key=value (keys: {keys}) nor a catalogue entry "
+                f"({', '.join(entries)})"
+            )
         if len(items) > 1:
-            raise ConfigError(f"audit {' '.join(items)}: give one catalogue entry alone (or nothing for all of them), "
-                              "or a claim of key=value words only")
+            raise ConfigError(
+                f"audit {' '.join(items)}: give one catalogue entry alone (or nothing for all of them), "
+                "or a claim of key=value words only"
+            )
         return check_claim(entries[bare[0]])
     claim: dict[str, Any] = {"name": "claim", "stated": [], "source": "user claim", "status": "claim"}
     for item in items:
@@ -134,9 +145,21 @@ def audit_claim(claim: dict, predict: bool = True) -> ClaimVerdict:
         fpt = scaling_flops(params, 1)
         notes.append("no shape given (preset=...): FLOPs are 6·N per token, attention not counted")
     else:
-        return ClaimVerdict(name=claim["name"], params=0, tokens=None, flops=None, flops_6nd=None, implied_mfu=None,
-                       basis="", predicted_mfu=None, predicted_layout=None, verdict="underdetermined",
-                       missing=["preset or params"], source=claim.get("source", ""), status=claim.get("status", ""))
+        return ClaimVerdict(
+            name=claim["name"],
+            params=0,
+            tokens=None,
+            flops=None,
+            flops_6nd=None,
+            implied_mfu=None,
+            basis="",
+            predicted_mfu=None,
+            predicted_layout=None,
+            verdict="underdetermined",
+            missing=["preset or params"],
+            source=claim.get("source", ""),
+            status=claim.get("status", ""),
+        )
     tokens = claim.get("tokens")
     flops = fpt * tokens if tokens else None
     missing = [] if tokens else ["tokens"]
@@ -184,10 +207,22 @@ def audit_claim(claim: dict, predict: bool = True) -> ClaimVerdict:
         verdict = "plausible"
     if flops and claim.get("stated_flops"):
         notes.append(f"stated {claim['stated_flops']:.3g} FLOPs vs {flops:.3g} by the convention")
-    return ClaimVerdict(name=claim["name"], params=params, tokens=tokens, flops=flops,
-                   flops_6nd=scaling_flops(params, tokens) if tokens else None, implied_mfu=implied, basis=basis,
-                   predicted_mfu=predicted, predicted_layout=layout, verdict=verdict, missing=missing, notes=notes,
-                   source=claim.get("source", ""), status=claim.get("status", ""))
+    return ClaimVerdict(
+        name=claim["name"],
+        params=params,
+        tokens=tokens,
+        flops=flops,
+        flops_6nd=scaling_flops(params, tokens) if tokens else None,
+        implied_mfu=implied,
+        basis=basis,
+        predicted_mfu=predicted,
+        predicted_layout=layout,
+        verdict=verdict,
+        missing=missing,
+        notes=notes,
+        source=claim.get("source", ""),
+        status=claim.get("status", ""),
+    )
 
 
 def _predict(claim: dict, devices: int, seq: int) -> tuple[float | None, dict | None, str]:
@@ -196,9 +231,12 @@ def _predict(claim: dict, devices: int, seq: int) -> tuple[float | None, dict | 
 
     batch = claim.get("batch_tokens", seq * devices) / seq
     batch = max(64, 64 * round(batch / 64))  # published batches are rounded figures; keep dp choices open
-    tree = {"model": {"preset": claim["preset"], "max_seq_len": max(2048, seq)},
-            "data": {"seq_len": seq}, "train": {"global_batch": batch},
-            "cluster": {"hardware": claim["hardware"], "gpus": int(devices)}}
+    tree = {
+        "model": {"preset": claim["preset"], "max_seq_len": max(2048, seq)},
+        "data": {"seq_len": seq},
+        "train": {"global_batch": batch},
+        "cluster": {"hardware": claim["hardware"], "gpus": int(devices)},
+    }
     cfg = validate(tree)
     try:
         report = plan(cfg, {}, keep=1)
@@ -206,8 +244,14 @@ def _predict(claim: dict, devices: int, seq: int) -> tuple[float | None, dict | 
         return None, None, f"planner: {e}"
     best = report.best
     if not best.fits:
-        return None, None, (f"does not fit: {int(devices)} × {claim['hardware']} cannot hold it in any layout "
-                            f"(closest: {best.reason})")
+        return (
+            None,
+            None,
+            (
+                f"does not fit: {int(devices)} × {claim['hardware']} cannot hold it in any layout "
+                f"(closest: {best.reason})"
+            ),
+        )
     return best.mfu, best.layout.to_json(), ""
 
 

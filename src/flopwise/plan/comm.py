@@ -86,8 +86,15 @@ class Collective:
     gradients: bool
 
 
-def dp_collectives(psi: float, zero: int, *, zero1_broadcast: bool = False, gather_per_micro: bool = False,
-                   pipelined: bool = False, hsdp: bool = False) -> list[Collective]:
+def dp_collectives(
+    psi: float,
+    zero: int,
+    *,
+    zero1_broadcast: bool = False,
+    gather_per_micro: bool = False,
+    pipelined: bool = False,
+    hsdp: bool = False,
+) -> list[Collective]:
     """What a data-parallel rank runs per step for `psi` parameters by ZeRO stage.
 
     zero 0: one all-reduce of the gradients per step. zero 1: the paper's reduce-scatter of the
@@ -101,12 +108,21 @@ def dp_collectives(psi: float, zero: int, *, zero1_broadcast: bool = False, gath
     if zero == 0:
         return [Collective(kind="all_reduce", elements=psi, when="step", group="all", gradients=True)]
     if zero == 1 and zero1_broadcast:
-        return [Collective(kind="all_reduce", elements=psi, when="step", group="all", gradients=True),
-                Collective(kind="all_gather", elements=psi, when="step", group="all", gradients=False)]
+        return [
+            Collective(kind="all_reduce", elements=psi, when="step", group="all", gradients=True),
+            Collective(kind="all_gather", elements=psi, when="step", group="all", gradients=False),
+        ]
     micro = "step" if zero == 1 or pipelined else "micro"
-    out = [Collective(kind="reduce_scatter", elements=psi, when=micro, group="shard", gradients=True),
-           Collective(kind="all_gather", elements=psi, when=micro if zero >= 3 or gather_per_micro else "step",
-                      group="shard", gradients=False)]
+    out = [
+        Collective(kind="reduce_scatter", elements=psi, when=micro, group="shard", gradients=True),
+        Collective(
+            kind="all_gather",
+            elements=psi,
+            when=micro if zero >= 3 or gather_per_micro else "step",
+            group="shard",
+            gradients=False,
+        ),
+    ]
     if zero >= 3 and not pipelined:
         out.append(Collective(kind="all_gather", elements=psi, when="micro", group="shard", gradients=False))
     if hsdp:
@@ -114,8 +130,16 @@ def dp_collectives(psi: float, zero: int, *, zero1_broadcast: bool = False, gath
     return out
 
 
-def fsdp_copy_bytes(collectives: list[Collective], shard: int, n_micro: int, *, compute_bytes: int,
-                    reduce_bytes: int, master_bytes: int = 4, float8_elements: float = 0.0) -> dict[str, float]:
+def fsdp_copy_bytes(
+    collectives: list[Collective],
+    shard: int,
+    n_micro: int,
+    *,
+    compute_bytes: int,
+    reduce_bytes: int,
+    master_bytes: int = 4,
+    float8_elements: float = 0.0,
+) -> dict[str, float]:
     """HBM bytes FSDP2 copies around its data-parallel collectives (`dp_collectives`' list), by when
     they run ("micro", "step"), on one rank of a `shard`-rank shard group (dp_shard · cp). From
     torch.distributed.fsdp's foreach_all_gather, foreach_all_gather_copy_out and foreach_reduce:

@@ -23,8 +23,13 @@ from flopwise.flops import scaling_flops, scaling_tokens
 from flopwise.outputs import pyplot, read_records, save_figure, write_json
 from flopwise.plan.scaling import ParametricLaw
 
-GRID = dict(alpha=np.arange(0, 2.01, 0.5), beta=np.arange(0, 2.01, 0.5), e=np.arange(-1, 1.01, 0.5),
-            a=np.arange(0, 25.1, 5), b=np.arange(0, 25.1, 5))  # Hoffmann et al. 2022 §D.2
+GRID = dict(
+    alpha=np.arange(0, 2.01, 0.5),
+    beta=np.arange(0, 2.01, 0.5),
+    e=np.arange(-1, 1.01, 0.5),
+    a=np.arange(0, 25.1, 5),
+    b=np.arange(0, 25.1, 5),
+)  # Hoffmann et al. 2022 §D.2
 
 
 @dataclass
@@ -70,8 +75,11 @@ def read_points(path: str | Path) -> Points:
     try:
         n = np.array([float(r["params"]) for r in rows])
         loss = np.array([float(r["loss"]) for r in rows])
-        d = (np.array([float(r["tokens"]) for r in rows]) if "tokens" in rows[0]
-             else scaling_tokens(np.array([float(r["flops"]) for r in rows]), n))
+        d = (
+            np.array([float(r["tokens"]) for r in rows])
+            if "tokens" in rows[0]
+            else scaling_tokens(np.array([float(r["flops"]) for r in rows]), n)
+        )
     except (TypeError, ValueError) as e:
         raise DataError(f"scale fit input {p}: non-numeric value ({e})") from None
     return _checked(Points(params=n, tokens=d, loss=loss), f"scale fit input {p}: row", 2)
@@ -84,8 +92,10 @@ def _checked(pts: Points, where: str, first: int) -> Points:
     good &= (pts.params > 0) & (pts.tokens > 0) & (pts.loss > 0)
     if not good.all():
         i = int(np.argmin(good))
-        raise DataError(f"{where} {i + first}: params, tokens and loss must be finite positive numbers (got "
-                        f"{pts.params[i]:g}, {pts.tokens[i]:g}, {pts.loss[i]:g}); fix or remove it")
+        raise DataError(
+            f"{where} {i + first}: params, tokens and loss must be finite positive numbers (got "
+            f"{pts.params[i]:g}, {pts.tokens[i]:g}, {pts.loss[i]:g}); fix or remove it"
+        )
     return pts
 
 
@@ -127,8 +137,9 @@ def _objective(theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_l: n
     lse = _lse(terms)
     value, g = _huber(lse - log_l, delta)
     w = np.exp(terms - lse)  # softmax weights: d lse / d term
-    grad = np.array([(g * w[0]).sum(), (g * w[1]).sum(), (g * w[2]).sum(),
-                     (g * w[0] * -log_n).sum(), (g * w[1] * -log_d).sum()])
+    grad = np.array(
+        [(g * w[0]).sum(), (g * w[1]).sum(), (g * w[2]).sum(), (g * w[0] * -log_n).sum(), (g * w[1] * -log_d).sum()]
+    )
     return value.sum(), grad
 
 
@@ -136,8 +147,14 @@ def _fit_from(starts, pts: Points, delta: float) -> tuple[np.ndarray, float]:
     args = (np.log(pts.params), np.log(pts.tokens), np.log(pts.loss), delta)
     best_theta, best_value = None, math.inf
     for x0 in starts:
-        res = minimize(_objective, np.asarray(x0, dtype=float), args=args, jac=True, method="L-BFGS-B",
-                       options={"maxiter": 1000, "ftol": 1e-15, "gtol": 1e-12})
+        res = minimize(
+            _objective,
+            np.asarray(x0, dtype=float),
+            args=args,
+            jac=True,
+            method="L-BFGS-B",
+            options={"maxiter": 1000, "ftol": 1e-15, "gtol": 1e-12},
+        )
         if res.fun < best_value:
             best_theta, best_value = res.x, float(res.fun)
     if best_theta is None:
@@ -147,8 +164,15 @@ def _fit_from(starts, pts: Points, delta: float) -> tuple[np.ndarray, float]:
 
 def _law(theta: np.ndarray, name: str) -> ParametricLaw:
     a, b, e, alpha, beta = theta
-    return ParametricLaw(name=name, E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=float(alpha), beta=float(beta),
-                         source="fitted by flopwise (Approach 3, summed Huber δ=1e-3, L-BFGS)")
+    return ParametricLaw(
+        name=name,
+        E=math.exp(e),
+        A=math.exp(a),
+        B=math.exp(b),
+        alpha=float(alpha),
+        beta=float(beta),
+        source="fitted by flopwise (Approach 3, summed Huber δ=1e-3, L-BFGS)",
+    )
 
 
 @dataclass(kw_only=True)
@@ -169,23 +193,34 @@ class Approach3Fit:
 
     def to_json(self) -> dict:
         L = self.law
-        return {"E": L.E, "A": L.A, "B": L.B, "alpha": L.alpha, "beta": L.beta, "a": L.a, "b": 1 - L.a,
-                "objective": self.objective, "n_points": self.n_points, "bootstrap": self.bootstrap,
-                "ci": {k: list(v) for k, v in self.ci.items()}}
+        return {
+            "E": L.E,
+            "A": L.A,
+            "B": L.B,
+            "alpha": L.alpha,
+            "beta": L.beta,
+            "a": L.a,
+            "b": 1 - L.a,
+            "objective": self.objective,
+            "n_points": self.n_points,
+            "bootstrap": self.bootstrap,
+            "ci": {k: list(v) for k, v in self.ci.items()},
+        }
 
 
 def _best_starts(pts: Points, delta: float, grid: dict, keep: int) -> np.ndarray:
     """The `keep` grid points with the lowest initial objective (all 4,500 evaluated at once)."""
     starts = np.array(list(itertools.product(grid["a"], grid["b"], grid["e"], grid["alpha"], grid["beta"])))
-    a, b, e, al, be = (starts[:, i:i + 1] for i in range(5))
+    a, b, e, al, be = (starts[:, i : i + 1] for i in range(5))
     log_n, log_d, log_l = np.log(pts.params), np.log(pts.tokens), np.log(pts.loss)
     terms = np.stack([a - al * log_n, b - be * log_d, np.broadcast_to(e, (len(starts), len(pts)))])
     value, _ = _huber(_lse(terms) - log_l, delta)
     return starts[np.argsort(value.sum(axis=1))[:keep]]
 
 
-def fit_approach3(pts: Points, delta: float = 1e-3, bootstrap: int = 0, seed: int = 0,
-                  grid: dict | None = None, keep_starts: int = 64) -> Approach3Fit:
+def fit_approach3(
+    pts: Points, delta: float = 1e-3, bootstrap: int = 0, seed: int = 0, grid: dict | None = None, keep_starts: int = 64
+) -> Approach3Fit:
     """Point estimate by L-BFGS from the `keep_starts` best points of Hoffmann's grid (on the
     Chinchilla data this finds the same optimum as all 4,500 starts, tested); bootstrap refits start
     from the point estimate."""
@@ -271,9 +306,13 @@ def fit_kaplan(pts: Points) -> KaplanFit:
         inner = np.logaddexp((an / ad) * (lnc - log_n), ldc - log_d)
         return ((ad * inner - log_l) ** 2).sum()
 
-    best = min((minimize(resid, np.array(x0), method="L-BFGS-B", bounds=[(1e-3, 3), (1e-3, 3), (-50, 80), (-50, 80)])
-                for x0 in itertools.product((0.05, 0.1, 0.3), (0.05, 0.1, 0.3), (20, 30), (20, 30))),
-               key=lambda res: res.fun)  # the first of the lowest
+    best = min(
+        (
+            minimize(resid, np.array(x0), method="L-BFGS-B", bounds=[(1e-3, 3), (1e-3, 3), (-50, 80), (-50, 80)])
+            for x0 in itertools.product((0.05, 0.1, 0.3), (0.05, 0.1, 0.3), (20, 30), (20, 30))
+        ),
+        key=lambda res: res.fun,
+    )  # the first of the lowest
     an, ad, lnc, ldc = best.x
     return KaplanFit(alpha_n=float(an), alpha_d=float(ad), n_c=float(math.exp(lnc)), d_c=float(math.exp(ldc)))
 
@@ -292,8 +331,15 @@ def load_law(path: str | Path) -> ParametricLaw:
     p = Path(path)
     try:
         d = json.loads(p.read_text(encoding="utf-8"))
-        return ParametricLaw(name=f"fitted:{p.name}", E=float(d["E"]), A=float(d["A"]), B=float(d["B"]),
-                             alpha=float(d["alpha"]), beta=float(d["beta"]), source=str(p))
+        return ParametricLaw(
+            name=f"fitted:{p.name}",
+            E=float(d["E"]),
+            A=float(d["A"]),
+            B=float(d["B"]),
+            alpha=float(d["alpha"]),
+            beta=float(d["beta"]),
+            source=str(p),
+        )
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(f"fitted law {p}: cannot read E, A, B, alpha, beta ({e})") from None
 

@@ -59,8 +59,9 @@ def _cast(n: float, rows: float, hp_bytes: float, recipe: str) -> float:
     return 2 * hp_bytes * n + n + SCALE_BYTES * scales
 
 
-def linear_cast_bytes(n_out: int, k_in: int, tokens: float, recipe: str, *, weight_bytes: float = 2,
-                      hp_bytes: float = 2) -> tuple[float, float]:
+def linear_cast_bytes(
+    n_out: int, k_in: int, tokens: float, recipe: str, *, weight_bytes: float = 2, hp_bytes: float = 2
+) -> tuple[float, float]:
     """HBM bytes the amax, cast and rescale kernels around one float8 linear of weight N×K (`n_out`,
     `k_in`) move (forward, backward) for `tokens` input rows. `hp_bytes`: the activations' and
     gradients' element size (bf16 autocast: 2); `weight_bytes`: the weight's (fp32 master weights:
@@ -89,17 +90,27 @@ def linear_cast_bytes(n_out: int, k_in: int, tokens: float, recipe: str, *, weig
     x, w, g = t * k_in, n_out * k_in, t * n_out
     fwd = _cast(x, t, hp_bytes, recipe) + _cast(w, n_out, weight_bytes, recipe)
     if recipe == "tensorwise":
-        bwd = _cast(g, t, hp_bytes, recipe) + 2 * g + _cast(w, n_out, weight_bytes, recipe) \
+        bwd = (
+            _cast(g, t, hp_bytes, recipe)
+            + 2 * g
+            + _cast(w, n_out, weight_bytes, recipe)
             + _cast(x, t, hp_bytes, recipe)
+        )
     else:
         rescale = 2 * hp_bytes * (x + w)
-        bwd = (_cast(g, t, hp_bytes, recipe) + _cast(g, n_out, hp_bytes, recipe)
-               + _cast(w, k_in, weight_bytes, recipe) + _cast(x, k_in, hp_bytes, recipe) + rescale)
+        bwd = (
+            _cast(g, t, hp_bytes, recipe)
+            + _cast(g, n_out, hp_bytes, recipe)
+            + _cast(w, k_in, weight_bytes, recipe)
+            + _cast(x, k_in, hp_bytes, recipe)
+            + rescale
+        )
     return fwd, bwd
 
 
-def cast_bytes(model: ModelConfig, tokens: float, tp: int, recipe: str, *, weight_bytes: float = 2,
-               hp_bytes: float = 2) -> tuple[float, float]:
+def cast_bytes(
+    model: ModelConfig, tokens: float, tp: int, recipe: str, *, weight_bytes: float = 2, hp_bytes: float = 2
+) -> tuple[float, float]:
     """HBM bytes one layer's amax, cast and rescale kernels move (forward, backward) on one rank, for
     `tokens` tokens (b·s/cp of a micro-batch): `linear_cast_bytes` summed over the block's float8
     linears (tensor-parallel local shapes). Under FSDP2's float8 all-gather (tensorwise) the

@@ -32,9 +32,10 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from flopwise.errors import ConfigError
 from flopwise.hardware import Hardware, get_hardware, hopper_calibration
 from flopwise.plan.float8 import linear_cast_bytes, scaled_mm_speed
-from flopwise.plan.perf import ACT_BYTES, gemm_fwd_bwd, stream_time
+from flopwise.plan.perf import ACT_BYTES, gemm_fwd_bwd, planning_peak, stream_time
 
 
 def published(path: Path) -> tuple[dict, dict[tuple[int, int, int], float]]:
@@ -47,20 +48,29 @@ def published(path: Path) -> tuple[dict, dict[tuple[int, int, int], float]]:
 def table_gpu(doc: dict) -> Hardware:
     """h100-sxm at the table's HBM bandwidth, its memory-bound rates scaled as the catalogue scales them."""
     bw = doc["device"]["memory_bw"]
-    return replace(get_hardware("h100-sxm"), name="h100-meta", memory_bw=bw,
-                   calibration=hopper_calibration(bw, f"h100-sxm's tables at {bw / 1e12:.1f} TB/s: "
-                                                      f"{doc['device']['name']}"))
+    return replace(
+        get_hardware("h100-sxm"),
+        name="h100-meta",
+        memory_bw=bw,
+        calibration=hopper_calibration(bw, f"h100-sxm's tables at {bw / 1e12:.1f} TB/s: {doc['device']['name']}"),
+    )
 
 
-def linear_times(shapes: list[tuple[float, float, float]], hw: Hardware, recipe: str, elementwise_bytes: float,
-                 act_bytes: float) -> dict[str, float]:
+def linear_times(
+    shapes: list[tuple[int, int, int]], hw: Hardware, recipe: str, elementwise_bytes: float, act_bytes: float
+) -> dict[str, float]:
     """Seconds of forward + backward of (M, K, N) linears under train.float8 = `recipe` ("none": bf16), by
     term, as plan.perf.layer_times books a block's linears, with `elementwise_bytes` of other work
     streamed at the rate of an `act_bytes` activation."""
+    products: list[tuple[float, float, float]] = [(m, k, n) for m, k, n in shapes]
+    cast = 0.0
     if recipe == "none":
-        gemm, cast = sum(gemm_fwd_bwd(shapes, hw, hw.peak_16bit)), 0.0
+        gemm = sum(gemm_fwd_bwd(products, hw, planning_peak(hw)))
     else:
-        (g_f, g_b), (s_f, s_b) = gemm_fwd_bwd(shapes, hw, hw.peak("fp8")), scaled_mm_speed(recipe)
+        fp8 = hw.peak("fp8")
+        if fp8 is None:
+            raise ConfigError(f"cluster.hardware={hw.name}: no fp8 peak, so no float8 recipe to time")
+        (g_f, g_b), (s_f, s_b) = gemm_fwd_bwd(products, hw, fp8), scaled_mm_speed(recipe)
         gemm = g_f / s_f + g_b / s_b
         cast = stream_time(sum(sum(linear_cast_bytes(n, k, m, recipe)) for m, k, n in shapes), hw, act_bytes)
     other = stream_time(elementwise_bytes, hw, act_bytes)

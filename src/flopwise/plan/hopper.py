@@ -40,14 +40,26 @@ from flopwise.plan.perf import ACT_BYTES, MEM_EFFICIENCY, STACKS, evaluate, laye
 
 # Llama 3.2 1B's blocks (16 layers, d 2048, 32 heads, 8 kv heads, SwiGLU 8192) with a 32K vocabulary:
 # the recorded runs' model (benchmarks/gpu/llama1b.py)
-SHAPE_1B = ["model.n_layers=16", "model.d_model=2048", "model.n_heads=32", "model.n_kv_heads=8", "model.ffn_dim=8192",
-            "model.vocab_size=32000", "model.max_seq_len=2048", "data.seq_len=2048"]
+SHAPE_1B = [
+    "model.n_layers=16",
+    "model.d_model=2048",
+    "model.n_heads=32",
+    "model.n_kv_heads=8",
+    "model.ffn_dim=8192",
+    "model.vocab_size=32000",
+    "model.max_seq_len=2048",
+    "data.seq_len=2048",
+]
 # engine.clip_grad_norm's foreach kernels per fp32 gradient element: the norm reads it (4), the clip
 # multiplies it in place (4 + 4); `hardware calibrate` times them with the AdamW step, as one row
 CLIP_BYTES = 12
-KERNELS = {"mm": "aten::mm", "attn_fwd": "aten::_cudnn_attention_forward",
-           "attn_bwd": "aten::_cudnn_attention_backward",
-           "adamw": "aten::_fused_adamw_", "copy": "aten::copy_"}
+KERNELS = {
+    "mm": "aten::mm",
+    "attn_fwd": "aten::_cudnn_attention_forward",
+    "attn_bwd": "aten::_cudnn_attention_backward",
+    "adamw": "aten::_fused_adamw_",
+    "copy": "aten::copy_",
+}
 
 
 def _one_rank(cfg: Config) -> Layout:
@@ -80,9 +92,19 @@ def _ms(cell: str) -> float:
 
 
 def run_config(batch: int, zero: int, compile_: bool) -> Config:
-    return load_config(None, [*SHAPE_1B, f"train.global_batch={batch}", f"train.micro_batch={batch}",
-                              'train.dtype="bf16"', f"train.compile={'true' if compile_ else 'false'}",
-                              f"parallel.zero={zero}", 'train.device="cuda"', 'cluster.hardware="h200"'])
+    return load_config(
+        None,
+        [
+            *SHAPE_1B,
+            f"train.global_batch={batch}",
+            f"train.micro_batch={batch}",
+            'train.dtype="bf16"',
+            f"train.compile={'true' if compile_ else 'false'}",
+            f"parallel.zero={zero}",
+            'train.device="cuda"',
+            'cluster.hardware="h200"',
+        ],
+    )
 
 
 def predict(cfg: Config, hw: Hardware) -> tuple[float, float]:
@@ -91,13 +113,26 @@ def predict(cfg: Config, hw: Hardware) -> tuple[float, float]:
     copies (plan.comm's rule for one rank, streamed at the rate of the planner's other memory-bound
     work) replace autocast's weight casts (its parameters are bf16 already)."""
     lo = _one_rank(cfg)
-    est = evaluate(cfg.model, hw, lo, cfg.data.seq_len, cfg.train.global_batch, compile=cfg.train.compile,
-                   steps=cfg.train.steps, dtype=cfg.train.dtype)
+    est = evaluate(
+        cfg.model,
+        hw,
+        lo,
+        cfg.data.seq_len,
+        cfg.train.global_batch,
+        compile=cfg.train.compile,
+        steps=cfg.train.steps,
+        dtype=cfg.train.dtype,
+    )
     if cfg.parallel.zero < 2:
         return est.step_time, 0.0
     n_micro = lo.microbatches(cfg.train.global_batch)
-    copies = fsdp_copy_bytes(dp_collectives(count_params(cfg.model).total, cfg.parallel.zero, gather_per_micro=True),
-                             1, n_micro, compute_bytes=ACT_BYTES, reduce_bytes=STACKS["flopwise"].grad_reduce_bytes)
+    copies = fsdp_copy_bytes(
+        dp_collectives(count_params(cfg.model).total, cfg.parallel.zero, gather_per_micro=True),
+        1,
+        n_micro,
+        compute_bytes=ACT_BYTES,
+        reduce_bytes=STACKS["flopwise"].grad_reduce_bytes,
+    )
     nbytes = n_micro * copies["micro"] + copies["step"]
     block = ACT_BYTES * model_shape(cfg.model, cfg.data.seq_len).layer_params
     return est.step_time - est.time["weight_casts"] + stream_time(nbytes, hw, block), nbytes
@@ -123,10 +158,15 @@ def derive(run: dict) -> Calibration:
     return Calibration(
         dtype="bf16",
         gemm=((tokens, cfg.model.ffn_dim, cfg.model.d_model, round(1e3 * at_unit["matmul"] / k["mm"], 3)),),
-        attention=((cfg.data.seq_len, cfg.model.head_dim, round(1e3 * n * lt.attn_fwd / k["attn_fwd"], 3),
-                    round(1e3 * n * lt.attn_bwd / k["attn_bwd"], 3)),),
+        attention=(
+            (
+                cfg.data.seq_len,
+                cfg.model.head_dim,
+                round(1e3 * n * lt.attn_fwd / k["attn_fwd"], 3),
+                round(1e3 * n * lt.attn_bwd / k["attn_bwd"], 3),
+            ),
+        ),
         elementwise=((1, ACT_BYTES * tokens * cfg.model.d_model, rate),),
         optimizer=((run["params"], round(k["adamw"] * 1e-3 + clip_bytes / rate, 5)),),
-        source="derived from benchmarks/results/gpu_llama1b_z3_b8.json (benchmarks/hopper_tables.py)")
-
-
+        source="derived from benchmarks/results/gpu_llama1b_z3_b8.json (benchmarks/hopper_tables.py)",
+    )

@@ -74,7 +74,7 @@ class Layout:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
     def name(self, detail: bool = False) -> str:
-        """"pp2·dp2·tp2 zero3": the degrees above 1 ("single" for one process); with `detail` a
+        """ "pp2·dp2·tp2 zero3": the degrees above 1 ("single" for one process); with `detail` a
         second line: sequence parallel, the schedule, the micro-batch and recompute (plot labels)."""
         dims = [f"{k}{getattr(self, k)}" for k in ("pp", "dp", "cp", "tp") if getattr(self, k) > 1]
         if self.dp_replicate > 1:
@@ -82,7 +82,7 @@ class Layout:
         out = ("·".join(dims) or "single") + (f" zero{self.zero}" if self.zero and self.dp > 1 else "")
         if not detail:
             return out
-        more = (["sp"] if self.sequence_parallel else [])
+        more = ["sp"] if self.sequence_parallel else []
         if self.pp > 1:
             more.append(self.pp_schedule + (f"×{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         return out + "\n" + " ".join(more + [f"mb{self.micro_batch}", self.recompute])
@@ -116,8 +116,9 @@ def balanced_stages(n_layers: int, n_stages: int, block: float, first: float, la
     return solve(0, 0)[1]
 
 
-def stage_sizes(m: ModelConfig, lo: Layout, balanced: bool = True,
-                pp_layers: tuple[int, ...] | list[int] | None = None) -> tuple[int, ...]:
+def stage_sizes(
+    m: ModelConfig, lo: Layout, balanced: bool = True, pp_layers: tuple[int, ...] | list[int] | None = None
+) -> tuple[int, ...]:
     """Layers per pipeline stage: `pp_layers` as given, else balanced by parameter count with the
     embedding on the first stage and norm + head on the last (this engine), else even with the
     remainder on the first stages (Megatron-LM, the published runs)."""
@@ -156,34 +157,51 @@ def schedule_microbatches(lo: Layout, global_batch: int) -> str | None:
     need = min_microbatches(sched, lo.pp)
     if n < need:
         what = {"1f1b": f"one per stage, pp={lo.pp}", "dualpipev": f"one per stage, 2·pp={need}"}[sched]
-        smaller = next((b for b in range(mb - 1, 0, -1)
-                        if global_batch % (dp * b) == 0 and global_batch // (dp * b) >= need), None)
-        fix = (f"set train.micro_batch={smaller}" if smaller else
-               f"raise train.global_batch to {need * dp * mb} (a multiple of dp·micro_batch={dp * mb})")
+        smaller = next(
+            (b for b in range(mb - 1, 0, -1) if global_batch % (dp * b) == 0 and global_batch // (dp * b) >= need), None
+        )
+        fix = (
+            f"set train.micro_batch={smaller}"
+            if smaller
+            else f"raise train.global_batch to {need * dp * mb} (a multiple of dp·micro_batch={dp * mb})"
+        )
         return f"parallel.pp_schedule={sched} needs at least {need} micro-batches per step ({what}): {given}; {fix}"
     rounds = max(1, n // lo.pp)  # ScheduleInterleaved1F1B.__init__'s number_of_rounds
     if sched == "interleaved-1f1b" and n % rounds:
-        return (f"parallel.pp_schedule=interleaved-1f1b runs the micro-batches in max(1, n // pp={lo.pp}) = {rounds} "
-                f"rounds, which must divide them: {given}; change train.micro_batch or train.global_batch so the "
-                f"count is at most pp or a multiple of its rounds (e.g. a multiple of pp={lo.pp})")
+        return (
+            f"parallel.pp_schedule=interleaved-1f1b runs the micro-batches in max(1, n // pp={lo.pp}) = {rounds} "
+            f"rounds, which must divide them: {given}; change train.micro_batch or train.global_batch so the "
+            f"count is at most pp or a multiple of its rounds (e.g. a multiple of pp={lo.pp})"
+        )
     return None
 
 
-def check_layout(layout: Layout, m: ModelConfig, seq_len: int, global_batch: int, world: int | None = None,
-                 engine: bool = True, pp_layers: tuple[int, ...] | list[int] | None = None) -> str | None:
+def check_layout(
+    layout: Layout,
+    m: ModelConfig,
+    seq_len: int,
+    global_batch: int,
+    world: int | None = None,
+    engine: bool = True,
+    pp_layers: tuple[int, ...] | list[int] | None = None,
+) -> str | None:
     """None if the layout can run (on this engine, unless engine=False: a published stack's layout),
     else a one-line reason naming the keys and the fix."""
     lo = layout
     if world is not None and lo.world != world:
-        return (f"parallel degrees pp={lo.pp} × dp={lo.dp} × cp={lo.cp} × tp={lo.tp} = {lo.world} "
-                f"but the world size is {world}; make their product equal the number of processes")
+        return (
+            f"parallel degrees pp={lo.pp} × dp={lo.dp} × cp={lo.cp} × tp={lo.tp} = {lo.world} "
+            f"but the world size is {world}; make their product equal the number of processes"
+        )
     if lo.dp % lo.dp_replicate:
         return f"parallel.dp_replicate={lo.dp_replicate} does not divide parallel.dp={lo.dp}"
     if m.n_heads % lo.tp:
         return f"parallel.tp={lo.tp} does not divide model.n_heads={m.n_heads}"
     if m.n_kv_heads % lo.tp and lo.tp % m.n_kv_heads:
-        return (f"parallel.tp={lo.tp} and model.n_kv_heads={m.n_kv_heads}: one must divide the other "
-                "(kv heads are replicated when tp exceeds them)")
+        return (
+            f"parallel.tp={lo.tp} and model.n_kv_heads={m.n_kv_heads}: one must divide the other "
+            "(kv heads are replicated when tp exceeds them)"
+        )
     if m.ffn_dim % lo.tp:
         return f"parallel.tp={lo.tp} does not divide model.ffn_dim={m.ffn_dim}"
     if lo.sequence_parallel and lo.tp == 1:
@@ -193,29 +211,39 @@ def check_layout(layout: Layout, m: ModelConfig, seq_len: int, global_batch: int
     if lo.sequence_parallel and (seq_len // lo.cp) % lo.tp:
         return f"data.seq_len/cp={seq_len // lo.cp} must be divisible by parallel.tp={lo.tp} for sequence parallel"
     if global_batch % (lo.dp * lo.micro_batch):
-        return (f"train.global_batch={global_batch} is not a multiple of dp·micro_batch="
-                f"{lo.dp}·{lo.micro_batch}; change train.micro_batch or the dp degree")
+        return (
+            f"train.global_batch={global_batch} is not a multiple of dp·micro_batch="
+            f"{lo.dp}·{lo.micro_batch}; change train.micro_batch or the dp degree"
+        )
     if lo.pp_schedule not in SCHEDULES:
         return f"parallel.pp_schedule={lo.pp_schedule!r}: choose one of {', '.join(SCHEDULES)}"
     v_needed = FIXED_VIRTUAL_STAGES.get(lo.pp_schedule)
     if lo.pp > 1 and v_needed and lo.virtual_stages != v_needed:
-        return (f"parallel.pp_schedule={lo.pp_schedule} uses {v_needed} stages per rank; "
-                f"set parallel.virtual_stages={v_needed}")
+        return (
+            f"parallel.pp_schedule={lo.pp_schedule} uses {v_needed} stages per rank; "
+            f"set parallel.virtual_stages={v_needed}"
+        )
     if lo.virtual_stages > 1 and lo.pp_schedule in ("gpipe", "1f1b"):
-        return f"parallel.virtual_stages={lo.virtual_stages} needs pp_schedule interleaved-1f1b, zero-bubble or dualpipev"
+        return (
+            f"parallel.virtual_stages={lo.virtual_stages} needs pp_schedule interleaved-1f1b, zero-bubble or dualpipev"
+        )
     if lo.pp * lo.virtual_stages > m.n_layers:
         return f"pp·virtual_stages={lo.pp * lo.virtual_stages} exceeds model.n_layers={m.n_layers}"
     if lo.pp > 1 and engine and (reason := schedule_microbatches(lo, global_batch)):
         return reason
     n_micro = lo.microbatches(global_batch)
     if lo.pp > 1 and not engine and (n_micro < lo.pp or lo.pp_schedule == "interleaved-1f1b" and n_micro % lo.pp):
-        return (f"{n_micro} micro-batches for pp={lo.pp}: the published stacks run at least pp, interleaved a "
-                "multiple of pp (Megatron-LM's check); change train.micro_batch or train.global_batch")
+        return (
+            f"{n_micro} micro-batches for pp={lo.pp}: the published stacks run at least pp, interleaved a "
+            "multiple of pp (Megatron-LM's check); change train.micro_batch or train.global_batch"
+        )
     if engine:
         return engine_limits(lo, m, pp_layers)
     if lo.pp > 1 and m.n_layers % lo.n_stages:
-        return (f"Megatron-LM splits layers evenly: model.n_layers={m.n_layers} must be divisible by "
-                f"pp·virtual_stages={lo.n_stages}")
+        return (
+            f"Megatron-LM splits layers evenly: model.n_layers={m.n_layers} must be divisible by "
+            f"pp·virtual_stages={lo.n_stages}"
+        )
     return None
 
 
@@ -239,24 +267,35 @@ def engine_limits(lo: Layout, m: ModelConfig, pp_layers: tuple[int, ...] | list[
       get_model_state_dict raises "model state_dict is empty" at the first checkpoint.
     ZeRO-0 with tensor parallel runs on FSDP2's replicate (parallel/data.py)."""
     if lo.pp > 1 and m.tie_embeddings:
-        return ("model.tie_embeddings=true puts the embedding and the head on different pipeline stages; "
-                "set model.tie_embeddings=false or parallel.pp=1")
-    if lo.pp > 1 and pp_layers is not None and (
-            len(pp_layers) != lo.n_stages or sum(pp_layers) != m.n_layers or min(pp_layers) < 1):
-        return (f"parallel.pp_layers={list(pp_layers)} must give every one of the pp·virtual_stages stages "
-                f"at least one layer and sum to model.n_layers={m.n_layers}")
+        return (
+            "model.tie_embeddings=true puts the embedding and the head on different pipeline stages; "
+            "set model.tie_embeddings=false or parallel.pp=1"
+        )
+    if (
+        lo.pp > 1
+        and pp_layers is not None
+        and (len(pp_layers) != lo.n_stages or sum(pp_layers) != m.n_layers or min(pp_layers) < 1)
+    ):
+        return (
+            f"parallel.pp_layers={list(pp_layers)} must give every one of the pp·virtual_stages stages "
+            f"at least one layer and sum to model.n_layers={m.n_layers}"
+        )
     if lo.cp > 1 and m.pos == "relative":
         return "model.pos=relative (Transformer-XL) has no context-parallel form; set parallel.cp=1"
     if lo.tp > 1 and m.pos == "relative":
         return "model.pos=relative (Transformer-XL) has no tensor-parallel plan; set parallel.tp=1"
     if lo.tp > 1 and m.n_kv_heads % lo.tp:
-        return (f"parallel.tp={lo.tp} exceeds model.n_kv_heads={m.n_kv_heads}: this engine shards kv heads and "
-                "does not replicate them; use parallel.tp <= n_kv_heads")
+        return (
+            f"parallel.tp={lo.tp} exceeds model.n_kv_heads={m.n_kv_heads}: this engine shards kv heads and "
+            "does not replicate them; use parallel.tp <= n_kv_heads"
+        )
     if lo.tp > 1 and lo.sequence_parallel and m.pos == "learned":
         return "parallel.sequence_parallel with model.pos=learned is not supported; set sequence_parallel=false"
     if lo.tp > 1 and lo.zero == 1 and lo.dp * lo.cp > 1:
-        return (f"parallel.zero=1 with parallel.tp={lo.tp}: torch's ZeroRedundancyOptimizer cannot broadcast "
-                "tensor-parallel (DTensor) parameters; use parallel.zero=0, 2 or 3")
+        return (
+            f"parallel.zero=1 with parallel.tp={lo.tp}: torch's ZeroRedundancyOptimizer cannot broadcast "
+            "tensor-parallel (DTensor) parameters; use parallel.zero=0, 2 or 3"
+        )
     return None
 
 
@@ -281,6 +320,16 @@ def config_layout(cfg: Config, world: int) -> Layout:
     the other degrees leave), unchecked (the engine's parallel.mesh.layout_of checks it)."""
     p = cfg.parallel
     dp = p.dp if p.dp is not None else max(1, world // (p.tp * p.pp * p.cp))
-    return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, dp_replicate=p.dp_replicate, zero=p.zero,
-                  pp_schedule=p.pp_schedule, virtual_stages=p.virtual_stages, micro_batch=cfg.train.micro_batch,
-                  recompute=p.recompute, sequence_parallel=p.sequence_parallel)
+    return Layout(
+        dp=dp,
+        tp=p.tp,
+        pp=p.pp,
+        cp=p.cp,
+        dp_replicate=p.dp_replicate,
+        zero=p.zero,
+        pp_schedule=p.pp_schedule,
+        virtual_stages=p.virtual_stages,
+        micro_batch=cfg.train.micro_batch,
+        recompute=p.recompute,
+        sequence_parallel=p.sequence_parallel,
+    )

@@ -51,15 +51,24 @@ def memo(cache: dict | None, key: tuple, compute):
     return cache[key]
 
 
-def model_state_bytes(psi: float, zero: int, shard: int, k: float = OPTIMIZER_BYTES_PER_PARAM,
-                      param_bytes: float = 2, grad_bytes: float = 2, params_sharded: bool | None = None) -> ModelStates:
+def model_state_bytes(
+    psi: float,
+    zero: int,
+    shard: int,
+    k: float = OPTIMIZER_BYTES_PER_PARAM,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+    params_sharded: bool | None = None,
+) -> ModelStates:
     """Bytes of parameters, gradients and optimizer state on one device holding `psi` parameters
     (its tensor/pipeline share), sharded `shard` ways by ZeRO stage `zero` (params_sharded: whether
     the parameters stay sharded through the step; by default from zero >= 3)."""
     sharded = zero >= 3 if params_sharded is None else params_sharded
-    return ModelStates(params=param_bytes * psi / (shard if sharded else 1),
-                       grads=grad_bytes * psi / (shard if zero >= 2 else 1),
-                       optimizer=k * psi / (shard if zero >= 1 else 1))
+    return ModelStates(
+        params=param_bytes * psi / (shard if sharded else 1),
+        grads=grad_bytes * psi / (shard if zero >= 2 else 1),
+        optimizer=k * psi / (shard if zero >= 1 else 1),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,8 +92,9 @@ class SavedPrecision:
 KORTHIKANTI = SavedPrecision()
 
 
-def engine_precision(dtype: str, fsdp: bool, cpu: bool = False, compiled: bool = False,
-                     float8: bool = False) -> SavedPrecision:
+def engine_precision(
+    dtype: str, fsdp: bool, cpu: bool = False, compiled: bool = False, float8: bool = False
+) -> SavedPrecision:
     """This engine's activations: fp32 throughout; or bf16 autocast over an fp32 residual stream
     (fp32 master weights); or, under FSDP2 with bf16 param_dtype, bf16 throughout (FSDP2 casts
     each block's inputs to bf16, so the residual stream is bf16). On a CPU the attention core runs
@@ -95,8 +105,15 @@ def engine_precision(dtype: str, fsdp: bool, cpu: bool = False, compiled: bool =
     SavedBytes); they make no bf16 weight copy."""
     if dtype == "fp32":
         return SavedPrecision(compute=4, residual=4, engine=True, compiled=compiled, cpu=cpu, float8=float8)
-    return SavedPrecision(compute=2, residual=2 if fsdp else 4, engine=True, attention=4 if cpu else 0,
-                          compiled=compiled, cpu=cpu, float8=float8)
+    return SavedPrecision(
+        compute=2,
+        residual=2 if fsdp else 4,
+        engine=True,
+        attention=4 if cpu else 0,
+        compiled=compiled,
+        cpu=cpu,
+        float8=float8,
+    )
 
 
 # torch.get_rng_state(): the CPU generator's state, which a compiled checkpoint saves as a tensor
@@ -105,10 +122,19 @@ def engine_precision(dtype: str, fsdp: bool, cpu: bool = False, compiled: bool =
 CHECKPOINT_RNG_STATE_BYTES = 5056
 
 
-def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: int = 1,
-                               sequence_parallel: bool = False, recompute: str = "none",
-                               flash: bool = True, dropout: bool | None = None, mask_keys: int = 0,
-                               precision: SavedPrecision = KORTHIKANTI, cp: int = 1) -> float:
+def activation_bytes_per_layer(
+    m: ModelConfig,
+    seq: int,
+    micro_batch: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    flash: bool = True,
+    dropout: bool | None = None,
+    mask_keys: int = 0,
+    precision: SavedPrecision = KORTHIKANTI,
+    cp: int = 1,
+) -> float:
     """Bytes one transformer layer keeps for backward, for one micro-batch, on one device; `seq`
     is the device's share of the sequence (seq_len / cp under context parallel); `mask_keys`: the
     keys each query of a document mask sees (0: no mask). Three regimes, one function each:
@@ -123,10 +149,10 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
         return precision.residual * seq * micro_batch * m.d_model / rep_div + rng
     e = precision.compute
     a = (precision.attention or e) if recompute == "none" else e  # selective recompute keeps e-byte inputs
-    regime = (_korthikanti_layer if not precision.engine else _compiled_layer if precision.compiled
-              else _eager_layer)
-    replicated, linear, split, extra = regime(m, seq, micro_batch, tp, rep_div, recompute, flash, drop, a,
-                                              precision, cp, mask_keys)
+    regime = _korthikanti_layer if not precision.engine else _compiled_layer if precision.compiled else _eager_layer
+    replicated, linear, split, extra = regime(
+        m, seq, micro_batch, tp, rep_div, recompute, flash, drop, a, precision, cp, mask_keys
+    )
     scores = 0.0
     if not flash and recompute != "selective":  # softmax output, and with dropout its mask and output
         scores = (2 + (3 if drop else 0)) * m.n_heads * seq * seq * micro_batch
@@ -136,6 +162,7 @@ def activation_bytes_per_layer(m: ModelConfig, seq: int, micro_batch: int, tp: i
 
 # Each regime returns (replicated: kept whole on every tensor-parallel rank unless sequence
 # parallel, linear-input bytes, split: divided over tp, extra: neither) for recompute none/selective.
+
 
 def _korthikanti_layer(m, s, b, tp, rep_div, recompute, flash, drop, a, precision, cp, mask_keys):
     """Korthikanti et al. 2022 Table 2, generalised: norm inputs and residual dropout masks, the
@@ -187,7 +214,12 @@ def _compiled_layer(m, s, b, tp, rep_div, recompute, flash, drop, a, precision, 
         # bound: torchao's emulation on a CPU keeps less still, the partitioner recomputing more)
         weights -= e * sum(math.prod(s) for _, s in block_linears(m, tp) if float8_eligible(s))
     rng = CHECKPOINT_RNG_STATE_BYTES if recompute == "selective" and precision.cpu else 0
-    return replicated, 2 * e * sbh, split, _engine_extra_bytes(m, s, precision, a, cp, mask_keys, recompute) + weights + rng
+    return (
+        replicated,
+        2 * e * sbh,
+        split,
+        _engine_extra_bytes(m, s, precision, a, cp, mask_keys, recompute) + weights + rng,
+    )
 
 
 def _logsumexp_bytes(m: ModelConfig, sb: float, flash: bool, recompute: str) -> float:
@@ -206,8 +238,9 @@ def _kv_gathered_bytes(m: ModelConfig, sb: float, a: int, cp: int) -> float:
     return a * sb * 2 * m.n_kv_heads * m.head_dim * (cp - 1)
 
 
-def _engine_extra_bytes(m: ModelConfig, s: float, precision: SavedPrecision, a: int, cp: int, mask_keys: int,
-                        recompute: str) -> float:
+def _engine_extra_bytes(
+    m: ModelConfig, s: float, precision: SavedPrecision, a: int, cp: int, mask_keys: int, recompute: str
+) -> float:
     """Per layer outside the tensor-parallel split: SDPA's copy of the (s, s·cp) causal mask under
     context parallel without a document mask, and FSDP2's per-block casts of RoPE's cos/sin."""
     e, r = precision.compute, precision.residual
@@ -224,8 +257,7 @@ def _norm_internals(m: ModelConfig, sb: float, sbh: float, r: int, precision: Sa
     return 2 * r * sb
 
 
-def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1,
-                           rank: int = 0) -> float:
+def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1, rank: int = 0) -> float:
     """Micro-batches whose activations pipeline rank `rank` (by default the first, the fullest)
     holds at its peak. Under 1F1B rank r holds p − r (measured, `flopwise plan --measure`); for the
     other schedules the first rank's figure is used for every rank (an upper bound).
@@ -245,9 +277,18 @@ def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_st
     return min(microbatches, pp - rank if schedule == "1f1b" else pp)
 
 
-def rank_activation_bytes(m: ModelConfig, lo, seq: int, global_batch: int, layers: int, flash: bool = True,
-                          document_mask: bool = False, precision: SavedPrecision = KORTHIKANTI,
-                          pp_rank: int = 0, cache: dict | None = None) -> float:
+def rank_activation_bytes(
+    m: ModelConfig,
+    lo,
+    seq: int,
+    global_batch: int,
+    layers: int,
+    flash: bool = True,
+    document_mask: bool = False,
+    precision: SavedPrecision = KORTHIKANTI,
+    pp_rank: int = 0,
+    cache: dict | None = None,
+) -> float:
     """Saved activations a rank holding `layers` layers keeps at its peak: the micro-batches in
     flight on pipeline rank `pp_rank` × its layers × one layer's bytes, plus, under full recompute,
     the one layer whose activations the backward rebuilds. `lo` is a plan.layout.Layout; `cache`
@@ -259,18 +300,27 @@ def rank_activation_bytes(m: ModelConfig, lo, seq: int, global_batch: int, layer
         rebuilt = activation_bytes_per_layer(*args, "none", **kw) if lo.recompute == "full" else 0.0
         return activation_bytes_per_layer(*args, lo.recompute, **kw), rebuilt
 
-    one, rebuilt = memo(cache, ("layer", lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel, lo.recompute, flash,
-                                precision), per_layer)
-    in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, lo.microbatches(global_batch),
-                                       lo.virtual_stages if lo.pp > 1 else 1, pp_rank)
+    one, rebuilt = memo(
+        cache, ("layer", lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel, lo.recompute, flash, precision), per_layer
+    )
+    in_flight = in_flight_microbatches(
+        lo.pp_schedule, lo.pp, lo.microbatches(global_batch), lo.virtual_stages if lo.pp > 1 else 1, pp_rank
+    )
     return one * layers * in_flight + rebuilt
 
 
 # Tensor-parallel split of each parameter in this engine's Megatron plan (parallel/tensor.py):
 # column-parallel weights and biases split dim 0, row-parallel weights dim 1 (their biases and
 # every norm are replicated), the vocab-parallel embedding and head split the vocabulary.
-_TP_DIM0 = ("attention.wq.", "attention.wk.", "attention.wv.", "feed_forward.w1.", "feed_forward.w3.",
-            "tok_embeddings.weight", "output.weight")
+_TP_DIM0 = (
+    "attention.wq.",
+    "attention.wk.",
+    "attention.wv.",
+    "feed_forward.w1.",
+    "feed_forward.w3.",
+    "tok_embeddings.weight",
+    "output.weight",
+)
 _TP_DIM1 = ("attention.wo.weight", "feed_forward.w2.weight")
 
 
@@ -285,8 +335,9 @@ def _tp_local(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
 _LINEAR = ("attention.wq.", "attention.wk.", "attention.wv.", "attention.wo.", "attention.pos_proj.", "feed_forward.w")
 
 
-def end_activation_bytes(m: ModelConfig, seq: int, micro_batch: int, tp: int, has_embedding: bool, has_head: bool,
-                         precision: SavedPrecision) -> float:
+def end_activation_bytes(
+    m: ModelConfig, seq: int, micro_batch: int, tp: int, has_embedding: bool, has_head: bool, precision: SavedPrecision
+) -> float:
     """What one micro-batch keeps for backward outside the layers, in this engine (measured with
     SavedBytes, 2·L1 − L2 layers): on the first stage the token ids (int64); on every stage the
     RoPE cos/sin gathered for the forward (fp32, shared by its layers); on the last the final norm's
@@ -368,8 +419,11 @@ def autocast_weight_copy_bytes(m: ModelConfig, layers: int, head: bool, tp: int 
     Compiled blocks make and keep their own casts per micro-batch (`activation_bytes_per_layer`):
     a compiled rank books only its head here (layers=0). `float8`: the blocks' float8 linears
     (train.float8) make no such copy (torchao casts their fp32 weights to float8 at each use)."""
-    block = sum(math.prod(_tp_local(n, s, tp)) for n, s in param_shapes(m.model_copy(update={"n_layers": 1}))
-                if n.startswith("layers.0.") and any(k in n for k in _LINEAR))
+    block = sum(
+        math.prod(_tp_local(n, s, tp))
+        for n, s in param_shapes(m.model_copy(update={"n_layers": 1}))
+        if n.startswith("layers.0.") and any(k in n for k in _LINEAR)
+    )
     if float8:
         block -= sum(math.prod(s) for _, s in block_linears(m, tp) if float8_eligible(s))
     return 2 * (layers * block + (m.vocab_size * m.d_model / tp if head else 0))
@@ -382,10 +436,11 @@ FLOAT8_MULTIPLE = 16
 def block_linears(m: ModelConfig, tp: int = 1) -> list[tuple[str, tuple[int, ...]]]:
     """(name in the block, tensor-parallel local (out, in) shape) of each linear one block applies to
     its tokens (the attention and MLP projections; not the relative-position table's)."""
-    return [(n.removeprefix("layers.0.").removesuffix(".weight"), _tp_local(n, s, tp))
-            for n, s in param_shapes(m.model_copy(update={"n_layers": 1}))
-            if n.startswith("layers.0.") and n.endswith(".weight") and any(k in n for k in _LINEAR)
-            and "pos_proj" not in n]
+    return [
+        (n.removeprefix("layers.0.").removesuffix(".weight"), _tp_local(n, s, tp))
+        for n, s in param_shapes(m.model_copy(update={"n_layers": 1}))
+        if n.startswith("layers.0.") and n.endswith(".weight") and any(k in n for k in _LINEAR) and "pos_proj" not in n
+    ]
 
 
 def float8_eligible(shape: tuple[int, ...]) -> bool:
@@ -431,18 +486,23 @@ def _tensor_parts(m: ModelConfig, tp: int) -> tuple[list, list, list]:
     return block, emb, head
 
 
-def rank_tensors(m: ModelConfig, tp: int, layers: int, has_embedding: bool, has_head: bool,
-                 cache: dict | None = None) -> list[tuple[tuple[int, ...], bool, int]]:
+def rank_tensors(
+    m: ModelConfig, tp: int, layers: int, has_embedding: bool, has_head: bool, cache: dict | None = None
+) -> list[tuple[tuple[int, ...], bool, int]]:
     """(tensor-parallel local shape, weight-decayed, how many) of the parameter tensors one
     pipeline rank of this engine holds: the `layers` blocks of its stages, the embedding on the
     first stage, final norm and head on the last."""
     block, emb, head = memo(cache, ("tensors", tp), lambda: _tensor_parts(m, tp))
-    return ([(s, d, layers) for s, d in block] + [(s, d, 1) for s, d in emb if has_embedding]
-            + [(s, d, 1) for s, d in head if has_head])
+    return (
+        [(s, d, layers) for s, d in block]
+        + [(s, d, 1) for s, d in emb if has_embedding]
+        + [(s, d, 1) for s, d in head if has_head]
+    )
 
 
-def zero1_rank_loads(m: ModelConfig, lo, layers: int, has_embedding: bool, has_head: bool,
-                     cache: dict | None = None) -> list[int]:
+def zero1_rank_loads(
+    m: ModelConfig, lo, layers: int, has_embedding: bool, has_head: bool, cache: dict | None = None
+) -> list[int]:
     """Optimizer-state elements torch's ZeroRedundancyOptimizer gives each of a pipeline rank's
     dp·cp ranks (`zero1_loads` over its tensors). One large tensor (an embedding or head of V×h/t)
     can exceed Ψ/N at large dp."""
@@ -455,8 +515,16 @@ def zero1_rank_loads(m: ModelConfig, lo, layers: int, has_embedding: bool, has_h
     return memo(cache, ("zero1", lo.tp, layers, has_embedding, has_head, n), loads)
 
 
-def gathered_param_bytes(m: ModelConfig, lo, layers: int, has_embedding: bool, has_head: bool,
-                         dtype: str = "bf16", cache: dict | None = None, float8_gather: bool = False) -> float:
+def gathered_param_bytes(
+    m: ModelConfig,
+    lo,
+    layers: int,
+    has_embedding: bool,
+    has_head: bool,
+    dtype: str = "bf16",
+    cache: dict | None = None,
+    float8_gather: bool = False,
+) -> float:
     """Bytes of FSDP2's all-gathered (unsharded) parameters one rank holds when its saved
     activations peak, apart from the fp32 shards the optimizer steps: each tensor's all-gather
     output, dim 0 padded to a multiple of the dp_shard·cp ranks, in the compute dtype (FSDP2's bf16
@@ -480,16 +548,27 @@ def gathered_param_bytes(m: ModelConfig, lo, layers: int, has_embedding: bool, h
     return out
 
 
-def rank_param_count(m: ModelConfig, lo, layers: int, has_embedding: bool, has_head: bool,
-                     cache: dict | None = None) -> int:
+def rank_param_count(
+    m: ModelConfig, lo, layers: int, has_embedding: bool, has_head: bool, cache: dict | None = None
+) -> int:
     """Parameters of one rank's stages, its tensor-parallel slice, before any ZeRO sharding (the
     buffer its data-parallel collectives move)."""
     return sum(count * math.prod(s) for s, _, count in rank_tensors(m, lo.tp, layers, has_embedding, has_head, cache))
 
 
-def rank_model_states(m: ModelConfig, lo, layers: int, has_embedding: bool, has_head: bool,
-                      shard_rank: int = 0, dp_rank: int = 0, param_bytes: int = 4, grad_bytes: int = 4,
-                      k: int = 8, cache: dict | None = None) -> ModelStates:
+def rank_model_states(
+    m: ModelConfig,
+    lo,
+    layers: int,
+    has_embedding: bool,
+    has_head: bool,
+    shard_rank: int = 0,
+    dp_rank: int = 0,
+    param_bytes: int = 4,
+    grad_bytes: int = 4,
+    k: int = 8,
+    cache: dict | None = None,
+) -> ModelStates:
     """Exactly what one rank of this engine holds (fp32 master weights, fp32 gradients after the
     backward, AdamW moments after the step), tensor by tensor: the `layers` blocks of the rank's
     pipeline stages, its tensor-parallel slice, and its data-parallel share: DDP replicates;
@@ -502,6 +581,9 @@ def rank_model_states(m: ModelConfig, lo, layers: int, has_embedding: bool, has_
         sharded = sum(count * _chunk_rows(s[0], n_shard, shard_rank) * math.prod(s[1:]) for s, _, count in mine)
         return ModelStates(params=param_bytes * sharded, grads=grad_bytes * sharded, optimizer=k * sharded)
     whole = sum(count * math.prod(s) for s, _, count in mine)
-    owned = (zero1_rank_loads(m, lo, layers, has_embedding, has_head, cache)[dp_rank]
-             if lo.zero == 1 and lo.dp * lo.cp > 1 else whole)
+    owned = (
+        zero1_rank_loads(m, lo, layers, has_embedding, has_head, cache)[dp_rank]
+        if lo.zero == 1 and lo.dp * lo.cp > 1
+        else whole
+    )
     return ModelStates(params=param_bytes * whole, grads=grad_bytes * whole, optimizer=k * owned)

@@ -129,30 +129,72 @@ class Stack:
     pp_scatter_gather: bool  # stage-boundary tensors sent as 1/t slices, all-gathered on the receiver
 
 
-STACKS = {s.name: s for s in [
-    Stack(name="flopwise", flash_attention=True, grad_reduce_bytes=4, dp_overlap=0.9, optimizer_bytes=32,
-          balanced_stages=True, param_bytes=4, grad_bytes=4, optimizer_state_bytes=8, zero1_broadcast=True,
-          fsdp2=True, engine_activations=True, grad_accum_bytes=12, pp_scatter_gather=False, description=
-          "this engine: PyTorch SDPA flash attention; fp32 master weights and gradients (4 + 4 bytes) "
-          "and AdamW moments (8) under bf16 autocast (activations over an fp32 residual stream and a "
-          "bf16 copy of every weight, or bf16 throughout under FSDP2's bf16 param_dtype); FSDP2/DDP "
-          "with fp32 gradient reduction, 90% of dp traffic hidden behind backward; ZeRO-1 is DDP's all-"
-          "reduce plus a broadcast of the updated parameters (ZeroRedundancyOptimizer); pipeline stages"
-          " balanced by parameters; fp32 gradients accumulated across micro-batches (read held + read "
-          "new + write, 12 bytes); stage-boundary tensors sent whole per rank"),
-    Stack(name="megatron-2021", flash_attention=False, grad_reduce_bytes=2, dp_overlap=0.0, optimizer_bytes=44,
-          balanced_stages=False, param_bytes=2, grad_bytes=2, optimizer_state_bytes=12, zero1_broadcast=False,
-          fsdp2=False, engine_activations=False, grad_accum_bytes=6, pp_scatter_gather=True, description=
-          "Megatron-LM as in Narayanan 2021: fused softmax on materialised scores; 16-bit parameters and "
-          "gradients with an fp32 master copy in the optimizer state (2 + 2 + 12 bytes); 16-bit gradient "
-          "all-reduce after the backward, no overlap; distributed optimizer; even stages; autograd accumulates "
-          "16-bit gradients across micro-batches (6 bytes); scatter/gather of stage-boundary tensors"),
-    Stack(name="megatron-2022", flash_attention=False, grad_reduce_bytes=2, dp_overlap=0.0, optimizer_bytes=44,
-          balanced_stages=False, param_bytes=2, grad_bytes=2, optimizer_state_bytes=12, zero1_broadcast=False,
-          fsdp2=False, engine_activations=False, grad_accum_bytes=0, pp_scatter_gather=True, description=
-          "Megatron-LM as in Korthikanti 2022: megatron-2021 with gradient-accumulation fusion "
-          "(the weight-gradient GEMM adds into the held gradient: no separate accumulation pass)"),
-]}
+STACKS = {
+    s.name: s
+    for s in [
+        Stack(
+            name="flopwise",
+            flash_attention=True,
+            grad_reduce_bytes=4,
+            dp_overlap=0.9,
+            optimizer_bytes=32,
+            balanced_stages=True,
+            param_bytes=4,
+            grad_bytes=4,
+            optimizer_state_bytes=8,
+            zero1_broadcast=True,
+            fsdp2=True,
+            engine_activations=True,
+            grad_accum_bytes=12,
+            pp_scatter_gather=False,
+            description="this engine: PyTorch SDPA flash attention; fp32 master weights and gradients (4 + 4 bytes) "
+            "and AdamW moments (8) under bf16 autocast (activations over an fp32 residual stream and a "
+            "bf16 copy of every weight, or bf16 throughout under FSDP2's bf16 param_dtype); FSDP2/DDP "
+            "with fp32 gradient reduction, 90% of dp traffic hidden behind backward; ZeRO-1 is DDP's all-"
+            "reduce plus a broadcast of the updated parameters (ZeroRedundancyOptimizer); pipeline stages"
+            " balanced by parameters; fp32 gradients accumulated across micro-batches (read held + read "
+            "new + write, 12 bytes); stage-boundary tensors sent whole per rank",
+        ),
+        Stack(
+            name="megatron-2021",
+            flash_attention=False,
+            grad_reduce_bytes=2,
+            dp_overlap=0.0,
+            optimizer_bytes=44,
+            balanced_stages=False,
+            param_bytes=2,
+            grad_bytes=2,
+            optimizer_state_bytes=12,
+            zero1_broadcast=False,
+            fsdp2=False,
+            engine_activations=False,
+            grad_accum_bytes=6,
+            pp_scatter_gather=True,
+            description="Megatron-LM as in Narayanan 2021: fused softmax on materialised scores; 16-bit parameters and "
+            "gradients with an fp32 master copy in the optimizer state (2 + 2 + 12 bytes); 16-bit gradient "
+            "all-reduce after the backward, no overlap; distributed optimizer; even stages; autograd accumulates "
+            "16-bit gradients across micro-batches (6 bytes); scatter/gather of stage-boundary tensors",
+        ),
+        Stack(
+            name="megatron-2022",
+            flash_attention=False,
+            grad_reduce_bytes=2,
+            dp_overlap=0.0,
+            optimizer_bytes=44,
+            balanced_stages=False,
+            param_bytes=2,
+            grad_bytes=2,
+            optimizer_state_bytes=12,
+            zero1_broadcast=False,
+            fsdp2=False,
+            engine_activations=False,
+            grad_accum_bytes=0,
+            pp_scatter_gather=True,
+            description="Megatron-LM as in Korthikanti 2022: megatron-2021 with gradient-accumulation fusion "
+            "(the weight-gradient GEMM adds into the held gradient: no separate accumulation pass)",
+        ),
+    ]
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,13 +229,27 @@ def model_shape(m: ModelConfig, seq_len: int, document_mask: bool = False) -> Sh
     each layer's saved activations (`activation_bytes_per_layer`)."""
     p = count_params(m)
     return Shape(
-        n_layers=m.n_layers, d_model=m.d_model, hq=m.n_heads * m.head_dim, hkv=m.n_kv_heads * m.head_dim,
-        ffn=m.ffn_dim, ffn_in=2 if m.mlp == "swiglu" else 1, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-        head_dim=m.head_dim, vocab=m.vocab_size, dropout=m.dropout > 0, relative=m.pos == "relative",
-        window=m.sliding_window, params=p.total, layer_params=p.per_layer, embed_params=p.embed_side,
+        n_layers=m.n_layers,
+        d_model=m.d_model,
+        hq=m.n_heads * m.head_dim,
+        hkv=m.n_kv_heads * m.head_dim,
+        ffn=m.ffn_dim,
+        ffn_in=2 if m.mlp == "swiglu" else 1,
+        n_heads=m.n_heads,
+        n_kv_heads=m.n_kv_heads,
+        head_dim=m.head_dim,
+        vocab=m.vocab_size,
+        dropout=m.dropout > 0,
+        relative=m.pos == "relative",
+        window=m.sliding_window,
+        params=p.total,
+        layer_params=p.per_layer,
+        embed_params=p.embed_side,
         final_norm_params=p.head_side - (0 if m.tie_embeddings else p.head_matmul),
-        model_flops_token={r: flops_per_token(m, seq_len, r) for r in ("none", "selective", "full")}, config=m,
-        document_mask=document_mask)
+        model_flops_token={r: flops_per_token(m, seq_len, r) for r in ("none", "selective", "full")},
+        config=m,
+        document_mask=document_mask,
+    )
 
 
 def gemm_time(mm: float, kk: float, nn: float, hw: Hardware, peak: float, count: float = 1) -> float:
@@ -266,8 +322,9 @@ class LayerTimes:
         return self.gemm_bwd + self.attn_bwd + self.other_bwd
 
 
-def layer_elementwise_bytes(sh: Shape, tokens: float, tp: int, sp: bool,
-                            eager: tuple[int, int] | None = None) -> tuple[float, float, float]:
+def layer_elementwise_bytes(
+    sh: Shape, tokens: float, tp: int, sp: bool, eager: tuple[int, int] | None = None
+) -> tuple[float, float, float]:
     """(bytes one layer's forward element-wise work moves, its backward's, bytes of one b·s·h
     activation).
 
@@ -352,8 +409,19 @@ def loss_bytes(sh: Shape, tokens: float, tp: int, eager: tuple[int, int] | None 
     return per * (2 * cast + 2 + 1 + 3)
 
 
-def layer_times(sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: int, cp: int, sp: bool,
-                float8: str = "none", fsdp2: bool = False, eager: tuple[int, int] | None = None) -> LayerTimes:
+def layer_times(
+    sh: Shape,
+    hw: Hardware,
+    stack: Stack,
+    seq: int,
+    mb: int,
+    tp: int,
+    cp: int,
+    sp: bool,
+    float8: str = "none",
+    fsdp2: bool = False,
+    eager: tuple[int, int] | None = None,
+) -> LayerTimes:
     """`eager`: this engine's blocks run op by op, (compute, residual) bytes per element
     (`layer_elementwise_bytes`); None: fused element-wise work. `float8` (train.float8): the
     block's linears whose local dims are multiples of 16 run their three GEMMs at the fp8 peak (at
@@ -364,8 +432,12 @@ def layer_times(sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: in
     tokens = mb * seq / cp
     h, hq, hkv, f = sh.d_model, sh.hq, sh.hkv, sh.ffn
     kv_local = hkv / tp if sh.n_kv_heads >= tp else sh.head_dim  # replicated kv heads when tp > n_kv
-    shapes = [(tokens, h, (hq + 2 * kv_local * tp) / tp), (tokens, hq / tp, h), (tokens, h, sh.ffn_in * f / tp),
-              (tokens, f / tp, h)] + ([(tokens, h, hq / tp)] if sh.relative else [])
+    shapes = [
+        (tokens, h, (hq + 2 * kv_local * tp) / tp),
+        (tokens, hq / tp, h),
+        (tokens, h, sh.ffn_in * f / tp),
+        (tokens, f / tp, h),
+    ] + ([(tokens, h, hq / tp)] if sh.relative else [])
     low = float8 != "none"
     fp8 = [s for s in shapes if low and float8_eligible((int(s[2]), int(s[1])))]
     gemm_f, gemm_b = gemm_fwd_bwd([s for s in shapes if s not in fp8], hw, peak)
@@ -379,16 +451,20 @@ def layer_times(sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: in
     score_flops = 2 * 2 * heads * q_len * context * sh.head_dim * (1.5 if sh.relative else 1)
     if stack.flash_attention:
         # dQ, dK, dV plus the scores the fused kernel recomputes: 3x the forward's FLOPs
-        eta_f, eta_b = (hw.calibration.attention_efficiency(context, sh.head_dim) if hw.calibration
-                        else (hw.matmul_efficiency, hw.matmul_efficiency))
+        eta_f, eta_b = (
+            hw.calibration.attention_efficiency(context, sh.head_dim)
+            if hw.calibration
+            else (hw.matmul_efficiency, hw.matmul_efficiency)
+        )
         attn_f = score_flops / (eta_f * peak)
         attn_b = 3 * score_flops / (eta_b * peak)
     else:
         elements = heads * q_len * context
         softmax_f = (4 + (5 if sh.dropout else 0)) * elements  # scale-mask-softmax r/w, dropout r/w + mask
         softmax_b = (6 + (5 if sh.dropout else 0)) * elements
-        score_gemms = (gemm_time(q_len, sh.head_dim, context, hw, peak, heads)
-                       + gemm_time(q_len, context, sh.head_dim, hw, peak, heads))
+        score_gemms = gemm_time(q_len, sh.head_dim, context, hw, peak, heads) + gemm_time(
+            q_len, context, sh.head_dim, hw, peak, heads
+        )
         attn_f = score_gemms + stream_time(softmax_f, hw)
         attn_b = 2 * score_gemms + stream_time(softmax_b, hw)
     ew_f, ew_b, act = layer_elementwise_bytes(sh, tokens, tp, sp, eager)
@@ -396,14 +472,24 @@ def layer_times(sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: in
     # Two collectives of b·s·h per direction; with SP each all-reduce becomes AG + RS of the same bytes.
     tp_one = comm_time(hw, "all_reduce", tp, act, tp)
     regather = sp and not stack.engine_activations  # Megatron saved only the sequence shard
-    tp_regather = 2 * comm_time(hw, "all_gather", tp, ACT_BYTES * sp_regather_elements(seq / cp, mb, h, 1) / 2,
-                                tp) if regather else 0.0  # two all-gathers, one per input
+    tp_regather = (
+        2 * comm_time(hw, "all_gather", tp, ACT_BYTES * sp_regather_elements(seq / cp, mb, h, 1) / 2, tp)
+        if regather
+        else 0.0
+    )  # two all-gathers, one per input
     kv_bytes = ACT_BYTES * mb * seq * 2 * kv_local
-    return LayerTimes(gemm_fwd=gemm_f, gemm_bwd=gemm_b, attn_fwd=attn_f, attn_bwd=attn_b,
-                      other_fwd=stream_time(ew_f + cast_f, hw, act, tp), other_bwd=stream_time(ew_b + cast_b, hw, act, tp),
-                      tp_fwd=2 * tp_one, tp_bwd=2 * tp_one + tp_regather,
-                      cp_fwd=comm_time(hw, "all_gather", cp, kv_bytes, tp * cp),
-                      cp_bwd=comm_time(hw, "reduce_scatter", cp, kv_bytes, tp * cp))
+    return LayerTimes(
+        gemm_fwd=gemm_f,
+        gemm_bwd=gemm_b,
+        attn_fwd=attn_f,
+        attn_bwd=attn_b,
+        other_fwd=stream_time(ew_f + cast_f, hw, act, tp),
+        other_bwd=stream_time(ew_b + cast_b, hw, act, tp),
+        tp_fwd=2 * tp_one,
+        tp_bwd=2 * tp_one + tp_regather,
+        cp_fwd=comm_time(hw, "all_gather", cp, kv_bytes, tp * cp),
+        cp_bwd=comm_time(hw, "reduce_scatter", cp, kv_bytes, tp * cp),
+    )
 
 
 @dataclass(kw_only=True)
@@ -427,11 +513,19 @@ class Estimate:
     float8: str = "none"  # train.float8 the estimate is for
 
     def to_json(self, tokens: float | None = None, gpus: int | None = None) -> dict:
-        out = {**self.layout.to_json(), "fits": self.fits,
-               "memory_per_gpu_bytes": {k: round(v) for k, v in self.memory.items()},
-               "step_time_s": self.step_time, "time_breakdown_s": self.time, "tokens_per_s": self.tokens_per_s,
-               "model_tflops_per_gpu": self.model_tflops, "hardware_tflops_per_gpu": self.hardware_tflops,
-               "mfu": self.mfu, "hfu": self.hfu, "float8": self.float8}
+        out = {
+            **self.layout.to_json(),
+            "fits": self.fits,
+            "memory_per_gpu_bytes": {k: round(v) for k, v in self.memory.items()},
+            "step_time_s": self.step_time,
+            "time_breakdown_s": self.time,
+            "tokens_per_s": self.tokens_per_s,
+            "model_tflops_per_gpu": self.model_tflops,
+            "hardware_tflops_per_gpu": self.hardware_tflops,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "float8": self.float8,
+        }
         if tokens is not None and gpus is not None:
             seconds = tokens / self.tokens_per_s
             out["train_days"] = seconds / 86400
@@ -459,15 +553,28 @@ def rank_loads(sh: Shape, lo: Layout, balanced: bool) -> list[RankLoad]:
     for r in range(lo.pp):
         ids = stage_ids(r, lo)
         head = last in ids
-        psi = (sum(sizes[i] for i in ids) * sh.layer_params + (sh.embed_params if 0 in ids else 0)
-               + (head_side if head else 0))
+        psi = (
+            sum(sizes[i] for i in ids) * sh.layer_params
+            + (sh.embed_params if 0 in ids else 0)
+            + (head_side if head else 0)
+        )
         out.append(RankLoad(layers=sum(sizes[i] for i in ids), params=psi / lo.tp, head=head, embedding=0 in ids))
     return out
 
 
-def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, stack: Stack,
-             cache: dict | None = None, compile: bool | str = "auto", steps: float = math.inf,
-             dtype: str = "bf16", float8: str = "none") -> Estimate:
+def estimate(
+    sh: Shape,
+    hw: Hardware,
+    lo: Layout,
+    seq: int,
+    global_batch: int,
+    stack: Stack,
+    cache: dict | None = None,
+    compile: bool | str = "auto",
+    steps: float = math.inf,
+    dtype: str = "bf16",
+    float8: str = "none",
+) -> Estimate:
     """Memory and time of one optimizer step (global_batch sequences of seq tokens), with the
     blocks' linears in float8 under `float8` (train.float8's recipe).
 
@@ -477,30 +584,66 @@ def estimate(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, s
     say what this engine keeps (plan.layout.compiles; fp32 or bf16 autocast); the step time does not
     model compilation. The published stacks keep 16-bit parameters whatever `dtype` says. The `cpu`
     entry books what this engine keeps on a CPU (EngineRun.cpu)."""
-    loads = memo(cache, ("loads", lo.pp, lo.pp_schedule, lo.virtual_stages, lo.tp),
-                 lambda: first_ranks(rank_loads(sh, lo, stack.balanced_stages)))
+    loads = memo(
+        cache,
+        ("loads", lo.pp, lo.pp_schedule, lo.virtual_stages, lo.tp),
+        lambda: first_ranks(rank_loads(sh, lo, stack.balanced_stages)),
+    )
     if stack.engine_activations:
-        run = memo(cache, ("run", seq, global_batch, compile, steps, dtype, float8), lambda: EngineRun(
-            model=sh.config, seq=seq, global_batch=global_batch, dtype=dtype, compile=compile, steps=steps,
-            document_mask=sh.document_mask, float8=float8, cpu=hw.name == "cpu"))
+        run = memo(
+            cache,
+            ("run", seq, global_batch, compile, steps, dtype, float8),
+            lambda: EngineRun(
+                model=sh.config,
+                seq=seq,
+                global_batch=global_batch,
+                dtype=dtype,
+                compile=compile,
+                steps=steps,
+                document_mask=sh.document_mask,
+                float8=float8,
+                cpu=hw.name == "cpu",
+            ),
+        )
         memory, opt_elements = engine_memory(run, lo, stack, loads, cache)
     else:
         memory, opt_elements = published_memory(sh, lo, seq, global_batch, stack, loads)
     usable = hw.memory_bytes * (1 - FIT_MARGIN)
     fits = memory["total"] <= usable
-    time = step_times(sh, hw, lo, seq, global_batch, stack, [load for load, _ in loads], opt_elements, cache, float8,
-                      eager_precision(stack, compile, steps, lo, dtype), dtype)
+    time = step_times(
+        sh,
+        hw,
+        lo,
+        seq,
+        global_batch,
+        stack,
+        [load for load, _ in loads],
+        opt_elements,
+        cache,
+        float8,
+        eager_precision(stack, compile, steps, lo, dtype),
+        dtype,
+    )
     step = sum(time.values())
     tokens = global_batch * seq
     gpus, peak = lo.world, planning_peak(hw)
     model_f = sh.model_flops_token["none"] * tokens
     hw_f = sh.model_flops_token[lo.recompute] * tokens
-    return Estimate(layout=lo, fits=fits, memory=memory, time=time, step_time=step, tokens_per_s=tokens / step,
-                    model_tflops=model_f / step / gpus / 1e12, hardware_tflops=hw_f / step / gpus / 1e12,
-                    mfu=mfu(tokens / step, sh.model_flops_token["none"], peak, gpus),
-                    hfu=mfu(tokens / step, sh.model_flops_token[lo.recompute], peak, gpus), usable_memory=usable,
-                    reason="" if fits else f"needs {memory['total'] / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable",
-                    float8=float8)
+    return Estimate(
+        layout=lo,
+        fits=fits,
+        memory=memory,
+        time=time,
+        step_time=step,
+        tokens_per_s=tokens / step,
+        model_tflops=model_f / step / gpus / 1e12,
+        hardware_tflops=hw_f / step / gpus / 1e12,
+        mfu=mfu(tokens / step, sh.model_flops_token["none"], peak, gpus),
+        hfu=mfu(tokens / step, sh.model_flops_token[lo.recompute], peak, gpus),
+        usable_memory=usable,
+        reason="" if fits else f"needs {memory['total'] / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable",
+        float8=float8,
+    )
 
 
 def planning_peak(hw: Hardware) -> float:
@@ -519,8 +662,9 @@ def first_ranks(loads: list[RankLoad]) -> list[tuple[RankLoad, int]]:
     return list(first.items())
 
 
-def engine_memory(run: EngineRun, lo: Layout, stack: Stack, loads: list[tuple[RankLoad, int]],
-                  cache: dict | None) -> tuple[dict[str, float], float]:
+def engine_memory(
+    run: EngineRun, lo: Layout, stack: Stack, loads: list[tuple[RankLoad, int]], cache: dict | None
+) -> tuple[dict[str, float], float]:
     """The worst rank's bytes by this engine's own account (plan.account.rank_memory, what the
     joint tests and `plan --measure` set beside the engine's measured bytes), and the optimizer
     elements the busiest rank steps. Each distinct pipeline rank is booked at its largest data-
@@ -529,19 +673,36 @@ def engine_memory(run: EngineRun, lo: Layout, stack: Stack, loads: list[tuple[Ra
     opt_elements = 0.0
     for load, pp_rank in loads:
         dp_rank = busiest_dp_rank(run.model, lo, load.layers, load.embedding, load.head, cache)
-        r = rank_memory(run, lo, layers=load.layers, embedding=load.embedding, head=load.head, pp_rank=pp_rank,
-                        shard_rank=0, dp_rank=dp_rank, flash=stack.flash_attention, cache=cache)
+        r = rank_memory(
+            run,
+            lo,
+            layers=load.layers,
+            embedding=load.embedding,
+            head=load.head,
+            pp_rank=pp_rank,
+            shard_rank=0,
+            dp_rank=dp_rank,
+            flash=stack.flash_attention,
+            cache=cache,
+        )
         opt_elements = max(opt_elements, r.optimizer / stack.optimizer_state_bytes)
-        mem = {"params": r.params, "grads": r.grads, "optimizer": r.optimizer, "activations": r.activations,
-               "other": r.other + r.buffers + RUNTIME_RESERVE, "step_peak": r.peak,
-               "total": r.params + r.optimizer + r.grads - r.step_grads + r.peak + r.buffers + RUNTIME_RESERVE}
+        mem = {
+            "params": r.params,
+            "grads": r.grads,
+            "optimizer": r.optimizer,
+            "activations": r.activations,
+            "other": r.other + r.buffers + RUNTIME_RESERVE,
+            "step_peak": r.peak,
+            "total": r.params + r.optimizer + r.grads - r.step_grads + r.peak + r.buffers + RUNTIME_RESERVE,
+        }
         if not worst or mem["total"] > worst["total"]:
             worst = mem
     return worst, opt_elements
 
 
-def published_memory(sh: Shape, lo: Layout, seq: int, global_batch: int, stack: Stack,
-                     loads: list[tuple[RankLoad, int]]) -> tuple[dict[str, float], float]:
+def published_memory(
+    sh: Shape, lo: Layout, seq: int, global_batch: int, stack: Stack, loads: list[tuple[RankLoad, int]]
+) -> tuple[dict[str, float], float]:
     """The worst pipeline rank's bytes by a published stack's account, and the optimizer elements a
     rank steps: ZeRO's Ψ formulas with the stack's bytes per parameter (Megatron's distributed
     optimizer shards flat buffers, so Ψ/N), Korthikanti's activations with the first stage's
@@ -553,48 +714,78 @@ def published_memory(sh: Shape, lo: Layout, seq: int, global_batch: int, stack: 
     worst: dict[str, float] = {}
     opt_elements = 0.0
     for load, _ in loads:
-        st = model_state_bytes(load.params, lo.zero, shard, stack.optimizer_state_bytes, stack.param_bytes,
-                               stack.grad_bytes, params_sharded=lo.reshards_params)
+        st = model_state_bytes(
+            load.params,
+            lo.zero,
+            shard,
+            stack.optimizer_state_bytes,
+            stack.param_bytes,
+            stack.grad_bytes,
+            params_sharded=lo.reshards_params,
+        )
         opt_elements = max(opt_elements, load.params / (shard if lo.zero >= 1 else 1))
-        activations = rank_activation_bytes(sh.config, lo, seq, global_batch, load.layers, stack.flash_attention,
-                                            sh.document_mask, KORTHIKANTI)
+        activations = rank_activation_bytes(
+            sh.config, lo, seq, global_batch, load.layers, stack.flash_attention, sh.document_mask, KORTHIKANTI
+        )
         work = loss_work if load.head else zero3_live
         peak = step_peak_bytes(st.grads, True, activations, work)
-        mem = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": activations,
-               "other": work + RUNTIME_RESERVE, "step_peak": peak,
-               "total": st.params + st.optimizer + peak + RUNTIME_RESERVE}
+        mem = {
+            "params": st.params,
+            "grads": st.grads,
+            "optimizer": st.optimizer,
+            "activations": activations,
+            "other": work + RUNTIME_RESERVE,
+            "step_peak": peak,
+            "total": st.params + st.optimizer + peak + RUNTIME_RESERVE,
+        }
         if not worst or mem["total"] > worst["total"]:
             worst = mem
     return worst, opt_elements
 
 
-def step_times(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int, stack: Stack,
-               loads: list[RankLoad], opt_elements: float, cache: dict | None, float8: str = "none",
-               eager: tuple[int, int] | None = None, dtype: str = "bf16") -> dict[str, float]:
+def step_times(
+    sh: Shape,
+    hw: Hardware,
+    lo: Layout,
+    seq: int,
+    global_batch: int,
+    stack: Stack,
+    loads: list[RankLoad],
+    opt_elements: float,
+    cache: dict | None,
+    float8: str = "none",
+    eager: tuple[int, int] | None = None,
+    dtype: str = "bf16",
+) -> dict[str, float]:
     """Seconds per step by term; the slowest pipeline rank sets the pace. `eager`: layer_times'."""
     n_micro = lo.microbatches(global_batch)
     v = lo.virtual_stages if lo.pp > 1 else 1
     tokens_mb = lo.micro_batch * seq / lo.cp
-    lt = memo(cache, (lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel, float8, float8 != "none" and lo.fsdp2, eager),
-              lambda: layer_times(sh, hw, stack, seq, lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel, float8,
-                                  lo.fsdp2, eager))
+    lt = memo(
+        cache,
+        (lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel, float8, float8 != "none" and lo.fsdp2, eager),
+        lambda: layer_times(
+            sh, hw, stack, seq, lo.micro_batch, lo.tp, lo.cp, lo.sequence_parallel, float8, lo.fsdp2, eager
+        ),
+    )
     recompute = lo.recompute
     recompute_tp = lt.tp_fwd if recompute == "full" else 0.0
     recompute_cp = lt.cp_fwd if recompute == "full" else 0.0
     # the output layer: fwd + bwd GEMMs, and the fp32 cross-entropy's traffic
     logits_mm = sum(gemm_fwd_bwd([(tokens_mb, sh.d_model, sh.vocab / lo.tp)], hw, planning_peak(hw)))
     # at the streaming rate of this micro-batch's activations, as the layers' element-wise work
-    logits_other = stream_time(loss_bytes(sh, tokens_mb, lo.tp, eager), hw, ACT_BYTES * tokens_mb * sh.d_model,
-                               lo.tp)
+    logits_other = stream_time(loss_bytes(sh, tokens_mb, lo.tp, eager), hw, ACT_BYTES * tokens_mb * sh.d_model, lo.tp)
 
     def micro_batch_times(load: RankLoad) -> dict[str, float]:
         n, full = load.layers, recompute == "full"
-        return {"matmul": n * (lt.gemm_fwd * (1 + full) + lt.gemm_bwd) + (logits_mm if load.head else 0.0),
-                "attention": n * (lt.attn_fwd * (1 + (recompute != "none")) + lt.attn_bwd),
-                "other_compute": n * (lt.other_fwd * (1 + full) + lt.other_bwd) + (logits_other if load.head else 0.0),
-                # + the vocab-parallel embedding's output all-reduce and the head's input-gradient all-reduce
-                "tp_comm": n * (lt.tp_fwd + lt.tp_bwd + recompute_tp) + lt.tp_fwd,
-                "cp_comm": n * (lt.cp_fwd + lt.cp_bwd + recompute_cp)}
+        return {
+            "matmul": n * (lt.gemm_fwd * (1 + full) + lt.gemm_bwd) + (logits_mm if load.head else 0.0),
+            "attention": n * (lt.attn_fwd * (1 + (recompute != "none")) + lt.attn_bwd),
+            "other_compute": n * (lt.other_fwd * (1 + full) + lt.other_bwd) + (logits_other if load.head else 0.0),
+            # + the vocab-parallel embedding's output all-reduce and the head's input-gradient all-reduce
+            "tp_comm": n * (lt.tp_fwd + lt.tp_bwd + recompute_tp) + lt.tp_fwd,
+            "cp_comm": n * (lt.cp_fwd + lt.cp_bwd + recompute_cp),
+        }
 
     slowest = max(loads, key=lambda load: sum(micro_batch_times(load).values()))
     mb_times = micro_batch_times(slowest)
@@ -607,19 +798,26 @@ def step_times(sh: Shape, hw: Hardware, lo: Layout, seq: int, global_batch: int,
     shard = lo.dp_shard
     held_grads = psi / shard if lo.zero >= 2 and lo.pp == 1 else psi  # reduce-scattered every micro-batch
     accum_bytes = stack.grad_accum_bytes * held_grads
-    optimizer = (hw.calibration.optimizer_seconds(opt_elements) if hw.calibration
-                 else stream_time(stack.optimizer_bytes * opt_elements, hw))
-    return {**{k: n_micro * t for k, t in mb_times.items()},
-            "dp_comm": data_parallel_time(hw, lo, stack, psi, n_micro, mb_total, slowest.layers, lt),
-            "pp_bubble": bubble, "pp_comm": n_micro * mb_pp + pp_step,
-            "grad_accum": (n_micro - 1) * stream_time(accum_bytes, hw, accum_bytes),
-            "fsdp_copies": fsdp_copy_time(sh, hw, lo, stack, biggest, n_micro, float8, dtype),
-            "weight_casts": weight_cast_time(sh, hw, lo, stack, slowest, n_micro, float8, dtype, eager is None),
-            "optimizer": optimizer}
+    optimizer = (
+        hw.calibration.optimizer_seconds(opt_elements)
+        if hw.calibration
+        else stream_time(stack.optimizer_bytes * opt_elements, hw)
+    )
+    return {
+        **{k: n_micro * t for k, t in mb_times.items()},
+        "dp_comm": data_parallel_time(hw, lo, stack, psi, n_micro, mb_total, slowest.layers, lt),
+        "pp_bubble": bubble,
+        "pp_comm": n_micro * mb_pp + pp_step,
+        "grad_accum": (n_micro - 1) * stream_time(accum_bytes, hw, accum_bytes),
+        "fsdp_copies": fsdp_copy_time(sh, hw, lo, stack, biggest, n_micro, float8, dtype),
+        "weight_casts": weight_cast_time(sh, hw, lo, stack, slowest, n_micro, float8, dtype, eager is None),
+        "optimizer": optimizer,
+    }
 
 
-def fsdp_copy_time(sh: Shape, hw: Hardware, lo: Layout, stack: Stack, load: RankLoad, n_micro: int,
-                   float8: str, dtype: str) -> float:
+def fsdp_copy_time(
+    sh: Shape, hw: Hardware, lo: Layout, stack: Stack, load: RankLoad, n_micro: int, float8: str, dtype: str
+) -> float:
     """FSDP2's copies around its collectives on a rank with `load` (`fsdp_copies`), at the streaming
     rate of one block's gathered parameters."""
     if not (stack.engine_activations and lo.fsdp2):
@@ -629,8 +827,17 @@ def fsdp_copy_time(sh: Shape, hw: Hardware, lo: Layout, stack: Stack, load: Rank
     return n_micro * stream_time(nbytes["micro"], hw, block) + stream_time(nbytes["step"], hw, block)
 
 
-def weight_cast_time(sh: Shape, hw: Hardware, lo: Layout, stack: Stack, load: RankLoad, n_micro: int,
-                     float8: str, dtype: str, compiled: bool) -> float:
+def weight_cast_time(
+    sh: Shape,
+    hw: Hardware,
+    lo: Layout,
+    stack: Stack,
+    load: RankLoad,
+    n_micro: int,
+    float8: str,
+    dtype: str,
+    compiled: bool,
+) -> float:
     """bf16 autocast's casts of this engine's fp32 weights (`weight_cast_bytes`; none under FSDP2,
     whose gathered parameters are bf16 already), at the streaming rate of one block's weights."""
     if not stack.engine_activations or dtype != "bf16" or lo.fsdp2:
@@ -639,8 +846,9 @@ def weight_cast_time(sh: Shape, hw: Hardware, lo: Layout, stack: Stack, load: Ra
     return stream_time(nbytes, hw, ACT_BYTES * sh.layer_params / lo.tp)
 
 
-def weight_cast_bytes(m: ModelConfig, tp: int, layers: int, head: bool, n_micro: int, compiled: bool,
-                      float8: bool = False) -> float:
+def weight_cast_bytes(
+    m: ModelConfig, tp: int, layers: int, head: bool, n_micro: int, compiled: bool, float8: bool = False
+) -> float:
     """HBM bytes per step of bf16 autocast's weight casts over fp32 parameters: each linear weight
     of a rank's `layers` blocks and head (those plan.memory.autocast_weight_copy_bytes copies: not
     the float8 ones, whose casts plan.float8 books) read in fp32 and written in bf16, once a step
@@ -653,8 +861,9 @@ def weight_cast_bytes(m: ModelConfig, tp: int, layers: int, head: bool, n_micro:
     return cast + 6 * n_micro * (autocast_weight_copy_bytes(m, layers, False, tp) / 2 + head_elements)
 
 
-def fsdp_copies(m: ModelConfig, lo: Layout, psi: float, layers: int, n_micro: int, float8: str = "none",
-                dtype: str = "bf16") -> dict[str, float]:
+def fsdp_copies(
+    m: ModelConfig, lo: Layout, psi: float, layers: int, n_micro: int, float8: str = "none", dtype: str = "bf16"
+) -> dict[str, float]:
     """HBM bytes this engine's FSDP2 (lo.fsdp2) copies around the data-parallel collectives of a rank
     with `psi` parameters (its stages, tensor-parallel local) in `layers` blocks, per micro-batch and
     per step (plan.comm.fsdp_copy_bytes); none under DDP. The published stacks' flat buffers are
@@ -662,19 +871,37 @@ def fsdp_copies(m: ModelConfig, lo: Layout, psi: float, layers: int, n_micro: in
     if not lo.fsdp2:
         return {"micro": 0.0, "step": 0.0}
     stack = STACKS["flopwise"]
-    f8 = layers * sum(math.prod(s) for _, s in block_linears(m, lo.tp) if float8_eligible(s)) \
-        if float8_all_gather(float8, lo) else 0.0
-    collectives = dp_collectives(psi, lo.zero, zero1_broadcast=stack.zero1_broadcast, gather_per_micro=stack.fsdp2,
-                                 pipelined=lo.pp > 1, hsdp=lo.dp_replicate > 1)
+    f8 = (
+        layers * sum(math.prod(s) for _, s in block_linears(m, lo.tp) if float8_eligible(s))
+        if float8_all_gather(float8, lo)
+        else 0.0
+    )
+    collectives = dp_collectives(
+        psi,
+        lo.zero,
+        zero1_broadcast=stack.zero1_broadcast,
+        gather_per_micro=stack.fsdp2,
+        pipelined=lo.pp > 1,
+        hsdp=lo.dp_replicate > 1,
+    )
     shard = lo.dp_shard * lo.cp
     if lo.zero == 0:  # FSDP2's replicate: a one-rank shard group, which unshards (casts and copies)
         # every parameter before each micro-batch's forward, once a step under a pipeline schedule
         # (it keeps them unsharded across the micro-batches), and gathers nothing
-        collectives.append(Collective(kind="all_gather", elements=psi, when="step" if lo.pp > 1 else "micro",
-                                      group="shard", gradients=False))
+        collectives.append(
+            Collective(
+                kind="all_gather", elements=psi, when="step" if lo.pp > 1 else "micro", group="shard", gradients=False
+            )
+        )
         shard = 1
-    return fsdp_copy_bytes(collectives, shard, n_micro, float8_elements=f8,
-                           compute_bytes=engine_precision(dtype, True).compute, reduce_bytes=stack.grad_reduce_bytes)
+    return fsdp_copy_bytes(
+        collectives,
+        shard,
+        n_micro,
+        float8_elements=f8,
+        compute_bytes=engine_precision(dtype, True).compute,
+        reduce_bytes=stack.grad_reduce_bytes,
+    )
 
 
 def pipeline_comm_times(sh: Shape, hw: Hardware, lo: Layout, stack: Stack, seq: int) -> tuple[float, float]:
@@ -701,8 +928,9 @@ def pipeline_comm_times(sh: Shape, hw: Hardware, lo: Layout, stack: Stack, seq: 
     return 2 * v * exchange, per_step
 
 
-def data_parallel_time(hw: Hardware, lo: Layout, stack: Stack, psi: float, n_micro: int,
-                       mb_total: float, rank_layers: int, lt: LayerTimes) -> float:
+def data_parallel_time(
+    hw: Hardware, lo: Layout, stack: Stack, psi: float, n_micro: int, mb_total: float, rank_layers: int, lt: LayerTimes
+) -> float:
     """Exposed data-parallel communication per step: the stack's collectives (`plan.comm`) over
     the dp rings, less what hides behind compute."""
     if lo.dp == 1:
@@ -713,11 +941,18 @@ def data_parallel_time(hw: Hardware, lo: Layout, stack: Stack, psi: float, n_mic
     per = {"step": 0.0, "micro": 0.0, "after_step": 0.0}
     # ZeroRedundancyOptimizer broadcasts the updated fp32 master weights after the optimizer step
     param_bytes = stack.param_bytes if lo.zero == 1 and stack.zero1_broadcast else ACT_BYTES
-    for c in dp_collectives(psi, lo.zero, zero1_broadcast=stack.zero1_broadcast, gather_per_micro=stack.fsdp2,
-                            pipelined=lo.pp > 1, hsdp=lo.dp_replicate > 1):
+    for c in dp_collectives(
+        psi,
+        lo.zero,
+        zero1_broadcast=stack.zero1_broadcast,
+        gather_per_micro=stack.fsdp2,
+        pipelined=lo.pp > 1,
+        hsdp=lo.dp_replicate > 1,
+    ):
         nbytes = c.elements * (stack.grad_reduce_bytes if c.gradients else param_bytes)
-        when = "after_step" if c.when == "step" and not c.gradients and lo.zero == 1 and stack.zero1_broadcast \
-            else c.when  # nothing to hide it behind: it follows the optimizer step
+        when = (
+            "after_step" if c.when == "step" and not c.gradients and lo.zero == 1 and stack.zero1_broadcast else c.when
+        )  # nothing to hide it behind: it follows the optimizer step
         per[when] += comm_time(hw, c.kind, sizes[c.group], nbytes, spans[c.group])
     # Overlap windows: the last micro-batch's backward for once-per-step traffic; every
     # micro-batch's compute for per-micro-batch traffic (FSDP prefetching); a calibrated device
@@ -731,10 +966,19 @@ def data_parallel_time(hw: Hardware, lo: Layout, stack: Stack, psi: float, n_mic
     return exposed_step + exposed_micro + per["after_step"]
 
 
-def evaluate(m: ModelConfig, hw: Hardware, lo: Layout, seq: int, global_batch: int,
-             stack: str | Stack = "flopwise", compile: bool | str = "auto", steps: float = math.inf,
-             dtype: str = "bf16", float8: str = "none") -> Estimate:
+def evaluate(
+    m: ModelConfig,
+    hw: Hardware,
+    lo: Layout,
+    seq: int,
+    global_batch: int,
+    stack: str | Stack = "flopwise",
+    compile: bool | str = "auto",
+    steps: float = math.inf,
+    dtype: str = "bf16",
+    float8: str = "none",
+) -> Estimate:
     st = STACKS[stack] if isinstance(stack, str) else stack
-    return estimate(model_shape(m, seq), hw, lo, seq, global_batch, st, compile=compile, steps=steps, dtype=dtype,
-                    float8=float8)
-
+    return estimate(
+        model_shape(m, seq), hw, lo, seq, global_batch, st, compile=compile, steps=steps, dtype=dtype, float8=float8
+    )

@@ -35,8 +35,18 @@ from flopwise.plan.perf import (
 from flopwise.plan.reliability import Reliability, reliability
 from flopwise.plan.search import RECOMPUTE_ORDER, SearchResult, search, why_slower
 
-PARALLEL_KEYS = ("dp", "dp_replicate", "zero", "tp", "pp", "cp", "pp_schedule", "virtual_stages",
-                 "sequence_parallel", "recompute")
+PARALLEL_KEYS = (
+    "dp",
+    "dp_replicate",
+    "zero",
+    "tp",
+    "pp",
+    "cp",
+    "pp_schedule",
+    "virtual_stages",
+    "sequence_parallel",
+    "recompute",
+)
 DEFAULT_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022's rule of thumb, when plan.tokens is not given
 
 
@@ -55,12 +65,19 @@ def nominal_cpu(hw: Hardware) -> Hardware:
     except (ValueError, OSError, AttributeError):  # no sysconf here: a laptop's 16 GiB
         memory = 16 * 2.0**30
     peak = CPU_CORE_FLOPS * cores
-    return replace(hw, peak_flops={"bf16": peak, "fp32": peak}, memory_bytes=memory, memory_bw=CPU_MEMORY_BW,
-                   intra_node_bw=CPU_MEMORY_BW, inter_node_bw=CPU_MEMORY_BW, extra={**hw.extra, "uncalibrated": True},
-                   source=f"UNCALIBRATED nominal rates ({cores} cores × {CPU_CORE_FLOPS / 1e9:.0f} GFLOP/s, "
-                          f"{CPU_MEMORY_BW / 1e9:.0f} GB/s, {memory / 2**30:.0f} GiB); measure this machine with "
-                          "`flopwise hardware calibrate --out cpu.toml`, then plan with cluster.hardware_file=cpu.toml "
-                          "cluster.hardware=NAME (the name it prints)")
+    return replace(
+        hw,
+        peak_flops={"bf16": peak, "fp32": peak},
+        memory_bytes=memory,
+        memory_bw=CPU_MEMORY_BW,
+        intra_node_bw=CPU_MEMORY_BW,
+        inter_node_bw=CPU_MEMORY_BW,
+        extra={**hw.extra, "uncalibrated": True},
+        source=f"UNCALIBRATED nominal rates ({cores} cores × {CPU_CORE_FLOPS / 1e9:.0f} GFLOP/s, "
+        f"{CPU_MEMORY_BW / 1e9:.0f} GB/s, {memory / 2**30:.0f} GiB); measure this machine with "
+        "`flopwise hardware calibrate --out cpu.toml`, then plan with cluster.hardware_file=cpu.toml "
+        "cluster.hardware=NAME (the name it prints)",
+    )
 
 
 def plan_hardware(cfg: Config) -> Hardware:
@@ -68,8 +85,10 @@ def plan_hardware(cfg: Config) -> Hardware:
     if hw.name == "cpu" and not hw.peak_16bit and hw.calibration is None:
         return nominal_cpu(hw)
     if not hw.peak_16bit or not hw.memory_bytes:
-        raise ConfigError(f"cluster.hardware={hw.name}: no catalogue peak or memory to plan against; choose an "
-                          "accelerator (e.g. cluster.hardware=h100-sxm) or add one with cluster.hardware_file")
+        raise ConfigError(
+            f"cluster.hardware={hw.name}: no catalogue peak or memory to plan against; choose an "
+            "accelerator (e.g. cluster.hardware=h100-sxm) or add one with cluster.hardware_file"
+        )
     return hw
 
 
@@ -109,8 +128,11 @@ class PlanReport:
         if not searched and self.cfg.train.float8 == "none":
             return None
         if not self.hardware.peak("fp8"):
-            return (f"plan.float8: {self.hardware.name} has no fp8 peak (no float8 tensor cores); not weighed"
-                    if searched else None)
+            return (
+                f"plan.float8: {self.hardware.name} has no fp8 peak (no float8 tensor cores); not weighed"
+                if searched
+                else None
+            )
         best = self.result.best_by_float8
         low = min((e for k, e in best.items() if k != "none"), key=lambda e: e.step_time, default=None)
         high = best.get("none")
@@ -119,8 +141,10 @@ class PlanReport:
         gain = high.step_time / low.step_time
         verdict = "pays" if gain > 1 else "does not pay for this shape (casts cost more than the faster GEMMs save)"
         plain = f"best {self.cfg.train.dtype}" if searched else f"the same layout in {self.cfg.train.dtype}"
-        return (f"float8 {verdict}: best float8 ({low.float8}) {low.tokens_per_s:,.0f} tok/s vs {plain} "
-                f"{high.tokens_per_s:,.0f} tok/s ({gain:.2f}x)")
+        return (
+            f"float8 {verdict}: best float8 ({low.float8}) {low.tokens_per_s:,.0f} tok/s vs {plain} "
+            f"{high.tokens_per_s:,.0f} tok/s ({gain:.2f}x)"
+        )
 
     def reasons(self) -> list[str]:
         best = self.best
@@ -135,14 +159,25 @@ class PlanReport:
         return {
             "params": self.params,
             "hf": self.hf,
-            "model": {"params": self.params, "non_embedding_params": self.non_embedding,
-                      "flops_per_token": self.flops_per_token, "seq_len": self.cfg.data.seq_len,
-                      "global_batch": self.cfg.train.global_batch},
-            "hardware": {"name": hw.name, "gpus": gpus, "devices_per_node": hw.devices_per_node,
-                         "peak_bf16_flops": hw.peak_16bit, "memory_bytes": hw.memory_bytes,
-                         "memory_bw": hw.memory_bw, "intra_node_bw": hw.intra_node_bw,
-                         "inter_node_bw": hw.inter_node_bw, "matmul_efficiency": hw.matmul_efficiency,
-                         "source": hw.source},
+            "model": {
+                "params": self.params,
+                "non_embedding_params": self.non_embedding,
+                "flops_per_token": self.flops_per_token,
+                "seq_len": self.cfg.data.seq_len,
+                "global_batch": self.cfg.train.global_batch,
+            },
+            "hardware": {
+                "name": hw.name,
+                "gpus": gpus,
+                "devices_per_node": hw.devices_per_node,
+                "peak_bf16_flops": hw.peak_16bit,
+                "memory_bytes": hw.memory_bytes,
+                "memory_bw": hw.memory_bw,
+                "intra_node_bw": hw.intra_node_bw,
+                "inter_node_bw": hw.inter_node_bw,
+                "matmul_efficiency": hw.matmul_efficiency,
+                "source": hw.source,
+            },
             "tokens": self.tokens,
             "search": {"evaluated": self.result.evaluated, "fitting": self.result.fitting, "fixed": self.fixed},
             "layouts": layouts,
@@ -154,9 +189,14 @@ class PlanReport:
 
 
 def assumptions(stack: str) -> dict:
-    return {"stack": STACKS[stack].description, "fit_margin": FIT_MARGIN, "runtime_reserve_bytes": RUNTIME_RESERVE,
-            "hbm_efficiency": MEM_EFFICIENCY, "link_efficiency": LINK_EFFICIENCY,
-            "flop_convention": "6·(matmul params) + 12·L·s·h_attn per token (flopwise.flops); MFU excludes recompute"}
+    return {
+        "stack": STACKS[stack].description,
+        "fit_margin": FIT_MARGIN,
+        "runtime_reserve_bytes": RUNTIME_RESERVE,
+        "hbm_efficiency": MEM_EFFICIENCY,
+        "link_efficiency": LINK_EFFICIENCY,
+        "flop_convention": "6·(matmul params) + 12·L·s·h_attn per token (flopwise.flops); MFU excludes recompute",
+    }
 
 
 def plan_tree(path: str | None, overrides: list[str], hf: str | Path | None = None) -> dict[str, Any]:
@@ -179,8 +219,13 @@ def hf_source(path: str | Path) -> dict:
     cfg = read_hf_config(path)
     shapes = tensor_shapes(path) if Path(path).is_dir() else {}
     elements = sum(math.prod(s) for s in shapes.values())
-    return {"path": str(path), "model_type": cfg.get("model_type"), "architectures": cfg.get("architectures"),
-            "tensors": len(shapes) if shapes else None, "elements": elements if shapes else None}
+    return {
+        "path": str(path),
+        "model_type": cfg.get("model_type"),
+        "architectures": cfg.get("architectures"),
+        "tensors": len(shapes) if shapes else None,
+        "elements": elements if shapes else None,
+    }
 
 
 def float8_choices(cfg: Config, hw: Hardware) -> tuple[str, ...]:
@@ -195,8 +240,13 @@ def planned_tokens(cfg: Config, sh: Shape) -> float:
     return cfg.plan.tokens or DEFAULT_TOKENS_PER_PARAM * sh.params
 
 
-def plan(cfg: Config, tree: dict[str, Any] | None = None, keep: int = 50,
-         mixture: Callable[[float], list] | None = None, hf: str | Path | None = None) -> PlanReport:
+def plan(
+    cfg: Config,
+    tree: dict[str, Any] | None = None,
+    keep: int = 50,
+    mixture: Callable[[float], list] | None = None,
+    hf: str | Path | None = None,
+) -> PlanReport:
     """Search layouts for `cfg` on cluster.gpus devices of cluster.hardware. `mixture(tokens)`: what
     the run draws from each data source (the CLI passes data.mixture's draws; the planner reads no data);
     `hf`: the Hugging Face folder or config.json the model came from (`plan_tree`)."""
@@ -207,28 +257,60 @@ def plan(cfg: Config, tree: dict[str, Any] | None = None, keep: int = 50,
     tokens = planned_tokens(cfg, sh)
     # the planned run's length decides train.compile=auto, as train.steps does for the engine; its
     # train.dtype decides what the engine holds (fp32 or bf16 autocast)
-    result = search(sh, hw, cfg.cluster.gpus, seq, batch, STACKS[cfg.plan.stack], fixed, keep,
-                    compile=cfg.train.compile, steps=tokens / (seq * batch), dtype=cfg.train.dtype,
-                    float8=float8_choices(cfg, hw))
+    result = search(
+        sh,
+        hw,
+        cfg.cluster.gpus,
+        seq,
+        batch,
+        STACKS[cfg.plan.stack],
+        fixed,
+        keep,
+        compile=cfg.train.compile,
+        steps=tokens / (seq * batch),
+        dtype=cfg.train.dtype,
+        float8=float8_choices(cfg, hw),
+    )
     if not result.ranked:
-        why = ("; ".join(f"{n}× {reason}" for n, reason in result.refused[:3]) if result.refused else
-               "check that the degrees multiply to cluster.gpus and divide train.global_batch")
+        why = (
+            "; ".join(f"{n}× {reason}" for n, reason in result.refused[:3])
+            if result.refused
+            else "check that the degrees multiply to cluster.gpus and divide train.global_batch"
+        )
         raise ConfigError(f"no valid layout for {cfg.cluster.gpus} devices with {fixed or 'nothing fixed'}: {why}")
     best = result.ranked[0]
     if cfg.train.float8 != "none" and not cfg.plan.float8 and hw.peak("fp8") and best.fits:
         # whether the float8 asked for pays: the same layout without it, beside (one estimate, no search)
-        result.best_by_float8["none"] = estimate(sh, hw, best.layout, seq, batch, STACKS[cfg.plan.stack],
-                                                 compile=cfg.train.compile, steps=tokens / (seq * batch),
-                                                 dtype=cfg.train.dtype)
+        result.best_by_float8["none"] = estimate(
+            sh,
+            hw,
+            best.layout,
+            seq,
+            batch,
+            STACKS[cfg.plan.stack],
+            compile=cfg.train.compile,
+            steps=tokens / (seq * batch),
+            dtype=cfg.train.dtype,
+        )
     rel = None
     if best.fits:
         c = cfg.cluster
-        rel = reliability(sh.params, c.gpus, tokens / best.tokens_per_s, c.storage_gbps_per_gpu, c.gpu_mtbf_hours,
-                          c.restart_minutes)
-    return PlanReport(cfg=cfg, hardware=hw, result=result, tokens=tokens, params=sh.params,
-                      non_embedding=count_params(cfg.model).non_embedding,
-                      flops_per_token=sh.model_flops_token["none"], reliability=rel, fixed=fixed,
-                      data=mixture(tokens) if mixture else None, hf=hf_source(hf) if hf is not None else None)
+        rel = reliability(
+            sh.params, c.gpus, tokens / best.tokens_per_s, c.storage_gbps_per_gpu, c.gpu_mtbf_hours, c.restart_minutes
+        )
+    return PlanReport(
+        cfg=cfg,
+        hardware=hw,
+        result=result,
+        tokens=tokens,
+        params=sh.params,
+        non_embedding=count_params(cfg.model).non_embedding,
+        flops_per_token=sh.model_flops_token["none"],
+        reliability=rel,
+        fixed=fixed,
+        data=mixture(tokens) if mixture else None,
+        hf=hf_source(hf) if hf is not None else None,
+    )
 
 
 def compile_note(cfg: Config, tokens: float, lo: Layout) -> str:
@@ -241,15 +323,20 @@ def compile_note(cfg: Config, tokens: float, lo: Layout) -> str:
     if cfg.train.compile != "auto":
         why = f"train.compile={str(cfg.train.compile).lower()}"
     else:
-        source = ("plan.tokens" if cfg.plan.tokens else
-                  f"plan.tokens unset: {DEFAULT_TOKENS_PER_PARAM} tokens per parameter")
-        why = (f"train.compile=auto and the planned run is {steps:,.0f} steps ({source}); auto compiles runs of "
-               f">= {COMPILE_MIN_STEPS} steps without tp, pp or cp")
+        source = (
+            "plan.tokens" if cfg.plan.tokens else f"plan.tokens unset: {DEFAULT_TOKENS_PER_PARAM} tokens per parameter"
+        )
+        why = (
+            f"train.compile=auto and the planned run is {steps:,.0f} steps ({source}); auto compiles runs of "
+            f">= {COMPILE_MIN_STEPS} steps without tp, pp or cp"
+        )
     note = f"torch.compile {'assumed' if on else 'not assumed'} ({why})"
     if cfg.train.compile == "auto" and compiles("auto", cfg.train.steps, lo) != on:
-        note += (f"; `flopwise train` with train.steps={cfg.train.steps} would {'not ' if on else ''}compile: "
-                 f"plan that run with plan.tokens={cfg.train.steps * seq * batch} or "
-                 f"train.compile={str(not on).lower()}")
+        note += (
+            f"; `flopwise train` with train.steps={cfg.train.steps} would {'not ' if on else ''}compile: "
+            f"plan that run with plan.tokens={cfg.train.steps * seq * batch} or "
+            f"train.compile={str(not on).lower()}"
+        )
     return note
 
 
@@ -283,8 +370,10 @@ def resolve_layout(cfg: Config, tree: dict[str, Any], world: int, per_node: int 
     cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update=cluster)})
     report = plan(cfg, tree, keep=1)
     if not report.best.fits:
-        raise ConfigError(f"parallel.layout=auto: no layout fits {world} × {report.hardware.name} "
-                          f"({report.best.reason}); add devices or shrink the model or micro-batch")
+        raise ConfigError(
+            f"parallel.layout=auto: no layout fits {world} × {report.hardware.name} "
+            f"({report.best.reason}); add devices or shrink the model or micro-batch"
+        )
     return layout_config(cfg, report.best.layout)
 
 
@@ -303,10 +392,16 @@ class MicroBatchLimit:
     beyond_capped: bool = False  # `beyond` stopped at MAX_BEYOND, not at the memory
 
     def to_json(self) -> dict:
-        return {"recompute": self.recompute, "micro_batch": self.micro_batch, "memory_bytes": self.memory,
-                "next_micro_batch": self.next_micro_batch, "next_memory_bytes": self.next_memory,
-                "beyond": {"micro_batch": self.beyond[0], "global_batch": self.beyond[1],
-                           "capped": self.beyond_capped} if self.beyond else None}
+        return {
+            "recompute": self.recompute,
+            "micro_batch": self.micro_batch,
+            "memory_bytes": self.memory,
+            "next_micro_batch": self.next_micro_batch,
+            "next_memory_bytes": self.next_memory,
+            "beyond": {"micro_batch": self.beyond[0], "global_batch": self.beyond[1], "capped": self.beyond_capped}
+            if self.beyond
+            else None,
+        }
 
 
 @dataclass(kw_only=True)
@@ -320,11 +415,18 @@ class MicroBatchReport:
     params: int
 
     def to_json(self) -> dict:
-        return {"params": self.params, "layout": {**self.layout.to_json(), "name": self.layout.name()},
-                "world": self.layout.world, "hardware": self.hardware.name, "memory_bytes": self.hardware.memory_bytes,
-                "usable_memory_bytes": self.usable_memory, "global_batch": self.cfg.train.global_batch,
-                "valid_micro_batches": self.valid, "limits": [lim.to_json() for lim in self.limits],
-                "assumptions": assumptions(self.cfg.plan.stack)}
+        return {
+            "params": self.params,
+            "layout": {**self.layout.to_json(), "name": self.layout.name()},
+            "world": self.layout.world,
+            "hardware": self.hardware.name,
+            "memory_bytes": self.hardware.memory_bytes,
+            "usable_memory_bytes": self.usable_memory,
+            "global_batch": self.cfg.train.global_batch,
+            "valid_micro_batches": self.valid,
+            "limits": [lim.to_json() for lim in self.limits],
+            "assumptions": assumptions(self.cfg.plan.stack),
+        }
 
 
 MAX_BEYOND = 1 << 16  # micro-batches looked at past the global batch
@@ -341,8 +443,11 @@ def max_micro_batch(cfg: Config) -> MicroBatchReport:
     sh = model_shape(cfg.model, seq, cfg.data.document_mask)
     world, engine = cfg.cluster.gpus, stack.name == "flopwise"
     base = config_layout(cfg, world)
-    reasons = {mb: check_layout(replace(base, micro_batch=mb), cfg.model, seq, batch, world, engine)
-               for mb in range(1, max(1, batch // base.dp) + 1) if batch % (base.dp * mb) == 0}
+    reasons = {
+        mb: check_layout(replace(base, micro_batch=mb), cfg.model, seq, batch, world, engine)
+        for mb in range(1, max(1, batch // base.dp) + 1)
+        if batch % (base.dp * mb) == 0
+    }
     valid = [mb for mb, why in reasons.items() if why is None]
     if not valid:
         why = next(iter(reasons.values()), None) or check_layout(base, cfg.model, seq, batch, world, engine)
@@ -350,10 +455,19 @@ def max_micro_batch(cfg: Config) -> MicroBatchReport:
     caches: dict[int, dict] = {}
 
     def total(mb: int, rc: str, gb: int = batch) -> Estimate:  # steps: the run length plan() decides compile by
-        return estimate(sh, hw, replace(base, micro_batch=mb, recompute=rc), seq, gb, stack,
-                        cache=caches.setdefault(gb, {}), compile=cfg.train.compile,
-                        steps=planned_tokens(cfg, sh) / (seq * gb), dtype=cfg.train.dtype,
-                        float8=cfg.train.float8)
+        return estimate(
+            sh,
+            hw,
+            replace(base, micro_batch=mb, recompute=rc),
+            seq,
+            gb,
+            stack,
+            cache=caches.setdefault(gb, {}),
+            compile=cfg.train.compile,
+            steps=planned_tokens(cfg, sh) / (seq * gb),
+            dtype=cfg.train.dtype,
+            float8=cfg.train.float8,
+        )
 
     def fits(mb: int, rc: str, per_step: int) -> bool:  # per_step micro-batches per step, as the batch grows
         return total(mb, rc, base.dp * mb * per_step).fits
@@ -365,8 +479,13 @@ def max_micro_batch(cfg: Config) -> MicroBatchReport:
         best = max(fit, default=None)
         above = [mb for mb in valid if best is None or mb > best]
         nxt = above[0] if above else None
-        lim = MicroBatchLimit(recompute=rc, micro_batch=best, memory=est[best].memory["total"] if best else None,
-                              next_micro_batch=nxt, next_memory=est[nxt].memory["total"] if nxt else None)
+        lim = MicroBatchLimit(
+            recompute=rc,
+            micro_batch=best,
+            memory=est[best].memory["total"] if best else None,
+            next_micro_batch=nxt,
+            next_memory=est[nxt].memory["total"] if nxt else None,
+        )
         if best is not None and nxt is None:  # the batch, not the memory, is the limit
             per_step = batch // (base.dp * best)  # micro-batches per step, kept as the batch grows
             lo, hi = best, best + 1  # lo fits; find an hi that does not, then bisect
@@ -380,5 +499,12 @@ def max_micro_batch(cfg: Config) -> MicroBatchReport:
             if lo > best:
                 lim.beyond, lim.beyond_capped = (lo, base.dp * lo * per_step), capped and lo == MAX_BEYOND
         limits.append(lim)
-    return MicroBatchReport(cfg=cfg, hardware=hw, layout=base, valid=valid, usable_memory=est[valid[0]].usable_memory,
-                            limits=limits, params=sh.params)
+    return MicroBatchReport(
+        cfg=cfg,
+        hardware=hw,
+        layout=base,
+        valid=valid,
+        usable_memory=est[valid[0]].usable_memory,
+        limits=limits,
+        params=sh.params,
+    )

@@ -40,21 +40,38 @@ def rank_layers(cfg: Config, lo: Layout, pp_rank: int) -> tuple[list[int], bool,
     return layers, 0 in ids, lo.n_stages - 1 in ids
 
 
-def predict_rank(cfg: Config, lo: Layout, pp_rank: int, shard_rank: int, dp_rank: int,
-                 cpu: bool = False) -> RankPrediction:
+def predict_rank(
+    cfg: Config, lo: Layout, pp_rank: int, shard_rank: int, dp_rank: int, cpu: bool = False
+) -> RankPrediction:
     """What the rank at these mesh coordinates holds (exact for model states; plan.account, the
     account the layout search ranks by) and sends per step (`cpu`: the engine runs on CPUs, where
     its attention core computes in fp32)."""
     layers, emb, head = rank_layers(cfg, lo, pp_rank)
-    mem = rank_memory(EngineRun.of(cfg, cpu), lo, layers=len(layers), embedding=emb, head=head, pp_rank=pp_rank,
-                      shard_rank=shard_rank, dp_rank=dp_rank, flash=STACKS["flopwise"].flash_attention)
+    mem = rank_memory(
+        EngineRun.of(cfg, cpu),
+        lo,
+        layers=len(layers),
+        embedding=emb,
+        head=head,
+        pp_rank=pp_rank,
+        shard_rank=shard_rank,
+        dp_rank=dp_rank,
+        flash=STACKS["flopwise"].flash_attention,
+    )
     psi = rank_param_count(cfg.model, lo, len(layers), emb, head)
     n_micro = lo.microbatches(cfg.train.global_batch)
     copies = fsdp_copies(cfg.model, lo, psi, len(layers), n_micro, cfg.train.float8, cfg.train.dtype)
-    return RankPrediction(layers=layers, params=mem.params, grads=mem.grads, optimizer=mem.optimizer,
-                          activations=mem.activations, gathered=mem.gathered, peak=mem.peak,
-                          collectives=step_collectives(cfg, lo, pp_rank, psi, len(layers)),
-                          fsdp_copies=n_micro * copies["micro"] + copies["step"])
+    return RankPrediction(
+        layers=layers,
+        params=mem.params,
+        grads=mem.grads,
+        optimizer=mem.optimizer,
+        activations=mem.activations,
+        gathered=mem.gathered,
+        peak=mem.peak,
+        collectives=step_collectives(cfg, lo, pp_rank, psi, len(layers)),
+        fsdp_copies=n_micro * copies["micro"] + copies["step"],
+    )
 
 
 def step_collectives(cfg: Config, lo: Layout, pp_rank: int, psi: int, n_layers: int) -> dict[str, float]:
@@ -71,8 +88,14 @@ def step_collectives(cfg: Config, lo: Layout, pp_rank: int, psi: int, n_layers: 
         out[kind] = out.get(kind, 0) + elements
 
     if lo.dp * lo.cp > 1:
-        for c in dp_collectives(psi, lo.zero, zero1_broadcast=stack.zero1_broadcast, gather_per_micro=stack.fsdp2,
-                                pipelined=lo.pp > 1, hsdp=lo.dp_replicate > 1):
+        for c in dp_collectives(
+            psi,
+            lo.zero,
+            zero1_broadcast=stack.zero1_broadcast,
+            gather_per_micro=stack.fsdp2,
+            pipelined=lo.pp > 1,
+            hsdp=lo.dp_replicate > 1,
+        ):
             kind = "broadcast" if lo.zero == 1 and stack.zero1_broadcast and c.kind == "all_gather" else c.kind
             add(kind, c.elements * (n_micro if c.when == "micro" else 1))
     if lo.tp > 1:

@@ -25,8 +25,9 @@ LLAMA3_INTERRUPTIONS, LLAMA3_DAYS, LLAMA3_GPUS = 466, 54, 16384
 DEFAULT_GPU_MTBF_HOURS = LLAMA3_GPUS * LLAMA3_DAYS * 24 / LLAMA3_INTERRUPTIONS
 DEFAULT_STORAGE_GBPS_PER_GPU = 2000 / LLAMA3_GPUS
 CHECKPOINT_BYTES_PER_PARAM = 12
-FAILURE_SOURCE = ("Llama 3 405B: 466 job interruptions in 54 days on 16,384 H100 GPUs (Dubey et al. 2024), "
-                  "applied per GPU")
+FAILURE_SOURCE = (
+    "Llama 3 405B: 466 job interruptions in 54 days on 16,384 H100 GPUs (Dubey et al. 2024), applied per GPU"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,8 +58,14 @@ def goodput(interval_s: float, write_s: float, restart_s: float, mtbf_s: float) 
     return max(0.0, 1 - write_s / interval_s - (restart_s + interval_s / 2) / mtbf_s)
 
 
-def reliability(params: float, gpus: int, train_seconds: float, storage_gbps_per_gpu: float | None = None,
-                gpu_mtbf_hours: float | None = None, restart_minutes: float = 10.0) -> Reliability:
+def reliability(
+    params: float,
+    gpus: int,
+    train_seconds: float,
+    storage_gbps_per_gpu: float | None = None,
+    gpu_mtbf_hours: float | None = None,
+    restart_minutes: float = 10.0,
+) -> Reliability:
     bw = (storage_gbps_per_gpu or DEFAULT_STORAGE_GBPS_PER_GPU) * 1e9
     ckpt = CHECKPOINT_BYTES_PER_PARAM * params
     write_s = ckpt / gpus / bw
@@ -69,6 +76,15 @@ def reliability(params: float, gpus: int, train_seconds: float, storage_gbps_per
     good = goodput(tau, write_s, restart_s, mtbf_s)
     wall = train_seconds / good if good > 0 else math.inf
     source = FAILURE_SOURCE if gpu_mtbf_hours is None else f"cluster.gpu_mtbf_hours={gpu_mtbf_hours:g}"
-    return Reliability(checkpoint_bytes=ckpt, write_s=write_s, cluster_mtbf_h=mtbf_h,
-                       interval_young_s=math.sqrt(2 * write_s * mtbf_s), interval_daly_s=tau, restart_s=restart_s,
-                       goodput=good, failures_expected=wall / mtbf_s, wall_days=wall / 86400, failure_source=source)
+    return Reliability(
+        checkpoint_bytes=ckpt,
+        write_s=write_s,
+        cluster_mtbf_h=mtbf_h,
+        interval_young_s=math.sqrt(2 * write_s * mtbf_s),
+        interval_daly_s=tau,
+        restart_s=restart_s,
+        goodput=good,
+        failures_expected=wall / mtbf_s,
+        wall_days=wall / 86400,
+        failure_source=source,
+    )

@@ -59,10 +59,28 @@ class PowerLawAllocation:
 
 
 # Hoffmann et al. 2022 Table 3 (Approach 1) and Table A3 (Approach 2): (params, FLOPs).
-CHINCHILLA_TABLE3 = [(400e6, 1.92e19), (1e9, 1.21e20), (10e9, 1.23e22), (67e9, 5.76e23), (175e9, 3.85e24),
-                     (280e9, 9.90e24), (520e9, 3.43e25), (1e12, 1.27e26), (10e12, 1.30e28)]
-CHINCHILLA_TABLE_A3_A2 = [(400e6, 1.84e19), (1e9, 1.20e20), (10e9, 1.32e22), (67e9, 6.88e23), (175e9, 4.54e24),
-                          (280e9, 1.18e25), (520e9, 4.19e25), (1e12, 1.59e26), (10e12, 1.75e28)]
+CHINCHILLA_TABLE3 = [
+    (400e6, 1.92e19),
+    (1e9, 1.21e20),
+    (10e9, 1.23e22),
+    (67e9, 5.76e23),
+    (175e9, 3.85e24),
+    (280e9, 9.90e24),
+    (520e9, 3.43e25),
+    (1e12, 1.27e26),
+    (10e12, 1.30e28),
+]
+CHINCHILLA_TABLE_A3_A2 = [
+    (400e6, 1.84e19),
+    (1e9, 1.20e20),
+    (10e9, 1.32e22),
+    (67e9, 6.88e23),
+    (175e9, 4.54e24),
+    (280e9, 1.18e25),
+    (520e9, 4.19e25),
+    (1e12, 1.59e26),
+    (10e12, 1.75e28),
+]
 
 
 def _power_law(rows: list[tuple[float, float]]) -> dict[str, float]:
@@ -82,25 +100,47 @@ def kaplan_loss(n: float, d: float) -> float:
     return ((k["n_c"] / n) ** (k["alpha_n"] / k["alpha_d"]) + k["d_c"] / d) ** k["alpha_d"]
 
 
-HOFFMANN = ParametricLaw(name="chinchilla-3", E=math.exp(0.5267228), A=math.exp(6.0073404), B=math.exp(6.0179186),
-                         alpha=0.33917084, beta=0.2849083,
-                         source="Hoffmann et al. 2022 eq. 10, unrounded constants from the TeX source (as used by Epoch)")
-EPOCH = ParametricLaw(name="epoch", E=math.exp(0.59711196), A=math.exp(6.17795598), B=math.exp(7.64273236),
-                      alpha=0.34781303, beta=0.36585412,
-                      source="Besiroglu et al. 2024 (Epoch AI) refit of Hoffmann's Figure 4 data, 240 points")
+HOFFMANN = ParametricLaw(
+    name="chinchilla-3",
+    E=math.exp(0.5267228),
+    A=math.exp(6.0073404),
+    B=math.exp(6.0179186),
+    alpha=0.33917084,
+    beta=0.2849083,
+    source="Hoffmann et al. 2022 eq. 10, unrounded constants from the TeX source (as used by Epoch)",
+)
+EPOCH = ParametricLaw(
+    name="epoch",
+    E=math.exp(0.59711196),
+    A=math.exp(6.17795598),
+    B=math.exp(7.64273236),
+    alpha=0.34781303,
+    beta=0.36585412,
+    source="Besiroglu et al. 2024 (Epoch AI) refit of Hoffmann's Figure 4 data, 240 points",
+)
 
 LAWS: dict[str, ParametricLaw | PowerLawAllocation] = {
     # Training at the critical batch costs C = 2·C_min (Kaplan eq. 5.5, §6): C_min = C/2. This reproduces
     # the 4.68B that Hoffmann et al. §D.4 quote as Kaplan's optimum for 1e21 FLOPs.
-    "kaplan": PowerLawAllocation(name="kaplan", k=1.3e9, a=0.73, flops_unit=2 * PF_DAY,
-                                 source="Kaplan et al. 2020 §6: N_opt = 1.3e9·C_min^0.73, C_min = C/2 in PF-days "
-                                        "(non-embedding N)"),
+    "kaplan": PowerLawAllocation(
+        name="kaplan",
+        k=1.3e9,
+        a=0.73,
+        flops_unit=2 * PF_DAY,
+        source="Kaplan et al. 2020 §6: N_opt = 1.3e9·C_min^0.73, C_min = C/2 in PF-days (non-embedding N)",
+    ),
     # The papers give the exponents (Table 2: 0.50 and 0.49) but not the coefficients; both are read
     # back from the tables of their projections (a = 0.498 and 0.488, inside Table 2's intervals).
-    "chinchilla-1": PowerLawAllocation(name="chinchilla-1", **_power_law(CHINCHILLA_TABLE3),
-                                       source="Hoffmann et al. 2022 Approach 1, fitted to its Table 3 projections"),
-    "chinchilla-2": PowerLawAllocation(name="chinchilla-2", **_power_law(CHINCHILLA_TABLE_A3_A2),
-                                       source="Hoffmann et al. 2022 Approach 2, fitted to its Table A3 projections"),
+    "chinchilla-1": PowerLawAllocation(
+        name="chinchilla-1",
+        **_power_law(CHINCHILLA_TABLE3),
+        source="Hoffmann et al. 2022 Approach 1, fitted to its Table 3 projections",
+    ),
+    "chinchilla-2": PowerLawAllocation(
+        name="chinchilla-2",
+        **_power_law(CHINCHILLA_TABLE_A3_A2),
+        source="Hoffmann et al. 2022 Approach 2, fitted to its Table A3 projections",
+    ),
     "chinchilla-3": HOFFMANN,
     "epoch": EPOCH,
 }
@@ -215,8 +255,9 @@ SHAPE_TOLERANCE = 0.02
 ASPECT_CENTRE = math.sqrt(64 * 110)
 
 
-def choose_shape(target: float, vocab_size: int, count_embeddings: bool, mlp: str = "swiglu",
-                 aspect: tuple[float, float] = (32, 128)) -> ChosenShape:
+def choose_shape(
+    target: float, vocab_size: int, count_embeddings: bool, mlp: str = "swiglu", aspect: tuple[float, float] = (32, 128)
+) -> ChosenShape:
     """A Llama-style shape whose parameter count is within SHAPE_TOLERANCE of `target` (else the
     closest), and among those the one whose d_model/n_layers is nearest ASPECT_CENTRE (the closest
     count alone picks extremes of the range for large targets: 130 × 6656 for 70B).
@@ -250,13 +291,31 @@ def choose_shape(target: float, vocab_size: int, count_embeddings: bool, mlp: st
     closest = min(shapes)[0]
     _, n_layers, d, head_dim, ffn = min(
         (s for s in shapes if s[0] <= max(closest, SHAPE_TOLERANCE)),
-        key=lambda s: (abs(math.log(s[2] / s[1] / ASPECT_CENTRE)), s[0]))
-    m = ModelConfig.model_validate(dict(arch="llama", n_layers=n_layers, d_model=d, n_heads=d // head_dim,
-                                        head_dim=head_dim, ffn_dim=ffn, vocab_size=vocab_size, max_seq_len=8192,
-                                        mlp=mlp))
+        key=lambda s: (abs(math.log(s[2] / s[1] / ASPECT_CENTRE)), s[0]),
+    )
+    m = ModelConfig.model_validate(
+        dict(
+            arch="llama",
+            n_layers=n_layers,
+            d_model=d,
+            n_heads=d // head_dim,
+            head_dim=head_dim,
+            ffn_dim=ffn,
+            vocab_size=vocab_size,
+            max_seq_len=8192,
+            mlp=mlp,
+        )
+    )
     c = count_params(m)
-    return ChosenShape(n_layers=n_layers, d_model=d, n_heads=d // head_dim, ffn_dim=ffn, head_dim=head_dim, params=c.total,
-                 non_embedding_params=c.non_embedding)
+    return ChosenShape(
+        n_layers=n_layers,
+        d_model=d,
+        n_heads=d // head_dim,
+        ffn_dim=ffn,
+        head_dim=head_dim,
+        params=c.total,
+        non_embedding_params=c.non_embedding,
+    )
 
 
 def batch_and_lr(flops: float) -> tuple[float, float, str]:
@@ -284,26 +343,48 @@ class Allocation:
         return self.tokens / self.params
 
     def to_json(self) -> dict:
-        return {"params": self.params, "tokens": self.tokens, "tokens_per_param": self.tokens_per_param,
-                "flops": self.flops, "predicted_loss": self.predicted_loss, "loss_law": self.loss_law,
-                "law": self.law, "shape": {"n_layers": self.shape.n_layers, "d_model": self.shape.d_model,
-                                           "n_heads": self.shape.n_heads, "ffn_dim": self.shape.ffn_dim,
-                                           "head_dim": self.shape.head_dim, "params": self.shape.params},
-                "global_batch_tokens": self.global_batch_tokens, "lr": self.lr, "batch_rule": self.batch_rule,
-                "notes": self.notes}
+        return {
+            "params": self.params,
+            "tokens": self.tokens,
+            "tokens_per_param": self.tokens_per_param,
+            "flops": self.flops,
+            "predicted_loss": self.predicted_loss,
+            "loss_law": self.loss_law,
+            "law": self.law,
+            "shape": {
+                "n_layers": self.shape.n_layers,
+                "d_model": self.shape.d_model,
+                "n_heads": self.shape.n_heads,
+                "ffn_dim": self.shape.ffn_dim,
+                "head_dim": self.shape.head_dim,
+                "params": self.shape.params,
+            },
+            "global_batch_tokens": self.global_batch_tokens,
+            "lr": self.lr,
+            "batch_rule": self.batch_rule,
+            "notes": self.notes,
+        }
 
 
-def allocate(flops: float, law_name: str = "chinchilla-3", inference_tokens: float = 0.0,
-             unique_tokens: float | None = None, vocab_size: int = 32000,
-             fitted: ParametricLaw | None = None) -> Allocation:
+def allocate(
+    flops: float,
+    law_name: str = "chinchilla-3",
+    inference_tokens: float = 0.0,
+    unique_tokens: float | None = None,
+    vocab_size: int = 32000,
+    fitted: ParametricLaw | None = None,
+) -> Allocation:
     if not (math.isfinite(flops) and flops > 0):
         raise ConfigError(f"--flops {flops:g}: expected a finite budget > 0 in FLOPs, e.g. --flops 1e21")
     if not (math.isfinite(inference_tokens) and inference_tokens >= 0):
-        raise ConfigError(f"--inference-tokens {inference_tokens:g}: expected a finite token count >= 0 "
-                          "(0: training cost only)")
+        raise ConfigError(
+            f"--inference-tokens {inference_tokens:g}: expected a finite token count >= 0 (0: training cost only)"
+        )
     if unique_tokens is not None and not (math.isfinite(unique_tokens) and unique_tokens > 0):
-        raise ConfigError(f"--unique-tokens {unique_tokens:g}: expected a finite token count > 0 (or prepared "
-                          "data dirs holding tokens)")
+        raise ConfigError(
+            f"--unique-tokens {unique_tokens:g}: expected a finite token count > 0 (or prepared "
+            "data dirs holding tokens)"
+        )
     law = get_law(law_name, fitted)
     notes: list[str] = []
     n, d = law.frontier(flops)
@@ -313,16 +394,20 @@ def allocate(flops: float, law_name: str = "chinchilla-3", inference_tokens: flo
             raise ConfigError("--inference-tokens needs a parametric loss law (chinchilla-3, epoch or fitted:FILE)")
         n, d = inference_aware(pl, flops, inference_tokens)
         flops = scaling_flops(n, d)
-        notes.append(f"inference-aware: same loss as the compute-optimal model, {inference_tokens:.3g} inference "
-                     f"tokens; training FLOPs become {flops:.3g}")
+        notes.append(
+            f"inference-aware: same loss as the compute-optimal model, {inference_tokens:.3g} inference "
+            f"tokens; training FLOPs become {flops:.3g}"
+        )
     if unique_tokens is not None and d > unique_tokens:
         pl = loss_law(law)
         if pl is None:
             raise ConfigError("--unique-tokens needs a parametric loss law (chinchilla-3, epoch or fitted:FILE)")
         n, d = data_constrained(pl, flops, unique_tokens)
         epochs = d / unique_tokens
-        notes.append(f"data-constrained: {epochs:.1f} epochs over {unique_tokens:.3g} unique tokens "
-                     f"(repeats discounted as Muennighoff et al. 2023, R*={R_STAR_D})")
+        notes.append(
+            f"data-constrained: {epochs:.1f} epochs over {unique_tokens:.3g} unique tokens "
+            f"(repeats discounted as Muennighoff et al. 2023, R*={R_STAR_D})"
+        )
         if epochs > 4:
             notes.append("over 4 epochs: returns from repeated data fall off quickly; consider more unique data")
     loss, loss_name = predicted_loss(law, n, effective_tokens(d, unique_tokens) if unique_tokens else d)
@@ -332,8 +417,19 @@ def allocate(flops: float, law_name: str = "chinchilla-3", inference_tokens: flo
     if abs(shape_n / n - 1) > 0.1:
         notes.append(f"nearest allowed shape has {shape_n:.3g} parameters ({100 * (shape_n / n - 1):+.0f}%)")
     batch, lr, rule = batch_and_lr(flops)
-    return Allocation(law=law.name, flops=flops, params=n, tokens=d, predicted_loss=loss, loss_law=loss_name,
-                      shape=shape, global_batch_tokens=batch, lr=lr, batch_rule=rule, notes=notes)
+    return Allocation(
+        law=law.name,
+        flops=flops,
+        params=n,
+        tokens=d,
+        predicted_loss=loss,
+        loss_law=loss_name,
+        shape=shape,
+        global_batch_tokens=batch,
+        lr=lr,
+        batch_rule=rule,
+        notes=notes,
+    )
 
 
 def allocation_config(a: Allocation, seq_len: int, vocab_size: int | None = None) -> str:
@@ -346,15 +442,33 @@ def allocation_config(a: Allocation, seq_len: int, vocab_size: int | None = None
     s = a.shape
     tree = {
         "run": {"name": f"{a.law}-{s.params / 1e9:.2f}B", "dir": f"runs/{a.law}-{s.params / 1e9:.2f}B"},
-        "model": {"arch": "llama", "n_layers": s.n_layers, "d_model": s.d_model, "n_heads": s.n_heads,
-                  "head_dim": s.head_dim, "ffn_dim": s.ffn_dim, "vocab_size": vocab_size or 32000,
-                  "max_seq_len": seq_len},
+        "model": {
+            "arch": "llama",
+            "n_layers": s.n_layers,
+            "d_model": s.d_model,
+            "n_heads": s.n_heads,
+            "head_dim": s.head_dim,
+            "ffn_dim": s.ffn_dim,
+            "vocab_size": vocab_size or 32000,
+            "max_seq_len": seq_len,
+        },
         "data": {"seq_len": seq_len},
-        "train": {"steps": steps, "global_batch": global_batch, "micro_batch": micro, "eval_every": max(1, steps // 20)},
-        "optim": {"lr": a.lr, "min_lr": 0.1 * a.lr, "warmup_steps": min(2000, max(1, steps // 100)),
-                  "schedule": "cosine"},
+        "train": {
+            "steps": steps,
+            "global_batch": global_batch,
+            "micro_batch": micro,
+            "eval_every": max(1, steps // 20),
+        },
+        "optim": {
+            "lr": a.lr,
+            "min_lr": 0.1 * a.lr,
+            "warmup_steps": min(2000, max(1, steps // 100)),
+            "schedule": "cosine",
+        },
         "checkpoint": {"interval": max(1, steps // 50)},
     }
-    header = (f"# {a.law}: N = {a.params:.4g} (shape {s.params:.4g}), D = {a.tokens:.4g} tokens, C = {a.flops:.4g} "
-              f"FLOPs, predicted loss {a.predicted_loss:.3f} ({a.loss_law}); batch/LR: {a.batch_rule}\n")
+    header = (
+        f"# {a.law}: N = {a.params:.4g} (shape {s.params:.4g}), D = {a.tokens:.4g} tokens, C = {a.flops:.4g} "
+        f"FLOPs, predicted loss {a.predicted_loss:.3f} ({a.loss_law}); batch/LR: {a.batch_rule}\n"
+    )
     return header + to_toml(validate(tree))

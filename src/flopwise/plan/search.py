@@ -60,12 +60,14 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, fixed: dict,
-               balanced: bool = True):
+def candidates(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, fixed: dict, balanced: bool = True):
     """Yield layouts (recompute left to the caller when not fixed) that pass `check_layout`."""
     m = sh.config
-    tps = [fixed["tp"]] if "tp" in fixed else [t for t in _pow2_upto(min(hw.devices_per_node, m.n_heads))
-                                               if m.n_heads % t == 0 and m.ffn_dim % t == 0]
+    tps = (
+        [fixed["tp"]]
+        if "tp" in fixed
+        else [t for t in _pow2_upto(min(hw.devices_per_node, m.n_heads)) if m.n_heads % t == 0 and m.ffn_dim % t == 0]
+    )
     cps = [fixed["cp"]] if "cp" in fixed else [c for c in _pow2_upto(16) if seq % (2 * c) == 0 or c == 1]
     for tp in tps:
         for cp in cps:
@@ -96,9 +98,19 @@ def candidates(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int,
                                 continue  # shard groups of one rank
                             for mb in mbs:
                                 for sp in sps:
-                                    yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, dp_replicate=rep, zero=zero,
-                                                 pp_schedule=sched, virtual_stages=v, micro_batch=mb,
-                                                 sequence_parallel=sp, recompute=fixed.get("recompute", "none"))
+                                    yield Layout(
+                                        dp=dp,
+                                        tp=tp,
+                                        pp=pp,
+                                        cp=cp,
+                                        dp_replicate=rep,
+                                        zero=zero,
+                                        pp_schedule=sched,
+                                        virtual_stages=v,
+                                        micro_batch=mb,
+                                        sequence_parallel=sp,
+                                        recompute=fixed.get("recompute", "none"),
+                                    )
 
 
 def _replicas(dp: int, inner: int, hw: Hardware) -> list[int]:
@@ -117,12 +129,15 @@ def _schedules(pp: int, n_layers: int, fixed: dict, balanced: bool = True) -> li
     if pp == 1:
         return [(fixed.get("pp_schedule", "1f1b"), fixed.get("virtual_stages", 1))]
     out = []
-    for s in ([fixed["pp_schedule"]] if "pp_schedule" in fixed else SCHEDULES):
+    for s in [fixed["pp_schedule"]] if "pp_schedule" in fixed else SCHEDULES:
         if s in FIXED_VIRTUAL_STAGES:
             vs = [FIXED_VIRTUAL_STAGES[s]]
         elif s == "interleaved-1f1b":
-            vs = ([v for v in (2, 3, 4, 6, 8) if pp * v <= n_layers] if balanced
-                  else [v for v in _divisors(n_layers // pp) if v > 1 and n_layers % pp == 0])
+            vs = (
+                [v for v in (2, 3, 4, 6, 8) if pp * v <= n_layers]
+                if balanced
+                else [v for v in _divisors(n_layers // pp) if v > 1 and n_layers % pp == 0]
+            )
         else:
             vs = [1]
         if "virtual_stages" in fixed:
@@ -131,9 +146,20 @@ def _schedules(pp: int, n_layers: int, fixed: dict, balanced: bool = True) -> li
     return out
 
 
-def search(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, stack: Stack,
-           fixed: dict | None = None, keep: int = 50, compile: bool | str = "auto",
-           steps: float = math.inf, dtype: str = "bf16", float8: tuple[str, ...] = ("none",)) -> SearchResult:
+def search(
+    sh: Shape,
+    hw: Hardware,
+    world: int,
+    seq: int,
+    global_batch: int,
+    stack: Stack,
+    fixed: dict | None = None,
+    keep: int = 50,
+    compile: bool | str = "auto",
+    steps: float = math.inf,
+    dtype: str = "bf16",
+    float8: tuple[str, ...] = ("none",),
+) -> SearchResult:
     """Every valid layout's estimate under each float8 recipe of `float8`, the fitting ones fastest
     first (`compile`, `steps`, `dtype`: the run's, as plan.perf.estimate)."""
     fixed = dict(fixed or {})
@@ -145,18 +171,35 @@ def search(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, sta
     kinds: dict[str, list] = {}  # a refusal's rule (before its ": ", numbers blanked) -> [count, first example]
     for base in candidates(sh, hw, world, seq, global_batch, fixed, stack.balanced_stages):
         reason = check_layout(base, sh.config, seq, global_batch, engine=stack.name == "flopwise")
-        if reason is None and base.pp > 1 and base.microbatches(global_batch) < base.pp \
-                and not {"micro_batch", "pp_schedule"} & fixed.keys():
-            reason = (f"{base.microbatches(global_batch)} micro-batches for pp={base.pp}: searched with at least pp "
-                      "(fewer idle the stages most of the step); raise train.global_batch, or fix "
-                      "parallel.pp_schedule=gpipe to plan with fewer")
+        if (
+            reason is None
+            and base.pp > 1
+            and base.microbatches(global_batch) < base.pp
+            and not {"micro_batch", "pp_schedule"} & fixed.keys()
+        ):
+            reason = (
+                f"{base.microbatches(global_batch)} micro-batches for pp={base.pp}: searched with at least pp "
+                "(fewer idle the stages most of the step); raise train.global_batch, or fix "
+                "parallel.pp_schedule=gpipe to plan with fewer"
+            )
         if reason is not None:
             kinds.setdefault(re.sub(r"\d+", "#", reason.split(": ")[0]), [0, reason])[0] += 1
             continue
         for f8 in float8:
             for rc in recomputes:
-                est = estimate(sh, hw, replace(base, recompute=rc), seq, global_batch, stack, cache=cache,
-                               compile=compile, steps=steps, dtype=dtype, float8=f8)
+                est = estimate(
+                    sh,
+                    hw,
+                    replace(base, recompute=rc),
+                    seq,
+                    global_batch,
+                    stack,
+                    cache=cache,
+                    compile=compile,
+                    steps=steps,
+                    dtype=dtype,
+                    float8=f8,
+                )
                 evaluated += 1
                 if est.fits:
                     fits.append(est)
@@ -169,8 +212,9 @@ def search(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int, sta
         best_by: dict[str, Estimate] = {}
         for e in fits:
             best_by.setdefault(e.float8, e)
-        return SearchResult(ranked=fits[:keep], evaluated=evaluated, fitting=len(fits), refused=refused,
-                            best_by_float8=best_by)
+        return SearchResult(
+            ranked=fits[:keep], evaluated=evaluated, fitting=len(fits), refused=refused, best_by_float8=best_by
+        )
     misses.sort(key=lambda e: e.memory["total"])
     return SearchResult(ranked=misses[:keep], evaluated=evaluated, fitting=0, refused=refused)
 

@@ -42,7 +42,9 @@ def read_task_table(path: str | Path) -> dict[str, TaskPoints]:
     rows = read_csv_rows(path, "task table")
     missing = [k for k in FIELDS if rows and k not in rows[0]]
     if not rows or missing:
-        raise DataError(f"task table {path}: needs columns {', '.join(FIELDS)} (missing: {', '.join(missing) or 'rows'})")
+        raise DataError(
+            f"task table {path}: needs columns {', '.join(FIELDS)} (missing: {', '.join(missing) or 'rows'})"
+        )
     out: dict[str, list[dict]] = {}
     for row, r in enumerate(rows, start=1):
         try:
@@ -51,17 +53,24 @@ def read_task_table(path: str | Path) -> dict[str, TaskPoints]:
         except ValueError as e:
             raise DataError(f"task table {path} row {row}: non-numeric value ({e})") from None
         # flops and NLL are fitted in log space; accuracy and chance are shares
-        if not (values["flops"] > 0 and 0 < values["nll"] < np.inf and 0 <= values["acc"] <= 1
-                and 0 <= values["chance"] < 1):
-            raise DataError(f"task table {path} row {row}: needs flops > 0, nll > 0 (finite), acc in [0, 1] and "
-                            f"chance in [0, 1) (got {', '.join(f'{k}={v:g}' for k, v in values.items())})")
+        if not (
+            values["flops"] > 0 and 0 < values["nll"] < np.inf and 0 <= values["acc"] <= 1 and 0 <= values["chance"] < 1
+        ):
+            raise DataError(
+                f"task table {path} row {row}: needs flops > 0, nll > 0 (finite), acc in [0, 1] and "
+                f"chance in [0, 1) (got {', '.join(f'{k}={v:g}' for k, v in values.items())})"
+            )
         out.setdefault(r["task"], []).append(values)
     tasks = {}
     for task, rs in out.items():
         rs.sort(key=lambda r: r["flops"])
-        tasks[task] = TaskPoints(task=task, flops=np.array([r["flops"] for r in rs]),
-                                 acc=np.array([r["acc"] for r in rs]),
-                                 nll=np.array([r["nll"] for r in rs]), chance=rs[0]["chance"])
+        tasks[task] = TaskPoints(
+            task=task,
+            flops=np.array([r["flops"] for r in rs]),
+            acc=np.array([r["acc"] for r in rs]),
+            nll=np.array([r["nll"] for r in rs]),
+            chance=rs[0]["chance"],
+        )
     return tasks
 
 
@@ -93,8 +102,9 @@ def fit_task(p: TaskPoints) -> TaskLaw:
     if len(p.flops) < 3:
         raise DataError(f"task {p.task}: {len(p.flops)} runs; the two-step fit needs at least 3")
     (log_a, alpha), _ = curve_fit(_power, np.log(p.flops), np.log(p.nll), p0=(float(np.log(p.nll).mean()), 0.05))
-    (k, m), _ = curve_fit(lambda x, k, m: _sigmoid(x, k, m, p.chance), p.nll, p.acc,
-                          p0=(1.0, float(np.median(p.nll))), maxfev=20000)
+    (k, m), _ = curve_fit(
+        lambda x, k, m: _sigmoid(x, k, m, p.chance), p.nll, p.acc, p0=(1.0, float(np.median(p.nll))), maxfev=20000
+    )
     return TaskLaw(log_a=float(log_a), alpha=float(alpha), k=float(k), m=float(m), chance=p.chance)
 
 
@@ -109,15 +119,23 @@ class TaskPrediction:
     law: TaskLaw
 
     def to_json(self) -> dict:
-        return {"task": self.task, "flops": self.flops, "nll": self.nll, "nll_interval_95": list(self.nll_interval),
-                "acc": self.acc, "acc_interval_95": list(self.acc_interval), "law": self.law.__dict__}
+        return {
+            "task": self.task,
+            "flops": self.flops,
+            "nll": self.nll,
+            "nll_interval_95": list(self.nll_interval),
+            "acc": self.acc,
+            "acc_interval_95": list(self.acc_interval),
+            "law": self.law.__dict__,
+        }
 
 
 def predict_task(p: TaskPoints, flops: float, bootstrap: int = 1000, seed: int = 0) -> TaskPrediction:
     """The two-step prediction at `flops`, with a 95% interval from bootstrap refits of the runs."""
     if not (math.isfinite(flops) and flops > 0):  # the power law takes log(flops): NaN otherwise
-        raise ConfigError(f"--flops {flops:g}: expected the training FLOPs to predict at, finite and > 0 "
-                          "(e.g. --flops 1e21)")
+        raise ConfigError(
+            f"--flops {flops:g}: expected the training FLOPs to predict at, finite and > 0 (e.g. --flops 1e21)"
+        )
     law = fit_task(p)
     rng = np.random.default_rng(seed)
     nlls, accs = [], []
@@ -134,8 +152,15 @@ def predict_task(p: TaskPoints, flops: float, bootstrap: int = 1000, seed: int =
     if not nlls:
         raise DataError(f"task {p.task}: no bootstrap resample could be fitted; add runs")
     q = lambda xs: (float(np.percentile(xs, 2.5)), float(np.percentile(xs, 97.5)))  # noqa: E731
-    return TaskPrediction(task=p.task, flops=flops, nll=float(law.nll(flops)), nll_interval=q(nlls),
-                          acc=float(law.acc(flops)), acc_interval=q(accs), law=law)
+    return TaskPrediction(
+        task=p.task,
+        flops=flops,
+        nll=float(law.nll(flops)),
+        nll_interval=q(nlls),
+        acc=float(law.acc(flops)),
+        acc_interval=q(accs),
+        law=law,
+    )
 
 
 def jaggedness(p: TaskPoints, jump_share: float = 0.5) -> dict[str, bool | float]:
@@ -145,19 +170,27 @@ def jaggedness(p: TaskPoints, jump_share: float = 0.5) -> dict[str, bool | float
       while the NLL's largest step carries less (a discontinuous metric jumps, the continuous one is smooth);
     inverse: accuracy falls from the smallest to the largest run, or the NLL rises (inverse scaling).
     """
+
     def largest_share(x: np.ndarray, sign: float) -> float:
         steps = np.diff(x) * sign
         total = float(np.clip(steps, 0, None).sum())
         return float(steps.max() / total) if total > 0 else 0.0
 
     acc_share, nll_share = largest_share(p.acc, 1.0), largest_share(p.nll, -1.0)
-    return {"jump": acc_share >= jump_share and nll_share < jump_share and len(p.acc) >= 3,
-            "inverse": bool(p.acc[-1] < p.acc[0] or p.nll[-1] > p.nll[0]),
-            "acc_largest_step_share": acc_share, "nll_largest_step_share": nll_share}
+    return {
+        "jump": acc_share >= jump_share and nll_share < jump_share and len(p.acc) >= 3,
+        "inverse": bool(p.acc[-1] < p.acc[0] or p.nll[-1] > p.nll[0]),
+        "acc_largest_step_share": acc_share,
+        "nll_largest_step_share": nll_share,
+    }
 
 
-def plot_tasks(tasks: dict[str, TaskPoints], laws: dict[str, TaskLaw], out_dir: str | Path,
-               observed: dict[str, tuple[float, float, float]] | None = None) -> Path:
+def plot_tasks(
+    tasks: dict[str, TaskPoints],
+    laws: dict[str, TaskLaw],
+    out_dir: str | Path,
+    observed: dict[str, tuple[float, float, float]] | None = None,
+) -> Path:
     """Per task: accuracy (discontinuous) and correct-answer NLL (continuous) against compute, with fits;
     `observed` marks a held-out run (flops, acc, nll)."""
     plt = pyplot()

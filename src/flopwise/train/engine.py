@@ -129,13 +129,16 @@ class Engine:
                 model = self.parts[0]
                 mb = self.cfg.train.micro_batch
                 for i in range(0, x.shape[0], mb):
-                    xm, ym = x[i:i + mb], y[i:i + mb]
+                    xm, ym = x[i : i + mb], y[i : i + mb]
                     last = i + mb >= x.shape[0]
                     if isinstance(model, ReplicateModule):  # all-reduce once per step, as DDP
                         model.set_requires_gradient_sync(last)
                     # DDP all-reduces on the last micro-batch only
-                    with (model.no_sync() if isinstance(model, DistributedDataParallel) and not last
-                          else contextlib.nullcontext()):
+                    with (
+                        model.no_sync()
+                        if isinstance(model, DistributedDataParallel) and not last
+                        else contextlib.nullcontext()
+                    ):
                         logits = model(xm, **_rows(extra, i, i + mb))
                         loss = self.loss(logits, ym) * (xm.shape[0] / self.local_batch)
                         loss.backward()
@@ -152,7 +155,11 @@ class Engine:
         args = (x,) if self.first else ()
         kwargs = {"target": y, "losses": losses} if self.last else {}
         run(*args, **kwargs, **extra)
-        local = torch.stack([_local(v.detach()) for v in losses]).mean() if self.last else torch.zeros((), device=self.device)
+        local = (
+            torch.stack([_local(v.detach()) for v in losses]).mean()
+            if self.last
+            else torch.zeros((), device=self.device)
+        )
         dist.all_reduce(local, group=self.par.group("pp"))
         return local
 
@@ -164,8 +171,11 @@ class Engine:
         x, y, extra = self._inputs(batch)
         for m in self.parts:
             m.eval()
-        with (self._loss_ctx(), autocast(self.device, self.cfg.train.dtype),
-              torch.compiler.set_stance("eager_on_recompile")):
+        with (
+            self._loss_ctx(),
+            autocast(self.device, self.cfg.train.dtype),
+            torch.compiler.set_stance("eager_on_recompile"),
+        ):
             if self.schedule is not None:
                 local = self._pipeline(x, y, extra, train=False)
             else:

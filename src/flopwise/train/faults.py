@@ -76,8 +76,7 @@ class Faults:
     @classmethod
     def from_env(cls, rank: int) -> Faults:
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        return cls([f for f in parse(os.environ.get(ENV, ""))
-                    if f.attempt == attempt and f.rank in (None, rank)])
+        return cls([f for f in parse(os.environ.get(ENV, "")) if f.attempt == attempt and f.rank in (None, rank)])
 
     def at(self, kind: str, step: int) -> bool:
         """Whether a data fault hits step `step`; each fires once (a rolled-back run meets new data)."""

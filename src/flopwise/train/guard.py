@@ -75,6 +75,8 @@ class Guard:
         self.rollbacks += 1
         self.skips = 0
         if self.rollbacks > self.cfg.max_rollbacks:
-            raise TrainingStopped(f"stopped at step {step}: {reason}, after guard.max_rollbacks="
-                                  f"{self.cfg.max_rollbacks} rollbacks; lower optim.lr, check the data "
-                                  "recorded in skipped.jsonl, or raise guard.max_rollbacks")
+            raise TrainingStopped(
+                f"stopped at step {step}: {reason}, after guard.max_rollbacks="
+                f"{self.cfg.max_rollbacks} rollbacks; lower optim.lr, check the data "
+                "recorded in skipped.jsonl, or raise guard.max_rollbacks"
+            )

@@ -22,8 +22,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CEILING_SIZES = {"cpu": (512, 1024, 2048), "cuda": (8192,)}
 
 
-def measure_matmul_peak(dtype: str, device: torch.device, sizes: tuple[int, ...] | None = None,
-                        repeats: int = 5) -> float:
+def measure_matmul_peak(
+    dtype: str, device: torch.device, sizes: tuple[int, ...] | None = None, repeats: int = 5
+) -> float:
     """Best FLOP/s of square matmuls on this device over `sizes` and `repeats`: a ceiling measured
     in the training dtype with this process's threads."""
     best = 0.0
@@ -47,6 +48,7 @@ def measure_matmul_peak(dtype: str, device: torch.device, sizes: tuple[int, ...]
 @dataclass(frozen=True)
 class Peak:
     """The per-device FLOP/s MFU divides by, and where it came from (printed and logged beside MFU)."""
+
     flops: float
     source: str
     measured: bool  # a ceiling timed here (re-measured if a step beats it), not a catalogue figure
@@ -62,8 +64,11 @@ def device_peak(catalogue: dict[str, Hardware], dtype: str, device: torch.device
         peak = catalogue[entry].peak(dtype) if entry in catalogue else None
         if peak:
             return Peak(peak, f"{entry} {dtype} dense peak, catalogue ({what})", False)
-        return Peak(measure_matmul_peak(dtype, device, repeats=10),
-                    f"measured {dtype} matmul ceiling: {what} is not in the catalogue", True)
+        return Peak(
+            measure_matmul_peak(dtype, device, repeats=10),
+            f"measured {dtype} matmul ceiling: {what} is not in the catalogue",
+            True,
+        )
     return Peak(measure_matmul_peak(dtype, device), f"measured {dtype} matmul ceiling on this {device.type}", True)
 
 
@@ -95,8 +100,9 @@ def check_tensorboard(enabled: bool) -> None:
     try:
         import tensorboard  # noqa: F401
     except ImportError:
-        raise ConfigError("log.tensorboard=true needs tensorboard: pip install 'flopwise[tensorboard]' "
-                          "(or set log.tensorboard=false)") from None
+        raise ConfigError(
+            "log.tensorboard=true needs tensorboard: pip install 'flopwise[tensorboard]' (or set log.tensorboard=false)"
+        ) from None
 
 
 class MetricsWriter:

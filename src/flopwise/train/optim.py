@@ -40,15 +40,30 @@ def build_optimizer(model: nn.Module, o: OptimConfig, zero1_group=None) -> torch
     kwargs: dict[str, Any] = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     try:
         if zero1_group is not None:
-            return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group,
-                                           parameters_as_bucket_view=True, fused=True, **kwargs)
+            return ZeroRedundancyOptimizer(
+                groups,
+                optimizer_class=torch.optim.AdamW,
+                process_group=zero1_group,
+                parameters_as_bucket_view=True,
+                fused=True,
+                **kwargs,
+            )
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, TypeError) as e:
-        warnings.warn(f"fused AdamW is not available here ({str(e).splitlines()[0][:120]}); using foreach AdamW, "
-                      "whose non-finite skip reads the flag on the host (one sync per step)", stacklevel=2)
+        warnings.warn(
+            f"fused AdamW is not available here ({str(e).splitlines()[0][:120]}); using foreach AdamW, "
+            "whose non-finite skip reads the flag on the host (one sync per step)",
+            stacklevel=2,
+        )
     if zero1_group is not None:
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group,
-                                       parameters_as_bucket_view=True, foreach=True, **kwargs)
+        return ZeroRedundancyOptimizer(
+            groups,
+            optimizer_class=torch.optim.AdamW,
+            process_group=zero1_group,
+            parameters_as_bucket_view=True,
+            foreach=True,
+            **kwargs,
+        )
     return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 

@@ -42,8 +42,13 @@ from flopwise.plan.search import RECOMPUTE_ORDER, search
 
 GiB = 2**30
 # what a suggestion may change, and the config key each lives in (dp follows from tp and pp)
-CHANGES = {"micro_batch": "train.micro_batch", "recompute": "parallel.recompute", "zero": "parallel.zero",
-           "tp": "parallel.tp", "pp": "parallel.pp"}
+CHANGES = {
+    "micro_batch": "train.micro_batch",
+    "recompute": "parallel.recompute",
+    "zero": "parallel.zero",
+    "tp": "parallel.tp",
+    "pp": "parallel.pp",
+}
 
 
 class WillNotFit(FlopwiseError):
@@ -70,8 +75,9 @@ def rank_memory_total(cfg: Config, lo: Layout, pp_rank: int, cpu: bool) -> dict:
     search books it), with the engine's stage split (parallel.pp_layers) and, on a CPU, its fp32
     attention core."""
     layers, emb, head = rank_layers(cfg, lo, pp_rank)
-    load = RankLoad(layers=len(layers), params=rank_param_count(cfg.model, lo, len(layers), emb, head),
-                    head=head, embedding=emb)
+    load = RankLoad(
+        layers=len(layers), params=rank_param_count(cfg.model, lo, len(layers), emb, head), head=head, embedding=emb
+    )
     memory, _ = engine_memory(EngineRun.of(cfg, cpu), lo, STACKS["flopwise"], [(load, pp_rank)], {})
     return memory
 
@@ -134,17 +140,33 @@ def nearest_fit(cfg: Config, user: Layout, hw: Hardware, budget: float, cpu: boo
     predicted bytes. If none fits: the least any layout needs."""
     sh = model_shape(cfg.model, cfg.data.seq_len, cfg.data.document_mask)
     p = cfg.parallel
-    fixed = {"cp": p.cp, "dp_replicate": p.dp_replicate, "sequence_parallel": p.sequence_parallel,
-             "pp_schedule": p.pp_schedule, "virtual_stages": p.virtual_stages}
+    fixed = {
+        "cp": p.cp,
+        "dp_replicate": p.dp_replicate,
+        "sequence_parallel": p.sequence_parallel,
+        "pp_schedule": p.pp_schedule,
+        "virtual_stages": p.virtual_stages,
+    }
     if p.pp_layers is not None:  # a stage split holds for its own pp only
         fixed["pp"] = p.pp
     hw = replace(hw, memory_bytes=budget / (1 - FIT_MARGIN))  # the search's rule: total <= budget
     fits, least = [], math.inf
     for zero in range(4):
         for rc in RECOMPUTE_ORDER:
-            r = search(sh, hw, user.world, cfg.data.seq_len, cfg.train.global_batch, STACKS["flopwise"],
-                       {**fixed, "zero": zero, "recompute": rc}, keep=sys.maxsize, compile=cfg.train.compile,
-                       steps=cfg.train.steps, dtype=cfg.train.dtype, float8=(cfg.train.float8,))
+            r = search(
+                sh,
+                hw,
+                user.world,
+                cfg.data.seq_len,
+                cfg.train.global_batch,
+                STACKS["flopwise"],
+                {**fixed, "zero": zero, "recompute": rc},
+                keep=sys.maxsize,
+                compile=cfg.train.compile,
+                steps=cfg.train.steps,
+                dtype=cfg.train.dtype,
+                float8=(cfg.train.float8,),
+            )
             if r.fitting:
                 fits += r.ranked
             elif r.ranked:
@@ -167,8 +189,10 @@ def describe_change(cfg: Config, user: Layout, hw_name: str, found: tuple[Layout
     if lo.dp != user.dp and cfg.parallel.dp is not None:
         sets.append(f"parallel.dp={lo.dp}")
     n = len(keys)
-    return (f"nearest change that fits ({n} change{'s' * (n > 1)}: {', '.join(keys)}): {' '.join(sets)} "
-            f"(predicted {gib(total)})")
+    return (
+        f"nearest change that fits ({n} change{'s' * (n > 1)}: {', '.join(keys)}): {' '.join(sets)} "
+        f"(predicted {gib(total)})"
+    )
 
 
 def preflight(cfg: Config, par: Parallel) -> str | None:
@@ -189,9 +213,11 @@ def preflight(cfg: Config, par: Parallel) -> str | None:
         return None
     worst, available = max(known, key=lambda k: k[0].need / k[1])
     usable = available * (1 - FIT_MARGIN)
-    head = (f"rank {worst.rank} of {lo.world} ({lo.name()}, micro-batch {lo.micro_batch}, recompute {lo.recompute}) "
-            f"needs {gib(worst.need)}; {gib(usable)} usable of {gib(available)} available ({worst.source}, "
-            f"less the planner's {FIT_MARGIN:.0%} margin)")
+    head = (
+        f"rank {worst.rank} of {lo.world} ({lo.name()}, micro-batch {lo.micro_batch}, recompute {lo.recompute}) "
+        f"needs {gib(worst.need)}; {gib(usable)} usable of {gib(available)} available ({worst.source}, "
+        f"less the planner's {FIT_MARGIN:.0%} margin)"
+    )
     if worst.need <= usable:
         return f"pre-flight: {head}"
     if not is_rank0():
@@ -204,8 +230,14 @@ def preflight(cfg: Config, par: Parallel) -> str | None:
 
 # --- out of memory during a step ------------------------------------------------------------
 
-PHASES = {"next_batch": "data", "forward_backward": "forward", "backward": "backward", "_pipeline": "pipeline schedule",
-          "clip_grad_norm": "gradient clipping", "step_unless": "optimizer step"}
+PHASES = {
+    "next_batch": "data",
+    "forward_backward": "forward",
+    "backward": "backward",
+    "_pipeline": "pipeline schedule",
+    "clip_grad_norm": "gradient clipping",
+    "step_unless": "optimizer step",
+}
 
 
 def where_in_step(tb: TracebackType | None) -> tuple[str | None, int | None]:
@@ -261,23 +293,41 @@ def explain_oom(cfg: Config, par: Parallel, step: int, error: BaseException) -> 
     budget = RUNTIME_RESERVE + (predicted["total"] - RUNTIME_RESERVE) * share * (1 - FIT_MARGIN)
     hw = search_hardware(cfg, par.device)
     change = describe_change(cfg, lo, hw.name, nearest_fit(cfg, lo, hw, budget, cpu))
-    report = rundir.replace(run_dir, report_name, json_record({
-        "step": step, "micro_batch": micro, "phase": phase, "rank": rank, "device": str(par.device),
-        "error": str(error).splitlines()[0] if str(error) else type(error).__name__,
-        "layout": lo.to_json(), "requested_bytes": requested,
-        "predicted_bytes": {k: round(v) for k, v in predicted.items()},
-        "predicted_by": "flopwise.plan.perf.engine_memory for this rank's pipeline stage (what the layout search "
-                        "compares with usable memory); total includes the runtime reserve",
-        "memory_stats": stats,
-        "memory_stats_note": None if stats is not None else f"no CUDA allocator on {par.device}: memory_stats is null",
-        "memory_snapshot": snapshot.name if snapshot else None,
-        "suggestion": change,
-    }, "train"))
+    report = rundir.replace(
+        run_dir,
+        report_name,
+        json_record(
+            {
+                "step": step,
+                "micro_batch": micro,
+                "phase": phase,
+                "rank": rank,
+                "device": str(par.device),
+                "error": str(error).splitlines()[0] if str(error) else type(error).__name__,
+                "layout": lo.to_json(),
+                "requested_bytes": requested,
+                "predicted_bytes": {k: round(v) for k, v in predicted.items()},
+                "predicted_by": "flopwise.plan.perf.engine_memory for this rank's pipeline stage (what the layout "
+                "search compares with usable memory); total includes the runtime reserve",
+                "memory_stats": stats,
+                "memory_stats_note": None
+                if stats is not None
+                else f"no CUDA allocator on {par.device}: memory_stats is null",
+                "memory_snapshot": snapshot.name if snapshot else None,
+                "suggestion": change,
+            },
+            "train",
+        ),
+    )
     where = f"step {step}" + (f", micro-batch {micro}" if micro is not None else "") + (f", {phase}" if phase else "")
-    files = f"{report}" + (f" and {snapshot} (open at pytorch.org/memory_viz)" if snapshot else
-                           " (train.memory_snapshot=true also records the allocator's history)")
-    return WillNotFit(f"out of memory at {where} on {par.device} (predicted {gib(predicted['total'])}): see {files}; "
-                      f"{change}")
+    files = f"{report}" + (
+        f" and {snapshot} (open at pytorch.org/memory_viz)"
+        if snapshot
+        else " (train.memory_snapshot=true also records the allocator's history)"
+    )
+    return WillNotFit(
+        f"out of memory at {where} on {par.device} (predicted {gib(predicted['total'])}): see {files}; {change}"
+    )
 
 
 def record_history(cfg: Config, device: torch.device) -> None:

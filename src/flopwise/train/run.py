@@ -64,15 +64,21 @@ def check_resumable(ckpt: Path, state: dict, cfg: Config, data_fp: str) -> list[
     keys that changed but may, to report."""
     saved = _flat(checkpoint_config(ckpt, state).model_dump(mode="json"))
     now = _flat(cfg.model_dump(mode="json"))
-    changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k) and not k.startswith(NOT_COMPARED))
+    changed = sorted(
+        k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k) and not k.startswith(NOT_COMPARED)
+    )
     fixed = [k for k in changed if k.startswith(FIXED_ON_RESUME)]
     if fixed:
         diff = ", ".join(f"{k}={saved.get(k)!r} there, {now.get(k)!r} here" for k in fixed[:4])
-        raise CheckpointError(f"checkpoint {ckpt} is of another run ({diff}); resume with the same values, or start "
-                              "fresh in another run.dir")
+        raise CheckpointError(
+            f"checkpoint {ckpt} is of another run ({diff}); resume with the same values, or start "
+            "fresh in another run.dir"
+        )
     if state.get("data_fingerprint") not in (None, data_fp):
-        raise CheckpointError(f"checkpoint {ckpt} was trained on other data (data fingerprint differs from "
-                              "index.json here); point data.path at its data, or start fresh in another run.dir")
+        raise CheckpointError(
+            f"checkpoint {ckpt} was trained on other data (data fingerprint differs from "
+            "index.json here); point data.path at its data, or start fresh in another run.dir"
+        )
     return changed
 
 
@@ -80,17 +86,21 @@ def restore(run: Run, ckpt: Path, counters: bool = True) -> dict:
     """Model, optimizer, data position, RNG and guard window from a checkpoint into `run`; its
     state (counters=False: a rollback, whose guard keeps counting)."""
     state = checkpoint.load(ckpt, run.engine.parts, run.optimizer)
-    parts = {"loader": lambda: run.loader.load_state_dict(_loader_state(state["loader"])),
-             "rng": lambda: checkpoint.set_rng_state(state["rng"]),
-             "guard": lambda: run.guard.load_state_dict(state.get("guard"), counters=counters),
-             "step": lambda: state.update(step=_count(state["step"])),
-             "layout": lambda: Layout.from_json(state.get("layout") or {}).name()}
+    parts = {
+        "loader": lambda: run.loader.load_state_dict(_loader_state(state["loader"])),
+        "rng": lambda: checkpoint.set_rng_state(state["rng"]),
+        "guard": lambda: run.guard.load_state_dict(state.get("guard"), counters=counters),
+        "step": lambda: state.update(step=_count(state["step"])),
+        "layout": lambda: Layout.from_json(state.get("layout") or {}).name(),
+    }
     for field, apply in parts.items():
         try:  # state.json is plain data from the folder: any wrong type or value in it is a damaged checkpoint
             apply()
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RuntimeError, binascii.Error) as e:
-            raise CheckpointError(f"checkpoint {ckpt}: state.json field {field!r} is malformed ({type(e).__name__}: "
-                                  f"{' '.join(str(e).split())[:100]}); use another checkpoint") from None
+            raise CheckpointError(
+                f"checkpoint {ckpt}: state.json field {field!r} is malformed ({type(e).__name__}: "
+                f"{' '.join(str(e).split())[:100]}); use another checkpoint"
+            ) from None
     return state
 
 
@@ -119,7 +129,8 @@ def resume(run: Run, ckpt: Path) -> None:
     """Check that `ckpt` belongs to this run (model, data) and restore it into `run`."""
     changed = check_resumable(ckpt, checkpoint.read_state(ckpt), run.cfg, run.data_fingerprint)
     if changed:
-        logger.info(f"[bold]resume[/]: changed since the checkpoint: {escape(', '.join(changed))}",
-                    extra={"highlighter": None})
+        logger.info(
+            f"[bold]resume[/]: changed since the checkpoint: {escape(', '.join(changed))}", extra={"highlighter": None}
+        )
     state = restore(run, ckpt)
     run.start_step, run.resumed_layout = state["step"], state.get("layout", {})

@@ -43,8 +43,17 @@ class _Pending:
 
 
 class Saver:
-    def __init__(self, cfg: Config, run_dir: Path, parts: list, optimizer, snapshot: Callable[[], dict],
-                 files: dict[str, Path], faults: Faults, world: int):
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        parts: list,
+        optimizer,
+        snapshot: Callable[[], dict],
+        files: dict[str, Path],
+        faults: Faults,
+        world: int,
+    ):
         self.cfg, self.run_dir, self.parts, self.optimizer = cfg, run_dir, parts, optimizer
         self.snapshot, self.files, self.faults, self.world = snapshot, files, faults, world
         c = cfg.checkpoint
@@ -52,8 +61,8 @@ class Saver:
         self.pending: _Pending | None = None
         self.failure: str | None = None  # of a finished async write, until reported
         self.last: Path | None = None
-        self.write_s: list[float] = []   # what each save blocked the training loop
-        self.async_s: list[float] = []   # async saves: from the call until written and complete
+        self.write_s: list[float] = []  # what each save blocked the training loop
+        self.async_s: list[float] = []  # async saves: from the call until written and complete
         self.async_group, self._pool = None, None
         if c.async_save:
             self.async_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
@@ -72,14 +81,24 @@ class Saver:
         self.wait()
         t0 = time.perf_counter()
         try:
-            tmp, future = checkpoint.begin(self.run_dir, done, self.parts, self.optimizer, self.faults.writer,
-                                           self.cfg.checkpoint.async_save, self.async_group)
+            tmp, future = checkpoint.begin(
+                self.run_dir,
+                done,
+                self.parts,
+                self.optimizer,
+                self.faults.writer,
+                self.cfg.checkpoint.async_save,
+                self.async_group,
+            )
             if future is None:
-                self.last = checkpoint.finish(self.run_dir, done, tmp, self.snapshot(), self.files, self.cfg.checkpoint.keep)
+                self.last = checkpoint.finish(
+                    self.run_dir, done, tmp, self.snapshot(), self.files, self.cfg.checkpoint.keep
+                )
             else:
                 assert self._pool is not None  # made with the async group: only an async save has a future
-                self.pending = _Pending(done, tmp, self._pool.submit(self._finish_async, done, tmp, future,
-                                                                     self.snapshot()), t0)
+                self.pending = _Pending(
+                    done, tmp, self._pool.submit(self._finish_async, done, tmp, future, self.snapshot()), t0
+                )
         except CheckpointError as e:
             self.failed(str(e))
         self.write_s.append(time.perf_counter() - t0)
@@ -98,9 +117,11 @@ class Saver:
             dist.broadcast_object_list(every, src=0)
         self.every = every[0]
         source = f"cluster.gpu_mtbf_hours={c.gpu_mtbf_hours:g}" if c.gpu_mtbf_hours else "Llama 3's failure rate"
-        logger.info(f"[bold]checkpoint.interval=auto[/]: write {write:.3g} s, job MTBF {mtbf_h:,.3g} h "
-                    f"({source} over {self.world} device(s)) -> Daly interval {tau:,.4g} s = "
-                    f"every {self.every:,} steps of {step_s:.3g} s")
+        logger.info(
+            f"[bold]checkpoint.interval=auto[/]: write {write:.3g} s, job MTBF {mtbf_h:,.3g} h "
+            f"({source} over {self.world} device(s)) -> Daly interval {tau:,.4g} s = "
+            f"every {self.every:,} steps of {step_s:.3g} s"
+        )
 
     def poll(self) -> bool:
         """Take in a finished async save; True when one failed (the step sync tells every rank)."""
@@ -123,8 +144,11 @@ class Saver:
             self.async_s.append(time.perf_counter() - p.t0)
         except (Exception, CheckpointException) as e:  # the background write's error (DCP's is a BaseException)
             checkpoint.abandon(p.tmp)
-            self.failure = str(e) if isinstance(e, CheckpointError) else \
-                str(checkpoint.not_written(self.run_dir, p.step, checkpoint.reason(e)))
+            self.failure = (
+                str(e)
+                if isinstance(e, CheckpointError)
+                else str(checkpoint.not_written(self.run_dir, p.step, checkpoint.reason(e)))
+            )
 
     def wait(self) -> None:
         """Block until the async write in flight (if any) is complete (every rank, collectively);

@@ -85,7 +85,7 @@ class TrainResult:
     is_main: bool = True  # rank 0 of a torchrun job (the one that reports)
     preempted: int | None = None  # the step a SIGTERM/SIGUSR1 stopped the run at (checkpoint written)
     signal: str | None = None
-    save_s: list[float] = field(default_factory=list)   # how long each checkpoint save blocked training
+    save_s: list[float] = field(default_factory=list)  # how long each checkpoint save blocked training
     async_save_s: list[float] = field(default_factory=list)  # async: call to complete, in the background
     layout: str = "single"  # plan.layout.Layout.name() of the layout that ran
 
@@ -96,8 +96,10 @@ def eval_sources(sources: list[Source], seq_len: int) -> list[Source]:
     usable = [s for s in sources if read_index(s.data_dir)["splits"]["val"]["tokens"] > seq_len]
     if not usable:
         where = "no source of data.sources has" if len(sources) > 1 else f"data {sources[0].data_dir} has no"
-        raise DataError(f"{where} validation split of one data.seq_len={seq_len} sequence (it holds whole documents, "
-                        "data.val_fraction of them); give more documents or raise data.val_fraction")
+        raise DataError(
+            f"{where} validation split of one data.seq_len={seq_len} sequence (it holds whole documents, "
+            "data.val_fraction of them); give more documents or raise data.val_fraction"
+        )
     return usable
 
 
@@ -130,7 +132,11 @@ def train_step(run: Run, step: int, faults: Faults, watch: Watch | None = None) 
         nan_grad(engine.parts)
     faults.fire(done)
     norm = engine.clip_grad_norm(cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf)
-    bad = (~(torch.isfinite(loss) & torch.isfinite(norm))).float() if cfg.guard.enabled else torch.zeros((), device=loss.device)
+    bad = (
+        (~(torch.isfinite(loss) & torch.isfinite(norm))).float()
+        if cfg.guard.enabled
+        else torch.zeros((), device=loss.device)
+    )
     if watch is not None:
         watch.arrived()
     if dist.is_initialized():  # a NaN on one rank's gradients skips the step on every rank
@@ -141,8 +147,17 @@ def train_step(run: Run, step: int, faults: Faults, watch: Watch | None = None) 
 
 
 def _progress() -> Progress:
-    return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=log.console(), transient=False)
+    return Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=log.console(),
+        transient=False,
+    )
 
 
 class _Loop:
@@ -162,13 +177,21 @@ class _Loop:
         self.tasks = [load_task(t) for t in cfg.train.eval_tasks] if par.layout.world == 1 else []
         # the model's own special tokens, chat template and generation settings travel with every
         # checkpoint of a continued model, so eval, generate and export never need its folder again
-        files = {"tokenizer.json": run.sources[0].data_dir / run.index["tokenizer"],
-                 **(side_files(cfg.model.init_from[3:]) if cfg.model.init_from else {})}
-        self.saver = Saver(cfg, self.run_dir, run.engine.parts, run.optimizer, self.snapshot, files, self.faults,
-                           par.layout.world)
+        files = {
+            "tokenizer.json": run.sources[0].data_dir / run.index["tokenizer"],
+            **(side_files(cfg.model.init_from[3:]) if cfg.model.init_from else {}),
+        }
+        self.saver = Saver(
+            cfg, self.run_dir, run.engine.parts, run.optimizer, self.snapshot, files, self.faults, par.layout.world
+        )
         self.saver.last = run.resumed_from
-        self.watch = Watch(cfg.watchdog, self.run_dir, self.rank, par.device,
-                           report=lambda m: logger.warning(m, extra={"highlighter": None}))
+        self.watch = Watch(
+            cfg.watchdog,
+            self.run_dir,
+            self.rank,
+            par.device,
+            report=lambda m: logger.warning(m, extra={"highlighter": None}),
+        )
         self.losses: list[float] = []
         self.val_loss: float | None = None
         self.val0: float | None = None  # validation loss of the model as loaded (model.init_from), while watched
@@ -181,9 +204,15 @@ class _Loop:
 
     def snapshot(self) -> dict:
         run = self.run
-        return {"loader": run.loader.state_dict(), "rng": checkpoint.rng_state(), "guard": run.guard.state_dict(),
-                "config": to_toml(self.cfg), "config_hash": config_hash(self.cfg), "data_fingerprint": run.data_fingerprint,
-                "layout": {**run.par.layout.to_json(), "world_size": run.par.layout.world}}
+        return {
+            "loader": run.loader.state_dict(),
+            "rng": checkpoint.rng_state(),
+            "guard": run.guard.state_dict(),
+            "config": to_toml(self.cfg),
+            "config_hash": config_hash(self.cfg),
+            "data_fingerprint": run.data_fingerprint,
+            "layout": {**run.par.layout.to_json(), "world_size": run.par.layout.world},
+        }
 
     def write(self, record: dict) -> None:
         """A metrics row; every row carries the tokens drawn from each source so far."""
@@ -193,8 +222,7 @@ class _Loop:
     def due(self, done: int) -> tuple[bool, bool]:
         """(evaluate, checkpoint) at step `done`; either, or a log step, is a sync point."""
         last, every = done == self.end, self.cfg.train.eval_every
-        return (self.run.engine.can_eval and (bool(every and done % every == 0) or last),
-                self.saver.due(done, last))
+        return (self.run.engine.can_eval and (bool(every and done % every == 0) or last), self.saver.due(done, last))
 
     def settle(self, steps: list[tuple[int, float, list[float]]]) -> int | None:
         """At a sync point: let the guard judge the steps since the last one in order ((step, lr,
@@ -209,8 +237,10 @@ class _Loop:
                     return back
                 continue
             if verdict is Verdict.SKIP:
-                logger.warning(f"[yellow]guard[/]: step {done}: {reason} (loss {loss}, grad norm {norm}); "
-                               "update skipped", extra={"highlighter": None})
+                logger.warning(
+                    f"[yellow]guard[/]: step {done}: {reason} (loss {loss}, grad norm {norm}); update skipped",
+                    extra={"highlighter": None},
+                )
                 self.write({"step": done, "event": "skipped_update", "reason": reason})
             self.losses.append(loss)
             self.watch_rise(done, loss)
@@ -225,10 +255,13 @@ class _Loop:
         if self.val0 is None or done > RISE_WATCH_STEPS or loss <= self.val0 + RISE_NATS:
             return
         self.val0 = None  # once
-        logger.warning(f"[yellow]warning[/]: step {done}: training loss {loss:.3f} is far above the loaded model's "
-                       f"step-0 validation loss ({self.val0_seen:.3f}): the model is being damaged, most likely by "
-                       f"a learning rate too high for continued pre-training (optim.lr={self.cfg.optim.lr:g}); "
-                       "stop (Ctrl-C) and lower it (docs/continued-pretraining.md)", extra={"highlighter": None})
+        logger.warning(
+            f"[yellow]warning[/]: step {done}: training loss {loss:.3f} is far above the loaded model's "
+            f"step-0 validation loss ({self.val0_seen:.3f}): the model is being damaged, most likely by "
+            f"a learning rate too high for continued pre-training (optim.lr={self.cfg.optim.lr:g}); "
+            "stop (Ctrl-C) and lower it (docs/continued-pretraining.md)",
+            extra={"highlighter": None},
+        )
         self.write({"step": done, "event": "loss_rise", "loss": loss, "val_loss_step0": self.val0_seen})
 
     def log(self, done: int, loss: float, lr: float, norm: float) -> None:
@@ -239,14 +272,29 @@ class _Loop:
         self.mfu = self.measure_mfu(done)
         self.rates.append((self.tps, self.mfu))
         basis = mfu_basis(self.cfg.train.dtype, self.cfg.train.float8)
-        self.write({"step": done, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": self.tps, "mfu": self.mfu,
-                    "peak_flops": self.peak.flops, "peak_source": self.peak.source,
-                    "tokens": done * self.tokens_per_step, "step_time_s": (now - t0) / steps,
-                    "epochs_by_source": self.run.loader.epochs_by_source(), **self.ranks,
-                    **({"mfu_basis": basis} if basis else {})})
+        self.write(
+            {
+                "step": done,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": norm,
+                "tokens_per_s": self.tps,
+                "mfu": self.mfu,
+                "peak_flops": self.peak.flops,
+                "peak_source": self.peak.source,
+                "tokens": done * self.tokens_per_step,
+                "step_time_s": (now - t0) / steps,
+                "epochs_by_source": self.run.loader.epochs_by_source(),
+                **self.ranks,
+                **({"mfu_basis": basis} if basis else {}),
+            }
+        )
         if not log.console().is_terminal:  # a log file gets lines, a terminal gets the live bar
-            logger.info(f"step {done}/{self.cfg.train.steps} loss {loss:.4f} lr {lr:.2e} grad_norm {norm:.3f} "
-                        f"{self.tps:,.0f} tok/s MFU {percent(self.mfu)}", extra={"highlighter": None})
+            logger.info(
+                f"step {done}/{self.cfg.train.steps} loss {loss:.4f} lr {lr:.2e} grad_norm {norm:.3f} "
+                f"{self.tps:,.0f} tok/s MFU {percent(self.mfu)}",
+                extra={"highlighter": None},
+            )
 
     def measure_mfu(self, done: int) -> float | None:
         """MFU of the window just logged, over every device in the job. A measured ceiling that the
@@ -256,8 +304,15 @@ class _Loop:
         achieved = self.tps * self.fpt / world
         peak = checked_peak(self.peak, achieved, self.cfg.train.dtype, self.run.par.device)
         if peak != self.peak:
-            self.write({"step": done, "event": "peak_remeasured", "previous_peak_flops": self.peak.flops,
-                        "peak_flops": peak.flops, "achieved_flops": achieved})
+            self.write(
+                {
+                    "step": done,
+                    "event": "peak_remeasured",
+                    "previous_peak_flops": self.peak.flops,
+                    "peak_flops": peak.flops,
+                    "achieved_flops": achieved,
+                }
+            )
             self.peak = peak
         return mfu(self.tps, self.fpt, peak.flops, world) if achieved < peak.flops else None
 
@@ -269,32 +324,47 @@ class _Loop:
         self.saver.wait()
         ckpt = checkpoint.latest(self.run_dir, verify_checksums=False)
         if ckpt is None:  # nothing to go back to: the update already applied stays
-            logger.warning(f"[yellow]guard[/]: step {bad_step}: {escape(reason)}; no checkpoint to roll back to, "
-                           "training goes on")
+            logger.warning(
+                f"[yellow]guard[/]: step {bad_step}: {escape(reason)}; no checkpoint to roll back to, training goes on"
+            )
             return None
         back = int(restore(run, ckpt, counters=False)["step"])
         n = max(cfg.guard.skip_batches, bad_step - back)
         ids = run.loader.skip(n)
-        record: dict[str, Any] = {"step": bad_step, "rolled_back_to": back, "reason": reason, "batches": n,
-                  "windows": {k: v.tolist() for k, v in run.loader.by_source(ids).items()},
-                  "documents": run.loader.documents(ids)}
+        record: dict[str, Any] = {
+            "step": bad_step,
+            "rolled_back_to": back,
+            "reason": reason,
+            "batches": n,
+            "windows": {k: v.tolist() for k, v in run.loader.by_source(ids).items()},
+            "documents": run.loader.documents(ids),
+        }
         if run.par.is_main:
             rundir.append(self.run_dir, "skipped.jsonl", (json.dumps(record) + "\n").encode())
         self.write({"step": bad_step, "event": "rollback", "rolled_back_to": back, "skipped_batches": n})
-        logger.warning(f"[yellow]guard[/]: step {bad_step}: {escape(reason)}; rolled back to step {back} and "
-                       f"skipped {n} batches ({sum(map(len, record['documents'].values()))} documents, listed in "
-                       f"{self.run_dir / 'skipped.jsonl'})")
+        logger.warning(
+            f"[yellow]guard[/]: step {bad_step}: {escape(reason)}; rolled back to step {back} and "
+            f"skipped {n} batches ({sum(map(len, record['documents'].values()))} documents, listed in "
+            f"{self.run_dir / 'skipped.jsonl'})"
+        )
         self.window = (back, time.perf_counter())
         return back
 
     def evaluate(self, done: int) -> None:
         run = self.run
         self.val_loss, by_source = evaluate(run.engine, run.sources, self.cfg)
-        self.write({"step": done, "val_loss": self.val_loss,
-                    **({"val_loss_by_source": by_source} if len(by_source) > 1 else {})})
+        self.write(
+            {
+                "step": done,
+                "val_loss": self.val_loss,
+                **({"val_loss_by_source": by_source} if len(by_source) > 1 else {}),
+            }
+        )
         for name, examples in self.tasks:
             with autocast(run.par.device, self.cfg.train.dtype):
-                r = evaluate_task(run.engine.parts[0], run.tokenizer, name, examples, limit=self.cfg.train.eval_task_limit)
+                r = evaluate_task(
+                    run.engine.parts[0], run.tokenizer, name, examples, limit=self.cfg.train.eval_task_limit
+                )
             run.engine.parts[0].train()
             self.write({"step": done, **r})
 
@@ -321,7 +391,7 @@ class _Loop:
             self.ranks = {"rank_step_s": sync.rank_s, "slowest_rank": sync.slowest} if len(sync.rank_s) > 1 else {}
             if sync.save_failed:
                 self.saver.failed()
-            back = self.settle([(d, r, host[3 * i:3 * i + 3]) for i, (d, r, _) in enumerate(pending)])
+            back = self.settle([(d, r, host[3 * i : 3 * i + 3]) for i, (d, r, _) in enumerate(pending)])
             pending = []
             if back is not None:
                 step = back
@@ -349,22 +419,28 @@ def train(run: Run, started: float | None = None) -> TrainResult:
     metrics_path = run_dir / "metrics.jsonl"
     if cfg.checkpoint.resume == "none" and (done := checkpoint.list_complete(run_dir)):  # starting over beside them
         # would replace the earlier run's metrics and leave its checkpoints for the next resume
-        raise ConfigError(f"checkpoint.resume=none, but run.dir={run_dir} holds an earlier run's checkpoints "
-                          f"(newest {done[-1].name}); choose a new run.dir, or delete {run_dir / 'checkpoints'} "
-                          "to start over there")
+        raise ConfigError(
+            f"checkpoint.resume=none, but run.dir={run_dir} holds an earlier run's checkpoints "
+            f"(newest {done[-1].name}); choose a new run.dir, or delete {run_dir / 'checkpoints'} "
+            "to start over there"
+        )
     if run.engine.can_eval:  # every run evaluates at its end: refuse before step 1, not after the last
         eval_sources(run.sources, cfg.data.seq_len)
     if cfg.train.sample_tokens and par.layout.world == 1:  # the end-of-run sample (one process only)
         n = len(run.tokenizer.encode(cfg.train.sample_prompt).ids)
         if not 0 < n < cfg.model.max_seq_len:
-            raise ConfigError(f"train.sample_prompt is {n} tokens: it needs 1 to model.max_seq_len-1="
-                              f"{cfg.model.max_seq_len - 1}; change it or set train.sample_tokens=0")
+            raise ConfigError(
+                f"train.sample_prompt is {n} tokens: it needs 1 to model.max_seq_len-1="
+                f"{cfg.model.max_seq_len - 1}; change it or set train.sample_tokens=0"
+            )
     if run.resumed_from is not None:
         if par.is_main:
             kept = [r for r in read_records(metrics_path) if r["step"] <= run.start_step]
             rundir.replace(run_dir, "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in kept).encode())
-        logger.info(f"[bold]resumed[/] from {run.resumed_from} at step {run.start_step} "
-                    f"(written by layout {Layout.from_json(run.resumed_layout or {}).name()})")
+        logger.info(
+            f"[bold]resumed[/] from {run.resumed_from} at step {run.start_step} "
+            f"(written by layout {Layout.from_json(run.resumed_layout or {}).name()})"
+        )
     elif par.is_main:
         rundir.remove(run_dir, "metrics.jsonl")
     if par.is_main:
@@ -373,29 +449,42 @@ def train(run: Run, started: float | None = None) -> TrainResult:
     if cfg.model.init_from and run.start_step == 0 and run.engine.can_eval:  # the model as loaded, for comparison
         loop.val0 = loop.val0_seen = evaluate(run.engine, run.sources, cfg)[0]
         loop.write({"step": 0, "val_loss": loop.val0})
-        logger.info(f"step 0: val loss {loop.val0:.4f} (the model as loaded, {cfg.train.eval_batches} batches of "
-                    f"{cfg.data.seq_len}-token windows)", extra={"highlighter": None})
+        logger.info(
+            f"step 0: val loss {loop.val0:.4f} (the model as loaded, {cfg.train.eval_batches} batches of "
+            f"{cfg.data.seq_len}-token windows)",
+            extra={"highlighter": None},
+        )
     if run.start_step >= loop.end:
-        logger.info(f"[bold]complete[/]: the checkpoint is at step {run.start_step}, where this run ends "
-                    "(train.steps, train.stop_after): nothing to train; raise them to continue")
+        logger.info(
+            f"[bold]complete[/]: the checkpoint is at step {run.start_step}, where this run ends "
+            "(train.steps, train.stop_after): nothing to train; raise them to continue"
+        )
     n_params, lo = count_params(cfg.model), par.layout
-    logger.info(f"[bold]model[/] {n_params.total / 1e6:.2f}M params ({n_params.non_embedding / 1e6:.2f}M "
-                f"non-embedding), {loop.fpt / 1e6:.1f} MFLOP/token (model FLOPs, 6N + attention); "
-                f"{par.device.type} {cfg.train.dtype}{' compiled' if compiles(cfg, lo) else ''}; "
-                f"MFU vs {loop.peak.flops / 1e9:,.0f} GFLOP/s "
-                f"per device ({loop.peak.source})")
+    logger.info(
+        f"[bold]model[/] {n_params.total / 1e6:.2f}M params ({n_params.non_embedding / 1e6:.2f}M "
+        f"non-embedding), {loop.fpt / 1e6:.1f} MFLOP/token (model FLOPs, 6N + attention); "
+        f"{par.device.type} {cfg.train.dtype}{' compiled' if compiles(cfg, lo) else ''}; "
+        f"MFU vs {loop.peak.flops / 1e9:,.0f} GFLOP/s "
+        f"per device ({loop.peak.source})"
+    )
     if cfg.train.float8 != "none":
         unconverted = ", ".join(["embedding", "head", *unconverted_linears(cfg.model, lo.tp)])
-        logger.info(f"[bold]float8[/] {cfg.train.float8} (torchao{', emulated' if cfg.train.float8_emulate else ''}) "
-                    f"on the blocks' linears; in {cfg.train.dtype}: {unconverted}. MFU stays model FLOPs over the "
-                    f"{cfg.train.dtype} peak, so it compares with runs without float8 (their speed-up shows in it); "
-                    "the float8 matmuls' own peak is twice that")
+        logger.info(
+            f"[bold]float8[/] {cfg.train.float8} (torchao{', emulated' if cfg.train.float8_emulate else ''}) "
+            f"on the blocks' linears; in {cfg.train.dtype}: {unconverted}. MFU stays model FLOPs over the "
+            f"{cfg.train.dtype} peak, so it compares with runs without float8 (their speed-up shows in it); "
+            "the float8 matmuls' own peak is twice that"
+        )
     if lo.world > 1:
-        logger.info(f"[bold]layout[/] {layout_label(lo)} on {lo.world} processes{nodes_label(par)} "
-                    f"({dist.get_backend()}), {run.engine.n_micro} micro-batches of {cfg.train.micro_batch} per rank")
+        logger.info(
+            f"[bold]layout[/] {layout_label(lo)} on {lo.world} processes{nodes_label(par)} "
+            f"({dist.get_backend()}), {run.engine.n_micro} micro-batches of {cfg.train.micro_batch} per rank"
+        )
     if not run.engine.can_eval:
-        logger.warning(f"[yellow]note[/]: no validation in this run: torch's {lo.pp_schedule} schedule deadlocks in eval "
-                      "(see Engine.can_eval); export the checkpoint and run `flopwise eval` on it")
+        logger.warning(
+            f"[yellow]note[/]: no validation in this run: torch's {lo.pp_schedule} schedule deadlocks in eval "
+            "(see Engine.can_eval); export the checkpoint and run `flopwise eval` on it"
+        )
     try:
         with loop.watch, _progress() as bar:
             preempted = loop(bar)
@@ -404,10 +493,12 @@ def train(run: Run, started: float | None = None) -> TrainResult:
             raise
         if peer_lost(e):  # at once, not after the timeout: no hang, so no stack dumps either
             raise lost_peer(par, loop.rank, loop.watch.step, loop.saver.last) from None
-        raise TrainingStopped(f"rank {loop.rank}: a collective timed out at step {loop.watch.step} after "
-                              f"watchdog.collective_timeout_s={cfg.watchdog.collective_timeout_s:g} s (a rank hung "
-                              f"or died; see {run_dir}/hang-rank*.txt); restart resumes from the last complete "
-                              "checkpoint") from None
+        raise TrainingStopped(
+            f"rank {loop.rank}: a collective timed out at step {loop.watch.step} after "
+            f"watchdog.collective_timeout_s={cfg.watchdog.collective_timeout_s:g} s (a rank hung "
+            f"or died; see {run_dir}/hang-rank*.txt); restart resumes from the last complete "
+            "checkpoint"
+        ) from None
     if loop.writer is not None:
         loop.writer.close()
     return _result(run, loop, preempted, time.perf_counter() - t_start)
@@ -435,15 +526,32 @@ def _result(run: Run, loop: _Loop, preempted: int | None, seconds: float) -> Tra
     # the run's speed is the median log interval's: the last one alone may be a checkpoint's or a straggler's
     tps = statistics.median(r for r, _ in loop.rates) if loop.rates else 0.0
     mfus = [m for _, m in loop.rates if m is not None]
-    return TrainResult(run_dir=run_dir, steps=reached, tokens=reached * loop.tokens_per_step, train_loss=final_loss,
-                       val_loss=loop.val_loss, unigram_entropy=run.index["unigram_entropy_nats"], tokens_per_s=tps,
-                       mfu=statistics.median(mfus) if mfus else None, peak=loop.peak, layout=layout_label(par.layout), seconds=seconds, checkpoint=loop.saver.last, plot=plot,
-                       sample=sample, losses=loop.losses, is_main=par.is_main, preempted=preempted,
-                       signal=loop.watch.signal, save_s=loop.saver.write_s, async_save_s=loop.saver.async_s)
+    return TrainResult(
+        run_dir=run_dir,
+        steps=reached,
+        tokens=reached * loop.tokens_per_step,
+        train_loss=final_loss,
+        val_loss=loop.val_loss,
+        unigram_entropy=run.index["unigram_entropy_nats"],
+        tokens_per_s=tps,
+        mfu=statistics.median(mfus) if mfus else None,
+        peak=loop.peak,
+        layout=layout_label(par.layout),
+        seconds=seconds,
+        checkpoint=loop.saver.last,
+        plot=plot,
+        sample=sample,
+        losses=loop.losses,
+        is_main=par.is_main,
+        preempted=preempted,
+        signal=loop.watch.signal,
+        save_s=loop.saver.write_s,
+        async_save_s=loop.saver.async_s,
+    )
 
 
 def nodes_label(par: Parallel) -> str:
-    """" on 2 nodes (tp inside a node, dp across)": where the mesh's groups lie, from each rank's node."""
+    """ " on 2 nodes (tp inside a node, dp across)": where the mesh's groups lie, from each rank's node."""
     n = len(set(par.nodes))
     if n == 1 or par.mesh is None:
         return ""
@@ -479,12 +587,15 @@ def lost_peer(par: Parallel, rank: int, step: int, last: Path | None) -> Trainin
         quiet = nodes > 1 and os.environ.get("LOCAL_RANK", "0") != "0"
     where, fewer = (f"rank {rank} (node {me})", " (with fewer nodes too)") if nodes > 1 else (f"rank {rank}", "")
     resume = f"the last complete checkpoint, {last.name}" if last is not None else "the start (no checkpoint yet)"
-    return TrainingStopped(f"{where}: another rank's connection closed at step {step}: {who}; the job stops here, "
-                           f"and a restart{fewer} resumes from {resume}", quiet=quiet)
+    return TrainingStopped(
+        f"{where}: another rank's connection closed at step {step}: {who}; the job stops here, "
+        f"and a restart{fewer} resumes from {resume}",
+        quiet=quiet,
+    )
 
 
 def layout_label(lo: Layout) -> str:
-    """"pp2 1f1b", "tp2 sp", "dp2 zero3": the degrees with sequence parallelism and the pipeline
+    """ "pp2 1f1b", "tp2 sp", "dp2 zero3": the degrees with sequence parallelism and the pipeline
     schedule (Layout.name's detail line, less the micro-batch and recompute the banner gives apart)."""
     detail = lo.name(detail=True).split("\n")[1].split()[:-2]
     return " ".join([lo.name(), *detail])
@@ -505,13 +616,18 @@ def summary_table(r: TrainResult) -> Table:
     t.add_row("unigram entropy of the data", f"{r.unigram_entropy:.4f} nats/token")
     t.add_row("layout", r.layout)
     t.add_row("throughput", f"{r.tokens_per_s:,.0f} tokens/s (median log interval)" if trained else "–")
-    t.add_row("MFU (model FLOPs)", f"{percent(r.mfu)} of {r.peak.flops / 1e9:,.0f} GFLOP/s per device ({r.peak.source}; "
-              "median log interval)")
+    t.add_row(
+        "MFU (model FLOPs)",
+        f"{percent(r.mfu)} of {r.peak.flops / 1e9:,.0f} GFLOP/s per device ({r.peak.source}; median log interval)",
+    )
     t.add_row("wall time", f"{r.seconds:.1f} s")
     t.add_row("checkpoint", str(r.checkpoint))
     if r.save_s:
-        t.add_row("checkpoint saves", f"{len(r.save_s)}, median {statistics.median(r.save_s):.3f} s blocking training"
-                  + (f" ({statistics.median(r.async_save_s):.3f} s to complete in the background)" if r.async_save_s else ""))
+        t.add_row(
+            "checkpoint saves",
+            f"{len(r.save_s)}, median {statistics.median(r.save_s):.3f} s blocking training"
+            + (f" ({statistics.median(r.async_save_s):.3f} s to complete in the background)" if r.async_save_s else ""),
+        )
     if r.plot:
         t.add_row("loss curve", str(r.plot))
     return t

@@ -121,8 +121,9 @@ class Watch:
     def _interrupt(self) -> None:
         self._interrupts += 1
         if self._interrupts == 1:
-            self.report("Ctrl-C: stopping at the end of this step with a checkpoint; Ctrl-C again to stop now "
-                        "without one")
+            self.report(
+                "Ctrl-C: stopping at the end of this step with a checkpoint; Ctrl-C again to stop now without one"
+            )
         elif self._interrupts == 2:  # asked twice: stop now, losing the steps since the last checkpoint
             self.report("Ctrl-C again: stopping now, without a checkpoint (the last complete one is kept)")
             self.abort()
@@ -202,7 +203,7 @@ class Watch:
             parts = [torch.empty(3, dtype=torch.float64, device=self.device) for _ in range(dist.get_world_size())]
             dist.all_gather(parts, torch.tensor(mine, dtype=torch.float64, device=self.device))
             host = torch.cat([values.flatten().double(), *parts]).tolist()
-            rows = [host[n + 3 * r:n + 3 * r + 3] for r in range(len(parts))]
+            rows = [host[n + 3 * r : n + 3 * r + 3] for r in range(len(parts))]
         else:
             host, rows = values.flatten().double().tolist(), [mine]
         self._busy = 0.0
@@ -226,5 +227,7 @@ def is_timeout(e: BaseException) -> bool:
     text = str(e).lower()
     if isinstance(e, getattr(torch.distributed, "DistBackendError", ())):
         return True
-    return isinstance(e, RuntimeError) and any(p in text for p in (
-        "timed out waiting", "collective operation timeout", "gloo timeout", "wait timeout", *PEER_LOST))
+    return isinstance(e, RuntimeError) and any(
+        p in text
+        for p in ("timed out waiting", "collective operation timeout", "gloo timeout", "wait timeout", *PEER_LOST)
+    )
