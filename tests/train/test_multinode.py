@@ -173,7 +173,8 @@ def test_node_lost_then_restart_on_fewer_nodes(tiny_data, tmp_path):
     """tp2 × dp2 over 2 nodes (tp inside each): the second node's agent is killed with its workers
     during step 5 (not the first's: the node holding the rendezvous endpoint is torchrun's single
     point of failure, whose loss ends the other agents with RendezvousConnectionError); the other
-    node names it and the step in one line and exits non-zero at once; the checkpoint of step 4 is complete; the job restarted on one node (tp2) resumes from it, says so,
+    node names it and the step in one line and exits non-zero at once; the checkpoint of step 4 is
+    complete; the job restarted on one node (tp2) resumes from it, says so,
     and every step's loss, before and after, equals one uninterrupted process's."""
     run, logs = tmp_path / "run", tmp_path / "logs"
     layout = {"parallel.tp": 2, "parallel.zero": 3}
