@@ -10,8 +10,14 @@ from pathlib import Path
 from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parents[1]
-OUTSIDE = ["README.md", "CHANGELOG.md", "CONTRIBUTING.md", "benchmarks/RESULTS.md", "examples/train.sbatch",
-           *[str(p.relative_to(ROOT)) for p in sorted((ROOT / "benchmarks").rglob("*.png"))]]
+OUTSIDE = [
+    "README.md",
+    "CHANGELOG.md",
+    "CONTRIBUTING.md",
+    "benchmarks/RESULTS.md",
+    "examples/train.sbatch",
+    *[str(p.relative_to(ROOT)) for p in sorted((ROOT / "benchmarks").rglob("*.png"))],
+]
 ROOT_PAGES = {"index.md", "CHANGELOG.md", "CONTRIBUTING.md"}
 # a link from a page in docs/ to ../X (X outside docs/) becomes X, where on_files put it
 UP = re.compile(r"\]\(\.\./(?!docs/)")
