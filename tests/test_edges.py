@@ -502,3 +502,38 @@ def test_a_tokenizer_with_ids_beyond_its_vocabulary_is_refused_at_load(tmp_path,
         )
     )
     assert f"tokenizer {path}: token id 5000 is beyond its vocabulary of 512 entries" in line
+
+
+# --- A full disk during an export -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["checkpoint-export", "to-hf"])
+def test_a_full_disk_during_an_export_is_one_line_and_leaves_no_half_output(
+    command, tiny_run, tmp_path, cli, monkeypatch
+):
+    """`checkpoint export` on a full disk was a traceback (DCP's CheckpointException is a
+    BaseException, which `except Exception` let through) and left its temporary folder; `convert
+    to-hf` must say the same in one line. Now: exit 2, one line, no checkpoint or weights written."""
+    import errno
+
+    import safetensors.torch
+    from torch.distributed.checkpoint import filesystem
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out"))
+
+    run = tiny_run(4)  # trained (once per session) before the disk fills
+    monkeypatch.setattr(filesystem, "_write_item", no_space)
+    monkeypatch.setattr(safetensors.torch, "save_file", no_space)
+    out = tmp_path / "out"
+    argv = (
+        ["checkpoint", "export", run, "--out", out]
+        if command == "checkpoint-export"
+        else ["convert", "to-hf", run, out]
+    )
+    r = cli(*map(str, argv))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "No space left on device" in r.stderr
+    left = [p for p in out.rglob("*") if p.is_file()] if out.exists() else []
+    assert not [p for p in left if p.suffix in (".distcp", ".safetensors") or p.name == ".metadata"], left
+    assert not list(out.glob("checkpoints/*.tmp")) if out.exists() else True

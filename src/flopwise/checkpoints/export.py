@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
@@ -155,7 +156,7 @@ def _export(ckpt: Path, source: CheckpointTensors, state: dict, cfg, step: int, 
     try:
         with checkpoint.without_process_group():
             dcp.save(_meta_state(source), storage_writer=FileSystemWriter(str(tmp)), planner=_FetchingPlanner(source))
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's write error is a BaseException
         checkpoint.abandon(tmp)
         raise CheckpointError(f"export of {ckpt} failed ({checkpoint.reason(e)})") from None
     # tokenizer.json is absent from a model imported without one (convert from-hf)
