@@ -219,7 +219,7 @@ def test_eval_and_generate_cli(tiny_data, tmp_path):
         check=True,
     )
     out = json.loads(r.stdout)
-    assert set(out) == {"loss", "ppl", "tokens"} and out["ppl"] == pytest.approx(math.exp(out["loss"]))
+    assert set(out) == {"loss", "ppl", "tokens", "seq_len"} and out["ppl"] == pytest.approx(math.exp(out["loss"]))
     args = [
         sys.executable,
         "-m",
