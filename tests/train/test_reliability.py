@@ -296,6 +296,9 @@ def test_auto_interval_from_the_measured_write(tiny_data, tmp_path):
 def test_watchdog_dumps_every_thread_when_a_step_hangs(tmp_path):
     """Step 6 "hangs" until the watchdog has reported it: a fixed sleep (1.2 s) raced the limit on a busy
     machine, where the 10 ms steps before it stretch and the limit (3 × their median) with them."""
+    from flopwise.checkpoints.rundir import claim
+
+    claim(tmp_path, ["hang-rank0.txt"])  # a run folder's report: written only where train claimed it
     seen = []
     with Watch(WatchdogConfig(hang_factor=3, min_s=0.3), tmp_path, 0, torch.device("cpu"), seen.append) as w:
         for step in range(1, 6):
