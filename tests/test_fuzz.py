@@ -211,6 +211,7 @@ def test_cli_user_errors_are_one_line_exit_2_no_traceback(tmp_path, args, fragme
 # sample of N per reader plus the regressions). Every case must end in success or a one-line
 # FlopwiseError, and write nothing outside the folder it was pointed at.
 
+import hashlib  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -258,6 +259,14 @@ def build_real(root: Path) -> dict[str, Path]:
         ckpt = root / checkpoint.latest("run")
         (ckpt / ".metadata").write_bytes(fuzzing.normalise_dcp_metadata((ckpt / ".metadata").read_bytes()))
         _resign(ckpt, ".metadata")
+        # train records run.dir as the real absolute folder it wrote (launch.train); said "run" here
+        state = json.loads((ckpt / "state.json").read_text())
+        state["config"] = state["config"].replace(f'"{Path("run").resolve()}"', '"run"')
+        state["config_hash"] = hashlib.sha256(state["config"].encode()).hexdigest()[:16]
+        (ckpt / "state.json").write_text(json.dumps(state))
+        _resign(ckpt, "state.json")
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        (ckpt / "manifest.json").write_text(json.dumps({**manifest, "config_hash": state["config_hash"]}))
         assert checkpoint.verify(ckpt) is None
         Path("config.toml").write_text(to_toml(cfg))
         export_hf(ckpt, root / "hf")

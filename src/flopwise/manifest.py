@@ -136,6 +136,16 @@ def _pid_in(fd: int) -> int | None:
         return None
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def folder_lock(folder: str | Path, option: str) -> Iterator[Path]:
     """Hold `folder`'s lock (fcntl.flock on LOCK in it, created with the folder) while the block
@@ -167,8 +177,11 @@ def folder_lock(folder: str | Path, option: str) -> Iterator[Path]:
             except BlockingIOError:
                 pid = _pid_in(fd)
                 os.close(fd)
+                who = f"PID {pid}" if pid else "PID unknown"
+                if pid and not _alive(pid):  # the flock is shared with the children it forked
+                    who = f"a child of PID {pid}, which has exited"
                 raise ConfigError(
-                    f"{option} {folder}: another flopwise process (PID {pid if pid else 'unknown'}) is "
+                    f"{option} {folder}: another flopwise process ({who}) is "
                     "writing this folder; wait for it to finish, or stop it"
                 ) from None
             with contextlib.suppress(OSError):  # the file locked is still the one at that name

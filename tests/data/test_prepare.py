@@ -87,6 +87,13 @@ def _killed_prepare(plays: Path, out: Path, args: dict) -> list[str]:
         time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    gone = time.time() + 30  # its datatrove workers share its folder lock until they are gone too
+    while time.time() < gone:  # (bounded: a zombie nobody reaps has released the lock already)
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.02)
     finished = sorted(p.name for p in done.iterdir())
     assert proc.returncode == -signal.SIGKILL and not (out / "index.json").exists()
     assert finished

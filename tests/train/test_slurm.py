@@ -42,8 +42,8 @@ WHY_NOT = _slurm_up()
 pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")]
 
 
-def slurm(*args: str) -> str:
-    r = subprocess.run(list(args), check=False, capture_output=True, text=True, env=ENV, timeout=60)
+def slurm(*args: str, env: dict[str, str] | None = None) -> str:
+    r = subprocess.run(list(args), check=False, capture_output=True, text=True, env=env or ENV, timeout=60)
     assert r.returncode == 0, f"{args}: {r.stderr}"
     return r.stdout
 
@@ -57,8 +57,8 @@ ENV = {
 
 
 def submit(where: Path, name: str, args: list[str], *sbatch: str, faults: str = "") -> str:
-    """sbatch examples/train.sbatch on one node from `where`; the job id."""
-    env = f"ALL,FLOPWISE_FAULTS={faults}" if faults else "ALL"
+    """sbatch examples/train.sbatch on one node from `where`; the job id. The faults travel in
+    sbatch's own environment (`--export=ALL`): a value given in --export is cut at its first comma."""
     return slurm(
         "sbatch",
         "--parsable",
@@ -68,10 +68,11 @@ def submit(where: Path, name: str, args: list[str], *sbatch: str, faults: str = 
         name,
         "--chdir",
         str(where),
-        f"--export={env}",
+        "--export=ALL",
         *sbatch,
         str(ROOT / "examples" / "train.sbatch"),
         *args,
+        env={**ENV, "FLOPWISE_FAULTS": faults},
     ).strip()
 
 
