@@ -74,11 +74,12 @@ BENCHMARKS = ROOT / "benchmarks"
 WORKER = ROOT / "tests" / "dist" / "worker.py"
 
 
-def run_jobs(n: int, jobs: list[dict], tmp: Path, timeout: int = 600) -> dict:
+def run_jobs(n: int, jobs: list[dict], tmp: Path, timeout: int | None = None) -> dict:
     """Run `jobs` in one torchrun launch of `n` gloo ranks (tests/dist/worker.py); their results by
     name. A job that fails on any rank fails the launch with that rank's trace. `--standalone`: the
     rendezvous takes a free port, so launches of parallel test workers (or of other users of the
-    machine) never meet on a fixed one."""
+    machine) never meet on a fixed one. Each job has WORKER_HANG_S (tests/dist/worker.py); the launch
+    as a whole, by default, that per job and two minutes to start, so a busy machine only slows it."""
     tag = uuid.uuid4().hex[:8]
     spec, out = tmp / f"jobs-{tag}.json", tmp / f"out-{tag}.json"
     spec.write_text(json.dumps(jobs))
@@ -101,7 +102,7 @@ def run_jobs(n: int, jobs: list[dict], tmp: Path, timeout: int = 600) -> dict:
         ],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=timeout or 120 + 300 * len(jobs),
         env=env,
     )
     errors = [json.loads(f.read_text()) for f in sorted(tmp.glob(f"{out.name}.rank*.error"))]

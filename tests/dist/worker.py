@@ -8,7 +8,7 @@ JOBS.json is a list of {"name", "kind", "overrides": [key=value, ...]}; rank 0 w
 A job that raises on a rank ends the launch at once: the rank writes the error to
 OUT.json.rank<r>.error and exits non-zero, and torchrun stops the others. Carrying on is not
 safe: the other ranks may be waiting in one of the job's collectives, which would hang them until
-WORKER_HANG_S (or pair their next collective with the wrong one).
+WORKER_HANG_S, a job's limit (or pair their next collective with the wrong one).
 """
 
 import faulthandler
@@ -25,10 +25,12 @@ import jobs  # noqa: E402
 
 
 def main(spec: str, out: str) -> None:
-    faulthandler.dump_traceback_later(int(os.environ.get("WORKER_HANG_S", "500")), exit=True)
+    hang_s = int(os.environ.get("WORKER_HANG_S", "300"))
     dist.init_process_group("gloo")
     results = {}
     for job in json.loads(Path(spec).read_text()):
+        # per job, not per launch: a launch of 40 jobs on a busy machine outlasts any fixed total
+        faulthandler.dump_traceback_later(hang_s, exit=True)
         try:
             results[job["name"]] = getattr(jobs, job["kind"])(job["overrides"])
         except Exception as e:
