@@ -19,7 +19,7 @@ from flopwise.plan.audit import audit_claim, catalogue, parse_claim
 from flopwise.plan.layout import Layout, check_layout
 from flopwise.plan.perf import STACKS, evaluate, layer_times, model_shape, rank_loads
 from flopwise.plan.planner import plan, resolve_layout
-from flopwise.plan.reliability import DEFAULT_GPU_MTBF_HOURS, daly_interval, goodput, reliability
+from flopwise.plan.reliability import DEFAULT_GPU_MTBF_HOURS, account, daly_interval, goodput, reliability
 from flopwise.plan.search import search, why_slower
 from flopwise.recovery import Recovery
 
@@ -357,6 +357,39 @@ def test_plan_uses_the_recovery_calibrate_measured_and_says_so(tmp_path, cli):
     bad.write_text(path.read_text().replace("write_bytes_per_s = 2", "write_bytes_per_s = -2"))
     with pytest.raises(ConfigError, match=r"\[h100-here\]\.recovery\.write_bytes_per_s: a positive number"):
         load_catalogue(bad)
+
+
+def test_the_account_of_a_run_splits_its_wall_time():
+    """A synthetic log: steps of 1 s, a save after every 4th (0.5 s), a failure 0.3 s into step 7 that
+    costs 5 s to restart from step 4's checkpoint, then on to step 10."""
+    t, lines = 0.0, []
+    for step in range(1, 7):
+        t += 1.0 + (0.5 if step == 5 else 0.0)
+        lines.append((t, step))
+    kill = t + 0.3
+    t = kill + 5.0
+    for step in range(5, 11):
+        t += 1.0 + (0.5 if step == 9 else 0.0)
+        lines.append((t, step))
+    a = account(lines, [kill], interval=4)
+    assert (a.step_s, a.stall_s, a.restart_s, a.failures) == (1.0, 0.5, pytest.approx(5.0), 1)
+    assert a.wall_s == pytest.approx(lines[-1][0])
+    assert a.productive_s == 10 and a.lost_s == pytest.approx(0.3 + 2) and a.stalls_s == 1.0
+    assert a.restarts_s == pytest.approx(5.0) and a.unaccounted_s == pytest.approx(0, abs=1e-9)
+    assert a.goodput == pytest.approx(10 / a.wall_s)
+    assert a.predicted(4, mtbf_s=20.0) == pytest.approx(goodput(4.0, 0.5, 5.0, 20.0))
+
+
+def test_the_account_puts_a_survivors_late_line_before_the_restart():
+    """Rank 0 logs step 7 just after rank 1 died (rank 1 had done its part of step 7's collectives):
+    the restart is the next gap, where the log goes back to step 5, timed from that late line."""
+    lines = [(1.0, 1), (2.0, 2), (3.0, 3), (4.0, 4), (5.5, 5), (6.5, 6), (7.5, 7)]
+    kill = 7.45
+    lines += [(kill + 6.0 + i + (0.5 if step >= 9 else 0.0), step) for i, step in enumerate(range(5, 11))]
+    a = account(lines, [kill], interval=4)
+    assert a.failures == 1 and a.restart_s == pytest.approx(13.45 - 7.5 - 1.0)
+    assert a.productive_s == 10 and a.lost_s == pytest.approx(3.0) and a.stalls_s == 1.0
+    assert a.unaccounted_s == pytest.approx(0, abs=1e-9)
 
 
 def test_audit_implied_mfu_and_verdicts():

@@ -1,4 +1,5 @@
-"""Checkpoint cost, failure rate, checkpoint interval and goodput of a planned run. Pure Python.
+"""Checkpoint cost, failure rate, checkpoint interval and goodput: predicted for a plan, and
+measured from a run that failed. Pure Python.
 
 - Checkpoint bytes: what flopwise's DCP checkpoint holds, fp32 weights + Adam m and v = 12 bytes
   per parameter (the 16-bit compute copy is re-derived on load); each device writes and reads its
@@ -26,12 +27,17 @@
   where failures striking restarts and the exponential's tail are what matter. The Daly interval
   is (nearly) the maximum of the exact form; R scales the cost, it does not move the optimum.
   Expected wall-clock = failure-free time / goodput; expected failures = wall-clock / M.
+- Measured goodput (`account`): from the times a run logged each step and the times its failures
+  struck, wall time split into productive steps, lost work, restarts and checkpoint stalls.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from itertools import pairwise
 
 from flopwise.recovery import Recovery
 
@@ -45,6 +51,7 @@ FAILURE_SOURCE = (
 )
 WRITE_SOURCE = "Llama 3's 2 TB/s over 16,384 GPUs (Dubey et al. 2024), per GPU"
 RESTART_SOURCE = f"{DEFAULT_RESTART_MINUTES:g} min, assumed"
+Line = tuple[float, int]  # (time in seconds, step) of one logged step
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,3 +147,105 @@ def reliability(
         write_source=write_source,
         restart_source=restart_source,
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Account:
+    """Where a failing run's wall time went (seconds), and the times the model needs, measured."""
+
+    wall_s: float  # first logged step's start to the last step's log line
+    step_s: float  # median step (consecutive lines, no failure between, no save)
+    stall_s: float  # median checkpoint stall: a step followed by a save, less a step
+    restart_s: float | None  # mean restart no failure cut short: last failure to the next step, less it (None: none)
+    failures: int
+    productive_s: float  # each step reached for the first time × step_s
+    lost_s: float  # steps run again × step_s, plus the work (or write) under way when a failure struck
+    stalls_s: float  # saves completed × stall_s
+    restarts_s: float  # from each failure to the next logged step, less that step
+
+    @property
+    def goodput(self) -> float:
+        return self.productive_s / self.wall_s
+
+    @property
+    def unaccounted_s(self) -> float:
+        """Wall time no part holds: the parts are counts × medians, so step-time jitter, nothing else."""
+        return self.wall_s - self.productive_s - self.lost_s - self.stalls_s - self.restarts_s
+
+    def predicted(self, interval_steps: int, mtbf_s: float) -> float:
+        """The planner's goodput fed this run's own step, write and restart times."""
+        if self.restart_s is None:
+            raise ValueError("no failure was followed by a logged step: the run measured no restart time")
+        return goodput(interval_steps * self.step_s, self.stall_s, self.restart_s, mtbf_s)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "goodput": self.goodput, "unaccounted_s": self.unaccounted_s}
+
+
+def account(lines: Sequence[Line], kills: Sequence[float], interval: int) -> Account:
+    """Measured goodput of a run that saved every `interval` steps, from the (time, step) of each
+    logged step (every step logged, a save after the line of each multiple of `interval`) and the
+    times failures struck. Step and stall times are the run's own medians, so a machine whose speed
+    drifts between runs is measured as it was during this one; a failure's restart is timed from the
+    failure itself, so the parts are measured independently and their sum checks the wall time."""
+    segments = list(pairwise(lines))
+    hits = _restart_segments(segments, kills)
+    plain: list[float] = []
+    saved: list[float] = []
+    for i, ((t0, a), (t1, b)) in enumerate(segments):
+        if b == a + 1 and i not in hits and not any(t0 < k < t1 for k in kills):
+            (saved if a % interval == 0 else plain).append(t1 - t0)
+    if not plain:
+        raise ValueError("no two consecutive steps without a failure or a save between them: too short to measure")
+    step = statistics.median(plain)
+    stall = max(0.0, statistics.median(saved) - step) if saved else 0.0
+    productive, lost, stalls, restarts, whole = step, 0.0, 0.0, 0.0, []
+    reached = lines[0][1]
+    for i, ((t0, a), (t1, b)) in enumerate(segments):
+        if i in hits:
+            first, last = max(hits[i][0], t0), max(hits[i][-1], t0)
+            lost += first - t0  # the work (or write) under way
+            restarts += t1 - first - step  # restarts, and any a later failure cut short
+            whole.append(t1 - last - step)  # the restart after the last failure ran to its end
+        elif a % interval == 0:
+            stalls += stall
+        if b > reached:
+            productive, reached = productive + step, b
+        else:
+            lost += step
+    return Account(
+        wall_s=lines[-1][0] - lines[0][0] + step,
+        step_s=step,
+        stall_s=stall,
+        restart_s=statistics.fmean(whole) if whole else None,
+        failures=sum(len(h) for h in hits.values()),
+        productive_s=productive,
+        lost_s=lost,
+        stalls_s=stalls,
+        restarts_s=restarts,
+    )
+
+
+def _restart_segments(segments: list[tuple[Line, Line]], kills: Sequence[float]) -> dict[int, list[float]]:
+    """{index of the segment between two logged steps that holds the restart: the failures in it}.
+    Usually the segment a failure falls in; but a rank that survives can still log the step its dead
+    peer had finished its part of, just after the failure: then the restart is the next segment, the
+    one where the logged step goes back to the checkpoint's (and which holds no failure of its own)."""
+
+    def back(i: int) -> bool:
+        (_, a), (_, b) = segments[i]
+        return b <= a
+
+    def holds(i: int) -> bool:
+        (t0, _), (t1, _) = segments[i]
+        return any(t0 < k <= t1 for k in kills)
+
+    hits: dict[int, list[float]] = {}
+    for k in sorted(kills):
+        i = next((i for i, ((t0, _), (t1, _)) in enumerate(segments) if t0 < k <= t1), None)
+        if i is None:  # before the first logged step or after the last
+            continue
+        if not back(i) and i + 1 < len(segments) and back(i + 1) and not holds(i + 1):
+            i += 1
+        hits.setdefault(i, []).append(k)
+    return hits
