@@ -1,23 +1,28 @@
-"""Goodput under injected failures: measured on 2 ranks here, predicted by `flopwise plan`.
+"""Goodput under injected failures: measured on 2 ranks here, predicted by the planner.
 
-    python benchmarks/goodput.py            # the table (benchmarks/RESULTS.md holds a recorded one)
-    python benchmarks/goodput.py --json     # a JSON list of rows: mtbf_s, interval_s, predicted, measured, ...
+    python benchmarks/goodput.py --mtbf 60 120 --failures 10 --save benchmarks/results/goodput.json
+                                        # the table in benchmarks/RESULTS.md: ~50 min on a quiet machine
+    python benchmarks/goodput.py --json # a JSON list of rows: mtbf_s, interval_s, predicted, measured, ...
+    python benchmarks/goodput.py --mtbf 20 --productive 10    # a smoke run (about 4 minutes)
 
-1. Calibrate (one run, one injected failure): the step time, the checkpoint write time δ (what a
-   save blocks the loop) and the restart time R (from the SIGKILL to the next step, less a step).
+1. Calibrate (one run, one failure just after step 75): the step time, the checkpoint stall δ (what a
+   save blocks the loop) and the restart time R (from the SIGKILL to the next step, less a step),
+   by plan.reliability.account.
 2. For each MTBF M: `flopwise plan` fed M (cluster.gpu_mtbf_hours), δ (as the storage bandwidth
    that writes this model's checkpoint in δ) and R (cluster.restart_minutes) proposes the Daly
-   interval and predicts its goodput; the same formula (plan/reliability.goodput) predicts half
-   and twice that interval.
-3. Each interval is run: `torchrun --max-restarts` on 2 ranks of demo-tiny, and a thread here
-   SIGKILLs a random rank at exponentially distributed times (a randomly shifted van der Corput
-   sequence through the exponential's inverse CDF: each gap is exponential, and the gaps' running
-   mean stays near M even over the few failures a short run has). torchrun restarts the workers,
-   which resume from the newest checkpoint.
-   Measured goodput = productive step time (steps × the run's own median step time) / wall time
-   (first step to last); the rest is broken into lost steps (steps run more than once), checkpoint
-   stalls (saves × the run's own median stall) and restarts (what remains: detection, restart,
-   reload).
+   interval; at the first MTBF half and twice it run too.
+3. Each interval is run (flopwise.train.chaos): `torchrun --max-restarts` on 2 ranks of
+   demo-tiny, a random rank SIGKILLed at exponentially distributed times (a randomly shifted van
+   der Corput sequence through the inverse CDF: the failure schedule is the same for the intervals
+   of one MTBF), torchrun restarting the workers, which resume from the newest checkpoint. A run
+   stops once it has done --productive seconds of new steps (default: enough for --failures
+   expected failures at the planner's goodput), timed by its own median step, so a machine whose
+   speed drifts still gives each run the work it was asked for.
+4. Each run is accounted by plan.reliability.account: measured goodput = new steps × the run's
+   median step / wall time; lost work, restarts (timed from each failure) and checkpoint stalls;
+   what the parts leave unaccounted is step-time jitter. Predicted = plan.reliability.goodput (Daly
+   2006's exact expectation) fed the nominal M and the run's OWN step, δ and R: planner and run
+   compared on the same costs.
 """
 
 from __future__ import annotations
@@ -26,30 +31,20 @@ import argparse
 import json
 import math
 import os
-import random
-import re
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from itertools import pairwise
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])  # the workers too
 
-from flopwise.plan.reliability import CHECKPOINT_BYTES_PER_PARAM, goodput  # noqa: E402  (after the path)
+from flopwise.plan.reliability import CHECKPOINT_BYTES_PER_PARAM, Account, account, daly_interval  # noqa: E402
+from flopwise.train.chaos import Timeline, exponential_gaps, run_under_failures  # noqa: E402
 
-STEP = re.compile(r"^step (\d+)/(\d+) ")
-ENV = {
-    **os.environ,
-    "OMP_NUM_THREADS": "1",
-    "PYTHONUNBUFFERED": "1",
-    "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-}
 MODEL = ["model.preset=demo-tiny", "data.seq_len=32", "train.global_batch=8"]
 
 
@@ -68,12 +63,15 @@ def prepare(tmp: Path) -> Path:
 
 
 def overrides(run_dir: Path, data: Path, steps: int, interval: int) -> list[str]:
+    """Eager (train.compile=false: `auto` compiles runs of 1,000 steps or more, and every restart
+    would then compile again), every step logged (the account needs each step's time)."""
     return [
         *MODEL,
         f'run.dir="{run_dir}"',
         f'data.path="{data}"',
         "train.micro_batch=4",
         'train.dtype="fp32"',
+        "train.compile=false",
         f"train.steps={steps}",
         "train.eval_every=0",
         "train.eval_batches=1",
@@ -85,103 +83,17 @@ def overrides(run_dir: Path, data: Path, steps: int, interval: int) -> list[str]
     ]
 
 
-def gaps(mtbf: float, seed: int):
-    """Exponential gaps of mean `mtbf`: a randomly shifted van der Corput sequence, inverted."""
-    shift = random.Random(seed).random()
-    i = 1
-    while True:
-        q, f, n = 0.0, 0.5, i
-        while n:
-            q, n, f = q + f * (n & 1), n >> 1, f / 2
-        yield -mtbf * math.log(1 - (q + shift) % 1.0)
-        i += 1
+def calibrate(tmp: Path, data: Path) -> Account:
+    """Step time, write stall and restart time of this machine now, from one run with one failure
+    (just after step 75, so that a checkpoint exists whatever the machine's speed)."""
+    t = run_under_failures(overrides(tmp / "calibrate", data, 150, 10), [0.1], from_step=75, timeout_s=900)
+    return account(t.lines, t.kills, 10)
 
 
-def workers(agent: int) -> list[int]:
-    children = Path(f"/proc/{agent}/task/{agent}/children")
-    return [int(c) for c in children.read_text().split()] if children.exists() else []
-
-
-def run(
-    run_dir: Path, data: Path, steps: int, interval: int, mtbf: float | None, seed: int, kill_at_step: int | None = None
-) -> dict:
-    """One training run under failures; the time of every step line and of every kill."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "1000",
-        "-m",
-        "flopwise",
-        "train",
-        *overrides(run_dir, data, steps, interval),
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV)
-    lines: list[tuple[float, int]] = []
-    kills: list[float] = []
-    started, done = threading.Event(), threading.Event()
-    rng = random.Random(seed)
-
-    def kill() -> None:
-        victims = workers(proc.pid)
-        if victims:
-            os.kill(rng.choice(victims), signal.SIGKILL)
-            kills.append(time.monotonic())
-
-    def killer() -> None:
-        started.wait()
-        due = time.monotonic()
-        for gap in gaps(mtbf or math.inf, seed):
-            due += gap
-            if done.wait(max(0.0, due - time.monotonic())):
-                return
-            kill()
-
-    if mtbf is not None:
-        threading.Thread(target=killer, daemon=True).start()
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        m = STEP.match(line)
-        if not m:
-            continue
-        lines.append((time.monotonic(), int(m[1])))
-        started.set()
-        if int(m[1]) == kill_at_step and not kills:
-            kill()
-        if int(m[1]) == steps:
-            done.set()
-    done.set()
-    if proc.wait() != 0:
-        raise SystemExit(f"training failed (exit {proc.returncode}): {' '.join(cmd)}")
-    return {"lines": lines, "kills": kills}
-
-
-def timings(r: dict, interval: int) -> tuple[float, float]:
-    """(median step time, median checkpoint stall) from consecutive step lines of one attempt."""
-    plain, saved = [], []
-    for (t0, a), (t1, b) in pairwise(r["lines"]):
-        if b == a + 1 and not any(t0 < k < t1 for k in r["kills"]):
-            (saved if a % interval == 0 else plain).append(t1 - t0)
-    step = statistics.median(plain)
-    return step, max(0.0, statistics.median(saved) - step) if saved else 0.0
-
-
-def calibrate(tmp: Path, data: Path) -> dict:
-    """Step time, write stall and restart time of this machine, from one run with one kill."""
-    r = run(tmp / "calibrate", data, steps=60, interval=10, mtbf=None, seed=0, kill_at_step=25)
-    step, write = timings(r, 10)
-    kill = r["kills"][0]
-    after = next(t for t, _ in r["lines"] if t > kill)
-    return {"step_s": step, "write_s": write, "restart_s": max(0.0, after - kill - step)}
-
-
-def plan(cal: dict, mtbf: float, params: float) -> dict:
+def plan(cal: Account, mtbf: float, params: float) -> dict:
     """`flopwise plan`'s reliability account for 2 devices fed the measured δ, R and this MTBF."""
-    gbps = CHECKPOINT_BYTES_PER_PARAM * params / 2 / max(cal["write_s"], 1e-6) / 1e9
+    assert cal.restart_s is not None  # the calibration's one failure was followed by a restart
+    gbps = CHECKPOINT_BYTES_PER_PARAM * params / 2 / max(cal.stall_s, 1e-6) / 1e9
     cmd = [
         sys.executable,
         "-m",
@@ -191,41 +103,72 @@ def plan(cal: dict, mtbf: float, params: float) -> dict:
         "cluster.hardware=h100-sxm",
         "cluster.gpus=2",
         f"cluster.gpu_mtbf_hours={mtbf * 2 / 3600!r}",
-        f"cluster.restart_minutes={cal['restart_s'] / 60!r}",
+        f"cluster.restart_minutes={cal.restart_s / 60!r}",
         f"cluster.storage_gbps_per_gpu={gbps!r}",
         "--json",
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, check=True).stdout
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out)["reliability"]
 
 
-def measure(tmp: Path, data: Path, cal: dict, mtbf: float, interval: int, productive_s: float, seed: int) -> dict:
-    steps = max(4 * interval, round(productive_s / cal["step_s"]))
-    r = run(tmp / f"m{mtbf:g}-i{interval}", data, steps, interval, mtbf, seed)
-    step, stall = timings(r, interval)
-    first = next(t for t, k in r["lines"] if k == 1)
-    wall = r["lines"][-1][0] - first + step
-    saves = sum(1 for _, k in r["lines"] if k % interval == 0 and k < steps)
-    redone = len(r["lines"]) - steps
-    productive, lost, stalls = steps * step / wall, redone * step / wall, saves * stall / wall
+def enough(productive_s: float):
+    """`until` for a run: stop once its new steps × its recent median step reach `productive_s`
+    (asked every 20 lines, in time independent of the run's length: a 1,200 s run logs 50,000 steps)."""
+    reached = 0
+
+    def done(t: Timeline) -> bool:
+        nonlocal reached
+        reached = max(reached, t.lines[-1][1])
+        if len(t.lines) % 20:
+            return False
+        recent = [t1 - t0 for (t0, a), (t1, b) in pairwise(t.lines[-200:]) if b == a + 1]
+        return bool(recent) and (reached - t.lines[0][1] + 1) * statistics.median(recent) >= productive_s
+
+    return done
+
+
+def measure(tmp: Path, data: Path, mtbf: float, interval: int, productive_s: float, step_s: float, seed: int) -> dict:
+    """One run at MTBF `mtbf`, saving every `interval` steps, until `productive_s` of new work."""
+    steps = max(4 * interval, math.ceil(5 * productive_s / step_s))  # 5x the calibrated need: room for drift
+    t = run_under_failures(
+        overrides(tmp / f"m{mtbf:g}-i{interval}", data, steps, interval),
+        exponential_gaps(mtbf, seed),
+        seed=seed,
+        until=enough(productive_s),
+        timeout_s=20 * productive_s + 900,
+    )
+    a = account(t.lines, t.kills, interval)
+    tau = interval * a.step_s
     return {
-        "steps": steps,
-        "failures": len(r["kills"]),
-        "wall_s": wall,
-        "step_s": step,
-        "stall_s": stall,
-        "measured": productive,
-        "lost_steps": lost,
-        "checkpoint_stalls": stalls,
-        "restarts": max(0.0, 1 - productive - lost - stalls),
+        "interval_s": tau,
+        "interval_steps": interval,
+        "run_of_daly": tau / daly_interval(a.stall_s, mtbf),
+        "predicted": a.predicted(interval, mtbf) if a.restart_s is not None else None,
+        "predicted_at_realized_mtbf": a.predicted(interval, a.wall_s / a.failures) if a.failures else None,
+        "measured": a.goodput,
+        "lost": a.lost_s / a.wall_s,
+        "restarts": a.restarts_s / a.wall_s,
+        "checkpoint_stalls": a.stalls_s / a.wall_s,
+        "unaccounted": a.unaccounted_s / a.wall_s,
+        "failures": a.failures,
+        "failures_expected": a.wall_s / mtbf,
+        "steps": t.lines[-1][1],
+        "wall_s": a.wall_s,
+        "step_s": a.step_s,
+        "stall_s": a.stall_s,
+        "restart_s": a.restart_s,
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print a JSON list of rows")
-    ap.add_argument("--mtbf", type=float, nargs="+", default=[30.0, 60.0], help="job MTBFs in seconds")
-    ap.add_argument("--productive", type=float, default=60.0, help="failure-free seconds of training per run")
+    ap.add_argument("--save", type=Path, help="also write the rows to this JSON file")
+    ap.add_argument("--mtbf", type=float, nargs="+", default=[60.0, 120.0], help="job MTBFs in seconds")
+    ap.add_argument(
+        "--productive", type=float, help="seconds of new steps per run (default: --failures expected failures)"
+    )
+    ap.add_argument("--failures", type=float, default=10.0, help="failures expected per run, to size it")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     from flopwise.config import load_config
@@ -239,39 +182,40 @@ def main() -> None:
         cal = calibrate(tmp, data)
         for i, mtbf in enumerate(a.mtbf):
             rel = plan(cal, mtbf, params)
-            daly = max(1, round(rel["interval_daly_s"] / cal["step_s"]))
-            factors = (0.5, 1, 2) if i == 0 else (1,)  # half and twice Daly's at the first MTBF
-            for f in factors:
+            daly = max(1, round(rel["interval_daly_s"] / cal.step_s))
+            productive = a.productive or a.failures * mtbf * rel["goodput"]
+            for f in (0.5, 1, 2) if i == 0 else (1,):  # half and twice Daly's at the first MTBF
                 interval = max(1, round(daly * f))
-                tau = interval * cal["step_s"]
-                m = measure(tmp, data, cal, mtbf, interval, a.productive, a.seed + i)
+                m = measure(tmp, data, mtbf, interval, productive, cal.step_s, a.seed + i)
                 rows.append(
                     {
                         "mtbf_s": mtbf,
-                        "interval_s": tau,
-                        "interval_steps": interval,
                         "of_daly": f,
-                        "predicted": goodput(tau, cal["write_s"], cal["restart_s"], mtbf),
+                        **m,
                         "plan_goodput": rel["goodput"],
                         "plan_interval_s": rel["interval_daly_s"],
-                        **m,
-                        **{f"cal_{k}": v for k, v in cal.items()},
+                        **{f"cal_{k}": getattr(cal, k) for k in ("step_s", "stall_s", "restart_s")},
                     }
                 )
+    if a.save:
+        a.save.write_text(json.dumps(rows, indent=1) + "\n")
     if a.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"calibration: step {cal['step_s']:.3f} s, write {cal['write_s']:.3f} s, restart {cal['restart_s']:.1f} s")
+    print(f"calibration: step {cal.step_s:.3f} s, write stall {cal.stall_s:.3f} s, restart {cal.restart_s:.1f} s")
     print(
-        "| MTBF s | interval s (steps, × Daly) | predicted | measured | lost steps | restarts | ckpt stalls "
-        "| failures |"
+        "| MTBF s | interval s (steps, × Daly) | predicted | measured | lost | restarts | ckpt stalls | unaccounted "
+        "| failures (expected) | wall s | step s | δ s | R s |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        pred = f"{r['predicted']:.3f}" if r["predicted"] is not None else "–"
+        restart = f"{r['restart_s']:.1f}" if r["restart_s"] is not None else "–"
         print(
-            f"| {r['mtbf_s']:g} | {r['interval_s']:.2f} ({r['interval_steps']}, ×{r['of_daly']:g}) | "
-            f"{r['predicted']:.3f} | {r['measured']:.3f} | {r['lost_steps']:.3f} | {r['restarts']:.3f} | "
-            f"{r['checkpoint_stalls']:.3f} | {r['failures']} |"
+            f"| {r['mtbf_s']:g} | {r['interval_s']:.2f} ({r['interval_steps']}, ×{r['run_of_daly']:.2g}) | {pred} | "
+            f"{r['measured']:.3f} | {r['lost']:.3f} | {r['restarts']:.3f} | {r['checkpoint_stalls']:.3f} | "
+            f"{r['unaccounted']:+.3f} | {r['failures']} ({r['failures_expected']:.1f}) | {r['wall_s']:.0f} | "
+            f"{r['step_s']:.3f} | {r['stall_s']:.3f} | {restart} |"
         )
 
 

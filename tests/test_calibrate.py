@@ -58,13 +58,17 @@ def test_calibrate_writes_an_entry_the_planner_plans_with(calibrated, tmp_path):
     # element-wise rates at tp 1 (3 micro-batches) and of the engine's tensor parallel on the 2 ranks
     assert sorted(r[0] for r in cal.elementwise) == [1.0, 1.0, 1.0, 2.0] and all(r[2] > 1e6 for r in cal.elementwise)
     assert {k for k, _ in cal.collectives} == {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}
+    rec = hw.recovery  # a save's fixed cost and rate, a restart's fixed part and read rate: physical
+    assert rec is not None and 0 <= rec.write_latency_s < 10 and 1e6 < rec.write_bytes_per_s < 1e12
+    assert 0.5 < rec.restart_fixed_s < 300 and 1e5 < rec.read_bytes_per_s < 1e12 and "calibrate on" in rec.source
     for kind, _ in cal.collectives:  # latency and bandwidth fitted to the measurements are physical
         alpha, beta = cal.collective(kind)
         assert 0 <= alpha < 0.1 and 1e6 < beta < 1e12
     r = flopwise("plan", "demo", *TINY, f'cluster.hardware_file="{out}"', "--json")
     assert r.returncode == 0, r.stderr[-2000:]
-    best = json.loads(r.stdout)["layouts"][0]
+    best, rel = json.loads(r.stdout)["layouts"][0], json.loads(r.stdout)["reliability"]
     assert best["step_time_s"] > 0 and 0 < best["mfu"] < 1
+    assert rel["write_source"].startswith("measured") and rel["restart_source"].startswith("measured")
 
 
 @pytest.mark.multiproc

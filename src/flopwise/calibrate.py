@@ -14,7 +14,8 @@ degrees a layout search on this machine tries, plus a coarse grid so other model
   element-wise bytes (plan.perf): the bandwidth streaming work reaches in this engine here;
 - one fused AdamW step with gradient clipping (train.optim) by parameter count;
 - all-reduce, all-gather, reduce-scatter and send/recv by message size over N local ranks
-  (gloo on CPU, NCCL on GPU), in a torchrun of this module.
+  (gloo on CPU, NCCL on GPU), in a torchrun of this module;
+- the checkpoint write and restart times (flopwise.calibrate_recovery), for the reliability account.
 Timings are medians of repeats after a warm-up; the GPU is synchronised around each.
 """
 
@@ -39,6 +40,7 @@ from pathlib import Path
 import tomli_w
 import torch
 
+from flopwise.calibrate_recovery import measure_recovery
 from flopwise.calibration import COLLECTIVES, Calibration
 from flopwise.config import Config, load_config, to_toml, validate
 from flopwise.errors import ConfigError, FlopwiseError
@@ -395,7 +397,8 @@ def calibrate(cfg: Config, device: torch.device, nproc: int, progress: Progress)
         torch.set_num_threads(threads)
         torch.set_flush_denormal(True)  # as flopwise.build runs a CPU rank
     try:
-        return _calibrate(cfg, device, nproc, threads, progress)
+        hw = _calibrate(cfg, device, nproc, threads, progress)
+        return replace(hw, recovery=measure_recovery(cfg, device, progress))
     finally:
         torch.set_num_threads(before)
 
@@ -425,7 +428,7 @@ def sweep(cfg: Config, nproc: int, device: torch.device) -> dict:
 def steps_of(cfg: Config, nproc: int, device: torch.device) -> int:
     """How many measurements calibrate takes (for the progress bar)."""
     s = sweep(cfg, nproc, device)
-    return 1 + len(s["gemms"]) + len(s["seqs"]) * len(s["head_dims"]) + len(s["micro_batches"]) + 3 + (nproc >= 2)
+    return 1 + len(s["gemms"]) + len(s["seqs"]) * len(s["head_dims"]) + len(s["micro_batches"]) + 5 + (nproc >= 2)
 
 
 def _calibrate(cfg: Config, device: torch.device, nproc: int, threads: int, progress: Progress) -> Hardware:

@@ -960,12 +960,14 @@ def _print_plan(report, top: int, name: str) -> None:
     if r:
         days = b.to_json(report.tokens, cfg.cluster.gpus)["train_days"]
         console.print(
-            f"checkpoint {_size(r.checkpoint_bytes)}, write {r.write_s:.0f} s; cluster MTBF "
-            f"{r.cluster_mtbf_h:.2f} h; Young/Daly interval {r.interval_daly_s / 60:.0f} min; expected "
+            f"checkpoint {_size(r.checkpoint_bytes)}, write {r.write_s:.3g} s, restart {r.restart_s:.3g} s; cluster "
+            f"MTBF {r.cluster_mtbf_h:.2f} h; Young/Daly interval {r.interval_daly_s / 60:.0f} min; expected "
             f"goodput {r.goodput:.1%}, {r.failures_expected:.0f} failures over the run: "
             f"{_duration(r.wall_days)} of wall-clock with them ({_duration(days)} without)"
         )
-        console.print(f"[dim]failure rate: {r.failure_source}[/]")
+        console.print(f"[dim]failure rate: {escape(r.failure_source)}[/]", highlight=False)
+        console.print(f"[dim]write time: {escape(r.write_source)}[/]", highlight=False)
+        console.print(f"[dim]restart time: {escape(r.restart_source)}[/]", highlight=False)
     for d in report.data or []:
         warn = " [yellow](over 4 epochs: repeats add little)[/]" if d.over_repeated else ""
         console.print(
@@ -1128,6 +1130,12 @@ def hardware_calibrate(
         f"{len(c.collectives)} collectives over {hw.devices_per_node} ranks; "
         f"{time.perf_counter() - started:.0f} s"
     )
+    if r := hw.recovery:
+        console.print(
+            f"checkpoint write {r.write_latency_s:.3g} s + {r.write_bytes_per_s / 1e9:.3g} GB/s; restart "
+            f"{r.restart_fixed_s:.3g} s + a read at {r.read_bytes_per_s / 1e9:.3g} GB/s (one process; the planner's "
+            "write and restart times unless cluster.storage_gbps_per_gpu or cluster.restart_minutes is set)"
+        )
     console.print(f"wrote {out}: plan with cluster.hardware={hw.name} cluster.hardware_file={out}")
 
 

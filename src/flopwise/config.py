@@ -364,7 +364,8 @@ class ClusterConfig(Section):
     storage_gbps_per_gpu: float | None = Field(
         None,
         gt=0,
-        description="checkpoint write bandwidth per device, GB/s; default: Llama 3's 2 TB/s over 16,384 GPUs",
+        description="checkpoint write bandwidth per device, GB/s; default: measured by `hardware calibrate` "
+        "(cluster.hardware_file), else Llama 3's 2 TB/s over 16,384 GPUs",
     )
     gpu_mtbf_hours: float | None = Field(
         None,
@@ -372,7 +373,12 @@ class ClusterConfig(Section):
         description="mean time between failures of one device; "
         "default: Llama 3's 466 interruptions in 54 days on 16,384 GPUs",
     )
-    restart_minutes: float = Field(10.0, ge=0, description="time to detect a failure, restart and reload")
+    restart_minutes: float | None = Field(
+        None,
+        ge=0,
+        description="time to detect a failure, restart and reload; default: measured by `hardware calibrate` "
+        "(cluster.hardware_file), else 10",
+    )
 
 
 class PlanConfig(Section):

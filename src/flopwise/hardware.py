@@ -15,6 +15,7 @@ from pathlib import Path
 
 from flopwise.calibration import Calibration, calibration_toml, parse_calibration, positive_number
 from flopwise.errors import ConfigError
+from flopwise.recovery import Recovery, parse_recovery, recovery_toml
 
 GB = 1e9
 GiB = 2**30
@@ -71,6 +72,7 @@ class Hardware:
     matmul_efficiency: float = A100_GEMM  # achievable share of peak for large dense GEMMs (chip + BLAS)
     extra: dict = field(default_factory=dict)
     calibration: Calibration | None = None  # measured tables (`flopwise hardware calibrate`), else the above
+    recovery: Recovery | None = None  # measured checkpoint write and restart (calibrate), else plan's constants
 
     def peak(self, dtype: str) -> float | None:
         return self.peak_flops.get(dtype)
@@ -339,6 +341,8 @@ def load_catalogue(path: str | Path) -> dict[str, Hardware]:
             raise ConfigError(f"{where}.devices_per_node: a whole number >= 1 is needed, got {dpn!r}")
         if "calibration" in fields:
             fields["calibration"] = parse_calibration(f"{where}.calibration", fields["calibration"])
+        if "recovery" in fields:
+            fields["recovery"] = parse_recovery(f"{where}.recovery", fields["recovery"])
         try:
             cat[name] = Hardware(name=name, **fields)
         except TypeError as e:
@@ -362,6 +366,8 @@ def hardware_toml(hw: Hardware) -> dict:
         out["notes"] = hw.notes
     if hw.calibration:
         out["calibration"] = calibration_toml(hw.calibration)
+    if hw.recovery:
+        out["recovery"] = recovery_toml(hw.recovery)
     return out
 
 

@@ -296,7 +296,13 @@ def plan(
     if best.fits:
         c = cfg.cluster
         rel = reliability(
-            sh.params, c.gpus, tokens / best.tokens_per_s, c.storage_gbps_per_gpu, c.gpu_mtbf_hours, c.restart_minutes
+            sh.params,
+            c.gpus,
+            tokens / best.tokens_per_s,
+            c.storage_gbps_per_gpu,
+            c.gpu_mtbf_hours,
+            c.restart_minutes,
+            measured=hw.recovery,
         )
     return PlanReport(
         cfg=cfg,
