@@ -11,12 +11,14 @@ import time
 
 import pytest
 import torch
+import transformers
 from rich.console import Console
 
 from flopwise.checkpoints import checkpoint
 from flopwise.config import GuardConfig, WatchdogConfig, load_config
 from flopwise.errors import CheckpointError, ConfigError, TrainingStopped
 from flopwise.eval.load import load_for_inference
+from flopwise.interop.convert import export_hf
 from flopwise.launch import train
 from flopwise.log import printing_to
 from flopwise.train.faults import parse
@@ -269,6 +271,50 @@ def test_ctrl_c_checkpoints_and_what_a_rerun_of_that_folder_may_do(tiny_data, tm
         run(tmp_path / "r", tiny_data, "", monkeypatch, **{**kw, "train.steps": 4, "optim.warmup_steps": 1})
     done, out = run(tmp_path / "r", tiny_data, "", monkeypatch, **{**kw, "train.steps": 5})
     assert "nothing to train" in out and done.steps == 5 and not done.losses
+
+
+def distcp_bytes(ckpt) -> int:
+    return sum(p.stat().st_size for p in ckpt.glob("*.distcp"))
+
+
+def test_tied_embeddings_are_stored_once_and_resume_exactly(tiny_data, tmp_path, monkeypatch):
+    """Issue 41: a tied head was stored twice, as itself and as the embedding (a 135M import: 652 MB
+    where 538 MB hold it). Now a tied checkpoint is its untied twin less three embeddings (the head
+    and its two AdamW moments: fp32 vocab x d_model each), the old writer's less one; the weight is
+    shared again after a load, resume is bitwise, the HF export ties, and a checkpoint written the
+    old way (both keys) still loads and resumes exactly."""
+    kw = {"train.steps": 6, "checkpoint.interval": 3, "train.eval_every": 0}
+    tied = {**kw, "model.tie_embeddings": "true"}
+    emb = 512 * 64 * 4  # demo-tiny: vocab 512, d_model 64, fp32
+    untied, _ = run(tmp_path / "untied", tiny_data, **kw)
+    ref, _ = run(tmp_path / "ref", tiny_data, **tied)
+    saved = set(checkpoint.read_dcp_metadata(ref.checkpoint).state_dict_metadata)
+    assert "model.tok_embeddings.weight" in saved and "model.output.weight" not in saved
+    overhead = 4 * 2048  # four fewer entries (model.output.weight, its step and moments), each in its own record
+    assert 3 * emb <= distcp_bytes(untied.checkpoint) - distcp_bytes(ref.checkpoint) < 3 * emb + overhead
+
+    run(tmp_path / "split", tiny_data, **{**tied, "train.stop_after": 3})
+    resumed, out = run(tmp_path / "split", tiny_data, **tied)
+    assert "step-00000003 at step 3" in out
+    assert distcp_hashes(resumed.checkpoint) == distcp_hashes(ref.checkpoint)
+    model = load_for_inference(ref.checkpoint)[0]
+    assert model.output.weight is model.tok_embeddings.weight
+
+    with monkeypatch.context() as old:  # the writer of earlier releases: every state-dict key, the alias too
+        old.setattr(checkpoint, "_ties", lambda modules: {})
+        run(tmp_path / "old", tiny_data, **{**tied, "train.stop_after": 3})
+    first = checkpoint.latest(tmp_path / "old")
+    assert "model.output.weight" in checkpoint.read_dcp_metadata(first).state_dict_metadata
+    assert emb <= distcp_bytes(first) - distcp_bytes(checkpoint.step_dir(tmp_path / "split", 3)) < emb + 2048
+    continued, out = run(tmp_path / "old", tiny_data, **tied)
+    assert "step-00000003 at step 3" in out
+    assert distcp_hashes(continued.checkpoint) == distcp_hashes(ref.checkpoint)
+
+    hf = export_hf(ref.checkpoint, tmp_path / "hf")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(hf)
+    assert exported.config.tie_word_embeddings
+    assert exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(exported.model.embed_tokens.weight, model.tok_embeddings.weight)
 
 
 def test_async_checkpoints_resume_bitwise(tiny_data, tmp_path, monkeypatch):
