@@ -317,6 +317,36 @@ def test_tied_embeddings_are_stored_once_and_resume_exactly(tiny_data, tmp_path,
     assert torch.equal(exported.model.embed_tokens.weight, model.tok_embeddings.weight)
 
 
+def test_rerunning_a_finished_run_builds_and_loads_nothing(tiny_data, tmp_path, monkeypatch, cli):
+    """Issue 41: `flopwise train` again in a finished run's folder took 82 s (a 135M model) to say
+    there was nothing to do: it built the model and loaded the checkpoint first. The answer comes
+    from the newest checkpoint's state.json now: no model is built, no tensor read; the same line,
+    exit 0, and the summary of what the run recorded."""
+    args = ["train", *tiny_overrides(tmp_path, tiny_data, **{"train.steps": 6})]
+    first = cli(*args)
+    assert first.returncode == 0, first.stderr
+    val = [
+        r["val_loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r
+    ]
+
+    def refuse(*_args, **_kw):
+        raise AssertionError("a model built or a tensor read to say there is nothing to do")
+
+    with monkeypatch.context() as m:
+        m.setattr("flopwise.model.transformer.Transformer.__init__", refuse)
+        m.setattr("torch.distributed.checkpoint.load", refuse)
+        again = cli(*args)
+    said = " ".join((again.stdout + again.stderr).split())
+    assert again.returncode == 0, said
+    assert (
+        "complete: the checkpoint is at step 6, where this run ends (train.steps, train.stop_after): "
+        "nothing to train; raise them to continue" in said
+    )
+    assert "step-00000006" in said and f"{val[-1]:.4f}" in said  # the checkpoint, and the val loss it ended with
+    more = cli("train", *tiny_overrides(tmp_path, tiny_data, **{"train.steps": 7}))  # not finished: trains step 7
+    assert more.returncode == 0 and "step-00000006 at step 6" in more.stdout + more.stderr
+
+
 def test_async_checkpoints_resume_bitwise(tiny_data, tmp_path, monkeypatch):
     kw = {"train.steps": 8, "checkpoint.interval": 2, "checkpoint.async": "true"}
     run(tmp_path / "split", tiny_data, **{**kw, "train.stop_after": 5})
