@@ -6,6 +6,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import time
 
@@ -24,7 +25,7 @@ from flopwise.log import printing_to
 from flopwise.train.faults import parse
 from flopwise.train.guard import Guard, Verdict
 from flopwise.train.watch import Watch
-from tests.conftest import tiny_overrides
+from tests.conftest import flopwise, tiny_overrides
 
 
 def run(tmp, data, faults="", monkeypatch=None, **kw):
@@ -388,6 +389,45 @@ def test_watchdog_dumps_every_thread_when_a_step_hangs(tmp_path):
     assert text.startswith("rank 0: step 6 has run") and "test_watchdog_dumps_every_thread" in text
     assert text.count("Thread 0x") + text.count("Current thread 0x") >= 2  # the watchdog's own thread too
     assert len(seen) == 1 and "hang-rank0.txt" in seen[0]
+
+
+def test_a_slow_step_is_one_line_on_the_terminal_and_its_stacks_only_in_the_report(tiny_data, tmp_path):
+    """Issue 41: a step past the watchdog's limit on one process (a 135M model's step past 300 s)
+    printed every thread's stack, some 40 lines, on the terminal. Now one line names the step, the
+    time and hang-rank0.txt, which holds the stacks (the slow step's sleep among them); a user runs
+    `flopwise train`, so this runs it in a fresh process, where faulthandler reaches the real stderr."""
+    r = flopwise(
+        "train",
+        *tiny_overrides(tmp_path, tiny_data, **{"watchdog.min_s": 1, "watchdog.hang_factor": 3}),
+        env={"FLOPWISE_FAULTS": "slow:step=4:seconds=5"},
+    )
+    assert r.returncode == 0, r.stderr
+    terminal = (r.stdout + r.stderr).splitlines()
+    report = tmp_path.resolve() / "hang-rank0.txt"
+    line = re.compile(
+        rf"watchdog: rank 0: step 4 has run [\d.]+ s \(median step [\d.]+ s\); "
+        rf"every thread's stack is in {re.escape(str(report))}"
+    )
+    assert any(line.fullmatch(x.strip()) for x in terminal), [x for x in terminal if "watchdog" in x]
+    stacks = [x for x in terminal if x.lstrip().startswith(('File "', "Thread 0x", "Current thread 0x"))]
+    assert not stacks, stacks[:5]
+    text = report.read_text()
+    assert "rank 0: step 4 has run" in text and " in _process_fault" in text  # the main thread, in the slow fault
+
+
+def test_a_watchdog_report_that_cannot_be_written_goes_to_stderr(tmp_path, capfd):
+    """A folder train did not claim (or a full disk) takes no report: the one line says so and the
+    stacks go to stderr, the one place left, instead of a traceback of the watchdog's thread."""
+    seen = []
+    with Watch(WatchdogConfig(hang_factor=3, min_s=0.3), tmp_path, 0, torch.device("cpu"), seen.append) as w:
+        w.beat(1)
+        deadline = time.monotonic() + 120
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+    err = capfd.readouterr().err
+    assert len(seen) == 1 and "step 1 has run" in seen[0] and "cannot be written" in seen[0], seen
+    assert "test_a_watchdog_report_that_cannot_be_written" in err and "Traceback" not in err
+    assert not (tmp_path / "hang-rank0.txt").exists()
 
 
 def test_fault_spec_errors_are_config_errors():
