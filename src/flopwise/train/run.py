@@ -92,7 +92,6 @@ def restore(run: Run, ckpt: Path, counters: bool = True) -> dict:
         "rng": lambda: checkpoint.set_rng_state(state["rng"]),
         "guard": lambda: run.guard.load_state_dict(state.get("guard"), counters=counters),
         "step": lambda: state.update(step=_count(state["step"])),
-        "layout": lambda: Layout.from_json(state.get("layout") or {}).name(),
     }
     for field, apply in parts.items():
         _checked(ckpt, field, apply)
@@ -159,6 +158,7 @@ def resume_state(ckpt: Path, cfg: Config, data_fp: str) -> dict:
             f"[bold]resume[/]: changed since the checkpoint: {escape(', '.join(changed))}", extra={"highlighter": None}
         )
     _checked(ckpt, "step", lambda: state.update(step=_count(state["step"])))
+    _checked(ckpt, "layout", lambda: Layout.from_json(state.get("layout") or {}).name())
     if state["step"] > cfg.train.steps:
         raise ConfigError(
             f"checkpoint {ckpt} is at step {state['step']}, past train.steps={cfg.train.steps}; raise "

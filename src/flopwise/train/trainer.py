@@ -552,7 +552,11 @@ def finished(done: Finished, started: float) -> TrainResult:
         "(train.steps, train.stop_after): nothing to train; raise them to continue"
     )
     run_dir = Path(cfg.run.dir)
-    vals = [r["val_loss"] for r in read_records(run_dir / "metrics.jsonl") if r["step"] <= step and "val_loss" in r]
+    vals = [  # the file is read, never written here: a record of another shape is passed over
+        r["val_loss"]
+        for r in read_records(run_dir / "metrics.jsonl")
+        if isinstance(r.get("val_loss"), float) and isinstance(r.get("step"), int) and r["step"] <= step
+    ]
     return TrainResult(
         run_dir=run_dir,
         steps=step,
