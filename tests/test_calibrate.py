@@ -6,15 +6,18 @@ on the four CPU layouts is benchmarks/plan_time_cpu.py's (a loaded CI machine wo
 bound here flaky, so the test asks for the right order of magnitude and a strict improvement on
 nothing but the measurement itself)."""
 
+import itertools
 import json
 import os
 import re
+import sys
 
 import pytest
 
 from flopwise.calibrate import save
 from flopwise.errors import ConfigError
 from flopwise.hardware import CATALOGUE, load_catalogue
+from flopwise.plan.perf import ACT_BYTES
 from tests.conftest import flopwise, run_main
 
 TINY = [
@@ -133,6 +136,48 @@ def test_a_bad_or_partial_file_fails_in_one_line_naming_the_field(
     monkeypatch.setenv("COLUMNS", "400")  # the one line unwrapped, however long the path
     code, err = run_main(["plan", "demo", f'cluster.hardware_file="{bad}"'], capsys, monkeypatch)
     assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error:"), err
+
+
+# SmolLM-135M's config.json (tied 49,152-token vocabulary, 2,048-token context): the model of issue 41
+SMOL = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": True,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+}
+
+
+@pytest.mark.slow
+def test_a_135m_model_is_timed_at_what_the_machine_does_in_a_second(tmp_path):
+    """Issue 41: calibrating for an imported 135M model took 345 s and 8.9 GB: its forward + backward
+    was timed at the config's own micro-batch 16 x 2,048 tokens (the continued-pretraining defaults),
+    three times after a warm-up, where one call's fp32 logits alone are 16 * 2048 * 49152 * 4 bytes
+    (6.4 GB). Now it is timed at the largest size the tables measured before it put under CALL_S
+    (on this 2-core CPU a few dozen tokens), so the process stays far below those logits (the OS's
+    peak RSS is the reference), and the rows the planner reads say which sizes were timed."""
+    from tests.train.test_preflight import max_rss_of
+
+    hf = tmp_path / "smol"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(SMOL))
+    out = tmp_path / "hw.toml"
+    cmd = [sys.executable, "-m", "flopwise", "hardware", "calibrate", f'model.init_from="hf:{hf}"', "--nproc", "1"]
+    r, peak = max_rss_of([*cmd, "--out", str(out)], tmp_path, timeout=1200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    logits = 16 * 2048 * 49152 * 4
+    assert peak < logits / 2, peak  # the old sizes needed those logits and more: 8.9 GB measured
+    cal = load_catalogue(out)["cpu"].calibration
+    tokens = sorted(row[1] / (ACT_BYTES * 576) for row in cal.elementwise)  # one activation: tokens x d_model
+    assert tokens[-1] < 16 * 2048 and all(a == b / 2 for a, b in itertools.pairwise(tokens)), tokens  # halves
 
 
 def test_a_busy_machine_is_said_before_timing(monkeypatch):

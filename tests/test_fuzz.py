@@ -466,11 +466,11 @@ def _cases_token_shard(real, work):
 
 
 def _resumer(real, work):
-    """A run built once (resume=none, on the first case) that each case resumes into: build.resume
-    is what build_run calls (config and data checks, weights, optimizer, loader position, RNG,
-    guard, step), then one batch is drawn from the restored loader position."""
+    """A run built once (resume=none, on the first case) that each case resumes into as build_run
+    does: resume_state (config and data checks, step) then resume (weights, optimizer, loader
+    position, RNG, guard, step), then one batch is drawn from the restored loader position."""
     from flopwise.build import build_run
-    from flopwise.train.run import resume
+    from flopwise.train.run import resume, resume_state
 
     built = []
 
@@ -491,6 +491,7 @@ def _resumer(real, work):
                 ),
             )
             built.append(build_run(cfg))
+        resume_state(ckpt, built[0].cfg, built[0].data_fingerprint)
         resume(built[0], ckpt)
         built[0].loader.next_batch()
 

@@ -47,7 +47,7 @@ from flopwise.train.guard import Guard
 from flopwise.train.metrics import check_tensorboard
 from flopwise.train.optim import build_optimizer
 from flopwise.train.preflight import oom_names, preflight, record_history
-from flopwise.train.run import Run, resume
+from flopwise.train.run import Finished, Run, last_step, resume, resume_state
 
 logger = logging.getLogger(__name__)
 
@@ -237,11 +237,12 @@ def subnormals_flushed():
         torch.set_flush_denormal(before)
 
 
-def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run:
+def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run | Finished:
     """Resolve the layout, join the job, check that every rank fits its device (train.preflight:
     before the run folder or the data exist), prepare data, build this rank's shards, and restore
-    the newest checkpoint (checkpoint.resume). `lock`: takes the run folder's lock (rank 0, before
-    its first write; the caller holds it to the command's end)."""
+    the newest checkpoint (checkpoint.resume); a checkpoint at the run's end already is Finished,
+    decided from its state.json before a model is built. `lock`: takes the run folder's lock (rank
+    0, before its first write; the caller holds it to the command's end)."""
     run_dir = real_path(cfg.run.dir)
     torch.manual_seed(cfg.run.seed)
     world = mesh.world_size()  # torchrun's LOCAL_WORLD_SIZE: the ranks of each node, for layout=auto
@@ -266,6 +267,12 @@ def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run:
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
             f"{index['vocab_size']}; set model.vocab_size>={index['vocab_size']}"
         )
+    data_fp = fingerprint(sources)
+    resume_from = _resume_point(cfg, run_dir)
+    if resume_from is not None:  # decided from its state.json: a finished run builds and loads nothing
+        state = resume_state(resume_from, cfg, data_fp)
+        if state["step"] >= last_step(cfg):
+            return Finished(cfg, resume_from, state, index, par.is_main)
     engine, optimizer = build_engine(cfg, par, index["eos_id"])
     loader = TokenLoader(
         sources,
@@ -286,16 +293,11 @@ def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run:
         index,
         tokenizer_of(sources[0].data_dir),
         Guard(cfg.guard),
-        fingerprint(sources),
+        data_fp,
     )
     if cfg.model.init_from:
         logger.info(loaded_line(cfg, model_tok), extra={"highlighter": None})
-    run.resumed_from = resume_from = _resume_point(cfg, run_dir)
+    run.resumed_from = resume_from
     if resume_from is not None:
         resume(run, resume_from)
-        if run.start_step > cfg.train.steps:
-            raise ConfigError(
-                f"checkpoint {resume_from} is at step {run.start_step}, past train.steps="
-                f"{cfg.train.steps}; raise train.steps to continue it, or start a new run.dir"
-            )
     return run

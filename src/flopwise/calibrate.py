@@ -17,6 +17,13 @@ degrees a layout search on this machine tries, plus a coarse grid so other model
   (gloo on CPU, NCCL on GPU), in a torchrun of this module;
 - the checkpoint write and restart times (flopwise.calibrate_recovery), for the reliability account.
 Timings are medians of repeats after a warm-up; the GPU is synchronised around each.
+
+The work is shaped to the machine (timed at the config's own sizes, three times over, a 135M model at
+its 2,048-token context took 345 s and 8.9 GB): a CPU product or attention call grows with the
+threads a rank has (about 0.1 s a call on a core of ~0.2 TFLOP/s); the model's forward + backward
+is timed at the largest micro-batch and sequence (up to the config's) that the tables measured
+before it put under CALL_S, every measured workload within MEMORY_SHARE of the memory free now; and
+a measurement stops repeating once its calls have taken MEASURE_S or three agree within STABLE.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from flopwise.model.transformer import build_model
 from flopwise.outputs import check_writable, write_text
 from flopwise.plan.layout import Layout, check_layout, config_layout
 from flopwise.plan.perf import (
+    RUNTIME_RESERVE,
     STACKS,
     eager_precision,
     estimate,
@@ -61,9 +69,17 @@ from flopwise.plan.perf import (
 from flopwise.train.engine import lm_loss
 from flopwise.train.metrics import DTYPES, measure_matmul_peak
 from flopwise.train.optim import build_optimizer
+from flopwise.train.preflight import device_memory
 
 Progress = Callable[[str], None]
-CPU_FLOP_CAP = 2e10  # largest product timed on a CPU (a few tenths of a second each)
+CPU_FLOPS_PER_THREAD = 2e10  # largest product timed on a CPU, per thread of a rank (~0.1 s at 0.2 TFLOP/s a core)
+CPU_QUERIES_PER_THREAD = 2**21  # attention's query elements per call on a CPU, per thread
+GPU_QUERIES = 2**26  # ... on a GPU
+CALL_S = 1.0  # the longest one measured forward + backward may take on a CPU, as the tables before it predict
+MEASURE_S = 1.0  # a measurement stops repeating once its calls (warm-up included) have taken this long
+STABLE = 0.05  # ... or once three timed calls agree within 5%: more would not move the median
+MEMORY_SHARE = 0.5  # of the memory free now, what one measured workload may take (all its ranks together)
+MIN_SEQ = 16  # the shortest sequence a forward + backward is timed at
 MESSAGE_BYTES = {"cpu": [2**k for k in range(12, 25, 3)], "cuda": [2**k for k in range(16, 31, 2)]}
 
 
@@ -73,12 +89,16 @@ def timed(
     repeats: int = 5,
     warmup: int = 1,
     before: Callable[[], object] | None = None,
+    budget_s: float | None = MEASURE_S,
 ) -> float:
     """Median seconds of `fn` over `repeats` after `warmup` calls (the GPU synchronised around each;
-    `before` runs untimed ahead of each, e.g. a barrier that starts all ranks together)."""
+    `before` runs untimed ahead of each, e.g. a barrier that starts all ranks together); fewer once
+    the calls have taken `budget_s` (one timed call at least) or three agree within STABLE.
+    `budget_s=None`: exactly `repeats` (ranks that meet in collectives must make the same calls)."""
+    start = time.perf_counter()
     for _ in range(warmup):
         fn()
-    times = []
+    times: list[float] = []
     for _ in range(repeats):
         if before:
             before()
@@ -89,6 +109,9 @@ def timed(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
+        stable = len(times) >= 3 and max(times) <= (1 + STABLE) * min(times)
+        if budget_s is not None and (stable or time.perf_counter() - start >= budget_s):
+            break
     return statistics.median(times)
 
 
@@ -129,14 +152,14 @@ def measure_gemms(shapes, dtype: torch.dtype, device: torch.device, peak: float,
 
 
 def measure_attention(
-    head_dims, seqs, dtype: torch.dtype, device: torch.device, peak: float, progress: Progress
+    head_dims, seqs, queries: int, dtype: torch.dtype, device: torch.device, peak: float, progress: Progress
 ) -> list:
     """The engine's attention core (model.layers.CoreAttention: SDPA, causal; in fp32 on a CPU)
-    forward and backward; shares of peak in the planner's FLOPs (forward: 4·s²·d per head over
-    the full context, backward: three times that, as plan.perf counts a fused kernel)."""
+    forward and backward, `queries` query elements a call; shares of peak in the planner's FLOPs
+    (forward: 4·s²·d per head over the full context, backward: three times that, as plan.perf
+    counts a fused kernel)."""
     rows = []
     core = CoreAttention(0.0)
-    budget = 2**21 if device.type == "cpu" else 2**26  # query elements per call
     gen = torch.Generator(device=device).manual_seed(0)
 
     def fwd_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -144,7 +167,7 @@ def measure_attention(
 
     for d in head_dims:
         for s in seqs:
-            bh = max(1, budget // (s * d))
+            bh = max(1, queries // (s * d))
             q, k, v = (
                 torch.randn((1, bh, s, d), generator=gen, dtype=dtype, device=device).requires_grad_() for _ in range(3)
             )
@@ -157,12 +180,12 @@ def measure_attention(
     return rows
 
 
-def elementwise_row(cfg: Config, partial: Hardware, tp: int, mb: int, seconds: float) -> list:
-    """(tp, activation bytes, achieved bandwidth) from a measured forward + backward of one
-    micro-batch: what the planner's GEMM, attention and tensor-parallel all-reduce time for it
+def elementwise_row(cfg: Config, partial: Hardware, tp: int, seconds: float) -> list:
+    """(tp, activation bytes, achieved bandwidth) from a measured forward + backward of the config's
+    one micro-batch: what the planner's GEMM, attention and tensor-parallel all-reduce time for it
     (from the tables and fits just measured) leaves, over the planner's element-wise bytes (with
     autocast's weight casts: the model runs with fp32 parameters)."""
-    m, seq = cfg.model, cfg.data.seq_len
+    m, seq, mb = cfg.model, cfg.data.seq_len, cfg.train.micro_batch or 1
     sh = model_shape(m, seq)
     lo, stack = Layout(tp=tp, micro_batch=mb), STACKS["flopwise"]
     t = estimate(sh, partial, lo, seq, mb, stack, compile=False, dtype=cfg.train.dtype).time
@@ -174,36 +197,80 @@ def elementwise_row(cfg: Config, partial: Hardware, tp: int, mb: int, seconds: f
     return [tp, tensor, round(nbytes / other)]
 
 
-def model_seconds(cfg: Config, device: torch.device, micro_batches: tuple[int, ...], progress: Progress) -> dict:
-    """Seconds of the config's model forward + backward (train.engine.lm_loss) per micro-batch."""
-    m = cfg.model
+def model_seconds(sizes: list[Config], device: torch.device, progress: Progress) -> list[float]:
+    """Seconds of the model's forward + backward (train.engine.lm_loss) at each config's micro-batch
+    and sequence length (one model: they differ in those only)."""
+    m = sizes[0].model
     model = build_model(m, device)
-    out = {}
+    out = []
 
-    def step(batch: torch.Tensor) -> None:
-        lm_loss(model, batch, device, cfg.train.dtype).backward()
+    def step(batch: torch.Tensor, dtype: str) -> None:
+        lm_loss(model, batch, device, dtype).backward()
         model.zero_grad(set_to_none=True)
 
-    for mb in micro_batches:
-        batch = torch.randint(0, m.vocab_size, (mb, cfg.data.seq_len + 1), generator=torch.Generator().manual_seed(0))
-        out[mb] = timed(partial(step, batch), device, repeats=3)
-        progress(f"model forward + backward at micro-batch {mb}")
+    for c in sizes:
+        mb, seq = c.train.micro_batch or 1, c.data.seq_len
+        batch = torch.randint(0, m.vocab_size, (mb, seq + 1), generator=torch.Generator().manual_seed(0))
+        out.append(timed(partial(step, batch, c.train.dtype), device, repeats=3))
+        progress(f"model forward + backward at micro-batch {mb} x {seq} tokens")
     return out
+
+
+def at_size(cfg: Config, tp: int, mb: int, seq: int) -> Config | None:
+    """The config at tensor-parallel degree `tp`, one micro-batch of `mb` sequences of `seq` tokens
+    per step, or None if its model does not split that way."""
+    d = cfg.model_dump(mode="json", exclude_none=True, by_alias=True)
+    d["parallel"] = {**d["parallel"], "tp": tp, "dp": 1, "pp": 1, "cp": 1, "zero": 0, "sequence_parallel": False}
+    d["parallel"]["dp_replicate"] = 1
+    d["train"] = {**d["train"], "global_batch": mb, "micro_batch": mb}
+    d["data"] = {**d["data"], "seq_len": seq}
+    try:
+        sized = validate(d)
+        check = check_layout(config_layout(sized, tp), sized.model, seq, mb, tp)
+    except (ConfigError, ValueError):
+        return None
+    return None if check else sized
 
 
 def tp_config(cfg: Config, tp: int) -> Config | None:
     """The config at tensor-parallel degree `tp`, one micro-batch per step, or None if its model
     does not split that way."""
-    d = cfg.model_dump(mode="json", exclude_none=True, by_alias=True)
-    d["parallel"] = {**d["parallel"], "tp": tp, "dp": 1, "pp": 1, "cp": 1, "zero": 0, "sequence_parallel": False}
-    mb = cfg.train.micro_batch or 1
-    d["train"] = {**d["train"], "global_batch": mb, "micro_batch": mb}
-    try:
-        tp_cfg = validate(d)
-        check = check_layout(config_layout(tp_cfg, tp), tp_cfg.model, tp_cfg.data.seq_len, mb, tp)
-    except (ConfigError, ValueError):
+    return at_size(cfg, tp, cfg.train.micro_batch or 1, cfg.data.seq_len)
+
+
+def halved(cfg: Config, tp: int) -> Config | None:
+    """`cfg` with half the tokens a step: half the micro-batch, or at one sequence half its length
+    (None below MIN_SEQ or where the model does not split so)."""
+    mb, seq = cfg.train.micro_batch or 1, cfg.data.seq_len
+    if mb == 1 and seq // 2 < MIN_SEQ:
         return None
-    return None if check else tp_cfg
+    return at_size(cfg, tp, mb // 2, seq) if mb > 1 else at_size(cfg, tp, 1, seq // 2)
+
+
+def workload(cfg: Config, hw: Hardware, room: float, device: torch.device) -> Config:
+    """`cfg` (one micro-batch a step, at its tensor-parallel degree) halved (`halved`) until the
+    tables measured so far (`hw`) put its forward + backward within CALL_S on a CPU and its bytes
+    within `room`, or as small as it goes: what calibrate times of the model (at the config's own
+    16 x 2,048 tokens a 135M model took minutes a call, and 9 GB)."""
+    tp = cfg.parallel.tp
+    while True:
+        mb, seq = cfg.train.micro_batch or 1, cfg.data.seq_len
+        e = estimate(
+            model_shape(cfg.model, seq),
+            hw,
+            Layout(tp=tp, micro_batch=mb),
+            seq,
+            mb,
+            STACKS["flopwise"],
+            compile=False,
+            dtype=cfg.train.dtype,
+        )
+        seconds = sum(t for k, t in e.time.items() if k != "optimizer")
+        need = e.memory["total"] - e.memory["optimizer"] - RUNTIME_RESERVE  # no optimizer, no CUDA context
+        smaller = halved(cfg, tp)
+        if smaller is None or (need <= room and (device.type != "cpu" or seconds <= CALL_S)):
+            return cfg
+        cfg = smaller
 
 
 def _tp_seconds(config: str, device: torch.device) -> float:
@@ -227,7 +294,7 @@ def _tp_seconds(config: str, device: torch.device) -> float:
         for p in engine.modules.parameters():
             p.grad = None
 
-    return timed(step, device, repeats=3, before=dist.barrier)
+    return timed(step, device, repeats=3, before=dist.barrier, budget_s=None)
 
 
 def measure_optimizer(cfg: Config, device: torch.device, sizes, progress: Progress) -> list:
@@ -305,7 +372,8 @@ def _collectives_rank(out: str, backend: str, config: str) -> None:
         n = nbytes // 4
         ops = collectives(torch.ones(n, device=device), torch.ones(n // world, device=device))
         for kind, op in ops.items():
-            rows[kind].append([world if kind != "send_recv" else 2, nbytes, timed(op, device, before=dist.barrier)])
+            seconds = timed(op, device, before=dist.barrier, budget_s=None)
+            rows[kind].append([world if kind != "send_recv" else 2, nbytes, seconds])
     hidden = overlap(device)
     if device.type == "cpu":
         torch.set_flush_denormal(True)  # as flopwise.build runs a CPU rank
@@ -325,9 +393,8 @@ def overlap(device: torch.device) -> float:
     n = 512 if device.type == "cpu" else 8192
     a = torch.full((n, n), 0.5, device=device)
     buf = torch.ones((16 if device.type == "cpu" else 256) * 2**20 // 4, device=device)
-    reps = max(
-        1, int(timed(lambda: dist.all_reduce(buf), device, before=dist.barrier) / timed(lambda: a @ a, device))
-    )  # as much compute as communication
+    alone = timed(lambda: dist.all_reduce(buf), device, before=dist.barrier, budget_s=None)
+    reps = max(1, int(alone / timed(lambda: a @ a, device)))  # as much compute as communication
 
     def compute():
         for _ in range(reps):
@@ -338,9 +405,9 @@ def overlap(device: torch.device) -> float:
         compute()
         work.wait()
 
-    t_c = timed(compute, device, before=dist.barrier)
-    t_m = timed(lambda: dist.all_reduce(buf), device, before=dist.barrier)
-    t_both = timed(both, device, before=dist.barrier)
+    t_c = timed(compute, device, before=dist.barrier, budget_s=None)
+    t_m = timed(lambda: dist.all_reduce(buf), device, before=dist.barrier, budget_s=None)
+    t_both = timed(both, device, before=dist.barrier, budget_s=None)
     return max(0.0, min(1.0, (t_c + t_m - t_both) / min(t_c, t_m)))
 
 
@@ -391,7 +458,7 @@ def calibrate(cfg: Config, device: torch.device, nproc: int, progress: Progress)
     On a CPU one device is one of `nproc` ranks: the compute is measured on its share of the cores.
     """
     require_bf16(cfg)
-    threads = max(1, (os.cpu_count() or 1) // nproc) if device.type == "cpu" else 0
+    threads = rank_threads(device, nproc)
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -403,32 +470,53 @@ def calibrate(cfg: Config, device: torch.device, nproc: int, progress: Progress)
         torch.set_num_threads(before)
 
 
+def rank_threads(device: torch.device, nproc: int) -> int:
+    """The threads one of `nproc` ranks has on a CPU (its share of the cores); 0 on a GPU."""
+    return max(1, (os.cpu_count() or 1) // nproc) if device.type == "cpu" else 0
+
+
+def free_memory(device: torch.device) -> float:
+    """Bytes MEMORY_SHARE leaves a measured workload of all ranks together: of what the device has
+    free now (a CPU's MemAvailable: the OS and its other processes keep the rest)."""
+    free, _ = device_memory(device)
+    return MEMORY_SHARE * (free if free is not None else host_memory_bytes())
+
+
 def sweep(cfg: Config, nproc: int, device: torch.device) -> dict:
     """What calibrate measures for `cfg` on `nproc` ranks of `device`: micro-batches, the GEMM
-    shapes (capped on a CPU), attention's sequence lengths and head dims."""
+    shapes, attention's sequence lengths, head dims and query elements a call; on a CPU a product
+    and an attention call as large as the rank's cores do in about 0.1 s, and every one within
+    the memory free now (`free_memory`)."""
     mb = cfg.train.micro_batch or 1
     micro_batches = tuple(sorted({max(1, mb // 4), max(1, mb // 2), mb}))
     tps = tuple(t for t in (1, 2, 4, 8) if t <= max(nproc, 1))
+    threads, room, size = rank_threads(device, nproc), free_memory(device), DTYPES[cfg.train.dtype].itemsize
+    flops = CPU_FLOPS_PER_THREAD * threads if threads else math.inf
     gemms = [
-        s
-        for s in gemm_shapes(cfg, tps, micro_batches)
-        if device.type != "cpu" or 2 * s[0] * s[1] * s[2] <= CPU_FLOP_CAP
+        (m, n, k)
+        for m, n, k in gemm_shapes(cfg, tps, micro_batches)
+        if 2 * m * n * k <= flops and (m * k + k * n + m * n) * size <= room
     ]
     seqs = sorted(
         {s for s in (128, 256, 512, 1024, 2048, 4096) if device.type == "cuda" or s <= 1024} | {cfg.data.seq_len}
     )
+    queries = CPU_QUERIES_PER_THREAD * threads if threads else GPU_QUERIES
     return {
         "micro_batches": micro_batches,
         "gemms": gemms,
         "seqs": seqs,
         "head_dims": sorted({cfg.model.head_dim, 64, 128}),
+        "queries": min(queries, int(room // (8 * 4))),  # q, k, v, output and their gradients, fp32 on a CPU
     }
+
+
+MODEL_SIZES = 3  # the model's forward + backward at its workload, a half and a quarter of it
 
 
 def steps_of(cfg: Config, nproc: int, device: torch.device) -> int:
     """How many measurements calibrate takes (for the progress bar)."""
     s = sweep(cfg, nproc, device)
-    return 1 + len(s["gemms"]) + len(s["seqs"]) * len(s["head_dims"]) + len(s["micro_batches"]) + 5 + (nproc >= 2)
+    return 1 + len(s["gemms"]) + len(s["seqs"]) * len(s["head_dims"]) + MODEL_SIZES + 5 + (nproc >= 2)
 
 
 def _calibrate(cfg: Config, device: torch.device, nproc: int, threads: int, progress: Progress) -> Hardware:
@@ -437,15 +525,10 @@ def _calibrate(cfg: Config, device: torch.device, nproc: int, threads: int, prog
     _, base = device_entry(device)
     peak = measure_matmul_peak(dtype_name, device)
     progress(f"peak {peak / 1e12:.3g} TFLOP/s")
-    mb = cfg.train.micro_batch or 1
     s = sweep(cfg, nproc, device)
-    micro_batches = s["micro_batches"]
     gemm = measure_gemms(s["gemms"], dtype, device, peak, progress)
-    attention = measure_attention(s["head_dims"], s["seqs"], dtype, device, peak, progress)
+    attention = measure_attention(s["head_dims"], s["seqs"], s["queries"], dtype, device, peak, progress)
     bw = stream_bandwidth(device)
-    tp_cfg = tp_config(cfg, nproc) if nproc >= 2 else None
-    measured = measure_ranks(nproc, threads, device, tp_cfg, progress)
-    collectives = measured["collectives"]
     hw = replace(
         base,
         peak_flops={**base.peak_flops, dtype_name: peak},
@@ -464,15 +547,27 @@ def _calibrate(cfg: Config, device: torch.device, nproc: int, threads: int, prog
         attention=tuple(map(tuple, attention)),
         elementwise=((1.0, 1.0, bw),),
         optimizer=((1.0, 1.0),),
-        collectives=tuple((k, tuple(map(tuple, v))) for k, v in sorted(collectives.items()) if v),
+    )
+    room = free_memory(device)  # the model's workloads: sized by what the tables so far predict of them
+    one = tp_config(cfg, 1)
+    assert one is not None  # one process: no split to refuse
+    workloads = [workload(one, replace(hw, calibration=stub), room, device)]
+    while len(workloads) < MODEL_SIZES and (smaller := halved(workloads[-1], 1)) is not None:
+        workloads.append(smaller)
+    tp_cfg = tp_config(cfg, nproc) if nproc >= 2 else None
+    if tp_cfg is not None:
+        tp_cfg = workload(tp_cfg, replace(hw, calibration=stub), room / nproc, device)  # each rank its share
+    measured = measure_ranks(nproc, threads, device, tp_cfg, progress)
+    stub = replace(
+        stub, collectives=tuple((k, tuple(map(tuple, v))) for k, v in sorted(measured["collectives"].items()) if v)
     )
     partial = replace(hw, calibration=stub)
     elementwise = [
-        elementwise_row(cfg, partial, 1, mb, sec)
-        for mb, sec in model_seconds(cfg, device, micro_batches, progress).items()
+        elementwise_row(c, partial, 1, sec)
+        for c, sec in zip(workloads, model_seconds(workloads, device, progress), strict=True)
     ]
     if tp_cfg is not None and measured["tp_seconds"]:
-        elementwise.append(elementwise_row(tp_cfg, partial, nproc, mb, measured["tp_seconds"]))
+        elementwise.append(elementwise_row(tp_cfg, partial, nproc, measured["tp_seconds"]))
     sizes = [2**20, 2**22, 2**24] if device.type == "cpu" else [2**24, 2**26, 2**28]
     optimizer = measure_optimizer(cfg, device, sizes, progress)
     cal = Calibration(

@@ -16,7 +16,8 @@ from flopwise.build import build_run, subnormals_flushed
 from flopwise.config import Config
 from flopwise.manifest import folder_lock, real_path
 from flopwise.train.preflight import WillNotFit
-from flopwise.train.trainer import TrainResult
+from flopwise.train.run import Run
+from flopwise.train.trainer import TrainResult, finished
 from flopwise.train.trainer import train as train_run
 
 
@@ -50,7 +51,7 @@ PREEMPT_FILE = "FLOPWISE_PREEMPT_FILE"
 
 def _train(cfg: Config, started: float, lock: Callable[[], object]) -> TrainResult:
     try:
-        run = build_run(cfg, lock)
+        built = build_run(cfg, lock)
     except WillNotFit as e:
         if not dist.is_initialized():
             raise
@@ -59,4 +60,4 @@ def _train(cfg: Config, started: float, lock: Callable[[], object]) -> TrainResu
         dist.barrier()
         sys.stdout.flush()
         os._exit(2)  # all at once: a rank still shutting down when another has exited is stopped by torchrun
-    return train_run(run, started)
+    return train_run(built, started) if isinstance(built, Run) else finished(built, started)

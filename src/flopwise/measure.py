@@ -306,6 +306,7 @@ def gather(obj: Any) -> list[Any]:
 def _rank_main(config: str, out: str, steps: int) -> None:
     torch.set_flush_denormal(True)  # this process is one rank's measurement (build.subnormals_flushed)
     run = build_run(load_config(config))
+    assert isinstance(run, Run)  # measure's checkpoint.resume="none": never a finished run
     ranks = gather(measure_rank(run, steps, timed=steps))
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(out).write_text(json.dumps(ranks))

@@ -24,7 +24,7 @@ ENV = {**os.environ, "COLUMNS": "400"}
 GiB = 2**30
 
 
-def max_rss_of(cmd: list[str], cwd) -> tuple[subprocess.CompletedProcess, int]:
+def max_rss_of(cmd: list[str], cwd, timeout: int = 300) -> tuple[subprocess.CompletedProcess, int]:
     """Run `cmd` from a fresh Python whose only child it is; (its result, its peak resident bytes)."""
     probe = (
         "import resource, subprocess, sys, json; r = subprocess.run(sys.argv[1:], capture_output=True, "
@@ -32,7 +32,13 @@ def max_rss_of(cmd: list[str], cwd) -> tuple[subprocess.CompletedProcess, int]:
         "print(json.dumps([r.returncode, r.stdout, r.stderr, peak]))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", probe, *cmd], capture_output=True, text=True, cwd=cwd, env=ENV, timeout=300, check=True
+        [sys.executable, "-c", probe, *cmd],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=ENV,
+        timeout=timeout,
+        check=True,
     )
     rc, stdout, stderr, kib = json.loads(out.stdout)
     return subprocess.CompletedProcess(cmd, rc, stdout, stderr), kib * 1024

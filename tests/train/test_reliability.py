@@ -6,23 +6,26 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import time
 
 import pytest
 import torch
+import transformers
 from rich.console import Console
 
 from flopwise.checkpoints import checkpoint
 from flopwise.config import GuardConfig, WatchdogConfig, load_config
 from flopwise.errors import CheckpointError, ConfigError, TrainingStopped
 from flopwise.eval.load import load_for_inference
+from flopwise.interop.convert import export_hf
 from flopwise.launch import train
 from flopwise.log import printing_to
 from flopwise.train.faults import parse
 from flopwise.train.guard import Guard, Verdict
 from flopwise.train.watch import Watch
-from tests.conftest import tiny_overrides
+from tests.conftest import flopwise, tiny_overrides
 
 
 def run(tmp, data, faults="", monkeypatch=None, **kw):
@@ -271,6 +274,80 @@ def test_ctrl_c_checkpoints_and_what_a_rerun_of_that_folder_may_do(tiny_data, tm
     assert "nothing to train" in out and done.steps == 5 and not done.losses
 
 
+def distcp_bytes(ckpt) -> int:
+    return sum(p.stat().st_size for p in ckpt.glob("*.distcp"))
+
+
+def test_tied_embeddings_are_stored_once_and_resume_exactly(tiny_data, tmp_path, monkeypatch):
+    """Issue 41: a tied head was stored twice, as itself and as the embedding (a 135M import: 652 MB
+    where 538 MB hold it). Now a tied checkpoint is its untied twin less three embeddings (the head
+    and its two AdamW moments: fp32 vocab x d_model each), the old writer's less one; the weight is
+    shared again after a load, resume is bitwise, the HF export ties, and a checkpoint written the
+    old way (both keys) still loads and resumes exactly."""
+    kw = {"train.steps": 6, "checkpoint.interval": 3, "train.eval_every": 0}
+    tied = {**kw, "model.tie_embeddings": "true"}
+    emb = 512 * 64 * 4  # demo-tiny: vocab 512, d_model 64, fp32
+    untied, _ = run(tmp_path / "untied", tiny_data, **kw)
+    ref, _ = run(tmp_path / "ref", tiny_data, **tied)
+    saved = set(checkpoint.read_dcp_metadata(ref.checkpoint).state_dict_metadata)
+    assert "model.tok_embeddings.weight" in saved and "model.output.weight" not in saved
+    overhead = 4 * 2048  # four fewer entries (model.output.weight, its step and moments), each in its own record
+    assert 3 * emb <= distcp_bytes(untied.checkpoint) - distcp_bytes(ref.checkpoint) < 3 * emb + overhead
+
+    run(tmp_path / "split", tiny_data, **{**tied, "train.stop_after": 3})
+    resumed, out = run(tmp_path / "split", tiny_data, **tied)
+    assert "step-00000003 at step 3" in out
+    assert distcp_hashes(resumed.checkpoint) == distcp_hashes(ref.checkpoint)
+    model = load_for_inference(ref.checkpoint)[0]
+    assert model.output.weight is model.tok_embeddings.weight
+
+    with monkeypatch.context() as old:  # the writer of earlier releases: every state-dict key, the alias too
+        old.setattr(checkpoint, "_ties", lambda modules: {})
+        run(tmp_path / "old", tiny_data, **{**tied, "train.stop_after": 3})
+    first = checkpoint.latest(tmp_path / "old")
+    assert "model.output.weight" in checkpoint.read_dcp_metadata(first).state_dict_metadata
+    assert emb <= distcp_bytes(first) - distcp_bytes(checkpoint.step_dir(tmp_path / "split", 3)) < emb + 2048
+    continued, out = run(tmp_path / "old", tiny_data, **tied)
+    assert "step-00000003 at step 3" in out
+    assert distcp_hashes(continued.checkpoint) == distcp_hashes(ref.checkpoint)
+
+    hf = export_hf(ref.checkpoint, tmp_path / "hf")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(hf)
+    assert exported.config.tie_word_embeddings
+    assert exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(exported.model.embed_tokens.weight, model.tok_embeddings.weight)
+
+
+def test_rerunning_a_finished_run_builds_and_loads_nothing(tiny_data, tmp_path, monkeypatch, cli):
+    """Issue 41: `flopwise train` again in a finished run's folder took 82 s (a 135M model) to say
+    there was nothing to do: it built the model and loaded the checkpoint first. The answer comes
+    from the newest checkpoint's state.json now: no model is built, no tensor read; the same line,
+    exit 0, and the summary of what the run recorded."""
+    args = ["train", *tiny_overrides(tmp_path, tiny_data, **{"train.steps": 6})]
+    first = cli(*args)
+    assert first.returncode == 0, first.stderr
+    val = [
+        r["val_loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r
+    ]
+
+    def refuse(*_args, **_kw):
+        raise AssertionError("a model built or a tensor read to say there is nothing to do")
+
+    with monkeypatch.context() as m:
+        m.setattr("flopwise.model.transformer.Transformer.__init__", refuse)
+        m.setattr("torch.distributed.checkpoint.load", refuse)
+        again = cli(*args)
+    said = " ".join((again.stdout + again.stderr).split())
+    assert again.returncode == 0, said
+    assert (
+        "complete: the checkpoint is at step 6, where this run ends (train.steps, train.stop_after): "
+        "nothing to train; raise them to continue" in said
+    )
+    assert "step-00000006" in said and f"{val[-1]:.4f}" in said  # the checkpoint, and the val loss it ended with
+    more = cli("train", *tiny_overrides(tmp_path, tiny_data, **{"train.steps": 7}))  # not finished: trains step 7
+    assert more.returncode == 0 and "step-00000006 at step 6" in more.stdout + more.stderr
+
+
 def test_async_checkpoints_resume_bitwise(tiny_data, tmp_path, monkeypatch):
     kw = {"train.steps": 8, "checkpoint.interval": 2, "checkpoint.async": "true"}
     run(tmp_path / "split", tiny_data, **{**kw, "train.stop_after": 5})
@@ -312,6 +389,45 @@ def test_watchdog_dumps_every_thread_when_a_step_hangs(tmp_path):
     assert text.startswith("rank 0: step 6 has run") and "test_watchdog_dumps_every_thread" in text
     assert text.count("Thread 0x") + text.count("Current thread 0x") >= 2  # the watchdog's own thread too
     assert len(seen) == 1 and "hang-rank0.txt" in seen[0]
+
+
+def test_a_slow_step_is_one_line_on_the_terminal_and_its_stacks_only_in_the_report(tiny_data, tmp_path):
+    """Issue 41: a step past the watchdog's limit on one process (a 135M model's step past 300 s)
+    printed every thread's stack, some 40 lines, on the terminal. Now one line names the step, the
+    time and hang-rank0.txt, which holds the stacks (the slow step's sleep among them); a user runs
+    `flopwise train`, so this runs it in a fresh process, where faulthandler reaches the real stderr."""
+    r = flopwise(
+        "train",
+        *tiny_overrides(tmp_path, tiny_data, **{"watchdog.min_s": 1, "watchdog.hang_factor": 1.5}),
+        env={"FLOPWISE_FAULTS": "slow:step=4:seconds=8"},  # past 1.5 x the median step even on a busy machine
+    )
+    assert r.returncode == 0, r.stderr
+    terminal = (r.stdout + r.stderr).splitlines()
+    report = tmp_path.resolve() / "hang-rank0.txt"
+    line = re.compile(
+        rf"watchdog: rank 0: step 4 has run [\d.]+ s \(median step [\d.]+ s\); "
+        rf"every thread's stack is in {re.escape(str(report))}"
+    )
+    assert any(line.fullmatch(x.strip()) for x in terminal), [x for x in terminal if "watchdog" in x]
+    stacks = [x for x in terminal if x.lstrip().startswith(('File "', "Thread 0x", "Current thread 0x"))]
+    assert not stacks, stacks[:5]
+    text = report.read_text()
+    assert "rank 0: step 4 has run" in text and " in _process_fault" in text  # the main thread, in the slow fault
+
+
+def test_a_watchdog_report_that_cannot_be_written_goes_to_stderr(tmp_path, capfd):
+    """A folder train did not claim (or a full disk) takes no report: the one line says so and the
+    stacks go to stderr, the one place left, instead of a traceback of the watchdog's thread."""
+    seen = []
+    with Watch(WatchdogConfig(hang_factor=3, min_s=0.3), tmp_path, 0, torch.device("cpu"), seen.append) as w:
+        w.beat(1)
+        deadline = time.monotonic() + 120
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+    err = capfd.readouterr().err
+    assert len(seen) == 1 and "step 1 has run" in seen[0] and "cannot be written" in seen[0], seen
+    assert "test_a_watchdog_report_that_cannot_be_written" in err and "Traceback" not in err
+    assert not (tmp_path / "hang-rank0.txt").exists()
 
 
 def test_fault_spec_errors_are_config_errors():

@@ -118,8 +118,24 @@ def _named_params(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
     return {canonical_name(n): p for m in modules for n, p in m.named_parameters()}
 
 
+def _ties(modules: list[nn.Module]) -> dict[str, str]:
+    """{alias: name} of parameters registered under a second name (a tied head: output.weight is
+    tok_embeddings.weight). Why: torch's state dict lists a shared parameter under every name, so a
+    tied model's checkpoint held its embedding twice (a 135M import: 652 MB where 538 MB hold it)."""
+    first: dict[int, str] = {}
+    ties = {}
+    for m in modules:
+        for raw, p in m.named_parameters(remove_duplicate=False):
+            name = canonical_name(raw)
+            if first.setdefault(id(p), name) != name:
+                ties[name] = first[id(p)]
+    return ties
+
+
 def _model_state(modules: list[nn.Module]) -> dict:
-    return {k: v for m in modules for k, v in get_model_state_dict(m).items()}
+    """The model's state dict with each shared parameter under its first name only (`_ties`)."""
+    ties = _ties(modules)
+    return {k: v for m in modules for k, v in get_model_state_dict(m).items() if k not in ties}
 
 
 def _optim_state(modules: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict:
@@ -743,10 +759,13 @@ def load(path: Path, model: Modules, optimizer: torch.optim.Optimizer | None = N
             sd = {"model": _model_state(modules)}
             if optimizer is not None:
                 sd["optim"] = _optim_state(modules, optimizer)
-            dcp.load(sd, storage_reader=SafeReader(str(path)))
+            dcp.load(sd, storage_reader=SafeReader(str(path)))  # a checkpoint of earlier releases: its alias unread
+            ties = _ties(modules)  # an alias takes its parameter's tensor: the loaded values, still one object
             for m in modules:
                 set_model_state_dict(
-                    m, {k: sd["model"][k] for k in get_model_state_dict(m)}, options=StateDictOptions(strict=True)
+                    m,
+                    {k: sd["model"][ties.get(k, k)] for k in get_model_state_dict(m)},
+                    options=StateDictOptions(strict=True),
                 )
         except (CheckpointException, RuntimeError, ValueError, KeyError, SystemError) as e:
             raise CheckpointError(f"checkpoint {path}: does not fit this model/layout ({reason(e)})") from None

@@ -157,10 +157,9 @@ def _entry(size: int, sha256: str, before: dict | None) -> dict:
 
 def _owned(record: dict, run_dir: Path, name: str) -> dict | None:
     """The record of `name`, which must be a claimed name holding what flopwise wrote (or nothing)."""
-    if name not in record["writes"] or (why := _why_foreign(run_dir, name, record)):
-        raise ConfigError(
-            f"run folder {run_dir}: {name} {why or 'was not claimed by this command'}; nothing was written there"
-        )
+    why = _why_foreign(run_dir, name, record) if name in record["writes"] else "was not claimed by this command"
+    if why:
+        raise ConfigError(f"run folder {run_dir}: {name} {why}; nothing was written there")
     path = run_dir / name
     return record["files"].get(name) if path.exists() else None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import binascii
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from flopwise.config import Config
 from flopwise.data.loader import TokenLoader
 from flopwise.data.mixture import Source
 from flopwise.data.tokenizer import GuardedTokenizer
-from flopwise.errors import CheckpointError
+from flopwise.errors import CheckpointError, ConfigError
 from flopwise.parallel import mesh
 from flopwise.plan.layout import Layout
 from flopwise.train.engine import Engine
@@ -91,17 +92,22 @@ def restore(run: Run, ckpt: Path, counters: bool = True) -> dict:
         "rng": lambda: checkpoint.set_rng_state(state["rng"]),
         "guard": lambda: run.guard.load_state_dict(state.get("guard"), counters=counters),
         "step": lambda: state.update(step=_count(state["step"])),
-        "layout": lambda: Layout.from_json(state.get("layout") or {}).name(),
     }
     for field, apply in parts.items():
-        try:  # state.json is plain data from the folder: any wrong type or value in it is a damaged checkpoint
-            apply()
-        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RuntimeError, binascii.Error) as e:
-            raise CheckpointError(
-                f"checkpoint {ckpt}: state.json field {field!r} is malformed ({type(e).__name__}: "
-                f"{' '.join(str(e).split())[:100]}); use another checkpoint"
-            ) from None
+        _checked(ckpt, field, apply)
     return state
+
+
+def _checked(ckpt: Path, field: str, apply: Callable[[], object]) -> None:
+    """Run `apply` on state.json's `field`: it is plain data from the folder, so any wrong type or
+    value in it is a damaged checkpoint, said in one line."""
+    try:
+        apply()
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RuntimeError, binascii.Error) as e:
+        raise CheckpointError(
+            f"checkpoint {ckpt}: state.json field {field!r} is malformed ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:100]}); use another checkpoint"
+        ) from None
 
 
 def _loader_state(value: object) -> dict:
@@ -125,12 +131,43 @@ def _count(value: object) -> int:
     return value
 
 
-def resume(run: Run, ckpt: Path) -> None:
-    """Check that `ckpt` belongs to this run (model, data) and restore it into `run`."""
-    changed = check_resumable(ckpt, checkpoint.read_state(ckpt), run.cfg, run.data_fingerprint)
+def last_step(cfg: Config) -> int:
+    """The step this invocation of the run ends at (train.steps, or train.stop_after before it)."""
+    return min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+
+
+@dataclass
+class Finished:
+    """A run whose resume point is at its end already (a finished command run again): what its
+    summary needs, from the checkpoint's state.json; no model built, no tensor read."""
+
+    cfg: Config
+    checkpoint: Path
+    state: dict  # its "step" checked
+    index: dict  # the data's index.json
+    is_main: bool
+
+
+def resume_state(ckpt: Path, cfg: Config, data_fp: str) -> dict:
+    """The state.json of the checkpoint to resume from, read before anything is built: refused in
+    one line if it is another run's (model, data, steps past train.steps); what changed is said."""
+    state = checkpoint.read_state(ckpt)
+    changed = check_resumable(ckpt, state, cfg, data_fp)
     if changed:
         logger.info(
             f"[bold]resume[/]: changed since the checkpoint: {escape(', '.join(changed))}", extra={"highlighter": None}
         )
+    _checked(ckpt, "step", lambda: state.update(step=_count(state["step"])))
+    _checked(ckpt, "layout", lambda: Layout.from_json(state.get("layout") or {}).name())
+    if state["step"] > cfg.train.steps:
+        raise ConfigError(
+            f"checkpoint {ckpt} is at step {state['step']}, past train.steps={cfg.train.steps}; raise "
+            "train.steps to continue it, or start a new run.dir"
+        )
+    return state
+
+
+def resume(run: Run, ckpt: Path) -> None:
+    """Restore `ckpt` (checked by `resume_state`) into `run`."""
     state = restore(run, ckpt)
     run.start_step, run.resumed_layout = state["step"], state.get("layout", {})

@@ -54,7 +54,7 @@ from flopwise.train.guard import Verdict
 from flopwise.train.metrics import MetricsWriter, Peak, checked_peak, device_peak, mfu_basis, plot_loss_curve
 from flopwise.train.optim import lr_at, step_unless
 from flopwise.train.preflight import explain_oom
-from flopwise.train.run import Run, restore
+from flopwise.train.run import Finished, Run, last_step, restore
 from flopwise.train.saver import Saver
 from flopwise.train.watch import Watch, is_timeout, peer_lost
 
@@ -76,7 +76,7 @@ class TrainResult:
     unigram_entropy: float
     tokens_per_s: float
     mfu: float | None  # None: the window's rate reached even a re-measured ceiling (no honest denominator)
-    peak: Peak  # per device
+    peak: Peak | None  # per device; None: nothing trained here (a finished run), no ceiling measured
     seconds: float
     checkpoint: Path | None
     plot: Path | None = None
@@ -170,7 +170,7 @@ class _Loop:
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.fpt = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak = device_peak(cluster_catalogue(cfg.cluster), cfg.train.dtype, par.device)
-        self.end = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+        self.end = last_step(cfg)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.faults = Faults.from_env(self.rank)
         self.writer = MetricsWriter(self.run_dir, cfg.log.tensorboard) if par.is_main else None
@@ -454,11 +454,6 @@ def train(run: Run, started: float | None = None) -> TrainResult:
             f"{cfg.data.seq_len}-token windows)",
             extra={"highlighter": None},
         )
-    if run.start_step >= loop.end:
-        logger.info(
-            f"[bold]complete[/]: the checkpoint is at step {run.start_step}, where this run ends "
-            "(train.steps, train.stop_after): nothing to train; raise them to continue"
-        )
     n_params, lo = count_params(cfg.model), par.layout
     logger.info(
         f"[bold]model[/] {n_params.total / 1e6:.2f}M params ({n_params.non_embedding / 1e6:.2f}M "
@@ -519,8 +514,6 @@ def _result(run: Run, loop: _Loop, preempted: int | None, seconds: float) -> Tra
             model = cast(Transformer, run.engine.parts[0])  # one process: the only part is the plain Transformer
             ids = generate(model, prompt, cfg.train.sample_tokens, temperature=0.8, top_k=50, seed=cfg.run.seed)
         sample = run.tokenizer.decode(prompt + ids)
-    if loop.val_loss is None and run.start_step == loop.end and run.engine.can_eval:
-        loop.val_loss = evaluate(run.engine, run.sources, cfg)[0]
     final_loss = loop.losses[-1] if loop.losses else float("nan")
     reached = loop.end if preempted is None else preempted
     # the run's speed is the median log interval's: the last one alone may be a checkpoint's or a straggler's
@@ -547,6 +540,37 @@ def _result(run: Run, loop: _Loop, preempted: int | None, seconds: float) -> Tra
         signal=loop.watch.signal,
         save_s=loop.saver.write_s,
         async_save_s=loop.saver.async_s,
+    )
+
+
+def finished(done: Finished, started: float) -> TrainResult:
+    """A finished run run again: said in one line, and summed up from what it recorded (the
+    checkpoint's step and layout, the last validation loss in metrics.jsonl); nothing trained."""
+    cfg, step = done.cfg, done.state["step"]
+    logger.info(
+        f"[bold]complete[/]: the checkpoint is at step {step}, where this run ends "
+        "(train.steps, train.stop_after): nothing to train; raise them to continue"
+    )
+    run_dir = Path(cfg.run.dir)
+    vals = [  # the file is read, never written here: a record of another shape is passed over
+        r["val_loss"]
+        for r in read_records(run_dir / "metrics.jsonl")
+        if isinstance(r.get("val_loss"), float) and isinstance(r.get("step"), int) and r["step"] <= step
+    ]
+    return TrainResult(
+        run_dir=run_dir,
+        steps=step,
+        tokens=step * cfg.train.global_batch * cfg.data.seq_len,
+        train_loss=float("nan"),
+        val_loss=vals[-1] if vals else None,
+        unigram_entropy=done.index["unigram_entropy_nats"],
+        tokens_per_s=0.0,
+        mfu=None,
+        peak=None,
+        seconds=time.perf_counter() - started,
+        checkpoint=done.checkpoint,
+        is_main=done.is_main,
+        layout=layout_label(Layout.from_json(done.state.get("layout") or {})),
     )
 
 
@@ -616,10 +640,11 @@ def summary_table(r: TrainResult) -> Table:
     t.add_row("unigram entropy of the data", f"{r.unigram_entropy:.4f} nats/token")
     t.add_row("layout", r.layout)
     t.add_row("throughput", f"{r.tokens_per_s:,.0f} tokens/s (median log interval)" if trained else "–")
-    t.add_row(
-        "MFU (model FLOPs)",
-        f"{percent(r.mfu)} of {r.peak.flops / 1e9:,.0f} GFLOP/s per device ({r.peak.source}; median log interval)",
-    )
+    if r.peak is not None:
+        t.add_row(
+            "MFU (model FLOPs)",
+            f"{percent(r.mfu)} of {r.peak.flops / 1e9:,.0f} GFLOP/s per device ({r.peak.source}; median log interval)",
+        )
     t.add_row("wall time", f"{r.seconds:.1f} s")
     t.add_row("checkpoint", str(r.checkpoint))
     if r.save_s:

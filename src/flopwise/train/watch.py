@@ -9,9 +9,9 @@
   that time was merged into the first). So the signal's wake-up byte (`signal.set_wakeup_fd`,
   written by CPython's C-level handler) is read by the watchdog thread, which says so at once and,
   on the second Ctrl-C, ends the process (exit 130; the last complete checkpoint stays).
-- A watchdog thread dumps every thread's Python stack (faulthandler) to stderr and to
-  `<run.dir>/hang-rank{R}.txt` when a step has run `watchdog.hang_factor` × the median step time
-  (and at least `watchdog.min_s`). A hung collective then fails after
+- A watchdog thread says so in one line and appends every thread's Python stack (faulthandler)
+  to `<run.dir>/hang-rank{R}.txt` when a step has run `watchdog.hang_factor` × the median step
+  time (and at least `watchdog.min_s`). A hung collective then fails after
   `watchdog.collective_timeout_s` (the process group timeout) and torchrun restarts the job.
 - The sync point (each log, eval and checkpoint step): one small all-gather of each rank's flags
   (preempt, failed async save), so all ranks take the same decision, and of its own work time
@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from flopwise.checkpoints import rundir
 from flopwise.config import WatchdogConfig
+from flopwise.errors import FlopwiseError
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 ABORT_GRACE_S = 1.0  # a second Ctrl-C: how long the main thread has to take its KeyboardInterrupt
@@ -177,6 +178,9 @@ class Watch:
                 self._dump(step, elapsed)
 
     def _dump(self, step: int, elapsed: float) -> None:
+        """One line for the terminal, every thread's stack appended to the report (the terminal got
+        them too, ~40 lines per slow step: noise in a log where one line says where to look); the
+        report keeps each dump, so every line's step is still there to read."""
         median = self.median_step_s()
         why = f"step {step} has run {elapsed:.1f} s" + (f" (median step {median:.2f} s)" if median else "")
         with tempfile.TemporaryFile("w+b") as f:  # faulthandler needs a real file; the run folder gets its bytes
@@ -184,9 +188,17 @@ class Watch:
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
             f.seek(0)
-            rundir.replace(self.dump_path.parent, self.dump_path.name, f.read())
+            stacks = f.read()
+        try:
+            rundir.append(self.dump_path.parent, self.dump_path.name, stacks + b"\n")
+        except (OSError, FlopwiseError) as e:  # in this thread an exception would be a traceback, and the stacks lost
+            self.report(
+                f"watchdog: rank {self.rank}: {why}; {self.dump_path.name} cannot be written "
+                f"({' '.join(str(e).split())[:200]}): every thread's stack follows on stderr"
+            )
+            sys.stderr.write(stacks.decode(errors="replace"))
+            return
         self.report(f"watchdog: rank {self.rank}: {why}; every thread's stack is in {self.dump_path}")
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
     def arrived(self) -> None:
         """This rank reached the step's last collective: the time since the step began is its
