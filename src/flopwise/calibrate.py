@@ -325,20 +325,17 @@ def measure_ranks(nproc: int, threads: int, device: torch.device, tp_cfg: Config
         out, config = Path(tmp) / "collectives.json", Path(tmp) / "tp.toml"
         config.write_text(to_toml(tp_cfg) if tp_cfg else "")
         env = {**os.environ, "OMP_NUM_THREADS": str(threads or 1)}
+        from flopwise.parallel.mesh import torchrun  # as mesh above: imported where a launch needs it
+
         r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                str(nproc),
+            torchrun(
+                nproc,
                 "-m",
                 "flopwise.calibrate",
                 str(out),
                 backend,
                 str(config) if tp_cfg else "",
-            ],
+            ),
             capture_output=True,
             text=True,
             env=env,

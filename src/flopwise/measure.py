@@ -43,7 +43,7 @@ from flopwise.errors import ConfigError, FlopwiseError
 from flopwise.hardware import cluster_hardware
 from flopwise.parallel import accounting as acc
 from flopwise.parallel.data import local_optimizer
-from flopwise.parallel.mesh import layout_of
+from flopwise.parallel.mesh import layout_of, torchrun
 from flopwise.plan.layout import Layout
 from flopwise.plan.perf import STACKS, Estimate, estimate, model_shape
 from flopwise.plan.planner import plan_hardware, resolve_layout
@@ -349,19 +349,14 @@ def measure(
         config.write_text(to_toml(cfg))
         env = {"OMP_NUM_THREADS": str(rank_threads(cfg, world)), **os.environ}
         r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                str(world),
+            torchrun(
+                world,
                 "-m",
                 "flopwise.measure",
                 str(config),
                 str(out),
                 str(steps),
-            ],
+            ),
             capture_output=True,
             text=True,
             env=env,

@@ -11,6 +11,7 @@ A single process gets the same object with every degree 1 and no process group.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -41,6 +42,12 @@ def layout_of(cfg: Config, world: int) -> Layout:
     if reason:
         raise ConfigError(reason)
     return lo
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    """The command of a one-machine launch of `nproc` ranks running ARGS (`--standalone`: a free
+    rendezvous port, so launches beside each other never meet)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
 
 
 @dataclass

@@ -19,7 +19,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flopwise.errors import FlopwiseError
+from flopwise.parallel.mesh import torchrun
 
 STEP = re.compile(r"^step (\d+)/(\d+) ")
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -89,20 +89,15 @@ def run_under_failures(
     random worker after each gap of `gaps`, counted from the line of step `from_step`. `until(timeline)`,
     asked at each logged step, ends the job early (torchrun and its workers killed; returncode None).
     A job still running after `timeout_s` is killed and reported in one line."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
+    cmd = torchrun(
+        nproc,
         "--max-restarts",
         "1000",
         "-m",
         "flopwise",
         "train",
         *overrides,
-    ]
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "400"}
     proc = subprocess.Popen(
         cmd,
