@@ -11,6 +11,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+OWN_PROCESSES = ("multiproc", "slurm", "multinode")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for pytest-xdist's `--dist loadgroup` (the README's `pytest -n 2`). Every test that starts
+    processes of its own (torchrun ranks, a SLURM job, several nodes) runs on one worker, one after
+    another as without xdist: two 8-rank launches on 2 cores would starve each other past their time
+    limits. Every other test stays with its file, so a module's fixtures are built once. Under xdist the
+    process tests are queued first: they are the longest group, and started last they would end last."""
+    own = [any(item.get_closest_marker(m) for m in OWN_PROCESSES) for item in items]
+    for item, o in zip(items, own, strict=True):
+        item.add_marker(pytest.mark.xdist_group("processes" if o else item.nodeid.split("::")[0]))
+    if hasattr(config, "workerinput"):  # an xdist worker: its collection order is the controller's queue
+        order = {id(item): not o for item, o in zip(items, own, strict=True)}
+        items.sort(key=lambda item: order[id(item)])
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """Alice in Wonderland split into chapters, tokenized with a 512-token BPE."""

@@ -2,7 +2,7 @@
 what a restart costs on this machine, for the planner's reliability account (flopwise.recovery).
 
     parent:  measure_recovery(cfg, device, progress) -> Recovery
-    child:   python -m flopwise.calibrate_recovery CONFIG.toml CHECKPOINT DEVICE   (one restart)
+    child:   python -c PROBE CONFIG.toml CHECKPOINT DEVICE   (one restart)
 
 Write: flopwise's own save (checkpoints.checkpoint.save: DCP files, state, sha256 manifest, fsync,
 rename), in one process, of a tiny model (its fixed cost) and of the config's model with its AdamW
@@ -43,6 +43,9 @@ REPEATS = 3  # saves of each size
 RESTARTS = 2
 TINY_FEATURES = 64  # a 64 × 64 linear layer: 4,096 parameters, a save that is all fixed cost
 READY = "restart-probe loaded in"
+# the child imports the CLI first, as `python -m flopwise train` does (its cost is the restart's); a
+# program of its own, so that this module, which the CLI imports, does not import the CLI back
+PROBE = "import sys, flopwise.cli; from flopwise.calibrate_recovery import restart_probe; restart_probe(*sys.argv[1:])"
 
 
 def _save_seconds(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, int, Path]:
@@ -57,7 +60,7 @@ def _save_seconds(root: Path, model: torch.nn.Module, optimizer: torch.optim.Opt
 
 def _restart_seconds(config: Path, ckpt: Path, device: torch.device) -> tuple[float, float]:
     """(launch to loaded, the load alone) of one child process, in seconds."""
-    cmd = [sys.executable, "-m", "flopwise.calibrate_recovery", str(config), str(ckpt), str(device)]
+    cmd = [sys.executable, "-c", PROBE, str(config), str(ckpt), str(device)]
     t0 = time.perf_counter()
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         assert proc.stdout is not None and proc.stderr is not None  # piped above
@@ -104,7 +107,7 @@ def measure_recovery(cfg: Config, device: torch.device, progress: Callable[[str]
     )
 
 
-def _restart_probe(config: str, ckpt: str, device: str) -> None:
+def restart_probe(config: str, ckpt: str, device: str) -> None:
     """One restart: the model and optimizer built on `device`, the checkpoint loaded into them."""
     cfg = load_config(config)
     model = build_model(cfg.model, device)
@@ -112,9 +115,3 @@ def _restart_probe(config: str, ckpt: str, device: str) -> None:
     t0 = time.perf_counter()
     checkpoint.load(Path(ckpt), model, optimizer)
     print(f"{READY} {time.perf_counter() - t0!r}", flush=True)
-
-
-if __name__ == "__main__":
-    import flopwise.cli  # noqa: F401  (what `python -m flopwise train` imports first: its cost is the restart's)
-
-    _restart_probe(sys.argv[1], sys.argv[2], sys.argv[3])
