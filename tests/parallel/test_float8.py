@@ -6,7 +6,6 @@ the device and torchao checks, composition with recompute and compile, FSDP2 and
 """
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -60,6 +59,21 @@ def bf16(tiny_data, tmp_path_factory):
     return run(tmp_path_factory.mktemp("bf16"), tiny_data)
 
 
+@pytest.fixture(scope="module")
+def one_process(tiny_data, tmp_path_factory):
+    """`one_process(recipe)`: 6 steps of emulated float8 on one process, trained once per recipe (the
+    eager reference of the compile test and of the two-rank tests alike)."""
+    runs = {}
+
+    def get(recipe: str):
+        if recipe not in runs:
+            out = tmp_path_factory.mktemp(f"one_{recipe}") / "run"
+            runs[recipe] = run(out, tiny_data, **emulated(recipe), **{"train.steps": 6})
+        return runs[recipe]
+
+    return get
+
+
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_emulated_float8_trains_like_bf16(tiny_data, tmp_path, recipe, bf16):
     """20 steps of the tiny model, same seed and data: the final loss within 2% of bf16's."""
@@ -70,15 +84,9 @@ def test_emulated_float8_trains_like_bf16(tiny_data, tmp_path, recipe, bf16):
     assert {r["mfu_basis"] for r in rows if "mfu" in r} == {f"bf16 dense peak (float8 {recipe} linears)"}
 
 
-def test_float8_needs_a_float8_gpu_unless_emulated(tmp_path):
+def test_float8_needs_a_float8_gpu_unless_emulated(tmp_path, cli):
     """Refused before the run folder or its data exist."""
-    r = subprocess.run(
-        [sys.executable, "-m", "flopwise", "train", "train.float8=rowwise"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = cli("train", "train.float8=rowwise", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.strip() == (
         "error: train.float8 needs a CUDA GPU of compute capability >= 8.9; found cpu; "
         "set train.float8=none (or train.float8_emulate=true to emulate)"
@@ -106,11 +114,11 @@ def test_float8_linears_are_the_blocks_eligible_ones():
 
 @pytest.mark.slow  # compiling on a CPU: ~1 min on 2 cores
 @pytest.mark.compile
-def test_float8_composes_with_recompute_and_compile(tiny_data, tmp_path):
+def test_float8_composes_with_recompute_and_compile(tiny_data, tmp_path, one_process):
     """Full recompute and per-block compile over emulated float8 linears: the same losses as eager
     float8 without recompute, within compile's reordering of float sums."""
     torch._dynamo.reset()
-    eager = run(tmp_path / "eager", tiny_data, **emulated("rowwise"), **{"train.steps": 6})
+    eager = one_process("rowwise")
     both = run(
         tmp_path / "both",
         tiny_data,
@@ -160,10 +168,10 @@ def two_ranks(tiny_data, tmp_path_factory) -> dict:
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(TWO_RANKS))
-def test_float8_composes_with_two_ranks(tiny_data, tmp_path, name, two_ranks):
+def test_float8_composes_with_two_ranks(name, two_ranks, one_process):
     """Two ranks (torchrun, gloo) train as one process does, step for step within 1%."""
     recipe, _ = TWO_RANKS[name]
-    one = run(tmp_path / "one", tiny_data, **emulated(recipe), **{"train.steps": 6})
+    one = one_process(recipe)
     assert two_ranks[name]["losses"] == pytest.approx(one.losses, rel=0.01)
 
 
@@ -247,7 +255,7 @@ def test_planner_bounds_what_compiled_float8_blocks_save():
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_fsdp2_float8_all_gather_measures_what_the_planner_predicts(tiny_data, tmp_path):
+def test_fsdp2_float8_all_gather_measures_what_the_planner_predicts(tiny_data, tmp_path, cli):
     """`flopwise plan --measure` on two ranks, ZeRO-2, tensorwise: FSDP2 gathers the float8
     linears' weights in 1 byte per element; the gathered bytes equal the planner's, and the step's
     high-water mark is within 1%."""
@@ -256,12 +264,7 @@ def test_fsdp2_float8_all_gather_measures_what_the_planner_predicts(tiny_data, t
         tiny_data,
         **{"train.dtype": '"bf16"', "train.compile": "false", "parallel.zero": 2, **emulated("tensorwise")},
     )
-    r = subprocess.run(
-        [sys.executable, "-m", "flopwise", "plan", *keys, "--measure", "--nproc", "2", "--steps", "3", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    r = cli("plan", *keys, "--measure", "--nproc", "2", "--steps", "3", "--json")  # the ranks: torchrun's own
     assert r.returncode == 0, r.stderr[-3000:]
     for rank in json.loads(r.stdout)["ranks"]:
         assert rank["gathered"]["measured"] == rank["gathered"]["predicted"]

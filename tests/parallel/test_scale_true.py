@@ -178,11 +178,23 @@ def test_streamed_export_peak_memory_is_about_one_tensor(tiny_data, tmp_path):
           "whole": lambda: load_for_inference({str(ckpt)!r})}}[sys.argv[1]]()
         print("added", hwm() - before)
     """)
+    # one process per probe (VmHWM is the process's own), all three at once: none reads another's peak
+    probes = {
+        mode: subprocess.Popen(
+            [sys.executable, "-c", probe, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for mode in ("ckpt", "hf", "whole")
+    }
     added = {}
-    for mode in ("ckpt", "hf", "whole"):
-        r = subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-2000:]
-        added[mode] = int(r.stdout.split("added")[-1])
+    try:
+        for mode, p in probes.items():
+            out, err = p.communicate(timeout=600)
+            assert p.returncode == 0, err[-2000:]
+            added[mode] = int(out.split("added")[-1])
+    finally:
+        for p in probes.values():
+            p.kill()
+            p.wait()
     assert added["whole"] > 0.9 * total
     assert added["ckpt"] < 2 * largest + 64 * 2**20, added
     assert added["hf"] < 2 * largest + 64 * 2**20, added
@@ -215,17 +227,40 @@ LAYOUTS = {
 }
 
 
+def _half_billion(run_dir: Path) -> list[str]:
+    """A 0.48B-parameter Llama (1.9 GB in fp32) for zero3."""
+    return [
+        "model.n_layers=32",
+        "model.d_model=1024",
+        "model.n_heads=16",
+        "model.ffn_dim=2816",
+        "model.vocab_size=32000",
+        "model.max_seq_len=64",
+        "data.seq_len=64",
+        "train.global_batch=4",
+        "train.micro_batch=1",
+        "parallel.zero=3",
+        'train.dtype="fp32"',
+        f'run.dir="{run_dir}"',
+    ]
+
+
 @pytest.fixture(scope="module")
 def sharded(tiny_data, tmp_path_factory) -> dict:
+    """Every torchrun job of this module: one launch of 2 ranks, one of 4. The half-billion build is
+    the 4-rank launch's first job: it reads the ranks' VmHWM from a fresh process's start."""
     tmp = tmp_path_factory.mktemp("scale")
     hf, _ = _hf_folder(tmp)
     hf_job = _layout_overrides(
         tmp, tiny_data, "hf-tp2xdp2-zero3", **{"parallel.tp": 2, "parallel.zero": 3, "model.init_from": f'"hf:{hf}"'}
     )
+    mem_job = {"name": "half-billion", "kind": "build_memory", "overrides": _half_billion(tmp / "half-billion")}
     results = {"_tmp": tmp, "_hf": hf}
     results.update(run_jobs(2, [_layout_overrides(tmp, tiny_data, n, **x) for n, x in LAYOUTS[2].items()], tmp))
     results.update(
-        run_jobs(4, [_layout_overrides(tmp, tiny_data, n, **x) for n, x in LAYOUTS[4].items()] + [hf_job], tmp)
+        run_jobs(
+            4, [mem_job] + [_layout_overrides(tmp, tiny_data, n, **x) for n, x in LAYOUTS[4].items()] + [hf_job], tmp
+        )
     )
     return results
 
@@ -271,28 +306,13 @@ def test_sharded_hf_load_reads_only_each_ranks_slices(sharded, tiny_data):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_building_a_half_billion_model_on_four_ranks_holds_a_quarter_each(tmp_path):
+def test_building_a_half_billion_model_on_four_ranks_holds_a_quarter_each(sharded):
     """A 0.48B-parameter Llama (1.9 GB in fp32) built for zero3 on 4 ranks: each rank's peak
     resident memory grows by at most a quarter of the model plus 200 MB while it builds
     (measured before meta-device init: 2.06 GB per rank, the whole model)."""
-    ov = [
-        "model.n_layers=32",
-        "model.d_model=1024",
-        "model.n_heads=16",
-        "model.ffn_dim=2816",
-        "model.vocab_size=32000",
-        "model.max_seq_len=64",
-        "data.seq_len=64",
-        "train.global_batch=4",
-        "train.micro_batch=1",
-        "parallel.zero=3",
-        'train.dtype="fp32"',
-        f'run.dir="{tmp_path}"',
-    ]
-    cfg = load_config(None, ov)
+    cfg = load_config(None, _half_billion(sharded["_tmp"] / "half-billion"))
     full = sum(p.numel() for p in build_model(cfg.model, "meta").parameters()) * 4
-    r = run_jobs(4, [{"name": "mem", "kind": "build_memory", "overrides": ov}], tmp_path)["mem"]
-    for added in r["peak_added_bytes"]:
+    for added in sharded["half-billion"]["peak_added_bytes"]:
         assert added < full / 4 + 200 * 2**20, (added, full)
 
 

@@ -9,8 +9,6 @@ volumes. The reference is the engine, measured (flopwise.measure, the code behin
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -174,17 +172,12 @@ def test_step_collectives_equal_the_planners_volumes(zero, measured, tiny_data):
     assert measured[f"comm-zero{zero}"]["volumes"] == want
 
 
-def test_plan_measure_command_prints_the_engines_bytes_beside_the_planners(tiny_data, tmp_path):
+def test_plan_measure_command_prints_the_engines_bytes_beside_the_planners(tiny_data, tmp_path, cli):
     """`flopwise plan --measure` on dp2 ZeRO-3: per rank the planner's parameter, gradient and
     optimizer bytes and collective volumes equal what the two torchrun ranks measured, and its saved
     activations are within 5%."""
     args = tiny_overrides(tmp_path / "run", tiny_data, **{"parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 2})
-    r = subprocess.run(
-        [sys.executable, "-m", "flopwise", "plan", *args, "--measure", "--steps", "2", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    r = cli("plan", *args, "--measure", "--steps", "2", "--json")  # in this process; the ranks: torchrun's own
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)
     assert report["world"] == 2 and len(report["ranks"]) == 2 and report["layout"] == "dp2 zero3"
@@ -287,23 +280,21 @@ def _searched_overrides(tmp, data, name: str) -> list[str]:
     )
 
 
-def _cli_json(*args: str) -> dict:
-    r = subprocess.run(
-        [sys.executable, "-m", "flopwise", "plan", *args, "--json"], capture_output=True, text=True, timeout=600
-    )
+def _cli_json(cli, *args: str) -> dict:
+    r = cli("plan", *args, "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)
 
 
 @pytest.mark.parametrize("name", list(SEARCHED))
-def test_search_memory_is_what_the_engine_holds(name, tiny_data, tmp_path):
+def test_search_memory_is_what_the_engine_holds(name, tiny_data, tmp_path, cli):
     """The search's memory for a layout (its worst rank: FSDP2's first shard, ZeRO-1's busiest rank)
     against the engine's largest per-rank bytes measured under torchrun: model states exactly, saved
     activations within 1%, the step's high-water mark above the resident states within the joint
     tests' data-parallel tolerance (1%; ZeRO-3 here: at least the plan)."""
     args = _searched_overrides(tmp_path, tiny_data, name)
-    planned = _cli_json(*args)
-    measured = _cli_json(*args, "--measure", "--steps", "3")
+    planned = _cli_json(cli, *args)
+    measured = _cli_json(cli, *args, "--measure", "--steps", "3")
     (layout,) = planned["layouts"]
     assert {k: layout[k] for k in measured["parallel"]} == measured["parallel"]
     assert measured["world"] == SEARCHED[name][1] and measured["dtype"] == "fp32"
