@@ -204,3 +204,13 @@ def tiny_docs(tiny_data, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data") / "paragraphs"
     prepare([str(src)], out, tokenizer=str(tiny_data / "tokenizer.json"), val_fraction=0.1, seed=0)
     return out
+
+
+@pytest.fixture
+def tiny_run_copy(tiny_run, tmp_path):
+    """`tiny_run_copy(steps)`: a copy of tiny_run(steps)'s folder in this test's tmp_path, to damage
+    or change. Checkpoint reading (verify, latest, resolve, list_complete, prune) asks no ownership;
+    training on in the copy is refused (a copied run folder proves nothing): train in a folder of its own."""
+    import shutil
+
+    return lambda steps: Path(shutil.copytree(tiny_run(steps), tmp_path / f"tiny_run_{steps}"))

@@ -10,8 +10,6 @@ import builtins
 import io
 import json
 import pickle
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -113,21 +111,16 @@ def test_a_file_the_manifest_does_not_list_is_refused(tiny_data, tmp_path):
     assert checkpoint.verify(ckpt) is not None and not (tmp_path / "PWNED").exists()
 
 
-def test_the_cli_prints_one_line_and_exits_2(evil, tmp_path):
+def test_the_cli_prints_one_line_and_exits_2(evil, tmp_path, cli):
     ckpt, marker, _ = evil
     text = tmp_path / "t.txt"
     text.write_text("To be or not to be")
-    r = subprocess.run(
-        [sys.executable, "-m", "flopwise", "eval", str(ckpt), "--text", str(text)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = cli("eval", ckpt, "--text", text)
     assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout
     assert len((r.stderr + r.stdout).strip().splitlines()) == 1 and not marker.exists()
 
 
-def test_data_prepare_never_deletes_a_folder_that_is_not_its_own(tmp_path):
+def test_data_prepare_never_deletes_a_folder_that_is_not_its_own(tmp_path, cli):
     """`flopwise data prepare --out DIR` on a folder of someone's files refuses in one line and
     leaves it as it was; --force replaces it; re-preparing its own output is allowed."""
     src = tmp_path / "in.txt"
@@ -136,30 +129,18 @@ def test_data_prepare_never_deletes_a_folder_that_is_not_its_own(tmp_path):
     precious.mkdir()
     (precious / "chapter1.tex").write_text("irreplaceable")
 
-    def cmd(out, *extra):
-        return [
-            sys.executable,
-            "-m",
-            "flopwise",
-            "data",
-            "prepare",
-            str(src),
-            "--out",
-            str(out),
-            "--train-tokenizer",
-            "300",
-            *extra,
-        ]
+    def prepare(out, *extra):
+        return cli("data", "prepare", src, "--out", out, "--train-tokenizer", "300", "--workers", "1", *extra)
 
-    r = subprocess.run(cmd(precious), capture_output=True, text=True, timeout=120)
+    r = prepare(precious)
     assert r.returncode == 2 and "--force" in r.stderr + r.stdout and "Traceback" not in r.stderr
     assert (precious / "chapter1.tex").read_text() == "irreplaceable"
     out = tmp_path / "prepared"
     for _ in range(2):  # its own folder may be prepared again
-        r = subprocess.run(cmd(out), capture_output=True, text=True, timeout=120)
+        r = prepare(out)
         assert r.returncode == 0, r.stderr[-2000:]
     assert (out / "index.json").is_file()
-    r = subprocess.run(cmd(precious, "--force"), capture_output=True, text=True, timeout=120)
+    r = prepare(precious, "--force")
     assert r.returncode == 0 and (precious / "index.json").is_file() and not (precious / "chapter1.tex").exists()
 
 

@@ -1,5 +1,4 @@
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -55,29 +54,13 @@ def test_generation_stops_where_transformers_max_length_stops(run_dir, tmp_path)
         generate(model, [], 5)
 
 
-def test_generate_cli_context_limit_and_empty_prompt(run_dir):
+def test_generate_cli_context_limit_and_empty_prompt(run_dir, cli):
     _, cfg, tok = load_for_inference(run_dir)
     L = cfg.model.max_seq_len
     ids = tok.encode(TEXT).ids
 
     def gen(prompt: str, n: int) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "flopwise",
-                "generate",
-                str(run_dir),
-                "--prompt",
-                prompt,
-                "--temperature",
-                "0",
-                "--max-new-tokens",
-                str(n),
-            ],
-            capture_output=True,
-            text=True,
-        )
+        return cli("generate", run_dir, "--prompt", prompt, "--temperature", "0", "--max-new-tokens", n)
 
     long = tok.decode(ids[: L + 10])
     r = gen(long, 5)  # was: the prompt's last L tokens echoed back, exit 0, no message

@@ -1,6 +1,4 @@
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -131,7 +129,7 @@ def test_bad_task_files(tmp_path):
         load_task("no-such-task")
 
 
-def test_a_task_file_mixing_multiple_choice_and_cloze_is_refused_at_load(tmp_path):
+def test_a_task_file_mixing_multiple_choice_and_cloze_is_refused_at_load(tmp_path, cli):
     """Was: loaded, then a TypeError in the summary (the kind taken from the first example only)."""
     mc, cloze = '{"context": "a", "choices": [" b", " c"], "gold": 0}', '{"context": "a", "target": " b"}'
     f = tmp_path / "mixed.jsonl"
@@ -142,15 +140,11 @@ def test_a_task_file_mixing_multiple_choice_and_cloze_is_refused_at_load(tmp_pat
         f.write_text("\n".join(lines) + "\n")
         with pytest.raises(DataError, match=f"task file {f}: {msg}; .* in a file of their own"):
             load_task(str(f))
-    r = subprocess.run(
-        [sys.executable, "-m", "flopwise", "eval", str(tmp_path / "no-run"), "--tasks", str(f)],
-        capture_output=True,
-        text=True,
-    )
+    r = cli("eval", tmp_path / "no-run", "--tasks", f)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "line 3 is multiple choice" in r.stderr
 
 
-def test_tasks_cli_and_during_training(tiny_data, tmp_path):
+def test_tasks_cli_and_during_training(tiny_data, tmp_path, cli):
     cfg = load_config(
         None,
         tiny_overrides(tmp_path, tiny_data, **{"train.eval_tasks": '["alice-lastword"]', "train.eval_task_limit": 10}),
@@ -159,25 +153,8 @@ def test_tasks_cli_and_during_training(tiny_data, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     task_rows = [r for r in rows if r.get("task") == "alice-lastword"]
     assert [r["step"] for r in task_rows] == [3, 6] and task_rows[0]["n"] == 10
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flopwise",
-            "eval",
-            str(tmp_path),
-            "--tasks",
-            "alice-lastword,alice-nextsent",
-            "--limit",
-            "12",
-            "--shots",
-            "1",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    r = cli("eval", tmp_path, "--tasks", "alice-lastword,alice-nextsent", "--limit", "12", "--shots", "1", "--json")
+    assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert [o["task"] for o in out] == ["alice-lastword", "alice-nextsent"]
     assert all({"task", "n", "acc", "acc_norm", "ppl"} <= set(o) and o["n"] == 12 for o in out)

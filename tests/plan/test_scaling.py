@@ -3,8 +3,6 @@
 import csv
 import json
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -176,13 +174,9 @@ def test_fit_reproduces_epochs_replication():
     )
 
 
-def test_scale_cli(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "flopwise", "scale", "optimal", "--flops", "1e21", "--law", "epoch", "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+def test_scale_cli(tmp_path, cli):
+    r = cli("scale", "optimal", "--flops", "1e21", "--law", "epoch", "--json")
+    assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert {
         "params",
@@ -198,52 +192,30 @@ def test_scale_cli(tmp_path):
     assert set(out["shape"]) >= {"n_layers", "d_model", "n_heads", "ffn_dim"}
     pts = chinchilla_points()
     law_file = tmp_path / "law.json"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flopwise",
-            "scale",
-            "fit",
-            str(CHINCHILLA_CSV),
-            "--drop-highest",
-            "5",
-            "--bootstrap",
-            "20",
-            "--json",
-            "--out",
-            str(law_file),
-            "--plots",
-            str(tmp_path / "plots"),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
+    r = cli(
+        "scale",
+        "fit",
+        CHINCHILLA_CSV,
+        "--drop-highest",
+        "5",
+        "--bootstrap",
+        "20",
+        "--json",
+        "--out",
+        law_file,
+        "--plots",
+        tmp_path / "plots",
     )
+    assert r.returncode == 0, r.stderr
     fit = json.loads(r.stdout)
     assert {"E", "A", "B", "alpha", "beta", "ci", "a"} <= set(fit) and fit["E"] == pytest.approx(1.8172, rel=0.005)
     assert {p.name for p in (tmp_path / "plots").iterdir()} == {"isoflop.png", "fit.png", "frontier.png"}
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flopwise",
-            "scale",
-            "optimal",
-            "--flops",
-            "1e21",
-            "--law",
-            f"fitted:{law_file}",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    r = cli("scale", "optimal", "--flops", "1e21", "--law", f"fitted:{law_file}", "--json")
+    assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["params"] == pytest.approx(fit_approach3(pts).law.frontier(1e21)[0], rel=1e-3)
 
 
-def test_fit_input_errors(tmp_path):
+def test_fit_input_errors(tmp_path, cli):
     from flopwise.errors import DataError
 
     bad = tmp_path / "bad.csv"
@@ -253,11 +225,7 @@ def test_fit_input_errors(tmp_path):
     bad.write_text("params,tokens,loss\n1e6,abc,3\n")
     with pytest.raises(DataError, match="non-numeric"):
         read_points(bad)
-    r = subprocess.run(
-        [sys.executable, "-m", "flopwise", "scale", "optimal", "--flops", "1e21", "--law", "nope"],
-        capture_output=True,
-        text=True,
-    )
+    r = cli("scale", "optimal", "--flops", "1e21", "--law", "nope")
     assert r.returncode == 2 and "unknown" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -291,8 +259,8 @@ def test_allocate_checks_its_budget_and_token_counts(kwargs, option):
         (["--gpu-hours", "5", "--hardware", "nope"], "--hardware: unknown hardware 'nope'"),
     ],
 )
-def test_scale_optimal_bad_budgets_are_one_line(args, named):
-    r = subprocess.run([sys.executable, "-m", "flopwise", "scale", "optimal", *args], capture_output=True, text=True)
+def test_scale_optimal_bad_budgets_are_one_line(args, named, cli):
+    r = cli("scale", "optimal", *args)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and named in lines[0], r.stderr
     assert "--flops" not in lines[0] or args[0] == "--flops"  # --gpu-hours -5 once blamed --flops

@@ -57,9 +57,8 @@ def distcp_hashes(ckpt) -> dict[str, str]:
 # Checkpoint integrity
 
 
-def test_manifest_records_checksums_config_hash_and_layout(tiny_data, tmp_path):
-    run(tmp_path, tiny_data)
-    ckpt = checkpoint.latest(tmp_path)
+def test_manifest_records_checksums_config_hash_and_layout(tiny_run):
+    ckpt = checkpoint.latest(tiny_run(6))
     m = json.loads((ckpt / "manifest.json").read_text())
     assert m["format"] == checkpoint.FORMAT and m["step"] == 6 and len(m["config_hash"]) == 16
     assert m["layout"]["world_size"] == 1
@@ -67,8 +66,9 @@ def test_manifest_records_checksums_config_hash_and_layout(tiny_data, tmp_path):
     assert all(len(f["sha256"]) == 64 for f in m["files"].values())
 
 
-def test_corrupt_latest_is_reported_and_the_previous_one_resumed(tiny_data, tmp_path):
-    run(tmp_path, tiny_data, **{"train.steps": 9})  # checkpoints 3, 6, 9 (keep 2: 6, 9)
+def test_corrupt_latest_is_reported_and_the_previous_one_resumed(tiny_data, tiny_run, tmp_path):
+    """The resumed run ends where the same run uninterrupted (tiny_run(6)) does, bit for bit."""
+    run(tmp_path, tiny_data)  # checkpoints 3, 6 (in a folder of its own: it trains on there)
     latest = checkpoint.latest(tmp_path)
     blob = latest / "__0_0.distcp"
     data = bytearray(blob.read_bytes())
@@ -76,25 +76,24 @@ def test_corrupt_latest_is_reported_and_the_previous_one_resumed(tiny_data, tmp_
     blob.write_bytes(bytes(data))
     assert checkpoint.is_complete(latest)  # sizes still match
     assert "sha256" in checkpoint.verify(latest)
-    r, out = run(tmp_path, tiny_data, **{"train.steps": 9})
+    r, out = run(tmp_path, tiny_data)
     assert (
-        "skipping damaged checkpoint step-00000009 (__0_0.distcp fails its sha256 checksum); using step-00000006" in out
+        "skipping damaged checkpoint step-00000006 (__0_0.distcp fails its sha256 checksum); using step-00000003" in out
     )
-    assert "resumed from" in out and "step-00000006 at step 6" in out
-    assert r.checkpoint.name == "step-00000009" and checkpoint.verify(r.checkpoint) is None
-    ref, _ = run(tmp_path / "ref", tiny_data, **{"train.steps": 9})
-    assert distcp_hashes(r.checkpoint) == distcp_hashes(ref.checkpoint)
+    assert "resumed from" in out and "step-00000003 at step 3" in out
+    assert r.checkpoint.name == "step-00000006" and checkpoint.verify(r.checkpoint) is None
+    assert distcp_hashes(r.checkpoint) == distcp_hashes(checkpoint.latest(tiny_run(6)))
 
 
-def test_retention_never_deletes_the_last_complete_checkpoint_and_clears_stale_tmp(tiny_data, tmp_path):
-    run(tmp_path, tiny_data)
-    root = tmp_path / "checkpoints"
+def test_retention_never_deletes_the_last_complete_checkpoint_and_clears_stale_tmp(tiny_run_copy):
+    run_dir = tiny_run_copy(6)
+    root = run_dir / "checkpoints"
     (root / "step-00000007.tmp").mkdir()
     broken = root / "step-00000009"
     shutil.copytree(root / "step-00000006", broken)
     (broken / "manifest.json").unlink()  # interrupted before the manifest
-    checkpoint.prune(tmp_path, keep=1)
-    assert [p.name for p in checkpoint.list_complete(tmp_path)] == ["step-00000006"]
+    checkpoint.prune(run_dir, keep=1)
+    assert [p.name for p in checkpoint.list_complete(run_dir)] == ["step-00000006"]
     assert not (root / "step-00000007.tmp").exists()
     assert checkpoint.verify(broken) == "no manifest (write interrupted)"
 
@@ -104,10 +103,9 @@ class Boom:
         return (os.system, ("touch PWNED",))
 
 
-def test_a_planted_pickle_is_refused_and_never_run(tiny_data, tmp_path, monkeypatch):
+def test_a_planted_pickle_is_refused_and_never_run(tiny_run_copy, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    run(tmp_path, tiny_data)
-    ckpt = checkpoint.latest(tmp_path)
+    ckpt = checkpoint.latest(tiny_run_copy(6))
     evil = pickle.dumps(Boom())
     (ckpt / ".metadata").write_bytes(evil)
     manifest = json.loads((ckpt / "manifest.json").read_text())  # attacker also fixes the manifest
@@ -129,9 +127,8 @@ def load_for_inference_unverified(ckpt):
     checkpoint.load(ckpt, model)
 
 
-def test_paths_in_manifest_or_dcp_metadata_cannot_leave_the_folder(tiny_data, tmp_path):
-    run(tmp_path, tiny_data)
-    ckpt = checkpoint.latest(tmp_path)
+def test_paths_in_manifest_or_dcp_metadata_cannot_leave_the_folder(tiny_run_copy):
+    ckpt = checkpoint.latest(tiny_run_copy(6))
     m = json.loads((ckpt / "manifest.json").read_text())
     m["files"]["../../secret"] = {"bytes": 1, "sha256": "0"}
     (ckpt / "manifest.json").write_text(json.dumps(m))
@@ -242,15 +239,17 @@ def test_guard_verdicts():
 # Preemption, async, auto interval, watchdog
 
 
-def test_sigterm_checkpoints_exits_and_resumes_exactly(tiny_data, tmp_path, monkeypatch):
+def test_sigterm_checkpoints_exits_and_resumes_exactly(tiny_data, tiny_run, tmp_path, monkeypatch):
+    """The resumed run ends where the same run uninterrupted (tiny_run(8): its checkpoints at steps
+    3 and 6 change no tensor, no random state) does, bit for bit."""
     kw = {"train.steps": 8, "checkpoint.interval": 0}
     r, _ = run(tmp_path / "split", tiny_data, "sigterm:step=5", monkeypatch, **kw)
     assert r.preempted == 5 and r.signal == "SIGTERM" and r.checkpoint.name == "step-00000005"
     resumed, out = run(tmp_path / "split", tiny_data, "", monkeypatch, **kw)
     assert "step-00000005 at step 5" in out
-    ref, _ = run(tmp_path / "ref", tiny_data, "", monkeypatch, **kw)
-    assert distcp_hashes(resumed.checkpoint) == distcp_hashes(ref.checkpoint)
-    a, b = checkpoint.read_state(resumed.checkpoint), checkpoint.read_state(ref.checkpoint)
+    ref = checkpoint.latest(tiny_run(8))
+    assert distcp_hashes(resumed.checkpoint) == distcp_hashes(ref)
+    a, b = checkpoint.read_state(resumed.checkpoint), checkpoint.read_state(ref)
     assert a["rng"] == b["rng"] and a["guard"] == b["guard"] and len(a["guard"]["losses"]) == 8
 
 
@@ -278,7 +277,7 @@ def distcp_bytes(ckpt) -> int:
     return sum(p.stat().st_size for p in ckpt.glob("*.distcp"))
 
 
-def test_tied_embeddings_are_stored_once_and_resume_exactly(tiny_data, tmp_path, monkeypatch):
+def test_tied_embeddings_are_stored_once_and_resume_exactly(tiny_data, tiny_run, tmp_path, monkeypatch):
     """Issue 41: a tied head was stored twice, as itself and as the embedding (a 135M import: 652 MB
     where 538 MB hold it). Now a tied checkpoint is its untied twin less three embeddings (the head
     and its two AdamW moments: fp32 vocab x d_model each), the old writer's less one; the weight is
@@ -287,12 +286,12 @@ def test_tied_embeddings_are_stored_once_and_resume_exactly(tiny_data, tmp_path,
     kw = {"train.steps": 6, "checkpoint.interval": 3, "train.eval_every": 0}
     tied = {**kw, "model.tie_embeddings": "true"}
     emb = 512 * 64 * 4  # demo-tiny: vocab 512, d_model 64, fp32
-    untied, _ = run(tmp_path / "untied", tiny_data, **kw)
+    untied = checkpoint.latest(tiny_run(6))  # kw untied (tiny_run's evaluations change no size)
     ref, _ = run(tmp_path / "ref", tiny_data, **tied)
     saved = set(checkpoint.read_dcp_metadata(ref.checkpoint).state_dict_metadata)
     assert "model.tok_embeddings.weight" in saved and "model.output.weight" not in saved
     overhead = 4 * 2048  # four fewer entries (model.output.weight, its step and moments), each in its own record
-    assert 3 * emb <= distcp_bytes(untied.checkpoint) - distcp_bytes(ref.checkpoint) < 3 * emb + overhead
+    assert 3 * emb <= distcp_bytes(untied) - distcp_bytes(ref.checkpoint) < 3 * emb + overhead
 
     run(tmp_path / "split", tiny_data, **{**tied, "train.stop_after": 3})
     resumed, out = run(tmp_path / "split", tiny_data, **tied)

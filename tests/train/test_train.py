@@ -2,7 +2,6 @@ import json
 import math
 import shutil
 import statistics
-import subprocess
 import sys
 
 import pytest
@@ -28,18 +27,20 @@ def metric_rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_resume_reproduces_the_uninterrupted_run_bitwise(tiny_data, tmp_path):
-    """2k steps straight == k steps, stop, resume for k more (fp32, CPU): same losses, same weights."""
-    full = run(tmp_path / "full", tiny_data, **{"train.steps": 8, "checkpoint.interval": 4})
+def test_resume_reproduces_the_uninterrupted_run_bitwise(tiny_data, tiny_run, tmp_path):
+    """2k steps straight == k steps, stop, resume for k more (fp32, CPU): same losses, same weights.
+    Straight: tiny_run(8) (its checkpoints at 3 and 6, not 4, change nothing), its losses as logged."""
+    full = tiny_run(8)
+    losses = [r["loss"] for r in metric_rows(full) if "loss" in r]
     half = run(tmp_path / "split", tiny_data, **{"train.steps": 8, "train.stop_after": 4, "checkpoint.interval": 4})
     resumed = run(tmp_path / "split", tiny_data, **{"train.steps": 8, "checkpoint.interval": 4})
-    assert half.losses == full.losses[:4]
-    assert resumed.losses == full.losses[4:]
-    a, _, _ = load_for_inference(tmp_path / "full")
+    assert len(losses) == 8 and half.losses == losses[:4]
+    assert resumed.losses == losses[4:]
+    a, _, _ = load_for_inference(full)
     b, _, _ = load_for_inference(tmp_path / "split")
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     rows = [r["loss"] for r in metric_rows(tmp_path / "split") if "loss" in r]
-    assert rows == full.losses  # the metrics file of the resumed run is continuous
+    assert rows == losses  # the metrics file of the resumed run is continuous
 
 
 def test_metrics_records_and_artifacts(tiny_data, tmp_path):
@@ -150,32 +151,32 @@ def test_no_weight_decay_on_norms_biases_embeddings():
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(m.parameters()))
 
 
-def test_incomplete_checkpoints_are_never_resumed(tiny_data, tmp_path):
-    run(tmp_path, tiny_data)
-    done = checkpoint.list_complete(tmp_path)
+def test_incomplete_checkpoints_are_never_resumed(tiny_run_copy):
+    run_dir = tiny_run_copy(6)
+    done = checkpoint.list_complete(run_dir)
     assert [p.name for p in done] == ["step-00000003", "step-00000006"]
-    (tmp_path / "checkpoints" / "step-00000009.tmp").mkdir()  # a crash mid-write
-    broken = tmp_path / "checkpoints" / "step-00000012"
+    (run_dir / "checkpoints" / "step-00000009.tmp").mkdir()  # a crash mid-write
+    broken = run_dir / "checkpoints" / "step-00000012"
     shutil.copytree(done[-1], broken)
     (broken / "__0_0.distcp").write_bytes(b"truncated")  # size no longer matches the manifest
-    assert checkpoint.latest(tmp_path).name == "step-00000006"
+    assert checkpoint.latest(run_dir).name == "step-00000006"
     with pytest.raises(CheckpointError, match="damaged"):
         checkpoint.resolve(broken)
 
 
-def test_a_checkpoint_missing_any_one_file_is_never_resumed(tiny_data, tmp_path):
+def test_a_checkpoint_missing_any_one_file_is_never_resumed(tiny_run_copy):
     """The newest checkpoint with each of its files removed in turn: every time, resume takes the
     one before it (issue 17: a checkpoint whose files are removed one at a time)."""
-    run(tmp_path, tiny_data)
-    newest = checkpoint.list_complete(tmp_path)[-1]
+    run_dir = tiny_run_copy(6)
+    newest = checkpoint.list_complete(run_dir)[-1]
     files = sorted(p.name for p in newest.iterdir())
     assert len(files) >= 4  # .metadata, state.json, manifest.json, tensor files, tokenizer
     for name in files:
-        broken = tmp_path / "checkpoints" / "step-00000099"
+        broken = run_dir / "checkpoints" / "step-00000099"
         shutil.rmtree(broken, ignore_errors=True)
         shutil.copytree(newest, broken)
         (broken / name).unlink()
-        assert checkpoint.latest(tmp_path) == newest, name
+        assert checkpoint.latest(run_dir) == newest, name
         with pytest.raises(CheckpointError):
             checkpoint.resolve(broken)
 
@@ -208,34 +209,18 @@ def test_vocab_smaller_than_tokenizer_is_a_config_error(tiny_data, tmp_path):
         run(tmp_path, tiny_data, **{"model.vocab_size": 100})
 
 
-def test_eval_and_generate_cli(tiny_data, tmp_path):
-    run(tmp_path, tiny_data)
+def test_eval_and_generate_cli(tiny_run, tmp_path, cli):
+    run_dir = tiny_run(6)
     text = tmp_path / "t.txt"
     text.write_text("Alice was beginning to get very tired of sitting by her sister on the bank. " * 20)
-    r = subprocess.run(
-        [sys.executable, "-m", "flopwise", "eval", str(tmp_path), "--text", str(text), "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    r = cli("eval", run_dir, "--text", text, "--json")
+    assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert set(out) == {"loss", "ppl", "tokens", "seq_len"} and out["ppl"] == pytest.approx(math.exp(out["loss"]))
-    args = [
-        sys.executable,
-        "-m",
-        "flopwise",
-        "generate",
-        str(tmp_path),
-        "--prompt",
-        "Alice",
-        "--temperature",
-        "0",
-        "--max-new-tokens",
-        "12",
-    ]
-    cached = subprocess.run(args, capture_output=True, text=True, check=True).stdout
-    full = subprocess.run(args + ["--no-cache"], capture_output=True, text=True, check=True).stdout
-    assert cached == full and cached.startswith("Alice")
+    args = ["generate", run_dir, "--prompt", "Alice", "--temperature", "0", "--max-new-tokens", "12"]
+    cached, full = cli(*args), cli(*args, "--no-cache")
+    assert cached.returncode == full.returncode == 0, cached.stderr + full.stderr
+    assert cached.stdout == full.stdout and cached.stdout.startswith("Alice")
 
 
 def test_compile_auto_compiles_long_runs_on_tested_layouts(tiny_data, tmp_path):
