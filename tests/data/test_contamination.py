@@ -18,7 +18,6 @@ from flopwise.data.tasks import builtin_tasks, load_task
 from flopwise.errors import DataError
 from flopwise.eval.load import load_for_inference
 from flopwise.eval.tasks import evaluate_task
-from tests.conftest import tiny_overrides
 
 N = 13
 FOREIGN = ["alice-lastword", "alice-nextsent", "shakespeare-cloze", "shakespeare-nextline", "shakespeare-speaker"]
@@ -88,24 +87,32 @@ def planted(tmp_path_factory):
     return path, docs, tasks, plants, sorted(where)
 
 
-def test_planted_examples_are_found_and_nothing_else(planted):
+@pytest.fixture(scope="module")
+def truth(planted):
+    """The brute-force reference on the planted documents, for all tasks and for the foreign ones
+    (several tests' reference: computed once)."""
+    _, docs, tasks, _, _ = planted
+    return {"all": brute_force(tasks, docs), "foreign": brute_force({t: tasks[t] for t in FOREIGN}, docs)}
+
+
+def test_planted_examples_are_found_and_nothing_else(planted, truth):
     path, docs, tasks, plants, where = planted
     report = measure(str(path), list(tasks.items()))
-    truth, touched = brute_force(tasks, docs)
+    ids, touched = truth["all"]
     got = dict(zip(report.tasks, report.contaminated, strict=True))
     for task, k, _ in plants:  # recall 1, verbatim and changed
         assert k in got[task]
-    assert got == truth  # precision: nothing reported that is not truly there
+    assert got == ids  # precision: nothing reported that is not truly there
     assert report.touched == touched and set(where) <= set(touched)
     assert got["enwiki-lastword"]  # examples built from the background text: natural overlap, found too
     assert report.documents == len(docs)
 
 
-def test_prepared_folder_and_cli_json(planted, tmp_path):
-    path, docs, tasks, _, _ = planted
+def test_prepared_folder_and_cli_json(planted, truth, tmp_path):
+    path, _, tasks, _, _ = planted
     data = tmp_path / "data"
     prepare([str(path)], data, tokenizer="bpe:300", val_fraction=0.0)
-    truth, _ = brute_force(tasks, docs)
+    ids_truth, _ = truth["all"]
     ids = tmp_path / "ids.json"
     r = CliRunner().invoke(
         app, ["data", "contamination", str(data), "--tasks", ",".join(ALL), "--json", "--ids-out", str(ids)]
@@ -113,11 +120,16 @@ def test_prepared_folder_and_cli_json(planted, tmp_path):
     assert r.exit_code == 0, r.output
     rows = json.loads(r.output)
     assert rows == [
-        {"task": t, "examples": len(tasks[t]), "contaminated": len(truth[t]), "share": len(truth[t]) / len(tasks[t])}
+        {
+            "task": t,
+            "examples": len(tasks[t]),
+            "contaminated": len(ids_truth[t]),
+            "share": len(ids_truth[t]) / len(tasks[t]),
+        }
         for t in ALL
     ]
     written = json.loads(ids.read_text())
-    assert written.pop("written_by").startswith("flopwise data contamination") and written == truth
+    assert written.pop("written_by").startswith("flopwise data contamination") and written == ids_truth
     r = CliRunner().invoke(app, ["data", "contamination", str(data), "--tasks", "alice-lastword"])
     assert r.exit_code == 0 and "training documents contain a task n-gram" in r.output
 
@@ -141,29 +153,24 @@ def test_short_n_and_bad_inputs(tmp_path):
         measure(str(tmp_path / "doc.txt"), [])
 
 
-def test_datatrove_filter_drops_exactly_the_planted_documents(planted):
-    _, docs, tasks, _, where = planted
+def test_datatrove_filter_drops_exactly_the_planted_documents(planted, truth):
+    _, docs, _, _, where = planted
     step = DecontaminationFilter(FOREIGN)
     kept = [int(d.id) for d in step.run(iter(Document(text=t, id=str(i)) for i, t in enumerate(docs)))]
-    _, touched = brute_force({t: tasks[t] for t in FOREIGN}, docs)
+    _, touched = truth["foreign"]
     assert touched == where
     assert kept == [i for i in range(len(docs)) if i not in where]
     assert step.stats["dropped"].total == len(where)
 
 
-def test_clean_subset_scores(tiny_data, tmp_path):
-    from flopwise.launch import train
-
-    cfg = load_config(
-        None, tiny_overrides(tmp_path, tiny_data, **{"train.steps": 2, "train.eval_every": 2, "checkpoint.interval": 0})
-    )
-    train(cfg)
+def test_clean_subset_scores(tiny_data, tiny_run):
+    run = tiny_run(6)
     limit, names = 30, ["alice-nextsent", "alice-lastword"]
     r = CliRunner().invoke(
         app,
         [
             "eval",
-            str(tmp_path),
+            str(run),
             "--tasks",
             ",".join(names),
             "--limit",
@@ -176,7 +183,7 @@ def test_clean_subset_scores(tiny_data, tmp_path):
     assert r.exit_code == 0, r.output
     rows = json.loads(r.output)
     dirty = measure(str(tiny_data), [load_task(t) for t in names]).contaminated
-    model, _, tok = load_for_inference(tmp_path)
+    model, _, tok = load_for_inference(run)
     for row, name, bad in zip(rows, names, dirty, strict=True):
         examples = load_task(name)[1][:limit]
         clean = [k for k in range(limit) if k not in bad]
@@ -212,11 +219,11 @@ def test_shipped_in_domain_tasks_are_clean_against_the_demo_train_split(tmp_path
     assert [r["contaminated"] for r in val.rows()] == [300, 300, 289]  # 11 speaker prompts span cut speeches
 
 
-def test_prepare_step_drops_the_planted_documents_and_reports_them(planted, tmp_path):
+def test_prepare_step_drops_the_planted_documents_and_reports_them(planted, truth, tmp_path):
     """`data prepare --decontaminate TASKS` (2 workers): the folder holds every document but the
     brute-force-contaminated ones, the report counts them, and the result measures clean."""
     path, docs, tasks, _, where = planted
-    _, touched = brute_force({t: tasks[t] for t in FOREIGN}, docs)
+    _, touched = truth["foreign"]
     data = tmp_path / "data"
     stats = prepare([str(path)], data, tokenizer="bpe:300", val_fraction=0.0, workers=2, decontaminate=FOREIGN)
     [row] = [r for r in stats.report["stages"] if r["stage"] == "decontaminate"]

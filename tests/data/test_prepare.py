@@ -110,7 +110,9 @@ def _twelve_plays(tmp_path: Path) -> Path:
 
 def test_killed_prepare_resumes_to_the_same_bytes(tmp_path):
     """SIGKILL a prepare after its first finished task; the rerun keeps the finished shards
-    (datatrove's completion markers), runs the rest, and ends byte-identical to a clean run."""
+    (datatrove's completion markers), runs the rest, and ends byte-identical to a clean run. Not
+    while someone has added a file to the unfinished folder: then it is refused and left as it was
+    (one killed prepare serves both)."""
     plays = _twelve_plays(tmp_path)
     args = dict(tokenizer="bpe:512", val_fraction=0.1, seed=0, workers=1, tasks=6)
     clean = tmp_path / "clean"
@@ -119,6 +121,13 @@ def test_killed_prepare_resumes_to_the_same_bytes(tmp_path):
     finished = _killed_prepare(plays, out, args)
     assert len(finished) < 6
     written = {f: (out / f"train-{f}.bin").stat().st_mtime_ns for f in finished}
+    for extra in (out / "diary.txt", out / "work" / "diary.txt"):
+        extra.write_text("mine")
+        before = _tree(out)
+        with pytest.raises(DataError, match="--force"):
+            prepare([str(plays)], out, **args)
+        assert _tree(out) == before
+        extra.unlink()
     prepare([str(plays)], out, **args)
     assert _files(out) == _files(clean) and not (out / "work").exists()
     # the finished tasks were not run again: their shards are the ones the killed run wrote
@@ -407,22 +416,6 @@ def test_prepare_refuses_its_own_output_once_the_user_added_or_changed_a_file(tm
     before = _tree(out)
     assert shard.name in _refused(_cli_prepare([words], out, "--seed", "3"))
     assert _tree(out) == before
-
-
-def test_unfinished_prepare_with_a_user_file_is_refused(tmp_path):
-    """A genuinely unfinished flopwise prepare (killed before index.json) resumes (see
-    test_killed_prepare_resumes_to_the_same_bytes), but not once someone added a file to it."""
-    plays = _twelve_plays(tmp_path)
-    args = dict(tokenizer="bpe:512", val_fraction=0.1, seed=0, workers=1, tasks=6)
-    out = tmp_path / "killed"
-    _killed_prepare(plays, out, args)
-    for extra in (out / "diary.txt", out / "work" / "diary.txt"):
-        extra.write_text("mine")
-        before = _tree(out)
-        with pytest.raises(DataError, match="--force"):
-            prepare([str(plays)], out, **args)
-        assert _tree(out) == before
-        extra.unlink()
 
 
 def test_files_flopwise_adds_are_recorded_and_big_files_checked_by_their_ends(tmp_path, words, monkeypatch):

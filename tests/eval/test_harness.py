@@ -2,6 +2,7 @@
 exported folder score the shipped tasks as `flopwise eval` does (offline, task YAMLs over local files)."""
 
 import os
+import sys
 
 import pytest
 
@@ -21,20 +22,17 @@ N = 40
 
 
 def test_lm_eval_scores_equal_flopwise_eval_and_hf(tiny_run, tmp_path):
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
     run = tiny_run(12)
     hf_dir = export_hf(run, tmp_path / "hf")
     names = write_task_yamls(tmp_path / "yaml")
     tm = TaskManager(include_path=str(tmp_path / "yaml"))
-    ours = lm_eval.simple_evaluate(model=FlopwiseLM(str(run)), tasks=names, limit=N, task_manager=tm)["results"]
-    hf = lm_eval.simple_evaluate(
-        model="hf",
-        model_args=f"pretrained={hf_dir},dtype=float32",
-        tasks=names,
-        limit=N,
-        task_manager=tm,
-        batch_size=8,
-        device="cpu",
-    )["results"]
+    lm = FlopwiseLM(str(run))
+    ours = lm_eval.simple_evaluate(model=lm, tasks=names, limit=N, task_manager=tm)["results"]
+    hf_lm = HFLM(pretrained=str(hf_dir), dtype="float32", device="cpu", batch_size=8)  # loaded once, used twice
+    hf = lm_eval.simple_evaluate(model=hf_lm, tasks=names, limit=N, task_manager=tm)["results"]
     model, _, tok = load_for_inference(run)
     for name in names:
         own = evaluate_task(model, tok, *load_task(name[len(TASK_PREFIX) :]), limit=N)
@@ -43,15 +41,11 @@ def test_lm_eval_scores_equal_flopwise_eval_and_hf(tiny_run, tmp_path):
             assert ours[name][f"{m},none"] == own[m], (name, m)
             assert hf[name][f"{m},none"] == own[m], (name, m)
     # a context longer than the model's window: cut from the left to leave max_gen_toks, as lm-eval's hf model cuts
-    from lm_eval.api.instance import Instance
-    from lm_eval.models.huggingface import HFLM
-
     ctx = "Alice was beginning to get very tired of sitting by her sister on the bank. " * 30 + "Alice"
     assert len(tok.encode(ctx).ids) > 2 * model.cfg.max_seq_len
     req = [Instance("generate_until", {}, (ctx, {"until": ["\n\n"], "max_gen_toks": 12}), 0)]
-    hf_lm = HFLM(pretrained=str(hf_dir), dtype="float32", device="cpu", batch_size=1)
     assert hf_lm.max_length == model.cfg.max_seq_len
-    (out,) = FlopwiseLM(str(run)).generate_until(req)
+    (out,) = lm.generate_until(req)
     assert out and [out] == hf_lm.generate_until(req)  # 12 tokens each (was "": no room left after the context)
 
 
@@ -87,72 +81,88 @@ def test_rolling_and_generation_against_direct_computation(tiny_run):
         lm.generate_until([Instance("generate_until", {}, ("Alice", {"until": ["\n"], "max_gen_toks": L}), 0)])
 
 
-def test_flopwise_lm_eval_keeps_the_users_include_paths(tiny_run, tmp_path):
-    """`flopwise lm-eval --include_path A --include_path B`: the user's own task folders are found
-    beside the built-in tasks, and score as `flopwise eval` scores the same examples."""
+def readme_command() -> list[str]:
+    """The `flopwise lm-eval --model flopwise` command of docs/evaluation.md (the README's evaluation
+    page), as a shell would split it."""
+    import re
+    import shlex
+
+    from tests.conftest import ROOT
+
+    page = (ROOT / "docs" / "evaluation.md").read_text()
+    (command,) = re.findall(r"^flopwise lm-eval --model flopwise .*?[^\\]$", page, re.M | re.S)
+    return shlex.split(command.replace("\\\n", " "))
+
+
+@pytest.fixture(scope="module")
+def lm_eval_cli(tiny_run, tmp_path_factory):
+    """One `flopwise lm-eval` run that both CLI tests read: the README's command on tiny_run(6) (its
+    batch_size in --model_args, its tasks and --limit), with two task folders of the user's own added
+    to --tasks and given as `--include_path A` and `--include_path=B`. In this process through
+    cli.main (lm-eval's CLI needs no fresh one); sys.argv, the working folder and the environment
+    lm-eval's CLI sets are restored. (run, readme argv, the user's folders, exit code, results)."""
     import json
     import shutil
-    import subprocess
-    import sys
 
+    from flopwise.cli import main
     from flopwise.data.tasks import builtin_tasks
 
-    run = tiny_run(6)
+    run, tmp = tiny_run(6), tmp_path_factory.mktemp("lm_eval_cli")
     folders = {}
     for name, src in [("my_cloze", "shakespeare-cloze"), ("my_lastword", "alice-lastword")]:
-        folder = tmp_path / f"user_{name}"
+        folder = tmp / f"user_{name}"
         folder.mkdir()
         shutil.copy(builtin_tasks()[src], folder / f"{name}.jsonl")
         (folder / f"{name}.yaml").write_text(
             task_yaml(name, folder / f"{name}.jsonl").replace(f"task: {TASK_PREFIX}{name}", f"task: {name}")
         )
         folders[name] = folder
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flopwise",
-            "lm-eval",
-            "--model",
-            "flopwise",
-            "--model_args",
-            f"path={run}",
-            "--tasks",
-            f"my_cloze,my_lastword,{TASK_PREFIX}alice-lastword",
-            "--include_path",
-            str(folders["my_cloze"]),
-            f"--include_path={folders['my_lastword']}",
-            "--limit",
-            "10",
-            "--output_path",
-            str(tmp_path / "out"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(next((tmp_path / "out").rglob("results*.json")).read_text())["results"]
+    readme = readme_command()
+    argv = [a.replace("path=runs/demo,", f"path={run},") for a in readme[1:]]
+    tasks = argv.index("--tasks") + 1
+    argv[tasks] += f",my_cloze,my_lastword,{TASK_PREFIX}alice-lastword"
+    argv += ["--include_path", str(folders["my_cloze"]), f"--include_path={folders['my_lastword']}"]
+    argv += ["--output_path", str(tmp / "out")]
+    with pytest.MonkeyPatch.context() as m:
+        m.chdir(tmp)
+        m.setattr(sys, "argv", ["flopwise", *argv])
+        m.delenv("TOKENIZERS_PARALLELISM", raising=False)  # lm-eval's CLI sets it
+        try:
+            main()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1 if e.code else 0
+    found = list((tmp / "out").rglob("results*.json"))
+    results = json.loads(found[0].read_text())["results"] if found else {}
+    return run, readme, folders, code, results
+
+
+def test_flopwise_lm_eval_keeps_the_users_include_paths(lm_eval_cli):
+    """`flopwise lm-eval --include_path A --include_path=B`: the user's own task folders are found
+    beside the built-in tasks, and score as `flopwise eval` scores the same examples."""
+    run, readme, folders, code, results = lm_eval_cli
+    assert code == 0
+    limit = int(readme[readme.index("--limit") + 1])
     model, _, tok = load_for_inference(run)
     for name in folders:
-        own = evaluate_task(model, tok, *load_task(str(folders[name] / f"{name}.jsonl")), limit=10)
+        own = evaluate_task(model, tok, *load_task(str(folders[name] / f"{name}.jsonl")), limit=limit)
         assert results[name]["acc,none"] == own["acc"], name
     assert f"{TASK_PREFIX}alice-lastword" in results
 
 
-def test_readme_lm_eval_command_with_batch_size_in_model_args(tiny_run, tmp_path):
+def test_readme_lm_eval_command_with_batch_size_in_model_args(lm_eval_cli):
     """README's `--model_args path=runs/demo,batch_size=16`: lm-eval's CLI also passes its own batch_size
     (default 1), max_batch_size and device (default cuda:0); model_args wins, as the user wrote it."""
-    import json
-    import subprocess
-    import sys
-
     from lm_eval.config.evaluate_config import EvaluatorConfig
 
     from flopwise.errors import ConfigError
 
-    run = tiny_run(6)
+    run, readme, _, code, results = lm_eval_cli
+    assert readme[:4] == ["flopwise", "lm-eval", "--model", "flopwise"]
+    assert readme[readme.index("--model_args") + 1] == "path=runs/demo,batch_size=16"
+    tasks = [t.removeprefix(TASK_PREFIX) for t in readme[readme.index("--tasks") + 1].split(",")]
+    limit = int(readme[readme.index("--limit") + 1])
+    assert (tasks, limit) == (["shakespeare-cloze", "shakespeare-speaker"], 100)
     cli = EvaluatorConfig()  # what the CLI passes when not told
     passed = {"batch_size": cli.batch_size, "max_batch_size": cli.max_batch_size, "device": cli.device}
     lm = FlopwiseLM.create_from_arg_string(f"path={run},batch_size=16", passed)
@@ -160,31 +170,7 @@ def test_readme_lm_eval_command_with_batch_size_in_model_args(tiny_run, tmp_path
     assert FlopwiseLM.create_from_arg_string(f"path={run}", passed).batch == cli.batch_size
     with pytest.raises(ConfigError, match="--model_args batchsize: .*batch_size"):
         FlopwiseLM.create_from_arg_string(f"path={run},batchsize=16", passed)
-    tasks = ["shakespeare-cloze", "shakespeare-speaker"]
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flopwise",
-            "lm-eval",
-            "--model",
-            "flopwise",
-            "--model_args",
-            f"path={run},batch_size=16",
-            "--tasks",
-            ",".join(TASK_PREFIX + t for t in tasks),
-            "--limit",
-            "100",
-            "--output_path",
-            str(tmp_path / "out"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(next((tmp_path / "out").rglob("results*.json")).read_text())["results"]
+    assert code == 0
     model, _, tok = load_for_inference(run)
     for t in tasks:
-        assert results[TASK_PREFIX + t]["acc,none"] == evaluate_task(model, tok, *load_task(t), limit=100)["acc"], t
+        assert results[TASK_PREFIX + t]["acc,none"] == evaluate_task(model, tok, *load_task(t), limit=limit)["acc"], t

@@ -106,6 +106,15 @@ def user_text(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.fixture(scope="module")
+def prepared(instruct, user_text, tmp_path_factory) -> Path:
+    """The user's text prepared with the model's own tokenizer (`data prepare --tokenizer HF_FOLDER`),
+    as the recipe does; read, never written, by the tests that use it."""
+    data = tmp_path_factory.mktemp("prepared") / "data"
+    cli("data", "prepare", str(user_text / "train"), "--out", str(data), "--tokenizer", str(instruct), "--workers", "1")
+    return data
+
+
 def cli(*args: str, code: int = 0):
     r = CliRunner().invoke(app, list(args), env={"COLUMNS": "400"})
     if code == 0:
@@ -138,11 +147,9 @@ def test_data_of_another_tokenizer_is_refused_before_step_1(instruct, user_text,
     assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
 
 
-def test_prepare_takes_an_hf_folder_and_refuses_two_tokenizer_options(instruct, user_text, tmp_path):
-    data = tmp_path / "data"
-    cli("data", "prepare", str(user_text / "train"), "--out", str(data), "--tokenizer", str(instruct), "--workers", "1")
+def test_prepare_takes_an_hf_folder_and_refuses_two_tokenizer_options(instruct, user_text, prepared, tmp_path):
     ours, theirs = (
-        Tokenizer.from_file(str(data / "tokenizer.json")),
+        Tokenizer.from_file(str(prepared / "tokenizer.json")),
         Tokenizer.from_file(str(instruct / "tokenizer.json")),
     )
     assert ours.get_vocab(with_added_tokens=True) == theirs.get_vocab(with_added_tokens=True)
@@ -205,19 +212,18 @@ def test_a_rising_loss_is_warned_in_the_first_steps(instruct, user_text, tmp_pat
     assert any(rec.get("event") == "loss_rise" for rec in records)
 
 
-def test_recipe_import_continue_move_away_export(instruct, user_text, tmp_path):
+def test_recipe_import_continue_move_away_export(instruct, user_text, prepared, tmp_path):
     """The recipe end to end: continue with the defaults, then with the HF folder moved away the
     checkpoint still evaluates, generates and exports; the export keeps the chat template,
     special-token ids, generation config and tied weights (transformers as the reference)."""
     src = AutoTok(instruct)
-    data, run = tmp_path / "data", tmp_path / "run"
-    cli("data", "prepare", str(user_text / "train"), "--out", str(data), "--tokenizer", str(instruct), "--workers", "1")
+    run = tmp_path / "run"
     hf = tmp_path / "model"
     shutil.copytree(instruct, hf)
     r = cli(
         "train",
         f'model.init_from="hf:{hf}"',
-        f'data.path="{data}"',
+        f'data.path="{prepared}"',
         f'run.dir="{run}"',
         "train.steps=30",
         "train.global_batch=8",

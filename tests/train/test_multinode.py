@@ -47,6 +47,13 @@ def reference(tmp: Path, data, **extra) -> list[float]:
     return train(load_config(None, overrides(tmp, data, **extra))).losses
 
 
+@pytest.fixture(scope="module")
+def one_process(tiny_data, tmp_path_factory) -> list[float]:
+    """The 3-step reference of every parametrisation of test_nodes_train_like_one_process (the layout
+    does not change it): computed once."""
+    return reference(tmp_path_factory.mktemp("one_process") / "ref", tiny_data)
+
+
 def logged_losses(run_dir: Path) -> list[float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if "loss" in r]
@@ -142,7 +149,7 @@ LAYOUT_LINE = re.compile(r"layout (.+) on (\d+) processes on (\d+) nodes \((.+)\
         (4, "auto", {"parallel.layout": '"auto"', "cluster.hardware": '"h100-sxm"'}, None),
     ],
 )
-def test_nodes_train_like_one_process(nodes, name, extra, where, tiny_data, tmp_path):
+def test_nodes_train_like_one_process(nodes, name, extra, where, tiny_data, one_process, tmp_path):
     """pp2 × dp2 over 2 nodes of 2 ranks (pipeline stages on different nodes, data parallel inside
     each), and parallel.layout=auto over 4 nodes of 1 rank, which plans for 1 device per node (a
     layout other than the one it plans for 4 devices in one node): per-step losses equal one
@@ -166,7 +173,7 @@ def test_nodes_train_like_one_process(nodes, name, extra, where, tiny_data, tmp_
             for n in (1, 4)
         }
         assert per_node[1] != per_node[4] and line[1] == per_node[1], (line[0], per_node)
-    assert logged_losses(tmp_path / "run") == pytest.approx(reference(tmp_path / "ref", tiny_data), rel=1e-5)
+    assert logged_losses(tmp_path / "run") == pytest.approx(one_process, rel=1e-5)
 
 
 def test_node_lost_then_restart_on_fewer_nodes(tiny_data, tmp_path):
