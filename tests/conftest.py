@@ -7,6 +7,11 @@ from pathlib import Path
 
 import pytest
 
+# Under xdist (`pytest -n 2`) each worker shares the cores with the other: one OpenMP thread each, or
+# the two pools contend (a model test of 0.03 s alone took 5 s beside the other worker's training).
+# Set before torch is imported; the processes tests start inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

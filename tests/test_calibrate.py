@@ -47,6 +47,7 @@ def contention() -> float:
     return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc  # the calibration's collectives run on 2 ranks
 def test_calibrate_writes_an_entry_the_planner_plans_with(calibrated, tmp_path):
     out, stdout = calibrated
@@ -74,6 +75,7 @@ def test_calibrate_writes_an_entry_the_planner_plans_with(calibrated, tmp_path):
     assert rel["write_source"].startswith("measured") and rel["restart_source"].startswith("measured")
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_calibrated_prediction_is_the_measured_step_to_a_factor(calibrated, tmp_path):
     """One process, the calibrated shapes: predicted within a factor 2 of the measured median step
@@ -98,6 +100,7 @@ def test_calibrated_prediction_is_the_measured_step_to_a_factor(calibrated, tmp_
     assert 0.5 * min(1.0, shift) < st["measured"] / st["predicted"] < 2 * max(1.0, shift), (st, shift)
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_save_replaces_its_own_entry_and_keeps_the_others(calibrated, tmp_path):
     out, _ = calibrated
@@ -113,7 +116,8 @@ def test_save_replaces_its_own_entry_and_keeps_the_others(calibrated, tmp_path):
     assert mine.read_text() == "[cpu]\n# my own notes\n"
 
 
-@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.multiproc  # the calibrated file it edits comes from a 2-rank calibration
 @pytest.mark.parametrize(
     "edit, field",
     [

@@ -547,6 +547,7 @@ REGRESSIONS = {
 PRINTED_ERRORS = ("SystemError", "Exception ignored", "Traceback")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reader", list(READERS))
 def test_mutated_real_files(reader, real, tmp_path, monkeypatch, capsys):
     """Every mutant of a real file: success or a one-line flopwise error, nothing written outside
@@ -592,6 +593,7 @@ def test_mutated_real_files(reader, real, tmp_path, monkeypatch, capsys):
     assert not failures, f"{len(failures)} of {len(cases)} cases:\n" + "\n".join(failures[:40])
 
 
+@pytest.mark.slow
 def test_a_seed_means_the_same_mutants_wherever_the_files_are(real, tmp_path_factory):
     """The real files written under another temp folder, of another name length, are the same
     bytes, so every reader's mutants are too. Before: DCP wrote the absolute checkpoint path (and

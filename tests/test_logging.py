@@ -120,6 +120,7 @@ def test_printing_to_routes_messages_for_a_while_and_restores(monkeypatch):
     assert text(err).splitlines() == ["error: an error line"] * 2
 
 
+@pytest.mark.slow
 def test_quiet_train_prints_its_results_but_not_its_progress(tiny_data, tmp_path):
     """End to end through the installed entry point: `flopwise --quiet train` keeps the summary
     table and drops the informational lines (model size, per-step lines)."""

@@ -75,23 +75,14 @@ def _train(run: Path, data: Path, capsys, monkeypatch, steps: int = 2, **extra) 
 
 
 @pytest.fixture(scope="module")
-def made(tiny_data, tmp_path_factory) -> Path:
-    """A finished tiny run and its HF export, outside any user folder (read, never written, by the tests)."""
+def made(tiny_run, tmp_path_factory) -> Path:
+    """A finished tiny run (the session's, copied) and its HF export, outside any user folder (read,
+    never written, by the tests)."""
+    from flopwise.interop.convert import export_hf
+
     root = tmp_path_factory.mktemp("made")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for argv in (
-        ["train", *tiny_overrides(root / "run", tiny_data, **{"train.steps": 2, "checkpoint.interval": 2})],
-        ["convert", "to-hf", root / "run", root / "hf"],
-    ):
-        r = subprocess.run(
-            [sys.executable, "-m", "flopwise", *map(str, argv)],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=root,
-            timeout=600,
-        )
-        assert r.returncode == 0, r.stderr[-2000:]
+    shutil.copytree(tiny_run(6), root / "run")
+    export_hf(root / "run", root / "hf")
     return root
 
 
@@ -195,6 +186,7 @@ DOTDOT = {  # command -> (argv given the target path, the user's files under t/ 
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(DOTDOT))
 def test_a_path_through_a_missing_folder_and_back_is_checked_where_it_lands(
     name, made, tiny_data, tmp_path, capsys, monkeypatch
@@ -299,6 +291,7 @@ def test_a_crafted_run_record_does_not_make_a_users_files_replaceable(fmt, tiny_
     assert _bytes(mine) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("edit", [False, True])
 def test_a_run_folder_copied_as_a_template_is_not_flopwises(edit, tiny_data, tmp_path, capsys, monkeypatch):
     """A run folder copied elsewhere carries a record whose hashes match the copied files: it still
@@ -321,6 +314,7 @@ def test_a_run_folder_copied_as_a_template_is_not_flopwises(edit, tiny_data, tmp
     assert code == 0, err
 
 
+@pytest.mark.slow
 def test_a_run_file_changed_since_flopwise_wrote_it_is_refused(tiny_data, tmp_path, capsys, monkeypatch):
     """Content, not names: a config.toml the user edited in a run folder flopwise wrote is theirs."""
     run = tmp_path / "run"
@@ -408,6 +402,7 @@ def test_a_second_writer_of_a_folder_is_refused_naming_the_holder(
     assert sorted(x.name for x in folder.iterdir()) == [".flopwise.lock"]
 
 
+@pytest.mark.slow
 def test_a_stale_lock_is_taken_over_with_a_warning(tiny_data, tmp_path, capsys, monkeypatch):
     """A lock left by a process that is gone (killed: the kernel released its flock, its file stays)
     is taken over, with a warning naming it; the lock is gone when the command ends."""
@@ -422,6 +417,7 @@ def test_a_stale_lock_is_taken_over_with_a_warning(tiny_data, tmp_path, capsys, 
     assert not (run / ".flopwise.lock").exists()
 
 
+@pytest.mark.slow
 def test_two_trains_started_a_second_apart(tiny_data, tmp_path):
     """The reported case, as two processes: the second stops in one line naming the first's PID; the
     first's config and metrics are its own."""

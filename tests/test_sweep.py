@@ -1,10 +1,14 @@
 import csv
 import math
 
+import pytest
+
 from flopwise.config import load_config
 from flopwise.plan.fit import read_points
 from flopwise.sweep import launch_commands, plan_ladder, run_ladder, write_configs
 from tests.conftest import tiny_overrides
+
+pytestmark = pytest.mark.slow  # each test trains a ladder of runs: 1-2 minutes here
 
 
 def test_ladder_plans_runs_resumes_and_collects(tiny_data, tmp_path):

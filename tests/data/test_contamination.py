@@ -108,6 +108,7 @@ def test_planted_examples_are_found_and_nothing_else(planted, truth):
     assert report.documents == len(docs)
 
 
+@pytest.mark.slow
 def test_prepared_folder_and_cli_json(planted, truth, tmp_path):
     path, _, tasks, _, _ = planted
     data = tmp_path / "data"
@@ -153,6 +154,7 @@ def test_short_n_and_bad_inputs(tmp_path):
         measure(str(tmp_path / "doc.txt"), [])
 
 
+@pytest.mark.slow
 def test_datatrove_filter_drops_exactly_the_planted_documents(planted, truth):
     _, docs, _, _, where = planted
     step = DecontaminationFilter(FOREIGN)
@@ -163,6 +165,7 @@ def test_datatrove_filter_drops_exactly_the_planted_documents(planted, truth):
     assert step.stats["dropped"].total == len(where)
 
 
+@pytest.mark.slow
 def test_clean_subset_scores(tiny_data, tiny_run):
     run = tiny_run(6)
     limit, names = 30, ["alice-nextsent", "alice-lastword"]
@@ -197,6 +200,7 @@ def test_clean_subset_scores(tiny_data, tiny_run):
         assert {"task", "n", "acc", "acc_norm", "ppl", "nll", "brier", "shots"} < set(row)
 
 
+@pytest.mark.slow
 def test_shipped_in_domain_tasks_are_clean_against_the_demo_train_split(tmp_path):
     """The README's measured figure: the Shakespeare tasks against the demo's train plays (clean), and
     against the held-out plays they were built from (nearly all contaminated: the rule has teeth)."""
@@ -219,6 +223,7 @@ def test_shipped_in_domain_tasks_are_clean_against_the_demo_train_split(tmp_path
     assert [r["contaminated"] for r in val.rows()] == [300, 300, 289]  # 11 speaker prompts span cut speeches
 
 
+@pytest.mark.slow
 def test_prepare_step_drops_the_planted_documents_and_reports_them(planted, truth, tmp_path):
     """`data prepare --decontaminate TASKS` (2 workers): the folder holds every document but the
     brute-force-contaminated ones, the report counts them, and the result measures clean."""

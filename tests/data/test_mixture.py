@@ -36,6 +36,7 @@ def window_owner(sources, seq_len):
     return owner
 
 
+@pytest.mark.slow
 def test_source_shares_are_the_weights_within_binomial_error(tmp_path, tiny_data, tiny_mix):
     """10k global batches of 8: the share of sequences read from each source is its weight within
     4 binomial standard deviations; every sequence is a window of the source it is counted for."""
@@ -90,6 +91,7 @@ def test_data_mix_predicts_the_loaders_epochs(tmp_path, tiny_data, tiny_mix):
     assert loud.exit_code == 0 and "warning" in loud.output and "'plays'" in loud.output
 
 
+@pytest.mark.slow
 def test_mixture_run_resumes_bitwise_and_logs_tokens_by_source(tmp_path, tiny_data, tiny_mix):
     kw = {"data.sources": tiny_mix, "train.steps": 6, "checkpoint.interval": 3}
     full = train(load_config(None, tiny_overrides(tmp_path / "full", tiny_data, **kw)))

@@ -25,6 +25,7 @@ from flopwise.errors import DataError
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
+@pytest.mark.slow
 def test_shards_equal_the_single_process_reference(tmp_path):
     """2 workers, 3 tasks: the concatenated shards are byte-identical to encoding every document
     in one process, the split picks the same documents (val_documents over ordinals), the
@@ -108,6 +109,7 @@ def _twelve_plays(tmp_path: Path) -> Path:
     return plays
 
 
+@pytest.mark.slow
 def test_killed_prepare_resumes_to_the_same_bytes(tmp_path):
     """SIGKILL a prepare after its first finished task; the rerun keeps the finished shards
     (datatrove's completion markers), runs the rest, and ends byte-identical to a clean run. Not
@@ -202,6 +204,7 @@ def _low_quality() -> dict[str, str]:
 LOW_QUALITY = _low_quality()
 
 
+@pytest.mark.slow
 def test_planted_corpus_each_stage_against_the_plant(tmp_path):
     normal = _prose(60)
     # copies equal after normalization: verbatim, and with doubled spaces and no commas

@@ -116,6 +116,7 @@ def test_the_site_builds_strict(site):
     assert (site / "index.html").is_file() and (site / "config" / "index.html").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on PATH (Debian: apt-get install chromium)")
 def test_every_page_reads_in_a_browser(site):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(site)))

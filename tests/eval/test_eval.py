@@ -30,6 +30,7 @@ def run_dir(tiny_run):
     return tiny_run(12)
 
 
+@pytest.mark.slow
 def test_generation_stops_where_transformers_max_length_stops(run_dir, tmp_path):
     """Prompt and output fill at most max_seq_len, as transformers' generate with max_length = the
     model's length, with or without the cache; a prompt that leaves no room is refused as it refuses it."""

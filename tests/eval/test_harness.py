@@ -21,6 +21,7 @@ from flopwise.interop.convert import export_hf  # noqa: E402
 N = 40
 
 
+@pytest.mark.slow
 def test_lm_eval_scores_equal_flopwise_eval_and_hf(tiny_run, tmp_path):
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
@@ -137,6 +138,7 @@ def lm_eval_cli(tiny_run, tmp_path_factory):
     return run, readme, folders, code, results
 
 
+@pytest.mark.slow
 def test_flopwise_lm_eval_keeps_the_users_include_paths(lm_eval_cli):
     """`flopwise lm-eval --include_path A --include_path=B`: the user's own task folders are found
     beside the built-in tasks, and score as `flopwise eval` scores the same examples."""
@@ -150,6 +152,7 @@ def test_flopwise_lm_eval_keeps_the_users_include_paths(lm_eval_cli):
     assert f"{TASK_PREFIX}alice-lastword" in results
 
 
+@pytest.mark.slow
 def test_readme_lm_eval_command_with_batch_size_in_model_args(lm_eval_cli):
     """README's `--model_args path=runs/demo,batch_size=16`: lm-eval's CLI also passes its own batch_size
     (default 1), max_batch_size and device (default cuda:0); model_args wins, as the user wrote it."""

@@ -144,6 +144,7 @@ def test_a_task_file_mixing_multiple_choice_and_cloze_is_refused_at_load(tmp_pat
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "line 3 is multiple choice" in r.stderr
 
 
+@pytest.mark.slow
 def test_tasks_cli_and_during_training(tiny_data, tmp_path, cli):
     cfg = load_config(
         None,

@@ -19,6 +19,10 @@ from flopwise.config import load_config
 from flopwise.data.shards import resolve_input
 from flopwise.errors import CheckpointError, ConfigError, DataError
 
+# every test builds on a small instruct model trained with transformers (a module fixture of ~40 s
+# here) or trains itself: the whole file is the continued-pretraining workflow, end to end
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
     "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"

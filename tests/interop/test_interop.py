@@ -137,6 +137,7 @@ def test_trained_demo_checkpoint_exports_and_generates_the_same_text(tiny_run, t
     assert hf_tok.decode(gen[0]) == tok.decode(prompt + ours)
 
 
+@pytest.mark.slow
 def test_import_then_continue_training_from_hf(tiny_data, tmp_path):
     cfg_cls, model_cls, kw = FAMILIES["llama"]
     torch.manual_seed(0)

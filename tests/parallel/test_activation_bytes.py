@@ -85,6 +85,7 @@ COMPILED_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, dtype, recompute", COMPILED_CASES)
 def test_planner_books_what_a_compiled_block_saves(family, dtype, recompute):
     """Exact, byte for byte: the partitioner's choices scale with s·b, so the small shapes stand for large ones."""

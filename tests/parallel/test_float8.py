@@ -74,6 +74,7 @@ def one_process(tiny_data, tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_emulated_float8_trains_like_bf16(tiny_data, tmp_path, recipe, bf16):
     """20 steps of the tiny model, same seed and data: the final loss within 2% of bf16's."""
@@ -195,6 +196,7 @@ def measure(n_layers: int, dtype: str, compiled: bool = False) -> SavedBytes:
     return s
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_planner_books_what_float8_linears_save(dtype):
     """Per layer (4 layers − 2): torchao's float8 linears keep what autocast's linears keep (the
@@ -210,6 +212,7 @@ def test_planner_books_what_float8_linears_save(dtype):
     assert copies < autocast_weight_copy_bytes(model_config(4), 4, head=True) or dtype == "fp32"
 
 
+@pytest.mark.slow
 def test_run_measures_what_the_planner_predicts(tiny_data, tmp_path):
     """`flopwise plan --measure`'s path on one process (build_run, then measure_rank's steps under
     SavedBytes and PeakMemory) with emulated rowwise float8 under bf16 autocast: the saved

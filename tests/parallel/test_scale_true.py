@@ -77,6 +77,7 @@ def test_grouped_query_attention_saves_keys_and_values_at_kv_width():
     assert ref - ours == 2 * b * (8 - 2) * t * hd * 4
 
 
+@pytest.mark.slow
 def test_one_host_sync_per_log_step(tiny_data, tmp_path):
     """Steps between log points read nothing from the device: 10 more steps at log.every=5 add
     two sync points (the per-step cost, measured on the same run lengths, not counted by the

@@ -465,6 +465,7 @@ def test_no_layout_error_names_the_causes_most_common_first():
     assert 2 <= len(counts) <= 3 and counts == sorted(counts, reverse=True), msg
 
 
+@pytest.mark.slow
 def test_plan_prints_wall_clock_with_failures(cli):
     """Days and GPU-hours are failure-free; the reliability line adds the days with failures (days
     over goodput), and the JSON carries them."""
@@ -577,6 +578,7 @@ def test_plan_cli_errors_are_one_line(cli):
     assert r.returncode == 2 and "unknown key 'flops'" in r.stderr
 
 
+@pytest.mark.slow
 def test_audit_cli_catalogue_json(cli):
     r = cli("audit", "--json")
     assert r.returncode == 0, r.stderr
@@ -689,6 +691,7 @@ def test_plan_measure_nproc_below_one_is_refused(cli):
         measure(None, [], 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["llama3-405b/16384", "llama3-70b/1024", "megatron-1t/3072"])
 def test_every_layout_the_search_returns_passes_the_engines_validation(case):
     """The README's worked searches under the `flopwise` stack: every fitting layout they return

@@ -240,6 +240,7 @@ JOINT = {
 }
 
 
+@pytest.mark.slow
 def test_max_micro_batch_is_where_the_engines_measured_memory_runs_out(tiny_data, tmp_path, cli):
     """`plan --max-micro-batch` against the engine's measured memory (`plan --measure`'s path on one
     process: build_run, then measure_rank's steps under PeakMemory): the parameters, the AdamW

@@ -124,6 +124,7 @@ def synthetic(law: ParametricLaw, noise: float, seed: int = 0) -> Points:
     return Points(n, d, loss)
 
 
+@pytest.mark.slow
 def test_fit_recovers_known_parameters_within_their_cis():
     truth = ParametricLaw("truth", E=1.8, A=450.0, B=1800.0, alpha=0.34, beta=0.36)
     fit = fit_approach3(synthetic(truth, 0.005), bootstrap=100)
@@ -154,6 +155,7 @@ def chinchilla_points() -> Points:
     return Points(n[keep], c[keep] / (6 * n[keep]), loss[keep])
 
 
+@pytest.mark.slow
 def test_fit_reproduces_epochs_replication():
     """Besiroglu et al. 2024 on the 240 points: E 1.82, A 482, B 2085, α 0.348, β 0.366 with 95% CIs
     (1.769-1.871, 285-744, 1042-5810, 0.317-0.373, 0.331-0.415); Hoffmann's own procedure on the same
@@ -174,6 +176,7 @@ def test_fit_reproduces_epochs_replication():
     )
 
 
+@pytest.mark.slow
 def test_scale_cli(tmp_path, cli):
     r = cli("scale", "optimal", "--flops", "1e21", "--law", "epoch", "--json")
     assert r.returncode == 0, r.stderr

@@ -63,6 +63,7 @@ def _train(tmp, data, peak: Peak, monkeypatch, steps=6):
     return r, [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_a_ceiling_measured_while_the_machine_was_busy_is_remeasured(tiny_data, tmp_path, monkeypatch):
     """The start-up ceiling came out at 1 MFLOP/s (as if another process had the cores): the first
     step that beats it re-measures it for real, logs the event, and no MFU reaches 1."""

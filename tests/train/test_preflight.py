@@ -44,6 +44,7 @@ def max_rss_of(cmd: list[str], cwd, timeout: int = 300) -> tuple[subprocess.Comp
     return subprocess.CompletedProcess(cmd, rc, stdout, stderr), kib * 1024
 
 
+@pytest.mark.slow
 def test_a_7b_model_is_refused_before_data_or_a_run_folder_exist(tmp_path):
     """The default `flopwise train` with Llama 2 7B on this machine: 108 GB of fp32 states alone.
     Before the pre-flight it prepared data, allocated for minutes and was killed by the kernel."""
@@ -78,6 +79,7 @@ def test_the_refusal_names_the_nearest_change_that_fits(tmp_path, tiny_data, mon
     assert preflight(changed, mesh.init(changed, torch.device("cpu"))).startswith("pre-flight: rank 0 of 1")
 
 
+@pytest.mark.slow
 def test_a_run_predicted_to_fit_starts_and_says_so(tmp_path, tiny_data):
     out = io.StringIO()
     cfg = load_config(None, tiny_overrides(tmp_path, tiny_data, **{"train.steps": 2}))
@@ -91,6 +93,7 @@ def test_a_run_predicted_to_fit_starts_and_says_so(tmp_path, tiny_data):
     )
 
 
+@pytest.mark.slow
 def test_preflight_false_skips_the_check(tmp_path, tiny_data, monkeypatch):
     """A node shared by a million ranks leaves each a few kB: refused, unless train.preflight=false."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1000000")
@@ -102,6 +105,7 @@ def test_preflight_false_skips_the_check(tmp_path, tiny_data, monkeypatch):
     assert r.steps == 2
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_two_ranks_agree_and_rank_0_says_why_once(tmp_path):
     r = subprocess.run(
@@ -135,6 +139,7 @@ def test_two_ranks_agree_and_rank_0_says_why_once(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_an_out_of_memory_step_writes_oom_json_and_exits_2_in_one_line(tmp_path, tiny_data, monkeypatch, capsys):
     """CUDA's OutOfMemoryError raised inside the model's 4th forward: with 2 micro-batches a step,
     that is step 2's second micro-batch (index 1)."""

@@ -66,6 +66,7 @@ def test_manifest_records_checksums_config_hash_and_layout(tiny_run):
     assert all(len(f["sha256"]) == 64 for f in m["files"].values())
 
 
+@pytest.mark.slow
 def test_corrupt_latest_is_reported_and_the_previous_one_resumed(tiny_data, tiny_run, tmp_path):
     """The resumed run ends where the same run uninterrupted (tiny_run(6)) does, bit for bit."""
     run(tmp_path, tiny_data)  # checkpoints 3, 6 (in a folder of its own: it trains on there)
@@ -103,6 +104,7 @@ class Boom:
         return (os.system, ("touch PWNED",))
 
 
+@pytest.mark.slow
 def test_a_planted_pickle_is_refused_and_never_run(tiny_run_copy, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ckpt = checkpoint.latest(tiny_run_copy(6))
@@ -145,6 +147,7 @@ def test_paths_in_manifest_or_dcp_metadata_cannot_leave_the_folder(tiny_run_copy
 # Failed saves
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_save", ["false", "true"])
 def test_disk_full_stops_cleanly_and_keeps_the_previous_checkpoint(tiny_data, tmp_path, monkeypatch, async_save):
     with pytest.raises(CheckpointError) as e:
@@ -157,6 +160,7 @@ def test_disk_full_stops_cleanly_and_keeps_the_previous_checkpoint(tiny_data, tm
     assert checkpoint.verify(tmp_path / "checkpoints" / "step-00000003") is None
 
 
+@pytest.mark.slow
 def test_unwritable_checkpoint_dir_stops_cleanly(tiny_data, tmp_path):
     from flopwise.build import TRAIN_WRITES
     from flopwise.checkpoints.rundir import claim
@@ -168,6 +172,7 @@ def test_unwritable_checkpoint_dir_stops_cleanly(tiny_data, tmp_path):
         run(tmp_path, tiny_data)
 
 
+@pytest.mark.slow
 def test_disk_full_with_on_error_continue_trains_on(tiny_data, tmp_path, monkeypatch):
     r, out = run(tmp_path, tiny_data, "enospc:save=1", monkeypatch, **{"checkpoint.on_error": '"continue"'})
     assert "warning" in out and "step-00000003 not written" in out and "training goes on" in out
@@ -178,6 +183,7 @@ def test_disk_full_with_on_error_continue_trains_on(tiny_data, tmp_path, monkeyp
 # Guard
 
 
+@pytest.mark.slow
 def test_nan_gradient_skips_the_update(tiny_data, tmp_path, monkeypatch):
     r, out = run(
         tmp_path / "nan", tiny_data, "nan_grad:step=4", monkeypatch, **{"train.steps": 4, "checkpoint.interval": 0}
@@ -197,6 +203,7 @@ def test_nan_gradient_skips_the_update(tiny_data, tmp_path, monkeypatch):
     ]
 
 
+@pytest.mark.slow
 def test_poisoned_batch_rolls_back_and_skips_the_data(tiny_data, tmp_path, monkeypatch):
     kw = {
         "train.steps": 36,
@@ -239,6 +246,7 @@ def test_guard_verdicts():
 # Preemption, async, auto interval, watchdog
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_exits_and_resumes_exactly(tiny_data, tiny_run, tmp_path, monkeypatch):
     """The resumed run ends where the same run uninterrupted (tiny_run(8): its checkpoints at steps
     3 and 6 change no tensor, no random state) does, bit for bit."""
@@ -253,6 +261,7 @@ def test_sigterm_checkpoints_exits_and_resumes_exactly(tiny_data, tiny_run, tmp_
     assert a["rng"] == b["rng"] and a["guard"] == b["guard"] and len(a["guard"]["losses"]) == 8
 
 
+@pytest.mark.slow
 def test_ctrl_c_checkpoints_and_what_a_rerun_of_that_folder_may_do(tiny_data, tmp_path, monkeypatch):
     """A first Ctrl-C stops at the next sync point with a checkpoint (the summary counts the steps
     done), a second stops at once; then in that folder resume=none is refused before anything is
@@ -277,6 +286,7 @@ def distcp_bytes(ckpt) -> int:
     return sum(p.stat().st_size for p in ckpt.glob("*.distcp"))
 
 
+@pytest.mark.slow
 def test_tied_embeddings_are_stored_once_and_resume_exactly(tiny_data, tiny_run, tmp_path, monkeypatch):
     """Issue 41: a tied head was stored twice, as itself and as the embedding (a 135M import: 652 MB
     where 538 MB hold it). Now a tied checkpoint is its untied twin less three embeddings (the head
@@ -317,6 +327,7 @@ def test_tied_embeddings_are_stored_once_and_resume_exactly(tiny_data, tiny_run,
     assert torch.equal(exported.model.embed_tokens.weight, model.tok_embeddings.weight)
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_run_builds_and_loads_nothing(tiny_data, tmp_path, monkeypatch, cli):
     """Issue 41: `flopwise train` again in a finished run's folder took 82 s (a 135M model) to say
     there was nothing to do: it built the model and loaded the checkpoint first. The answer comes
@@ -347,6 +358,7 @@ def test_rerunning_a_finished_run_builds_and_loads_nothing(tiny_data, tmp_path, 
     assert more.returncode == 0 and "step-00000006 at step 6" in more.stdout + more.stderr
 
 
+@pytest.mark.slow
 def test_async_checkpoints_resume_bitwise(tiny_data, tmp_path, monkeypatch):
     kw = {"train.steps": 8, "checkpoint.interval": 2, "checkpoint.async": "true"}
     run(tmp_path / "split", tiny_data, **{**kw, "train.stop_after": 5})
@@ -358,6 +370,7 @@ def test_async_checkpoints_resume_bitwise(tiny_data, tmp_path, monkeypatch):
     assert distcp_hashes(resumed.checkpoint) == distcp_hashes(ref.checkpoint)
 
 
+@pytest.mark.slow
 def test_auto_interval_from_the_measured_write(tiny_data, tmp_path):
     r, out = run(
         tmp_path, tiny_data, **{"train.steps": 12, "checkpoint.interval": '"auto"', "cluster.gpu_mtbf_hours": 0.001}
@@ -390,6 +403,7 @@ def test_watchdog_dumps_every_thread_when_a_step_hangs(tmp_path):
     assert len(seen) == 1 and "hang-rank0.txt" in seen[0]
 
 
+@pytest.mark.slow
 def test_a_slow_step_is_one_line_on_the_terminal_and_its_stacks_only_in_the_report(tiny_data, tmp_path):
     """Issue 41: a step past the watchdog's limit on one process (a 135M model's step past 300 s)
     printed every thread's stack, some 40 lines, on the terminal. Now one line names the step, the

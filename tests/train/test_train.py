@@ -27,6 +27,7 @@ def metric_rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run_bitwise(tiny_data, tiny_run, tmp_path):
     """2k steps straight == k steps, stop, resume for k more (fp32, CPU): same losses, same weights.
     Straight: tiny_run(8) (its checkpoints at 3 and 6, not 4, change nothing), its losses as logged."""
@@ -43,6 +44,7 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(tiny_data, tiny_run, tm
     assert rows == losses  # the metrics file of the resumed run is continuous
 
 
+@pytest.mark.slow
 def test_metrics_records_and_artifacts(tiny_data, tmp_path):
     r = run(tmp_path, tiny_data, **{"train.sample_tokens": 8})
     rows = metric_rows(tmp_path)
@@ -85,6 +87,7 @@ def test_recompute_modes_give_the_same_gradients(tiny_data):
         assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(grads["none"], grads[mode], strict=True))
 
 
+@pytest.mark.slow
 def test_grad_accumulation_equals_one_big_batch(tiny_data, tmp_path):
     a = run(tmp_path / "a", tiny_data, **{"train.micro_batch": 8, "train.steps": 3, "checkpoint.interval": 0})
     b = run(tmp_path / "b", tiny_data, **{"train.micro_batch": 2, "train.steps": 3, "checkpoint.interval": 0})
@@ -181,11 +184,13 @@ def test_a_checkpoint_missing_any_one_file_is_never_resumed(tiny_run_copy):
             checkpoint.resolve(broken)
 
 
+@pytest.mark.slow
 def test_keep_prunes_old_checkpoints(tiny_data, tmp_path):
     run(tmp_path, tiny_data, **{"train.steps": 8, "checkpoint.interval": 2, "checkpoint.keep": 2})
     assert [p.name for p in checkpoint.list_complete(tmp_path)] == ["step-00000006", "step-00000008"]
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_shape_is_refused(tiny_data, tmp_path):
     """Resuming another model is refused before anything loads, naming the key; so is a checkpoint
     of other data. Keys that may change (steps, layout, LR) are reported, not refused."""
