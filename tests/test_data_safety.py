@@ -5,6 +5,7 @@ those files byte for byte as it was, whatever the command's exit code."""
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,6 @@ import pytest
 
 from flopwise.errors import ConfigError
 from tests.conftest import FIXTURES, run_main, tiny_overrides
-from tests.conftest import flopwise as cli
 
 # a user's files, several named as what flopwise writes
 SENTINELS = [
@@ -63,20 +63,15 @@ def hashes(root: Path) -> dict[str, str]:
     }
 
 
-def flopwise(*args, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    return cli(*args, cwd=cwd, timeout=timeout, env={"OMP_NUM_THREADS": "1"})
-
-
 @pytest.fixture(scope="module")
-def trained(tiny_data, tmp_path_factory) -> Path:
-    """A finished tiny run (2 checkpoints) and its HF export, made outside any user folder."""
+def trained(tiny_run, tmp_path_factory) -> Path:
+    """A finished tiny run (2 checkpoints) and its HF export, made outside any user folder: a copy of
+    the session's run, so a command that wrote into it could not reach the shared one."""
+    from flopwise.interop.convert import export_hf
+
     root = tmp_path_factory.mktemp("made")
-    out = flopwise(
-        "train", *tiny_overrides(root / "run", tiny_data, **{"train.steps": 4, "checkpoint.interval": 2}), cwd=root
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    out = flopwise("convert", "to-hf", root / "run", root / "hf", cwd=root)
-    assert out.returncode == 0, out.stderr[-2000:]
+    shutil.copytree(tiny_run(6), root / "run")
+    export_hf(root / "run", root / "hf")
     return root
 
 
@@ -131,10 +126,11 @@ SLOW = {  # multi-process or long: the slow set
 }
 
 
-def _check(name: str, argv_of, trained: Path, tiny_data: Path, tmp_path: Path) -> None:
+def _check(name: str, argv_of, trained: Path, tiny_data: Path, tmp_path: Path, cli, monkeypatch) -> None:
     u = tmp_path / "user"
     before = seed_user_tree(u)
-    out = flopwise(*argv_of(u, trained, tiny_data), cwd=u)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # plan --measure's ranks: the env each command had in its own process
+    out = cli(*argv_of(u, trained, tiny_data), cwd=u)
     after = hashes(u)
     changed = {k for k in before if before[k] != after[k]}
     assert not changed, (
@@ -144,15 +140,15 @@ def _check(name: str, argv_of, trained: Path, tiny_data: Path, tmp_path: Path) -
 
 
 @pytest.mark.parametrize("name", list(commands(Path("u"), Path("m"), Path("d"))))
-def test_a_writing_command_leaves_every_user_file_intact(name, trained, tiny_data, tmp_path):
-    _check(name, lambda u, made, data: commands(u, made, data)[name], trained, tiny_data, tmp_path)
+def test_a_writing_command_leaves_every_user_file_intact(name, trained, tiny_data, tmp_path, cli, monkeypatch):
+    _check(name, lambda u, made, data: commands(u, made, data)[name], trained, tiny_data, tmp_path, cli, monkeypatch)
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(SLOW))
-def test_a_slow_writing_command_leaves_every_user_file_intact(name, trained, tiny_data, tmp_path):
-    _check(name, SLOW[name], trained, tiny_data, tmp_path)
+def test_a_slow_writing_command_leaves_every_user_file_intact(name, trained, tiny_data, tmp_path, cli, monkeypatch):
+    _check(name, SLOW[name], trained, tiny_data, tmp_path, cli, monkeypatch)
 
 
 # --- the same property where the checks once looked at names and places (issue 39) -------------
@@ -217,7 +213,7 @@ def _craft(u: Path) -> None:
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", list(commands(Path("u"), Path("m"), Path("d"))))
 def test_no_writing_command_loses_a_user_byte_through_links_paths_records_or_a_second_writer(
-    name, variant, trained, tiny_data, tmp_path
+    name, variant, trained, tiny_data, tmp_path, cli
 ):
     u = tmp_path / "user"
     holder = None
@@ -241,7 +237,7 @@ def test_no_writing_command_loses_a_user_byte_through_links_paths_records_or_a_s
         assert holder.stdout.readline().strip() == "held"
     given = tmp_path / "missing" / ".." / "user" if variant == "dotdot" else u
     try:
-        out = flopwise(*commands(given, trained, tiny_data)[name], cwd=tmp_path)
+        out = cli(*commands(given, trained, tiny_data)[name], cwd=tmp_path)
     finally:
         if holder is not None:
             holder.kill()
@@ -252,15 +248,15 @@ def test_no_writing_command_loses_a_user_byte_through_links_paths_records_or_a_s
     assert "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
-def test_to_hf_replaces_only_a_folder_it_exported(trained, tmp_path):
+def test_to_hf_replaces_only_a_folder_it_exported(trained, tmp_path, cli):
     """A second export into its own folder replaces it; once the user adds or changes a file there,
     the folder is theirs and the export is refused in one line, with their files intact."""
     hf = tmp_path / "hf"
     for _ in range(2):
-        out = flopwise("convert", "to-hf", trained / "run", hf, cwd=tmp_path)
+        out = cli("convert", "to-hf", trained / "run", hf, cwd=tmp_path)
         assert out.returncode == 0, out.stderr[-2000:]
     (hf / "README.md").write_text("my model card")
-    out = flopwise("convert", "to-hf", trained / "run", hf, cwd=tmp_path)
+    out = cli("convert", "to-hf", trained / "run", hf, cwd=tmp_path)
     assert out.returncode == 2 and "README.md" in out.stderr and "Traceback" not in out.stderr
     assert (hf / "README.md").read_text() == "my model card"
 

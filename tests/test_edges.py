@@ -6,8 +6,10 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import warnings
 from dataclasses import fields
 from pathlib import Path
 
@@ -83,8 +85,8 @@ def test_every_float_field_of_the_config_tree_refuses_nan():
             load_config(None, [f"{key}=nan"])
 
 
-def test_the_cli_refuses_lr_inf_in_one_line(tmp_path):
-    line = one_line(flopwise("train", "optim.lr=inf", f"run.dir={str(tmp_path / 'run')!r}", cwd=tmp_path))
+def test_the_cli_refuses_lr_inf_in_one_line(tmp_path, cli):
+    line = one_line(cli("train", "optim.lr=inf", f"run.dir={str(tmp_path / 'run')!r}", cwd=tmp_path))
     assert "optim.lr" in line and "finite" in line
     assert list(tmp_path.iterdir()) == []
 
@@ -119,7 +121,7 @@ CAL = (
         (CAL.format(gemm="0.5", bw="1e10") + "\noverlap = nan", "calibration.overlap"),
     ],
 )
-def test_a_non_finite_hardware_field_is_refused_naming_it(tmp_path, extra, field):
+def test_a_non_finite_hardware_field_is_refused_naming_it(tmp_path, extra, field, cli):
     """A NaN efficiency gave a NaN plan, exit 0; inf passed every `> 0` check."""
     path = tmp_path / "hw.toml"
     text = HW.format(extra=extra)
@@ -128,7 +130,7 @@ def test_a_non_finite_hardware_field_is_refused_naming_it(tmp_path, extra, field
     path.write_text(text)
     with pytest.raises(ConfigError, match=re.escape(f"[mine].{field}")):
         load_catalogue(path)
-    r = flopwise("plan", "cluster.hardware=mine", f"cluster.hardware_file={str(path)!r}")
+    r = cli("plan", "cluster.hardware=mine", f"cluster.hardware_file={str(path)!r}", cwd=tmp_path)
     assert field.split("[")[0] in one_line(r)
     assert path.read_text() == text
 
@@ -147,12 +149,16 @@ def test_every_builtin_hardware_entry_passes_the_file_checks(tmp_path):
 # --- Tracebacks where one line is promised ------------------------------------------------------
 
 
-def test_calibrate_in_fp32_is_refused_before_measuring(tmp_path):
+def test_calibrate_in_fp32_is_refused_before_measuring(tmp_path, cli, monkeypatch):
     """`train.dtype="fp32"` crashed after 60-90 s of measuring: the planner times compute against the
     16-bit peak, which an fp32 calibration of the CPU entry lacks (TypeError in plan.perf.gemm_time)."""
-    r = flopwise(
-        "hardware", "calibrate", 'train.dtype="fp32"', "--out", str(tmp_path / "hw.toml"), cwd=tmp_path, timeout=60
-    )
+    import flopwise.calibrate
+
+    def never(*a, **k):
+        raise AssertionError("calibrate measured before refusing fp32")
+
+    monkeypatch.setattr(flopwise.calibrate, "calibrate", never)
+    r = cli("hardware", "calibrate", 'train.dtype="fp32"', "--out", str(tmp_path / "hw.toml"), cwd=tmp_path)
     assert "train.dtype=fp32" in one_line(r)
     assert list(tmp_path.iterdir()) == []
 
@@ -312,17 +318,17 @@ def test_a_negative_seed_is_refused_in_the_config():
         load_config(None, ["run.seed=-1"])
 
 
-def test_a_lone_surrogate_in_a_jsonl_line_is_one_line(tmp_path):
+def test_a_lone_surrogate_in_a_jsonl_line_is_one_line(tmp_path, cli):
     """JSON's escape of half a surrogate pair parses to a str that cannot be encoded: a traceback."""
     src = tmp_path / "in.jsonl"
     text = '{"text": "fine"}\n{"text": "half \\ud800 a pair"}\n'
     src.write_text(text)
-    line = one_line(flopwise("data", "prepare", str(src), "--out", str(tmp_path / "out"), "--workers", "1"))
+    line = one_line(cli("data", "prepare", str(src), "--out", str(tmp_path / "out"), "--workers", "1"))
     assert "line 2" in line and "lone surrogate (\\ud800)" in line
     assert src.read_text() == text and not (tmp_path / "out").exists()
 
 
-def test_nan_rows_in_scale_fit_are_named(tmp_path):
+def test_nan_rows_in_scale_fit_are_named(tmp_path, cli):
     rows = [
         "params,tokens,loss",
         "1e6,2e7,3.3",
@@ -335,22 +341,22 @@ def test_nan_rows_in_scale_fit_are_named(tmp_path):
     ]
     path = tmp_path / "points.csv"
     path.write_text("\n".join(rows) + "\n")
-    line = one_line(flopwise("scale", "fit", str(path), cwd=tmp_path))
+    line = one_line(cli("scale", "fit", str(path), cwd=tmp_path))
     assert "row 3" in line and "finite positive" in line and "nan" in line
 
 
 @pytest.mark.parametrize("kind", ["long", "loop"])
-def test_unusable_paths_are_one_line(kind, tmp_path):
+def test_unusable_paths_are_one_line(kind, tmp_path, cli):
     """A name over 255 bytes and a symlink loop as --out or run.dir were OSError/RuntimeError tracebacks."""
     (tmp_path / "in.txt").write_text("some text to prepare\n")
     if kind == "loop":
         (tmp_path / "a").symlink_to("b")
         (tmp_path / "b").symlink_to("a")
     bad = str(tmp_path / ("x" * 300 if kind == "long" else "a"))
-    line = one_line(flopwise("data", "prepare", str(tmp_path / "in.txt"), "--out", bad, "--workers", "1"))
+    line = one_line(cli("data", "prepare", str(tmp_path / "in.txt"), "--out", bad, "--workers", "1", cwd=tmp_path))
     assert ("shorter name" if kind == "long" else "is a symbolic link") in line
     if kind == "long":
-        r = flopwise("train", f"run.dir={bad!r}", "train.steps=2", "optim.warmup_steps=1", cwd=tmp_path)
+        r = cli("train", f"run.dir={bad!r}", "train.steps=2", "optim.warmup_steps=1", cwd=tmp_path)
         assert "shorter name" in one_line(r)
     assert sorted(p.name for p in tmp_path.iterdir()) == (["in.txt"] if kind == "long" else ["a", "b", "in.txt"])
 
@@ -422,40 +428,34 @@ def test_what_a_folder_walk_skips_is_counted_and_named(tmp_path, monkeypatch):
     )
 
 
-def test_a_folder_with_nothing_usable_is_refused_naming_what_was_skipped(tmp_path):
+def test_a_folder_with_nothing_usable_is_refused_naming_what_was_skipped(tmp_path, cli):
     src = tmp_path / "in"
     src.mkdir()
     (src / "notes.json").write_text('{"text": "json is not an input type"}\n')
-    line = one_line(flopwise("data", "prepare", str(src), "--out", str(tmp_path / "out"), "--workers", "1"))
+    line = one_line(cli("data", "prepare", str(src), "--out", str(tmp_path / "out"), "--workers", "1"))
     assert "no .txt, .jsonl or .parquet files found" in line and "notes.json" in line
     assert not (tmp_path / "out").exists()
 
 
-def test_the_prepare_summary_names_what_was_skipped(tmp_path):
+def test_the_prepare_summary_names_what_was_skipped(tmp_path, cli):
     src = tmp_path / "in"
     src.mkdir()
     (src / "a.txt").write_text("a document of plain text to prepare\n")
     (src / "table.csv").write_text("text\nnor is csv\n")
-    r = flopwise("data", "prepare", str(src), "--out", str(tmp_path / "out"), "--workers", "1")
+    r = cli("data", "prepare", str(src), "--out", str(tmp_path / "out"), "--workers", "1")
     assert r.returncode == 0, r.stderr
     assert f"skipped: 1 files of another type (not .txt, .md, .jsonl, .parquet) ({src / 'table.csv'})" in r.stdout
 
 
-def test_eval_and_generate_say_which_checkpoint_they_use_and_why(tmp_path, tiny_data):
+def test_eval_and_generate_say_which_checkpoint_they_use_and_why(tmp_path, tiny_run, cli):
     """A run whose newest checkpoint is damaged: eval and generate used the older one without a word."""
-
-    from flopwise.launch import train
-    from tests.conftest import tiny_overrides
-
     run = tmp_path / "run"
-    train(
-        load_config(
-            None, tiny_overrides(run, tiny_data, **{"train.steps": 4, "checkpoint.interval": 2, "train.eval_every": 0})
-        )
-    )
-    newest = run / "checkpoints" / "step-00000004"
-    r = flopwise("generate", str(run), "--prompt", "Alice", "--max-new-tokens", "2")
-    assert r.returncode == 0 and r.stderr == "", r.stderr  # the newest: nothing to say
+    shutil.copytree(tiny_run(6), run)  # a copy: its newest checkpoint is damaged below
+    newest = run / "checkpoints" / "step-00000006"
+    with warnings.catch_warnings(record=True) as said:  # what a fresh process would print on stderr
+        warnings.simplefilter("always")
+        r = cli("generate", str(run), "--prompt", "Alice", "--max-new-tokens", "2")
+    assert r.returncode == 0 and r.stderr == "" and not said, (r.stderr, [str(w.message) for w in said])
     shard = max((p for p in newest.rglob("*") if p.is_file() and p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -464,9 +464,9 @@ def test_eval_and_generate_say_which_checkpoint_they_use_and_why(tmp_path, tiny_
         ["generate", str(run), "--prompt", "Alice", "--max-new-tokens", "2"],
         ["eval", str(run), "--tasks", "alice-lastword"],
     ):
-        r = flopwise(*args)
+        r = cli(*args)
         assert r.returncode == 0, r.stderr
-        assert "note: skipping damaged checkpoint step-00000004 (" in r.stderr and "using step-00000002" in r.stderr
+        assert "note: skipping damaged checkpoint step-00000006 (" in r.stderr and "using step-00000003" in r.stderr
 
 
 def test_a_huge_tokenizer_vocab_is_refused_before_the_rust_trainer_aborts(tmp_path):
@@ -489,7 +489,7 @@ def test_a_huge_tokenizer_vocab_is_refused_before_the_rust_trainer_aborts(tmp_pa
     assert not (tmp_path / "out").exists()
 
 
-def test_a_tokenizer_with_ids_beyond_its_vocabulary_is_refused_at_load(tmp_path, tiny_data):
+def test_a_tokenizer_with_ids_beyond_its_vocabulary_is_refused_at_load(tmp_path, tiny_data, cli):
     """A token id >= the vocab size overflowed the shard dtype or indexed past the token counts and the
     embedding (IndexError); now the tokenizer is refused when loaded, by every command."""
     tok = json.loads((tiny_data / "tokenizer.json").read_text())
@@ -499,7 +499,7 @@ def test_a_tokenizer_with_ids_beyond_its_vocabulary_is_refused_at_load(tmp_path,
     path.write_text(json.dumps(tok))
     (tmp_path / "in.txt").write_text("Alice was beginning to get very tired of sitting by her sister\n")
     line = one_line(
-        flopwise(
+        cli(
             "data",
             "prepare",
             str(tmp_path / "in.txt"),
@@ -533,7 +533,7 @@ def test_a_full_disk_during_an_export_is_one_line_and_leaves_no_half_output(
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out"))
 
-    run = tiny_run(4)  # trained (once per session) before the disk fills
+    run = tiny_run(6)  # trained (once per session) before the disk fills
     monkeypatch.setattr(filesystem, "_write_item", no_space)
     monkeypatch.setattr(hf, "save_file", no_space)
     out = tmp_path / "out"
