@@ -21,7 +21,7 @@ OWN_PROCESSES = ("multiproc", "slurm", "multinode")
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for pytest-xdist's `--dist loadgroup` (the README's `pytest -n 2`). Every test that starts
+    """Groups for pytest-xdist's `--dist loadgroup` (`pytest -n 2`, the quick loop's command). Every test that starts
     processes of its own (torchrun ranks, a SLURM job, several nodes) runs on one worker, one after
     another as without xdist: two 8-rank launches on 2 cores would starve each other past their time
     limits. Every other test stays with its file, so a module's fixtures are built once. Under xdist the
@@ -38,8 +38,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
             item._id = NodeId.parse(f"{item.nodeid}@{group}")
     if hasattr(config, "workerinput"):  # an xdist worker: its collection order is the controller's queue
-        order = {id(item): not o for item, o in zip(items, own, strict=True)}
-        items.sort(key=lambda item: order[id(item)])
+        items[:] = [i for i, o in zip(items, own, strict=True) if o] + [
+            i for i, o in zip(items, own, strict=True) if not o
+        ]
 
 
 @pytest.fixture(scope="session")
