@@ -12,6 +12,7 @@ WORKER_HANG_S, a job's limit (or pair their next collective with the wrong one).
 """
 
 import faulthandler
+import gc
 import json
 import os
 import sys
@@ -19,6 +20,7 @@ import traceback
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _world
 
 sys.path.insert(0, str(Path(__file__).parent))
 import jobs  # noqa: E402
@@ -29,6 +31,7 @@ def main(spec: str, out: str) -> None:
     dist.init_process_group("gloo")
     results = {}
     for job in json.loads(Path(spec).read_text()):
+        groups = set(_world.pg_map)
         # per job, not per launch: a launch of 40 jobs on a busy machine outlasts any fixed total
         faulthandler.dump_traceback_later(hang_s, exit=True)
         try:
@@ -39,9 +42,20 @@ def main(spec: str, out: str) -> None:
             sys.stderr.flush()
             os._exit(1)
         dist.barrier()
+        end_groups(groups)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def end_groups(kept: set) -> None:
+    """Destroy the process groups a job made (its device mesh's, the saver's), as a job's own
+    process would on exit. Kept, they pile up over a launch of 40 jobs: each gloo group holds its
+    threads and a socket per peer, and such launches failed by chance on a busy machine (a Broken
+    pipe constructing a later job's group; once a heap corruption abort)."""
+    for pg in set(_world.pg_map) - kept:
+        dist.destroy_process_group(pg)
+    gc.collect()
 
 
 if __name__ == "__main__":
