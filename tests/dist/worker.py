@@ -3,7 +3,7 @@
     torchrun --nproc-per-node N tests/dist/worker.py JOBS.json OUT.json
 
 JOBS.json is a list of {"name", "kind", "overrides": [key=value, ...]}; rank 0 writes
-{name: result} to OUT.json. Kinds are the functions in tests/dist/jobs.py.
+{name: result} to OUT.json, after each job the results so far. Kinds are the functions in tests/dist/jobs.py.
 
 A job that raises on a rank ends the launch at once: the rank writes the error to
 OUT.json.rank<r>.error and exits non-zero, and torchrun stops the others. Carrying on is not
@@ -12,7 +12,6 @@ WORKER_HANG_S, a job's limit (or pair their next collective with the wrong one).
 """
 
 import faulthandler
-import gc
 import json
 import os
 import sys
@@ -20,7 +19,6 @@ import traceback
 from pathlib import Path
 
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _world
 
 sys.path.insert(0, str(Path(__file__).parent))
 import jobs  # noqa: E402
@@ -31,7 +29,6 @@ def main(spec: str, out: str) -> None:
     dist.init_process_group("gloo")
     results = {}
     for job in json.loads(Path(spec).read_text()):
-        groups = set(_world.pg_map)
         # per job, not per launch: a launch of 40 jobs on a busy machine outlasts any fixed total
         faulthandler.dump_traceback_later(hang_s, exit=True)
         try:
@@ -42,20 +39,10 @@ def main(spec: str, out: str) -> None:
             sys.stderr.flush()
             os._exit(1)
         dist.barrier()
-        end_groups(groups)
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(results))
+        if dist.get_rank() == 0:  # after every job: a launch that dies later keeps what it finished
+            Path(f"{out}.tmp").write_text(json.dumps(results))
+            os.replace(f"{out}.tmp", out)
     dist.destroy_process_group()
-
-
-def end_groups(kept: set) -> None:
-    """Destroy the process groups a job made (its device mesh's, the saver's), as a job's own
-    process would on exit. Kept, they pile up over a launch of 40 jobs: each gloo group holds its
-    threads and a socket per peer, and such launches failed by chance on a busy machine (a Broken
-    pipe constructing a later job's group; once a heap corruption abort)."""
-    for pg in set(_world.pg_map) - kept:
-        dist.destroy_process_group(pg)
-    gc.collect()
 
 
 if __name__ == "__main__":
