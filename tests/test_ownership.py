@@ -328,6 +328,37 @@ def test_a_run_file_changed_since_flopwise_wrote_it_is_refused(tiny_data, tmp_pa
     assert _bytes([run / "config.toml"]) == before
 
 
+@pytest.mark.parametrize("edit", ["same-size", "appended", "replaced"])
+def test_a_log_edited_between_two_appends_of_one_process_is_refused(edit, tmp_path):
+    """`append` skips re-reading a file its own process last appended to (its size, inode and mtime
+    unchanged, the record naming the bytes it wrote): an edit in between, of the same size or not,
+    or the file replaced, is still refused, and the user's bytes stay."""
+    from flopwise.checkpoints import rundir
+    from flopwise.errors import ConfigError
+
+    run = rundir.claim(tmp_path / "run", ["metrics.jsonl"])
+    log = run / "metrics.jsonl"
+    for i in range(3):
+        rundir.append(run, "metrics.jsonl", f'{{"step": {i}}}\n'.encode())
+    time.sleep(0.01)  # a coarse file-system clock: the edit's mtime differs from the last append's
+    body = log.read_bytes()
+    if edit == "same-size":
+        log.write_bytes(body.replace(b'"step": 1', b'"step": 7'))
+    elif edit == "appended":
+        log.write_bytes(body + b"# mine\n")
+    else:
+        log.unlink()
+        log.write_bytes(body)  # the same bytes in a new file: flopwise's record still holds them
+    mine = log.read_bytes()
+    if edit == "replaced":
+        rundir.append(run, "metrics.jsonl", b'{"step": 3}\n')  # the bytes are flopwise's: appended
+        assert log.read_bytes() == mine + b'{"step": 3}\n'
+        return
+    with pytest.raises(ConfigError, match="metrics.jsonl has changed since flopwise wrote it"):
+        rundir.append(run, "metrics.jsonl", b'{"step": 3}\n')
+    assert log.read_bytes() == mine
+
+
 def test_an_output_file_is_replaced_only_while_its_seal_verifies(tmp_path):
     """A file at a user-named path carries its own record (a seal over its real path and bytes): a
     rerun replaces it; an edited one, or one copied elsewhere, is refused."""

@@ -20,6 +20,7 @@ import hashlib
 import io
 import json
 import os
+import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -175,7 +176,8 @@ def replace(run_dir: str | Path, name: str, data: bytes) -> Path:
     return run_dir / name
 
 
-_hashes: dict[str, tuple[int, hashlib._Hash]] = {}  # an appended file -> (its size, sha256 so far)
+# an appended file -> (its size, sha256 so far, its identity after this process's last append)
+_hashes: dict[str, tuple[int, hashlib._Hash, tuple[int, int, int, int] | None]] = {}
 
 
 def append(run_dir: str | Path, name: str, data: bytes) -> None:
@@ -184,7 +186,7 @@ def append(run_dir: str | Path, name: str, data: bytes) -> None:
     run_dir = real_path(run_dir)
     path = run_dir / name
     with _updating(run_dir) as record:
-        present = _owned(record, run_dir, name) is not None
+        present = _as_appended(path, name, record) or _owned(record, run_dir, name) is not None
         size = os.lstat(path).st_size if present else 0  # what is there: the record's bytes, or their `prev`
         cached = _hashes.get(str(path))
         if cached is None or cached[0] != size:
@@ -192,7 +194,7 @@ def append(run_dir: str | Path, name: str, data: bytes) -> None:
             if present:
                 with open(open_nofollow(path, os.O_RDONLY), "rb") as f:
                     h.update(f.read(size))
-            cached = (size, h)
+            cached = (size, h, None)
         h = cached[1].copy()
         h.update(data)
         before = {"bytes": size, "sha256": cached[1].hexdigest()} if present else None
@@ -200,7 +202,28 @@ def append(run_dir: str | Path, name: str, data: bytes) -> None:
     fd = open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     with os.fdopen(fd, "ab") as f:
         f.write(data)
-    _hashes[str(path)] = (size + len(data), h)
+        f.flush()
+        _hashes[str(path)] = (size + len(data), h, _identity(os.fstat(f.fileno())))
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _as_appended(path: Path, name: str, record: dict) -> bool:
+    """`path` is as this process's last `append` left it (same file, size and modification time) and
+    the record still names those bytes: then the check that it holds what flopwise wrote needs no
+    re-read. Re-hashing it on every append cost O(size) a line: a 17,000-step run logging every step
+    had stepped 30-60% slower than a 150-step one (0.017 s against 0.022-0.028 s a step)."""
+    cached = _hashes.get(str(path))
+    if cached is None or cached[2] is None or name not in record["writes"]:
+        return False
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    entry = record["files"].get(name) or {}
+    return stat.S_ISREG(st.st_mode) and _identity(st) == cached[2] and entry.get("sha256") == cached[1].hexdigest()
 
 
 class Appender(io.TextIOBase):
