@@ -29,7 +29,8 @@ def main(timed: int = 200) -> None:
                 for _ in range(timed):
                     rundir.append(run, "metrics.jsonl", LINE)
                 ms[i] = (time.perf_counter() - t0) / timed * 1e3
-                print(f"{i:>6} lines ({(run / 'metrics.jsonl').stat().st_size >> 10:>5} KiB): {ms[i]:.2f} ms per append")
+                kib = (run / "metrics.jsonl").stat().st_size >> 10
+                print(f"{i:>6} lines ({kib:>5} KiB): {ms[i]:.2f} ms per append")
         print(f"ratio {AT[-1]} lines / {AT[0]} lines: {ms[AT[-1]] / ms[AT[0]]:.2f}")
 
 
