@@ -136,7 +136,11 @@ def test_sbatch_trains_and_requeue_after_scancel_is_bitwise(tiny_data, tmp_path)
     assert m and m[1] == m[2] and int(m[1]) < 10, log[-3000:]
 
     slurm("scontrol", "requeue", stopped)
-    slurm("scontrol", "update", f"JobId={stopped}", "StartTime=now")  # SLURM holds a requeued job 2 min
+    # SLURM holds a requeued job 2 min; released at once, it can be allocated in the second its last run
+    # ended, and slurmd refuses it ("Killing non-startable batch JobId=27: Job credential revoked",
+    # WEXITSTATUS 1: a CI run, 2026-12-06): a credential made in the second of the revocation counts as
+    # revoked. A few seconds on, it starts.
+    slurm("scontrol", "update", f"JobId={stopped}", "StartTime=now+3")
     j = wait(stopped, restarts=1)
     log = (tmp_path / f"stopped-{stopped}.out").read_text()
     assert (j["JobState"], j["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
