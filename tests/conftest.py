@@ -207,6 +207,17 @@ def cli(capsys, monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> Path:
+    """The embedded default's data (Shakespeare, its 4096-token BPE), prepared once by the code
+    `flopwise train` prepares it with: pass it as data.path to a demo-config run, which would
+    otherwise prepare the same folder again under its own run.dir (6 s or more each)."""
+    from flopwise.build import ensure_data
+    from flopwise.config import load_config
+
+    return ensure_data(load_config("demo"), tmp_path_factory.mktemp("demo_run"))[0].data_dir
+
+
+@pytest.fixture(scope="session")
 def tiny_mix(tiny_data, tmp_path_factory) -> str:
     """A two-source mixture for data.sources: Alice (weight 0.7) and three Shakespeare plays
     tokenized with Alice's tokenizer (0.3)."""

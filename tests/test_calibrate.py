@@ -77,7 +77,7 @@ def test_calibrate_writes_an_entry_the_planner_plans_with(calibrated, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_calibrated_prediction_is_the_measured_step_to_a_factor(calibrated, tmp_path):
+def test_calibrated_prediction_is_the_measured_step_to_a_factor(calibrated, tmp_path, demo_data):
     """One process, the calibrated shapes: predicted within a factor 2 of the measured median step
     (the ±10% target is the benchmark's, on a quiet machine). The calibration and the measurement
     may meet different loads (xdist's other worker, a shared machine): the band widens by the ratio
@@ -89,6 +89,7 @@ def test_calibrated_prediction_is_the_measured_step_to_a_factor(calibrated, tmp_
         *TINY,
         f'cluster.hardware_file="{out}"',
         f'run.dir="{tmp_path / "run"}"',
+        f'data.path="{demo_data}"',
         "--measure",
         "--steps",
         "3",

@@ -3,7 +3,8 @@
     torchrun --nproc-per-node N tests/dist/worker.py JOBS.json OUT.json
 
 JOBS.json is a list of {"name", "kind", "overrides": [key=value, ...]}; rank 0 writes
-{name: result} to OUT.json, after each job the results so far. Kinds are the functions in tests/dist/jobs.py.
+{name: result} to OUT.json, after each job the results so far, with "_seconds": {name: wall seconds}
+(rank 0's, for finding the launch's slow jobs). Kinds are the functions in tests/dist/jobs.py.
 
 A job that raises on a rank ends the launch at once: the rank writes the error to
 OUT.json.rank<r>.error and exits non-zero, and torchrun stops the others. Carrying on is not
@@ -15,6 +16,7 @@ import faulthandler
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -27,8 +29,9 @@ import jobs  # noqa: E402
 def main(spec: str, out: str) -> None:
     hang_s = int(os.environ.get("WORKER_HANG_S", "300"))
     dist.init_process_group("gloo")
-    results = {}
+    results: dict = {"_seconds": {}}
     for job in json.loads(Path(spec).read_text()):
+        t0 = time.perf_counter()
         # per job, not per launch: a launch of 40 jobs on a busy machine outlasts any fixed total
         faulthandler.dump_traceback_later(hang_s, exit=True)
         try:
@@ -39,6 +42,7 @@ def main(spec: str, out: str) -> None:
             sys.stderr.flush()
             os._exit(1)
         dist.barrier()
+        results["_seconds"][job["name"]] = round(time.perf_counter() - t0, 2)
         if dist.get_rank() == 0:  # after every job: a launch that dies later keeps what it finished
             Path(f"{out}.tmp").write_text(json.dumps(results))
             os.replace(f"{out}.tmp", out)

@@ -91,7 +91,7 @@ def _overrides(tmp, data, family, layout):
 
 
 @pytest.fixture(scope="module")
-def measured(tiny_data, tmp_path_factory) -> dict:
+def measured(tiny_data, demo_data, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("plan_engine")
     jobs = [{"name": f"{f}-{lo}", "kind": "states", "overrides": _overrides(tmp, tiny_data, f, lo)} for f, lo in CASES]
     jobs += [
@@ -104,7 +104,10 @@ def measured(tiny_data, tmp_path_factory) -> dict:
         }
         for z in range(4)
     ]
-    jobs += [{"name": f"peak-{name}", "kind": "demo_states", "overrides": _peak_overrides(tmp, name)} for name in PEAK]
+    jobs += [
+        {"name": f"peak-{name}", "kind": "demo_states", "overrides": _peak_overrides(tmp, name, demo_data)}
+        for name in PEAK
+    ]
     return {"_tmp": tmp, **run_jobs(4, jobs, tmp)}
 
 
@@ -127,8 +130,9 @@ PEAK = {
 }
 
 
-def _peak_overrides(tmp, name: str) -> list[str]:
+def _peak_overrides(tmp, name: str, data) -> list[str]:
     over = {
+        "data.path": f'"{data}"',
         "train.compile": "false",
         "train.global_batch": 16,
         "train.micro_batch": 4,
@@ -199,11 +203,11 @@ def test_plan_measure_command_prints_the_engines_bytes_beside_the_planners(tiny_
 
 
 @pytest.mark.parametrize("name", list(PEAK))
-def test_step_high_water_mark_is_the_planners(name, measured):
+def test_step_high_water_mark_is_the_planners(name, measured, demo_data):
     """All a step allocates at its peak above the resident states (torch.profiler's memory events,
     acc.PeakMemory), against predict_rank's booking: activations, loss working set, autocast or
     FSDP2 copies, and the gradients where they are held then."""
-    cfg = load_config("demo", _peak_overrides(measured["_tmp"], name))
+    cfg = load_config("demo", _peak_overrides(measured["_tmp"], name, demo_data))
     lo = layout_of(cfg, 4)
     for r in measured[f"peak-{name}"]["ranks"]:
         want = predict_rank(cfg, lo, r["pp_rank"], r["shard_rank"], r["dp_rank"], cpu=True)

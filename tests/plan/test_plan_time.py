@@ -31,10 +31,16 @@ source = "hand-written for tests/plan/test_plan_time.py"
 """
 
 
-def _measure(tmp_path, *overrides: str) -> dict:
+def _measure(tmp_path, data, *overrides: str) -> dict:
     hw = tmp_path / "hw.toml"
     hw.write_text(HARDWARE)
-    args = [f'run.dir="{tmp_path / "run"}"', "train.global_batch=8", f'cluster.hardware_file="{hw}"', *overrides]
+    args = [
+        f'run.dir="{tmp_path / "run"}"',
+        f'data.path="{data}"',
+        "train.global_batch=8",
+        f'cluster.hardware_file="{hw}"',
+        *overrides,
+    ]
     # one thread a rank: the test machine's cores are shared, and oversubscribed threads spin
     r = subprocess.run(
         [sys.executable, "-m", "flopwise", "plan", "demo", *args, "--measure", "--steps", "3", "--json"],
@@ -54,11 +60,11 @@ def _measure(tmp_path, *overrides: str) -> dict:
     [["train.micro_batch=8"], ["parallel.dp=2", "parallel.zero=1", "train.micro_batch=4"]],
     ids=["single", "dp2-zero1"],
 )
-def test_measured_step_time_is_the_sum_of_its_profiled_components(layout, tmp_path):
+def test_measured_step_time_is_the_sum_of_its_profiled_components(layout, tmp_path, demo_data):
     """Per rank the timed steps' median; at the top the slowest rank's, beside a prediction from the
     hardware file; the profiled components add up to the wall-clock step within 15%. Data
     parallelism on gloo waits for its all-reduce (exposed communication); one process sends nothing."""
-    report = _measure(tmp_path, *layout)
+    report = _measure(tmp_path, demo_data, *layout)
     world = report["world"]
     assert len(report["ranks"]) == world == (2 if "parallel.dp=2" in layout else 1)
     step = report["step_time_s"]

@@ -104,3 +104,34 @@ def test_default_train_runs_on_cuda_against_the_catalogue_peak(tmp_path):
     assert "cuda" in out.stdout and ("catalogue" in out.stdout or "not in the catalogue" in out.stdout)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(0 < x["mfu"] < 1 for x in rows if "loss" in x)
+
+
+def test_a_cpu_ceiling_is_timed_once_per_process_and_thread_count(monkeypatch):
+    """Every run a process starts divides by the ceiling its first run timed (1-3 s of products
+    each on 2 cores otherwise); another thread count times its own; a re-measurement that beats it
+    raises it for the runs after."""
+    from flopwise.hardware import CATALOGUE
+    from flopwise.train import metrics
+
+    timed = []
+
+    def fake(dtype, device, sizes=None, repeats=5):
+        timed.append((dtype, torch.get_num_threads(), repeats))
+        return 1e9 * len(timed)
+
+    monkeypatch.setattr(metrics, "measure_matmul_peak", fake)
+    monkeypatch.setattr(metrics, "_cpu_ceilings", {})
+    cpu = torch.device("cpu")
+    threads = torch.get_num_threads()
+    first = metrics.device_peak(CATALOGUE, "fp32", cpu)
+    assert metrics.device_peak(CATALOGUE, "fp32", cpu) == first and first.flops == 1e9 and first.measured
+    assert metrics.device_peak(CATALOGUE, "bf16", cpu).flops == 2e9
+    try:
+        torch.set_num_threads(threads + 1)
+        assert metrics.device_peak(CATALOGUE, "fp32", cpu).flops == 3e9
+    finally:
+        torch.set_num_threads(threads)
+    assert [t[:2] for t in timed] == [("fp32", threads), ("bf16", threads), ("fp32", threads + 1)]
+    raised = metrics.checked_peak(first, 1.5e9, "fp32", cpu)  # a step beat it: re-measured (4e9)
+    assert raised.flops == 4e9 and metrics.device_peak(CATALOGUE, "fp32", cpu).flops == 4e9
+    assert len(timed) == 4
