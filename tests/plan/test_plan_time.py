@@ -62,7 +62,7 @@ def _measure(tmp_path, data, *overrides: str) -> dict:
 )
 def test_measured_step_time_is_the_sum_of_its_profiled_components(layout, tmp_path, demo_data):
     """Per rank the timed steps' median; at the top the slowest rank's, beside a prediction from the
-    hardware file; the profiled components add up to the wall-clock step within 15%. Data
+    hardware file; the profiled components add up to the profiled step's wall clock. Data
     parallelism on gloo waits for its all-reduce (exposed communication); one process sends nothing."""
     report = _measure(tmp_path, demo_data, *layout)
     world = report["world"]
@@ -78,10 +78,16 @@ def test_measured_step_time_is_the_sum_of_its_profiled_components(layout, tmp_pa
             max(times) for times in zip(*(r["step_time_s"]["steps"] for r in report["ranks"]), strict=False)
         )
     )
-    parts = report["ranks"][report["components_rank"]]["step_time_components_s"]
+    pacing = report["ranks"][report["components_rank"]]
+    parts = pacing["step_time_components_s"]
     assert all(v >= 0 for v in parts.values()), parts
     assert parts["matmul"] > 0 and parts["attention"] > 0 and parts["optimizer"] > 0
-    assert sum(parts.values()) == pytest.approx(step["measured"], rel=0.15), (parts, step)
+    # the components split the profiled step's wall clock exactly; that step is one like the timed
+    # ones (the profiler's overhead and a neighbour's bursts aside: CI's xdist worker beside it made
+    # it 0.63 s against a 0.80 s median, so the band is the timed steps' own range, widened 2x)
+    assert sum(parts.values()) == pytest.approx(pacing["profiled_step_s"], rel=1e-6), (parts, pacing)
+    timed = pacing["step_time_s"]["steps"]
+    assert min(timed) / 2 < pacing["profiled_step_s"] < 2 * max(timed), (pacing["profiled_step_s"], timed)
     assert (parts["exposed_comm"] > 0) == (world > 1), parts
     top = report["step_time_components_s"]
     assert set(top) == MEASURED
