@@ -198,6 +198,10 @@ def test_node_lost_then_restart_on_fewer_nodes(tiny_data, tmp_path):
             -3000:
         ]
         time.sleep(0.1)
+    # step 4's checkpoint is on disk before its save ends on every rank: killed at once, the node went
+    # in step 4 (the survivor, rightly, named step 2 as the last checkpoint it knew complete; seen in a
+    # sequential run, 2026-12-06). 5 s on, every rank is in step 5, whose 20 s sleep the kill lands in
+    time.sleep(5)
     t_kill = time.monotonic()
     _kill_node(procs[1])
     ((rc, out, err),) = finish(procs[:1], logs, timeout=120)
