@@ -51,11 +51,10 @@ def measure_matmul_peak(
 _cpu_ceilings: dict[tuple[str, int], float] = {}
 
 
-def _cpu_ceiling(dtype: str, best: float = 0.0) -> float:
+def _cpu_ceiling(dtype: str) -> float:
     key = (dtype, torch.get_num_threads())
     if key not in _cpu_ceilings:
         _cpu_ceilings[key] = measure_matmul_peak(dtype, torch.device("cpu"))
-    _cpu_ceilings[key] = max(_cpu_ceilings[key], best)
     return _cpu_ceilings[key]
 
 
@@ -105,8 +104,9 @@ def checked_peak(peak: Peak, achieved: float, dtype: str, device: torch.device, 
         best = max(best, measure_matmul_peak(dtype, device, repeats=10))
         if best > achieved:
             break
-    if device.type == "cpu":
-        best = _cpu_ceiling(dtype, best)
+    if device.type == "cpu":  # the runs this process starts next divide by it too
+        key = (dtype, torch.get_num_threads())
+        best = _cpu_ceilings[key] = max(_cpu_ceilings.get(key, 0.0), best)
     return Peak(best, peak.source, True)
 
 
