@@ -1,8 +1,11 @@
+import atexit
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 import warnings
 from pathlib import Path
@@ -14,23 +17,42 @@ import pytest
 # Set before torch is imported; the processes tests start inherit it.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The CPU's MFU ceilings (flopwise.train.metrics.ceilings_file): timed once per session, shared by every
+# process the tests start (inherited), and not written to the user's own cache folder
+if "FLOPWISE_CACHE_DIR" not in os.environ:
+    os.environ["FLOPWISE_CACHE_DIR"] = tempfile.mkdtemp(prefix="flopwise-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["FLOPWISE_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 OWN_PROCESSES = ("multiproc", "slurm", "multinode")
+# The process tests' two lanes under `pytest -n 2`: tests/parallel/'s and tests/plan/'s launches (4-rank
+# FSDP2/DTensor jobs on gloo) and the calibrations are CPU-bound from start to end; the others (train
+# runs with injected faults, SLURM jobs, nodes, CLI commands that start ranks) spend much of their time
+# waiting on injected sleeps, watchdog timeouts and SLURM's timer. One after another on one worker they
+# were the suite's tail (1,286 s of 1,299 s, 2026-12-06) while the other worker had run out of work;
+# side by side the waiting lane costs the CPU-bound one little, and no two CPU-bound launches meet.
+CPU_BOUND_LAUNCHES = ("tests/parallel/", "tests/plan/", "tests/test_calibrate.py")
+
+
+def xdist_group(item: pytest.Item) -> str:
+    """The lane a test runs in under `pytest -n 2`: one of the two process lanes, or its file's."""
+    if not any(item.get_closest_marker(m) for m in OWN_PROCESSES):
+        return item.nodeid.split("::")[0]
+    return "processes-launches" if item.nodeid.startswith(CPU_BOUND_LAUNCHES) else "processes-runs"
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for pytest-xdist's `--dist loadgroup` (`pytest -n 2`, the quick loop's command). Every test that starts
-    processes of its own (torchrun ranks, a SLURM job, several nodes) runs on one worker, one after
-    another as without xdist: two 8-rank launches on 2 cores would starve each other past their time
-    limits. Every other test stays with its file, so a module's fixtures are built once. Under xdist the
-    process tests are queued first: they are the longest group, and started last they would end last."""
-    own = [any(item.get_closest_marker(m) for m in OWN_PROCESSES) for item in items]
-    for item, o in zip(items, own, strict=True):
-        group = "processes" if o else item.nodeid.split("::")[0]
+    """Groups for pytest-xdist's `--dist loadgroup` (`pytest -n 2`): the tests that start processes of
+    their own (torchrun ranks, SLURM jobs, nodes) in the two lanes of xdist_group, each run one test
+    after another on one worker; every other test with its file, so a module's fixtures are built once.
+    Under xdist the queue (pyproject: --no-loadscope-reorder, so xdist keeps this order) starts with
+    the two lanes, one per worker, then the files with slow tests, longest first, so that no long
+    file starts last and ends the run alone."""
+    groups = {item: xdist_group(item) for item in items}
+    for item, group in groups.items():
         item.add_marker(pytest.mark.xdist_group(group))
         if getattr(config.option, "loadgroup", False) and not hasattr(item, "_nodeid"):
             # pytest 9 keeps a node's id in `_id`, so xdist 3.8's loadgroup, which appends "@group" to
@@ -40,9 +62,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
             item._id = NodeId.parse(f"{item.nodeid}@{group}")
     if hasattr(config, "workerinput"):  # an xdist worker: its collection order is the controller's queue
-        items[:] = [i for i, o in zip(items, own, strict=True) if o] + [
-            i for i, o in zip(items, own, strict=True) if not o
-        ]
+        slow = {g: 0 for g in groups.values()}
+        for item, group in groups.items():
+            slow[group] += item.get_closest_marker("slow") is not None
+        rank = {"processes-launches": 0, "processes-runs": 1}
+        items.sort(key=lambda i: (rank.get(groups[i], 2), -slow[groups[i]]))  # stable: a file's order kept
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """FLOPWISE_TEST_CPU=FILE: a JSON line per test with its wall seconds, the CPU seconds it used (its
+    own and its finished child processes': torchrun ranks, CLI runs; fixtures it set up included), its
+    xdist worker and when it ended: where the suite's work goes, which wall clocks under `-n 2` (two
+    workers sharing 2 cores) hide, and what each worker ran when."""
+    t = os.times()
+    try:
+        return (yield)
+    finally:
+        if path := os.environ.get("FLOPWISE_TEST_CPU"):
+            e = os.times()
+            cpu = sum(getattr(e, k) - getattr(t, k) for k in ("user", "system", "children_user", "children_system"))
+            row = {
+                "test": item.nodeid,
+                "wall": round(e.elapsed - t.elapsed, 2),
+                "cpu": round(cpu, 2),
+                "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+                "end": round(e.elapsed, 1),  # seconds since an arbitrary origin, the same for every process here
+            }
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\n")
 
 
 @pytest.fixture(scope="session")
@@ -254,6 +302,5 @@ def tiny_run_copy(tiny_run, tmp_path):
     """`tiny_run_copy(steps)`: a copy of tiny_run(steps)'s folder in this test's tmp_path, to damage
     or change. Checkpoint reading (verify, latest, resolve, list_complete, prune) asks no ownership;
     training on in the copy is refused (a copied run folder proves nothing): train in a folder of its own."""
-    import shutil
 
     return lambda steps: Path(shutil.copytree(tiny_run(steps), tmp_path / f"tiny_run_{steps}"))

@@ -162,6 +162,7 @@ SMOL = {
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc  # calibrate in a process of its own (its peak RSS), which starts the restart probes
 def test_a_135m_model_is_timed_at_what_the_machine_does_in_a_second(tmp_path):
     """Issue 41: calibrating for an imported 135M model took 345 s and 8.9 GB: its forward + backward
     was timed at the config's own micro-batch 16 x 2,048 tokens (the continued-pretraining defaults),

@@ -106,12 +106,15 @@ def test_default_train_runs_on_cuda_against_the_catalogue_peak(tmp_path):
     assert all(0 < x["mfu"] < 1 for x in rows if "loss" in x)
 
 
-def test_a_cpu_ceiling_is_timed_once_per_process_and_thread_count(monkeypatch):
-    """Every run a process starts divides by the ceiling its first run timed (1-3 s of products
-    each on 2 cores otherwise); another thread count times its own; a re-measurement that beats it
-    raises it for the runs after."""
+def test_a_cpu_ceiling_is_timed_once_per_machine_and_thread_count(monkeypatch, tmp_path):
+    """Every run divides by the ceiling the first run on this machine timed (1-3 s of products per
+    process on 2 cores otherwise: each torchrun rank, each restart), in this process and the ones
+    after it (the cache file); another thread count times its own; a re-measurement that beats it
+    raises it for the runs after; a damaged cache file is measured over, never trusted."""
     from flopwise.hardware import CATALOGUE
     from flopwise.train import metrics
+
+    monkeypatch.setenv("FLOPWISE_CACHE_DIR", str(tmp_path / "cache"))
 
     timed = []
 
@@ -135,3 +138,11 @@ def test_a_cpu_ceiling_is_timed_once_per_process_and_thread_count(monkeypatch):
     raised = metrics.checked_peak(first, 1.5e9, "fp32", cpu)  # a step beat it: re-measured (4e9)
     assert raised.flops == 4e9 and metrics.device_peak(CATALOGUE, "fp32", cpu).flops == 4e9
     assert len(timed) == 4
+    monkeypatch.setattr(metrics, "_cpu_ceilings", {})  # the next process: nothing timed, the file read
+    assert metrics.device_peak(CATALOGUE, "fp32", cpu).flops == 4e9
+    assert metrics.device_peak(CATALOGUE, "bf16", cpu).flops == 2e9 and len(timed) == 4
+    for damaged in ("{not json", '{"x": 1}', "[1e99]", '{"%s": -1}'):
+        monkeypatch.setattr(metrics, "_cpu_ceilings", {})
+        metrics.ceilings_file().write_text(damaged.replace("%s", metrics._cpu_key("fp32")))
+        assert metrics.device_peak(CATALOGUE, "fp32", cpu).flops == 1e9 * len(timed)  # timed again
+    assert len(timed) == 8 and list(metrics.ceilings_file().parent.iterdir()) == [metrics.ceilings_file()]

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import os
+import platform
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,16 +50,66 @@ def measure_matmul_peak(
     return best
 
 
-# This process's CPU ceilings by (dtype, threads), raised when a re-measurement beats them: timing
-# the products costs 1-3 s, which every run a process starts (a sweep's, a launch of many test
-# jobs) would otherwise spend again on the same CPU
-_cpu_ceilings: dict[tuple[str, int], float] = {}
+# A CPU's ceilings by (machine, threads, torch, dtype): timing the products costs 1-3 s, which every
+# process a run starts (each torchrun rank, each restart, a sweep's runs) would otherwise spend again
+# on the same CPU. Kept in this process and in ceilings_file() for the processes after it; raised, in
+# both, when a re-measurement (checked_peak: a step beat it) finds more.
+_cpu_ceilings: dict[str, float] = {}
+
+
+def ceilings_file() -> Path:
+    """FLOPWISE_CACHE_DIR, else $XDG_CACHE_HOME/flopwise, else ~/.cache/flopwise: cpu-ceilings.json."""
+    base = os.environ.get("FLOPWISE_CACHE_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "flopwise"
+    )
+    return Path(base) / "cpu-ceilings.json"
+
+
+def _cpu_key(dtype: str) -> str:
+    """What a ceiling depends on: the CPU, its cores, this process's threads, torch's kernels, the dtype."""
+    name = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), name)
+    return f"{name} | {os.cpu_count()} cores | {torch.get_num_threads()} threads | torch {torch.__version__} | {dtype}"
+
+
+def _stored_ceilings() -> dict[str, float]:
+    """The file's ceilings; an unreadable or malformed file is no ceilings (they are measured again)."""
+    try:
+        raw = json.loads(ceilings_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    return {k: float(v) for k, v in raw.items() if isinstance(v, int | float) and 0 < v < math.inf}
+
+
+def _keep_ceiling(key: str, flops: float) -> float:
+    """`flops` or the larger ceiling already kept for `key`, kept in this process and the file (by a
+    rename of a fresh file, so a reader never sees half of one). A file that cannot be written costs
+    the next process one measurement, nothing else: that error is not the run's."""
+    best = _cpu_ceilings[key] = max(flops, _cpu_ceilings.get(key, 0.0))
+    path = ceilings_file()
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stored = _stored_ceilings()
+        if stored.get(key, 0.0) < best:
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
+                tmp = Path(f.name)
+                json.dump({**stored, key: best}, f, indent=1, sort_keys=True)
+            try:
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+    return best
 
 
 def _cpu_ceiling(dtype: str) -> float:
-    key = (dtype, torch.get_num_threads())
+    key = _cpu_key(dtype)
     if key not in _cpu_ceilings:
-        _cpu_ceilings[key] = measure_matmul_peak(dtype, torch.device("cpu"))
+        stored = _stored_ceilings().get(key)
+        _cpu_ceilings[key] = stored or _keep_ceiling(key, measure_matmul_peak(dtype, torch.device("cpu")))
     return _cpu_ceilings[key]
 
 
@@ -69,8 +124,8 @@ class Peak:
 
 def device_peak(catalogue: dict[str, Hardware], dtype: str, device: torch.device) -> Peak:
     """A GPU identified by its driver name gets the catalogue's dense peak for `dtype`; a CPU, or a
-    GPU the catalogue does not know, a ceiling measured here (a CPU's once per process and thread
-    count)."""
+    GPU the catalogue does not know, a ceiling measured here (a CPU's once per machine, thread count
+    and torch: see ceilings_file)."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         what = f"{props.name}, sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB"
@@ -104,9 +159,8 @@ def checked_peak(peak: Peak, achieved: float, dtype: str, device: torch.device, 
         best = max(best, measure_matmul_peak(dtype, device, repeats=10))
         if best > achieved:
             break
-    if device.type == "cpu":  # the runs this process starts next divide by it too
-        key = (dtype, torch.get_num_threads())
-        best = _cpu_ceilings[key] = max(_cpu_ceilings.get(key, 0.0), best)
+    if device.type == "cpu":  # the runs this process and the processes after it start divide by it too
+        best = _keep_ceiling(_cpu_key(dtype), best)
     return Peak(best, peak.source, True)
 
 
