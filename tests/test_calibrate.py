@@ -32,19 +32,34 @@ TINY = [
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
     out = tmp_path_factory.mktemp("cal") / "hw.toml"
+    before = cpu_share_probe()
     r = flopwise("hardware", "calibrate", *TINY, "--nproc", "2", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
-    _CONTENTION["calibrated"] = contention()
+    _PROBE["calibrated"] = (before, cpu_share_probe())
     return out, r.stdout
 
 
-_CONTENTION: dict[str, float] = {}
+_PROBE: dict[str, tuple[float, float]] = {}
 
 
-def contention() -> float:
-    """How many times over the cores are asked for (1-minute load / cores, at least 1): the factor by
-    which a CPU-bound wall clock stretches when neighbours (other test workers, other users) run."""
-    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+def cpu_share_probe() -> float:
+    """Median seconds of a fixed 1024² product in this process now (25 of them, about half a second):
+    how much of the CPU a process gets at this moment, beside other test workers or users. Its ratio
+    between two moments is the factor by which a CPU-bound wall clock stretched between them. (The
+    1-minute load average, used before, lags: it saw 1.3x where a measurement stretched 4.6x, when a
+    neighbour's 4-rank launch began after the calibration, 2026-12-06.)"""
+    import statistics
+    import time
+
+    import torch
+
+    a = torch.full((1024, 1024), 0.5)
+    times = []
+    for _ in range(25):
+        t0 = time.perf_counter()
+        a @ a
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 @pytest.mark.slow
@@ -80,25 +95,33 @@ def test_calibrate_writes_an_entry_the_planner_plans_with(calibrated, tmp_path):
 def test_calibrated_prediction_is_the_measured_step_to_a_factor(calibrated, tmp_path, demo_data):
     """One process, the calibrated shapes: predicted within a factor 2 of the measured median step
     (the ±10% target is the benchmark's, on a quiet machine). The calibration and the measurement
-    may meet different loads (xdist's other worker, a shared machine): the band widens by the ratio
-    of the two contentions, so a busy neighbour moves the bound, never the verdict on a quiet one."""
+    may meet different loads (xdist's other worker, a shared machine): the band widens by how much
+    less of the CPU this process got around the measurement than around the calibration (probed,
+    cpu_share_probe), so a busy neighbour moves the bound, never the verdict on a quiet one; a
+    measurement outside it is taken again, up to 3 times (a neighbour's burst passes)."""
     out, _ = calibrated
-    r = flopwise(
-        "plan",
-        "demo",
-        *TINY,
-        f'cluster.hardware_file="{out}"',
-        f'run.dir="{tmp_path / "run"}"',
-        f'data.path="{demo_data}"',
-        "--measure",
-        "--steps",
-        "3",
-        "--json",
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    st = json.loads(r.stdout)["step_time_s"]
-    shift = contention() / _CONTENTION["calibrated"]
-    assert 0.5 * min(1.0, shift) < st["measured"] / st["predicted"] < 2 * max(1.0, shift), (st, shift)
+    for attempt in range(3):
+        before = cpu_share_probe()
+        r = flopwise(
+            "plan",
+            "demo",
+            *TINY,
+            f'cluster.hardware_file="{out}"',
+            f'run.dir="{tmp_path / f"run{attempt}"}"',
+            f'data.path="{demo_data}"',
+            "--measure",
+            "--steps",
+            "3",
+            "--json",
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        st = json.loads(r.stdout)["step_time_s"]
+        now, then = (before, cpu_share_probe()), _PROBE["calibrated"]
+        low, high = min(now) / max(then), max(now) / min(then)
+        if 0.5 * min(1.0, low) < st["measured"] / st["predicted"] < 2 * max(1.0, high):
+            break
+    else:
+        raise AssertionError(f"measured / predicted outside 0.5-2x, widened by {low:.2f}-{high:.2f}: {st}")
 
 
 @pytest.mark.slow
@@ -189,8 +212,6 @@ def test_a_135m_model_is_timed_at_what_the_machine_does_in_a_second(tmp_path):
 def test_a_busy_machine_is_said_before_timing(monkeypatch):
     """calibrate and plan --measure warn when the 1-minute load average reaches the core count
     (another process holds the cores; what they time is then slower than the machine)."""
-    import os
-
     from flopwise.hardware import busy_note
 
     cores = os.cpu_count() or 1
