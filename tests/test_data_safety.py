@@ -113,7 +113,7 @@ def commands(u: Path, made: Path, data: Path) -> dict[str, list]:
 
 
 SLOW = {  # multi-process or long: the slow set
-    "scale-sweep": lambda u, made, data: ["scale", "sweep", "--out", u / "ladder", "--budgets", "1e11", "--sizes", 2],
+    "scale-sweep": lambda u, made, data: ["scale", "sweep", "--out", u / "ladder", "--budgets", "2e10", "--sizes", 2],
     "plan-measure": lambda u, made, data: [
         "plan",
         *tiny_overrides(u / "measure", data),

@@ -179,23 +179,28 @@ def build_memory(overrides: list[str]) -> dict:
 
 
 def states(overrides: list[str]) -> dict:
-    """What each rank holds over three training steps (flopwise.measure): its mesh
-    coordinates, the layers of its stages, the bytes of its parameters at rest, gradients and AdamW
-    moments, and the third step's high-water mark (the first allocates the moments, the second
-    rebuilds DDP's buckets)."""
+    """What each rank holds (flopwise.measure): its mesh coordinates, the layers of its stages, the
+    bytes of its parameters at rest, FSDP2's gathered copies and copy kernels, gradients and AdamW
+    moments. One measured step and the collectives' step after it: the moments exist from the first
+    step, the gradients are read in the second; no high-water mark is asked of these jobs (a step
+    of a tensor-parallel layout costs about a second of a 4-rank launch here)."""
     from flopwise.build import build_run
     from flopwise.measure import gather, measure_rank
 
-    return {"ranks": gather(measure_rank(build_run(load_config(None, overrides)), 3))}
+    return {"ranks": gather(measure_rank(build_run(load_config(None, overrides)), 1))}
 
 
 def demo_states(overrides: list[str]) -> dict:
     """`states` for the embedded demo model (6 × 256, vocab 4096), where activations, not the
-    collectives' transient buffers, set the high-water mark as they do at scale."""
+    collectives' transient buffers, set the high-water mark as they do at scale: the high-water mark
+    of the last measured step, once it is steady: the first step allocates the AdamW moments, and
+    DDP (ZeRO 0 and 1) rebuilds its buckets in the second, so those layouts measure three steps and
+    FSDP2's two."""
     from flopwise.build import build_run
     from flopwise.measure import gather, measure_rank
 
-    return {"ranks": gather(measure_rank(build_run(load_config("demo", overrides)), 3))}
+    cfg = load_config("demo", overrides)
+    return {"ranks": gather(measure_rank(build_run(cfg), 3 if cfg.parallel.zero < 2 else 2))}
 
 
 def activations(overrides: list[str]) -> dict:
