@@ -370,3 +370,20 @@ def test_checkpoint_writes_under_a_file_are_one_line_naming_the_option(tmp_path)
         assert _one_line(e.value)
     assert blocker.read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "hf", "src", "tokenizer.json"]
+
+
+def test_a_ctrl_c_during_the_write_stops_the_run_and_leaves_no_folder(tmp_path):
+    """A second Ctrl-C landing inside DCP's write (which wraps it, like any failure, in a
+    CheckpointException) is a KeyboardInterrupt again, not "checkpoint not written ... free space"
+    (a CheckpointError with the wrong advice, seen under `pytest -n 2`); the half-written folder is
+    removed either way."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class Interrupted(FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise KeyboardInterrupt
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.begin(tmp_path, 1, model, None, Interrupted)
+    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
