@@ -79,14 +79,14 @@ _COMM_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::", "gloo:", 
 _P2P = ("send", "recv", "recv_", "recv_any_source_")
 
 
-def measure_rank(run: Run, steps: int, timed: int = 0) -> dict[str, Any]:
+def measure_rank(run: Run, steps: int, timed: int = 0, collectives: bool = True) -> dict[str, Any]:
     """This rank's mesh coordinates, its layers, and what it holds and sends over `steps` training
     steps: parameters at rest (after the build), gradient bytes as the optimizer steps, optimizer
     moments after the last step, the peak saved activations, FSDP2's all-gathered parameters then
-    and the high-water mark of all memory in the last step, and collective elements by kind and
-    the bytes FSDP2 copies around them in one step more. With `timed` > 0, also the wall time of
-    that many steps after the memory steps (which warm up and compile) and the components of a
-    profiled one."""
+    and the high-water mark of all memory in the last step, and, with `collectives`, collective
+    elements by kind and the bytes FSDP2 copies around them in one step more. With `timed` > 0,
+    also the wall time of that many steps after the memory steps (which warm up and compile) and
+    the components of a profiled one."""
     engine, opt, par = run.engine, run.optimizer, run.par
     plain = [getattr(m, "module", m) for m in engine.parts]  # DDP's wrapped module
     out: dict[str, Any] = {
@@ -111,9 +111,10 @@ def measure_rank(run: Run, steps: int, timed: int = 0) -> dict[str, Any]:
             out.update(time_steps(run, step, faults, timed))
         # CommCounter is a dispatch mode, under which compiled blocks run eagerly (and save what eager
         # saves): the collectives get a step of their own
-        with acc.CommCounter() as comm, acc.FsdpCopyBytes(engine.parts) as copies:
-            train_step(run, next(step), faults)
-        out["collectives"], out["fsdp_copies"] = comm.volumes(), sum(copies.bytes.values())
+        if collectives:
+            with acc.CommCounter() as comm, acc.FsdpCopyBytes(engine.parts) as copies:
+                train_step(run, next(step), faults)
+            out["collectives"], out["fsdp_copies"] = comm.volumes(), sum(copies.bytes.values())
     finally:
         hook.remove()
     out["grads"] = grads[-1]

@@ -195,12 +195,13 @@ def demo_states(overrides: list[str]) -> dict:
     collectives' transient buffers, set the high-water mark as they do at scale: the high-water mark
     of the last measured step, once it is steady: the first step allocates the AdamW moments, and
     DDP (ZeRO 0 and 1) rebuilds its buckets in the second, so those layouts measure three steps and
-    FSDP2's two."""
+    FSDP2's two. No collectives' step: these jobs are asked the high-water mark only."""
     from flopwise.build import build_run
     from flopwise.measure import gather, measure_rank
 
     cfg = load_config("demo", overrides)
-    return {"ranks": gather(measure_rank(build_run(cfg), 3 if cfg.parallel.zero < 2 else 2))}
+    steps = 3 if cfg.parallel.zero < 2 else 2
+    return {"ranks": gather(measure_rank(build_run(cfg), steps, collectives=False))}
 
 
 def activations(overrides: list[str]) -> dict:

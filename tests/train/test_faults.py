@@ -127,6 +127,7 @@ def test_disk_full_on_one_rank_stops_every_rank_with_the_previous_checkpoint_int
     assert checkpoint.verify(tmp_path / "checkpoints" / "step-00000003") is None
 
 
+@pytest.mark.waits  # the watchdog's 15 s timeout
 def test_hung_rank_dumps_stacks_times_out_and_the_restart_finishes(tiny_data, tmp_path, reference):
     r = launch(
         tmp_path,

@@ -176,6 +176,7 @@ def test_nodes_train_like_one_process(nodes, name, extra, where, tiny_data, one_
     assert logged_losses(tmp_path / "run") == pytest.approx(one_process, rel=1e-5)
 
 
+@pytest.mark.waits  # a 20 s sleep in step 5, which the kill lands in
 def test_node_lost_then_restart_on_fewer_nodes(tiny_data, tmp_path):
     """tp2 × dp2 over 2 nodes (tp inside each): the second node's agent is killed with its workers
     during step 5 (not the first's: the node holding the rendezvous endpoint is torchrun's single

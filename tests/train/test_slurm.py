@@ -39,7 +39,12 @@ def _slurm_up() -> str | None:
 
 
 WHY_NOT = _slurm_up()
-pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.slurm,
+    pytest.mark.waits,
+    pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or ""),
+]
 
 
 def slurm(*args: str, env: dict[str, str] | None = None) -> str:
