@@ -313,7 +313,8 @@ def _checkpoint_readers(run_dir: Path, ckpt: Path, out: Path) -> None:
     """What a user reaches with a checkpoint folder: verify/latest, then eval's load."""
     from flopwise.eval.load import load_for_inference
 
-    assert checkpoint.verify(ckpt) is None or isinstance(checkpoint.verify(ckpt), str)
+    why = checkpoint.verify(ckpt)
+    assert why is None or isinstance(why, str)
     assert checkpoint.latest(run_dir) in (None, ckpt)
     load_for_inference(ckpt)
 

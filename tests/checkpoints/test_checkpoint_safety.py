@@ -284,6 +284,27 @@ def test_damaged_metadata_is_refused_and_latest_falls_back(two_steps, damage):
     assert first.is_dir()
 
 
+def test_metadata_is_scanned_once_per_content_and_again_once_it_changes(two_steps, tmp_path, monkeypatch):
+    """A resume reads `.metadata` several times (latest's verify, the load's own read, DCP's reader);
+    the pure-Python opcode walk runs once per content (before: once per read). Bytes that change
+    under the same path are walked again and refused."""
+    run, first, second = two_steps
+    walked: list[int] = []
+    walk = checkpoint._scan_pickle
+    monkeypatch.setattr(checkpoint, "_scan_pickle", lambda raw: (walked.append(len(raw)), walk(raw))[-1])
+    monkeypatch.setattr(checkpoint, "_SOUND_METADATA", set())  # this process's earlier reads aside
+    model = build_model(_cfg(tmp_path).model, "cpu")
+    assert checkpoint.latest(run) == second
+    checkpoint.load(second, model)
+    checkpoint.read_dcp_metadata(second)
+    assert walked == [(second / ".metadata").stat().st_size]
+    _rewrite_metadata(second, DAMAGE["chunk-stored-nowhere"])
+    with pytest.raises(CheckpointError, match="stored nowhere"):
+        checkpoint.read_dcp_metadata(second)
+    assert len(walked) == 2
+    assert checkpoint.latest(run) == first
+
+
 def test_a_system_error_from_the_unpickler_is_a_refusal(two_steps, monkeypatch):
     """Whatever a damaged stream makes the unpickler raise (SystemError included) is a refusal."""
     run, first, second = two_steps

@@ -690,22 +690,34 @@ def _scan_pickle(raw: bytes) -> None:
             raise ValueError(f"opcode {op.name} at byte {pos}, which DCP metadata never holds")
 
 
+# SHA-256 digests of `.metadata` contents this process has scanned and checked and found sound. One
+# resume or eval reads the file four or five times (verify, latest, resolve, DCP's load), and the
+# opcode walk and the field checks are pure Python: 2.4 s of a 16 MB file (200 tensors x 512 shards,
+# measured on 2 CPU cores), 13 ms of a tiny model's. Keyed by content, never by path: bytes that
+# differ in any way are checked again; refused bytes are never kept.
+_SOUND_METADATA: set[bytes] = set()
+
+
 def read_dcp_metadata(path: Path) -> Metadata:
     """DCP's metadata of a checkpoint folder, unpickled safely and checked to name only its own
     files, every field of the type DCP writes. The file is read into bytes and its opcodes are
-    checked before the restricted unpickler builds anything from them; whatever either raises
-    (SystemError included) is a refusal in one line."""
+    checked before the restricted unpickler builds anything from them (once per content:
+    _SOUND_METADATA); whatever either raises (SystemError included) is a refusal in one line."""
     try:
         raw = (path / DCP_METADATA).read_bytes()
-        _scan_pickle(raw)
+        digest = hashlib.sha256(raw).digest()
+        sound = digest in _SOUND_METADATA
+        if not sound:
+            _scan_pickle(raw)
         metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
-        why = _metadata_problem(metadata)
+        why = None if sound else _metadata_problem(metadata)
     except Exception as e:  # untrusted bytes: any way the unpickler fails means refused
         raise CheckpointError(
             f"checkpoint {path}: {DCP_METADATA} refused ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
         ) from None
     if why:
         raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} {why}")
+    _SOUND_METADATA.add(digest)
     return metadata
 
 
