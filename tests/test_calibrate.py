@@ -219,3 +219,36 @@ def test_a_busy_machine_is_said_before_timing(monkeypatch):
     assert f"load average {cores + 0.5:.1f} on {cores} cores" in busy_note("the tables")
     monkeypatch.setattr(os, "getloadavg", lambda: (cores - 0.5, 9.0, 9.0))
     assert busy_note("the tables") is None
+
+
+def test_calibration_measures_bf16_whatever_the_cpu_and_refuses_fp32(monkeypatch):
+    """The demo's train.dtype=auto is fp32 on a CPU without bf16 instructions, but calibrate measures
+    only bf16 tables (the planner reads them against the 16-bit peak): auto means bf16 there."""
+    from flopwise import hardware
+    from flopwise.calibrate import calibration_config
+
+    monkeypatch.setattr(hardware, "cpu_multiplies_bf16", lambda cpuinfo=None: False)
+    assert calibration_config("demo", TINY).train.dtype == "bf16"
+    assert calibration_config("demo", [*TINY, 'train.dtype="auto"']).train.dtype == "bf16"
+    with pytest.raises(
+        ConfigError, match=r'train.dtype=fp32: hardware calibrate measures the bf16 tables.*train.dtype="bf16"'
+    ):
+        calibration_config("demo", [*TINY, 'train.dtype="fp32"'])
+
+
+def test_a_slow_peak_shrinks_the_products_calibrate_times():
+    """The GEMM sizes follow the peak measured first: on a CPU that multiplies bf16 at 1.4 GFLOP/s
+    (an AVX2 EPYC) no product takes more than ~0.1 s of it, where the fixed size alone took ~14 s;
+    a fast one keeps the fixed per-thread limit (the grid and the model's own shapes)."""
+    import torch
+
+    from flopwise.calibrate import calibration_config, steps_of, sweep
+
+    cfg, cpu = calibration_config("demo", TINY), torch.device("cpu")
+    slow, fast = sweep(cfg, 2, cpu, 1.4e9), sweep(cfg, 2, cpu, 1e15)
+    assert (
+        max(2 * m * n * k for m, n, k in slow["gemms"]) / 1.4e9
+        <= 0.1
+        < max(2 * m * n * k for m, n, k in fast["gemms"]) / 1.4e9
+    )
+    assert set(slow["gemms"]) < set(fast["gemms"]) and steps_of(cfg, 2, cpu, 1.4e9) < steps_of(cfg, 2, cpu, 1e15)

@@ -93,3 +93,42 @@ def test_cli_config_show_prints_resolved_toml():
     )
     tree = tomllib.loads(r.stdout)
     assert tree["train"]["steps"] == 110 and tree["model"]["d_model"] == 256
+
+
+# /proc/cpuinfo's flags lines, abridged, of the two CPUs this suite has run on (2026-12): an Intel Xeon
+# with AMX (bf16 matmul ceiling 2,364 GFLOP/s on 2 cores) and an AMD EPYC with AVX2 only (1.4, fp32 171)
+AMX_XEON = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"
+AVX2_EPYC = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma f16c\n"
+
+
+def test_cpu_bf16_instructions_are_read_from_the_flags_line():
+    from flopwise.hardware import cpu_multiplies_bf16
+
+    assert cpu_multiplies_bf16(AMX_XEON) and not cpu_multiplies_bf16(AVX2_EPYC)
+    assert cpu_multiplies_bf16("flags\t: avx512f avx512_bf16\n") and not cpu_multiplies_bf16("")
+    assert not cpu_multiplies_bf16("flags\t: avx2\nbugs\t: amx_bf16\n")  # only the flags line counts
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_is_bf16_only_where_the_planned_or_local_device_multiplies_it(native, monkeypatch, tmp_path):
+    """The demo's train.dtype=auto: on the cpu entry, this machine's CPU decides; a catalogue GPU
+    with a bf16 peak is bf16, a V100 (fp16 and fp32 only) fp32; an explicit dtype is never changed.
+    Every reader sees bf16 or fp32, the run folder's config.toml included."""
+    from flopwise import hardware
+
+    monkeypatch.setattr(hardware, "cpu_multiplies_bf16", lambda cpuinfo=None: native)
+    demo = load_config("demo")
+    assert demo.train.dtype == ("bf16" if native else "fp32")
+    assert 'dtype = "auto"' not in to_toml(demo) and f'dtype = "{demo.train.dtype}"' in to_toml(demo)
+    assert load_config("demo", ['cluster.hardware="h100-sxm"']).train.dtype == "bf16"
+    assert load_config("demo", ['cluster.hardware="v100-32gb"']).train.dtype == "fp32"
+    for dtype in ("bf16", "fp32"):
+        assert load_config("demo", [f'train.dtype="{dtype}"']).train.dtype == dtype
+    mine = tmp_path / "hw.toml"  # a calibrated cpu entry is still this machine's CPU
+    mine.write_text(
+        "[cpu]\npeak_flops = {bf16 = 300e9}\nmemory_bytes = 24e9\nmemory_bw = 20e9\nintra_node_bw = 5e9\n"
+        'inter_node_bw = 1e9\ndevices_per_node = 2\nsource = "hand-written"\n'
+    )
+    assert load_config("demo", [f'cluster.hardware_file="{mine}"']).train.dtype == demo.train.dtype
+    with pytest.raises(ConfigError, match="cluster.hardware: unknown hardware 'h1000'"):
+        load_config("demo", ['cluster.hardware="h1000"'])

@@ -46,7 +46,7 @@ from flopwise.train.engine import Engine
 from flopwise.train.guard import Guard
 from flopwise.train.metrics import check_tensorboard
 from flopwise.train.optim import build_optimizer
-from flopwise.train.preflight import oom_names, preflight, record_history
+from flopwise.train.preflight import oom_names, preflight, record_history, slow_bf16_note
 from flopwise.train.run import Finished, Run, last_step, resume, resume_state
 
 logger = logging.getLogger(__name__)
@@ -249,6 +249,8 @@ def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run | F
     cfg = resolve_layout(cfg, cfg.model_dump(exclude_unset=True), world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     par = mesh.init(cfg, resolve_device(cfg.train.device))
     check_float8(cfg, par.device)  # before anything is written
+    if par.is_main and (note := slow_bf16_note(cfg, par.device)):
+        logger.warning(note, extra={"highlighter": None})
     check_tensorboard(cfg.log.tensorboard)
     if (fits := preflight(cfg, par)) is not None:
         logger.info(fits, extra={"highlighter": None})

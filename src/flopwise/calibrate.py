@@ -20,7 +20,8 @@ Timings are medians of repeats after a warm-up; the GPU is synchronised around e
 
 The work is shaped to the machine (timed at the config's own sizes, three times over, a 135M model at
 its 2,048-token context took 345 s and 8.9 GB): a CPU product or attention call grows with the
-threads a rank has (about 0.1 s a call on a core of ~0.2 TFLOP/s); the model's forward + backward
+threads a rank has (about 0.1 s a call on a core of ~0.2 TFLOP/s; no larger than the measured peak
+does in 0.1 s, which a CPU without bf16 instructions needs); the model's forward + backward
 is timed at the largest micro-batch and sequence (up to the config's) that the tables measured
 before it put under CALL_S, every measured workload within MEMORY_SHARE of the memory free now; and
 a measurement stops repeating once its calls have taken MEASURE_S or three agree within STABLE.
@@ -49,7 +50,7 @@ import torch
 
 from flopwise.calibrate_recovery import measure_recovery
 from flopwise.calibration import COLLECTIVES, Calibration
-from flopwise.config import Config, load_config, to_toml, validate
+from flopwise.config import Config, load_config, load_tree, to_toml, validate
 from flopwise.errors import ConfigError, FlopwiseError
 from flopwise.hardware import CATALOGUE, Hardware, hardware_toml, identify_gpu
 from flopwise.model.layers import CoreAttention
@@ -73,6 +74,8 @@ from flopwise.train.preflight import device_memory
 
 Progress = Callable[[str], None]
 CPU_FLOPS_PER_THREAD = 2e10  # largest product timed on a CPU, per thread of a rank (~0.1 s at 0.2 TFLOP/s a core)
+PRODUCT_S = 0.1  # ... and no larger than the measured peak does in this: in bf16 without bf16 instructions
+# (1.4 GFLOP/s on 2 threads of an AVX2 EPYC, 2026-12-07) the fixed size alone made one product ~14 s
 CPU_QUERIES_PER_THREAD = 2**21  # attention's query elements per call on a CPU, per thread
 GPU_QUERIES = 2**26  # ... on a GPU
 CALL_S = 1.0  # the longest one measured forward + backward may take on a CPU, as the tables before it predict
@@ -438,30 +441,45 @@ def stream_bandwidth(device: torch.device) -> float:
     return 8 * n / timed(lambda: b.copy_(a), device)
 
 
-def require_bf16(cfg: Config) -> None:
+def require_bf16(dtype: str) -> None:
     """Only bf16 is measured: the planner reads every table as a share of the 16-bit peak
     (`Hardware.peak_16bit`), so fp32 tables would be misread, and a CPU entry with only an fp32 peak
     is refused by `plan` (an fp32 calibration crashed after a minute of measuring)."""
-    if cfg.train.dtype != "bf16":
+    if dtype != "bf16":
         raise ConfigError(
-            f"train.dtype={cfg.train.dtype}: hardware calibrate measures the bf16 tables the planner "
+            f"train.dtype={dtype}: hardware calibrate measures the bf16 tables the planner "
             "reads (it times every run's compute against the 16-bit peak); drop train.dtype or set "
             'train.dtype="bf16"'
         )
 
 
-def calibrate(cfg: Config, device: torch.device, nproc: int, progress: Progress) -> Hardware:
+def calibration_config(path: str, overrides: list[str]) -> Config:
+    """The config whose shapes `hardware calibrate` measures, in bf16: train.dtype=auto (the demo's)
+    means bf16 here, whatever this CPU multiplies at speed, since bf16 is all it measures."""
+    tree = load_tree(path, overrides)
+    train = tree.setdefault("train", {})
+    if isinstance(train, dict):  # (anything else is validate's error)
+        dtype = train.get("dtype", "auto")
+        require_bf16("bf16" if dtype == "auto" else str(dtype))
+        train["dtype"] = "bf16"
+    return validate(tree)
+
+
+def calibrate(
+    cfg: Config, device: torch.device, nproc: int, progress: Progress, total: Callable[[int], object] = lambda n: None
+) -> Hardware:
     """A hardware entry for `device` with a calibration measured here (see the module docstring).
     On a CPU one device is one of `nproc` ranks: the compute is measured on its share of the cores.
+    `total(n)`: the number of `progress` calls to expect, once the peak that sizes them is measured.
     """
-    require_bf16(cfg)
+    require_bf16(cfg.train.dtype)
     threads = rank_threads(device, nproc)
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
         torch.set_flush_denormal(True)  # as flopwise.build runs a CPU rank
     try:
-        hw = _calibrate(cfg, device, nproc, threads, progress)
+        hw = _calibrate(cfg, device, nproc, threads, progress, total)
         return replace(hw, recovery=measure_recovery(cfg, device, progress))
     finally:
         torch.set_num_threads(before)
@@ -479,16 +497,16 @@ def free_memory(device: torch.device) -> float:
     return MEMORY_SHARE * (free if free is not None else host_memory_bytes())
 
 
-def sweep(cfg: Config, nproc: int, device: torch.device) -> dict:
-    """What calibrate measures for `cfg` on `nproc` ranks of `device`: micro-batches, the GEMM
-    shapes, attention's sequence lengths, head dims and query elements a call; on a CPU a product
-    and an attention call as large as the rank's cores do in about 0.1 s, and every one within
-    the memory free now (`free_memory`)."""
+def sweep(cfg: Config, nproc: int, device: torch.device, peak: float) -> dict:
+    """What calibrate measures for `cfg` on `nproc` ranks of `device` whose measured peak is `peak`:
+    micro-batches, the GEMM shapes, attention's sequence lengths, head dims and query elements a
+    call; on a CPU a product and an attention call as large as the rank's cores do in about 0.1 s,
+    and every one within the memory free now (`free_memory`)."""
     mb = cfg.train.micro_batch or 1
     micro_batches = tuple(sorted({max(1, mb // 4), max(1, mb // 2), mb}))
     tps = tuple(t for t in (1, 2, 4, 8) if t <= max(nproc, 1))
     threads, room, size = rank_threads(device, nproc), free_memory(device), DTYPES[cfg.train.dtype].itemsize
-    flops = CPU_FLOPS_PER_THREAD * threads if threads else math.inf
+    flops = min(CPU_FLOPS_PER_THREAD * threads, peak * PRODUCT_S) if threads else math.inf
     gemms = [
         (m, n, k)
         for m, n, k in gemm_shapes(cfg, tps, micro_batches)
@@ -510,19 +528,22 @@ def sweep(cfg: Config, nproc: int, device: torch.device) -> dict:
 MODEL_SIZES = 3  # the model's forward + backward at its workload, a half and a quarter of it
 
 
-def steps_of(cfg: Config, nproc: int, device: torch.device) -> int:
+def steps_of(cfg: Config, nproc: int, device: torch.device, peak: float) -> int:
     """How many measurements calibrate takes (for the progress bar)."""
-    s = sweep(cfg, nproc, device)
+    s = sweep(cfg, nproc, device, peak)
     return 1 + len(s["gemms"]) + len(s["seqs"]) * len(s["head_dims"]) + MODEL_SIZES + 5 + (nproc >= 2)
 
 
-def _calibrate(cfg: Config, device: torch.device, nproc: int, threads: int, progress: Progress) -> Hardware:
+def _calibrate(
+    cfg: Config, device: torch.device, nproc: int, threads: int, progress: Progress, total: Callable[[int], object]
+) -> Hardware:
     dtype_name = cfg.train.dtype
     dtype = DTYPES[dtype_name]
     _, base = device_entry(device)
     peak = measure_matmul_peak(dtype_name, device)
+    total(steps_of(cfg, nproc, device, peak))
     progress(f"peak {peak / 1e12:.3g} TFLOP/s")
-    s = sweep(cfg, nproc, device)
+    s = sweep(cfg, nproc, device, peak)
     gemm = measure_gemms(s["gemms"], dtype, device, peak, progress)
     attention = measure_attention(s["head_dims"], s["seqs"], s["queries"], dtype, device, peak, progress)
     bw = stream_bandwidth(device)

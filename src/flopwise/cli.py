@@ -1101,7 +1101,8 @@ def hardware_calibrate(
     import torch
     from rich.progress import Progress
 
-    from flopwise.calibrate import calibrate, require_bf16, save, steps_of
+    from flopwise.calibrate import calibrate, calibration_config, save
+    from flopwise.config import split_cli_args
     from flopwise.hardware import busy_note
 
     check_writable(out, "--out")
@@ -1111,14 +1112,20 @@ def hardware_calibrate(
         raise FlopwiseError("--device cuda: no CUDA device here; use --device cpu")
     dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
     ranks = nproc or (torch.cuda.device_count() if dev.type == "cuda" else 2)
-    cfg = _config(args)
-    require_bf16(cfg)
+    path, overrides = split_cli_args(args)
+    cfg = calibration_config(path or DEFAULT_CONFIG, overrides)
     if note := busy_note("the tables measured now (and every plan made from them)"):
         Console(stderr=True, soft_wrap=True).print(f"[yellow]note[/]: {note}")
     started = time.perf_counter()
     with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("calibrating", total=steps_of(cfg, ranks, dev))
-        hw = calibrate(cfg, dev, ranks, lambda what: bar.update(task, advance=1, description=what))
+        task = bar.add_task("calibrating", total=None)  # known once the peak that sizes the work is measured
+        hw = calibrate(
+            cfg,
+            dev,
+            ranks,
+            lambda what: bar.update(task, advance=1, description=what),
+            lambda n: bar.update(task, total=n),
+        )
     save(hw, out)
     c = hw.calibration
     assert c is not None  # calibrate() measured it

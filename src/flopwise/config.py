@@ -15,6 +15,7 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flopwise.errors import ConfigError
+from flopwise.hardware import auto_dtype, cluster_hardware
 from flopwise.hf_config import model_fields, read_hf_config, refuse
 from flopwise.presets import ARCH_DEFAULTS, PRESETS
 
@@ -222,7 +223,11 @@ class TrainConfig(Section):
         ge=1,
         description="sequences per forward/backward on one rank; default: the largest divisor of global_batch up to 16",
     )
-    dtype: Literal["bf16", "fp32"] = Field("bf16", description="bf16 autocast (fp32 master weights) or fp32")
+    dtype: Literal["auto", "bf16", "fp32"] = Field(
+        "bf16",
+        description="bf16 autocast (fp32 master weights) or fp32; auto: bf16 where cluster.hardware multiplies "
+        "bf16 at speed (a GPU with a bf16 peak; cpu: this machine's CPU, with AMX or AVX512-BF16), else fp32",
+    )
     float8: Literal["none", "rowwise", "tensorwise"] = Field(
         "none",
         description="the blocks' linear layers in "
@@ -431,6 +436,8 @@ class Config(Section):
             raise ValueError(f"guard.min_window={self.guard.min_window} exceeds guard.window={self.guard.window}")
         if self.optim.warmup_steps > t.steps:
             raise ValueError(f"optim.warmup_steps={self.optim.warmup_steps} exceeds train.steps={t.steps}")
+        if t.dtype == "auto":  # resolved here, once: every reader of the config sees bf16 or fp32
+            t.dtype = auto_dtype(cluster_hardware(self.cluster))
         return self
 
 

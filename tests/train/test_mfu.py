@@ -146,3 +146,19 @@ def test_a_cpu_ceiling_is_timed_once_per_machine_and_thread_count(monkeypatch, t
         metrics.ceilings_file().write_text(damaged.replace("%s", metrics._cpu_key("fp32")))
         assert metrics.device_peak(CATALOGUE, "fp32", cpu).flops == 1e9 * len(timed)  # timed again
     assert len(timed) == 8 and list(metrics.ceilings_file().parent.iterdir()) == [metrics.ceilings_file()]
+
+
+def test_the_ceiling_stops_timing_once_its_budget_is_spent(monkeypatch):
+    """bf16 on a CPU without bf16 instructions spent 5.5 minutes on the three sizes before step 1
+    (an AVX2 EPYC, 2026-12-07): past the budget no further product is timed, and the first size always is."""
+    from flopwise.train import metrics
+
+    made = []
+    full = torch.full
+    monkeypatch.setattr(torch, "full", lambda size, *a, **k: made.append(size[0]) or full(size, *a, **k))
+    cpu = torch.device("cpu")
+    assert metrics.measure_matmul_peak("fp32", cpu, sizes=(64, 128, 256), budget_s=0.0) > 0
+    assert made == [64, 64]  # a and b of the first size, one timed product
+    made.clear()
+    assert metrics.measure_matmul_peak("fp32", cpu, sizes=(64, 128, 256), repeats=2, budget_s=60.0) > 0
+    assert made == [64, 64, 128, 128, 256, 256]

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from flopwise.checkpoints import rundir
 from flopwise.config import Config
 from flopwise.errors import FlopwiseError
-from flopwise.hardware import Hardware, cluster_catalogue, identify_gpu
+from flopwise.hardware import Hardware, cluster_catalogue, cpu_multiplies_bf16, identify_gpu
 from flopwise.outputs import json_record
 from flopwise.parallel.mesh import Parallel, is_rank0
 from flopwise.plan.account import EngineRun
@@ -226,6 +226,17 @@ def preflight(cfg: Config, par: Parallel) -> str | None:
     hw = search_hardware(cfg, par.device)
     change = describe_change(cfg, lo, hw.name, nearest_fit(cfg, lo, hw, budget, cpu))
     raise WillNotFit(f"train.preflight: will not fit: {head}; {change}; train.preflight=false starts it anyway")
+
+
+def slow_bf16_note(cfg: Config, device: torch.device) -> str | None:
+    """bf16 asked for on a CPU without bf16 matrix instructions: said before the run starts, not
+    refused (it trains, only slower; train.dtype=auto picks fp32 there)."""
+    if cfg.train.dtype != "bf16" or device.type != "cpu" or cpu_multiplies_bf16():
+        return None
+    return (
+        "note: train.dtype=bf16 on a CPU without bf16 matrix instructions (AMX or AVX512-BF16): PyTorch's "
+        "bf16 matmuls run 10-50x slower than fp32 here; train.dtype=auto or fp32 trains at this CPU's speed"
+    )
 
 
 # --- out of memory during a step ------------------------------------------------------------
