@@ -111,8 +111,9 @@ def test_cpu_bf16_instructions_are_read_from_the_flags_line():
 
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_dtype_is_bf16_only_where_the_planned_or_local_device_multiplies_it(native, monkeypatch, tmp_path):
-    """The demo's train.dtype=auto: on the cpu entry, this machine's CPU decides; a catalogue GPU
-    with a bf16 peak is bf16, a V100 (fp16 and fp32 only) fp32; an explicit dtype is never changed.
+    """The demo's train.dtype=auto: on the built-in cpu entry, this machine's CPU decides; a catalogue
+    GPU or a calibrated entry with a bf16 peak is bf16, a V100 (fp16 and fp32 only) fp32; an explicit
+    dtype is never changed.
     Every reader sees bf16 or fp32, the run folder's config.toml included."""
     from flopwise import hardware
 
@@ -124,11 +125,11 @@ def test_auto_dtype_is_bf16_only_where_the_planned_or_local_device_multiplies_it
     assert load_config("demo", ['cluster.hardware="v100-32gb"']).train.dtype == "fp32"
     for dtype in ("bf16", "fp32"):
         assert load_config("demo", [f'train.dtype="{dtype}"']).train.dtype == dtype
-    mine = tmp_path / "hw.toml"  # a calibrated cpu entry is still this machine's CPU
+    mine = tmp_path / "hw.toml"  # a calibrated cpu entry: its tables are bf16 (calibrate measures no other)
     mine.write_text(
         "[cpu]\npeak_flops = {bf16 = 300e9}\nmemory_bytes = 24e9\nmemory_bw = 20e9\nintra_node_bw = 5e9\n"
         'inter_node_bw = 1e9\ndevices_per_node = 2\nsource = "hand-written"\n'
     )
-    assert load_config("demo", [f'cluster.hardware_file="{mine}"']).train.dtype == demo.train.dtype
+    assert load_config("demo", [f'cluster.hardware_file="{mine}"']).train.dtype == "bf16"
     with pytest.raises(ConfigError, match="cluster.hardware: unknown hardware 'h1000'"):
         load_config("demo", ['cluster.hardware="h1000"'])

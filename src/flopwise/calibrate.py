@@ -52,7 +52,7 @@ from flopwise.calibrate_recovery import measure_recovery
 from flopwise.calibration import COLLECTIVES, Calibration
 from flopwise.config import Config, load_config, load_tree, to_toml, validate
 from flopwise.errors import ConfigError, FlopwiseError
-from flopwise.hardware import CATALOGUE, Hardware, hardware_toml, identify_gpu
+from flopwise.hardware import CATALOGUE, Hardware, cpu_multiplies_bf16, hardware_toml, identify_gpu
 from flopwise.model.layers import CoreAttention
 from flopwise.model.transformer import build_model
 from flopwise.outputs import check_writable, write_text
@@ -473,6 +473,13 @@ def calibrate(
     `total(n)`: the number of `progress` calls to expect, once the peak that sizes them is measured.
     """
     require_bf16(cfg.train.dtype)
+    if device.type == "cpu" and not cpu_multiplies_bf16():
+        raise FlopwiseError(
+            "hardware calibrate: this CPU has no bf16 matrix instructions (AMX or AVX512-BF16), so its bf16 "
+            "products run tens of times slower than the fp32 attention and element-wise work beside them, and "
+            "bf16 tables (all calibrate measures) would not describe a run here (a plan from them put MFU at "
+            "1.7); plan this CPU uncalibrated, or calibrate one with those instructions or a GPU"
+        )
     threads = rank_threads(device, nproc)
     before = torch.get_num_threads()
     if threads:

@@ -288,9 +288,10 @@ def identify_gpu(device_name: str, memory_bytes: float) -> str | None:
 def cpu_multiplies_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this machine's CPU has bf16 matrix instructions (AMX-BF16 or AVX512-BF16 among
     /proc/cpuinfo's flags; `cpuinfo`: that file's text). Without them PyTorch's CPU bf16 matmuls take
-    a path 10-50x slower than fp32 (2026-12-07, an AMD EPYC with AVX2 only: 512x512 products 1.35
-    GFLOP/s in bf16 against 73 in fp32 on one thread; a demo training step 46 s under bf16 autocast
-    against 3.9 s in fp32 on two). No such file (macOS, Windows): False, as fp32 is never that slow."""
+    a path tens of times slower than fp32 (2026-12-07, an AMD EPYC with AVX2 only: 512x512 products 1.35
+    GFLOP/s in bf16 against 73 in fp32 on one thread; the demo trained at 60 tokens/s under bf16
+    autocast against 2,850 in fp32 on two). No such file (macOS, Windows): False, as fp32 is never
+    that slow."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -301,10 +302,11 @@ def cpu_multiplies_bf16(cpuinfo: str | None = None) -> bool:
 
 
 def auto_dtype(hw: Hardware) -> Literal["bf16", "fp32"]:
-    """train.dtype=auto: on the `cpu` entry (this machine's CPU, built-in or calibrated) bf16 where the
-    CPU has bf16 instructions (cpu_multiplies_bf16), so that `plan --measure` and `train` of one
-    config run in one dtype; on any other entry bf16 where it has a bf16 peak (a V100 has none)."""
-    native = cpu_multiplies_bf16() if hw.name == "cpu" else hw.peak("bf16") is not None
+    """train.dtype=auto: bf16 where `hw` has a bf16 peak: a catalogue GPU, or an entry `hardware
+    calibrate` measured (its tables are bf16 only, so its plans and `plan --measure` stay in the
+    dtype they were measured in); on the built-in `cpu` entry, with no peak at all, bf16 where this
+    machine's CPU has bf16 instructions (cpu_multiplies_bf16); else (a V100: fp16 and fp32) fp32."""
+    native = hw.peak("bf16") is not None or (not hw.peak_flops and cpu_multiplies_bf16())
     return "bf16" if native else "fp32"
 
 

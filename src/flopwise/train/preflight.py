@@ -235,7 +235,7 @@ def slow_bf16_note(cfg: Config, device: torch.device) -> str | None:
         return None
     return (
         "note: train.dtype=bf16 on a CPU without bf16 matrix instructions (AMX or AVX512-BF16): PyTorch's "
-        "bf16 matmuls run 10-50x slower than fp32 here; train.dtype=auto or fp32 trains at this CPU's speed"
+        "bf16 matmuls run tens of times slower than fp32 here; train.dtype=auto or fp32 trains at this CPU's speed"
     )
 
 
