@@ -266,9 +266,10 @@ def test_a_slow_peak_shrinks_the_products_calibrate_times():
 def test_a_cpu_without_bf16_instructions_is_refused_before_anything_is_measured(monkeypatch, tmp_path, cli):
     """On an AVX2 EPYC (2026-12-07) the bf16 tables came out below the fp32 work beside them (square
     products 1.4 GFLOP/s, the planned MFU of the demo from them 1.7): refused in one line, nothing written."""
-    from flopwise import calibrate
+    from flopwise import calibrate, hardware
 
     monkeypatch.setattr(calibrate, "cpu_multiplies_bf16", lambda cpuinfo=None: False)
+    monkeypatch.setattr(hardware, "busy_note", lambda what: pytest.fail("the load looked at before refusing"))
     monkeypatch.setattr(calibrate, "measure_matmul_peak", lambda *a, **k: pytest.fail("measured before refusing"))
     r = cli("hardware", "calibrate", "--device", "cpu", "--out", str(tmp_path / "hw.toml"), cwd=tmp_path)
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr

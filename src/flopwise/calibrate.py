@@ -453,6 +453,18 @@ def require_bf16(dtype: str) -> None:
         )
 
 
+def require_bf16_device(device: torch.device) -> None:
+    """A CPU without bf16 instructions: its bf16 products run below the fp32 work beside them, so bf16
+    tables (all calibrate measures) would not describe a run there (a plan from them put MFU at 1.7)."""
+    if device.type == "cpu" and not cpu_multiplies_bf16():
+        raise FlopwiseError(
+            "hardware calibrate: this CPU has no bf16 matrix instructions (AMX or AVX512-BF16), so its bf16 "
+            "products run tens of times slower than the fp32 attention and element-wise work beside them, and "
+            "bf16 tables (all calibrate measures) would not describe a run here (a plan from them put MFU at "
+            "1.7); plan this CPU uncalibrated, or calibrate one with those instructions or a GPU"
+        )
+
+
 def calibration_config(path: str, overrides: list[str]) -> Config:
     """The config whose shapes `hardware calibrate` measures, in bf16: train.dtype=auto (the demo's)
     means bf16 here, whatever this CPU multiplies at speed, since bf16 is all it measures."""
@@ -473,13 +485,7 @@ def calibrate(
     `total(n)`: the number of `progress` calls to expect, once the peak that sizes them is measured.
     """
     require_bf16(cfg.train.dtype)
-    if device.type == "cpu" and not cpu_multiplies_bf16():
-        raise FlopwiseError(
-            "hardware calibrate: this CPU has no bf16 matrix instructions (AMX or AVX512-BF16), so its bf16 "
-            "products run tens of times slower than the fp32 attention and element-wise work beside them, and "
-            "bf16 tables (all calibrate measures) would not describe a run here (a plan from them put MFU at "
-            "1.7); plan this CPU uncalibrated, or calibrate one with those instructions or a GPU"
-        )
+    require_bf16_device(device)
     threads = rank_threads(device, nproc)
     before = torch.get_num_threads()
     if threads:

@@ -1101,7 +1101,7 @@ def hardware_calibrate(
     import torch
     from rich.progress import Progress
 
-    from flopwise.calibrate import calibrate, calibration_config, save
+    from flopwise.calibrate import calibrate, calibration_config, require_bf16_device, save
     from flopwise.config import split_cli_args
     from flopwise.hardware import busy_note
 
@@ -1114,6 +1114,7 @@ def hardware_calibrate(
     ranks = nproc or (torch.cuda.device_count() if dev.type == "cuda" else 2)
     path, overrides = split_cli_args(args)
     cfg = calibration_config(path or DEFAULT_CONFIG, overrides)
+    require_bf16_device(dev)  # before the busy note: nothing to measure here
     if note := busy_note("the tables measured now (and every plan made from them)"):
         Console(stderr=True, soft_wrap=True).print(f"[yellow]note[/]: {note}")
     started = time.perf_counter()
