@@ -132,8 +132,8 @@ def measured(tiny_data, demo_data, tmp_path_factory) -> dict:
 # allocates beside the logits' gradient. tp2×dp2 ZeRO-3 varies most: 44 rank-steps on the AVX2 EPYC
 # (2026-12-07, quiet) gave +0.9% to +20.5%, CI +15.4% (its old 0.15 failed); the profiled thread's own
 # live allocations at the peak were +0.4% to +7.7% of the booking, the rest (0.5-6.3 MB) allocations
-# off that thread (gloo's workers during FSDP2's reduce-scatters) which the running total counts and
-# whose timing against the peak is a race: 0.25
+# the running total counts but no event of that thread shows (made off it: most likely gloo's workers
+# during FSDP2's collectives, not traced further), whose timing against the peak is a race: 0.25
 PEAK = {
     "dp4-zero0": ({"parallel.zero": 0}, 0.01),
     "dp4-zero1-accum": ({"parallel.zero": 1, "train.micro_batch": 2}, 0.01),
