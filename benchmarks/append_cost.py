@@ -1,4 +1,4 @@
-"""What one line appended to a run file costs as the file grows (flopwise.checkpoints.rundir.append).
+"""What one line appended to a run file costs as the file grows (flopwise.files.rundir.append).
 
     python benchmarks/append_cost.py            # ms per append at 100 ... 20,000 lines, and the ratio
 
@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from flopwise.checkpoints import rundir
+from flopwise.files import rundir
 
 LINE = b'{"step": 12345, "loss": 3.14159, "lr": 0.001, "tokens_per_s": 4500.0, "time_s": 0.0234}\n'
 AT = (100, 1000, 5000, 10000, 20000)

@@ -31,9 +31,9 @@ from rich.table import Table  # noqa: E402
 
 from conftest import tiny_overrides  # noqa: E402
 from flopwise.checkpoints import checkpoint  # noqa: E402
-from flopwise.config import load_config  # noqa: E402
-from flopwise.data.pipeline import prepare  # noqa: E402
-from flopwise.launch import train  # noqa: E402
+from flopwise.config.schema import load_config  # noqa: E402
+from flopwise.data.prepare import prepare  # noqa: E402
+from flopwise.train.launch import train  # noqa: E402
 
 MODEL = {
     "model.preset": '"demo-tiny"',

@@ -50,7 +50,7 @@ MODEL = ["model.preset=demo-tiny", "data.seq_len=32", "train.global_batch=8"]
 
 def prepare(tmp: Path) -> Path:
     """Alice tokenized with a 512-token BPE (demo-tiny's vocabulary), once."""
-    from flopwise.data.pipeline import prepare as prep
+    from flopwise.data.prepare import prepare as prep
     from flopwise.data.shards import resolve_input
 
     docs = tmp / "alice_docs"
@@ -171,7 +171,7 @@ def main() -> None:
     ap.add_argument("--failures", type=float, default=10.0, help="failures expected per run, to size it")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    from flopwise.config import load_config
+    from flopwise.config.schema import load_config
     from flopwise.flops import count_params
 
     params = count_params(load_config(None, MODEL).model).total

@@ -4,7 +4,7 @@ and the planner's step time beside every recorded H200 run, before and after the
     python benchmarks/hopper_tables.py
 
 How the tables are derived from that profile, and the published ceilings they agree with:
-flopwise.plan.hopper's docstring (one account of it).
+flopwise.measure.hopper_tables's docstring (one account of it).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from flopwise.hardware import get_hardware
-from flopwise.plan.hopper import derive, predict, run_config
+from flopwise.hardware.catalogue import get_hardware
+from flopwise.measure.hopper_tables import derive, predict, run_config
 
 RESULTS = Path(__file__).parent / "results"
 PROFILED = RESULTS / "gpu_llama1b_z3_b8.json"

@@ -5,7 +5,7 @@
 
 Reference shape (issue 19's): Llama, 6 layers, d 384, 6 heads, SwiGLU 1024, vocab 4096, seq 256,
 batch 8, fp32, log.every 10, no eval or checkpoint inside the timed span. Syncs are counted by
-flopwise.parallel.accounting.HostSyncCounter over two run lengths, so fixed start-up costs cancel:
+flopwise.measure.bytes.HostSyncCounter over two run lengths, so fixed start-up costs cancel:
 syncs/step = (count(2n) - count(n)) / n. steps/s is wall time of the longer run's loop.
 """
 
@@ -18,9 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from flopwise.config import load_config
-from flopwise.launch import train
-from flopwise.parallel.accounting import HostSyncCounter
+from flopwise.config.schema import load_config
+from flopwise.measure.bytes import HostSyncCounter
+from flopwise.train.launch import train
 
 SHAPE = [
     "model.n_layers=6",
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if not (Path(a.data) / "index.json").exists():
-        from flopwise.data.pipeline import prepare
+        from flopwise.data.prepare import prepare
 
         prepare(["builtin:shakespeare"], Path(a.data), tokenizer="bpe:4096", val_fraction=0.05, seed=0)
     rows = []

@@ -44,8 +44,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=2)
     a = ap.parse_args()
-    from flopwise.build import ensure_data
-    from flopwise.config import load_config
+    from flopwise.config.schema import load_config
+    from flopwise.train.build import ensure_data
 
     with tempfile.TemporaryDirectory() as d:
         data = ensure_data(load_config("demo"), Path(d) / "demo")[0].data_dir

@@ -21,8 +21,8 @@ import statistics
 import time
 from pathlib import Path
 
-from flopwise.config import load_config
-from flopwise.sweep import final_val_loss, plan_ladder, run_ladder
+from flopwise.config.schema import load_config
+from flopwise.train.ladder import final_val_loss, plan_ladder, run_ladder
 
 BASE = [
     'data.tokenizer="bpe:512"',

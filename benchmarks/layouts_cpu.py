@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from conftest import tiny_overrides  # noqa: E402
-from flopwise.data.pipeline import prepare  # noqa: E402
+from flopwise.data.prepare import prepare  # noqa: E402
 from flopwise.data.shards import resolve_input  # noqa: E402
 from flopwise.plan.memory import model_state_bytes  # noqa: E402
 

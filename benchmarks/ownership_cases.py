@@ -259,7 +259,7 @@ if not (DATA / "index.json").exists():  # a tiny prepared corpus: Alice's chapte
             f"""
 from pathlib import Path
 from flopwise.data.shards import resolve_input
-from flopwise.data.pipeline import prepare
+from flopwise.data.prepare import prepare
 d = Path({str(WORK / "docs")!r}); d.mkdir(parents=True, exist_ok=True)
 for i, c in enumerate(resolve_input("builtin:alice").read_text().split("CHAPTER")):
     (d / f"part_{{i:02d}}.txt").write_text(c) if c.strip() else None

@@ -2,7 +2,7 @@
 
     python benchmarks/plan_float8_linear.py  ->  benchmarks/results/plan_float8_linear.json
 
-Reference, method and devices: flopwise.plan.float8_linear's docstring.
+Reference, method and devices: flopwise.plan.float8_speedup's docstring.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import math
 import statistics
 from pathlib import Path
 
-from flopwise.hardware import get_hardware
-from flopwise.plan.float8_linear import ln_linear_sigmoid, published, speedup, table_gpu
+from flopwise.hardware.catalogue import get_hardware
+from flopwise.plan.float8_speedup import ln_linear_sigmoid, published, speedup, table_gpu
 
 ROOT = Path(__file__).parents[1]
 TABLE = ROOT / "tests" / "fixtures" / "torchao_float8_rowwise_h100.json"

@@ -20,7 +20,7 @@ tokens, compiled, forward + backward: bf16 8.27 ms, rowwise 7.47, tensorwise 6.4
 linears with an activation between them, not a SwiGLU: a SwiGLU's three GEMMs (7.4 TFLOP) in
 8.27 ms would run at 897 TFLOP/s, 91% of the dense bf16 peak, above what Hopper's bf16 GEMMs
 sustain (torchao's roofline takes 78%, torchao/testing/training/roofline_utils.py); two linears
-(4.9 TFLOP) need 598 TFLOP/s, 60%. The planner's terms for it: flopwise.plan.float8_linear.linear_times, the
+(4.9 TFLOP) need 598 TFLOP/s, 60%. The planner's terms for it: flopwise.plan.float8_speedup.linear_times, the
 terms plan.perf.layer_times books for a block's linears: GEMMs (plan.perf.gemm_fwd_bwd at the bf16
 or fp8 peak, each direction at plan.float8.scaled_mm_speed), the amax, cast and rescale bytes
 (plan.float8.linear_cast_bytes, bf16 weights as a module in a microbenchmark has them) and the
@@ -39,11 +39,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flopwise.config import ModelConfig
-from flopwise.hardware import get_hardware
-from flopwise.plan.float8_linear import linear_times
-from flopwise.plan.layout import Layout
-from flopwise.plan.perf import ACT_BYTES, evaluate
+from flopwise.config.schema import ModelConfig
+from flopwise.hardware.catalogue import get_hardware
+from flopwise.layout.rules import Layout
+from flopwise.plan.float8_speedup import linear_times
+from flopwise.plan.step import ACT_BYTES, evaluate
 
 OUT = Path(__file__).parent / "results" / "plan_float8_published.json"
 RECIPES = ("none", "tensorwise", "rowwise")

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from flopwise.hardware import get_hardware
-from flopwise.plan.layout import Layout
-from flopwise.plan.perf import STACKS, estimate, layer_times, model_shape
+from flopwise.hardware.catalogue import get_hardware
+from flopwise.layout.rules import Layout
 from flopwise.plan.search import search
+from flopwise.plan.step import STACKS, estimate, layer_times, model_shape
 from plan_speed import megatron
 
 A100 = get_hardware("a100-80gb")

@@ -9,10 +9,10 @@ import json
 import time
 from pathlib import Path
 
-from flopwise.config import ModelConfig
-from flopwise.hardware import get_hardware
-from flopwise.plan.perf import STACKS, model_shape
+from flopwise.config.schema import ModelConfig
+from flopwise.hardware.catalogue import get_hardware
 from flopwise.plan.search import search
+from flopwise.plan.step import STACKS, model_shape
 
 OUT = Path(__file__).parent / "results" / "plan.json"
 

@@ -6,7 +6,7 @@ calibrated tables).
     python benchmarks/plan_time_cpu.py --hardware-file hw.toml # reuse a calibration
 
 Layouts: 1 process, dp2 ZeRO-1, tp2, pp2 (the demo at global batch 16; micro-batch 8 where the
-per-rank batch is 8). Measured: `flopwise plan --measure` (flopwise.measure), median of the timed
+per-rank batch is 8). Measured: `flopwise plan --measure` (flopwise.measure.step), median of the timed
 steps of the slowest rank. "Before" is the same hardware entry with its calibration removed (the
 measured peak at the catalogue's single 0.75 GEMM efficiency and 80% of the measured stream
 bandwidth): what the planner did before calibration existed. Writes benchmarks/results/plan_time_cpu.json.
@@ -22,10 +22,10 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from flopwise.calibrate import save
-from flopwise.config import load_tree, validate
-from flopwise.hardware import load_catalogue
-from flopwise.measure import measure, predicted_time
+from flopwise.config.schema import load_tree, validate
+from flopwise.hardware.catalogue import load_catalogue
+from flopwise.measure.calibrate import save
+from flopwise.measure.step import measure, predicted_time
 from flopwise.parallel.mesh import layout_of
 
 ROOT = Path(__file__).resolve().parents[1]

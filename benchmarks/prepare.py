@@ -78,7 +78,7 @@ def run_prepare(
     """One prepare in a child process (so its RSS and its workers' are the children's): seconds,
     peak RSS of the process tree; with kill_at, SIGKILL once that share of tokenize tasks finished."""
     code = (
-        f"import sys, json; from flopwise.data.pipeline import prepare\n"
+        f"import sys, json; from flopwise.data.prepare import prepare\n"
         f"if __name__ == '__main__':\n"
         f"    s = prepare([{str(corpus)!r}], {str(out)!r}, tokenizer={tokenizer!r}, workers={workers})\n"
         f"    print(json.dumps({{'documents': s.documents, 'tokens': s.tokens, 'bytes': s.bytes}}))\n"
@@ -141,7 +141,7 @@ def interleaved(corpus: Path, tokenizer: Path, mb: int, rounds: int = 2) -> list
     sys.path.insert(0, str(SRC))
     from tokenizers import Tokenizer
 
-    from flopwise.data.pipeline import prepare
+    from flopwise.data.prepare import prepare
 
     part = corpus.with_name(f"first-{mb}mb.jsonl")
     with open(corpus) as src, open(part, "w") as dst:

@@ -14,9 +14,9 @@ import json
 import time
 from pathlib import Path
 
-from flopwise.config import load_config
-from flopwise.plan.fit import fit_approach2, fit_approach3, fit_kaplan, plot_fits, read_points, save_law
-from flopwise.sweep import final_val_loss, plan_ladder, run_ladder
+from flopwise.config.schema import load_config
+from flopwise.scale.fit import fit_approach2, fit_approach3, fit_kaplan, plot_fits, read_points, save_law
+from flopwise.train.ladder import final_val_loss, plan_ladder, run_ladder
 
 OUT = Path("benchmarks/scaling/ladder")
 BASE = [

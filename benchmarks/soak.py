@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 from flopwise.checkpoints import checkpoint
-from flopwise.data.pipeline import prepare
+from flopwise.data.prepare import prepare
 from flopwise.data.shards import read_index, resolve_input
 from flopwise.errors import DataError
 

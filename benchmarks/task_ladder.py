@@ -18,13 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-from flopwise.config import load_config
+from flopwise.config.schema import load_config
 from flopwise.data.tasks import load_task
 from flopwise.eval.load import load_for_inference
 from flopwise.eval.tasks import evaluate_task
 from flopwise.flops import scaling_flops
-from flopwise.plan.taskfit import jaggedness, plot_tasks, predict_task, read_task_table
-from flopwise.sweep import plan_ladder, run_ladder
+from flopwise.scale.tasks import jaggedness, plot_tasks, predict_task, read_task_table
+from flopwise.train.ladder import plan_ladder, run_ladder
 
 OUT = Path("benchmarks/scaling/tasks")
 TASKS = ["shakespeare-cloze", "shakespeare-nextline", "shakespeare-speaker"]

@@ -38,10 +38,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flopwise.build import build_engine
-from flopwise.config import Config, load_config
+from flopwise.config.schema import Config, load_config
 from flopwise.flops import flops_per_token
 from flopwise.parallel import mesh
+from flopwise.train.build import build_engine
 from flopwise.train.faults import Faults
 from flopwise.train.metrics import measure_matmul_peak
 from flopwise.train.trainer import train_step

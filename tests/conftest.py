@@ -105,7 +105,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """Alice in Wonderland split into chapters, tokenized with a 512-token BPE."""
-    from flopwise.data.pipeline import prepare
+    from flopwise.data.prepare import prepare
     from flopwise.data.shards import resolve_input
 
     src = resolve_input("builtin:alice").read_text()
@@ -144,8 +144,8 @@ def tiny_run(tiny_data, tmp_path_factory):
     """`tiny_run(steps)`: the run folder of `tiny_overrides` trained for `steps` steps on Alice, trained
     once per session (training is deterministic: a test's own run would be byte for byte this one).
     Read it, export or evaluate it elsewhere; never write into it."""
-    from flopwise.config import load_config
-    from flopwise.launch import train
+    from flopwise.config.schema import load_config
+    from flopwise.train.launch import train
 
     runs: dict[int, Path] = {}
 
@@ -268,8 +268,8 @@ def demo_data(tmp_path_factory) -> Path:
     """The embedded default's data (Shakespeare, its 4096-token BPE), prepared once by the code
     `flopwise train` prepares it with: pass it as data.path to a demo-config run, which would
     otherwise prepare the same folder again under its own run.dir (6 s or more each)."""
-    from flopwise.build import ensure_data
-    from flopwise.config import load_config
+    from flopwise.config.schema import load_config
+    from flopwise.train.build import ensure_data
 
     return ensure_data(load_config("demo"), tmp_path_factory.mktemp("demo_run"))[0].data_dir
 
@@ -278,7 +278,7 @@ def demo_data(tmp_path_factory) -> Path:
 def tiny_mix(tiny_data, tmp_path_factory) -> str:
     """A two-source mixture for data.sources: Alice (weight 0.7) and three Shakespeare plays
     tokenized with Alice's tokenizer (0.3)."""
-    from flopwise.data.pipeline import prepare
+    from flopwise.data.prepare import prepare
     from flopwise.data.shards import resolve_input
 
     plays = tmp_path_factory.mktemp("plays")
@@ -295,7 +295,7 @@ def tiny_docs(tiny_data, tmp_path_factory) -> Path:
     tokenized with Alice's tokenizer."""
     import json
 
-    from flopwise.data.pipeline import prepare
+    from flopwise.data.prepare import prepare
     from flopwise.data.shards import resolve_input
 
     paragraphs = [p for p in resolve_input("builtin:alice").read_text().split("\n\n") if p.strip()]

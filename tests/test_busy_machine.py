@@ -39,7 +39,7 @@ def test_a_refused_measure_is_one_line_on_a_busy_machine(busy, monkeypatch, caps
 def test_measure_calls_on_start_after_validation_only():
     """The hook runs for an accepted config, before the launch (the sentinel stops it there), and
     never for a refused one."""
-    from flopwise.measure import measure
+    from flopwise.measure.step import measure
 
     class Launching(Exception):
         pass

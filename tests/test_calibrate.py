@@ -14,10 +14,10 @@ import sys
 
 import pytest
 
-from flopwise.calibrate import save
 from flopwise.errors import ConfigError
-from flopwise.hardware import CATALOGUE, cpu_multiplies_bf16, load_catalogue
-from flopwise.plan.perf import ACT_BYTES
+from flopwise.hardware.catalogue import CATALOGUE, cpu_multiplies_bf16, load_catalogue
+from flopwise.measure.calibrate import save
+from flopwise.plan.step import ACT_BYTES
 from tests.conftest import flopwise, run_main
 
 TINY = [
@@ -221,7 +221,7 @@ def test_a_135m_model_is_timed_at_what_the_machine_does_in_a_second(tmp_path):
 def test_a_busy_machine_is_said_before_timing(monkeypatch):
     """calibrate and plan --measure warn when the 1-minute load average reaches the core count
     (another process holds the cores; what they time is then slower than the machine)."""
-    from flopwise.hardware import busy_note
+    from flopwise.hardware.catalogue import busy_note
 
     cores = os.cpu_count() or 1
     monkeypatch.setattr(os, "getloadavg", lambda: (cores + 0.5, 1.0, 1.0))
@@ -233,8 +233,8 @@ def test_a_busy_machine_is_said_before_timing(monkeypatch):
 def test_calibration_measures_bf16_whatever_the_cpu_and_refuses_fp32(monkeypatch):
     """The demo's train.dtype=auto is fp32 on a CPU without bf16 instructions, but calibrate measures
     only bf16 tables (the planner reads them against the 16-bit peak): auto means bf16 there."""
-    from flopwise import hardware
-    from flopwise.calibrate import calibration_config
+    from flopwise.hardware import catalogue as hardware
+    from flopwise.measure.calibrate import calibration_config
 
     monkeypatch.setattr(hardware, "cpu_multiplies_bf16", lambda cpuinfo=None: False)
     assert calibration_config("demo", TINY).train.dtype == "bf16"
@@ -251,7 +251,7 @@ def test_a_slow_peak_shrinks_the_products_calibrate_times():
     a fast one keeps the fixed per-thread limit (the grid and the model's own shapes)."""
     import torch
 
-    from flopwise.calibrate import calibration_config, steps_of, sweep
+    from flopwise.measure.calibrate import calibration_config, steps_of, sweep
 
     cfg, cpu = calibration_config("demo", TINY), torch.device("cpu")
     slow, fast = sweep(cfg, 2, cpu, 1.4e9), sweep(cfg, 2, cpu, 1e15)
@@ -266,7 +266,8 @@ def test_a_slow_peak_shrinks_the_products_calibrate_times():
 def test_a_cpu_without_bf16_instructions_is_refused_before_anything_is_measured(monkeypatch, tmp_path, cli):
     """On an AVX2 EPYC (2026-12-07) the bf16 tables came out below the fp32 work beside them (square
     products 1.4 GFLOP/s, the planned MFU of the demo from them 1.7): refused in one line, nothing written."""
-    from flopwise import calibrate, hardware
+    from flopwise.hardware import catalogue as hardware
+    from flopwise.measure import calibrate
 
     monkeypatch.setattr(calibrate, "cpu_multiplies_bf16", lambda cpuinfo=None: False)
     monkeypatch.setattr(hardware, "busy_note", lambda what: pytest.fail("the load looked at before refusing"))

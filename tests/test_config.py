@@ -4,7 +4,7 @@ import tomllib
 
 import pytest
 
-from flopwise.config import Config, load_config, to_toml
+from flopwise.config.schema import Config, load_config, to_toml
 from flopwise.errors import ConfigError
 
 
@@ -102,7 +102,7 @@ AVX2_EPYC = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx
 
 
 def test_cpu_bf16_instructions_are_read_from_the_flags_line():
-    from flopwise.hardware import cpu_multiplies_bf16
+    from flopwise.hardware.catalogue import cpu_multiplies_bf16
 
     assert cpu_multiplies_bf16(AMX_XEON) and not cpu_multiplies_bf16(AVX2_EPYC)
     assert cpu_multiplies_bf16("flags\t: avx512f avx512_bf16\n") and not cpu_multiplies_bf16("")
@@ -115,7 +115,7 @@ def test_auto_dtype_is_bf16_only_where_the_planned_or_local_device_multiplies_it
     GPU or a calibrated entry with a bf16 peak is bf16, a V100 (fp16 and fp32 only) fp32; an explicit
     dtype is never changed.
     Every reader sees bf16 or fp32, the run folder's config.toml included."""
-    from flopwise import hardware
+    from flopwise.hardware import catalogue as hardware
 
     monkeypatch.setattr(hardware, "cpu_multiplies_bf16", lambda cpuinfo=None: native)
     demo = load_config("demo")

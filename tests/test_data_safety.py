@@ -160,7 +160,7 @@ def test_a_slow_writing_command_leaves_every_user_file_intact(name, trained, tin
 VARIANTS = ("symlinks", "dotdot", "crafted", "locked")
 HOLD = """
 import contextlib, sys, time
-from flopwise.manifest import folder_lock
+from flopwise.files.ownership import folder_lock
 with contextlib.ExitStack() as held:
     for f in sys.argv[1:]:
         held.enter_context(folder_lock(f, "test"))
@@ -273,7 +273,7 @@ def _one_line_exit_2(code: int, err: str, *words: str) -> None:
 
 
 def _ladder_base(tmp_path, data):
-    from flopwise.config import load_config
+    from flopwise.config.schema import load_config
 
     return load_config(
         None, tiny_overrides(tmp_path / "base", data, **{"train.global_batch": 8, "train.micro_batch": 8})
@@ -283,9 +283,9 @@ def _ladder_base(tmp_path, data):
 def test_scale_sweep_replaces_its_own_configs_and_table_but_never_a_users(tiny_data, tmp_path, capsys, monkeypatch):
     """Before: `scale sweep --out DIR` (and --emit) overwrote the user's DIR/runs.csv and
     DIR/configs/NAME.toml, and wrote configs without flopwise's mark."""
-    from flopwise.outputs import TOML_HEADER
-    from flopwise.plan.fit import read_points
-    from flopwise.sweep import collect, plan_ladder, run_ladder
+    from flopwise.files.outputs import TOML_HEADER
+    from flopwise.scale.fit import read_points
+    from flopwise.train.ladder import collect, plan_ladder, run_ladder
 
     out = tmp_path / "ladder"
     argv = [
@@ -332,7 +332,7 @@ def test_scale_sweep_replaces_its_own_configs_and_table_but_never_a_users(tiny_d
 
 def test_scale_sweep_refuses_a_budget_below_one_step(tiny_data, tmp_path, capsys, monkeypatch):
     """Before: `--budgets 1e3` gave steps=1, a run of ~1e8 FLOPs against a budget of 1e3."""
-    from flopwise.sweep import plan_ladder
+    from flopwise.train.ladder import plan_ladder
 
     out = tmp_path / "ladder"
     code, err = run_main(
@@ -403,14 +403,14 @@ def test_an_output_under_a_file_is_one_line_exit_2(name, tiny_data, tmp_path, ca
         "to-hf": (["convert", "to-hf", tmp_path / "no-such-checkpoint", f / "hf"], "OUT_DIR"),
         "data-mix": (["data", "mix", *tiny_overrides(f / "run", "builtin:alice")], "run.dir"),
     }[name]
-    import flopwise.calibrate
-    import flopwise.data.pipeline
+    import flopwise.data.prepare
+    import flopwise.measure.calibrate
 
     def never(*a, **k):
         raise AssertionError("the work started before the output was checked")
 
-    monkeypatch.setattr(flopwise.calibrate, "calibrate", never)
-    monkeypatch.setattr(flopwise.data.pipeline, "survey", never)
+    monkeypatch.setattr(flopwise.measure.calibrate, "calibrate", never)
+    monkeypatch.setattr(flopwise.data.prepare, "survey", never)
     code, err = run_main(argv, capsys, monkeypatch)
     _one_line_exit_2(code, err, option, "afile is a file, not a folder")
     assert blocker.read_text() == "a user's file where a folder would go\n"
@@ -424,8 +424,8 @@ def test_an_output_folder_the_os_refuses_is_one_line_exit_2(tmp_path, capsys, mo
     import errno
     import tempfile
 
-    import flopwise.outputs
-    from flopwise.outputs import write_text
+    import flopwise.files.outputs
+    from flopwise.files.outputs import write_text
 
     real = tempfile.mkstemp
 
@@ -435,7 +435,7 @@ def test_an_output_folder_the_os_refuses_is_one_line_exit_2(tmp_path, capsys, mo
         return real(*a, dir=dir, **k)
 
     (tmp_path / "ro").mkdir()
-    monkeypatch.setattr(flopwise.outputs.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(flopwise.files.outputs.tempfile, "mkstemp", refuse)
     for argv, option in (
         (["plan", 'model.preset="demo-tiny"', "--out-config", tmp_path / "ro" / "x.toml"], "--out-config"),
         (["data", "prepare", "builtin:alice", "--out", tmp_path / "ro" / "d"], "--out"),
@@ -451,7 +451,7 @@ def test_an_output_folder_the_os_refuses_is_one_line_exit_2(tmp_path, capsys, mo
     def full(*a):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(flopwise.outputs.os, "replace", full)
+    monkeypatch.setattr(flopwise.files.outputs.os, "replace", full)
     with pytest.raises(ConfigError, match="--out-config .*No space left.*free space") as e:
         write_text(kept, "a = 2\n", "--out-config")
     assert (
@@ -521,8 +521,8 @@ def test_data_mix_claims_the_run_folder_it_prepares_data_in(tmp_path, capsys, mo
     """Before: `data mix` prepared <run.dir>/data without recording it as flopwise's, so the next
     `train` refused the folder; a user's data there was refused naming --out and --force, options
     data mix does not have."""
-    from flopwise.build import claim_run_dir
-    from flopwise.config import load_config
+    from flopwise.config.schema import load_config
+    from flopwise.train.build import claim_run_dir
 
     overrides = tiny_overrides(tmp_path / "run", "builtin:alice", **{"data.tokenizer": '"bpe:300"'})
     code, err = run_main(["data", "mix", *overrides], capsys, monkeypatch)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from flopwise.config import load_config
+from flopwise.config.schema import load_config
 from flopwise.errors import ConfigError
-from flopwise.hardware import CATALOGUE, Hardware, hardware_toml, load_catalogue
+from flopwise.hardware.catalogue import CATALOGUE, Hardware, hardware_toml, load_catalogue
 
 ENV = {**os.environ, "COLUMNS": "400"}
 
@@ -68,7 +68,7 @@ def test_a_non_finite_config_value_is_refused_naming_its_field(override):
 
 def test_every_float_field_of_the_config_tree_refuses_nan():
     """One mechanism for the whole tree, so a field added later is covered too: every float field refuses nan."""
-    from flopwise.config import Config, Section
+    from flopwise.config.schema import Config, Section
 
     def float_fields(model, prefix):
         for name, f in model.model_fields.items():
@@ -152,12 +152,12 @@ def test_every_builtin_hardware_entry_passes_the_file_checks(tmp_path):
 def test_calibrate_in_fp32_is_refused_before_measuring(tmp_path, cli, monkeypatch):
     """`train.dtype="fp32"` crashed after 60-90 s of measuring: the planner times compute against the
     16-bit peak, which an fp32 calibration of the CPU entry lacks (TypeError in plan.perf.gemm_time)."""
-    import flopwise.calibrate
+    import flopwise.measure.calibrate
 
     def never(*a, **k):
         raise AssertionError("calibrate measured before refusing fp32")
 
-    monkeypatch.setattr(flopwise.calibrate, "calibrate", never)
+    monkeypatch.setattr(flopwise.measure.calibrate, "calibrate", never)
     r = cli("hardware", "calibrate", 'train.dtype="fp32"', "--out", str(tmp_path / "hw.toml"), cwd=tmp_path)
     assert "train.dtype=fp32" in one_line(r)
     assert list(tmp_path.iterdir()) == []
@@ -168,7 +168,7 @@ def test_calibrate_out_over_its_own_file_keeps_the_users_comments(tmp_path):
     edit breaks the file's seal, so it is the user's), bytes kept."""
     from dataclasses import replace
 
-    from flopwise.calibrate import save
+    from flopwise.measure.calibrate import save
 
     path = tmp_path / "hw.toml"
     save(replace(CATALOGUE["h100-sxm"], name="mine"), path)
@@ -197,7 +197,7 @@ def _measured_buffer_bytes(m) -> int:
 def test_the_account_books_the_buffers_the_engine_holds(extra):
     """The per-rank account (what pre-flight and the layout search compare with memory) grows with
     model.max_seq_len by what the built model measurably holds more: before, by nothing at all."""
-    from flopwise.plan.layout import config_layout
+    from flopwise.layout.rules import config_layout
     from flopwise.plan.memory import buffer_bytes
     from flopwise.train.preflight import rank_memory_total
 
@@ -366,7 +366,7 @@ def test_resume_refuses_a_metrics_file_the_user_annotated(tmp_path, tiny_data):
     now the edited file is the user's (its bytes are not what flopwise recorded): the resume is
     refused in one line and the file is kept byte for byte."""
 
-    from flopwise.launch import train
+    from flopwise.train.launch import train
     from tests.conftest import tiny_overrides
 
     over = tiny_overrides(
@@ -392,7 +392,7 @@ def test_what_a_folder_walk_skips_is_counted_and_named(tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from flopwise.data.pipeline import prepare
+    from flopwise.data.prepare import prepare
 
     src = tmp_path / "in"
     (src / "locked").mkdir(parents=True)

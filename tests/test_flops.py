@@ -2,7 +2,7 @@
 
 import pytest
 
-from flopwise.config import ModelConfig
+from flopwise.config.schema import ModelConfig
 from flopwise.flops import attention_flops_per_token, count_params, flops_per_step, flops_per_token, mfu
 
 V, S = 51200, 2048  # Megatron's padded GPT-2 vocabulary and sequence length

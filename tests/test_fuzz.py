@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flopwise.checkpoints import checkpoint
-from flopwise.config import Config, hf_model_fields, load_config
+from flopwise.config.schema import Config, hf_model_fields, load_config
 from flopwise.data.shards import open_split, read_index
 from flopwise.data.tokenizer import load_tokenizer
 from flopwise.errors import CheckpointError, ConfigError, DataError, FlopwiseError
@@ -230,12 +230,12 @@ def build_real(root: Path) -> dict[str, Path]:
     normalised (its checkpoint_id and random save_id fixed, the manifest re-signed): every file is
     the same bytes on every machine, so a seed means the same mutants everywhere (before, DCP's
     absolute checkpoint path moved the seeded bit flips with the temp folder's name)."""
-    from flopwise.config import to_toml
-    from flopwise.data.pipeline import prepare
+    from flopwise.config.schema import to_toml
+    from flopwise.data.prepare import prepare
     from flopwise.data.shards import resolve_input
     from flopwise.data.tasks import builtin_tasks
     from flopwise.interop.convert import export_hf
-    from flopwise.launch import train
+    from flopwise.train.launch import train
 
     root.mkdir(parents=True, exist_ok=True)
     cwd = os.getcwd()
@@ -470,7 +470,7 @@ def _resumer(real, work):
     """A run built once (resume=none, on the first case) that each case resumes into as build_run
     does: resume_state (config and data checks, step) then resume (weights, optimizer, loader
     position, RNG, guard, step), then one batch is drawn from the restored loader position."""
-    from flopwise.build import build_run
+    from flopwise.train.build import build_run
     from flopwise.train.run import resume, resume_state
 
     built = []

@@ -33,7 +33,7 @@ def text(c: Console) -> str:
 
 
 def say_everything() -> None:
-    logger = logging.getLogger("flopwise.build")  # any module's logger is a child of flopwise's
+    logger = logging.getLogger("flopwise.train.build")  # any module's logger is a child of flopwise's
     logger.debug("a debug line")
     logger.info("[bold]an info[/] line")
     logger.warning("a warning line")

@@ -193,9 +193,11 @@ def test_a_path_through_a_missing_folder_and_back_is_checked_where_it_lands(
 ):
     """Before: `DIR/missing/../target` skipped every check (nothing "exists" at a path through a
     missing folder), and the writer, creating `missing`, replaced the user's files in DIR/target."""
-    import flopwise.calibrate
+    import flopwise.measure.calibrate
 
-    monkeypatch.setattr(flopwise.calibrate, "calibrate", lambda *a, **k: pytest.fail("measured before checking"))
+    monkeypatch.setattr(
+        flopwise.measure.calibrate, "calibrate", lambda *a, **k: pytest.fail("measured before checking")
+    )
     argv_of, target, rels = DOTDOT[name]
     mine = [_user(tmp_path / "t" / target / rel if rel else tmp_path / "t" / target) for rel in rels]
     before = _bytes(mine)
@@ -208,7 +210,7 @@ def test_real_path_takes_dotdot_after_symlinks_and_keeps_a_final_link(tmp_path):
     """`..` after a symlinked folder climbs from where the link points (as the OS does); `~` is
     expanded; a last name linking to a folder is that folder (the user named it), one linking to
     a file stays as given, so the checks refuse it and nothing is written through it."""
-    from flopwise.manifest import real_path
+    from flopwise.files.ownership import real_path
 
     (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "link").symlink_to(tmp_path / "a" / "b")
@@ -333,8 +335,8 @@ def test_a_log_edited_between_two_appends_of_one_process_is_refused(edit, tmp_pa
     """`append` skips re-reading a file its own process last appended to (its size, inode and mtime
     unchanged, the record naming the bytes it wrote): an edit in between, of the same size or not,
     or the file replaced, is still refused, and the user's bytes stay."""
-    from flopwise.checkpoints import rundir
     from flopwise.errors import ConfigError
+    from flopwise.files import rundir
 
     run = rundir.claim(tmp_path / "run", ["metrics.jsonl"])
     log = run / "metrics.jsonl"
@@ -363,7 +365,7 @@ def test_an_output_file_is_replaced_only_while_its_seal_verifies(tmp_path):
     """A file at a user-named path carries its own record (a seal over its real path and bytes): a
     rerun replaces it; an edited one, or one copied elsewhere, is refused."""
     from flopwise.errors import ConfigError
-    from flopwise.outputs import is_ours, write_csv, write_json, write_text
+    from flopwise.files.outputs import is_ours, write_csv, write_json, write_text
 
     for write in (
         lambda p: write_text(p, "a = 1\n", "--out-config"),
@@ -385,7 +387,7 @@ def test_an_output_file_is_replaced_only_while_its_seal_verifies(tmp_path):
 
 HOLD = """
 import sys, time
-from flopwise.manifest import folder_lock
+from flopwise.files.ownership import folder_lock
 with folder_lock(sys.argv[1], "test"):
     print("held", flush=True)
     time.sleep(600)

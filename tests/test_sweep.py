@@ -3,9 +3,9 @@ import math
 
 import pytest
 
-from flopwise.config import load_config
-from flopwise.plan.fit import read_points
-from flopwise.sweep import launch_commands, plan_ladder, run_ladder, write_configs
+from flopwise.config.schema import load_config
+from flopwise.scale.fit import read_points
+from flopwise.train.ladder import launch_commands, plan_ladder, run_ladder, write_configs
 from tests.conftest import tiny_overrides
 
 pytestmark = pytest.mark.slow  # each test trains a ladder of runs: 1-2 minutes here

@@ -42,12 +42,12 @@ def one(shape: str, recipe: str, a: argparse.Namespace) -> dict:
     """Train `a.steps` steps of one shape under one recipe in this process; its figures."""
     import torch
 
-    from flopwise.build import build_run
-    from flopwise.config import load_config
+    from flopwise.config.schema import load_config
     from flopwise.flops import flops_per_token, mfu
-    from flopwise.hardware import get_hardware
-    from flopwise.plan.perf import evaluate
+    from flopwise.hardware.catalogue import get_hardware
     from flopwise.plan.rank import predict_rank
+    from flopwise.plan.step import evaluate
+    from flopwise.train.build import build_run
     from flopwise.train.faults import Faults
     from flopwise.train.trainer import train_step
 
@@ -120,7 +120,7 @@ def one(shape: str, recipe: str, a: argparse.Namespace) -> dict:
 
 
 def prepare_data(a: argparse.Namespace) -> None:
-    from flopwise.data.pipeline import prepare
+    from flopwise.data.prepare import prepare
 
     if not (a.data / "index.json").exists():
         prepare(["builtin:shakespeare"], a.data, tokenizer=f"bpe:{a.vocab}", val_fraction=0.05, seed=0)

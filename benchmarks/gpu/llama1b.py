@@ -26,14 +26,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from flopwise.build import build_engine
-from flopwise.config import load_config
+from flopwise.config.schema import load_config
 from flopwise.flops import count_params, flops_per_token, mfu
-from flopwise.hardware import get_hardware, load_catalogue
+from flopwise.hardware.catalogue import get_hardware, load_catalogue
+from flopwise.measure.hopper_tables import SHAPE_1B  # Llama 3.2 1B's blocks, 32K vocabulary
 from flopwise.parallel import mesh
-from flopwise.plan.hopper import SHAPE_1B  # Llama 3.2 1B's blocks, 32K vocabulary
-from flopwise.plan.perf import evaluate
 from flopwise.plan.rank import predict_rank
+from flopwise.plan.step import evaluate
+from flopwise.train.build import build_engine
 from flopwise.train.metrics import measure_matmul_peak
 from flopwise.train.optim import step_unless
 

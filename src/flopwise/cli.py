@@ -17,7 +17,7 @@ from rich.table import Table
 
 from flopwise import log
 from flopwise.errors import FlopwiseError
-from flopwise.outputs import check_writable, write_json, write_text
+from flopwise.files.outputs import check_writable, write_json, write_text
 
 app = typer.Typer(
     add_completion=False,
@@ -56,7 +56,7 @@ ARGS_HELP = "[CONFIG] [key=value ...]: a TOML file or built-in name (default: de
 
 
 def _config(args: list[str] | None, applied: list[str] | None = None):
-    from flopwise.config import load_config, split_cli_args
+    from flopwise.config.schema import load_config, split_cli_args
 
     path, overrides = split_cli_args(args)
     return load_config(path or DEFAULT_CONFIG, overrides, applied)
@@ -65,7 +65,7 @@ def _config(args: list[str] | None, applied: list[str] | None = None):
 @app.command()
 def train(args: list[str] | None = typer.Argument(None, help=ARGS_HELP)) -> None:
     """Train a model (default: a small Llama-style model on the embedded Shakespeare corpus)."""
-    from flopwise.launch import train as run_training
+    from flopwise.train.launch import train as run_training
     from flopwise.train.trainer import summary_table
 
     applied: list[str] = []
@@ -94,7 +94,7 @@ def train(args: list[str] | None = typer.Argument(None, help=ARGS_HELP)) -> None
 @config_app.command("show")
 def config_show(args: list[str] | None = typer.Argument(None, help=ARGS_HELP)) -> None:
     """Print the resolved config as TOML."""
-    from flopwise.config import to_toml
+    from flopwise.config.schema import to_toml
 
     typer.echo(to_toml(_config(args)), nl=False)
 
@@ -102,7 +102,7 @@ def config_show(args: list[str] | None = typer.Argument(None, help=ARGS_HELP)) -
 @config_app.command("docs")
 def config_docs() -> None:
     """Print the config reference (docs/config.md) generated from the config model."""
-    from flopwise.configdoc import render
+    from flopwise.config.reference import render
 
     typer.echo(render(), nl=False)
 
@@ -110,9 +110,9 @@ def config_docs() -> None:
 @app.command()
 def presets(as_json: bool = typer.Option(False, "--json", help="print a JSON list")) -> None:
     """List the built-in model presets with their parameter counts."""
-    from flopwise.config import ModelConfig
+    from flopwise.config.presets import PRESETS
+    from flopwise.config.schema import ModelConfig
     from flopwise.flops import count_params
-    from flopwise.presets import PRESETS
 
     rows: list[dict[str, Any]] = []
     for name in PRESETS:
@@ -217,8 +217,8 @@ def data_prepare(
     in parallel (datatrove), optionally quality-filtered and deduplicated, with a report."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from flopwise.config import DataConfig, RunConfig
-    from flopwise.data.pipeline import prepare
+    from flopwise.config.schema import DataConfig, RunConfig
+    from flopwise.data.prepare import prepare
     from flopwise.data.shards import skipped_note
 
     val_fraction = DataConfig.model_fields["val_fraction"].default if val_fraction is None else val_fraction
@@ -290,12 +290,12 @@ def data_mix(
     as_json: bool = typer.Option(False, "--json", help="print a JSON list"),
 ) -> None:
     """A config's data mixture: tokens per source, and the epochs a planned run takes of each."""
-    from flopwise.build import ensure_data
     from flopwise.data.mixture import EPOCH_WARNING, draws
+    from flopwise.train.build import ensure_data
 
     cfg = _config(args)
     planned = tokens if tokens is not None else cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len
-    from flopwise.manifest import folder_lock
+    from flopwise.files.ownership import folder_lock
 
     with folder_lock(cfg.run.dir, "run.dir") as run_dir, log.printing_to(Console(stderr=True)):
         # one writer per folder (its data is prepared there); stdout carries the table or the JSON
@@ -546,9 +546,9 @@ def scale_optimal(
     import math
 
     from flopwise.errors import ConfigError
-    from flopwise.hardware import get_hardware
-    from flopwise.plan.fit import fitted_law
-    from flopwise.plan.scaling import allocate
+    from flopwise.hardware.catalogue import get_hardware
+    from flopwise.scale.fit import fitted_law
+    from flopwise.scale.laws import allocate
 
     if out_config:
         check_writable(out_config, "--out-config")
@@ -575,7 +575,7 @@ def scale_optimal(
     for name in law:
         allocs.append(allocate(flops, name, inference_tokens, unique, vocab_size, fitted_law(name)))
     if out_config:
-        from flopwise.plan.scaling import allocation_config
+        from flopwise.scale.laws import allocation_config
 
         write_text(out_config, allocation_config(allocs[0], seq_len), "--out-config")
     if as_json:
@@ -620,7 +620,15 @@ def scale_fit(
     import numpy as np
 
     from flopwise.errors import FlopwiseError
-    from flopwise.plan.fit import PLOT_NAMES, fit_approach2, fit_approach3, fit_kaplan, plot_fits, read_points, save_law
+    from flopwise.scale.fit import (
+        PLOT_NAMES,
+        fit_approach2,
+        fit_approach3,
+        fit_kaplan,
+        plot_fits,
+        read_points,
+        save_law,
+    )
 
     for path in ([out] if out else []) + ([plots / n for n in PLOT_NAMES] if plots else []):
         check_writable(path, "--out" if path == out else "--plots")
@@ -663,7 +671,7 @@ def scale_predict_task(
     bootstrap: int = typer.Option(1000, "--bootstrap", min=10),
 ) -> None:
     """Llama 3's two-step task prediction (compute -> correct-answer NLL -> accuracy) and jaggedness flags."""
-    from flopwise.plan.taskfit import jaggedness, plot_tasks, predict_task, read_task_table
+    from flopwise.scale.tasks import jaggedness, plot_tasks, predict_task, read_task_table
 
     for name in ("prediction.json", "tasks.png"):
         check_writable(out / name, "--out")
@@ -706,7 +714,7 @@ def scale_sweep(
     jobs: int = typer.Option(1, "--jobs", min=1, help="runs trained at once here, sharing the CPU's threads"),
 ) -> None:
     """An IsoFLOP ladder: configs for K budgets × M sizes, run here (resumable) or emitted for a cluster."""
-    from flopwise.sweep import budgets_from, launch_commands, plan_ladder, run_ladder, write_configs
+    from flopwise.train.ladder import budgets_from, launch_commands, plan_ladder, run_ladder, write_configs
 
     base = _config(args)
     planned = budgets_from(budgets)
@@ -717,7 +725,7 @@ def scale_sweep(
             f"{len(planned) * sizes - len(runs)} of them round to a shape already in their budget (small models) "
             "and are trained once; widen --spread for more distinct sizes"
         )
-    from flopwise.manifest import folder_lock
+    from flopwise.files.ownership import folder_lock
 
     with folder_lock(out, "--out"):  # one sweep writes a ladder folder (each run locks its own)
         if emit:
@@ -810,10 +818,10 @@ def plan_cmd(
     ),
 ) -> None:
     """Predict memory, step time, MFU, days and GPU-hours of every layout; rank them."""
-    from flopwise.config import split_cli_args, to_toml, validate
+    from flopwise.config.schema import split_cli_args, to_toml, validate
     from flopwise.data.mixture import draws, prepared_sources
     from flopwise.errors import ConfigError
-    from flopwise.hardware import busy_note
+    from flopwise.hardware.catalogue import busy_note
     from flopwise.plan.planner import max_micro_batch, plan, plan_tree, planned_run_config
 
     path, overrides = split_cli_args(args)
@@ -825,7 +833,7 @@ def plan_cmd(
             "--out-config FILE`, then run `flopwise plan FILE --measure`"
         )
     if measure:
-        from flopwise.measure import measure as run_measure
+        from flopwise.measure.step import measure as run_measure
 
         def say_if_busy() -> None:  # after validation: a refused run gets its one-line error, nothing more
             if note := busy_note("the measured step times"):
@@ -1016,7 +1024,7 @@ def _print_max_micro_batch(r, name: str) -> None:
 def _print_measured(r: dict) -> None:
     """Per rank, predicted beside measured: model-state and activation bytes, collective elements
     and seconds per step; then the step's components."""
-    from flopwise.measure import QUANTITIES
+    from flopwise.measure.step import QUANTITIES
 
     def row(table: Table, rank: str | None, name: str, v: dict, fmt: str, last: bool = False) -> None:
         """One quantity; `rank` None: a table without the rank column."""
@@ -1101,9 +1109,9 @@ def hardware_calibrate(
     import torch
     from rich.progress import Progress
 
-    from flopwise.calibrate import calibrate, calibration_config, require_bf16_device, save
-    from flopwise.config import split_cli_args
-    from flopwise.hardware import busy_note
+    from flopwise.config.schema import split_cli_args
+    from flopwise.hardware.catalogue import busy_note
+    from flopwise.measure.calibrate import calibrate, calibration_config, require_bf16_device, save
 
     check_writable(out, "--out")
     if device not in ("auto", "cpu", "cuda"):
@@ -1218,7 +1226,7 @@ def main() -> None:
             sys.exit(2)
         _refuse(str(e))
     except OSError as e:  # a path the OS refused that no command turned into its option's error: still one line
-        from flopwise.outputs import UNWRITABLE
+        from flopwise.files.outputs import UNWRITABLE
 
         where = f"{e.filename or 'a path'}: {e.strerror or type(e).__name__}"
         if e.errno in BAD_PATHS:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from flopwise.config import ModelConfig
+from flopwise.config.schema import ModelConfig
 
 Recompute = Literal["none", "selective", "full"]
 

@@ -17,10 +17,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from flopwise.checkpoints import checkpoint, rundir
+from flopwise.checkpoints import checkpoint
+from flopwise.files import rundir
 from flopwise.checkpoints.export import export_checkpoint
 from flopwise.cli import app
-from flopwise.config import load_config, to_toml
+from flopwise.config.schema import load_config, to_toml
 from flopwise.errors import CheckpointError, ConfigError
 from flopwise.model.transformer import build_model
 from tests.conftest import tiny_overrides
@@ -131,7 +132,7 @@ def test_export_and_import_refuse_a_checkpoints_folder_flopwise_did_not_write(tm
     fresh = tmp_path / "fresh"
     export_checkpoint(src, fresh)
     assert "checkpoints" in rundir.claimed(fresh)
-    from flopwise.build import TRAIN_WRITES
+    from flopwise.train.build import TRAIN_WRITES
 
     rundir.claim(fresh, TRAIN_WRITES)  # what `flopwise train run.dir=fresh` claims first: accepted
 

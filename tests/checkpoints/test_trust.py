@@ -21,12 +21,12 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from flopwise.checkpoints import checkpoint
 from flopwise.checkpoints.export import export_checkpoint
-from flopwise.config import load_config, to_toml
+from flopwise.config.schema import load_config, to_toml
 from flopwise.errors import CheckpointError
 from flopwise.eval.load import load_for_inference
 from flopwise.interop.convert import export_hf
-from flopwise.launch import train
 from flopwise.model.transformer import build_model
+from flopwise.train.launch import train
 from tests.conftest import tiny_overrides
 
 
@@ -164,7 +164,7 @@ def test_retention_says_what_it_could_not_delete(tiny_data, tmp_path, monkeypatc
 def test_hf_tensors_the_model_does_not_use_are_named(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from flopwise.config import ModelConfig
+    from flopwise.config.schema import ModelConfig
     from flopwise.interop.hf import from_hf, to_hf
 
     m = ModelConfig(n_layers=1, d_model=32, n_heads=4, vocab_size=64, max_seq_len=16)

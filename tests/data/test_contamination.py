@@ -10,9 +10,9 @@ from datatrove.data import Document
 from typer.testing import CliRunner
 
 from flopwise.cli import app
-from flopwise.config import load_config
+from flopwise.config.schema import load_config
 from flopwise.data.contamination import DecontaminationFilter, measure
-from flopwise.data.pipeline import prepare
+from flopwise.data.prepare import prepare
 from flopwise.data.shards import iter_documents, resolve_input, val_documents
 from flopwise.data.tasks import builtin_tasks, load_task
 from flopwise.errors import DataError

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from flopwise.data.loader import TokenLoader, eval_batches
-from flopwise.data.pipeline import prepare
+from flopwise.data.prepare import prepare
 from flopwise.data.shards import open_split, read_index, tokenizer_of
 from flopwise.data.tokenizer import load_tokenizer, train_bpe
 from flopwise.errors import DataError

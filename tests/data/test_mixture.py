@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from flopwise.build import ensure_data
 from flopwise.cli import app
-from flopwise.config import load_config
+from flopwise.config.schema import load_config
 from flopwise.data.loader import TokenLoader
-from flopwise.data.pipeline import prepare
+from flopwise.data.prepare import prepare
 from flopwise.errors import DataError
-from flopwise.launch import train
+from flopwise.train.build import ensure_data
+from flopwise.train.launch import train
 from tests.conftest import tiny_overrides
 
 
@@ -123,7 +123,7 @@ def test_source_tokenizer_outside_its_folder_is_refused_before_any_read(tmp_path
     before, build joined the name onto the folder, read that file and copied it into the run (the
     next raw source was prepared with it) and only then refused; after, the member check every
     other index field gets refuses it first, one line, and nothing is prepared or copied."""
-    import flopwise.build as build
+    import flopwise.train.build as build
 
     text = tmp_path / "text"
     text.mkdir()

@@ -17,9 +17,9 @@ from datatrove.pipeline.filters import GopherQualityFilter, GopherRepetitionFilt
 from datatrove.utils.text import simplify_text
 from tokenizers import Tokenizer
 
-from flopwise.data.pipeline import prepare
+from flopwise.data.prepare import prepare
+from flopwise.data.prepare_steps import Whitespace
 from flopwise.data.shards import iter_documents, open_split, read_index, resolve_input, val_documents
-from flopwise.data.steps import Whitespace
 from flopwise.data.tokenizer import train_bpe
 from flopwise.errors import DataError
 
@@ -75,7 +75,7 @@ def _files(d: Path) -> dict[str, bytes]:
 def _killed_prepare(plays: Path, out: Path, args: dict) -> list[str]:
     """SIGKILL a prepare of `plays` into `out` after its first finished tokenize task; the finished
     tasks' names."""
-    code = f"from flopwise.data.pipeline import prepare; prepare([{str(plays)!r}], {str(out)!r}, **{args!r})"
+    code = f"from flopwise.data.prepare import prepare; prepare([{str(plays)!r}], {str(out)!r}, **{args!r})"
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
         env={**os.environ, "PYTHONPATH": SRC},
@@ -387,7 +387,7 @@ def test_cli_prepare_splits_as_train_does_by_default(tmp_path, words):
     """`data prepare` without --seed/--val-fraction makes the split `flopwise train` of the embedded
     default makes (demo.toml's run.seed and data.val_fraction), the one the built-in Shakespeare
     tasks hold out; with seed 0 (its old default) a hand-prepared corpus held the tasks' plays."""
-    from flopwise.config import load_config
+    from flopwise.config.schema import load_config
 
     out = tmp_path / "data"
     assert _cli_prepare([words], out).exit_code == 0
@@ -427,8 +427,8 @@ def test_prepare_refuses_its_own_output_once_the_user_added_or_changed_a_file(tm
 def test_files_flopwise_adds_are_recorded_and_big_files_checked_by_their_ends(tmp_path, words, monkeypatch):
     """A file flopwise adds beside the data (a run's recipe.json) goes into the manifest, so the folder
     stays replaceable; a file above FULL_CHECK_BYTES is checked by size and the sha256 of its ends."""
-    from flopwise import manifest as manifests
     from flopwise.data.shards import DATA_MANIFEST
+    from flopwise.files import ownership as manifests
 
     out = tmp_path / "data"
     monkeypatch.setattr(manifests, "FULL_CHECK_BYTES", 1000)

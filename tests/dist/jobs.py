@@ -5,8 +5,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from flopwise.config import load_config
-from flopwise.launch import train
+from flopwise.config.schema import load_config
+from flopwise.train.launch import train
 
 
 def losses(overrides: list[str]) -> dict:
@@ -15,7 +15,7 @@ def losses(overrides: list[str]) -> dict:
 
 
 def _setup(overrides: list[str]):
-    from flopwise.build import build_run
+    from flopwise.train.build import build_run
 
     run = build_run(load_config(None, overrides))
     return run.cfg, run.par, run.engine, run.optimizer, run.loader
@@ -25,7 +25,7 @@ def memory(overrides: list[str]) -> dict:
     """Bytes of parameters (after forward), gradients (after backward), optimizer moments (after
     the step) on this rank, gathered from every rank; and Ψ."""
     from flopwise.flops import count_params
-    from flopwise.parallel import accounting as acc
+    from flopwise.measure import bytes as acc
     from flopwise.parallel.data import local_optimizer
 
     cfg, par, engine, opt, loader = _setup(overrides)
@@ -45,7 +45,7 @@ def memory(overrides: list[str]) -> dict:
 def comm(overrides: list[str]) -> dict:
     """Collectives of one training step (forward, backward, clip, optimizer step) on rank 0: each
     call's elements by kind, and the volumes by kind `flopwise plan --measure` reports."""
-    from flopwise.parallel.accounting import CommCounter
+    from flopwise.measure.bytes import CommCounter
 
     cfg, par, engine, opt, loader = _setup(overrides)
     batch = loader.next_batch()
@@ -77,7 +77,7 @@ def bench(overrides: list[str]) -> dict:
     import time
 
     from flopwise.flops import count_params
-    from flopwise.parallel import accounting as acc
+    from flopwise.measure import bytes as acc
     from flopwise.parallel.data import local_optimizer
 
     cfg, par, engine, opt, loader = _setup(overrides)
@@ -162,7 +162,7 @@ def shards(overrides: list[str]) -> dict:
 def build_memory(overrides: list[str]) -> dict:
     """Peak resident memory each rank adds while building its model shards and optimizer (the
     process's high-water mark, VmHWM, after the build minus before it)."""
-    from flopwise.build import build_engine
+    from flopwise.train.build import build_engine
     from flopwise.parallel import mesh
 
     cfg = load_config(None, overrides)
@@ -179,13 +179,13 @@ def build_memory(overrides: list[str]) -> dict:
 
 
 def states(overrides: list[str]) -> dict:
-    """What each rank holds (flopwise.measure): its mesh coordinates, the layers of its stages, the
+    """What each rank holds (flopwise.measure.step): its mesh coordinates, the layers of its stages, the
     bytes of its parameters at rest, FSDP2's gathered copies and copy kernels, gradients and AdamW
     moments. One measured step and the collectives' step after it: the moments exist from the first
     step, the gradients are read in the second; no high-water mark is asked of these jobs (a step
     of a tensor-parallel layout costs about a second of a 4-rank launch here)."""
-    from flopwise.build import build_run
-    from flopwise.measure import gather, measure_rank
+    from flopwise.train.build import build_run
+    from flopwise.measure.step import gather, measure_rank
 
     return {"ranks": gather(measure_rank(build_run(load_config(None, overrides)), 1))}
 
@@ -196,8 +196,8 @@ def demo_states(overrides: list[str]) -> dict:
     of the last measured step, once it is steady: the first step allocates the AdamW moments, and
     DDP (ZeRO 0 and 1) rebuilds its buckets in the second, so those layouts measure three steps and
     FSDP2's two. No collectives' step: these jobs are asked the high-water mark only."""
-    from flopwise.build import build_run
-    from flopwise.measure import gather, measure_rank
+    from flopwise.train.build import build_run
+    from flopwise.measure.step import gather, measure_rank
 
     cfg = load_config("demo", overrides)
     steps = 3 if cfg.parallel.zero < 2 else 2
@@ -208,9 +208,9 @@ def activations(overrides: list[str]) -> dict:
     """Bytes autograd keeps for backward over one micro-batch's forward (train.micro_batch rows of
     data.seq_len random tokens, this rank's context shard) on each rank, under the engine's
     autocast, and the bf16 weight copies."""
-    from flopwise.build import build_engine
+    from flopwise.train.build import build_engine
     from flopwise.parallel import mesh
-    from flopwise.parallel.accounting import SavedBytes
+    from flopwise.measure.bytes import SavedBytes
     from flopwise.train.engine import autocast
 
     cfg = load_config(None, overrides)

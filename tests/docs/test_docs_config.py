@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from flopwise.config import load_config, to_toml
-from flopwise.configdoc import render
+from flopwise.config.reference import render
+from flopwise.config.schema import load_config, to_toml
 
 pytestmark = pytest.mark.docs
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "config.md"

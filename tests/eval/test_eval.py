@@ -3,7 +3,7 @@ import subprocess
 import pytest
 import torch
 
-from flopwise.config import ModelConfig
+from flopwise.config.schema import ModelConfig
 from flopwise.errors import DataError
 from flopwise.eval.generate import generate
 from flopwise.eval.load import load_for_inference

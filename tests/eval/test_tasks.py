@@ -4,12 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flopwise.config import ModelConfig, load_config
+from flopwise.config.schema import ModelConfig, load_config
 from flopwise.data.tasks import Example, builtin_tasks, load_task, shipped_task_records
 from flopwise.errors import DataError
 from flopwise.eval.tasks import evaluate_task, score, with_shots
-from flopwise.launch import train
 from flopwise.model.transformer import build_model
+from flopwise.train.launch import train
 from tests.conftest import tiny_overrides
 
 

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from typer.testing import CliRunner
 
 from flopwise.cli import app
-from flopwise.config import load_config
+from flopwise.config.schema import load_config
 from flopwise.data.shards import resolve_input
 from flopwise.errors import CheckpointError, ConfigError, DataError
 
@@ -304,7 +304,7 @@ def test_export_refuses_tensors_that_do_not_match_the_config(instruct, tmp_path)
     """A checkpoint whose tensors disagree with its config (here: another vocabulary size than its
     state.json says) is refused in one line and nothing is written."""
     from flopwise.checkpoints import checkpoint
-    from flopwise.config import to_toml
+    from flopwise.config.schema import to_toml
     from flopwise.interop.hf import from_hf
 
     model, _ = from_hf(instruct)
@@ -332,7 +332,7 @@ def test_ctrl_c_is_acknowledged_during_a_step_and_a_second_one_stops_at_once(tmp
     import threading
     import time
 
-    from flopwise.config import WatchdogConfig
+    from flopwise.config.schema import WatchdogConfig
     from flopwise.train.watch import Watch
 
     said, aborted = [], []
@@ -356,7 +356,7 @@ def test_ctrl_c_is_acknowledged_during_a_step_and_a_second_one_stops_at_once(tmp
 
 def test_ctrl_c_checkpoints_at_the_end_of_the_step(tiny_data, tmp_path, monkeypatch):
     """One process: a Ctrl-C in step 3 checkpoints at step 3, not at the next log step (50)."""
-    from flopwise.launch import train
+    from flopwise.train.launch import train
     from tests.conftest import tiny_overrides
 
     monkeypatch.setenv("FLOPWISE_FAULTS", "sigint:step=3")

@@ -9,13 +9,13 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 
-from flopwise.config import load_config  # noqa: E402
+from flopwise.config.schema import load_config  # noqa: E402
 from flopwise.errors import CheckpointError, ConfigError  # noqa: E402
 from flopwise.eval.generate import generate  # noqa: E402
 from flopwise.eval.load import load_for_inference  # noqa: E402
 from flopwise.interop.convert import export_hf, import_hf  # noqa: E402
 from flopwise.interop.hf import from_hf, to_hf  # noqa: E402
-from flopwise.launch import train  # noqa: E402
+from flopwise.train.launch import train  # noqa: E402
 from tests.conftest import tiny_overrides  # noqa: E402
 
 V, S = 128, 40

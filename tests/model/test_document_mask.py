@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flopwise.config import ModelConfig
+from flopwise.config.schema import ModelConfig
 from flopwise.model.transformer import build_model, document_ids, document_positions
 
 EOS = 0
@@ -86,7 +86,7 @@ def test_document_ids_and_positions():
 
 def saved_bytes(model, x, **kw) -> int:
     """Bytes autograd keeps for backward, under bf16 autocast."""
-    from flopwise.parallel.accounting import SavedBytes
+    from flopwise.measure.bytes import SavedBytes
 
     with torch.autocast("cpu", dtype=torch.bfloat16), SavedBytes(model) as s:
         model(x, **kw).float().sum()

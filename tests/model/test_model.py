@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from flopwise.config import ModelConfig, RopeScaling
+from flopwise.config.schema import ModelConfig, RopeScaling
 from flopwise.eval.generate import generate
 from flopwise.model.layers import KVCache, Span, alibi_slopes, rope_frequencies
 from flopwise.model.transformer import build_model

@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-from flopwise.config import ModelConfig
+from flopwise.config.presets import PRESETS
+from flopwise.config.schema import ModelConfig
 from flopwise.flops import count_params
-from flopwise.presets import PRESETS
 
 PUBLISHED = [n for n, p in PRESETS.items() if p.published]
 

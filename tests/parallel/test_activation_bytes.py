@@ -10,9 +10,9 @@ config.
 import pytest
 import torch
 
-from flopwise.config import ModelConfig
+from flopwise.config.schema import ModelConfig
+from flopwise.measure.bytes import SavedBytes
 from flopwise.model.transformer import build_model
-from flopwise.parallel.accounting import SavedBytes
 from flopwise.parallel.apply import apply_compile, apply_recompute
 from flopwise.plan.memory import activation_bytes_per_layer, autocast_weight_copy_bytes, engine_precision
 from flopwise.train.engine import autocast
@@ -203,7 +203,7 @@ def measured_dist(tmp_path_factory) -> dict:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("family, layout", DIST_CASES)
 def test_planner_books_what_each_rank_saves(family, layout, measured_dist):
-    from flopwise.config import load_config
+    from flopwise.config.schema import load_config
     from flopwise.parallel.mesh import layout_of
 
     lo = layout_of(load_config(None, _dist_overrides(family, layout, 4)), 2)
@@ -268,10 +268,10 @@ def test_compiled_run_measures_what_the_planner_predicts(tiny_data, tmp_path):
     """`flopwise plan --measure`'s path on one process (build_run, then measure_rank's training
     steps under SavedBytes) with train.compile=true and bf16 autocast: the peak of saved activations
     equals predict_rank's within 2% (compiled blocks with their weight casts, compiled loss)."""
-    from flopwise.build import build_run
-    from flopwise.config import load_config
-    from flopwise.measure import measure_rank
+    from flopwise.config.schema import load_config
+    from flopwise.measure.step import measure_rank
     from flopwise.plan.rank import predict_rank
+    from flopwise.train.build import build_run
 
     torch._dynamo.reset()
     cfg = load_config(

@@ -11,16 +11,16 @@ import sys
 import pytest
 import torch
 
-from flopwise.build import build_engine
 from flopwise.checkpoints import checkpoint
-from flopwise.config import load_config
+from flopwise.config.schema import load_config
 from flopwise.errors import CheckpointError
 from flopwise.flops import count_params
-from flopwise.launch import train
+from flopwise.layout.rules import Layout
 from flopwise.parallel.mesh import Parallel
 from flopwise.plan.comm import dp_elements_per_step, pp_boundary_elements, tp_allreduce_elements
-from flopwise.plan.layout import Layout
 from flopwise.plan.memory import model_state_bytes
+from flopwise.train.build import build_engine
+from flopwise.train.launch import train
 from tests.conftest import run_jobs, tiny_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]

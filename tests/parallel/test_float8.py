@@ -16,16 +16,16 @@ pytest.importorskip("torchao")
 
 from torchao.float8.float8_linear import Float8Linear
 
-from flopwise.config import ModelConfig, load_config, validate  # noqa: E402
+from flopwise.config.schema import ModelConfig, load_config, validate  # noqa: E402
 from flopwise.errors import ConfigError  # noqa: E402
-from flopwise.launch import train  # noqa: E402
+from flopwise.measure.bytes import SavedBytes  # noqa: E402
 from flopwise.model.transformer import build_model  # noqa: E402
-from flopwise.parallel.accounting import SavedBytes  # noqa: E402
 from flopwise.parallel.apply import apply_compile, parallelize  # noqa: E402
 from flopwise.parallel.mesh import Parallel, layout_of  # noqa: E402
 from flopwise.plan.float8 import unconverted_linears  # noqa: E402
 from flopwise.plan.memory import activation_bytes_per_layer, autocast_weight_copy_bytes, engine_precision  # noqa: E402
 from flopwise.train.engine import autocast  # noqa: E402
+from flopwise.train.launch import train  # noqa: E402
 from tests.conftest import run_jobs, tiny_overrides  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -218,9 +218,9 @@ def test_run_measures_what_the_planner_predicts(tiny_data, tmp_path):
     SavedBytes and PeakMemory) with emulated rowwise float8 under bf16 autocast: the saved
     activations and the step's high-water mark (without the blocks' bf16 weight copies) within 1%
     of predict_rank's (measured: 68 and 4,084 bytes apart)."""
-    from flopwise.build import build_run
-    from flopwise.measure import measure_rank
+    from flopwise.measure.step import measure_rank
     from flopwise.plan.rank import predict_rank
+    from flopwise.train.build import build_run
 
     cfg = load_config(
         None,

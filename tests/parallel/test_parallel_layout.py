@@ -5,14 +5,14 @@ import threading
 import pytest
 import torch
 
-from flopwise.config import ModelConfig, load_config
+from flopwise.config.schema import ModelConfig, load_config
 from flopwise.errors import ConfigError
+from flopwise.layout.rules import FIXED_VIRTUAL_STAGES, SCHEDULES, Layout, balanced_stages, check_layout
 from flopwise.model.layers import Span
 from flopwise.model.transformer import build_model, document_ids, document_positions
 from flopwise.parallel.context import ContextParallel
 from flopwise.parallel.mesh import layout_of
 from flopwise.parallel.pipeline import SCHEDULE_CLASSES
-from flopwise.plan.layout import FIXED_VIRTUAL_STAGES, SCHEDULES, Layout, balanced_stages, check_layout
 
 
 def cfg(**kw):
@@ -99,9 +99,9 @@ def test_searched_dualpipev_layouts_are_ones_torch_builds():
     """The tester's `flopwise plan ... parallel.pp_schedule=dualpipev` (llama3-70b, 256 H100s, batch
     32) listed layouts with fewer micro-batches than DualPipeV's 2·pp stages; every one it lists now
     builds in torch."""
-    from flopwise.hardware import get_hardware
-    from flopwise.plan.perf import STACKS, model_shape
+    from flopwise.hardware.catalogue import get_hardware
     from flopwise.plan.search import search
+    from flopwise.plan.step import STACKS, model_shape
 
     m = ModelConfig(preset="llama3-70b", max_seq_len=8192)
     res = search(

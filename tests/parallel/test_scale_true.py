@@ -15,20 +15,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flopwise.build import build_engine
 from flopwise.checkpoints import checkpoint
 from flopwise.checkpoints.export import export_checkpoint
-from flopwise.config import ModelConfig, load_config, to_toml
+from flopwise.config.schema import ModelConfig, load_config, to_toml
 from flopwise.eval.load import load_for_inference
 from flopwise.interop.convert import export_hf
 from flopwise.interop.hf import from_hf, to_hf
-from flopwise.launch import train
+from flopwise.layout.rules import Layout
+from flopwise.measure.bytes import HostSyncCounter
 from flopwise.model.init import normal_box
 from flopwise.model.transformer import build_model
-from flopwise.parallel.accounting import HostSyncCounter
 from flopwise.parallel.mesh import Parallel
-from flopwise.plan.layout import Layout
+from flopwise.train.build import build_engine
 from flopwise.train.engine import lm_loss
+from flopwise.train.launch import train
 from tests.conftest import BENCHMARKS, run_jobs, tiny_overrides
 
 # --- one process -----------------------------------------------------------------------------

@@ -17,11 +17,11 @@ import statistics
 
 import pytest
 
-from flopwise.config import ModelConfig
-from flopwise.hardware import get_hardware
-from flopwise.plan import float8_linear
-from flopwise.plan.layout import Layout
-from flopwise.plan.perf import evaluate
+from flopwise.config.schema import ModelConfig
+from flopwise.hardware.catalogue import get_hardware
+from flopwise.layout.rules import Layout
+from flopwise.plan import float8_speedup as float8_linear
+from flopwise.plan.step import evaluate
 from tests.conftest import FIXTURES
 
 PUBLISHED = {"none": 6150.0, "tensorwise": 7689.5, "rowwise": 6768.0}  # tokens/s per GPU
@@ -48,7 +48,7 @@ def test_llama3_8b_float8_speedups_match_torchaos_table(recompute):
 # docs/static/fp8-rowwise-perf.png at commit fdddb2cfa with its citation): rowwise float8 vs bf16
 # speed-up of a compiled LayerNorm -> Linear -> Sigmoid, forward + backward, summed GPU kernel time, on
 # Meta's 2.4 TB/s H100, for M, K, N each in 1024 ... 32768. The planner's side is
-# flopwise.plan.float8_linear (its docstring says what is booked and what is not).
+# flopwise.plan.float8_speedup (its docstring says what is booked and what is not).
 TORCHAO_TABLE = FIXTURES / "torchao_float8_rowwise_h100.json"
 
 
@@ -98,7 +98,7 @@ def test_plan_says_whether_the_float8_asked_for_pays():
     H100s pays (the e2e table: rowwise 1.10x); GPT-2 124M does not (its linears are 768 and 3072
     wide: in the per-shape table every cell with K = 1024 and N <= 4096 at M = 8192, its 8 x 1024
     tokens, is below 1)."""
-    from flopwise.config import load_config
+    from flopwise.config.schema import load_config
     from flopwise.plan.planner import plan
 
     _, table = float8_linear.published(TORCHAO_TABLE)

@@ -11,17 +11,17 @@ import pytest
 import tomli_w
 from scipy.optimize import minimize_scalar
 
-from flopwise.config import ModelConfig, load_config, load_tree, validate
+from flopwise.config.schema import ModelConfig, load_config, load_tree, validate
 from flopwise.errors import ConfigError
 from flopwise.flops import flops_per_token
-from flopwise.hardware import get_hardware, hardware_toml, load_catalogue
+from flopwise.hardware.catalogue import get_hardware, hardware_toml, load_catalogue
+from flopwise.hardware.restart_costs import Recovery
+from flopwise.layout.rules import Layout, check_layout
 from flopwise.plan.audit import audit_claim, catalogue, parse_claim
-from flopwise.plan.layout import Layout, check_layout
-from flopwise.plan.perf import STACKS, evaluate, layer_times, model_shape, rank_loads
 from flopwise.plan.planner import plan, resolve_layout
 from flopwise.plan.reliability import DEFAULT_GPU_MTBF_HOURS, account, daly_interval, goodput, reliability
 from flopwise.plan.search import search, why_slower
-from flopwise.recovery import Recovery
+from flopwise.plan.step import STACKS, evaluate, layer_times, model_shape, rank_loads
 
 A100 = get_hardware("a100-80gb")
 MEGATRON = STACKS["megatron-2021"]
@@ -163,7 +163,7 @@ def test_planner_stage_split_is_the_engines(lo):
     engine builds for that rank (counted on the meta device), for looped and V-shaped schedules."""
     import torch
 
-    from flopwise.config import load_config
+    from flopwise.config.schema import load_config
     from flopwise.parallel.mesh import Parallel
     from flopwise.parallel.pipeline import split_stages
 
@@ -682,7 +682,7 @@ def test_plan_empty_hardware_file_is_named(tmp_path, cli):
 def test_plan_measure_nproc_below_one_is_refused(cli):
     """--nproc 0 once fell back to the default process count, -1 said "world size is -1"."""
     from flopwise.errors import ConfigError
-    from flopwise.measure import measure
+    from flopwise.measure.step import measure
 
     for n in ("0", "-1"):
         r = cli("plan", "--measure", "--nproc", n)
@@ -697,7 +697,7 @@ def test_every_layout_the_search_returns_passes_the_engines_validation(case):
     """The README's worked searches under the `flopwise` stack: every fitting layout they return
     is accepted by the engine's own check (`parallel.mesh.layout_of`, what `flopwise train` runs
     before building anything), called on the config the planner would write."""
-    from flopwise.config import load_config
+    from flopwise.config.schema import load_config
     from flopwise.parallel.mesh import layout_of
     from flopwise.plan.planner import layout_config
 

@@ -48,7 +48,7 @@ def test_megatron_tp_and_pp_volumes():
 
 def test_tied_embedding_all_reduce_is_the_output_matrix_shard():
     """The table the first and last stages all-reduce is the output layer's V×h matrix, tp-sliced."""
-    from flopwise.config import ModelConfig
+    from flopwise.config.schema import ModelConfig
     from flopwise.flops import count_params
 
     m = ModelConfig(arch="gpt2", n_layers=4, d_model=256, n_heads=4, vocab_size=51200, max_seq_len=256)

@@ -13,11 +13,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from flopwise.config import load_config
+from flopwise.config.schema import load_config
 from flopwise.model.layers import Span
 from flopwise.model.transformer import Transformer
 from flopwise.plan.memory import engine_precision
-from flopwise.plan.perf import layer_elementwise_bytes, model_shape, weight_cast_bytes
+from flopwise.plan.step import layer_elementwise_bytes, model_shape, weight_cast_bytes
 
 SEQ, BATCH = 128, 2
 OTHER_TERMS = ("mm", "addmm", "bmm", "_scaled_dot_product")

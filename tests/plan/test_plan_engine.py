@@ -4,7 +4,7 @@ Per rank, the bytes of parameters, gradients and optimizer state the engine hold
 all-gathered parameter copies at the activation peak, equal what the planner books for that rank
 exactly (its own stage split, tensor-parallel slices and ZeRO shares, computed from the config
 alone), and a step's data-parallel collectives move exactly the planner's
-volumes. The reference is the engine, measured (flopwise.measure, the code behind
+volumes. The reference is the engine, measured (flopwise.measure.step, the code behind
 `flopwise plan --measure`); the planner (flopwise.plan.rank) never sees it.
 """
 
@@ -12,12 +12,12 @@ import json
 
 import pytest
 
-from flopwise.config import load_config
+from flopwise.config.schema import load_config
 from flopwise.flops import count_params
-from flopwise.hardware import get_hardware
+from flopwise.hardware.catalogue import get_hardware
 from flopwise.parallel.mesh import layout_of
-from flopwise.plan.perf import evaluate
 from flopwise.plan.rank import predict_rank
+from flopwise.plan.step import evaluate
 from tests.conftest import BENCHMARKS, run_jobs, tiny_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]

@@ -1,7 +1,7 @@
 """The built-in H100/H200 time tables against the H200 runs this project recorded (one lent H200,
 2026-12-04, torch 2.11: benchmarks/results/gpu_llama1b_*.json, benchmarks/RESULTS.md).
 
-The tables come from the kernel profile of one of those runs (flopwise.plan.hopper; printed by
+The tables come from the kernel profile of one of those runs (flopwise.measure.hopper_tables; printed by
 benchmarks/hopper_tables.py): the first test ties the shipped numbers to that recording, so they can
 be re-derived rather than trusted. The reference for the step time is the wall clock of the other
 recorded runs, which the tables were not taken from (another batch size, another data-parallel wrapper).
@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from flopwise.hardware import get_hardware
-from flopwise.plan import hopper
+from flopwise.hardware.catalogue import get_hardware
+from flopwise.measure import hopper_tables as hopper
 from tests.conftest import BENCHMARKS
 
 

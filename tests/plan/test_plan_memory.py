@@ -2,7 +2,7 @@
 
 import pytest
 
-from flopwise.config import ModelConfig
+from flopwise.config.schema import ModelConfig
 from flopwise.plan.memory import activation_bytes_per_layer, in_flight_microbatches, model_state_bytes
 
 # ZeRO (Rajbhandari et al. 2020) Table 1: GB (1e9 bytes) per device by DP degree, for P_os, P_os+g, P_os+g+p.

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from flopwise.config import load_tree, validate
-from flopwise.measure import predicted_time
+from flopwise.config.schema import load_tree, validate
+from flopwise.measure.step import predicted_time
 from flopwise.parallel.mesh import layout_of
 
 MEASURED = {"matmul", "attention", "other_compute", "optimizer", "exposed_comm", "idle"}

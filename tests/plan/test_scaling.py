@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from flopwise.config import load_config
-from flopwise.plan.fit import Points, fit_approach2, fit_approach3, fit_kaplan, read_points
-from flopwise.plan.scaling import (
+from flopwise.config.schema import load_config
+from flopwise.scale.fit import Points, fit_approach2, fit_approach3, fit_kaplan, read_points
+from flopwise.scale.laws import (
     CHINCHILLA_TABLE3,
     EPOCH,
     HOFFMANN,

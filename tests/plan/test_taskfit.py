@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from flopwise.errors import DataError
-from flopwise.plan.taskfit import TaskPoints, fit_task, jaggedness, plot_tasks, predict_task, read_task_table
+from flopwise.scale.tasks import TaskPoints, fit_task, jaggedness, plot_tasks, predict_task, read_task_table
 
 
 def synthetic(seed=0, noise=0.01):

@@ -8,10 +8,10 @@ import sys
 import pytest
 import torch
 
-from flopwise.config import load_config
-from flopwise.hardware import CATALOGUE, GiB, identify_gpu
-from flopwise.launch import train
+from flopwise.config.schema import load_config
+from flopwise.hardware.catalogue import CATALOGUE, GiB, identify_gpu
 from flopwise.train import trainer
+from flopwise.train.launch import train
 from flopwise.train.metrics import Peak
 from tests.conftest import tiny_overrides
 
@@ -111,7 +111,7 @@ def test_a_cpu_ceiling_is_timed_once_per_machine_and_thread_count(monkeypatch, t
     process on 2 cores otherwise: each torchrun rank, each restart), in this process and the ones
     after it (the cache file); another thread count times its own; a re-measurement that beats it
     raises it for the runs after; a damaged cache file is measured over, never trusted."""
-    from flopwise.hardware import CATALOGUE
+    from flopwise.hardware.catalogue import CATALOGUE
     from flopwise.train import metrics
 
     monkeypatch.setenv("FLOPWISE_CACHE_DIR", str(tmp_path / "cache"))

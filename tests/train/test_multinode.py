@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from flopwise.checkpoints import checkpoint
-from flopwise.config import load_config
-from flopwise.launch import train
-from flopwise.plan.layout import config_layout
+from flopwise.config.schema import load_config
+from flopwise.layout.rules import config_layout
 from flopwise.plan.planner import resolve_layout
+from flopwise.train.launch import train
 from flopwise.train.trainer import layout_label
 from tests.conftest import tiny_overrides
 

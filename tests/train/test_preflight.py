@@ -12,11 +12,11 @@ import pytest
 import torch
 from rich.console import Console
 
-from flopwise.config import load_config
-from flopwise.launch import train
+from flopwise.config.schema import load_config
 from flopwise.log import printing_to
 from flopwise.model.transformer import build_model
 from flopwise.parallel import mesh
+from flopwise.train.launch import train
 from flopwise.train.preflight import WillNotFit, preflight
 from tests.conftest import tiny_overrides
 

@@ -16,14 +16,14 @@ import transformers
 from rich.console import Console
 
 from flopwise.checkpoints import checkpoint
-from flopwise.config import GuardConfig, WatchdogConfig, load_config
+from flopwise.config.schema import GuardConfig, WatchdogConfig, load_config
 from flopwise.errors import CheckpointError, ConfigError, TrainingStopped
 from flopwise.eval.load import load_for_inference
 from flopwise.interop.convert import export_hf
-from flopwise.launch import train
 from flopwise.log import printing_to
 from flopwise.train.faults import parse
 from flopwise.train.guard import Guard, Verdict
+from flopwise.train.launch import train
 from flopwise.train.watch import Watch
 from tests.conftest import flopwise, tiny_overrides
 
@@ -162,8 +162,8 @@ def test_disk_full_stops_cleanly_and_keeps_the_previous_checkpoint(tiny_data, tm
 
 @pytest.mark.slow
 def test_unwritable_checkpoint_dir_stops_cleanly(tiny_data, tmp_path):
-    from flopwise.build import TRAIN_WRITES
-    from flopwise.checkpoints.rundir import claim
+    from flopwise.files.rundir import claim
+    from flopwise.train.build import TRAIN_WRITES
 
     claim(tmp_path, TRAIN_WRITES)  # a flopwise run folder (a user's file at a claimed name is refused before training)
     (tmp_path / "checkpoints").mkdir()
@@ -385,7 +385,7 @@ def test_auto_interval_from_the_measured_write(tiny_data, tmp_path):
 def test_watchdog_dumps_every_thread_when_a_step_hangs(tmp_path):
     """Step 6 "hangs" until the watchdog has reported it: a fixed sleep (1.2 s) raced the limit on a busy
     machine, where the 10 ms steps before it stretch and the limit (3 × their median) with them."""
-    from flopwise.checkpoints.rundir import claim
+    from flopwise.files.rundir import claim
 
     claim(tmp_path, ["hang-rank0.txt"])  # a run folder's report: written only where train claimed it
     seen = []

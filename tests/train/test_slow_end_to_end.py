@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from flopwise.config import load_config
-from flopwise.launch import train
+from flopwise.config.schema import load_config
+from flopwise.train.launch import train
 from tests.conftest import tiny_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from flopwise.checkpoints import checkpoint
-from flopwise.config import ModelConfig, OptimConfig, load_config
+from flopwise.config.schema import ModelConfig, OptimConfig, load_config
 from flopwise.errors import CheckpointError, ConfigError, DataError
 from flopwise.eval.load import load_for_inference
-from flopwise.launch import train
 from flopwise.model.transformer import build_model
 from flopwise.parallel.apply import apply_recompute
 from flopwise.train.engine import lm_loss
+from flopwise.train.launch import train
 from flopwise.train.optim import lr_at, param_groups
 from tests.conftest import tiny_overrides
 
@@ -200,7 +200,7 @@ def test_checkpoint_of_another_shape_is_refused(tiny_data, tmp_path):
     with pytest.raises(CheckpointError, match=r"train.global_batch=8 there, 4 here"):
         run(tmp_path, tiny_data, **{"train.global_batch": 4, "train.steps": 9})
     other = tmp_path.parent / (tmp_path.name + "-other-data")
-    from flopwise.data.pipeline import prepare
+    from flopwise.data.prepare import prepare
 
     prepare(["builtin:alice"], other, tokenizer=str(tiny_data / "tokenizer.json"))  # same tokenizer, other split
     with pytest.raises(CheckpointError, match="other data"):
@@ -231,8 +231,8 @@ def test_eval_and_generate_cli(tiny_run, tmp_path, cli):
 def test_compile_auto_compiles_long_runs_on_tested_layouts(tiny_data, tmp_path):
     """train.compile=auto: long single-process or data-parallel runs compile, short runs and
     tensor/pipeline/context-parallel layouts stay eager unless asked; the run's banner says which."""
+    from flopwise.layout.rules import COMPILE_MIN_STEPS, Layout
     from flopwise.parallel.apply import compiles
-    from flopwise.plan.layout import COMPILE_MIN_STEPS, Layout
 
     def cfg(**kw):
         return load_config(None, tiny_overrides(tmp_path, tiny_data, **kw))

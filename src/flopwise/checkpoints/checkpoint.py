@@ -56,8 +56,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from flopwise.checkpoints import rundir
 from flopwise.errors import CheckpointError
+from flopwise.files import rundir
 from flopwise.model.init import canonical_name
 from flopwise.parallel.data import local_optimizer
 from flopwise.parallel.mesh import is_rank0

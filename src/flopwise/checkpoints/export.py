@@ -23,13 +23,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from flopwise.checkpoints import checkpoint, rundir
-from flopwise.config import config_hash, to_toml, validate
+from flopwise.checkpoints import checkpoint
+from flopwise.config.schema import config_hash, to_toml, validate
 from flopwise.data.tokenizer import SIDE_FILES
 from flopwise.errors import CheckpointError
-from flopwise.manifest import folder_lock, real_path
-from flopwise.outputs import check_folder
-from flopwise.plan.layout import Layout
+from flopwise.files import rundir
+from flopwise.files.outputs import check_folder
+from flopwise.files.ownership import folder_lock, real_path
+from flopwise.layout.rules import Layout
 from flopwise.plan.planner import layout_config
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from flopwise.data.shards import fingerprint as folder_fingerprint
 from flopwise.data.shards import read_index
 from flopwise.errors import DataError
-from flopwise.plan.scaling import effective_tokens
+from flopwise.scale.laws import effective_tokens
 
 EPOCH_WARNING = 4.0  # Muennighoff et al. 2023: up to ~4 epochs of repeats are almost as good as new data
 

@@ -6,7 +6,7 @@ Layout of a prepared data dir:
                   and counts (documents, tokens, bytes)
   train-00000.bin, train-00001.bin, ..., val-00000.bin, ...   one of each per pipeline task
   tokenizer.json  the tokenizer that made them
-  report.json     what each filter and deduplication stage removed (data/pipeline.py)
+  report.json     what each filter and deduplication stage removed (data/prepare.py)
   manifest.json   what proves the folder is flopwise's (MANIFEST_FORMAT): every file prepare wrote,
                   with its size and sha256; written before the index, rewritten as prepare goes on
 Documents are separated by EOS; the train/val split is by document (a seeded shuffle of document
@@ -32,7 +32,7 @@ import numpy as np
 
 from flopwise.data.tokenizer import load_tokenizer
 from flopwise.errors import DataError
-from flopwise.manifest import ManifestKind
+from flopwise.files.ownership import ManifestKind
 
 FORMAT = "flopwise-shards/2"
 BUILTIN = {

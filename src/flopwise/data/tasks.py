@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from flopwise.config import load_config
+from flopwise.config.schema import load_config
 from flopwise.data.shards import iter_documents, val_documents
 from flopwise.errors import DataError
 

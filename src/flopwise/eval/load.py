@@ -9,7 +9,7 @@ import torch
 
 from flopwise.checkpoints import checkpoint
 from flopwise.checkpoints.export import checkpoint_config
-from flopwise.config import Config
+from flopwise.config.schema import Config
 from flopwise.data.tokenizer import GuardedTokenizer, load_tokenizer
 from flopwise.model.transformer import Transformer, build_model
 

@@ -6,13 +6,14 @@ import json
 import shutil
 from pathlib import Path
 
-from flopwise.checkpoints import checkpoint, rundir
+from flopwise.checkpoints import checkpoint
 from flopwise.checkpoints.export import CheckpointTensors, checkpoint_config
-from flopwise.config import ModelConfig, to_toml, validate
+from flopwise.config.schema import ModelConfig, to_toml, validate
 from flopwise.data.tokenizer import EOS, load_tokenizer, side_files, special_ids
 from flopwise.errors import CheckpointError
-from flopwise.interop.hf import from_hf, write_hf
-from flopwise.manifest import (
+from flopwise.files import rundir
+from flopwise.files.outputs import check_folder
+from flopwise.files.ownership import (
     LOCK,
     ManifestKind,
     file_record,
@@ -22,7 +23,7 @@ from flopwise.manifest import (
     why_not_ours,
     write_manifest,
 )
-from flopwise.outputs import check_folder
+from flopwise.interop.hf import from_hf, write_hf
 
 # What proves an HF folder is one flopwise exported (so a later export may replace it): every file in
 # it, with size and sha256 (a name HF tools do not use, so the folder stays a plain HF folder)

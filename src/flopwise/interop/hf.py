@@ -1,7 +1,7 @@
 """Hugging Face interchange of weights: safetensors (single file or sharded with an index) +
 tokenizer files, both ways, for the Llama (1/2/3, rope scaling), Mistral, Qwen3, GPT-2, GPT-NeoX
 and OPT families. Needs no `transformers` import: the formats are read and written directly
-(the config mapping is in hf_config.py).
+(the config mapping is in config/hf_mapping.py).
 
 Loading reads, for each parameter a rank holds (or its shard), only that box of the HF tensor
 (safetensors' lazy slices), so a sharded run never holds the whole checkpoint; writing goes shard
@@ -26,8 +26,8 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from flopwise.config import ModelConfig, hf_model_fields
-from flopwise.hf_config import LLAMA_LIKE, hf_config_from_model, refuse, weight_map
+from flopwise.config.hf_mapping import LLAMA_LIKE, hf_config_from_model, refuse, weight_map
+from flopwise.config.schema import ModelConfig, hf_model_fields
 from flopwise.model.init import canonical_name, global_box
 
 TOKENIZER_FILES = (

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flopwise.config import ModelConfig, RopeScaling
+from flopwise.config.schema import ModelConfig, RopeScaling
 
 
 def make_norm(m: ModelConfig, dim: int) -> nn.Module:

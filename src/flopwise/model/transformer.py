@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from flopwise.config import ModelConfig
+from flopwise.config.schema import ModelConfig
 from flopwise.model.init import canonical_name, fill_constant, fill_normal, global_box
 from flopwise.model.layers import AttnContext, Block, KVCache, Span, alibi_slopes, make_norm, rope_cos_sin
 
@@ -217,7 +217,7 @@ def build_model(m: ModelConfig, device: str | torch.device = "cpu", seed: int = 
     """Build on the meta device (no memory), then materialise on `device` and initialise.
 
     `device="meta"` returns the unmaterialised model, e.g. to count a 405B preset's parameters, or
-    to split and shard before anything is allocated (flopwise.build).
+    to split and shard before anything is allocated (flopwise.train.build).
     """
     with torch.device("meta"):
         model = Transformer(m)

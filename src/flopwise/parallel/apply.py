@@ -15,14 +15,14 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-from flopwise.config import Config
+from flopwise.config.schema import Config
+from flopwise.layout.rules import Layout
+from flopwise.layout.rules import compiles as layout_compiles
 from flopwise.model.transformer import Transformer, materialise
 from flopwise.parallel.data import apply_ddp, apply_fsdp, apply_replicate, uses_ddp, uses_replicate
 from flopwise.parallel.float8 import apply_float8
 from flopwise.parallel.mesh import Parallel
 from flopwise.parallel.tensor import apply_tp, keep_embedding_grad_sharded
-from flopwise.plan.layout import Layout
-from flopwise.plan.layout import compiles as layout_compiles
 
 
 def apply_recompute(model: Transformer, mode: str) -> None:

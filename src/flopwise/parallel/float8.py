@@ -21,10 +21,10 @@ import logging
 import torch
 from torch import nn
 
-from flopwise.config import Config
+from flopwise.config.schema import Config
 from flopwise.errors import ConfigError
+from flopwise.layout.rules import Layout
 from flopwise.plan.float8 import float8_all_gather
-from flopwise.plan.layout import Layout
 from flopwise.plan.memory import block_linears, float8_eligible
 
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cores

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from flopwise.config import Config
+from flopwise.config.schema import Config
 from flopwise.errors import ConfigError
-from flopwise.plan.layout import Layout, check_layout, config_layout
+from flopwise.layout.rules import Layout, check_layout, config_layout
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -80,7 +80,7 @@ class Parallel:
 
 def is_rank0() -> bool:
     """This process is rank 0 of the job (or the only process): the one that writes shared files
-    and reports. (Before the process group exists, flopwise.launch reads torchrun's RANK instead.)"""
+    and reports. (Before the process group exists, flopwise.train.launch reads torchrun's RANK instead.)"""
     return not dist.is_initialized() or dist.get_rank() == 0
 
 

@@ -24,10 +24,10 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from flopwise.config import Config
+from flopwise.config.schema import Config
+from flopwise.layout.rules import FIXED_VIRTUAL_STAGES, stage_ids, stage_sizes
 from flopwise.model.transformer import Transformer, build_model
 from flopwise.parallel.mesh import Parallel
-from flopwise.plan.layout import FIXED_VIRTUAL_STAGES, stage_ids, stage_sizes
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,

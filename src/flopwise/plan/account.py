@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flopwise.config import Config, ModelConfig
+from flopwise.config.schema import Config, ModelConfig
+from flopwise.layout.rules import Layout, compiles
 from flopwise.plan.float8 import float8_all_gather
-from flopwise.plan.layout import Layout, compiles
 from flopwise.plan.memory import (
     autocast_weight_copy_bytes,
     buffer_bytes,

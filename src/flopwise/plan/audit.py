@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from flopwise.config import ModelConfig, parse_value, validate
+from flopwise.config.presets import PRESETS
+from flopwise.config.schema import ModelConfig, parse_value, validate
 from flopwise.errors import ConfigError
 from flopwise.flops import count_params, flops_per_token, mfu, scaling_flops
-from flopwise.hardware import CATALOGUE, get_hardware
-from flopwise.presets import PRESETS
+from flopwise.hardware.catalogue import CATALOGUE, get_hardware
 
 PLANNER_BAND = 0.10  # the planner's validated error on published throughput (tests/test_plan_validation.py)
 # What a claim may state: counts are whole numbers >= 1, amounts finite numbers > 0 (an example each)

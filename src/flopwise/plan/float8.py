@@ -18,7 +18,7 @@ one extra kernel per matmul, pytorch/ao#2184), booked as bytes in `linear_cast_b
 
 from __future__ import annotations
 
-from flopwise.config import ModelConfig
+from flopwise.config.schema import ModelConfig
 from flopwise.plan.memory import block_linears, float8_eligible
 
 RECIPES = ("rowwise", "tensorwise")

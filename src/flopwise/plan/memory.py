@@ -24,7 +24,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from flopwise.config import ModelConfig
+from flopwise.config.schema import ModelConfig
 from flopwise.flops import count_params, param_shapes
 
 OPTIMIZER_BYTES_PER_PARAM = 12  # K of mixed-precision Adam

@@ -14,14 +14,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from flopwise.config import Config, apply_override, hf_model_fields, load_tree, validate
+from flopwise.config.hf_mapping import read_hf_config, tensor_shapes
+from flopwise.config.schema import Config, apply_override, hf_model_fields, load_tree, validate
 from flopwise.errors import ConfigError
 from flopwise.flops import count_params
-from flopwise.hardware import Hardware, cluster_hardware
-from flopwise.hf_config import read_hf_config, tensor_shapes
+from flopwise.hardware.catalogue import Hardware, cluster_hardware
+from flopwise.layout.rules import COMPILE_MIN_STEPS, Layout, check_layout, compiles, config_layout
 from flopwise.plan.float8 import RECIPES
-from flopwise.plan.layout import COMPILE_MIN_STEPS, Layout, check_layout, compiles, config_layout
-from flopwise.plan.perf import (
+from flopwise.plan.reliability import Reliability, reliability
+from flopwise.plan.search import RECOMPUTE_ORDER, SearchResult, search, why_slower
+from flopwise.plan.step import (
     FIT_MARGIN,
     LINK_EFFICIENCY,
     MEM_EFFICIENCY,
@@ -32,8 +34,6 @@ from flopwise.plan.perf import (
     estimate,
     model_shape,
 )
-from flopwise.plan.reliability import Reliability, reliability
-from flopwise.plan.search import RECOMPUTE_ORDER, SearchResult, search, why_slower
 
 PARALLEL_KEYS = (
     "dp",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flopwise.outputs import pyplot, save_figure
-from flopwise.plan.perf import Estimate
+from flopwise.files.outputs import pyplot, save_figure
+from flopwise.plan.step import Estimate
 
 PARTS = ("params", "grads", "optimizer", "activations", "other")
 

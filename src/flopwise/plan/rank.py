@@ -1,7 +1,7 @@
 """One rank of this engine as the planner predicts it: the layers it runs, the bytes of its
 parameters, gradients, optimizer state and saved activations, the elements each kind of
 collective moves in one optimizer step and the bytes FSDP2 copies around them. Pure Python:
-`flopwise plan --measure` sets these beside the engine's own counts (flopwise.measure), and the
+`flopwise plan --measure` sets these beside the engine's own counts (flopwise.measure.step), and the
 joint tests assert them equal.
 """
 
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flopwise.config import Config
+from flopwise.config.schema import Config
+from flopwise.layout.rules import Layout, stage_ids, stage_sizes
 from flopwise.plan.account import EngineRun, rank_memory
 from flopwise.plan.comm import dp_collectives, pp_boundary_elements, tp_allreduce_elements
-from flopwise.plan.layout import Layout, stage_ids, stage_sizes
 from flopwise.plan.memory import rank_param_count
-from flopwise.plan.perf import STACKS, fsdp_copies
+from flopwise.plan.step import STACKS, fsdp_copies
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ measured from a run that failed. Pure Python.
   share (bytes / devices).
 - Write time δ, the first source found: `cluster.storage_gbps_per_gpu`; the hardware entry's
   measured recovery (`flopwise hardware calibrate`: a fixed cost plus bytes at the rate one process
-  wrote here, flopwise.recovery; devices that share a disk each get less); else 0.122 GB/s per GPU
+  wrote here, flopwise.hardware.restart_costs; devices that share a disk each get less); else 0.122 GB/s per GPU
   = the 2 TB/s sustained Llama 3 reported for Tectonic over 16,384 GPUs (Dubey et al. 2024 §3.3.1).
 - Restart time R: `cluster.restart_minutes`; the measured recovery (a process's start, imports,
   build and its share of the checkpoint read at the measured rate; without failure detection and
@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from itertools import pairwise
 
-from flopwise.recovery import Recovery
+from flopwise.hardware.restart_costs import Recovery
 
 LLAMA3_INTERRUPTIONS, LLAMA3_DAYS, LLAMA3_GPUS = 466, 54, 16384
 DEFAULT_GPU_MTBF_HOURS = LLAMA3_GPUS * LLAMA3_DAYS * 24 / LLAMA3_INTERRUPTIONS

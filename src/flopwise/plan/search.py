@@ -26,9 +26,9 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
-from flopwise.hardware import Hardware
-from flopwise.plan.layout import FIXED_VIRTUAL_STAGES, SCHEDULES, Layout, check_layout
-from flopwise.plan.perf import Estimate, Shape, Stack, estimate
+from flopwise.hardware.catalogue import Hardware
+from flopwise.layout.rules import FIXED_VIRTUAL_STAGES, SCHEDULES, Layout, check_layout
+from flopwise.plan.step import Estimate, Shape, Stack, estimate
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 MAX_MICRO_BATCH = 64

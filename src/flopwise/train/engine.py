@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
-from flopwise.config import Config
+from flopwise.config.schema import Config
 from flopwise.model.layers import Span
 from flopwise.model.transformer import document_ids, document_positions
 from flopwise.parallel.apply import compiles
@@ -50,7 +50,7 @@ class Engine:
     """The parallelized model parts of this rank and how to run a step through them.
 
     `parts` are (stage id, parallelized module) pairs, one (0, model) without pipelining; each
-    rank holds only its stages and shards of them (flopwise.build)."""
+    rank holds only its stages and shards of them (flopwise.train.build)."""
 
     def __init__(self, cfg: Config, par: Parallel, parts: list[tuple[int, nn.Module]], eos_id: int | None = None):
         self.cfg, self.par, self.device = cfg, par, par.device

@@ -15,7 +15,7 @@ import statistics
 from collections import deque
 from enum import Enum
 
-from flopwise.config import GuardConfig
+from flopwise.config.schema import GuardConfig
 from flopwise.errors import TrainingStopped
 
 

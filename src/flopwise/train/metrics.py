@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from flopwise.checkpoints import rundir
 from flopwise.errors import ConfigError
-from flopwise.hardware import Hardware, identify_gpu
-from flopwise.outputs import png_bytes, pyplot, read_records
+from flopwise.files import rundir
+from flopwise.files.outputs import png_bytes, pyplot, read_records
+from flopwise.hardware.catalogue import Hardware, identify_gpu
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

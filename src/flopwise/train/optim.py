@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from flopwise.config import OptimConfig
+from flopwise.config.schema import OptimConfig
 from flopwise.parallel.data import local_optimizer
 
 

@@ -27,18 +27,18 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 
-from flopwise.checkpoints import rundir
-from flopwise.config import Config
+from flopwise.config.schema import Config
 from flopwise.errors import FlopwiseError
-from flopwise.hardware import Hardware, cluster_catalogue, cpu_multiplies_bf16, identify_gpu
-from flopwise.outputs import json_record
+from flopwise.files import rundir
+from flopwise.files.outputs import json_record
+from flopwise.hardware.catalogue import Hardware, cluster_catalogue, cpu_multiplies_bf16, identify_gpu
+from flopwise.layout.rules import Layout
 from flopwise.parallel.mesh import Parallel, is_rank0
 from flopwise.plan.account import EngineRun
-from flopwise.plan.layout import Layout
 from flopwise.plan.memory import rank_param_count
-from flopwise.plan.perf import FIT_MARGIN, RUNTIME_RESERVE, STACKS, RankLoad, engine_memory, model_shape
 from flopwise.plan.rank import rank_layers
 from flopwise.plan.search import RECOMPUTE_ORDER, search
+from flopwise.plan.step import FIT_MARGIN, RUNTIME_RESERVE, STACKS, RankLoad, engine_memory, model_shape
 
 GiB = 2**30
 # what a suggestion may change, and the config key each lives in (dp follows from tp and pp)
@@ -318,7 +318,7 @@ def explain_oom(cfg: Config, par: Parallel, step: int, error: BaseException) -> 
                 "layout": lo.to_json(),
                 "requested_bytes": requested,
                 "predicted_bytes": {k: round(v) for k, v in predicted.items()},
-                "predicted_by": "flopwise.plan.perf.engine_memory for this rank's pipeline stage (what the layout "
+                "predicted_by": "flopwise.plan.step.engine_memory for this rank's pipeline stage (what the layout "
                 "search compares with usable memory); total includes the runtime reserve",
                 "memory_stats": stats,
                 "memory_stats_note": None

@@ -15,13 +15,13 @@ from rich.markup import escape
 
 from flopwise.checkpoints import checkpoint
 from flopwise.checkpoints.export import checkpoint_config
-from flopwise.config import Config
+from flopwise.config.schema import Config
 from flopwise.data.loader import TokenLoader
 from flopwise.data.mixture import Source
 from flopwise.data.tokenizer import GuardedTokenizer
 from flopwise.errors import CheckpointError, ConfigError
+from flopwise.layout.rules import Layout
 from flopwise.parallel import mesh
-from flopwise.plan.layout import Layout
 from flopwise.train.engine import Engine
 from flopwise.train.guard import Guard
 

@@ -23,7 +23,7 @@ from rich.markup import escape
 from torch.distributed.checkpoint.api import CheckpointException
 
 from flopwise.checkpoints import checkpoint
-from flopwise.config import Config
+from flopwise.config.schema import Config
 from flopwise.errors import CheckpointError
 from flopwise.parallel.mesh import is_rank0
 from flopwise.plan.reliability import DEFAULT_GPU_MTBF_HOURS, daly_interval

@@ -1,6 +1,6 @@
 """The training loop: step -> (every log/eval/save step) sync -> guard -> metrics -> eval -> checkpoint.
 
-`flopwise.build.build_run` hands this loop a ready run (this rank's shards, optimizer, loader,
+`flopwise.train.build.build_run` hands this loop a ready run (this rank's shards, optimizer, loader,
 restored state). A step runs entirely on the device: the loss, the gradient norm and the
 non-finite flag stay there, and a non-finite step is skipped there too (fused AdamW's found_inf).
 The host reads them once per sync point (a log, eval or checkpoint step), which is what lets a
@@ -30,8 +30,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from flopwise import log
-from flopwise.checkpoints import checkpoint, rundir
-from flopwise.config import Config, config_hash, to_toml
+from flopwise.checkpoints import checkpoint
+from flopwise.config.schema import Config, config_hash, to_toml
 from flopwise.data.loader import eval_batches
 from flopwise.data.mixture import Source
 from flopwise.data.shards import read_index
@@ -40,14 +40,15 @@ from flopwise.data.tokenizer import side_files
 from flopwise.errors import ConfigError, DataError, TrainingStopped
 from flopwise.eval.generate import generate
 from flopwise.eval.tasks import evaluate_task
+from flopwise.files import rundir
+from flopwise.files.outputs import read_records
 from flopwise.flops import count_params, flops_per_token, mfu
-from flopwise.hardware import cluster_catalogue
+from flopwise.hardware.catalogue import cluster_catalogue
+from flopwise.layout.rules import Layout
 from flopwise.model.transformer import Transformer
-from flopwise.outputs import read_records
 from flopwise.parallel.apply import compiles
 from flopwise.parallel.mesh import DIMS, Parallel, across_nodes, missing_ranks
 from flopwise.plan.float8 import unconverted_linears
-from flopwise.plan.layout import Layout
 from flopwise.train.engine import Engine, autocast
 from flopwise.train.faults import Faults, nan_grad, poison
 from flopwise.train.guard import Verdict

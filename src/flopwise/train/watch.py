@@ -41,9 +41,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from flopwise.checkpoints import rundir
-from flopwise.config import WatchdogConfig
+from flopwise.config.schema import WatchdogConfig
 from flopwise.errors import FlopwiseError
+from flopwise.files import rundir
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 ABORT_GRACE_S = 1.0  # a second Ctrl-C: how long the main thread has to take its KeyboardInterrupt

@@ -29,14 +29,14 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from flopwise.calibration import Calibration
-from flopwise.config import Config, load_config
+from flopwise.config.schema import Config, load_config
 from flopwise.errors import ConfigError
 from flopwise.flops import count_params
-from flopwise.hardware import Hardware, get_hardware
+from flopwise.hardware.calibration import Calibration
+from flopwise.hardware.catalogue import Hardware, get_hardware
+from flopwise.layout.rules import Layout, check_layout, config_layout
 from flopwise.plan.comm import dp_collectives, fsdp_copy_bytes
-from flopwise.plan.layout import Layout, check_layout, config_layout
-from flopwise.plan.perf import ACT_BYTES, MEM_EFFICIENCY, STACKS, evaluate, layer_times, model_shape, stream_time
+from flopwise.plan.step import ACT_BYTES, MEM_EFFICIENCY, STACKS, evaluate, layer_times, model_shape, stream_time
 
 # Llama 3.2 1B's blocks (16 layers, d 2048, 32 heads, 8 kv heads, SwiGLU 8192) with a 32K vocabulary:
 # the recorded runs' model (benchmarks/gpu/llama1b.py)

@@ -33,9 +33,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from flopwise.errors import ConfigError
-from flopwise.hardware import Hardware, get_hardware, hopper_calibration
+from flopwise.hardware.catalogue import Hardware, get_hardware, hopper_calibration
 from flopwise.plan.float8 import linear_cast_bytes, scaled_mm_speed
-from flopwise.plan.perf import ACT_BYTES, gemm_fwd_bwd, planning_peak, stream_time
+from flopwise.plan.step import ACT_BYTES, gemm_fwd_bwd, planning_peak, stream_time
 
 
 def published(path: Path) -> tuple[dict, dict[tuple[int, int, int], float]]:

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from flopwise.errors import ConfigError
-from flopwise.manifest import (
+from flopwise.files.ownership import (
     cannot_write,
     file_record,
     folder_id,

@@ -28,7 +28,7 @@ import zlib
 from pathlib import Path
 
 from flopwise.errors import ConfigError, DataError
-from flopwise.manifest import UNWRITABLE, cannot_write, real_path, write_nofollow
+from flopwise.files.ownership import UNWRITABLE, cannot_write, real_path, write_nofollow
 
 __all__ = ["UNWRITABLE", "cannot_write"]  # the CLI's one-line OS errors, kept where they were
 

@@ -1,4 +1,4 @@
-"""The flopwise pieces of the datatrove prepare pipeline (data/pipeline.py): a reader that numbers
+"""The flopwise pieces of the datatrove prepare pipeline (data/prepare.py): a reader that numbers
 documents globally, a tally of documents and bytes between stages, the shard writer, and a
 whitespace word splitter for the Gopher/C4 rules and MinHash shingles.
 

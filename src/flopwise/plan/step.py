@@ -69,10 +69,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flopwise.config import ModelConfig
+from flopwise.config.schema import ModelConfig
 from flopwise.errors import ConfigError
 from flopwise.flops import count_params, flops_per_token, mfu
-from flopwise.hardware import Hardware
+from flopwise.hardware.catalogue import Hardware
+from flopwise.layout.rules import Layout, compiles, stage_ids, stage_sizes
 from flopwise.plan.account import EngineRun, busiest_dp_rank, rank_memory
 from flopwise.plan.comm import (
     Collective,
@@ -84,7 +85,6 @@ from flopwise.plan.comm import (
     tied_embedding_elements,
 )
 from flopwise.plan.float8 import cast_bytes, float8_all_gather, scaled_mm_speed
-from flopwise.plan.layout import Layout, compiles, stage_ids, stage_sizes
 from flopwise.plan.memory import (
     KORTHIKANTI,
     autocast_weight_copy_bytes,

@@ -19,9 +19,9 @@ import numpy as np
 from scipy.optimize import minimize
 
 from flopwise.errors import DataError
+from flopwise.files.outputs import pyplot, read_records, save_figure, write_json
 from flopwise.flops import scaling_flops, scaling_tokens
-from flopwise.outputs import pyplot, read_records, save_figure, write_json
-from flopwise.plan.scaling import ParametricLaw
+from flopwise.scale.laws import ParametricLaw
 
 GRID = dict(
     alpha=np.arange(0, 2.01, 0.5),
@@ -102,7 +102,7 @@ def _checked(pts: Points, where: str, first: int) -> Points:
 def _points_from_runs(root: Path) -> Points:
     import tomllib
 
-    from flopwise.config import ModelConfig
+    from flopwise.config.schema import ModelConfig
     from flopwise.flops import count_params
 
     rows = []
@@ -351,7 +351,7 @@ def plot_fits(pts: Points, fit3: Approach3Fit | None, iso: IsoFlopFit | None, ou
     """IsoFLOP curves with parabolas; fitted law vs points; N_opt vs C against the published laws."""
     plt = pyplot()
 
-    from flopwise.plan.scaling import LAWS
+    from flopwise.scale.laws import LAWS
 
     out = Path(out_dir)
     written = []

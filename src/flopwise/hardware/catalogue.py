@@ -14,9 +14,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from flopwise.calibration import Calibration, calibration_toml, parse_calibration, positive_number
 from flopwise.errors import ConfigError
-from flopwise.recovery import Recovery, parse_recovery, recovery_toml
+from flopwise.hardware.calibration import Calibration, calibration_toml, parse_calibration, positive_number
+from flopwise.hardware.restart_costs import Recovery, parse_recovery, recovery_toml
 
 GB = 1e9
 GiB = 2**30

@@ -268,7 +268,7 @@ def choose_shape(
     d_model/n_layers inside `aspect`, the range Kaplan §3.1 found flat and Chinchilla's Table A9
     models use (64-110).
     """
-    from flopwise.config import ModelConfig
+    from flopwise.config.schema import ModelConfig
     from flopwise.flops import count_params
 
     shapes = []  # (|log(count/target)|, n_layers, d_model, head_dim, ffn)
@@ -434,7 +434,7 @@ def allocate(
 
 def allocation_config(a: Allocation, seq_len: int, vocab_size: int | None = None) -> str:
     """A training TOML for the allocation that `flopwise train` (and the planner) accept."""
-    from flopwise.config import to_toml, validate
+    from flopwise.config.schema import to_toml, validate
 
     global_batch = max(1, round(a.global_batch_tokens / seq_len))
     steps = max(1, round(a.tokens / (global_batch * seq_len)))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from flopwise.config import Config, ModelConfig
+from flopwise.config.schema import Config, ModelConfig
 from flopwise.flops import count_params
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev")

@@ -2,9 +2,9 @@
 set, per rank, what the engine holds and sends beside what the planner predicts (plan.rank).
 
     parent:  measure(path, overrides, nproc, steps) -> report (launches torchrun, compares)
-    ranks:   python -m flopwise.measure CONFIG.toml OUT.json STEPS
+    ranks:   python -m flopwise.measure.step CONFIG.toml OUT.json STEPS
 
-Each rank builds the run as `flopwise train` does (flopwise.build.build_run) and takes the
+Each rank builds the run as `flopwise train` does (flopwise.train.build.build_run) and takes the
 trainer's own steps (train_step). Measured: parameters at rest, gradients when the optimizer
 steps, AdamW moments after it, the peak of saved activations, and the elements of each kind of
 collective in the last step. The joint tests (tests/dist/jobs.py) measure through `measure_rank`.
@@ -37,17 +37,17 @@ import torch.distributed as dist
 from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from flopwise.build import build_run
-from flopwise.config import Config, load_config, load_tree, to_toml, validate
+from flopwise.config.schema import Config, load_config, load_tree, to_toml, validate
 from flopwise.errors import ConfigError, FlopwiseError
-from flopwise.hardware import cluster_hardware
-from flopwise.parallel import accounting as acc
+from flopwise.hardware.catalogue import cluster_hardware
+from flopwise.layout.rules import Layout
+from flopwise.measure import bytes as acc
 from flopwise.parallel.data import local_optimizer
 from flopwise.parallel.mesh import layout_of, torchrun
-from flopwise.plan.layout import Layout
-from flopwise.plan.perf import STACKS, Estimate, estimate, model_shape
 from flopwise.plan.planner import plan_hardware, resolve_layout
 from flopwise.plan.rank import predict_rank
+from flopwise.plan.step import STACKS, Estimate, estimate, model_shape
+from flopwise.train.build import build_run
 from flopwise.train.faults import Faults
 from flopwise.train.run import Run
 from flopwise.train.trainer import train_step
@@ -353,7 +353,7 @@ def measure(
             torchrun(
                 world,
                 "-m",
-                "flopwise.measure",
+                "flopwise.measure.step",
                 str(config),
                 str(out),
                 str(steps),

@@ -25,16 +25,16 @@ from rich.markup import escape
 from torch import nn
 
 from flopwise.checkpoints import checkpoint
-from flopwise.checkpoints.rundir import claim
-from flopwise.config import Config
+from flopwise.config.schema import Config
 from flopwise.data.loader import TokenLoader
 from flopwise.data.mixture import Source, check_tokenizers, fingerprint
-from flopwise.data.pipeline import prepare
+from flopwise.data.prepare import prepare
 from flopwise.data.shards import DATA_MANIFEST, FORMAT, read_index, skipped_note, tokenizer_of, tokenizer_path
 from flopwise.data.tokenizer import GuardedTokenizer, load_tokenizer, special_ids, tokenizer_difference
 from flopwise.errors import ConfigError, DataError
+from flopwise.files.ownership import add_to_manifest, real_path, why_not_ours
+from flopwise.files.rundir import claim
 from flopwise.flops import count_params
-from flopwise.manifest import add_to_manifest, real_path, why_not_ours
 from flopwise.model.transformer import build_model
 from flopwise.parallel import mesh
 from flopwise.parallel.apply import parallelize

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from flopwise.build import build_run, subnormals_flushed
-from flopwise.config import Config
-from flopwise.manifest import folder_lock, real_path
+from flopwise.config.schema import Config
+from flopwise.files.ownership import folder_lock, real_path
+from flopwise.train.build import build_run, subnormals_flushed
 from flopwise.train.preflight import WillNotFit
 from flopwise.train.run import Run
 from flopwise.train.trainer import TrainResult, finished

@@ -18,7 +18,7 @@ Flow (each stage one datatrove LocalPipelineExecutor, N tasks run by `workers` p
   index      written last, atomically, from the tasks' tables (after the manifest that records it
              and every shard: size, sha256); then the work folder is removed.
 
-Ownership: a fresh prepare first writes <out>/manifest.json (flopwise.manifest: `why_not_ours`) naming
+Ownership: a fresh prepare first writes <out>/manifest.json (flopwise.files.ownership: `why_not_ours`) naming
 everything it is about to write (the tokenizer, each task's shards, the report, the work folder's
 plan, logs and task folders), then records each file's size and sha256 as it becomes final. A folder
 is replaced or resumed only if that manifest accounts for every file in it; anything else, or an
@@ -82,7 +82,8 @@ from flopwise.data.shards import (
 )
 from flopwise.data.tokenizer import EOS, eos_id, load_tokenizer, parse_tokenizer_spec, train_bpe
 from flopwise.errors import DataError
-from flopwise.manifest import (
+from flopwise.files.outputs import check_folder
+from flopwise.files.ownership import (
     LOCK,
     file_record,
     files_under,
@@ -92,7 +93,6 @@ from flopwise.manifest import (
     why_not_ours,
     write_manifest,
 )
-from flopwise.outputs import check_folder
 
 SAMPLE_BYTES = 200 * 10**6  # tokenizer training sample: the first 200 MB of documents, in order
 CHUNK_BYTES = 1 << 20  # a task may start at a file's first document or every ~1 MiB inside a file
@@ -314,7 +314,7 @@ def prepare(
     --force to name), or None for the command line's --out.
     With workers > 1 the worker processes are spawned and import the caller's main module: call
     this from a script under `if __name__ == "__main__":` (the CLI and `flopwise train` do)."""
-    from flopwise.data.steps import Whitespace
+    from flopwise.data.prepare_steps import Whitespace
 
     t0 = time.perf_counter()
     out = real_path(out)
@@ -448,7 +448,7 @@ def _run_stages(
     from datatrove.pipeline.dedup.minhash import MinhashConfig
     from datatrove.utils.hashing import HashConfig
 
-    from flopwise.data.steps import OrdinalReader, ShardWriter, Tally, normalized_text
+    from flopwise.data.prepare_steps import OrdinalReader, ShardWriter, Tally, normalized_text
 
     exact_cfg = ExactDedupConfig(content_getter=normalized_text)
     # sha1, not the default xxhash: datatrove hashes str shingles, which xxhash >= 3.5 refuses

@@ -1,7 +1,7 @@
 """`flopwise hardware calibrate`: measure the machine it runs on, for the planner's time model.
 
     parent:  calibrate(cfg, device, nproc, progress) -> Hardware (its `calibration` filled)
-    ranks:   python -m flopwise.calibrate OUT.json BACKEND   (collectives, under torchrun)
+    ranks:   python -m flopwise.measure.calibrate OUT.json BACKEND   (collectives, under torchrun)
 
 Measured in the run's training dtype (train.dtype), for the GEMM and attention shapes the given
 config's model produces (default: the embedded demo) at the micro-batches and tensor-parallel
@@ -15,7 +15,7 @@ degrees a layout search on this machine tries, plus a coarse grid so other model
 - one fused AdamW step with gradient clipping (train.optim) by parameter count;
 - all-reduce, all-gather, reduce-scatter and send/recv by message size over N local ranks
   (gloo on CPU, NCCL on GPU), in a torchrun of this module;
-- the checkpoint write and restart times (flopwise.calibrate_recovery), for the reliability account.
+- the checkpoint write and restart times (flopwise.measure.restart), for the reliability account.
 Timings are medians of repeats after a warm-up; the GPU is synchronised around each.
 
 The work is shaped to the machine (timed at the config's own sizes, three times over, a 135M model at
@@ -48,16 +48,16 @@ from pathlib import Path
 import tomli_w
 import torch
 
-from flopwise.calibrate_recovery import measure_recovery
-from flopwise.calibration import COLLECTIVES, Calibration
-from flopwise.config import Config, load_config, load_tree, to_toml, validate
+from flopwise.config.schema import Config, load_config, load_tree, to_toml, validate
 from flopwise.errors import ConfigError, FlopwiseError
-from flopwise.hardware import CATALOGUE, Hardware, cpu_multiplies_bf16, hardware_toml, identify_gpu
+from flopwise.files.outputs import check_writable, write_text
+from flopwise.hardware.calibration import COLLECTIVES, Calibration
+from flopwise.hardware.catalogue import CATALOGUE, Hardware, cpu_multiplies_bf16, hardware_toml, identify_gpu
+from flopwise.layout.rules import Layout, check_layout, config_layout
+from flopwise.measure.restart import measure_recovery
 from flopwise.model.layers import CoreAttention
 from flopwise.model.transformer import build_model
-from flopwise.outputs import check_writable, write_text
-from flopwise.plan.layout import Layout, check_layout, config_layout
-from flopwise.plan.perf import (
+from flopwise.plan.step import (
     RUNTIME_RESERVE,
     STACKS,
     eager_precision,
@@ -277,11 +277,11 @@ def workload(cfg: Config, hw: Hardware, room: float, device: torch.device) -> Co
 
 
 def _tp_seconds(config: str, device: torch.device) -> float:
-    """One rank of the engine's tensor-parallel forward + backward of one micro-batch (flopwise.build)."""
+    """One rank of the engine's tensor-parallel forward + backward of one micro-batch (flopwise.train.build)."""
     import torch.distributed as dist
 
-    from flopwise.build import build_engine
     from flopwise.parallel import mesh
+    from flopwise.train.build import build_engine
 
     cfg = load_config(config)
     engine, _ = build_engine(cfg, mesh.init(cfg, device))
@@ -334,7 +334,7 @@ def measure_ranks(nproc: int, threads: int, device: torch.device, tp_cfg: Config
             torchrun(
                 nproc,
                 "-m",
-                "flopwise.calibrate",
+                "flopwise.measure.calibrate",
                 str(out),
                 backend,
                 str(config) if tp_cfg else "",
@@ -376,7 +376,7 @@ def _collectives_rank(out: str, backend: str, config: str) -> None:
             rows[kind].append([world if kind != "send_recv" else 2, nbytes, seconds])
     hidden = overlap(device)
     if device.type == "cpu":
-        torch.set_flush_denormal(True)  # as flopwise.build runs a CPU rank
+        torch.set_flush_denormal(True)  # as flopwise.train.build runs a CPU rank
     tp_seconds = _tp_seconds(config, device) if config else None
     if rank == 0:
         Path(out).write_text(json.dumps({"collectives": rows, "overlap": hidden, "tp_seconds": tp_seconds}))
@@ -490,7 +490,7 @@ def calibrate(
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
-        torch.set_flush_denormal(True)  # as flopwise.build runs a CPU rank
+        torch.set_flush_denormal(True)  # as flopwise.train.build runs a CPU rank
     try:
         hw = _calibrate(cfg, device, nproc, threads, progress, total)
         return replace(hw, recovery=measure_recovery(cfg, device, progress))

@@ -1,5 +1,5 @@
 """`flopwise hardware calibrate`'s recovery measurements: what a checkpoint save blocks a process and
-what a restart costs on this machine, for the planner's reliability account (flopwise.recovery).
+what a restart costs on this machine, for the planner's reliability account (flopwise.hardware.restart_costs).
 
     parent:  measure_recovery(cfg, device, progress) -> Recovery
     child:   python -c PROBE CONFIG.toml CHECKPOINT DEVICE   (one restart)
@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 from flopwise.checkpoints import checkpoint
-from flopwise.config import Config, load_config, to_toml
+from flopwise.config.schema import Config, load_config, to_toml
 from flopwise.errors import FlopwiseError
+from flopwise.hardware.restart_costs import Recovery
 from flopwise.model.transformer import build_model
-from flopwise.recovery import Recovery
 from flopwise.train.optim import build_optimizer
 
 REPEATS = 3  # saves of each size
@@ -45,7 +45,7 @@ TINY_FEATURES = 64  # a 64 × 64 linear layer: 4,096 parameters, a save that is 
 READY = "restart-probe loaded in"
 # the child imports the CLI first, as `python -m flopwise train` does (its cost is the restart's); a
 # program of its own, so that this module, which the CLI imports, does not import the CLI back
-PROBE = "import sys, flopwise.cli; from flopwise.calibrate_recovery import restart_probe; restart_probe(*sys.argv[1:])"
+PROBE = "import sys, flopwise.cli; from flopwise.measure.restart import restart_probe; restart_probe(*sys.argv[1:])"
 
 
 def _save_seconds(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, int, Path]:

@@ -28,13 +28,13 @@ from typing import IO, TYPE_CHECKING, Self, cast
 
 from rich.console import Console
 
-from flopwise.config import Config, to_toml, validate
+from flopwise.config.schema import Config, to_toml, validate
 from flopwise.errors import ConfigError, TrainingStopped
+from flopwise.files.outputs import check_folder, check_writable, read_records, write_csv, write_text
 from flopwise.flops import scaling_flops, scaling_tokens
 from flopwise.log import printing_to
-from flopwise.outputs import check_folder, check_writable, read_records, write_csv, write_text
-from flopwise.plan.fit import fitted_law
-from flopwise.plan.scaling import ChosenShape, choose_shape, get_law
+from flopwise.scale.fit import fitted_law
+from flopwise.scale.laws import ChosenShape, choose_shape, get_law
 
 if TYPE_CHECKING:
     from flopwise.train.trainer import TrainResult
@@ -200,8 +200,8 @@ def _train_one(config: Config, threads: int | None) -> TrainResult:
     try:
         import torch
 
-        from flopwise.checkpoints.rundir import Appender, claim
-        from flopwise.launch import train
+        from flopwise.files.rundir import Appender, claim
+        from flopwise.train.launch import train
 
         if threads:
             torch.set_num_threads(threads)
@@ -223,7 +223,7 @@ def run_ladder(base: Config, runs: list[LadderRun], out: Path, jobs: int = 1) ->
     """
     import torch
 
-    from flopwise.build import ensure_data
+    from flopwise.train.build import ensure_data
 
     check_outputs(runs, out, table=True)  # before hours of training, not after
     ensure_data(base, out, "--out")

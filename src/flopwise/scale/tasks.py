@@ -20,8 +20,8 @@ import numpy as np
 from scipy.optimize import curve_fit
 
 from flopwise.errors import ConfigError, DataError
-from flopwise.outputs import pyplot, save_figure
-from flopwise.plan.fit import read_csv_rows
+from flopwise.files.outputs import pyplot, save_figure
+from flopwise.scale.fit import read_csv_rows
 
 FIELDS = ("name", "flops", "task", "acc", "nll")
 

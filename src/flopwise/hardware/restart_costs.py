@@ -1,5 +1,5 @@
 """What recovering from a failure costs on one machine, as `flopwise hardware calibrate` measured it
-(flopwise.calibrate_recovery); the planner's reliability account reads it. Pure Python.
+(flopwise.measure.restart); the planner's reliability account reads it. Pure Python.
 
 A hardware entry's `[NAME.recovery]` table:
 - write_latency_s, write_bytes_per_s: one process's checkpoint save (flopwise's own: DCP files,
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from flopwise.calibration import positive_number
 from flopwise.errors import ConfigError
+from flopwise.hardware.calibration import positive_number
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,5 +1,5 @@
 """Hugging Face `config.json` <-> flopwise `model.*` fields, both ways. Pure Python (no torch) and
-below the config tree (it imports no flopwise type), so flopwise.config can resolve
+below the config tree (it imports no flopwise type), so flopwise.config.schema can resolve
 `model.init_from="hf:PATH"` like a preset and validate the fields it gets.
 
 Every field that would change the computation is mapped or refused with a clear error; a
@@ -111,7 +111,7 @@ def _rope(cfg: dict, path) -> tuple[float, dict | None]:
 
 
 def model_fields(cfg: dict, path: Any = "") -> dict:
-    """The flopwise `model.*` fields of an HF config.json (not yet validated: flopwise.config does
+    """The flopwise `model.*` fields of an HF config.json (not yet validated: flopwise.config.schema does
     that); a field that would change the computation and has no flopwise equivalent is refused."""
     mt = cfg.get("model_type")
     if mt in LLAMA_LIKE:

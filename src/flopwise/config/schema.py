@@ -14,10 +14,10 @@ from typing import Any, Literal
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from flopwise.config.hf_mapping import model_fields, read_hf_config, refuse
+from flopwise.config.presets import ARCH_DEFAULTS, PRESETS
 from flopwise.errors import ConfigError
-from flopwise.hardware import auto_dtype, cluster_hardware
-from flopwise.hf_config import model_fields, read_hf_config, refuse
-from flopwise.presets import ARCH_DEFAULTS, PRESETS
+from flopwise.hardware.catalogue import auto_dtype, cluster_hardware
 
 
 class Section(BaseModel):
@@ -361,7 +361,7 @@ class LogConfig(Section):
 class ClusterConfig(Section):
     hardware: str = Field(
         "cpu",
-        description="the device the planner plans for (a name from hardware.py's catalogue or cluster.hardware_file)",
+        description="the device the planner plans for (a name in the hardware catalogue, or cluster.hardware_file)",
     )
     hardware_file: str | None = Field(None, description="TOML with extra or replaced hardware entries")
     gpus: int = Field(1, ge=1, description="devices the planner plans for")
@@ -389,7 +389,7 @@ class ClusterConfig(Section):
 class PlanConfig(Section):
     tokens: float | None = Field(None, gt=0, description="training token budget; default 20 tokens per parameter")
     stack: Literal["flopwise", "megatron-2021", "megatron-2022"] = Field(
-        "flopwise", description="software assumptions of the step-time model (see flopwise.plan.perf)"
+        "flopwise", description="software assumptions of the step-time model (see flopwise.plan.step)"
     )
     float8: bool = Field(
         False,
