@@ -1,5 +1,5 @@
-"""mkdocs hooks: the pages that live outside docs/ (README, CHANGELOG, CONTRIBUTING, benchmarks/RESULTS.md and
-the figures docs link to) join the site under their repository paths, so one link works both on GitHub
+"""mkdocs hooks: the pages that live outside docs/ (README, CHANGELOG, CONTRIBUTING, the benchmarks' index and
+reports, and the figures docs link to) join the site under their repository paths, so one link works both on GitHub
 and on the site. Each file exists once, where the repository keeps it."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ OUTSIDE = [
     "README.md",
     "CHANGELOG.md",
     "CONTRIBUTING.md",
-    "benchmarks/RESULTS.md",
     "examples/train.sbatch",
+    *[str(p.relative_to(ROOT)) for p in sorted((ROOT / "benchmarks").rglob("*.md"))],
     *[str(p.relative_to(ROOT)) for p in sorted((ROOT / "benchmarks").rglob("*.png"))],
 ]
 ROOT_PAGES = {"index.md", "CHANGELOG.md", "CONTRIBUTING.md"}

@@ -1,5 +1,5 @@
 """How a GPU benchmark hands back its figures: JSON on stdout and, with `--out`, the whole record
-in a file (its folder created), so every result file under benchmarks/results reads the same way."""
+in a file (its folder created), so every result file under benchmarks/gpu/results reads the same way."""
 
 from __future__ import annotations
 

@@ -2,10 +2,10 @@
 tokens/s, peak memory and the loss curve over real tokens (the shipped Shakespeare corpus), with
 the planner's prediction beside each figure.
 
-    python benchmarks/gpu/float8.py [--shapes a b] [--steps 200] [--out benchmarks/results/gpu_float8.json]
+    python benchmarks/gpu/float8.py [--shapes a b] [--steps 200] [--out benchmarks/gpu/results/gpu_float8.json]
     python benchmarks/gpu/float8.py --tiny        # the same code path on CPU, emulated float8 (CI-sized)
 
-Shapes (issue 32), per-block compiled, seq 2048, bf16 autocast over fp32 master weights (ZeRO-0,
+Shapes, per-block compiled, seq 2048, bf16 autocast over fp32 master weights (ZeRO-0,
 one process): (a) Llama 3.2 3B's (28 × 3072, 24 heads, 8 kv heads, SwiGLU 8192); (b) 8 layers of
 Llama 3 8B's block (4096, 32 heads, 8 kv heads, SwiGLU 14336); both with a `--vocab` BPE vocabulary
 trained on the corpus. Recipes: bf16 (train.float8=none), rowwise, tensorwise. Each (shape, recipe)

@@ -1,7 +1,7 @@
 """One-GPU training throughput of a ~1B Llama through flopwise's own engine: bf16 (FSDP2's
 mixed-precision policy, fp32 master weights), FSDP2 over a one-rank mesh, per-block compile.
 
-    python benchmarks/gpu/llama1b.py [--steps 20] [--batch 8] [--out benchmarks/results/gpu_llama1b.json]
+    python benchmarks/gpu/llama1b.py [--steps 20] [--batch 8] [--out benchmarks/gpu/results/gpu_llama1b.json]
     python benchmarks/gpu/llama1b.py --zero 0 --profile       # autocast without FSDP2; top kernels
     python benchmarks/gpu/llama1b.py --tiny --steps 3        # the same code path on CPU (CI-sized)
     python benchmarks/gpu/llama1b.py --hardware-file gpu.toml  # also predict from `hardware calibrate`'s tables

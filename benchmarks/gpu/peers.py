@@ -1,7 +1,7 @@
 """One GPU, side by side: flopwise's training step against HF transformers and nanoGPT at the same
 shape and regime, one after another on the same device.
 
-    python benchmarks/gpu/peers.py --nanogpt ~/src/nanoGPT/model.py --out benchmarks/results/gpu_peers.json
+    python benchmarks/gpu/peers.py --nanogpt ~/src/nanoGPT/model.py --out benchmarks/gpu/results/gpu_peers.json
     python benchmarks/gpu/peers.py --tiny                 # the same code on CPU with tiny shapes (path check)
 
 Regime for every peer: fp32 master weights, bf16 autocast, torch.compile, fused AdamW (lr 3e-4,
@@ -27,13 +27,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "throughput"))  # train_cpu.py's peers
 from _out import report  # noqa: E402  (benchmarks/gpu/_out.py: this script's folder is on sys.path)
+from train_cpu import flopwise_config, flopwise_step, fused_adamw, nanogpt_step, peer_step  # noqa: E402
 
 from flopwise.flops import flops_per_token, mfu  # noqa: E402
 from flopwise.hardware.catalogue import CATALOGUE  # noqa: E402
 from flopwise.train.metrics import device_peak  # noqa: E402
-from train_cpu import flopwise_config, flopwise_step, fused_adamw, nanogpt_step, peer_step  # noqa: E402
 
 SHAPES = {
     "llama": dict(
