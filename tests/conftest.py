@@ -161,7 +161,6 @@ def tiny_run(tiny_data, tmp_path_factory):
 
 ROOT = Path(__file__).parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"  # checked-in reference data, with its sources (SOURCE.md)
-BENCHMARKS = ROOT / "benchmarks"
 WORKER = ROOT / "tests" / "dist" / "worker.py"
 
 

@@ -29,7 +29,7 @@ from flopwise.parallel.mesh import Parallel
 from flopwise.train.build import build_engine
 from flopwise.train.engine import lm_loss
 from flopwise.train.launch import train
-from tests.conftest import BENCHMARKS, run_jobs, tiny_overrides
+from tests.conftest import ROOT, run_jobs, tiny_overrides
 
 # --- one process -----------------------------------------------------------------------------
 
@@ -321,7 +321,7 @@ def test_building_a_half_billion_model_on_four_ranks_holds_a_quarter_each(sharde
 def test_gpu_benchmark_script_runs_its_path_on_cpu(tmp_path):
     """benchmarks/gpu/llama1b.py (FSDP2 on a one-rank mesh, the engine's own step) on a tiny
     shape: it trains (finite loss) and reports every figure the GPU run records."""
-    script = BENCHMARKS / "gpu" / "llama1b.py"
+    script = ROOT / "benchmarks" / "gpu" / "llama1b.py"
     out = tmp_path / "gpu.json"
     r = subprocess.run(
         [sys.executable, str(script), "--tiny", "--steps", "2", "--warmup", "1", "--out", str(out)],

@@ -18,7 +18,7 @@ from flopwise.hardware.catalogue import get_hardware
 from flopwise.parallel.mesh import layout_of
 from flopwise.plan.rank import predict_rank
 from flopwise.plan.step import evaluate
-from tests.conftest import BENCHMARKS, run_jobs, tiny_overrides
+from tests.conftest import FIXTURES, run_jobs, tiny_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -234,7 +234,7 @@ def test_step_high_water_mark_is_the_planners(name, measured, demo_data):
 
 
 # `flopwise plan <H200_1B> train.compile=<c> --measure --nproc 1 --steps 3 --json`, run on a lent
-# H200 (torch 2.11, CUDA; 2026-12-04): benchmarks/results/gpu_measure_llama1b_compile_<c>.json
+# H200 (torch 2.11, CUDA; 2026-12-04): tests/fixtures/h200/gpu_measure_llama1b_compile_<c>.json
 H200_1B = [
     "model.n_layers=16",
     "model.d_model=2048",
@@ -255,7 +255,7 @@ def test_planner_books_what_the_engine_held_on_an_h200(compile_):
     """The engine measured on a GPU (CUDA's kernels: fused RMSNorm, flash/cuDNN attention in bf16):
     its states exactly, its saved activations (eager and compiled) to the byte but for a few
     hundred bytes of scalars, its high-water mark within 1%."""
-    path = BENCHMARKS / f"results/gpu_measure_llama1b_compile_{compile_}.json"
+    path = FIXTURES / "h200" / f"gpu_measure_llama1b_compile_{compile_}.json"
     measured = json.loads(path.read_text())["ranks"][0]
     cfg = load_config(None, [*H200_1B, f"train.compile={compile_}"])
     want = predict_rank(cfg, layout_of(cfg, 1), 0, 0, 0, cpu=False)

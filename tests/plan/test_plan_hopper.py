@@ -1,8 +1,8 @@
 """The built-in H100/H200 time tables against the H200 runs this project recorded (one lent H200,
-2026-12-04, torch 2.11: benchmarks/results/gpu_llama1b_*.json, benchmarks/RESULTS.md).
+2026-12-04, torch 2.11: tests/fixtures/h200/gpu_llama1b_*.json, benchmarks/gpu/llama1b.md).
 
 The tables come from the kernel profile of one of those runs (flopwise.measure.hopper_tables; printed by
-benchmarks/hopper_tables.py): the first test ties the shipped numbers to that recording, so they can
+benchmarks/published/hopper_tables.py): the first test ties the shipped numbers to that recording, so they can
 be re-derived rather than trusted. The reference for the step time is the wall clock of the other
 recorded runs, which the tables were not taken from (another batch size, another data-parallel wrapper).
 """
@@ -13,7 +13,7 @@ import pytest
 
 from flopwise.hardware.catalogue import get_hardware
 from flopwise.measure import hopper_tables as hopper
-from tests.conftest import BENCHMARKS
+from tests.conftest import FIXTURES
 
 
 def _rows(c) -> list[float]:
@@ -21,7 +21,7 @@ def _rows(c) -> list[float]:
 
 
 def test_built_in_h200_tables_are_the_recorded_profile():
-    profiled = json.loads((BENCHMARKS / "results" / "gpu_llama1b_z3_b8.json").read_text())
+    profiled = json.loads((FIXTURES / "h200" / "gpu_llama1b_z3_b8.json").read_text())
     assert _rows(get_hardware("h200").calibration) == pytest.approx(_rows(hopper.derive(profiled)), rel=2e-3)
 
 
@@ -35,7 +35,7 @@ def test_h200_step_time_of_runs_the_tables_were_not_taken_from(run, within):
     planner's op-by-op count, fitted to nothing here, in many smaller kernels that this rate
     overrates (1.40 before that count; 1.08 while FSDP2's copies, autocast's weight casts and the
     clip went unbooked and the rate absorbed the compiled runs' missing bytes)."""
-    rec = json.loads((BENCHMARKS / "results" / f"{run}.json").read_text())
+    rec = json.loads((FIXTURES / "h200" / f"{run}.json").read_text())
     cfg = hopper.run_config(rec["batch"], 3 if "fsdp2" in rec["layout"] else 0, rec["compile"])
     predicted, _ = hopper.predict(cfg, get_hardware("h200"))
     assert rec["median_step_s"] / predicted == pytest.approx(1.0, abs=within)
