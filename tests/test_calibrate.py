@@ -2,7 +2,7 @@
 
 The reference for the planner's calibrated time is a measured step of the engine (`plan
 --measure`, the wall clock), on a model whose shapes the calibration measured; how close it comes
-on the four CPU layouts is benchmarks/plan_time_cpu.py's (a loaded CI machine would make a tight
+on the four CPU layouts is benchmarks/throughput/plan_time_cpu.py's (a loaded CI machine would make a tight
 bound here flaky, so the test asks for the right order of magnitude and a strict improvement on
 nothing but the measurement itself)."""
 
@@ -174,7 +174,7 @@ def test_a_bad_or_partial_file_fails_in_one_line_naming_the_field(
     assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error:"), err
 
 
-# SmolLM-135M's config.json (tied 49,152-token vocabulary, 2,048-token context): the model of issue 41
+# SmolLM-135M's config.json (tied 49,152-token vocabulary, 2,048-token context): a model users import
 SMOL = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -196,7 +196,7 @@ SMOL = {
 @pytest.mark.multiproc  # calibrate in a process of its own (its peak RSS), which starts the restart probes
 @needs_bf16_cpu
 def test_a_135m_model_is_timed_at_what_the_machine_does_in_a_second(tmp_path):
-    """Issue 41: calibrating for an imported 135M model took 345 s and 8.9 GB: its forward + backward
+    """Calibrating for an imported 135M model took 345 s and 8.9 GB: its forward + backward
     was timed at the config's own micro-batch 16 x 2,048 tokens (the continued-pretraining defaults),
     three times after a warm-up, where one call's fp32 logits alone are 16 * 2048 * 49152 * 4 bytes
     (6.4 GB). Now it is timed at the largest size the tables measured before it put under CALL_S

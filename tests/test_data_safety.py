@@ -151,7 +151,7 @@ def test_a_slow_writing_command_leaves_every_user_file_intact(name, trained, tin
     _check(name, SLOW[name], trained, tiny_data, tmp_path, cli, monkeypatch)
 
 
-# --- the same property where the checks once looked at names and places (issue 39) -------------
+# --- the same property where the checks once looked at names and places ---------------------
 # symlinks: every user file is a link to one outside (written through before); dotdot: the folder is
 # named through a folder that does not exist and back (DIR/missing/../user: checks skipped before);
 # crafted: the folder holds records written by hand that list the user's files with their right

@@ -1,4 +1,4 @@
-"""Nothing lost at the edges (issue 39, items 5-8): values that are not numbers, buffers the pre-flight
+"""Nothing lost at the edges: values that are not numbers, buffers the pre-flight
 must book, inputs skipped without a word, orphaned workers, and tracebacks where one line is promised.
 Each case ends in one line, exit 2, with the user's bytes intact."""
 

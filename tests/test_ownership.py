@@ -1,4 +1,4 @@
-"""Ownership by content (issue 39): a command replaces or deletes only bytes flopwise recorded when it
+"""Ownership by content: a command replaces or deletes only bytes flopwise recorded when it
 wrote them, in the folder the record was written for; never through a symlink; after resolving the
 path it was given; one writer per folder. Each breach below was reproduced on the code before (the
 before/after table is in the closing note); every case leaves the user's bytes as they were and ends

@@ -201,5 +201,5 @@ def test_documented_example(step: Step, folders, tmp_path_factory):
 
 @pytest.mark.docs
 def test_the_docs_run_enough_examples():
-    """The issue's floor: at least 40 documented commands are executed (not skipped)."""
+    """The floor: at least 40 documented commands are executed (not skipped)."""
     assert len([s for s in EXAMPLES if not s.skip]) >= 40

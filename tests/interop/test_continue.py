@@ -1,6 +1,6 @@
-"""Continuing a real model as users do (issue 41): a tiny Llama instruct model built with
+"""Continuing a real model as users do: a tiny Llama instruct model built with
 transformers' own classes and a real HF tokenizer (bos/eos special tokens, a chat template in
-tokenizer_config.json), imported, continued, evaluated and exported; each trap of the issue is
+tokenizer_config.json), imported, continued, evaluated and exported; each trap a user met there is
 a test, and transformers (AutoTokenizer, LlamaForCausalLM) is the reference."""
 
 import json

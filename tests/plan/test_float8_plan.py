@@ -2,7 +2,7 @@
 docs/source/workflows/training.md at commit 36027d8, "e2e training benchmarks", NVIDIA H100):
 torchtitan, Llama 3 8B on 8 H100s, FSDP2, batch 1 per GPU, seq 8192, torch.compile, per-op
 selective activation checkpointing; median tokens/s per GPU: bf16 6150, tensorwise with float8
-all-gather 7689.5, rowwise with bf16 all-gather 6768. benchmarks/plan_float8_published.py prints
+all-gather 7689.5, rowwise with bf16 all-gather 6768. benchmarks/published/plan_float8_published.py prints
 the same comparison with the step's terms.
 
 Per-op SAC is none of the planner's recompute modes, so every mode is held to the table. The
@@ -82,7 +82,7 @@ def test_rowwise_linear_speedups_match_torchaos_table_where_float8_can_pay():
     to this GPU, do not reach: the planner now overrates float8 here by 7% on average.
     Not held: narrower outputs (N <= 2048), where float8 loses everywhere in the table and the
     planner, though on the right side of 1, promises more speed than measured (median |log ratio|
-    0.26, i.e. 30%; benchmarks/results/plan_float8_linear.json): the float8 side
+    0.26, i.e. 30%; benchmarks/published/results/plan_float8_linear.json): the float8 side
     costs more there than the planner books (casts at its streaming rate, GEMMs at the fp8 peak's
     share). A fixed 2 us per cast kernel (torchao's roofline, KERNEL_LAUNCH_OVERHEAD_SEC) would
     close about a quarter of that; no kernel-level figure at hand explains the rest."""

@@ -54,7 +54,7 @@ def test_narayanan_table1_hardware_tflops(row):
     """Published layout (tp, pp, dp, interleaved, full recompute) fixed; v searched. Pipelined rows
     run micro-batch 1, as Megatron-LM's GPT-3 175B example of the same release does
     (examples/pretrain_gpt3_175B.sh, April 2021: tp 8, pp 16, micro-batch 1, fp16); the others
-    search it. Within ±10%, and the pipelined rows within ±5% (issue 16: p2p exchanges in the
+    search it. Within ±10%, and the pipelined rows within ±5% (once p2p exchanges in the
     bubble, the scatter/gather receiver's all-gather, 16-bit gradient accumulation per micro-batch)."""
     layers, hidden, heads, tp, pp, gpus, batch, published = row
     sh = model_shape(megatron_gpt(layers, hidden, heads), 2048)
@@ -207,7 +207,7 @@ def test_megatron_1t_search_finds_a_layout_at_least_as_fast_as_published():
 
 def test_405b_on_16k_search_is_bounded():
     """The full search for llama3-405b on 16,384 H100s stays small enough to run in well under a second
-    (timing is in benchmarks/plan_speed.py; here the number of evaluations is the guard)."""
+    (timing is in benchmarks/throughput/plan_speed.py; here the number of evaluations is the guard)."""
     sh = model_shape(ModelConfig(preset="llama3-405b"), 8192)
     res = search(sh, get_hardware("h100-sxm"), 16384, 8192, 2048, STACKS["flopwise"])
     assert res.fitting > 0 and res.evaluated < 20000
@@ -298,7 +298,7 @@ def test_goodput_is_first_order_when_failures_are_rare_and_not_when_restarts_are
     write, restart, mtbf, tau = 10.0, 60.0, 1e6, 4000.0
     first = 1 - write / tau - (restart + tau / 2) / mtbf
     assert goodput(tau, write, restart, mtbf) == pytest.approx(first, abs=1e-4)
-    # benchmarks/RESULTS.md's run: R = 36 s, M = 45 s. First order: 0.08; the exact expectation: 0.40
+    # benchmarks/long/goodput.md's first-order run: R = 36 s, M = 45 s. First order: 0.08; the exact expectation: 0.40
     first = 1 - 0.321 / 5.18 - (36.1 + 5.18 / 2) / 45
     assert first < 0.1 and goodput(5.18, 0.321, 36.1, 45) == pytest.approx(0.40, abs=0.01)
     assert goodput(1.0, 0.1, 0.0, math.inf) == pytest.approx(1 / 1.1)

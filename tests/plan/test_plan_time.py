@@ -100,8 +100,8 @@ def test_measured_step_time_is_the_sum_of_its_profiled_components(layout, tmp_pa
 
 
 def test_an_uncalibrated_cpu_is_planned_at_nominal_rates_and_marked():
-    """The built-in `cpu` entry has no measured peak: a time is predicted at nominal rates (issue 41:
-    plan answers without a calibration file) and the planned hardware is marked uncalibrated."""
+    """The built-in `cpu` entry has no measured peak: a time is predicted at nominal rates (plan
+    answers without a calibration file) and the planned hardware is marked uncalibrated."""
     from flopwise.plan.planner import plan_hardware
 
     cfg = validate(load_tree("demo", []))

@@ -5,7 +5,7 @@ wall time once: productive steps, lost work, restarts and checkpoint stalls, and
 its medians leave; and the planner's goodput fed the run's own step, write and restart times and
 failure rate is above the measured one, as one failure where the model expects fewer must put it.
 Whether the planner's goodput is right to 5 points needs R << M and tens of failures a run:
-benchmarks/goodput.py (an hour: not CI), benchmarks/RESULTS.md."""
+benchmarks/long/goodput.py (an hour: not CI), benchmarks/long/goodput.md."""
 
 import re
 from itertools import pairwise
@@ -52,7 +52,7 @@ def test_a_killed_run_resumes_and_its_goodput_is_accounted_and_predicted(tiny_da
     # The parts are counts x medians; what they leave is each ordinary gap's excess over its median
     # (the restart's gap is held whole by lost work and restart). A part counted twice or missed
     # shows here. How big the excess is depends on the load: 9.0 s of 51.2 s on a 2-core EPYC at a
-    # load of 7 (CI, 2026-12-07), so it is not bounded here; benchmarks/goodput.py: 0.6-2.9%, quiet.
+    # load of 7 (CI, 2026-12-07), so it is not bounded here; benchmarks/long/goodput.py: 0.6-2.9%, quiet.
     excess = sum(
         t1 - t0 - a.step_s - (a.stall_s if s0 % INTERVAL == 0 else 0.0)
         for (t0, s0), (t1, s1) in pairwise(t.lines)

@@ -288,7 +288,7 @@ def distcp_bytes(ckpt) -> int:
 
 @pytest.mark.slow
 def test_tied_embeddings_are_stored_once_and_resume_exactly(tiny_data, tiny_run, tmp_path, monkeypatch):
-    """Issue 41: a tied head was stored twice, as itself and as the embedding (a 135M import: 652 MB
+    """A tied head was stored twice, as itself and as the embedding (a 135M import: 652 MB
     where 538 MB hold it). Now a tied checkpoint is its untied twin less three embeddings (the head
     and its two AdamW moments: fp32 vocab x d_model each), the old writer's less one; the weight is
     shared again after a load, resume is bitwise, the HF export ties, and a checkpoint written the
@@ -329,7 +329,7 @@ def test_tied_embeddings_are_stored_once_and_resume_exactly(tiny_data, tiny_run,
 
 @pytest.mark.slow
 def test_rerunning_a_finished_run_builds_and_loads_nothing(tiny_data, tmp_path, monkeypatch, cli):
-    """Issue 41: `flopwise train` again in a finished run's folder took 82 s (a 135M model) to say
+    """`flopwise train` again in a finished run's folder took 82 s (a 135M model) to say
     there was nothing to do: it built the model and loaded the checkpoint first. The answer comes
     from the newest checkpoint's state.json now: no model is built, no tensor read; the same line,
     exit 0, and the summary of what the run recorded."""
@@ -405,7 +405,7 @@ def test_watchdog_dumps_every_thread_when_a_step_hangs(tmp_path):
 
 @pytest.mark.slow
 def test_a_slow_step_is_one_line_on_the_terminal_and_its_stacks_only_in_the_report(tiny_data, tmp_path):
-    """Issue 41: a step past the watchdog's limit on one process (a 135M model's step past 300 s)
+    """A step past the watchdog's limit on one process (a 135M model's step past 300 s)
     printed every thread's stack, some 40 lines, on the terminal. Now one line names the step, the
     time and hang-rank0.txt, which holds the stacks (the slow step's sleep among them); a user runs
     `flopwise train`, so this runs it in a fresh process, where faulthandler reaches the real stderr."""

@@ -169,7 +169,7 @@ def test_incomplete_checkpoints_are_never_resumed(tiny_run_copy):
 
 def test_a_checkpoint_missing_any_one_file_is_never_resumed(tiny_run_copy):
     """The newest checkpoint with each of its files removed in turn: every time, resume takes the
-    one before it (issue 17: a checkpoint whose files are removed one at a time)."""
+    one before it (a checkpoint whose files are removed one at a time is never resumed from)."""
     run_dir = tiny_run_copy(6)
     newest = checkpoint.list_complete(run_dir)[-1]
     files = sorted(p.name for p in newest.iterdir())

@@ -32,8 +32,8 @@ A100_GEMM = 0.75
 
 def hopper_calibration(hbm_bw: float, source: str) -> Calibration:
     """Hopper tables measured on this project's H200 (2026-12-04, torch 2.11, cuBLAS, cuDNN SDPA):
-    benchmarks/hopper_tables.py derives every row from the kernel profile of a compiled 1.1B Llama
-    step (benchmarks/results/gpu_llama1b_z3_b8.json) beside the planner's time for the same work,
+    benchmarks/published/hopper_tables.py derives every row from the kernel profile of a compiled 1.1B Llama
+    step (benchmarks/gpu/results/gpu_llama1b_z3_b8.json) beside the planner's time for the same work,
     and tests check the rows against that profile. One measured shape per table, not curves: the
     GEMM share is all 339 products of that step (A100's assumed 0.75 gave the same within 1%); cuDNN
     attention's backward ran at 0.64 of the peak, not 0.75. An H100 SXM has the same GH100 compute

@@ -9,7 +9,7 @@ A hardware entry's `[NAME.recovery]` table:
 - restart_fixed_s, read_bytes_per_s: a new process's start, imports, model and optimizer build
   (the fixed part) and its checkpoint load (bytes at a rate), from a subprocess that restarts from
   that save. Not in it: detecting the failure and the launcher's rendezvous, which a real restart
-  adds (benchmarks/goodput.py measures the whole of it under torchrun);
+  adds (benchmarks/long/goodput.py measures the whole of it under torchrun);
 - source: where and when, and the folder whose file system was written.
 """
 

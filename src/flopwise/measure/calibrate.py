@@ -19,7 +19,7 @@ degrees a layout search on this machine tries, plus a coarse grid so other model
 Timings are medians of repeats after a warm-up; the GPU is synchronised around each.
 
 The work is shaped to the machine (timed at the config's own sizes, three times over, a 135M model at
-its 2,048-token context took 345 s and 8.9 GB): a CPU product or attention call grows with the
+its 2,048-token context took minutes and gigabytes): a CPU product or attention call grows with the
 threads a rank has (about 0.1 s a call on a core of ~0.2 TFLOP/s; no larger than the measured peak
 does in 0.1 s, which a CPU without bf16 instructions needs); the model's forward + backward
 is timed at the largest micro-batch and sequence (up to the config's) that the tables measured

@@ -1,9 +1,9 @@
 """The built-in H100/H200 efficiency tables, derived from the one H200 profile this project recorded
-(benchmarks/results/gpu_llama1b_z3_b8.json; `python benchmarks/hopper_tables.py` prints them beside
+(benchmarks/gpu/results/gpu_llama1b_z3_b8.json; `python benchmarks/published/hopper_tables.py` prints them beside
 every recorded H200 run), and the planner's step time of those runs.
 
 Source: `benchmarks/gpu/llama1b.py --zero 3 --profile` on a lent H200 (2026-12-04, torch 2.11.0+cu130,
-cuBLAS nvjet GEMM kernels, cuDNN SDPA; benchmarks/results/gpu_llama1b_z3_b8.json): one compiled step of
+cuBLAS nvjet GEMM kernels, cuDNN SDPA; benchmarks/gpu/results/gpu_llama1b_z3_b8.json): one compiled step of
 a 1.1B Llama (16 x 2048, 32 heads of 64, 8 kv heads, SwiGLU 8192, vocab 32000) at 8 x 2048 tokens,
 208.96 ms of kernels. Each kernel class's measured time is set beside the planner's time for the same
 work at unit efficiency (GEMMs, attention forward and backward) or at the nominal HBM bandwidth
@@ -139,7 +139,7 @@ def predict(cfg: Config, hw: Hardware) -> tuple[float, float]:
 
 
 def derive(run: dict) -> Calibration:
-    """The H200 table from the recorded profile `run` (benchmarks/results/gpu_llama1b_z3_b8.json; see
+    """The H200 table from the recorded profile `run` (benchmarks/gpu/results/gpu_llama1b_z3_b8.json; see
     the module docstring)."""
     k = self_cuda_ms(run["profile_top_kernels"])
     cfg = run_config(run["batch"], 3, True)
@@ -168,5 +168,5 @@ def derive(run: dict) -> Calibration:
         ),
         elementwise=((1, ACT_BYTES * tokens * cfg.model.d_model, rate),),
         optimizer=((run["params"], round(k["adamw"] * 1e-3 + clip_bytes / rate, 5)),),
-        source="derived from benchmarks/results/gpu_llama1b_z3_b8.json (benchmarks/hopper_tables.py)",
+        source="derived from benchmarks/gpu/results/gpu_llama1b_z3_b8.json (benchmarks/published/hopper_tables.py)",
     )

@@ -14,8 +14,8 @@ config's model and optimizer on the device and loads that checkpoint, timed from
 end of the load (the faster of two: the first may pay cold file caches that a job restarted on the
 same node does not); its own load time gives the read rate, the rest is the fixed part.
 A real restart also detects the failure and meets its peers again (rendezvous): not in this.
-About 20 s on a loaded 2-core CPU (the restarts: Python and torch start slowly there), against
-the minutes of the rest of calibrate.
+It costs seconds, mostly the restarts (Python and torch start slowly on a small CPU), against the
+minutes of the rest of calibrate (the figures: benchmarks/long/goodput.md).
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ class CoreAttention(nn.Module):
 
     On CPU the core runs in fp32 even under bf16 autocast: torch's CPU flash kernel is up to 2.7×
     slower in bf16 than in fp32 at small head dims (forward + backward, head_dim 32: 11.1 vs 4.1 ms;
-    never faster at head_dim 64; benchmarks/RESULTS.md), and fp32 is the more exact of the two."""
+    never faster at head_dim 64; benchmarks/throughput/train_cpu.md), and fp32 is the more exact of the two."""
 
     def __init__(self, dropout: float):
         super().__init__()

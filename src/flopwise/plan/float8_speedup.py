@@ -1,5 +1,5 @@
 """The planner's float8 speed-up of one linear, shape by shape, for comparison with torchao's published
-per-shape table (benchmarks/plan_float8_linear.py prints it; tests/plan/test_float8_plan.py checks it).
+per-shape table (benchmarks/published/plan_float8_linear.py prints it; tests/plan/test_float8_plan.py checks it).
 
 Reference: torchao's per-shape microbenchmark on an NVIDIA H100 (tests/fixtures/torchao_float8_rowwise_h100.json,
 transcribed from pytorch/ao docs/static/fp8-rowwise-perf.png at commit fdddb2cfa, with its citation):

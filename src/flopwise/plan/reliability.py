@@ -23,7 +23,7 @@ measured from a run that failed. Pure Python.
   and its write δ then takes M·e^{R/M}·(e^{(τ+δ)/M} − 1) of wall time on average, so goodput is τ
   over that. Expanded for τ, δ, R ≪ M it is 1 − δ/τ − (R + τ/2)/M: each interval pays a write,
   each failure a restart and half an interval redone. That first-order form was this planner's
-  until a measured run with R = 0.8·M (benchmarks/RESULTS.md): there it predicted nearly nothing,
+  until a measured run with R = 0.8·M (benchmarks/long/goodput.md): there it predicted nearly nothing,
   where failures striking restarts and the exponential's tail are what matter. The Daly interval
   is (nearly) the maximum of the exact form; R scales the cost, it does not move the optimum.
   Expected wall-clock = failure-free time / goodput; expected failures = wall-clock / M.

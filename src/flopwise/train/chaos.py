@@ -7,7 +7,7 @@ fixed ones (a test's kill just after step N) or `exponential_gaps` (failures at 
 failures, M).
 A failure due while no worker is alive (torchrun between two generations of workers) strikes the
 next worker to start: in the exponential model a failure during a restart restarts it, and so does
-killing a starting worker. Used by tests/train/test_goodput.py and benchmarks/goodput.py.
+killing a starting worker. Used by tests/train/test_goodput.py and benchmarks/long/goodput.py.
 """
 
 from __future__ import annotations

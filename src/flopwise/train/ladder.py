@@ -218,7 +218,7 @@ def run_ladder(base: Config, runs: list[LadderRun], out: Path, jobs: int = 1) ->
 
     Ladder models are tiny, and one of them barely uses a second core (2 cores: the smallest ladder
     shape's step takes 14 ms on 2 threads and 23 ms on 1; the ladder's first two rungs train 1.2x
-    sooner two at a time, benchmarks/RESULTS.md). With `jobs` > 1 that many runs train at once in
+    sooner two at a time, benchmarks/throughput/ladder_speed.md). With `jobs` > 1 that many runs train at once in
     worker processes that split this process's threads, the largest budgets' and longest runs first.
     """
     import torch
