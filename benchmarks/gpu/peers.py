@@ -29,11 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "throughput"))  # train_cpu.py's peers
 from _out import report  # noqa: E402  (benchmarks/gpu/_out.py: this script's folder is on sys.path)
-from train_cpu import flopwise_config, flopwise_step, fused_adamw, nanogpt_step, peer_step  # noqa: E402
-
 from flopwise.flops import flops_per_token, mfu  # noqa: E402
 from flopwise.hardware.catalogue import CATALOGUE  # noqa: E402
 from flopwise.train.metrics import device_peak  # noqa: E402
+from train_cpu import flopwise_config, flopwise_step, fused_adamw, nanogpt_step, peer_step  # noqa: E402
 
 SHAPES = {
     "llama": dict(

@@ -11,12 +11,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "published"))  # the published Megatron shapes
-from plan_published import megatron  # noqa: E402
-
 from flopwise.config.schema import ModelConfig  # noqa: E402
 from flopwise.hardware.catalogue import get_hardware  # noqa: E402
 from flopwise.plan.search import search  # noqa: E402
 from flopwise.plan.step import STACKS, model_shape  # noqa: E402
+from plan_published import megatron  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "plan_speed.json"
 

@@ -16,12 +16,12 @@ from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from train_cpu import SHAPES, flopwise_config
 
 from flopwise.parallel import mesh
 from flopwise.train.build import build_engine
 from flopwise.train.faults import Faults
 from flopwise.train.trainer import train_step
+from train_cpu import SHAPES, flopwise_config
 
 GROUPS = [
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")),
