@@ -11,7 +11,7 @@ from pathlib import Path
 
 from flopwise.config.schema import ModelConfig
 from flopwise.hardware.catalogue import get_hardware
-from flopwise.plan.search import search
+from flopwise.plan.search import search_layouts
 from flopwise.plan.step import STACKS, model_shape
 
 OUT = Path(__file__).parent / "results" / "plan.json"
@@ -23,7 +23,7 @@ def timed(name, model, seq, hardware, gpus, batch, stack="flopwise", fixed=None,
     best_s, res = float("inf"), None
     for _ in range(repeats):
         t = time.perf_counter()
-        res = search(sh, hw, gpus, seq, batch, STACKS[stack], fixed)
+        res = search_layouts(sh, hw, gpus, seq, batch, STACKS[stack], fixed)
         best_s = min(best_s, time.perf_counter() - t)
     b = res.best
     return {
