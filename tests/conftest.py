@@ -105,7 +105,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """Alice in Wonderland split into chapters, tokenized with a 512-token BPE."""
-    from flopwise.data.prepare import prepare
+    from flopwise.data.prepare import prepare_data
     from flopwise.data.shards import resolve_input
 
     src = resolve_input("builtin:alice").read_text()
@@ -114,7 +114,7 @@ def tiny_data(tmp_path_factory) -> Path:
         if chunk.strip():
             (docs / f"part_{i:02d}.txt").write_text(chunk)
     out = tmp_path_factory.mktemp("data") / "alice"
-    prepare([str(docs)], out, tokenizer="bpe:512", val_fraction=0.1, seed=0)
+    prepare_data([str(docs)], out, tokenizer="bpe:512", val_fraction=0.1, seed=0)
     return out
 
 
@@ -277,14 +277,14 @@ def demo_data(tmp_path_factory) -> Path:
 def tiny_mix(tiny_data, tmp_path_factory) -> str:
     """A two-source mixture for data.sources: Alice (weight 0.7) and three Shakespeare plays
     tokenized with Alice's tokenizer (0.3)."""
-    from flopwise.data.prepare import prepare
+    from flopwise.data.prepare import prepare_data
     from flopwise.data.shards import resolve_input
 
     plays = tmp_path_factory.mktemp("plays")
     for f in sorted(resolve_input("builtin:shakespeare").iterdir())[:3]:
         (plays / f.name).write_text(f.read_text()[:60_000])
     out = tmp_path_factory.mktemp("data") / "plays"
-    prepare([str(plays)], out, tokenizer=str(tiny_data / "tokenizer.json"), val_fraction=0.34, seed=0)
+    prepare_data([str(plays)], out, tokenizer=str(tiny_data / "tokenizer.json"), val_fraction=0.34, seed=0)
     return f'[{{path="{tiny_data}", weight=0.7, name="alice"}}, {{path="{out}", weight=0.3, name="plays"}}]'
 
 
@@ -294,14 +294,14 @@ def tiny_docs(tiny_data, tmp_path_factory) -> Path:
     tokenized with Alice's tokenizer."""
     import json
 
-    from flopwise.data.prepare import prepare
+    from flopwise.data.prepare import prepare_data
     from flopwise.data.shards import resolve_input
 
     paragraphs = [p for p in resolve_input("builtin:alice").read_text().split("\n\n") if p.strip()]
     src = tmp_path_factory.mktemp("paragraphs") / "alice.jsonl"
     src.write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
     out = tmp_path_factory.mktemp("data") / "paragraphs"
-    prepare([str(src)], out, tokenizer=str(tiny_data / "tokenizer.json"), val_fraction=0.1, seed=0)
+    prepare_data([str(src)], out, tokenizer=str(tiny_data / "tokenizer.json"), val_fraction=0.1, seed=0)
     return out
 
 

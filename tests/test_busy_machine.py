@@ -39,7 +39,7 @@ def test_a_refused_measure_is_one_line_on_a_busy_machine(busy, monkeypatch, caps
 def test_measure_calls_on_start_after_validation_only():
     """The hook runs for an accepted config, before the launch (the sentinel stops it there), and
     never for a refused one."""
-    from flopwise.measure.step import measure
+    from flopwise.measure.step import measure_plan
 
     class Launching(Exception):
         pass
@@ -48,8 +48,8 @@ def test_measure_calls_on_start_after_validation_only():
         raise Launching
 
     with pytest.raises(ConfigError, match="does not divide"):
-        measure("demo", ["parallel.tp=3"], on_start=on_start)
+        measure_plan("demo", ["parallel.tp=3"], on_start=on_start)
     with pytest.raises(ConfigError, match="--steps=0"):
-        measure("demo", [], steps=0, on_start=on_start)
+        measure_plan("demo", [], steps=0, on_start=on_start)
     with pytest.raises(Launching):
-        measure("demo", ["parallel.dp=2", "train.micro_batch=8"], on_start=on_start)
+        measure_plan("demo", ["parallel.dp=2", "train.micro_batch=8"], on_start=on_start)

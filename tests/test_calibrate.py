@@ -16,7 +16,7 @@ import pytest
 
 from flopwise.errors import ConfigError
 from flopwise.hardware.catalogue import CATALOGUE, cpu_multiplies_bf16, load_catalogue
-from flopwise.measure.calibrate import save
+from flopwise.measure.calibrate import save_hardware
 from flopwise.plan.step import ACT_BYTES
 from tests.conftest import flopwise, run_main
 
@@ -137,8 +137,8 @@ def test_calibrated_prediction_is_the_measured_step_to_a_factor(calibrated, tmp_
 def test_save_replaces_its_own_entry_and_keeps_the_others(calibrated, tmp_path):
     out, _ = calibrated
     target = tmp_path / "cluster.toml"
-    save(CATALOGUE["h200"], target)
-    save(load_catalogue(out)["cpu"], target)
+    save_hardware(CATALOGUE["h200"], target)
+    save_hardware(load_catalogue(out)["cpu"], target)
     both = load_catalogue(target)
     assert both["h200"] == CATALOGUE["h200"] and both["cpu"].calibration == load_catalogue(out)["cpu"].calibration
     mine = tmp_path / "notes.toml"

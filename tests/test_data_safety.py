@@ -409,7 +409,7 @@ def test_an_output_under_a_file_is_one_line_exit_2(name, tiny_data, tmp_path, ca
     def never(*a, **k):
         raise AssertionError("the work started before the output was checked")
 
-    monkeypatch.setattr(flopwise.measure.calibrate, "calibrate", never)
+    monkeypatch.setattr(flopwise.measure.calibrate, "calibrate_device", never)
     monkeypatch.setattr(flopwise.data.prepare, "survey", never)
     code, err = run_main(argv, capsys, monkeypatch)
     _one_line_exit_2(code, err, option, "afile is a file, not a folder")

@@ -157,7 +157,7 @@ def test_calibrate_in_fp32_is_refused_before_measuring(tmp_path, cli, monkeypatc
     def never(*a, **k):
         raise AssertionError("calibrate measured before refusing fp32")
 
-    monkeypatch.setattr(flopwise.measure.calibrate, "calibrate", never)
+    monkeypatch.setattr(flopwise.measure.calibrate, "calibrate_device", never)
     r = cli("hardware", "calibrate", 'train.dtype="fp32"', "--out", str(tmp_path / "hw.toml"), cwd=tmp_path)
     assert "train.dtype=fp32" in one_line(r)
     assert list(tmp_path.iterdir()) == []
@@ -168,16 +168,16 @@ def test_calibrate_out_over_its_own_file_keeps_the_users_comments(tmp_path):
     edit breaks the file's seal, so it is the user's), bytes kept."""
     from dataclasses import replace
 
-    from flopwise.measure.calibrate import save
+    from flopwise.measure.calibrate import save_hardware
 
     path = tmp_path / "hw.toml"
-    save(replace(CATALOGUE["h100-sxm"], name="mine"), path)
-    save(replace(CATALOGUE["h200"], name="mine"), path)  # flopwise's own file, no comment: replaced
+    save_hardware(replace(CATALOGUE["h100-sxm"], name="mine"), path)
+    save_hardware(replace(CATALOGUE["h200"], name="mine"), path)  # flopwise's own file, no comment: replaced
     assert load_catalogue(path)["mine"].memory_bytes == CATALOGUE["h200"].memory_bytes
     text = path.read_text().replace("[mine]\n", "[mine]\n# measured on node 7 after the BIOS update\n", 1)
     path.write_text(text)
     with pytest.raises(ConfigError, match="something flopwise did not write"):
-        save(replace(CATALOGUE["h100-sxm"], name="mine"), path)
+        save_hardware(replace(CATALOGUE["h100-sxm"], name="mine"), path)
     assert path.read_text() == text
 
 
@@ -392,7 +392,7 @@ def test_what_a_folder_walk_skips_is_counted_and_named(tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from flopwise.data.prepare import prepare
+    from flopwise.data.prepare import prepare_data
 
     src = tmp_path / "in"
     (src / "locked").mkdir(parents=True)
@@ -410,7 +410,7 @@ def test_what_a_folder_walk_skips_is_counted_and_named(tmp_path, monkeypatch):
         return real(path)
 
     monkeypatch.setattr(os, "scandir", scandir)
-    stats = prepare([str(src)], tmp_path / "out", tokenizer="bpe:300", workers=1)
+    stats = prepare_data([str(src)], tmp_path / "out", tokenizer="bpe:300", workers=1)
     assert stats.documents == 1
     skipped = json.loads((tmp_path / "out" / "report.json").read_text())["skipped"]
     assert (

@@ -231,7 +231,7 @@ def build_real(root: Path) -> dict[str, Path]:
     the same bytes on every machine, so a seed means the same mutants everywhere (before, DCP's
     absolute checkpoint path moved the seeded bit flips with the temp folder's name)."""
     from flopwise.config.schema import to_toml
-    from flopwise.data.prepare import prepare
+    from flopwise.data.prepare import prepare_data
     from flopwise.data.shards import resolve_input
     from flopwise.data.tasks import builtin_tasks
     from flopwise.interop.convert import export_hf
@@ -246,7 +246,7 @@ def build_real(root: Path) -> dict[str, Path]:
         for i, chunk in enumerate(resolve_input("builtin:alice").read_text().split("CHAPTER")):
             if chunk.strip():
                 (docs / f"part_{i:02d}.txt").write_text(chunk)
-        prepare([str(docs)], Path("data"), tokenizer="bpe:512", val_fraction=0.1, seed=0)
+        prepare_data([str(docs)], Path("data"), tokenizer="bpe:512", val_fraction=0.1, seed=0)
         cfg = load_config(
             None,
             tiny_overrides(

@@ -120,10 +120,10 @@ def one(shape: str, recipe: str, a: argparse.Namespace) -> dict:
 
 
 def prepare_data(a: argparse.Namespace) -> None:
-    from flopwise.data.prepare import prepare
+    from flopwise.data.prepare import prepare_data
 
     if not (a.data / "index.json").exists():
-        prepare(["builtin:shakespeare"], a.data, tokenizer=f"bpe:{a.vocab}", val_fraction=0.05, seed=0)
+        prepare_data(["builtin:shakespeare"], a.data, tokenizer=f"bpe:{a.vocab}", val_fraction=0.05, seed=0)
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])  # the workers too
 
-from flopwise.plan.reliability import CHECKPOINT_BYTES_PER_PARAM, Account, account, daly_interval  # noqa: E402
+from flopwise.plan.reliability import CHECKPOINT_BYTES_PER_PARAM, Account, daly_interval, measured_account  # noqa: E402
 from flopwise.train.chaos import Timeline, exponential_gaps, run_under_failures  # noqa: E402
 
 MODEL = ["model.preset=demo-tiny", "data.seq_len=32", "train.global_batch=8"]
@@ -50,7 +50,7 @@ MODEL = ["model.preset=demo-tiny", "data.seq_len=32", "train.global_batch=8"]
 
 def prepare(tmp: Path) -> Path:
     """Alice tokenized with a 512-token BPE (demo-tiny's vocabulary), once."""
-    from flopwise.data.prepare import prepare as prep
+    from flopwise.data.prepare import prepare_data as prep
     from flopwise.data.shards import resolve_input
 
     docs = tmp / "alice_docs"
@@ -87,7 +87,7 @@ def calibrate(tmp: Path, data: Path) -> Account:
     """Step time, write stall and restart time of this machine now, from one run with one failure
     (just after step 75, so that a checkpoint exists whatever the machine's speed)."""
     t = run_under_failures(overrides(tmp / "calibrate", data, 150, 10), [0.1], from_step=75, timeout_s=900)
-    return account(t.lines, t.kills, 10)
+    return measured_account(t.lines, t.kills, 10)
 
 
 def plan(cal: Account, mtbf: float, params: float) -> dict:
@@ -137,7 +137,7 @@ def measure(tmp: Path, data: Path, mtbf: float, interval: int, productive_s: flo
         until=enough(productive_s),
         timeout_s=20 * productive_s + 900,
     )
-    a = account(t.lines, t.kills, interval)
+    a = measured_account(t.lines, t.kills, interval)
     tau = interval * a.step_s
     return {
         "interval_s": tau,

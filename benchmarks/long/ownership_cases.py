@@ -259,11 +259,11 @@ if not (DATA / "index.json").exists():  # a tiny prepared corpus: Alice's chapte
             f"""
 from pathlib import Path
 from flopwise.data.shards import resolve_input
-from flopwise.data.prepare import prepare
+from flopwise.data.prepare import prepare_data
 d = Path({str(WORK / "docs")!r}); d.mkdir(parents=True, exist_ok=True)
 for i, c in enumerate(resolve_input("builtin:alice").read_text().split("CHAPTER")):
     (d / f"part_{{i:02d}}.txt").write_text(c) if c.strip() else None
-prepare([str(d)], {str(DATA)!r}, tokenizer="bpe:300", val_fraction=0.1, seed=0)
+prepare_data([str(d)], {str(DATA)!r}, tokenizer="bpe:300", val_fraction=0.1, seed=0)
 """,
         ],
         env=ENV,

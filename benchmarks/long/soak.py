@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 from flopwise.checkpoints import checkpoint
-from flopwise.data.prepare import prepare
+from flopwise.data.prepare import prepare_data
 from flopwise.data.shards import read_index, resolve_input
 from flopwise.errors import DataError
 
@@ -222,7 +222,7 @@ def main() -> None:
         chapters.mkdir(parents=True, exist_ok=True)
         for i, text in enumerate(resolve_input("builtin:alice").read_text().split("CHAPTER")):
             (chapters / f"part_{i:02d}.txt").write_text(text)
-        prepare([str(chapters)], data, tokenizer="bpe:512", val_fraction=0.1, seed=0)
+        prepare_data([str(chapters)], data, tokenizer="bpe:512", val_fraction=0.1, seed=0)
     for name in ("reference", "soak", "segmented"):  # a fresh run each time
         shutil.rmtree(args.out / name, ignore_errors=True)
     faults = schedule(args)

@@ -14,7 +14,7 @@ from dataclasses import replace
 from flopwise.config.schema import ModelConfig
 from flopwise.hardware.catalogue import get_hardware
 from flopwise.layout.rules import Layout
-from flopwise.plan.search import search
+from flopwise.plan.search import search_layouts
 from flopwise.plan.step import STACKS, estimate, layer_times, model_shape
 
 A100 = get_hardware("a100-80gb")
@@ -77,7 +77,7 @@ def main() -> None:
         fixed = {**fixed_all, "tp": tp, "pp": pp, "pp_schedule": "interleaved-1f1b" if pp > 1 else "1f1b"}
         if pp > 1:
             fixed["micro_batch"] = 1
-        best = search(
+        best = search_layouts(
             model_shape(megatron(layers, hidden, heads), 2048), A100, gpus, 2048, batch, STACKS["megatron-2021"], fixed
         ).best
         print(

@@ -32,7 +32,7 @@ from rich.table import Table  # noqa: E402
 from conftest import tiny_overrides  # noqa: E402
 from flopwise.checkpoints import checkpoint  # noqa: E402
 from flopwise.config.schema import load_config  # noqa: E402
-from flopwise.data.prepare import prepare  # noqa: E402
+from flopwise.data.prepare import prepare_data  # noqa: E402
 from flopwise.train.launch import train  # noqa: E402
 
 MODEL = {
@@ -52,7 +52,7 @@ STEPS, EVERY, REPEATS = 30, 5, 3
 
 def data(tmp: Path) -> Path:
     out = tmp / "shakespeare"
-    prepare(["builtin:shakespeare"], out, tokenizer="bpe:512", val_fraction=0.1, seed=0)
+    prepare_data(["builtin:shakespeare"], out, tokenizer="bpe:512", val_fraction=0.1, seed=0)
     return out
 
 

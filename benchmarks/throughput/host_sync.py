@@ -59,9 +59,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if not (Path(a.data) / "index.json").exists():
-        from flopwise.data.prepare import prepare
+        from flopwise.data.prepare import prepare_data
 
-        prepare(["builtin:shakespeare"], Path(a.data), tokenizer="bpe:4096", val_fraction=0.05, seed=0)
+        prepare_data(["builtin:shakespeare"], Path(a.data), tokenizer="bpe:4096", val_fraction=0.05, seed=0)
     rows = []
     with tempfile.TemporaryDirectory(prefix="host_sync-") as tmp:  # fresh runs (resume=none refuses old ones)
         for k in range(a.rounds):

@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 from conftest import tiny_overrides  # noqa: E402
-from flopwise.data.prepare import prepare  # noqa: E402
+from flopwise.data.prepare import prepare_data  # noqa: E402
 from flopwise.data.shards import resolve_input  # noqa: E402
 from flopwise.plan.memory import model_state_bytes  # noqa: E402
 
@@ -70,7 +70,7 @@ LAYOUTS = {
 def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     data = tmp / "data"
-    prepare([str(resolve_input("builtin:alice"))], data, tokenizer="bpe:512", val_fraction=0.1, seed=0)
+    prepare_data([str(resolve_input("builtin:alice"))], data, tokenizer="bpe:512", val_fraction=0.1, seed=0)
     results = {}
     for world, layouts in LAYOUTS.items():
         jobs = [

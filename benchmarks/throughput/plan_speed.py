@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "published"))  # the published Megatron shapes
 from flopwise.config.schema import ModelConfig  # noqa: E402
 from flopwise.hardware.catalogue import get_hardware  # noqa: E402
-from flopwise.plan.search import search  # noqa: E402
+from flopwise.plan.search import search_layouts  # noqa: E402
 from flopwise.plan.step import STACKS, model_shape  # noqa: E402
 from plan_published import megatron  # noqa: E402
 
@@ -26,7 +26,7 @@ def timed(name, model, seq, hardware, gpus, batch, stack="flopwise", fixed=None,
     best_s, res = float("inf"), None
     for _ in range(repeats):
         t = time.perf_counter()
-        res = search(sh, hw, gpus, seq, batch, STACKS[stack], fixed)
+        res = search_layouts(sh, hw, gpus, seq, batch, STACKS[stack], fixed)
         best_s = min(best_s, time.perf_counter() - t)
     b = res.best
     return {

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from flopwise.config.schema import load_tree, validate
 from flopwise.hardware.catalogue import load_catalogue
-from flopwise.measure.calibrate import save
-from flopwise.measure.step import measure, predicted_time
+from flopwise.measure.calibrate import save_hardware
+from flopwise.measure.step import measure_plan, predicted_time
 from flopwise.parallel.mesh import layout_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,11 +48,11 @@ def main() -> None:
     if not args.hardware_file:
         subprocess.run([sys.executable, "-m", "flopwise", "hardware", "calibrate", "--out", str(hw_file)], check=True)
     before_file = tmp / "uncalibrated.toml"
-    save(replace(load_catalogue(hw_file)["cpu"], calibration=None), before_file)
+    save_hardware(replace(load_catalogue(hw_file)["cpu"], calibration=None), before_file)
     rows = []
     for name, overrides in LAYOUTS.items():
         over = [*overrides, f'cluster.hardware_file="{hw_file}"', f'run.dir="{tmp / "run"}"']
-        r = measure("demo", over, steps=args.steps)
+        r = measure_plan("demo", over, steps=args.steps)
         tree = load_tree("demo", [*overrides, f'cluster.hardware_file="{before_file}"'])
         cfg = validate(tree)
         before, _ = predicted_time(cfg, layout_of(cfg, r["world"]))

@@ -79,9 +79,9 @@ def run_prepare(
     """One prepare in a child process (so its RSS and its workers' are the children's): seconds,
     peak RSS of the process tree; with kill_at, SIGKILL once that share of tokenize tasks finished."""
     code = (
-        f"import sys, json; from flopwise.data.prepare import prepare\n"
+        f"import sys, json; from flopwise.data.prepare import prepare_data\n"
         f"if __name__ == '__main__':\n"
-        f"    s = prepare([{str(corpus)!r}], {str(out)!r}, tokenizer={tokenizer!r}, workers={workers})\n"
+        f"    s = prepare_data([{str(corpus)!r}], {str(out)!r}, tokenizer={tokenizer!r}, workers={workers})\n"
         f"    print(json.dumps({{'documents': s.documents, 'tokens': s.tokens, 'bytes': s.bytes}}))\n"
     )
     t0 = time.perf_counter()
@@ -142,7 +142,7 @@ def interleaved(corpus: Path, tokenizer: Path, mb: int, rounds: int = 2) -> list
     sys.path.insert(0, str(SRC))
     from tokenizers import Tokenizer
 
-    from flopwise.data.prepare import prepare
+    from flopwise.data.prepare import prepare_data
 
     part = corpus.with_name(f"first-{mb}mb.jsonl")
     with open(corpus) as src, open(part, "w") as dst:
@@ -167,7 +167,7 @@ def interleaved(corpus: Path, tokenizer: Path, mb: int, rounds: int = 2) -> list
         out = corpus.with_name("interleaved-out")
         subprocess.run(["rm", "-rf", str(out)], check=True)
         t0 = time.perf_counter()
-        stats = prepare([str(part)], out, tokenizer=str(tokenizer), workers=1)
+        stats = prepare_data([str(part)], out, tokenizer=str(tokenizer), workers=1)
         rows.append(
             {
                 "encode_batch_serial_tokens_per_s": round(loop),

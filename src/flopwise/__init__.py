@@ -1,7 +1,11 @@
 """flopwise: plan, train and audit compute-optimal dense LLMs."""
 
+import importlib
 import logging
 import os
+import sys
+from collections.abc import Callable
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -14,3 +18,22 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 # a library prints nothing of its own accord: flopwise.log.setup (the CLI) adds the printers
 logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+
+def public_api(package: str, homes: dict[str, list[str]]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A package's face (PEP 562 `__getattr__` and `__dir__`): each public name is imported from its
+    home module (`homes`: module -> names) on first use, so importing a package imports none of its
+    modules; `flopwise plan` never loads torch through a face, and faces add no import cycles."""
+    home = {name: module for module, names in homes.items() for name in names}
+
+    def __getattr__(name: str) -> Any:
+        if name not in home:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{home[name]}"), name)
+        setattr(sys.modules[package], name, value)  # the next look-up is a plain attribute
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*vars(sys.modules[package]), *home})
+
+    return __getattr__, __dir__

@@ -218,7 +218,7 @@ def data_prepare(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from flopwise.config.schema import DataConfig, RunConfig
-    from flopwise.data.prepare import prepare
+    from flopwise.data.prepare import prepare_data as prepare
     from flopwise.data.shards import skipped_note
 
     val_fraction = DataConfig.model_fields["val_fraction"].default if val_fraction is None else val_fraction
@@ -344,7 +344,7 @@ def data_contamination(
     ),
 ) -> None:
     """Which evaluation examples share an n-gram with the training data (GPT-3's 13-gram rule)."""
-    from flopwise.data.contamination import measure
+    from flopwise.data.contamination import measure_contamination as measure
     from flopwise.data.tasks import load_task
 
     if ids_out:
@@ -409,7 +409,7 @@ def eval_cmd(
     loaded = [load_task(t.strip()) for t in tasks.split(",") if t.strip()] if tasks else []
     clean: list[set[int] | None] = [None] * len(loaded)
     if clean_against is not None:
-        from flopwise.data.contamination import measure
+        from flopwise.data.contamination import measure_contamination as measure
 
         dirty = measure(clean_against, loaded).contaminated
         clean = [set(range(len(ex))) - set(d) for (_, ex), d in zip(loaded, dirty, strict=True)]
@@ -475,7 +475,7 @@ def eval_cmd(
 def lm_eval_cmd(ctx: typer.Context) -> None:
     """lm-evaluation-harness with `--model flopwise` registered and the built-in tasks as flopwise_NAME."""
     try:
-        from flopwise.eval.harness import main as harness_main
+        from flopwise.eval.harness import run_lm_eval as harness_main
     except ImportError:
         from flopwise.errors import ConfigError
 
@@ -497,7 +497,7 @@ def generate(
     """Sample a continuation of a prompt with a KV cache."""
     from flopwise.checkpoints.checkpoint import resolve
     from flopwise.data.tokenizer import special_ids
-    from flopwise.eval.generate import generate as run_generate
+    from flopwise.eval.generate import generate_tokens as run_generate
     from flopwise.eval.load import load_for_inference
 
     model, cfg, tok = load_for_inference(ckpt, report=_note)
@@ -833,7 +833,7 @@ def plan_cmd(
             "--out-config FILE`, then run `flopwise plan FILE --measure`"
         )
     if measure:
-        from flopwise.measure.step import measure as run_measure
+        from flopwise.measure.step import measure_plan as run_measure
 
         def say_if_busy() -> None:  # after validation: a refused run gets its one-line error, nothing more
             if note := busy_note("the measured step times"):
@@ -1111,7 +1111,9 @@ def hardware_calibrate(
 
     from flopwise.config.schema import split_cli_args
     from flopwise.hardware.catalogue import busy_note
-    from flopwise.measure.calibrate import calibrate, calibration_config, require_bf16_device, save
+    from flopwise.measure.calibrate import calibrate_device as calibrate
+    from flopwise.measure.calibrate import calibration_config, require_bf16_device
+    from flopwise.measure.calibrate import save_hardware as save
 
     check_writable(out, "--out")
     if device not in ("auto", "cpu", "cuda"):
@@ -1167,7 +1169,8 @@ def audit_cmd(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Check published (or your) training claims: FLOPs, implied MFU, planner's best MFU, verdict."""
-    from flopwise.plan.audit import audit, catalogue, parse_claim
+    from flopwise.plan.audit import audit_claims as audit
+    from flopwise.plan.audit import catalogue, parse_claim
 
     claims = [parse_claim(claim)] if claim else list(catalogue().values())
     verdicts = audit(claims)

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from flopwise.cli import app
 from flopwise.config.schema import load_config
-from flopwise.data.contamination import DecontaminationFilter, measure
-from flopwise.data.prepare import prepare
+from flopwise.data.contamination import DecontaminationFilter, measure_contamination
+from flopwise.data.prepare import prepare_data
 from flopwise.data.shards import iter_documents, resolve_input, val_documents
 from flopwise.data.tasks import builtin_tasks, load_task
 from flopwise.errors import DataError
@@ -97,7 +97,7 @@ def truth(planted):
 
 def test_planted_examples_are_found_and_nothing_else(planted, truth):
     path, docs, tasks, plants, where = planted
-    report = measure(str(path), list(tasks.items()))
+    report = measure_contamination(str(path), list(tasks.items()))
     ids, touched = truth["all"]
     got = dict(zip(report.tasks, report.contaminated, strict=True))
     for task, k, _ in plants:  # recall 1, verbatim and changed
@@ -112,7 +112,7 @@ def test_planted_examples_are_found_and_nothing_else(planted, truth):
 def test_prepared_folder_and_cli_json(planted, truth, tmp_path):
     path, _, tasks, _, _ = planted
     data = tmp_path / "data"
-    prepare([str(path)], data, tokenizer="bpe:300", val_fraction=0.0)
+    prepare_data([str(path)], data, tokenizer="bpe:300", val_fraction=0.0)
     ids_truth, _ = truth["all"]
     ids = tmp_path / "ids.json"
     r = CliRunner().invoke(
@@ -144,14 +144,14 @@ def test_short_n_and_bad_inputs(tmp_path):
         + json.dumps({"context": "will my", "target": " liege"})
         + "\n"
     )
-    assert measure(str(tmp_path / "doc.txt"), [load_task(str(task))], n=3).contaminated == [[0]]
-    assert measure(str(tmp_path / "doc.txt"), [load_task(str(task))], n=2).contaminated == [[0, 1]]
+    assert measure_contamination(str(tmp_path / "doc.txt"), [load_task(str(task))], n=3).contaminated == [[0]]
+    assert measure_contamination(str(tmp_path / "doc.txt"), [load_task(str(task))], n=2).contaminated == [[0, 1]]
     with pytest.raises(DataError, match="no such file"):
-        measure(str(tmp_path / "missing"), [load_task(str(task))])
+        measure_contamination(str(tmp_path / "missing"), [load_task(str(task))])
     with pytest.raises(DataError, match="--n 0"):
-        measure(str(tmp_path / "doc.txt"), [load_task(str(task))], n=0)
+        measure_contamination(str(tmp_path / "doc.txt"), [load_task(str(task))], n=0)
     with pytest.raises(DataError, match="--tasks"):
-        measure(str(tmp_path / "doc.txt"), [])
+        measure_contamination(str(tmp_path / "doc.txt"), [])
 
 
 @pytest.mark.slow
@@ -185,7 +185,7 @@ def test_clean_subset_scores(tiny_data, tiny_run):
     )
     assert r.exit_code == 0, r.output
     rows = json.loads(r.output)
-    dirty = measure(str(tiny_data), [load_task(t) for t in names]).contaminated
+    dirty = measure_contamination(str(tiny_data), [load_task(t) for t in names]).contaminated
     model, _, tok = load_for_inference(run)
     for row, name, bad in zip(rows, names, dirty, strict=True):
         examples = load_task(name)[1][:limit]
@@ -213,11 +213,11 @@ def test_shipped_in_domain_tasks_are_clean_against_the_demo_train_split(tmp_path
         (tmp_path / ("val" if i in held else "train") / f"{i:02d}.txt").write_text(text)
     names = [t for t in builtin_tasks() if t.startswith("shakespeare")]
     tasks = {t: load_task(t)[1] for t in names}
-    train = measure(str(tmp_path / "train"), list(tasks.items()))
+    train = measure_contamination(str(tmp_path / "train"), list(tasks.items()))
     assert train.documents == len(plays) - len(held) == 39
     assert [r["contaminated"] for r in train.rows()] == [0, 0, 0] and train.touched == []
     assert brute_force(tasks, [plays[i] for i in range(len(plays)) if i not in held]) == ({t: [] for t in names}, [])
-    val = measure(str(tmp_path / "val"), list(tasks.items()))
+    val = measure_contamination(str(tmp_path / "val"), list(tasks.items()))
     truth, touched = brute_force(tasks, [plays[i] for i in sorted(held)])
     assert dict(zip(val.tasks, val.contaminated, strict=True)) == truth and val.touched == touched == [0, 1, 2]
     assert [r["contaminated"] for r in val.rows()] == [300, 300, 289]  # 11 speaker prompts span cut speeches
@@ -230,8 +230,8 @@ def test_prepare_step_drops_the_planted_documents_and_reports_them(planted, trut
     path, docs, tasks, _, where = planted
     _, touched = truth["foreign"]
     data = tmp_path / "data"
-    stats = prepare([str(path)], data, tokenizer="bpe:300", val_fraction=0.0, workers=2, decontaminate=FOREIGN)
+    stats = prepare_data([str(path)], data, tokenizer="bpe:300", val_fraction=0.0, workers=2, decontaminate=FOREIGN)
     [row] = [r for r in stats.report["stages"] if r["stage"] == "decontaminate"]
     assert row["documents_removed"] == len(touched) == len(where) and row["rules"] == {"contaminated": len(where)}
     assert stats.documents == len(docs) - len(where)
-    assert measure(str(data), [(t, tasks[t]) for t in FOREIGN]).contaminated == [[] for _ in FOREIGN]
+    assert measure_contamination(str(data), [(t, tasks[t]) for t in FOREIGN]).contaminated == [[] for _ in FOREIGN]

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from flopwise.data.loader import TokenLoader, eval_batches
-from flopwise.data.prepare import prepare
+from flopwise.data.prepare import prepare_data
 from flopwise.data.shards import open_split, read_index, tokenizer_of
 from flopwise.data.tokenizer import load_tokenizer, train_bpe
 from flopwise.errors import DataError
@@ -41,7 +41,7 @@ def test_prepare_is_deterministic(tiny_data, tmp_path):
     src = read_index(tiny_data)
     tokens = open_split(tiny_data, "train")
     again = tmp_path / "again"
-    prepare(
+    prepare_data(
         [s for s in {str(p.rsplit("/", 1)[0]) for p in src["sources"]}],
         again,
         tokenizer="bpe:512",
@@ -57,7 +57,7 @@ def test_jsonl_input_and_given_tokenizer(tiny_data, tmp_path):
         "\n".join(json.dumps({"text": f"Document {i}: Alice was beginning to get very tired."}) for i in range(10))
     )
     out = tmp_path / "jsonl"
-    stats = prepare([str(f)], out, tokenizer=str(tiny_data / "tokenizer.json"), val_fraction=0.2)
+    stats = prepare_data([str(f)], out, tokenizer=str(tiny_data / "tokenizer.json"), val_fraction=0.2)
     assert stats.documents == 10 and stats.splits["val"] > 0
     assert read_index(out)["vocab_size"] == 512
 
@@ -75,7 +75,7 @@ def test_bad_text_inputs(tmp_path, content, fragment):
     f = tmp_path / "in.txt"
     f.write_bytes(content)
     with pytest.raises(DataError, match=fragment):
-        prepare([str(f)], tmp_path / "out")
+        prepare_data([str(f)], tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -83,9 +83,9 @@ def test_bad_jsonl_and_missing_path(tmp_path):
     f = tmp_path / "in.jsonl"
     f.write_text('{"text": "ok"}\n{"body": "no text field"}\n')
     with pytest.raises(DataError, match="line 2 has no string field 'text'"):
-        prepare([str(f)], tmp_path / "out")
+        prepare_data([str(f)], tmp_path / "out")
     with pytest.raises(DataError, match="no such file"):
-        prepare([str(tmp_path / "missing.txt")], tmp_path / "out")
+        prepare_data([str(tmp_path / "missing.txt")], tmp_path / "out")
 
 
 def _copy(src, dst):
@@ -221,5 +221,5 @@ def test_parquet_input(tmp_path, tiny_data):
         ),
         f,
     )
-    stats = prepare([str(f)], tmp_path / "pq", tokenizer=str(tiny_data / "tokenizer.json"), val_fraction=0.25)
+    stats = prepare_data([str(f)], tmp_path / "pq", tokenizer=str(tiny_data / "tokenizer.json"), val_fraction=0.25)
     assert stats.documents == 8 and stats.splits["val"] > 0

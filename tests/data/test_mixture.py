@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from flopwise.cli import app
 from flopwise.config.schema import load_config
 from flopwise.data.loader import TokenLoader
-from flopwise.data.prepare import prepare
+from flopwise.data.prepare import prepare_data
 from flopwise.errors import DataError
 from flopwise.train.build import ensure_data
 from flopwise.train.launch import train
@@ -110,7 +110,7 @@ def test_mixture_run_resumes_bitwise_and_logs_tokens_by_source(tmp_path, tiny_da
 
 def test_sources_with_different_tokenizers_are_refused(tmp_path, tiny_data):
     other = tmp_path / "other"
-    prepare(["builtin:alice"], other, tokenizer="bpe:300")
+    prepare_data(["builtin:alice"], other, tokenizer="bpe:300")
     mix = f'[{{path="{tiny_data}", name="a"}}, {{path="{other}", name="b"}}]'
     cfg = load_config(None, tiny_overrides(tmp_path, tiny_data, **{"data.sources": mix}))
     with pytest.raises(DataError, match="'b'.*tokenized differently.*same --tokenizer"):
@@ -130,7 +130,7 @@ def test_source_tokenizer_outside_its_folder_is_refused_before_any_read(tmp_path
     for i in range(4):
         (text / f"part_{i}.txt").write_text(f"Document {i}: the quick brown fox jumps over the lazy dog. " * 20)
     first = tmp_path / "first"
-    prepare([str(text)], first, tokenizer="bpe:300", val_fraction=0.25, seed=0)
+    prepare_data([str(text)], first, tokenizer="bpe:300", val_fraction=0.25, seed=0)
     outside = tmp_path / "x.json"
     (first / "tokenizer.json").rename(outside)
     index = json.loads((first / "index.json").read_text())
@@ -140,7 +140,7 @@ def test_source_tokenizer_outside_its_folder_is_refused_before_any_read(tmp_path
     def prepare_spy(inputs, out, tokenizer, **kw):  # would read and copy `tokenizer` into the run
         raise AssertionError(f"source prepared into {out} with tokenizer {tokenizer}")
 
-    monkeypatch.setattr(build, "prepare", prepare_spy)
+    monkeypatch.setattr(build, "prepare_data", prepare_spy)
     run_dir = tmp_path / "run"
     mix = f'[{{path="{first}", name="a"}}, {{path="{text}", name="b"}}]'
     cfg = load_config(None, tiny_overrides(run_dir, first, **{"data.sources": mix}))

@@ -17,7 +17,7 @@ from datatrove.pipeline.filters import GopherQualityFilter, GopherRepetitionFilt
 from datatrove.utils.text import simplify_text
 from tokenizers import Tokenizer
 
-from flopwise.data.prepare import prepare
+from flopwise.data.prepare import prepare_data
 from flopwise.data.prepare_steps import Whitespace
 from flopwise.data.shards import iter_documents, open_split, read_index, resolve_input, val_documents
 from flopwise.data.tokenizer import train_bpe
@@ -33,7 +33,7 @@ def test_shards_equal_the_single_process_reference(tmp_path):
     tokenizer is the one trained on all documents, and the held-out plays of the eval tasks are
     the val documents (demo.toml's settings: seed 1337, val_fraction 0.05)."""
     out = tmp_path / "sp"
-    prepare(["builtin:shakespeare"], out, tokenizer="bpe:4096", val_fraction=0.05, seed=1337, workers=2, tasks=3)
+    prepare_data(["builtin:shakespeare"], out, tokenizer="bpe:4096", val_fraction=0.05, seed=1337, workers=2, tasks=3)
     docs = [text for _, text in iter_documents(["builtin:shakespeare"])]
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     assert tok.to_str() == train_bpe(docs, 4096).to_str()
@@ -75,7 +75,7 @@ def _files(d: Path) -> dict[str, bytes]:
 def _killed_prepare(plays: Path, out: Path, args: dict) -> list[str]:
     """SIGKILL a prepare of `plays` into `out` after its first finished tokenize task; the finished
     tasks' names."""
-    code = f"from flopwise.data.prepare import prepare; prepare([{str(plays)!r}], {str(out)!r}, **{args!r})"
+    code = f"from flopwise.data.prepare import prepare_data; prepare_data([{str(plays)!r}], {str(out)!r}, **{args!r})"
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
         env={**os.environ, "PYTHONPATH": SRC},
@@ -119,7 +119,7 @@ def test_killed_prepare_resumes_to_the_same_bytes(tmp_path):
     plays = _twelve_plays(tmp_path)
     args = dict(tokenizer="bpe:512", val_fraction=0.1, seed=0, workers=1, tasks=6)
     clean = tmp_path / "clean"
-    prepare([str(plays)], clean, **args)
+    prepare_data([str(plays)], clean, **args)
     out = tmp_path / "killed"
     finished = _killed_prepare(plays, out, args)
     assert len(finished) < 6
@@ -130,10 +130,10 @@ def test_killed_prepare_resumes_to_the_same_bytes(tmp_path):
         extra.write_text("mine")
         before = _tree(out)
         with pytest.raises(DataError, match="--force"), warned:
-            prepare([str(plays)], out, **args)
+            prepare_data([str(plays)], out, **args)
         assert _tree(out) == before
         extra.unlink()
-    prepare([str(plays)], out, **args)
+    prepare_data([str(plays)], out, **args)
     assert _files(out) == _files(clean) and not (out / "work").exists()
     # the finished tasks were not run again: their shards are the ones the killed run wrote
     assert written == {f: (out / f"train-{f}.bin").stat().st_mtime_ns for f in finished}
@@ -244,7 +244,7 @@ def test_planted_corpus_each_stage_against_the_plant(tmp_path):
     assert sum(verdict(t) is True for t in normal) >= 0.95 * len(normal)
 
     out = tmp_path / "out"
-    stats = prepare(
+    stats = prepare_data(
         [str(corpus)], out, tokenizer="bpe:1024", val_fraction=0.0, workers=1, filters="gopher", dedup="exact,minhash"
     )
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
@@ -279,9 +279,9 @@ def test_planted_corpus_each_stage_against_the_plant(tmp_path):
 
 def test_unknown_filter_and_dedup_names_are_one_line_errors(tmp_path):
     with pytest.raises(DataError, match="--filter fineweb: unknown"):
-        prepare(["builtin:alice"], tmp_path / "o", filters="gopher,fineweb")
+        prepare_data(["builtin:alice"], tmp_path / "o", filters="gopher,fineweb")
     with pytest.raises(DataError, match="--dedup bloom: unknown"):
-        prepare(["builtin:alice"], tmp_path / "o", dedup="bloom")
+        prepare_data(["builtin:alice"], tmp_path / "o", dedup="bloom")
 
 
 def test_a_work_subfolder_does_not_make_a_folder_flopwise_s(tmp_path):
@@ -295,7 +295,7 @@ def test_a_work_subfolder_does_not_make_a_folder_flopwise_s(tmp_path):
     (tmp_path / "in.txt").write_text(WORDS)
     for d in (theirs, marked):
         with pytest.raises(DataError, match="--force"):
-            prepare([str(tmp_path / "in.txt")], d, tokenizer="bpe:300")
+            prepare_data([str(tmp_path / "in.txt")], d, tokenizer="bpe:300")
     assert (theirs / "work" / "notes.txt").read_text() == "mine"
     assert (marked / "work" / "flopwise-prepare").is_file()
 
@@ -433,7 +433,7 @@ def test_files_flopwise_adds_are_recorded_and_big_files_checked_by_their_ends(tm
     out = tmp_path / "data"
     monkeypatch.setattr(manifests, "FULL_CHECK_BYTES", 1000)
     monkeypatch.setattr(manifests, "ENDS_BYTES", 100)
-    prepare([str(words)], out, tokenizer="bpe:300", workers=1)
+    prepare_data([str(words)], out, tokenizer="bpe:300", workers=1)
     manifest = json.loads((out / "manifest.json").read_text())
     assert set(manifest["files"]) == {p.name for p in out.iterdir()} - {"manifest.json"}
     shard = out / "train-00000.bin"
@@ -449,5 +449,5 @@ def test_files_flopwise_adds_are_recorded_and_big_files_checked_by_their_ends(tm
     assert "train-00000.bin has changed" in manifests.why_not_ours(out, DATA_MANIFEST)
     raw[-1] ^= 1
     shard.write_bytes(bytes(raw))
-    prepare([str(words)], out, tokenizer="bpe:300", workers=1, seed=5)
+    prepare_data([str(words)], out, tokenizer="bpe:300", workers=1, seed=5)
     assert read_index(out)["seed"] == 5 and not (out / "recipe.json").exists()

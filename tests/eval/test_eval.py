@@ -5,7 +5,7 @@ import torch
 
 from flopwise.config.schema import ModelConfig
 from flopwise.errors import DataError
-from flopwise.eval.generate import generate
+from flopwise.eval.generate import generate_tokens
 from flopwise.eval.load import load_for_inference
 from flopwise.eval.perplexity import text_loss
 from flopwise.model.transformer import build_model
@@ -45,14 +45,14 @@ def test_generation_stops_where_transformers_max_length_stops(run_dir, tmp_path)
     ref = hf.generate(torch.tensor([prompt]), max_length=L, do_sample=False, eos_token_id=None, pad_token_id=0)
     ref = ref[0, len(prompt) :].tolist()
     assert len(ref) == 5
-    assert generate(model, prompt, 20, temperature=0.0) == ref
-    assert generate(model, prompt, 20, temperature=0.0, use_cache=False) == ref  # was 20: a sliding window
+    assert generate_tokens(model, prompt, 20, temperature=0.0) == ref
+    assert generate_tokens(model, prompt, 20, temperature=0.0, use_cache=False) == ref  # was 20: a sliding window
     with pytest.raises(ValueError, match=f"Input length of input_ids is {L}"):
         hf.generate(torch.tensor([ids[:L]]), max_length=L, do_sample=False, eos_token_id=None, pad_token_id=0)
     with pytest.raises(DataError, match=f"prompt is {L} tokens .*max_seq_len={L}.* at most {L - 1} tokens"):
-        generate(model, ids[:L], 5)
+        generate_tokens(model, ids[:L], 5)
     with pytest.raises(DataError, match="prompt is empty"):
-        generate(model, [], 5)
+        generate_tokens(model, [], 5)
 
 
 def test_generate_cli_context_limit_and_empty_prompt(run_dir, cli):

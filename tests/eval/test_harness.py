@@ -53,7 +53,7 @@ def test_lm_eval_scores_equal_flopwise_eval_and_hf(tiny_run, tmp_path):
 def test_rolling_and_generation_against_direct_computation(tiny_run):
     from lm_eval.api.instance import Instance
 
-    from flopwise.eval.generate import generate
+    from flopwise.eval.generate import generate_tokens
 
     lm = FlopwiseLM(str(tiny_run(6)))
     text = "Alice was beginning to get very tired of sitting by her sister on the bank. " * 12
@@ -74,7 +74,7 @@ def test_rolling_and_generation_against_direct_computation(tiny_run):
             ref += sum(float(lp[i - lo, ids[i + 1]]) for i in range(start, stop))
     assert ll == pytest.approx(ref, rel=1e-4)
     (out,) = lm.generate_until([Instance("generate_until", {}, ("Alice", {"until": ["\n"], "max_gen_toks": 12}), 0)])
-    full = lm.tok.decode(generate(lm.model, lm.tok.encode("Alice").ids, 12, temperature=0.0, stop_id=lm.eos))
+    full = lm.tok.decode(generate_tokens(lm.model, lm.tok.encode("Alice").ids, 12, temperature=0.0, stop_id=lm.eos))
     assert out == full.split("\n")[0]
     from flopwise.errors import ConfigError
 

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from flopwise.config.schema import load_config  # noqa: E402
 from flopwise.errors import CheckpointError, ConfigError  # noqa: E402
-from flopwise.eval.generate import generate  # noqa: E402
+from flopwise.eval.generate import generate_tokens  # noqa: E402
 from flopwise.eval.load import load_for_inference  # noqa: E402
 from flopwise.interop.convert import export_hf, import_hf  # noqa: E402
 from flopwise.interop.hf import from_hf, to_hf  # noqa: E402
@@ -127,7 +127,7 @@ def test_trained_demo_checkpoint_exports_and_generates_the_same_text(tiny_run, t
     out = export_hf(tiny_run(12), tmp_path / "hf")
     model, cfg, tok = load_for_inference(tiny_run(12))
     prompt = tok.encode("Alice was").ids
-    ours = generate(model, prompt, 20, temperature=0.0)
+    ours = generate_tokens(model, prompt, 20, temperature=0.0)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     ids = hf_tok("Alice was", return_tensors="pt").input_ids

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flopwise.config.schema import ModelConfig, RopeScaling
-from flopwise.eval.generate import generate
+from flopwise.eval.generate import generate_tokens
 from flopwise.model.layers import KVCache, Span, alibi_slopes, rope_frequencies
 from flopwise.model.transformer import build_model
 
@@ -66,14 +66,14 @@ def test_the_default_span_is_the_whole_sequence(family_model):
 
 def test_greedy_generation_with_cache_equals_recomputation(family_model):
     prompt = [3, 14, 15, 9, 2]
-    a = generate(family_model, prompt, 15, temperature=0.0, use_cache=True)
-    b = generate(family_model, prompt, 15, temperature=0.0, use_cache=False)
+    a = generate_tokens(family_model, prompt, 15, temperature=0.0, use_cache=True)
+    b = generate_tokens(family_model, prompt, 15, temperature=0.0, use_cache=False)
     assert a == b and len(a) == 15
 
 
 def test_sampling_is_seeded(family_model):
-    a = generate(family_model, [1, 2, 3], 10, temperature=1.0, top_k=20, top_p=0.9, seed=7)
-    b = generate(family_model, [1, 2, 3], 10, temperature=1.0, top_k=20, top_p=0.9, seed=7)
+    a = generate_tokens(family_model, [1, 2, 3], 10, temperature=1.0, top_k=20, top_p=0.9, seed=7)
+    b = generate_tokens(family_model, [1, 2, 3], 10, temperature=1.0, top_k=20, top_p=0.9, seed=7)
     assert a == b
 
 

@@ -100,11 +100,11 @@ def test_searched_dualpipev_layouts_are_ones_torch_builds():
     32) listed layouts with fewer micro-batches than DualPipeV's 2·pp stages; every one it lists now
     builds in torch."""
     from flopwise.hardware.catalogue import get_hardware
-    from flopwise.plan.search import search
+    from flopwise.plan.search import search_layouts
     from flopwise.plan.step import STACKS, model_shape
 
     m = ModelConfig(preset="llama3-70b", max_seq_len=8192)
-    res = search(
+    res = search_layouts(
         model_shape(m, 8192),
         get_hardware("h100-sxm"),
         256,

@@ -19,8 +19,14 @@ from flopwise.hardware.restart_costs import Recovery
 from flopwise.layout.rules import Layout, check_layout
 from flopwise.plan.audit import audit_claim, catalogue, parse_claim
 from flopwise.plan.planner import plan, resolve_layout
-from flopwise.plan.reliability import DEFAULT_GPU_MTBF_HOURS, account, daly_interval, goodput, reliability
-from flopwise.plan.search import search, why_slower
+from flopwise.plan.reliability import (
+    DEFAULT_GPU_MTBF_HOURS,
+    daly_interval,
+    goodput,
+    measured_account,
+    predict_reliability,
+)
+from flopwise.plan.search import search_layouts, why_slower
 from flopwise.plan.step import STACKS, evaluate, layer_times, model_shape, rank_loads
 
 A100 = get_hardware("a100-80gb")
@@ -70,7 +76,7 @@ def test_narayanan_table1_hardware_tflops(row):
     }
     if pp > 1:
         fixed["micro_batch"] = 1
-    best = search(sh, A100, gpus, 2048, batch, MEGATRON, fixed).best
+    best = search_layouts(sh, A100, gpus, 2048, batch, MEGATRON, fixed).best
     assert best.fits
     assert best.hardware_tflops == pytest.approx(published, rel=0.05 if pp > 1 else 0.10), best.layout
 
@@ -81,7 +87,7 @@ def test_megatron_layouts_split_layers_evenly():
     m = megatron_gpt(80, 12288, 96)
     lo = Layout(dp=24, tp=8, pp=8, micro_batch=1, pp_schedule="interleaved-1f1b", virtual_stages=6)
     assert "divisible by pp·virtual_stages=48" in check_layout(lo, m, 2048, 2304, engine=False)
-    res = search(
+    res = search_layouts(
         model_shape(m, 2048),
         A100,
         1536,
@@ -182,7 +188,7 @@ def test_planner_stage_split_is_the_engines(lo):
 def test_megatron_1t_search_finds_a_layout_at_least_as_fast_as_published():
     """Given 1T on 3072 A100s with batch 3072, the search's best ≥ the published tp 8 · pp 64."""
     sh = model_shape(megatron_gpt(128, 25600, 160), 2048)
-    published = search(
+    published = search_layouts(
         sh,
         A100,
         3072,
@@ -200,7 +206,7 @@ def test_megatron_1t_search_finds_a_layout_at_least_as_fast_as_published():
             "sequence_parallel": False,
         },
     ).best
-    free = search(sh, A100, 3072, 2048, 3072, MEGATRON)
+    free = search_layouts(sh, A100, 3072, 2048, 3072, MEGATRON)
     assert free.best.fits and free.best.tokens_per_s >= published.tokens_per_s
     assert why_slower(published, free.best).split()[0].startswith("+")  # says what the published one pays
 
@@ -209,7 +215,7 @@ def test_405b_on_16k_search_is_bounded():
     """The full search for llama3-405b on 16,384 H100s stays small enough to run in well under a second
     (timing is in benchmarks/throughput/plan_speed.py; here the number of evaluations is the guard)."""
     sh = model_shape(ModelConfig(preset="llama3-405b"), 8192)
-    res = search(sh, get_hardware("h100-sxm"), 16384, 8192, 2048, STACKS["flopwise"])
+    res = search_layouts(sh, get_hardware("h100-sxm"), 16384, 8192, 2048, STACKS["flopwise"])
     assert res.fitting > 0 and res.evaluated < 20000
     best = res.best.layout
     assert best.tp * best.pp * best.cp * best.dp == 16384 and best.tp <= 8  # tp stays inside a node
@@ -309,10 +315,10 @@ def test_default_failure_rate_is_llama3_and_reproduces_its_effective_training_ti
     than 90% effective training time". The planner, with its defaults (Llama 3's failure rate and
     storage, 10 min restarts), plans that run above 90% and expects about as many failures."""
     assert 16384 * 54 * 24 / DEFAULT_GPU_MTBF_HOURS == pytest.approx(466)
-    r = reliability(405e9, 16384, 54 * 86400 * 0.92)
+    r = predict_reliability(405e9, 16384, 54 * 86400 * 0.92)
     assert 0.9 < r.goodput < 0.95 and 420 < r.failures_expected < 520
     assert r.restart_source == "10 min, assumed" and "Llama 3" in r.write_source
-    r = reliability(70e9, 1024, 30 * 86400)
+    r = predict_reliability(70e9, 1024, 30 * 86400)
     assert r.checkpoint_bytes == 12 * 70e9 and 0.9 < r.goodput < 1
     assert r.cluster_mtbf_h == pytest.approx(DEFAULT_GPU_MTBF_HOURS / 1024)
 
@@ -321,11 +327,11 @@ def test_measured_recovery_is_used_unless_a_key_is_given_and_the_source_is_said(
     measured = Recovery(
         write_latency_s=0.2, write_bytes_per_s=1e9, restart_fixed_s=4.0, read_bytes_per_s=2e9, source="host, date"
     )
-    r = reliability(1e9, 4, 86400, measured=measured)
+    r = predict_reliability(1e9, 4, 86400, measured=measured)
     assert r.write_s == pytest.approx(0.2 + 3e9 / 1e9) and r.restart_s == pytest.approx(4.0 + 3e9 / 2e9)
     assert r.write_source.startswith("measured: 0.2 s + 1 GB/s per device (host, date)")
     assert r.restart_source.startswith("measured: 4 s + a read at 2 GB/s") and "(host, date)" in r.restart_source
-    given = reliability(1e9, 4, 86400, storage_gbps_per_gpu=3.0, restart_minutes=2.0, measured=measured)
+    given = predict_reliability(1e9, 4, 86400, storage_gbps_per_gpu=3.0, restart_minutes=2.0, measured=measured)
     assert given.write_s == pytest.approx(1.0) and given.restart_s == 120.0
     assert (
         given.write_source == "cluster.storage_gbps_per_gpu=3" and given.restart_source == "cluster.restart_minutes=2"
@@ -371,7 +377,7 @@ def test_the_account_of_a_run_splits_its_wall_time():
     for step in range(5, 11):
         t += 1.0 + (0.5 if step == 9 else 0.0)
         lines.append((t, step))
-    a = account(lines, [kill], interval=4)
+    a = measured_account(lines, [kill], interval=4)
     assert (a.step_s, a.stall_s, a.restart_s, a.failures) == (1.0, 0.5, pytest.approx(5.0), 1)
     assert a.wall_s == pytest.approx(lines[-1][0])
     assert a.productive_s == 10 and a.lost_s == pytest.approx(0.3 + 2) and a.stalls_s == 1.0
@@ -386,7 +392,7 @@ def test_the_account_puts_a_survivors_late_line_before_the_restart():
     lines = [(1.0, 1), (2.0, 2), (3.0, 3), (4.0, 4), (5.5, 5), (6.5, 6), (7.5, 7)]
     kill = 7.45
     lines += [(kill + 6.0 + i + (0.5 if step >= 9 else 0.0), step) for i, step in enumerate(range(5, 11))]
-    a = account(lines, [kill], interval=4)
+    a = measured_account(lines, [kill], interval=4)
     assert a.failures == 1 and a.restart_s == pytest.approx(13.45 - 7.5 - 1.0)
     assert a.productive_s == 10 and a.lost_s == pytest.approx(3.0) and a.stalls_s == 1.0
     assert a.unaccounted_s == pytest.approx(0, abs=1e-9)
@@ -682,13 +688,13 @@ def test_plan_empty_hardware_file_is_named(tmp_path, cli):
 def test_plan_measure_nproc_below_one_is_refused(cli):
     """--nproc 0 once fell back to the default process count, -1 said "world size is -1"."""
     from flopwise.errors import ConfigError
-    from flopwise.measure.step import measure
+    from flopwise.measure.step import measure_plan
 
     for n in ("0", "-1"):
         r = cli("plan", "--measure", "--nproc", n)
         assert r.returncode == 2 and "--nproc" in r.stderr and "Traceback" not in r.stderr, r.stderr
     with pytest.raises(ConfigError, match="--nproc=0"):
-        measure(None, [], 0)
+        measure_plan(None, [], 0)
 
 
 @pytest.mark.slow
@@ -721,7 +727,9 @@ def test_every_layout_the_search_returns_passes_the_engines_validation(case):
         else [f'model.preset="{preset}"']
     )
     cfg = load_config(None, [*model, f"data.seq_len={seq}", f"train.global_batch={batch}"])
-    res = search(model_shape(cfg.model, seq), get_hardware(hw), int(gpus), seq, batch, STACKS["flopwise"], keep=10**6)
+    res = search_layouts(
+        model_shape(cfg.model, seq), get_hardware(hw), int(gpus), seq, batch, STACKS["flopwise"], keep=10**6
+    )
     assert res.fitting > 0 and res.best.fits
     for est in res.ranked[:: max(1, len(res.ranked) // 700)]:
         assert layout_of(layout_config(cfg, est.layout), int(gpus)) == est.layout

@@ -12,7 +12,7 @@ from itertools import pairwise
 
 import pytest
 
-from flopwise.plan.reliability import account, goodput
+from flopwise.plan.reliability import goodput, measured_account
 from flopwise.train.chaos import run_under_failures
 from tests.conftest import tiny_overrides
 
@@ -42,7 +42,7 @@ def test_a_killed_run_resumes_and_its_goodput_is_accounted_and_predicted(tiny_da
     assert start in (done // INTERVAL * INTERVAL, done // INTERVAL * INTERVAL - INTERVAL)
     assert after[int(late)] == start + 1
 
-    a = account(t.lines, t.kills, INTERVAL)
+    a = measured_account(t.lines, t.kills, INTERVAL)
     assert a.failures == 1 and a.restart_s is not None and a.restart_s > 0
     assert a.productive_s == pytest.approx(STEPS * a.step_s)  # every step counted new once
     cut = 0.0 if late else kill - t_before  # the work under way when the failure struck

@@ -13,15 +13,15 @@ import torch
 from rich.console import Console
 
 from flopwise.config.schema import load_config
+from flopwise.hardware.catalogue import GiB
 from flopwise.log import printing_to
 from flopwise.model.transformer import build_model
 from flopwise.parallel import mesh
 from flopwise.train.launch import train
-from flopwise.train.preflight import WillNotFit, preflight
+from flopwise.train.preflight import WillNotFit, run_preflight
 from tests.conftest import tiny_overrides
 
 ENV = {**os.environ, "COLUMNS": "400"}
-GiB = 2**30
 
 
 def max_rss_of(cmd: list[str], cwd, timeout: int = 300) -> tuple[subprocess.CompletedProcess, int]:
@@ -76,7 +76,7 @@ def test_the_refusal_names_the_nearest_change_that_fits(tmp_path, tiny_data, mon
     mb = int(re.search(r"train\.micro_batch=(\d+)", line).group(1))
     assert mb < 16 and not (tmp_path / "run").exists()
     changed = load_config(None, [*over, f"train.micro_batch={mb}"])  # the suggestion passes the same check
-    assert preflight(changed, mesh.init(changed, torch.device("cpu"))).startswith("pre-flight: rank 0 of 1")
+    assert run_preflight(changed, mesh.init(changed, torch.device("cpu"))).startswith("pre-flight: rank 0 of 1")
 
 
 @pytest.mark.slow

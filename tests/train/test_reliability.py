@@ -60,7 +60,7 @@ def distcp_hashes(ckpt) -> dict[str, str]:
 def test_manifest_records_checksums_config_hash_and_layout(tiny_run):
     ckpt = checkpoint.latest(tiny_run(6))
     m = json.loads((ckpt / "manifest.json").read_text())
-    assert m["format"] == checkpoint.FORMAT and m["step"] == 6 and len(m["config_hash"]) == 16
+    assert m["format"] == checkpoint.CHECKPOINT_FORMAT and m["step"] == 6 and len(m["config_hash"]) == 16
     assert m["layout"]["world_size"] == 1
     assert set(m["files"]) == {p.name for p in ckpt.iterdir()} - {"manifest.json"}
     assert all(len(f["sha256"]) == 64 for f in m["files"].values())

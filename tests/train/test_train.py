@@ -200,9 +200,9 @@ def test_checkpoint_of_another_shape_is_refused(tiny_data, tmp_path):
     with pytest.raises(CheckpointError, match=r"train.global_batch=8 there, 4 here"):
         run(tmp_path, tiny_data, **{"train.global_batch": 4, "train.steps": 9})
     other = tmp_path.parent / (tmp_path.name + "-other-data")
-    from flopwise.data.prepare import prepare
+    from flopwise.data.prepare import prepare_data
 
-    prepare(["builtin:alice"], other, tokenizer=str(tiny_data / "tokenizer.json"))  # same tokenizer, other split
+    prepare_data(["builtin:alice"], other, tokenizer=str(tiny_data / "tokenizer.json"))  # same tokenizer, other split
     with pytest.raises(CheckpointError, match="other data"):
         run(tmp_path, other, **{"train.steps": 9})
     r = run(tmp_path, tiny_data, **{"train.steps": 9, "optim.min_lr": 1e-5})
@@ -232,16 +232,16 @@ def test_compile_auto_compiles_long_runs_on_tested_layouts(tiny_data, tmp_path):
     """train.compile=auto: long single-process or data-parallel runs compile, short runs and
     tensor/pipeline/context-parallel layouts stay eager unless asked; the run's banner says which."""
     from flopwise.layout.rules import COMPILE_MIN_STEPS, Layout
-    from flopwise.parallel.apply import compiles
+    from flopwise.parallel.apply import config_compiles
 
     def cfg(**kw):
         return load_config(None, tiny_overrides(tmp_path, tiny_data, **kw))
 
     long = cfg(**{"train.steps": COMPILE_MIN_STEPS})
-    assert compiles(long, Layout()) and compiles(long, Layout(dp=4, zero=3))
-    assert not compiles(long, Layout(tp=2)) and not compiles(long, Layout(pp=2))
-    assert not compiles(cfg(**{"train.steps": COMPILE_MIN_STEPS - 1}), Layout())
-    assert compiles(cfg(**{"train.compile": "true", "train.steps": 2}), Layout(tp=2))
-    assert not compiles(cfg(**{"train.compile": "false", "train.steps": 10 * COMPILE_MIN_STEPS}), Layout())
+    assert config_compiles(long, Layout()) and config_compiles(long, Layout(dp=4, zero=3))
+    assert not config_compiles(long, Layout(tp=2)) and not config_compiles(long, Layout(pp=2))
+    assert not config_compiles(cfg(**{"train.steps": COMPILE_MIN_STEPS - 1}), Layout())
+    assert config_compiles(cfg(**{"train.compile": "true", "train.steps": 2}), Layout(tp=2))
+    assert not config_compiles(cfg(**{"train.compile": "false", "train.steps": 10 * COMPILE_MIN_STEPS}), Layout())
     with pytest.raises(ConfigError, match="train.compile"):
         cfg(**{"train.compile": '"sometimes"'})

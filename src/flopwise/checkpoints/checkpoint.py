@@ -65,7 +65,7 @@ from flopwise.parallel.mesh import is_rank0
 MANIFEST = "manifest.json"
 STATE = "state.json"
 DCP_METADATA = ".metadata"
-FORMAT = 2  # 1: manifest without format/config hash/layout (still readable)
+CHECKPOINT_FORMAT = 2  # 1: manifest without format/config hash/layout (still readable)
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
@@ -260,7 +260,7 @@ def finish(
             shutil.copyfile(src, tmp / name)
         entries = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
         manifest = {
-            "format": FORMAT,
+            "format": CHECKPOINT_FORMAT,
             "step": step,
             "config_hash": state.get("config_hash"),
             "layout": state.get("layout"),

@@ -202,7 +202,7 @@ def training_texts(data: str, batch: int = 256) -> Iterator[str]:
         yield from tok.decode_batch(ids, skip_special_tokens=False)
 
 
-def measure(data: str, tasks: list[tuple[str, list]], n: int = GPT3_N) -> Contamination:
+def measure_contamination(data: str, tasks: list[tuple[str, list]], n: int = GPT3_N) -> Contamination:
     """Contamination of loaded tasks ((name, examples) as `load_task` returns) by the training data."""
     grams = TaskGrams([(name, [example_text(e) for e in examples]) for name, examples in tasks], n)
     return scan(grams, training_texts(data))

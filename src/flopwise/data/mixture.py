@@ -13,8 +13,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from flopwise.data.shards import fingerprint as folder_fingerprint
-from flopwise.data.shards import read_index
+from flopwise.data.shards import data_fingerprint, read_index
 from flopwise.errors import DataError
 from flopwise.scale.laws import effective_tokens
 
@@ -116,10 +115,10 @@ def check_tokenizers(sources: list[Source]) -> None:
             )
 
 
-def fingerprint(sources: list[Source]) -> str:
+def mixture_fingerprint(sources: list[Source]) -> str:
     """What identifies the mixture's data (not its weights, which a resumed run may change): one
     source's index digest as before, or a digest over every (name, digest)."""
     if len(sources) == 1:
-        return folder_fingerprint(sources[0].data_dir)
-    joined = "\n".join(f"{s.name}={folder_fingerprint(s.data_dir)}" for s in sources)
+        return data_fingerprint(sources[0].data_dir)
+    joined = "\n".join(f"{s.name}={data_fingerprint(s.data_dir)}" for s in sources)
     return hashlib.sha256(joined.encode()).hexdigest()

@@ -70,7 +70,7 @@ import numpy as np
 
 from flopwise.data.shards import (
     DATA_MANIFEST,
-    FORMAT,
+    SHARDS_FORMAT,
     WORK,
     PrepareStats,
     Skipped,
@@ -285,7 +285,7 @@ def _progress_loop(work: Path, total: int, progress: Callable, stop: threading.E
         progress("tokenize", done, total, tokens)
 
 
-def prepare(
+def prepare_data(
     inputs: list[str],
     out: str | Path,
     tokenizer: str = "bpe:4096",
@@ -343,7 +343,7 @@ def prepare(
             )
         check_folder(out, setting or "--out")
         key = {
-            "format": FORMAT,
+            "format": SHARDS_FORMAT,
             "inputs": _input_key(files),
             "tokenizer": str(spec),
             "tokenizer_file": _input_key([tok_file]) if tok_file else None,
@@ -638,7 +638,7 @@ def _index(out: Path, work: Path, plan: dict, tok, dtype: np.dtype, seed: int, v
         kept_bytes += task["bytes"]
     probs = counts[counts > 0] / max(counts.sum(), 1)
     return {
-        "format": FORMAT,
+        "format": SHARDS_FORMAT,
         "dtype": dtype.name,
         "vocab_size": vocab,
         "eos_id": eos_id(tok),

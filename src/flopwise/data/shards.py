@@ -34,7 +34,7 @@ from flopwise.data.tokenizer import load_tokenizer
 from flopwise.errors import DataError
 from flopwise.files.ownership import ManifestKind
 
-FORMAT = "flopwise-shards/2"
+SHARDS_FORMAT = "flopwise-shards/2"
 BUILTIN = {
     "shakespeare": "corpus/shakespeare",
     "alice": "corpus/eval/alice29.txt",
@@ -227,7 +227,7 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def fingerprint(data_dir: str | Path) -> str:
+def data_fingerprint(data_dir: str | Path) -> str:
     """What identifies a prepared data folder's content (its index: documents, splits, counts and
     the tokenizer's vocabulary size): the sha256 of index.json."""
     return hashlib.sha256((Path(data_dir) / "index.json").read_bytes()).hexdigest()
@@ -249,8 +249,8 @@ def read_index(data_dir: str | Path) -> dict:
         meta = json.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise DataError(f"data index {p}: not valid JSON") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise DataError(f"data index {p}: not a {FORMAT} index")
+    if not isinstance(meta, dict) or meta.get("format") != SHARDS_FORMAT:
+        raise DataError(f"data index {p}: not a {SHARDS_FORMAT} index")
     try:
         vocab, dtype = int(meta["vocab_size"]), np.dtype(meta["dtype"])
         for split in ("train", "val"):

@@ -35,7 +35,7 @@ EOS = "<|endoftext|>"
 MIN_VOCAB = 257  # 256 byte symbols + EOS
 MAX_VOCAB = 2**20  # 4x the largest published vocabulary (Gemma's 262,144)
 # what a corpus may hold: words, punctuation, doubled spaces, tab, newline, digits, accents, CJK, emoji
-PROBE = "Hello, world!  Two  spaces,\ttab\nnew line; 0123456789 café naïve 中文 🙂 end "
+PROBE_TEXT = "Hello, world!  Two  spaces,\ttab\nnew line; 0123456789 café naïve 中文 🙂 end "
 
 
 def _library_error(e: BaseException) -> bool:
@@ -192,11 +192,11 @@ def _whole_documents(tok: GuardedTokenizer, p: Path) -> None:
 
 
 def _probe(tok: GuardedTokenizer) -> None:
-    """Encode and decode PROBE as every reader will: a panic is a DataError now, at load. Its
+    """Encode and decode PROBE_TEXT as every reader will: a panic is a DataError now, at load. Its
     message goes to a silenced stderr, so the user sees the DataError's one line."""
     with _quiet_stderr():
-        ids = tok.encode(PROBE).ids
-        tok.encode_batch([PROBE, ""], add_special_tokens=False)
+        ids = tok.encode(PROBE_TEXT).ids
+        tok.encode_batch([PROBE_TEXT, ""], add_special_tokens=False)
         tok.decode(ids)
         tok.decode_batch([ids])
         tok.get_vocab_size()

@@ -42,7 +42,7 @@ def room(max_seq_len: int, n_prompt: int) -> int:
 
 
 @torch.no_grad()
-def generate(
+def generate_tokens(
     model: Transformer,
     prompt: list[int],
     max_new_tokens: int,

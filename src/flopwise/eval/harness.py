@@ -104,7 +104,7 @@ class FlopwiseLM(LM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy continuation with the KV cache, cut at the first stop string. As lm-eval's `hf`
         model does, a context is cut from the left to leave room for max_gen_toks new tokens."""
-        from flopwise.eval.generate import generate
+        from flopwise.eval.generate import generate_tokens
 
         out = []
         for ctx, kwargs in (r.args for r in requests):
@@ -117,7 +117,9 @@ class FlopwiseLM(LM):
                     f"max_gen_toks={n_new} leaves no room for a context in the model's "
                     f"max_seq_len={self.model.cfg.max_seq_len}: ask for fewer new tokens"
                 )
-            ids = generate(self.model, (self._enc(ctx) or [self.eos])[-keep:], n_new, temperature=0.0, stop_id=self.eos)
+            ids = generate_tokens(
+                self.model, (self._enc(ctx) or [self.eos])[-keep:], n_new, temperature=0.0, stop_id=self.eos
+            )
             text = self.tok.decode([i for i in ids if i != self.eos])
             cuts = [text.index(s) for s in until if s and s in text]
             out.append(text[: min(cuts)] if cuts else text)
@@ -183,7 +185,7 @@ def include_paths(paths: list[str]):
         TaskManager.__init__ = init
 
 
-def main(argv: list[str]) -> None:
+def run_lm_eval(argv: list[str]) -> None:
     """lm-eval's CLI with the flopwise model registered and the built-in tasks on its include path,
     beside the user's own --include_path folders."""
     from lm_eval.__main__ import cli_evaluate
@@ -198,4 +200,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_lm_eval(sys.argv[1:])

@@ -37,7 +37,7 @@ from flopwise.files.ownership import (
 )
 
 RUN_FILE = "flopwise-run.json"
-FORMAT = "flopwise-run/2"
+RUN_FORMAT = "flopwise-run/2"
 
 
 def _read(run_dir: Path) -> dict | None:
@@ -52,7 +52,7 @@ def _read(run_dir: Path) -> dict | None:
         record = None
     if not (
         isinstance(record, dict)
-        and record.get("format") == FORMAT
+        and record.get("format") == RUN_FORMAT
         and isinstance(record.get("files"), dict)
         and isinstance(record.get("writes"), list)
         and all(isinstance(n, str) for n in record["writes"])
@@ -124,7 +124,7 @@ def _updating(run_dir: Path, option: str = "run.dir") -> Iterator[dict]:
         raise cannot_write(option, run_dir, e) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        record = _read(run_dir) or {"format": FORMAT, "writes": [], "files": {}}
+        record = _read(run_dir) or {"format": RUN_FORMAT, "writes": [], "files": {}}
         yield record
         record["folder"] = folder_id(run_dir)
         try:

@@ -1,1 +1,21 @@
-"""TODO face."""
+"""The layout rules the engine enforces and the planner searches within (degrees, micro-batches,
+pipeline schedules, compile): torch-free, read by both plan/ and parallel/."""
+
+from flopwise import public_api
+
+HOMES = {
+    "rules": [
+        "balanced_stages",
+        "check_layout",
+        "COMPILE_MIN_STEPS",
+        "compiles",
+        "config_layout",
+        "FIXED_VIRTUAL_STAGES",
+        "Layout",
+        "SCHEDULES",
+        "stage_ids",
+        "stage_sizes",
+    ],
+}
+__all__ = [name for names in HOMES.values() for name in names]
+__getattr__, __dir__ = public_api(__name__, HOMES)

@@ -1,1 +1,20 @@
-"""TODO face."""
+"""Measurements on this machine that feed or check the planner: hardware calibration,
+`plan --measure` (the engine beside the planner), measured bytes, restart costs, the Hopper tables."""
+
+from flopwise import public_api
+
+HOMES = {
+    "bytes": ["CommCounter", "grad_bytes", "HostSyncCounter", "optimizer_bytes", "param_bytes", "SavedBytes"],
+    "calibrate": [
+        "calibrate_device",
+        "calibration_config",
+        "require_bf16_device",
+        "save_hardware",
+        "steps_of",
+        "sweep",
+    ],
+    "hopper_tables": ["derive", "predict", "run_config", "SHAPE_1B"],
+    "step": ["gather", "measure_plan", "measure_rank", "predicted_time", "QUANTITIES"],
+}
+__all__ = [name for names in HOMES.values() for name in names]
+__getattr__, __dir__ = public_api(__name__, HOMES)

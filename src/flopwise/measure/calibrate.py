@@ -1,6 +1,6 @@
 """`flopwise hardware calibrate`: measure the machine it runs on, for the planner's time model.
 
-    parent:  calibrate(cfg, device, nproc, progress) -> Hardware (its `calibration` filled)
+    parent:  calibrate_device(cfg, device, nproc, progress) -> Hardware (its `calibration` filled)
     ranks:   python -m flopwise.measure.calibrate OUT.json BACKEND   (collectives, under torchrun)
 
 Measured in the run's training dtype (train.dtype), for the GEMM and attention shapes the given
@@ -11,7 +11,7 @@ degrees a layout search on this machine tries, plus a coarse grid so other model
 - SDPA causal attention forward and backward by sequence length and head dim;
 - element-wise work: the config's model forward + backward (train.engine.lm_loss) at several
   token counts, less what the GEMM and attention tables predict for it, over the planner's own
-  element-wise bytes (plan.perf): the bandwidth streaming work reaches in this engine here;
+  element-wise bytes (plan.step): the bandwidth streaming work reaches in this engine here;
 - one fused AdamW step with gradient clipping (train.optim) by parameter count;
 - all-reduce, all-gather, reduce-scatter and send/recv by message size over N local ranks
   (gloo on CPU, NCCL on GPU), in a torchrun of this module;
@@ -159,7 +159,7 @@ def measure_attention(
 ) -> list:
     """The engine's attention core (model.layers.CoreAttention: SDPA, causal; in fp32 on a CPU)
     forward and backward, `queries` query elements a call; shares of peak in the planner's FLOPs
-    (forward: 4·s²·d per head over the full context, backward: three times that, as plan.perf
+    (forward: 4·s²·d per head over the full context, backward: three times that, as plan.step
     counts a fused kernel)."""
     rows = []
     core = CoreAttention(0.0)
@@ -477,7 +477,7 @@ def calibration_config(path: str, overrides: list[str]) -> Config:
     return validate(tree)
 
 
-def calibrate(
+def calibrate_device(
     cfg: Config, device: torch.device, nproc: int, progress: Progress, total: Callable[[int], object] = lambda n: None
 ) -> Hardware:
     """A hardware entry for `device` with a calibration measured here (see the module docstring).
@@ -615,7 +615,7 @@ def _calibrate(
     return replace(hw, calibration=cal)
 
 
-def save(hw: Hardware, path: str | Path) -> Path:
+def save_hardware(hw: Hardware, path: str | Path) -> Path:
     """Write `hw` into a hardware TOML, replacing its entry in a file flopwise wrote before (other
     entries kept) and refusing a file it did not write. Table rows go one per line."""
     path = check_writable(path, "--out")

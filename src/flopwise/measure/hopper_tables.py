@@ -109,7 +109,7 @@ def run_config(batch: int, zero: int, compile_: bool) -> Config:
 
 def predict(cfg: Config, hw: Hardware) -> tuple[float, float]:
     """(planner's step time, its FSDP2 copy bytes) for a recorded run. The benchmark runs FSDP2 on a
-    one-rank mesh, which the engine never does (plan.layout.Layout.fsdp2 needs two ranks): there its
+    one-rank mesh, which the engine never does (layout.rules.Layout.fsdp2 needs two ranks): there its
     copies (plan.comm's rule for one rank, streamed at the rate of the planner's other memory-bound
     work) replace autocast's weight casts (its parameters are bf16 already)."""
     lo = _one_rank(cfg)

@@ -2,7 +2,7 @@
 what a restart costs on this machine, for the planner's reliability account (flopwise.hardware.restart_costs).
 
     parent:  measure_recovery(cfg, device, progress) -> Recovery
-    child:   python -c PROBE CONFIG.toml CHECKPOINT DEVICE   (one restart)
+    child:   python -c PROBE_SCRIPT CONFIG.toml CHECKPOINT DEVICE   (one restart)
 
 Write: flopwise's own save (checkpoints.checkpoint.save: DCP files, state, sha256 manifest, fsync,
 rename), in one process, of a tiny model (its fixed cost) and of the config's model with its AdamW
@@ -45,7 +45,9 @@ TINY_FEATURES = 64  # a 64 × 64 linear layer: 4,096 parameters, a save that is 
 READY = "restart-probe loaded in"
 # the child imports the CLI first, as `python -m flopwise train` does (its cost is the restart's); a
 # program of its own, so that this module, which the CLI imports, does not import the CLI back
-PROBE = "import sys, flopwise.cli; from flopwise.measure.restart import restart_probe; restart_probe(*sys.argv[1:])"
+PROBE_SCRIPT = (
+    "import sys, flopwise.cli; from flopwise.measure.restart import restart_probe; restart_probe(*sys.argv[1:])"
+)
 
 
 def _save_seconds(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, int, Path]:
@@ -60,7 +62,7 @@ def _save_seconds(root: Path, model: torch.nn.Module, optimizer: torch.optim.Opt
 
 def _restart_seconds(config: Path, ckpt: Path, device: torch.device) -> tuple[float, float]:
     """(launch to loaded, the load alone) of one child process, in seconds."""
-    cmd = [sys.executable, "-c", PROBE, str(config), str(ckpt), str(device)]
+    cmd = [sys.executable, "-c", PROBE_SCRIPT, str(config), str(ckpt), str(device)]
     t0 = time.perf_counter()
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         assert proc.stdout is not None and proc.stderr is not None  # piped above

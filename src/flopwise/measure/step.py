@@ -1,7 +1,7 @@
 """`flopwise plan --measure`: run a config's layout for a few training steps under torchrun and
 set, per rank, what the engine holds and sends beside what the planner predicts (plan.rank).
 
-    parent:  measure(path, overrides, nproc, steps) -> report (launches torchrun, compares)
+    parent:  measure_plan(path, overrides, nproc, steps) -> report (launches torchrun, compares)
     ranks:   python -m flopwise.measure.step CONFIG.toml OUT.json STEPS
 
 Each rank builds the run as `flopwise train` does (flopwise.train.build.build_run) and takes the
@@ -12,7 +12,7 @@ collective in the last step. The joint tests (tests/dist/jobs.py) measure throug
 Time: the memory steps (the first of which compiles) warm up; then `steps` more are timed by
 the wall clock, each from a barrier to the device drained, and PROFILED more (taking turns with
 them) under torch.profiler split a step into components (`step_components`), set beside the
-planner's time model (plan.perf.estimate of this exact layout on cluster.hardware).
+planner's time model (plan.step.estimate of this exact layout on cluster.hardware).
 """
 
 from __future__ import annotations
@@ -288,7 +288,7 @@ def component_times(est: Estimate | None, measured: dict[str, float], last: str)
     }
 
 
-def rank_threads(cfg: Config, world: int) -> int:
+def calibrated_threads(cfg: Config, world: int) -> int:
     """Threads per rank on a CPU: as many as the calibration's device had (a CPU device is one rank
     of `hardware calibrate --nproc`, so prediction and measurement run alike), else a fair share."""
     cal = cluster_hardware(cfg.cluster).calibration
@@ -315,7 +315,7 @@ def _rank_main(config: str, out: str, steps: int) -> None:
         dist.destroy_process_group()
 
 
-def measure(
+def measure_plan(
     path: str | None,
     overrides: list[str],
     nproc: int | None = None,
@@ -348,7 +348,7 @@ def measure(
     with tempfile.TemporaryDirectory(prefix="flopwise-measure-") as tmp:
         config, out = Path(tmp) / "config.toml", Path(tmp) / "measured.json"
         config.write_text(to_toml(cfg))
-        env = {"OMP_NUM_THREADS": str(rank_threads(cfg, world)), **os.environ}
+        env = {"OMP_NUM_THREADS": str(calibrated_threads(cfg, world)), **os.environ}
         r = subprocess.run(
             torchrun(
                 world,
@@ -399,7 +399,7 @@ def measure(
         f"(each step starts from a barrier); components: rank {pacing['rank']}'s profiled step; predicted: "
         + (
             why
-            or f"plan.perf.estimate of {lo.name()} on {cfg.cluster.hardware}"
+            or f"plan.step.estimate of {lo.name()} on {cfg.cluster.hardware}"
             + (f" ({cfg.cluster.hardware_file})" if cfg.cluster.hardware_file else "")
         ),
         "step_time_components_s": component_times(est, pacing["step_time_components_s"], last),

@@ -16,8 +16,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 from flopwise.config.schema import Config
-from flopwise.layout.rules import Layout
-from flopwise.layout.rules import compiles as layout_compiles
+from flopwise.layout.rules import Layout, compiles
 from flopwise.model.transformer import Transformer, materialise
 from flopwise.parallel.data import apply_ddp, apply_fsdp, apply_replicate, uses_ddp, uses_replicate
 from flopwise.parallel.float8 import apply_float8
@@ -38,9 +37,9 @@ def apply_recompute(model: Transformer, mode: str) -> None:
             attn.core = checkpoint_wrapper(attn.get_submodule("core"), checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
-def compiles(cfg: Config, lo: Layout) -> bool:
-    """Whether this run compiles (plan.layout.compiles: the planner books the same)."""
-    return layout_compiles(cfg.train.compile, cfg.train.steps, lo)
+def config_compiles(cfg: Config, lo: Layout) -> bool:
+    """Whether this run compiles (layout.rules.compiles: the planner books the same)."""
+    return compiles(cfg.train.compile, cfg.train.steps, lo)
 
 
 def apply_compile(model: Transformer) -> None:
@@ -60,7 +59,7 @@ def parallelize(model: Transformer, cfg: Config, par: Parallel) -> nn.Module:
     if par.mesh is not None and par.size("tp") > 1:
         apply_tp(model, par.mesh["tp"], cfg.parallel.sequence_parallel)
     apply_recompute(model, cfg.parallel.recompute)
-    if compiles(cfg, par.layout):
+    if config_compiles(cfg, par.layout):
         apply_compile(model)
     fsdp = par.distributed and par.layout.zero >= 2
     if fsdp:

@@ -1,11 +1,11 @@
 """Pipeline parallelism with torch.distributed.pipelining.
 
 The model is cut by layers into pp·v stages (embedding with the first, final norm + head with the
-last; how many layers each: `plan.layout.stage_sizes`, the planner's own rule). Each stage module
+last; how many layers each: `layout.rules.stage_sizes`, the planner's own rule). Each stage module
 is a meta-device model with the other layers deleted (nothing allocated: it is sharded and
 materialised later), so parameter names (and checkpoint keys) are those of the
 unsplit model and a checkpoint reshards across pp.
-Rank r runs `plan.layout.stage_ids`: r, r+pp, ... (looped: GPipe, 1F1B, interleaved 1F1B) or r
+Rank r runs `layout.rules.stage_ids`: r, r+pp, ... (looped: GPipe, 1F1B, interleaved 1F1B) or r
 and 2·pp−1−r (V-shape: zero-bubble ZB-V and DualPipeV).
 """
 

@@ -67,7 +67,7 @@ def parse_claim(items: list[str]) -> dict[str, Any]:
                 f"audit {' '.join(items)}: give one catalogue entry alone (or nothing for all of them), "
                 "or a claim of key=value words only"
             )
-        return check_claim(entries[bare[0]])
+        return validate_claim(entries[bare[0]])
     claim: dict[str, Any] = {"name": "claim", "stated": [], "source": "user claim", "status": "claim"}
     for item in items:
         key, _, value = item.partition("=")
@@ -75,10 +75,10 @@ def parse_claim(items: list[str]) -> dict[str, Any]:
             raise ConfigError(f"audit claim: unknown key {key!r} (keys: {keys})")
         claim[key] = parse_value(value)
         claim["stated"].append(key)
-    return check_claim(claim)
+    return validate_claim(claim)
 
 
-def check_claim(claim: dict[str, Any]) -> dict[str, Any]:
+def validate_claim(claim: dict[str, Any]) -> dict[str, Any]:
     """The claim with every stated number type- and range-checked (counts made int): a negative,
     zero, NaN or text value would otherwise turn into a wrong MFU and verdict, or a crash."""
     where = "audit claim" if claim.get("status") == "claim" else f"audit catalogue entry {claim.get('name')}"
@@ -134,7 +134,7 @@ def _model(claim: dict) -> tuple[ModelConfig | None, float | None]:
 
 
 def audit_claim(claim: dict, predict: bool = True) -> ClaimVerdict:
-    claim = check_claim(claim)
+    claim = validate_claim(claim)
     m, params = _model(claim)
     seq = claim.get("seq_len", 2048)
     notes: list[str] = []
@@ -255,5 +255,5 @@ def _predict(claim: dict, devices: int, seq: int) -> tuple[float | None, dict | 
     return best.mfu, best.layout.to_json(), ""
 
 
-def audit(claims: list[dict], predict: bool = True) -> list[ClaimVerdict]:
+def audit_claims(claims: list[dict], predict: bool = True) -> list[ClaimVerdict]:
     return [audit_claim(c, predict) for c in claims]

@@ -21,8 +21,8 @@ from flopwise.flops import count_params
 from flopwise.hardware.catalogue import Hardware, cluster_hardware
 from flopwise.layout.rules import COMPILE_MIN_STEPS, Layout, check_layout, compiles, config_layout
 from flopwise.plan.float8 import RECIPES
-from flopwise.plan.reliability import Reliability, reliability
-from flopwise.plan.search import RECOMPUTE_ORDER, SearchResult, search, why_slower
+from flopwise.plan.reliability import Reliability, predict_reliability
+from flopwise.plan.search import RECOMPUTE_ORDER, SearchResult, search_layouts, why_slower
 from flopwise.plan.step import (
     FIT_MARGIN,
     LINK_EFFICIENCY,
@@ -257,7 +257,7 @@ def plan(
     tokens = planned_tokens(cfg, sh)
     # the planned run's length decides train.compile=auto, as train.steps does for the engine; its
     # train.dtype decides what the engine holds (fp32 or bf16 autocast)
-    result = search(
+    result = search_layouts(
         sh,
         hw,
         cfg.cluster.gpus,
@@ -295,7 +295,7 @@ def plan(
     rel = None
     if best.fits:
         c = cfg.cluster
-        rel = reliability(
+        rel = predict_reliability(
             sh.params,
             c.gpus,
             tokens / best.tokens_per_s,
@@ -442,7 +442,7 @@ def max_micro_batch(cfg: Config) -> MicroBatchReport:
     """Per recompute policy, the largest micro-batch the config's own layout fits, by the estimate
     the search ranks by (same stack, dtype, compile decision, fit margin and runtime reserve).
     Valid micro-batches divide the per-rank batch and keep the pipeline's micro-batch rules
-    (plan.layout.check_layout); memory need not grow with them (one micro-batch holds no
+    (layout.rules.check_layout); memory need not grow with them (one micro-batch holds no
     accumulated gradients), so every one is evaluated."""
     hw = plan_hardware(cfg)
     seq, batch, stack = cfg.data.seq_len, cfg.train.global_batch, STACKS[cfg.plan.stack]

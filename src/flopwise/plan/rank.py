@@ -79,7 +79,7 @@ def step_collectives(cfg: Config, lo: Layout, pp_rank: int, psi: int, n_layers: 
     ZeRO sharding): the data-parallel volumes of plan.comm for this engine's stack (torch's ZeRO-1
     broadcasts the stepped parameters), Megatron's tensor-parallel all-reduces of b·s·h (4 per
     layer, plus the vocab-parallel embedding's output and the head's input gradient, as
-    plan.perf times them), and each pipeline boundary's activations and gradients."""
+    plan.step times them), and each pipeline boundary's activations and gradients."""
     stack, n_micro = STACKS["flopwise"], lo.microbatches(cfg.train.global_batch)
     seq, mb, d = cfg.data.seq_len // lo.cp, lo.micro_batch, cfg.model.d_model
     out: dict[str, float] = {}

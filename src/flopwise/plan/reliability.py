@@ -91,7 +91,7 @@ def goodput(interval_s: float, write_s: float, restart_s: float, mtbf_s: float) 
     return interval_s / (mtbf_s * math.exp(r) * math.expm1(x)) if x > 0 else 0.0
 
 
-def reliability(
+def predict_reliability(
     params: float,
     gpus: int,
     train_seconds: float,
@@ -182,7 +182,7 @@ class Account:
         return {**asdict(self), "goodput": self.goodput, "unaccounted_s": self.unaccounted_s}
 
 
-def account(lines: Sequence[Line], kills: Sequence[float], interval: int) -> Account:
+def measured_account(lines: Sequence[Line], kills: Sequence[float], interval: int) -> Account:
     """Measured goodput of a run that saved every `interval` steps, from the (time, step) of each
     logged step (every step logged, a save after the line of each multiple of `interval`) and the
     times failures struck. Step and stall times are the run's own medians, so a machine whose speed

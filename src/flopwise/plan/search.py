@@ -146,7 +146,7 @@ def _schedules(pp: int, n_layers: int, fixed: dict, balanced: bool = True) -> li
     return out
 
 
-def search(
+def search_layouts(
     sh: Shape,
     hw: Hardware,
     world: int,
@@ -161,7 +161,7 @@ def search(
     float8: tuple[str, ...] = ("none",),
 ) -> SearchResult:
     """Every valid layout's estimate under each float8 recipe of `float8`, the fitting ones fastest
-    first (`compile`, `steps`, `dtype`: the run's, as plan.perf.estimate)."""
+    first (`compile`, `steps`, `dtype`: the run's, as plan.step.estimate)."""
     fixed = dict(fixed or {})
     cache: dict = {}
     fits: list[Estimate] = []

@@ -1,1 +1,37 @@
-"""TODO face."""
+"""Scaling laws, torch-free: the published laws, fits to a sweep's points (Chinchilla's
+Approaches 2 and 3, Kaplan) and task-accuracy prediction."""
+
+from flopwise import public_api
+
+HOMES = {
+    "fit": [
+        "fit_approach2",
+        "fit_approach3",
+        "fit_kaplan",
+        "fitted_law",
+        "plot_fits",
+        "PLOT_NAMES",
+        "Points",
+        "read_points",
+        "save_law",
+    ],
+    "laws": [
+        "allocate",
+        "allocation_config",
+        "batch_and_lr",
+        "CHINCHILLA_TABLE3",
+        "choose_shape",
+        "ChosenShape",
+        "data_constrained",
+        "effective_tokens",
+        "EPOCH",
+        "get_law",
+        "HOFFMANN",
+        "inference_aware",
+        "LAWS",
+        "ParametricLaw",
+    ],
+    "tasks": ["fit_task", "jaggedness", "plot_tasks", "predict_task", "read_task_table", "TaskPoints"],
+}
+__all__ = [name for names in HOMES.values() for name in names]
+__getattr__, __dir__ = public_api(__name__, HOMES)

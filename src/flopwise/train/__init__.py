@@ -1,0 +1,30 @@
+"""A run from a config to its end: build (layout, mesh, data, meta model, parallelize, shards,
+optimizer, resume), launch, the loop with its guards, and the scaling ladder's runner."""
+
+from flopwise import public_api
+
+HOMES = {
+    "build": ["build_engine", "build_run", "claim_run_dir", "ensure_data", "TRAIN_WRITES"],
+    "chaos": ["exponential_gaps", "run_under_failures", "Timeline"],
+    "engine": ["autocast", "lm_loss", "token_loss"],
+    "faults": ["Faults", "parse"],
+    "guard": ["Guard", "Verdict"],
+    "ladder": [
+        "budgets_from",
+        "collect",
+        "final_val_loss",
+        "launch_commands",
+        "plan_ladder",
+        "run_ladder",
+        "write_configs",
+    ],
+    "launch": ["train"],
+    "metrics": ["ceilings_file", "checked_peak", "device_peak", "DTYPES", "measure_matmul_peak", "Peak"],
+    "optim": ["build_optimizer", "lr_at", "param_groups", "step_unless"],
+    "preflight": ["device_memory", "rank_memory_total", "run_preflight", "WillNotFit"],
+    "run": ["resume", "resume_state", "Run"],
+    "trainer": ["layout_label", "summary_table", "train_step"],
+    "watch": ["Watch"],
+}
+__all__ = [name for names in HOMES.values() for name in names]
+__getattr__, __dir__ = public_api(__name__, HOMES)

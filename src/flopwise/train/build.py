@@ -27,9 +27,9 @@ from torch import nn
 from flopwise.checkpoints import checkpoint
 from flopwise.config.schema import Config
 from flopwise.data.loader import TokenLoader
-from flopwise.data.mixture import Source, check_tokenizers, fingerprint
-from flopwise.data.prepare import prepare
-from flopwise.data.shards import DATA_MANIFEST, FORMAT, read_index, skipped_note, tokenizer_of, tokenizer_path
+from flopwise.data.mixture import Source, check_tokenizers, mixture_fingerprint
+from flopwise.data.prepare import prepare_data
+from flopwise.data.shards import DATA_MANIFEST, SHARDS_FORMAT, read_index, skipped_note, tokenizer_of, tokenizer_path
 from flopwise.data.tokenizer import GuardedTokenizer, load_tokenizer, special_ids, tokenizer_difference
 from flopwise.errors import ConfigError, DataError
 from flopwise.files.ownership import add_to_manifest, real_path, why_not_ours
@@ -46,7 +46,7 @@ from flopwise.train.engine import Engine
 from flopwise.train.guard import Guard
 from flopwise.train.metrics import check_tensorboard
 from flopwise.train.optim import build_optimizer
-from flopwise.train.preflight import oom_names, preflight, record_history, slow_bf16_note
+from flopwise.train.preflight import oom_names, record_history, run_preflight, slow_bf16_note
 from flopwise.train.run import Finished, Run, last_step, resume, resume_state
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, setting: str) -
         "tokenizer": tokenizer,
         "val_fraction": cfg.data.val_fraction,
         "seed": cfg.run.seed,
-        "format": FORMAT,
+        "format": SHARDS_FORMAT,
     }  # a folder of an older format is prepared again
     recipe_file = out / "recipe.json"
     if (out / "index.json").is_file() and why_not_ours(out, DATA_MANIFEST) is None and recipe_file.is_file():
@@ -102,7 +102,7 @@ def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, setting: str) -
         except ValueError:  # recorded in the manifest, so flopwise's, yet unreadable: prepare again
             pass
     logger.info(f"[bold]preparing data[/] {path} -> {out} (tokenizer {tokenizer})")
-    stats = prepare(
+    stats = prepare_data(
         [path], out, tokenizer=tokenizer, val_fraction=cfg.data.val_fraction, seed=cfg.run.seed, setting=setting
     )
     add_to_manifest(
@@ -252,7 +252,7 @@ def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run | F
     if par.is_main and (note := slow_bf16_note(cfg, par.device)):
         logger.warning(note, extra={"highlighter": None})
     check_tensorboard(cfg.log.tensorboard)
-    if (fits := preflight(cfg, par)) is not None:
+    if (fits := run_preflight(cfg, par)) is not None:
         logger.info(fits, extra={"highlighter": None})
     record_history(cfg, par.device)
     if par.is_main:
@@ -269,7 +269,7 @@ def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run | F
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
             f"{index['vocab_size']}; set model.vocab_size>={index['vocab_size']}"
         )
-    data_fp = fingerprint(sources)
+    data_fp = mixture_fingerprint(sources)
     resume_from = _resume_point(cfg, run_dir)
     if resume_from is not None:  # decided from its state.json: a finished run builds and loads nothing
         state = resume_state(resume_from, cfg, data_fp)

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from flopwise.config.schema import Config
 from flopwise.model.layers import Span
 from flopwise.model.transformer import document_ids, document_positions
-from flopwise.parallel.apply import compiles
+from flopwise.parallel.apply import config_compiles
 from flopwise.parallel.context import ContextParallel
 from flopwise.parallel.mesh import Parallel, all_mean
 from flopwise.parallel.pipeline import V_SHAPED, build_schedule
@@ -68,7 +68,7 @@ class Engine:
         # Compiled, the loss never materialises the fp32 copy of the logits nor a separate
         # log-softmax pass (at vocab 512 eager log_softmax forward + backward was 22% of a ladder
         # step). Vocab-sharded DTensor logits (tensor parallel) keep the eager loss_parallel path.
-        self.loss = torch.compile(token_loss) if compiles(cfg, lo) and lo.tp == 1 else token_loss
+        self.loss = torch.compile(token_loss) if config_compiles(cfg, lo) and lo.tp == 1 else token_loss
         self.schedule = None
         self.first = self.last = True
         if lo.pp > 1:

@@ -17,8 +17,7 @@ from flopwise.files.ownership import folder_lock, real_path
 from flopwise.train.build import build_run, subnormals_flushed
 from flopwise.train.preflight import WillNotFit
 from flopwise.train.run import Run
-from flopwise.train.trainer import TrainResult, finished
-from flopwise.train.trainer import train as train_run
+from flopwise.train.trainer import TrainResult, finished, train_loop
 
 
 def is_main_process() -> bool:
@@ -60,4 +59,4 @@ def _train(cfg: Config, started: float, lock: Callable[[], object]) -> TrainResu
         dist.barrier()
         sys.stdout.flush()
         os._exit(2)  # all at once: a rank still shutting down when another has exited is stopped by torchrun
-    return train_run(built, started) if isinstance(built, Run) else finished(built, started)
+    return train_loop(built, started) if isinstance(built, Run) else finished(built, started)

@@ -1,7 +1,7 @@
 """Will it fit? The pre-flight of `flopwise train`, and the report of an out-of-memory step.
 
 Before anything large exists (no data prepared, no run folder, no parameter), every rank predicts
-its own peak with the planner's per-rank account (plan.perf.engine_memory: the `total` the layout
+its own peak with the planner's per-rank account (plan.step.engine_memory: the `total` the layout
 search compares with usable memory) and compares it with what its device has free (CUDA:
 torch.cuda.mem_get_info; CPU: MemAvailable shared by the node's ranks), under the planner's own
 rule: it fits if it is at most (1 - FIT_MARGIN) of that. The ranks agree, and if one does not fit
@@ -31,16 +31,15 @@ from flopwise.config.schema import Config
 from flopwise.errors import FlopwiseError
 from flopwise.files import rundir
 from flopwise.files.outputs import json_record
-from flopwise.hardware.catalogue import Hardware, cluster_catalogue, cpu_multiplies_bf16, identify_gpu
+from flopwise.hardware.catalogue import GiB, Hardware, cluster_catalogue, cpu_multiplies_bf16, identify_gpu
 from flopwise.layout.rules import Layout
 from flopwise.parallel.mesh import Parallel, is_rank0
 from flopwise.plan.account import EngineRun
 from flopwise.plan.memory import rank_param_count
 from flopwise.plan.rank import rank_layers
-from flopwise.plan.search import RECOMPUTE_ORDER, search
+from flopwise.plan.search import RECOMPUTE_ORDER, search_layouts
 from flopwise.plan.step import FIT_MARGIN, RUNTIME_RESERVE, STACKS, RankLoad, engine_memory, model_shape
 
-GiB = 2**30
 # what a suggestion may change, and the config key each lives in (dp follows from tp and pp)
 CHANGES = {
     "micro_batch": "train.micro_batch",
@@ -60,7 +59,7 @@ class RankView:
     """One rank's side of the pre-flight: what it needs and what its device has."""
 
     rank: int
-    need: float  # bytes: plan.perf.engine_memory's total for this rank's pipeline stage
+    need: float  # bytes: plan.step.engine_memory's total for this rank's pipeline stage
     available: float | None  # bytes free for this rank (None: cannot tell on this system)
     source: str  # where `available` comes from
 
@@ -71,7 +70,7 @@ def gib(b: float) -> str:
 
 def rank_memory_total(cfg: Config, lo: Layout, pp_rank: int, cpu: bool) -> dict:
     """The bytes of pipeline rank `pp_rank` of `lo` by the layout search's own account
-    (plan.perf.engine_memory over this one stage, booked at its largest data-parallel share as the
+    (plan.step.engine_memory over this one stage, booked at its largest data-parallel share as the
     search books it), with the engine's stage split (parallel.pp_layers) and, on a CPU, its fp32
     attention core."""
     layers, emb, head = rank_layers(cfg, lo, pp_rank)
@@ -153,7 +152,7 @@ def nearest_fit(cfg: Config, user: Layout, hw: Hardware, budget: float, cpu: boo
     fits, least = [], math.inf
     for zero in range(4):
         for rc in RECOMPUTE_ORDER:
-            r = search(
+            r = search_layouts(
                 sh,
                 hw,
                 user.world,
@@ -195,7 +194,7 @@ def describe_change(cfg: Config, user: Layout, hw_name: str, found: tuple[Layout
     )
 
 
-def preflight(cfg: Config, par: Parallel) -> str | None:
+def run_preflight(cfg: Config, par: Parallel) -> str | None:
     """Stop the run (WillNotFit on every rank, rank 0's message saying why) if any rank is predicted
     not to fit its device; else rank 0's one-line summary (None where memory cannot be read)."""
     if not cfg.train.preflight:

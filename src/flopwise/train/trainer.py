@@ -38,7 +38,7 @@ from flopwise.data.shards import read_index
 from flopwise.data.tasks import load_task
 from flopwise.data.tokenizer import side_files
 from flopwise.errors import ConfigError, DataError, TrainingStopped
-from flopwise.eval.generate import generate
+from flopwise.eval.generate import generate_tokens
 from flopwise.eval.tasks import evaluate_task
 from flopwise.files import rundir
 from flopwise.files.outputs import read_records
@@ -46,7 +46,7 @@ from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware.catalogue import cluster_catalogue
 from flopwise.layout.rules import Layout
 from flopwise.model.transformer import Transformer
-from flopwise.parallel.apply import compiles
+from flopwise.parallel.apply import config_compiles
 from flopwise.parallel.mesh import DIMS, Parallel, across_nodes, missing_ranks
 from flopwise.plan.float8 import unconverted_linears
 from flopwise.train.engine import Engine, autocast
@@ -88,7 +88,7 @@ class TrainResult:
     signal: str | None = None
     save_s: list[float] = field(default_factory=list)  # how long each checkpoint save blocked training
     async_save_s: list[float] = field(default_factory=list)  # async: call to complete, in the background
-    layout: str = "single"  # plan.layout.Layout.name() of the layout that ran
+    layout: str = "single"  # layout.rules.Layout.name() of the layout that ran
 
 
 def eval_sources(sources: list[Source], seq_len: int) -> list[Source]:
@@ -104,7 +104,7 @@ def eval_sources(sources: list[Source], seq_len: int) -> list[Source]:
     return usable
 
 
-def evaluate(engine: Engine, sources: list[Source], cfg: Config) -> tuple[float, dict[str, float]]:
+def validation_losses(engine: Engine, sources: list[Source], cfg: Config) -> tuple[float, dict[str, float]]:
     """Mean loss over the first validation windows of each source, in micro-batches (a pipeline
     evaluates micro_batch × its number of micro-batches at a time); the mixture's loss is the
     weight-averaged mean of the sources' that have a validation split (of one sequence or more)."""
@@ -353,7 +353,7 @@ class _Loop:
 
     def evaluate(self, done: int) -> None:
         run = self.run
-        self.val_loss, by_source = evaluate(run.engine, run.sources, self.cfg)
+        self.val_loss, by_source = validation_losses(run.engine, run.sources, self.cfg)
         self.write(
             {
                 "step": done,
@@ -412,7 +412,7 @@ class _Loop:
         return None
 
 
-def train(run: Run, started: float | None = None) -> TrainResult:
+def train_loop(run: Run, started: float | None = None) -> TrainResult:
     """Train a built run on this process, or as one rank of a torchrun/srun job (rank 0 writes logs
     and metrics); `started`: when building it began (perf_counter), for the run's wall time."""
     t_start = time.perf_counter() if started is None else started
@@ -448,7 +448,7 @@ def train(run: Run, started: float | None = None) -> TrainResult:
         rundir.replace(run_dir, "config.toml", to_toml(cfg).encode())
     loop = _Loop(run)
     if cfg.model.init_from and run.start_step == 0 and run.engine.can_eval:  # the model as loaded, for comparison
-        loop.val0 = loop.val0_seen = evaluate(run.engine, run.sources, cfg)[0]
+        loop.val0 = loop.val0_seen = validation_losses(run.engine, run.sources, cfg)[0]
         loop.write({"step": 0, "val_loss": loop.val0})
         logger.info(
             f"step 0: val loss {loop.val0:.4f} (the model as loaded, {cfg.train.eval_batches} batches of "
@@ -459,7 +459,7 @@ def train(run: Run, started: float | None = None) -> TrainResult:
     logger.info(
         f"[bold]model[/] {n_params.total / 1e6:.2f}M params ({n_params.non_embedding / 1e6:.2f}M "
         f"non-embedding), {loop.fpt / 1e6:.1f} MFLOP/token (model FLOPs, 6N + attention); "
-        f"{par.device.type} {cfg.train.dtype}{' compiled' if compiles(cfg, lo) else ''}; "
+        f"{par.device.type} {cfg.train.dtype}{' compiled' if config_compiles(cfg, lo) else ''}; "
         f"MFU vs {loop.peak.flops / 1e9:,.0f} GFLOP/s "
         f"per device ({loop.peak.source})"
     )
@@ -513,7 +513,7 @@ def _result(run: Run, loop: _Loop, preempted: int | None, seconds: float) -> Tra
         prompt = run.tokenizer.encode(cfg.train.sample_prompt).ids
         with autocast(par.device, cfg.train.dtype):
             model = cast(Transformer, run.engine.parts[0])  # one process: the only part is the plain Transformer
-            ids = generate(model, prompt, cfg.train.sample_tokens, temperature=0.8, top_k=50, seed=cfg.run.seed)
+            ids = generate_tokens(model, prompt, cfg.train.sample_tokens, temperature=0.8, top_k=50, seed=cfg.run.seed)
         sample = run.tokenizer.decode(prompt + ids)
     final_loss = loop.losses[-1] if loop.losses else float("nan")
     reached = loop.end if preempted is None else preempted
