@@ -457,7 +457,7 @@ def max_micro_batch(cfg: Config) -> MicroBatchReport:
     valid = [mb for mb, why in reasons.items() if why is None]
     if not valid:
         why = next(iter(reasons.values()), None) or check_layout(base, cfg.model, seq, batch, world, engine)
-        raise ConfigError(f"--max-micro-batch: no micro-batch runs {base.name()} on {world} devices: {why}")
+        raise ConfigError(f"plan max-micro-batch: no micro-batch runs {base.name()} on {world} devices: {why}")
     caches: dict[int, dict] = {}
 
     def total(mb: int, rc: str, gb: int = batch) -> Estimate:  # steps: the run length plan() decides compile by
