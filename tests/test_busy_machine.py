@@ -1,4 +1,4 @@
-"""`plan --measure` on a busy machine: the "this machine is busy" note is for a run that goes ahead;
+"""`plan measure` on a busy machine: the "this machine is busy" note is for a run that goes ahead;
 a refused one stays the house's one-line error (under load it once became two lines)."""
 
 import os
@@ -19,9 +19,9 @@ def busy(monkeypatch):
 @pytest.mark.parametrize(
     "args,fragment",
     [
-        (["--measure", "--steps", "0"], "--steps=0"),
-        (["parallel.tp=4", "parallel.dp=4", "--measure"], "at most 8"),
-        (["demo", "parallel.tp=3", "--measure"], "parallel.tp=3 does not divide model.n_heads=8"),
+        (["measure", "--steps", "0"], "--steps=0"),
+        (["measure", "parallel.tp=4", "parallel.dp=4"], "at most 8"),
+        (["measure", "demo", "parallel.tp=3"], "parallel.tp=3 does not divide model.n_heads=8"),
     ],
 )
 def test_a_refused_measure_is_one_line_on_a_busy_machine(busy, monkeypatch, capsys, args, fragment):

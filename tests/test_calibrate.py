@@ -1,7 +1,7 @@
 """`flopwise hardware calibrate` -> a hardware TOML the planner reads (cluster.hardware_file).
 
 The reference for the planner's calibrated time is a measured step of the engine (`plan
---measure`, the wall clock), on a model whose shapes the calibration measured; how close it comes
+measure`, the wall clock), on a model whose shapes the calibration measured; how close it comes
 on the four CPU layouts is benchmarks/throughput/plan_time_cpu.py's (a loaded CI machine would make a tight
 bound here flaky, so the test asks for the right order of magnitude and a strict improvement on
 nothing but the measurement itself)."""
@@ -112,12 +112,12 @@ def test_calibrated_prediction_is_the_measured_step_to_a_factor(calibrated, tmp_
         before = cpu_share_probe()
         r = flopwise(
             "plan",
+            "measure",
             "demo",
             *TINY,
             f'cluster.hardware_file="{out}"',
             f'run.dir="{tmp_path / f"run{attempt}"}"',
             f'data.path="{demo_data}"',
-            "--measure",
             "--steps",
             "3",
             "--json",
@@ -219,7 +219,7 @@ def test_a_135m_model_is_timed_at_what_the_machine_does_in_a_second(tmp_path):
 
 
 def test_a_busy_machine_is_said_before_timing(monkeypatch):
-    """calibrate and plan --measure warn when the 1-minute load average reaches the core count
+    """calibrate and plan measure warn when the 1-minute load average reaches the core count
     (another process holds the cores; what they time is then slower than the machine)."""
     from flopwise.hardware.catalogue import busy_note
 

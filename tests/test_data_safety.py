@@ -116,8 +116,8 @@ SLOW = {  # multi-process or long: the slow set
     "scale-sweep": lambda u, made, data: ["scale", "sweep", "--out", u / "ladder", "--budgets", "2e10", "--sizes", 2],
     "plan-measure": lambda u, made, data: [
         "plan",
+        "measure",
         *tiny_overrides(u / "measure", data),
-        "--measure",
         "--nproc",
         1,
         "--steps",
@@ -129,7 +129,7 @@ SLOW = {  # multi-process or long: the slow set
 def _check(name: str, argv_of, trained: Path, tiny_data: Path, tmp_path: Path, cli, monkeypatch) -> None:
     u = tmp_path / "user"
     before = seed_user_tree(u)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # plan --measure's ranks: the env each command had in its own process
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # plan measure's ranks: the env each command had in its own process
     out = cli(*argv_of(u, trained, tiny_data), cwd=u)
     after = hashes(u)
     changed = {k for k in before if before[k] != after[k]}

@@ -190,8 +190,8 @@ def test_hugging_face_configs(tmp_path, cfg):
         (["train", "model.init_from=hf:/no/such/folder"], "/no/such/folder"),
         (["eval", "{run}", "--tasks", "alice-lastword"], "no complete checkpoint"),
         (["train", "data.tokenizer=bpe:lots"], "data.tokenizer"),
-        (["plan", "parallel.tp=4", "parallel.dp=4", "--measure"], "at most 8"),
-        (["plan", "demo", "parallel.tp=3", "--measure"], "parallel.tp=3 does not divide model.n_heads=8"),
+        (["plan", "measure", "parallel.tp=4", "parallel.dp=4"], "at most 8"),
+        (["plan", "measure", "demo", "parallel.tp=3"], "parallel.tp=3 does not divide model.n_heads=8"),
     ],
 )
 def test_cli_user_errors_are_one_line_exit_2_no_traceback(tmp_path, args, fragment, capsys, monkeypatch):

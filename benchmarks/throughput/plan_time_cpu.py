@@ -6,7 +6,7 @@ calibrated tables).
     python benchmarks/throughput/plan_time_cpu.py --hardware-file hw.toml # reuse a calibration
 
 Layouts: 1 process, dp2 ZeRO-1, tp2, pp2 (the demo at global batch 16; micro-batch 8 where the
-per-rank batch is 8). Measured: `flopwise plan --measure` (flopwise.measure.step), median of the timed
+per-rank batch is 8). Measured: `flopwise plan measure` (flopwise.measure.step), median of the timed
 steps of the slowest rank. "Before" is the same hardware entry with its calibration removed (the
 measured peak at the catalogue's single 0.75 GEMM efficiency and 80% of the measured stream
 bandwidth): what the planner did before calibration existed. Writes benchmarks/throughput/results/plan_time_cpu.json.

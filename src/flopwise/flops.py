@@ -17,8 +17,9 @@ Pure Python. Conventions (stated in every output that uses them):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+from flopwise.config.presets import PRESETS
 from flopwise.config.schema import ModelConfig
 
 Recompute = Literal["none", "selective", "full"]
@@ -164,3 +165,26 @@ def mfu(tokens_per_s: float, flops_per_token_: float, peak_flops: float, devices
     `devices` in use (`peak_flops` per device). Model FLOPs per token give MFU; FLOPs with
     recompute give HFU. The trainer, the planner and the auditor all call this."""
     return tokens_per_s * flops_per_token_ / (devices * peak_flops)
+
+
+def preset_table() -> list[dict[str, Any]]:
+    """Every built-in preset's architecture, shape and parameter counts, as `flopwise presets` lists them."""
+    rows = []
+    for name in PRESETS:
+        m = ModelConfig(preset=name)
+        c = count_params(m)
+        rows.append(
+            {
+                "name": name,
+                "arch": m.arch,
+                "params": c.total,
+                "non_embedding_params": c.non_embedding,
+                "n_layers": m.n_layers,
+                "d_model": m.d_model,
+                "n_heads": m.n_heads,
+                "n_kv_heads": m.n_kv_heads,
+                "ffn_dim": m.ffn_dim,
+                "vocab_size": m.vocab_size,
+            }
+        )
+    return rows

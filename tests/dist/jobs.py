@@ -44,7 +44,7 @@ def memory(overrides: list[str]) -> dict:
 
 def comm(overrides: list[str]) -> dict:
     """Collectives of one training step (forward, backward, clip, optimizer step) on rank 0: each
-    call's elements by kind, and the volumes by kind `flopwise plan --measure` reports."""
+    call's elements by kind, and the volumes by kind `flopwise plan measure` reports."""
     from flopwise.measure.bytes import CommCounter
 
     cfg, par, engine, opt, loader = _setup(overrides)

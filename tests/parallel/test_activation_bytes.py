@@ -265,7 +265,7 @@ def test_planner_books_what_the_model_keeps_outside_its_layers(family, dtype, co
 @pytest.mark.slow
 @pytest.mark.compile
 def test_compiled_run_measures_what_the_planner_predicts(tiny_data, tmp_path):
-    """`flopwise plan --measure`'s path on one process (build_run, then measure_rank's training
+    """`flopwise plan measure`'s path on one process (build_run, then measure_rank's training
     steps under SavedBytes) with train.compile=true and bf16 autocast: the peak of saved activations
     equals predict_rank's within 2% (compiled blocks with their weight casts, compiled loss)."""
     from flopwise.config.schema import load_config

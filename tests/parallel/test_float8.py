@@ -214,7 +214,7 @@ def test_planner_books_what_float8_linears_save(dtype):
 
 @pytest.mark.slow
 def test_run_measures_what_the_planner_predicts(tiny_data, tmp_path):
-    """`flopwise plan --measure`'s path on one process (build_run, then measure_rank's steps under
+    """`flopwise plan measure`'s path on one process (build_run, then measure_rank's steps under
     SavedBytes and PeakMemory) with emulated rowwise float8 under bf16 autocast: the saved
     activations and the step's high-water mark (without the blocks' bf16 weight copies) within 1%
     of predict_rank's (measured: 68 and 4,084 bytes apart)."""
@@ -259,7 +259,7 @@ def test_planner_bounds_what_compiled_float8_blocks_save():
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_fsdp2_float8_all_gather_measures_what_the_planner_predicts(tiny_data, tmp_path, cli):
-    """`flopwise plan --measure` on two ranks, ZeRO-2, tensorwise: FSDP2 gathers the float8
+    """`flopwise plan measure` on two ranks, ZeRO-2, tensorwise: FSDP2 gathers the float8
     linears' weights in 1 byte per element; the gathered bytes equal the planner's, and the step's
     high-water mark is within 1%."""
     keys = tiny_overrides(
@@ -267,7 +267,7 @@ def test_fsdp2_float8_all_gather_measures_what_the_planner_predicts(tiny_data, t
         tiny_data,
         **{"train.dtype": '"bf16"', "train.compile": "false", "parallel.zero": 2, **emulated("tensorwise")},
     )
-    r = cli("plan", *keys, "--measure", "--nproc", "2", "--steps", "3", "--json")  # the ranks: torchrun's own
+    r = cli("plan", "measure", *keys, "--nproc", "2", "--steps", "3", "--json")  # the ranks: torchrun's own
     assert r.returncode == 0, r.stderr[-3000:]
     for rank in json.loads(r.stdout)["ranks"]:
         assert rank["gathered"]["measured"] == rank["gathered"]["predicted"]

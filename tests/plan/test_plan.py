@@ -691,7 +691,7 @@ def test_plan_measure_nproc_below_one_is_refused(cli):
     from flopwise.measure.step import measure_plan
 
     for n in ("0", "-1"):
-        r = cli("plan", "--measure", "--nproc", n)
+        r = cli("plan", "measure", "--nproc", n)
         assert r.returncode == 2 and "--nproc" in r.stderr and "Traceback" not in r.stderr, r.stderr
     with pytest.raises(ConfigError, match="--nproc=0"):
         measure_plan(None, [], 0)
@@ -768,7 +768,7 @@ def test_audit_calls_a_model_that_fits_no_layout_impossible():
 )
 def test_search_books_each_rank_as_predict_rank_does(over):
     """One per-rank account: the memory the search ranks a layout by is predict_rank's (the
-    account `plan --measure` and the joint tests hold against the engine), with the run's
+    account `plan measure` and the joint tests hold against the engine), with the run's
     train.dtype: without pipelining the largest of every quantity over the ranks (one rank holds
     them all: FSDP2's first shard, ZeRO-1's busiest), with it one pipeline rank's, at shard 0."""
     from flopwise.parallel.mesh import layout_of

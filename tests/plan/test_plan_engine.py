@@ -5,7 +5,7 @@ all-gathered parameter copies at the activation peak, equal what the planner boo
 exactly (its own stage split, tensor-parallel slices and ZeRO shares, computed from the config
 alone), and a step's data-parallel collectives move exactly the planner's
 volumes. The reference is the engine, measured (flopwise.measure.step, the code behind
-`flopwise plan --measure`); the planner (flopwise.plan.rank) never sees it.
+`flopwise plan measure`); the planner (flopwise.plan.rank) never sees it.
 """
 
 import json
@@ -201,11 +201,11 @@ def test_step_collectives_equal_the_planners_volumes(zero, measured, tiny_data):
 
 
 def test_plan_measure_command_prints_the_engines_bytes_beside_the_planners(tiny_data, tmp_path, cli):
-    """`flopwise plan --measure` on dp2 ZeRO-3: per rank the planner's parameter, gradient and
+    """`flopwise plan measure` on dp2 ZeRO-3: per rank the planner's parameter, gradient and
     optimizer bytes and collective volumes equal what the two torchrun ranks measured, and its saved
     activations are within 5%."""
     args = tiny_overrides(tmp_path / "run", tiny_data, **{"parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 2})
-    r = cli("plan", *args, "--measure", "--steps", "2", "--json")  # in this process; the ranks: torchrun's own
+    r = cli("plan", "measure", *args, "--steps", "2", "--json")  # in this process; the ranks: torchrun's own
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)
     assert report["world"] == 2 and len(report["ranks"]) == 2 and report["layout"] == "dp2 zero3"
@@ -233,7 +233,7 @@ def test_step_high_water_mark_is_the_planners(name, measured, demo_data):
         assert r["peak"] == pytest.approx(want.peak, rel=PEAK[name][1]), (r["peak"], want.peak)
 
 
-# `flopwise plan <H200_1B> train.compile=<c> --measure --nproc 1 --steps 3 --json`, run on a lent
+# `flopwise plan measure <H200_1B> train.compile=<c> --nproc 1 --steps 3 --json`, run on a lent
 # H200 (torch 2.11, CUDA; 2026-12-04): tests/fixtures/h200/gpu_measure_llama1b_compile_<c>.json
 H200_1B = [
     "model.n_layers=16",
@@ -265,7 +265,7 @@ def test_planner_books_what_the_engine_held_on_an_h200(compile_):
     assert measured["peak"]["measured"] == pytest.approx(want.peak, rel=0.01)
 
 
-# `flopwise plan --json` (the numbers the layout search ranks by) against `flopwise plan --measure
+# `flopwise plan --json` (the numbers the layout search ranks by) against `flopwise plan measure
 # --json` (the engine's own bytes, the last of 3 steps: DDP rebuilds its buckets in the second) on
 # the configured layout, every parallel key fixed so the plan evaluates exactly that layout. The
 # GPT-2 family in fp32, eager, two micro-batches per rank: on a CPU its kernels keep what CUDA's do
@@ -322,7 +322,7 @@ def test_search_memory_is_what_the_engine_holds(name, tiny_data, tmp_path, cli):
     tests' data-parallel tolerance (1%; ZeRO-3 here: at least the plan)."""
     args = _searched_overrides(tmp_path, tiny_data, name)
     planned = _cli_json(cli, *args)
-    measured = _cli_json(cli, *args, "--measure", "--steps", "3")
+    measured = _cli_json(cli, "measure", *args, "--steps", "3")
     (layout,) = planned["layouts"]
     assert {k: layout[k] for k in measured["parallel"]} == measured["parallel"]
     assert measured["world"] == SEARCHED[name][1] and measured["dtype"] == "fp32"

@@ -1,5 +1,5 @@
 """`flopwise plan --hf` on real checkpoints built offline with transformers (the exact parameter
-count against the checkpoint's own tensors), and `flopwise plan --max-micro-batch` against the
+count against the checkpoint's own tensors), and `flopwise plan max-micro-batch` against the
 layout search's own verdict on a small made-up device and against the engine's measured memory."""
 
 import json
@@ -138,7 +138,7 @@ def test_hf_missing_field_is_one_line(checkpoints, tmp_path, cli):
     assert "hidden_size" in r.stderr
 
 
-# --- --max-micro-batch ---------------------------------------------------------------------------
+# --- plan max-micro-batch -------------------------------------------------------------------------
 
 TINY = """[tiny]
 peak_flops = {bf16 = 1e14}
@@ -179,7 +179,7 @@ def search_verdict(overrides: list[str], mb: int, recompute: str) -> dict:
 
 
 def test_max_micro_batch_is_the_search_boundary(tiny_device, cli):
-    r = cli("plan", "demo", *tiny_device, "--max-micro-batch", "--json")
+    r = cli("plan", "max-micro-batch", "demo", *tiny_device, "--json")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["valid_micro_batches"] == [1, 2, 4, 8, 16, 32, 64]  # the divisors of the per-rank batch
@@ -201,7 +201,7 @@ def test_max_micro_batch_past_the_batch_and_pipeline_rules(tiny_device, cli):
     """With a small batch every valid micro-batch fits: the table says how far a larger batch
     would go. Under pp=2 a micro-batch leaving fewer than 2 micro-batches is not offered."""
     small = [*tiny_device, "train.global_batch=4", "train.micro_batch=1"]
-    got = json.loads(cli("plan", "demo", *small, "--max-micro-batch", "--json").stdout)
+    got = json.loads(cli("plan", "max-micro-batch", "demo", *small, "--json").stdout)
     full = next(lim for lim in got["limits"] if lim["recompute"] == "full")
     assert full["micro_batch"] == 4 and full["next_micro_batch"] is None
     mb, gb = full["beyond"]["micro_batch"], full["beyond"]["global_batch"]
@@ -210,12 +210,12 @@ def test_max_micro_batch_past_the_batch_and_pipeline_rules(tiny_device, cli):
     assert not search_verdict([*tiny_device, f"train.global_batch={gb + 1}"], mb + 1, "full")["fits"]
     pp = cli(
         "plan",
+        "max-micro-batch",
         "demo",
         *tiny_device,
         "cluster.gpus=2",
         "parallel.pp=2",
         "model.tie_embeddings=false",
-        "--max-micro-batch",
         "--json",
     )
     assert pp.returncode == 0, pp.stderr
@@ -242,7 +242,7 @@ JOINT = {
 
 @pytest.mark.slow
 def test_max_micro_batch_is_where_the_engines_measured_memory_runs_out(tiny_data, tmp_path, cli):
-    """`plan --max-micro-batch` against the engine's measured memory (`plan --measure`'s path on one
+    """`plan max-micro-batch` against the engine's measured memory (`plan measure`'s path on one
     process: build_run, then measure_rank's steps under PeakMemory): the parameters, the AdamW
     moments and the second step's high-water mark above them (which holds the gradients).
 
@@ -267,10 +267,10 @@ def test_max_micro_batch_is_where_the_engines_measured_memory_runs_out(tiny_data
     (tmp_path / "hw.toml").write_text(cpu)
     r = cli(
         "plan",
+        "max-micro-batch",
         *tiny_overrides(tmp_path / "plan", tiny_data, **JOINT),
         "cluster.hardware=cpu",
         f'cluster.hardware_file="{tmp_path / "hw.toml"}"',
-        "--max-micro-batch",
         "--json",
     )
     assert r.returncode == 0, r.stderr

@@ -1,4 +1,4 @@
-"""`flopwise plan --measure` times the step: the wall clock of the engine's own steps beside the
+"""`flopwise plan measure` times the step: the wall clock of the engine's own steps beside the
 planner's time model, and a profiled step split into components.
 
 The reference is the wall clock: the components torch.profiler gives for a step must add up to
@@ -47,7 +47,7 @@ def _measure(tmp_path, data, *overrides: str) -> dict:
     ]
     # one thread a rank: the test machine's cores are shared, and oversubscribed threads spin
     r = subprocess.run(
-        [sys.executable, "-m", "flopwise", "plan", "demo", *args, "--measure", "--steps", "3", "--json"],
+        [sys.executable, "-m", "flopwise", "plan", "measure", "demo", *args, "--steps", "3", "--json"],
         capture_output=True,
         text=True,
         timeout=600,

@@ -4,7 +4,7 @@ and contamination."""
 from flopwise import public_api
 
 HOMES = {
-    "contamination": ["DecontaminationFilter", "measure_contamination"],
+    "contamination": ["DecontaminationFilter", "measure_contamination", "contamination_report"],
     "loader": ["eval_batches", "TokenLoader"],
     "mixture": [
         "check_tokenizers",
@@ -14,6 +14,8 @@ HOMES = {
         "parse_unique_tokens",
         "prepared_sources",
         "Source",
+        "mixture_of",
+        "SourceDraw",
     ],
     "prepare": ["prepare_data"],
     "prepare_steps": ["Whitespace"],

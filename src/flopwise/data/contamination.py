@@ -222,3 +222,19 @@ class DecontaminationFilter(BaseFilter):
 
     def filter(self, doc: Document) -> bool | tuple[bool, str]:
         return (False, "contaminated") if self.grams.touches(doc.text) else True
+
+
+def contamination_report(data: str, tasks: list[str], n: int = GPT3_N, ids_out: Path | None = None) -> Contamination:
+    """`flopwise data contamination`: built-in task names or JSONL files against `data`; with
+    `ids_out`, the contaminated example indices per task written there (checked writable first)."""
+    from flopwise.data.tasks import load_task
+    from flopwise.files.outputs import check_writable, write_json
+
+    if ids_out:
+        check_writable(ids_out, "--ids-out")
+    report = measure_contamination(data, [load_task(t) for t in tasks], n)
+    if ids_out:
+        write_json(
+            ids_out, dict(zip(report.tasks, report.contaminated, strict=True)), "--ids-out", "data contamination"
+        )
+    return report

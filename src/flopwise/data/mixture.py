@@ -10,7 +10,9 @@ of the repeats, and the mixture is worth the sum.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from flopwise.data.shards import data_fingerprint, read_index
@@ -122,3 +124,10 @@ def mixture_fingerprint(sources: list[Source]) -> str:
         return data_fingerprint(sources[0].data_dir)
     joined = "\n".join(f"{s.name}={data_fingerprint(s.data_dir)}" for s in sources)
     return hashlib.sha256(joined.encode()).hexdigest()
+
+
+def mixture_of(cfg) -> Callable[[float], list[SourceDraw]] | None:
+    """What a planned run of `tokens` draws from each source, when every source is prepared: the
+    planner reads no data, so `flopwise plan` hands it this."""
+    sources = prepared_sources(cfg)
+    return partial(draws, sources) if sources else None

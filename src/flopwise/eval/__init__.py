@@ -4,7 +4,8 @@ cache, and lm-eval's harness."""
 from flopwise import public_api
 
 HOMES = {
-    "generate": ["generate_tokens"],
+    "report": ["Evaluation", "evaluate_checkpoint"],
+    "generate": ["generate_tokens", "complete"],
     "harness": ["FlopwiseLM", "run_lm_eval", "TASK_PREFIX", "task_yaml", "write_task_yamls"],
     "load": ["load_for_inference"],
     "perplexity": ["text_loss"],

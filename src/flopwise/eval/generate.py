@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 
+from flopwise.checkpoints.checkpoint import resolve
+from flopwise.data.tokenizer import special_ids
 from flopwise.errors import DataError
+from flopwise.eval.load import load_for_inference
 from flopwise.model.layers import KVCache
 from flopwise.model.transformer import Transformer
 
@@ -79,3 +86,33 @@ def generate_tokens(
             break
         step_input = torch.tensor([[nxt]], device=device)
     return out
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str  # the prompt and its continuation
+    prompt_tokens: int
+    new_tokens: int
+    max_seq_len: int
+    at_context_limit: bool  # stopped short of max_new_tokens because the model's context is full
+
+
+def complete(
+    ckpt: str | Path,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    use_cache: bool = True,
+    report: Callable[[str], None] | None = None,
+) -> Completion:
+    """`flopwise generate`: a checkpoint (or a run's newest) continues `prompt` until its own end
+    token, `max_new_tokens` or its context limit. `report` hears which checkpoint is used."""
+    model, cfg, tok = load_for_inference(ckpt, report=report)
+    ids = tok.encode(prompt).ids
+    stop_id = special_ids(tok, resolve(ckpt))["eos"]
+    out = generate_tokens(model, ids, max_new_tokens, temperature, top_k, top_p, seed, use_cache, stop_id)
+    full = len(out) < max_new_tokens and len(ids) + len(out) == cfg.model.max_seq_len
+    return Completion(tok.decode(ids + out), len(ids), len(out), cfg.model.max_seq_len, full)

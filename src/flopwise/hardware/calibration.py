@@ -21,7 +21,7 @@ link rates):
 - overlap: the share of an all-reduce that hides behind matmuls on the same device, which scales
   the stack's overlap of data-parallel traffic with backward.
 On a CPU a device is one rank of `--nproc` on the machine: the compute tables are measured with
-`threads` = cores / nproc, and `plan --measure` gives each rank that many.
+`threads` = cores / nproc, and `plan measure` gives each rank that many.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Calibration:
     optimizer: tuple[tuple[float, ...], ...]
     collectives: tuple[tuple[str, tuple[tuple[float, ...], ...]], ...] = ()
     source: str = ""
-    threads: int = 0  # CPU: the threads one device (one rank) had; `plan --measure` runs its ranks so
+    threads: int = 0  # CPU: the threads one device (one rank) had; `plan measure` runs its ranks so
     overlap: float = 1.0  # share of a collective that hides behind compute on the same device
     _fits: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 

@@ -303,7 +303,7 @@ def cpu_multiplies_bf16(cpuinfo: str | None = None) -> bool:
 
 def auto_dtype(hw: Hardware) -> Literal["bf16", "fp32"]:
     """train.dtype=auto: bf16 where `hw` has a bf16 peak: a catalogue GPU, or an entry `hardware
-    calibrate` measured (its tables are bf16 only, so its plans and `plan --measure` stay in the
+    calibrate` measured (its tables are bf16 only, so its plans and `plan measure` stay in the
     dtype they were measured in); on the built-in `cpu` entry, with no peak at all, bf16 where this
     machine's CPU has bf16 instructions (cpu_multiplies_bf16); else (a V100: fp16 and fp32) fp32."""
     native = hw.peak("bf16") is not None or (not hw.peak_flops and cpu_multiplies_bf16())

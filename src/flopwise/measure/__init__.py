@@ -1,9 +1,10 @@
 """Measurements on this machine that feed or check the planner: hardware calibration,
-`plan --measure` (the engine beside the planner), measured bytes, restart costs, the Hopper tables."""
+`plan measure` (the engine beside the planner), measured bytes, restart costs, the Hopper tables."""
 
 from flopwise import public_api
 
 HOMES = {
+    "machine": ["calibrate_machine", "calibration_device"],
     "bytes": ["CommCounter", "grad_bytes", "HostSyncCounter", "optimizer_bytes", "param_bytes", "SavedBytes"],
     "calibrate": [
         "calibrate_device",

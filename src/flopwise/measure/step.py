@@ -1,4 +1,4 @@
-"""`flopwise plan --measure`: run a config's layout for a few training steps under torchrun and
+"""`flopwise plan measure`: run a config's layout for a few training steps under torchrun and
 set, per rank, what the engine holds and sends beside what the planner predicts (plan.rank).
 
     parent:  measure_plan(path, overrides, nproc, steps) -> report (launches torchrun, compares)
@@ -338,7 +338,7 @@ def measure_plan(
     world = (p.dp or 1) * p.tp * p.pp * p.cp if nproc is None else nproc
     if world > MAX_RANKS:
         raise ConfigError(
-            f"--measure runs one process per rank on this machine: {world} ranks asked, at most "
+            f"plan measure runs one process per rank on this machine: {world} ranks asked, at most "
             f"{MAX_RANKS}; lower the parallel.* degrees (or --nproc)"
         )
     cfg = resolve_layout(cfg, tree, world)

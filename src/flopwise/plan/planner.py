@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from flopwise.config.hf_mapping import read_hf_config, tensor_shapes
-from flopwise.config.schema import Config, apply_override, hf_model_fields, load_tree, validate
+from flopwise.config.schema import Config, apply_override, hf_model_fields, load_tree, to_toml, validate
 from flopwise.errors import ConfigError
+from flopwise.files.outputs import check_writable, write_text
 from flopwise.flops import count_params
 from flopwise.hardware.catalogue import Hardware, cluster_hardware
 from flopwise.layout.rules import COMPILE_MIN_STEPS, Layout, check_layout, compiles, config_layout
@@ -457,7 +458,7 @@ def max_micro_batch(cfg: Config) -> MicroBatchReport:
     valid = [mb for mb, why in reasons.items() if why is None]
     if not valid:
         why = next(iter(reasons.values()), None) or check_layout(base, cfg.model, seq, batch, world, engine)
-        raise ConfigError(f"--max-micro-batch: no micro-batch runs {base.name()} on {world} devices: {why}")
+        raise ConfigError(f"plan max-micro-batch: no micro-batch runs {base.name()} on {world} devices: {why}")
     caches: dict[int, dict] = {}
 
     def total(mb: int, rc: str, gb: int = batch) -> Estimate:  # steps: the run length plan() decides compile by
@@ -514,3 +515,50 @@ def max_micro_batch(cfg: Config) -> MicroBatchReport:
         limits=limits,
         params=sh.params,
     )
+
+
+Mixture = Callable[[float], list]
+
+
+@dataclass(frozen=True)
+class Planned:
+    report: PlanReport
+    out_config: Path | None  # the training TOML written: None when not asked for or nothing fits
+    plot: Path | None
+
+
+def model_name(cfg: Config, hf: Path | None) -> str:
+    """What a plan calls its model: the Hugging Face source, else the preset."""
+    return f"{hf} ({cfg.model.arch})" if hf else cfg.model.preset or "model"
+
+
+def make_plan(
+    path: str | None,
+    overrides: list[str],
+    hf: Path | None = None,
+    top: int = 5,
+    out_config: Path | None = None,
+    plot: Path | None = None,
+    mixture_of: Callable[[Config], Mixture | None] | None = None,
+) -> Planned:
+    """Rank every layout of the config; write the best one's training TOML to `out_config` (when one
+    fits) and a memory chart of the `top` layouts to `plot`, both checked writable before the search."""
+    for target, option in ((out_config, "--out-config"), (plot, "--plot")):
+        if target:
+            check_writable(target, option)
+    tree = plan_tree(path, overrides, hf)
+    cfg = validate(tree)
+    report = plan(cfg, tree, mixture=mixture_of(cfg) if mixture_of else None, hf=hf)
+    if out_config and report.best.fits:
+        write_text(out_config, to_toml(planned_run_config(report)), "--out-config")
+    if plot:
+        from flopwise.plan.plot import plot_memory
+
+        title = f"{model_name(report.cfg, hf)} on {report.cfg.cluster.gpus} × {report.hardware.name}"
+        plot_memory(report.result.ranked[:top], plot, title)
+    return Planned(report, out_config if out_config and report.best.fits else None, plot)
+
+
+def micro_batch_limits(path: str | None, overrides: list[str], hf: Path | None = None) -> MicroBatchReport:
+    """The largest micro-batch that fits the config's own layout, per recompute policy."""
+    return max_micro_batch(validate(plan_tree(path, overrides, hf)))

@@ -1,7 +1,7 @@
 """One rank of this engine as the planner predicts it: the layers it runs, the bytes of its
 parameters, gradients, optimizer state and saved activations, the elements each kind of
 collective moves in one optimizer step and the bytes FSDP2 copies around them. Pure Python:
-`flopwise plan --measure` sets these beside the engine's own counts (flopwise.measure.step), and the
+`flopwise plan measure` sets these beside the engine's own counts (flopwise.measure.step), and the
 joint tests assert them equal.
 """
 

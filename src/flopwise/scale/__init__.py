@@ -4,6 +4,7 @@ Approaches 2 and 3, Kaplan) and task-accuracy prediction."""
 from flopwise import public_api
 
 HOMES = {
+    "optimal": ["Budget", "budget_flops", "optimal_allocations"],
     "fit": [
         "fit_approach2",
         "fit_approach3",
@@ -14,6 +15,7 @@ HOMES = {
         "Points",
         "read_points",
         "save_law",
+        "fit_runs",
     ],
     "laws": [
         "allocate",
@@ -31,7 +33,7 @@ HOMES = {
         "LAWS",
         "ParametricLaw",
     ],
-    "tasks": ["fit_task", "jaggedness", "plot_tasks", "predict_task", "read_task_table", "TaskPoints"],
+    "tasks": ["fit_task", "jaggedness", "plot_tasks", "predict_task", "read_task_table", "TaskPoints", "predict_tasks"],
 }
 __all__ = [name for names in HOMES.values() for name in names]
 __getattr__, __dir__ = public_api(__name__, HOMES)

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import minimize
 
-from flopwise.errors import DataError
-from flopwise.files.outputs import pyplot, read_records, save_figure, write_json
+from flopwise.errors import DataError, FlopwiseError
+from flopwise.files.outputs import check_writable, pyplot, read_records, save_figure, write_json
 from flopwise.flops import scaling_flops, scaling_tokens
 from flopwise.scale.laws import ParametricLaw
 
@@ -394,3 +394,42 @@ def plot_fits(pts: Points, fit3: Approach3Fit | None, iso: IsoFlopFit | None, ou
         written.append(save_figure(fig, out / "frontier.png", "--plots"))
         plt.close(fig)
     return written
+
+
+@dataclass
+class FitReport:
+    points: Points
+    approach3: Approach3Fit
+    approach2: IsoFlopFit | None  # None: the points hold no IsoFLOP profile to fit
+    kaplan: KaplanFit
+    plots: list[Path]  # the figures written
+
+    def to_json(self) -> dict:
+        return {
+            **self.approach3.to_json(),
+            "approach2": self.approach2.to_json() if self.approach2 else None,
+            "kaplan": self.kaplan.to_json(),
+        }
+
+
+def fit_runs(
+    runs: str | Path, bootstrap: int = 200, drop_highest: int = 0, plots: Path | None = None, out: Path | None = None
+) -> FitReport:
+    """`flopwise scale fit`: Approach 3 (with bootstrap CIs), IsoFLOP parabolas where the points
+    allow, and Kaplan's form, on the points of `runs` less its `drop_highest` highest losses; the
+    fitted law saved to `out` and the figures to `plots`, every output checked writable first."""
+    for path in ([out] if out else []) + ([plots / n for n in PLOT_NAMES] if plots else []):
+        check_writable(path, "--out" if path == out else "--plots")
+    pts = read_points(runs)
+    if drop_highest:
+        pts = pts.subset(np.argsort(pts.loss)[:-drop_highest])
+    fit3 = fit_approach3(pts, bootstrap=bootstrap)
+    try:
+        iso: IsoFlopFit | None = fit_approach2(pts)
+    except FlopwiseError:
+        iso = None
+    kaplan = fit_kaplan(pts)
+    if out:
+        save_law(fit3, out, "--out")
+    written = plot_fits(pts, fit3, iso, plots) if plots else []
+    return FitReport(pts, fit3, iso, kaplan, written)

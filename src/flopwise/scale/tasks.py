@@ -20,7 +20,7 @@ import numpy as np
 from scipy.optimize import curve_fit
 
 from flopwise.errors import ConfigError, DataError
-from flopwise.files.outputs import pyplot, save_figure
+from flopwise.files.outputs import check_writable, pyplot, save_figure, write_json
 from flopwise.scale.fit import read_csv_rows
 
 TASK_FIELDS = ("name", "flops", "task", "acc", "nll")
@@ -218,3 +218,27 @@ def plot_tasks(
     save_figure(fig, out, "--out", dpi=110)
     plt.close(fig)
     return out
+
+
+@dataclass(frozen=True)
+class TaskReport:
+    predictions: dict[str, TaskPrediction]
+    record: dict  # what prediction.json holds: each task's prediction and jaggedness flags
+    written: list[Path]  # prediction.json, tasks.png
+
+
+def predict_tasks(table: Path, flops: float, out: Path, bootstrap: int = 1000) -> TaskReport:
+    """`flopwise scale predict-task`: every task of `table` predicted at `flops`, written to
+    `out`/prediction.json with a figure, both checked writable first."""
+    for name in ("prediction.json", "tasks.png"):
+        check_writable(out / name, "--out")
+    tasks = read_task_table(table)
+    preds = {name: predict_task(p, flops, bootstrap) for name, p in tasks.items()}
+    record = {
+        "flops": flops,
+        "table": str(table),
+        "tasks": {n: {**preds[n].to_json(), **jaggedness(tasks[n])} for n in tasks},
+    }
+    write_json(out / "prediction.json", record, "--out", "scale predict-task")
+    png = plot_tasks(tasks, {n: p.law for n, p in preds.items()}, out)
+    return TaskReport(preds, record, [out / "prediction.json", png])

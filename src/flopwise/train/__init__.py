@@ -4,7 +4,7 @@ optimizer, resume), launch, the loop with its guards, and the scaling ladder's r
 from flopwise import public_api
 
 HOMES = {
-    "build": ["build_engine", "build_run", "claim_run_dir", "ensure_data", "TRAIN_WRITES"],
+    "build": ["build_engine", "build_run", "claim_run_dir", "ensure_data", "TRAIN_WRITES", "planned_draws"],
     "chaos": ["exponential_gaps", "run_under_failures", "Timeline"],
     "engine": ["autocast", "lm_loss", "token_loss"],
     "faults": ["Faults", "parse"],
@@ -17,6 +17,7 @@ HOMES = {
         "plan_ladder",
         "run_ladder",
         "write_configs",
+        "sweep_ladder",
     ],
     "launch": ["train"],
     "metrics": ["ceilings_file", "checked_peak", "device_peak", "DTYPES", "measure_matmul_peak", "Peak"],

@@ -27,12 +27,12 @@ from torch import nn
 from flopwise.checkpoints import checkpoint
 from flopwise.config.schema import Config
 from flopwise.data.loader import TokenLoader
-from flopwise.data.mixture import Source, check_tokenizers, mixture_fingerprint
+from flopwise.data.mixture import Source, SourceDraw, check_tokenizers, draws, mixture_fingerprint
 from flopwise.data.prepare import prepare_data
 from flopwise.data.shards import DATA_MANIFEST, SHARDS_FORMAT, read_index, skipped_note, tokenizer_of, tokenizer_path
 from flopwise.data.tokenizer import GuardedTokenizer, load_tokenizer, special_ids, tokenizer_difference
 from flopwise.errors import ConfigError, DataError
-from flopwise.files.ownership import add_to_manifest, real_path, why_not_ours
+from flopwise.files.ownership import add_to_manifest, folder_lock, real_path, why_not_ours
 from flopwise.files.rundir import claim
 from flopwise.flops import count_params
 from flopwise.model.transformer import build_model
@@ -140,6 +140,14 @@ def ensure_data(cfg: Config, run_dir: Path, setting: str = "run.dir") -> list[So
         sources.append(Source(s.label, d, s.weight))
     check_tokenizers(sources)
     return sources
+
+
+def planned_draws(cfg: Config, tokens: float | None = None) -> tuple[float, list[SourceDraw]]:
+    """The planned training tokens (default: train.steps × global_batch × seq_len) and what they
+    draw from each source; one writer at a time in run.dir, where raw sources are prepared."""
+    planned = tokens if tokens is not None else cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len
+    with folder_lock(cfg.run.dir, "run.dir") as run_dir:
+        return planned, draws(ensure_data(cfg, run_dir), planned)
 
 
 def check_init_tokenizer(cfg: Config, data_dir: Path) -> GuardedTokenizer | None:

@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import signal
 import sys
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from rich.console import Console
 from flopwise.config.schema import Config, to_toml, validate
 from flopwise.errors import ConfigError, TrainingStopped
 from flopwise.files.outputs import check_folder, check_writable, read_records, write_csv, write_text
+from flopwise.files.ownership import folder_lock
 from flopwise.flops import scaling_flops, scaling_tokens
 from flopwise.log import printing_to
 from flopwise.scale.fit import fitted_law
@@ -380,3 +382,39 @@ def budgets_from(text: str) -> list[float]:
     if not values or any(v <= 0 or not math.isfinite(v) for v in values):
         raise ConfigError(f"--budgets {text!r}: budgets must be positive numbers")
     return values
+
+
+@dataclass(frozen=True)
+class Sweep:
+    runs: list[LadderRun]
+    commands: list[str] | None = None  # emitted: one torchrun command per written config
+    table: Path | None = None  # trained here: the collected runs.csv
+
+
+def sweep_ladder(
+    base: Config,
+    budgets: str,
+    sizes: int = 5,
+    spread: float = 8.0,
+    law: str = "chinchilla-3",
+    out: Path = Path("runs/ladder"),
+    emit: bool = False,
+    nproc: int = 1,
+    jobs: int = 1,
+    note: Callable[[str], None] = logger.warning,
+) -> Sweep:
+    """`flopwise scale sweep`: an IsoFLOP ladder of `sizes` sizes per budget (comma-separated FLOPs),
+    trained here (resumable) or, with `emit`, written as configs with their launch commands. `note`
+    hears first, before any work, when sizes merged (small models round to the same shape)."""
+    planned = budgets_from(budgets)
+    runs = plan_ladder(base, planned, sizes, spread, law, out)
+    if len(runs) < len(planned) * sizes:  # `scale fit` needs enough distinct points
+        note(
+            f"{len(runs)} runs, not {len(planned)} budgets × {sizes} sizes: {len(planned) * sizes - len(runs)} of "
+            "them round to a shape already in their budget (small models) and are trained once; widen --spread "
+            "for more distinct sizes"
+        )
+    with folder_lock(out, "--out"):  # one sweep writes a ladder folder (each run locks its own)
+        if emit:
+            return Sweep(runs, commands=launch_commands(write_configs(runs, out), nproc))
+        return Sweep(runs, table=run_ladder(base, runs, out, jobs))

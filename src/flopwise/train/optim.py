@@ -35,7 +35,7 @@ def build_optimizer(model: nn.Module, o: OptimConfig, zero1_group=None) -> torch
     each rank steps 1/N of the parameters and broadcasts them). Its parameters live in one flat
     bucket per rank (parameters_as_bucket_view), so a step broadcasts N buffers, not one per
     parameter tensor: on 2 CPU ranks (gloo) the demo's exposed communication fell from 0.058-0.092 s
-    to 0.047 s a step (plan --measure), the one broadcast per rank the planner books."""
+    to 0.047 s a step (plan measure), the one broadcast per rank the planner books."""
     groups = param_groups(model, o.weight_decay)
     kwargs: dict[str, Any] = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     try:

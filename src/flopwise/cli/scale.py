@@ -1,0 +1,151 @@
+"""`flopwise scale optimal|fit|predict-task|sweep`: budgets allocated, laws fitted, ladders run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from flopwise.cli.common import ARGS_HELP, config_from, note, stdout
+from flopwise.cli.render import human, new_table
+
+app = typer.Typer(no_args_is_help=True, help="Compute-optimal allocation, scaling-law fits, IsoFLOP ladders.")
+
+
+@app.command("optimal")
+def optimal_cmd(
+    flops: float | None = typer.Option(None, "--flops", help="training budget in FLOPs"),
+    gpu_hours: float | None = typer.Option(None, "--gpu-hours", help="budget in device-hours (with --hardware)"),
+    hardware: str = typer.Option("h100-sxm", "--hardware"),
+    mfu: float = typer.Option(0.40, "--mfu", min=0.01, max=1.0, help="model FLOP utilisation for --gpu-hours"),
+    law: list[str] = typer.Option(
+        ["chinchilla-3"], "--law", help="kaplan, chinchilla-1/2/3, epoch, fitted:FILE; repeat to compare"
+    ),
+    inference_tokens: float = typer.Option(0.0, "--inference-tokens", help="lifetime inference tokens to serve"),
+    unique_tokens: str | None = typer.Option(
+        None,
+        "--unique-tokens",
+        help="unique training tokens available: a number, or prepared data dirs (comma-separated) to count",
+    ),
+    vocab_size: int = typer.Option(32000, "--vocab-size", min=2),
+    seq_len: int = typer.Option(4096, "--seq-len", min=1, help="sequence length of the written config"),
+    as_json: bool = typer.Option(False, "--json"),
+    out_config: Path | None = typer.Option(None, "--out-config", help="write a training TOML for the first law"),
+) -> None:
+    """Model size, tokens, shape, batch and LR for a compute budget under a scaling law."""
+    from flopwise.data.mixture import parse_unique_tokens
+    from flopwise.scale.optimal import optimal_allocations
+
+    unique = parse_unique_tokens(unique_tokens) if unique_tokens is not None else None
+    budget = optimal_allocations(
+        flops, gpu_hours, hardware, mfu, law, inference_tokens, unique, vocab_size, seq_len, out_config
+    )
+    allocs = budget.allocations
+    if as_json:
+        rows = [a.to_json() for a in allocs]
+        typer.echo(json.dumps(rows[0] if len(rows) == 1 else rows, indent=1))
+        return
+    columns = ("law", "N", "D", "D/N", "pred. loss", "shape L×d (heads, ffn)", "batch tok", "lr")
+    table = new_table(f"compute-optimal allocation for C = {budget.flops:.3g} FLOPs", columns, columns, no_wrap=True)
+    for a in allocs:
+        s = a.shape
+        table.add_row(
+            a.law,
+            human(a.params),
+            human(a.tokens),
+            f"{a.tokens_per_param:.1f}",
+            f"{a.predicted_loss:.3f}",
+            f"{s.n_layers}×{s.d_model} ({s.n_heads}, {s.ffn_dim})",
+            human(a.global_batch_tokens),
+            f"{a.lr:.2e}",
+        )
+    stdout.print(table)
+    for a in allocs:
+        for line in a.notes:
+            stdout.print(f"[dim]{a.law}: {line}[/]")
+    stdout.print(
+        f"[dim]loss predicted by: {', '.join(sorted({a.loss_law for a in allocs}))}; "
+        f"batch/LR rule: {allocs[0].batch_rule}[/]"
+    )
+
+
+@app.command("fit")
+def fit_cmd(
+    runs: Path = typer.Argument(..., help="CSV with params,tokens,loss (or params,flops,loss), or a folder of runs"),
+    bootstrap: int = typer.Option(200, "--bootstrap", min=0),
+    drop_highest: int = typer.Option(0, "--drop-highest", min=0, help="drop the N highest-loss points (Epoch: 5)"),
+    plots: Path | None = typer.Option(None, "--plots", help="folder for isoflop.png, fit.png, frontier.png"),
+    out: Path | None = typer.Option(None, "--out", help="write the fitted law (JSON) for --law fitted:FILE"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Fit L(N, D) = E + A/N^α + B/D^β (Approach 3, with bootstrap CIs), IsoFLOP parabolas, Kaplan's form."""
+    from flopwise.scale.fit import fit_runs
+
+    fit = fit_runs(runs, bootstrap, drop_highest, plots, out)
+    result = fit.to_json()
+    if as_json:
+        typer.echo(json.dumps(result, indent=1))
+        return
+    fit3, iso, kap = fit.approach3, fit.approach2, fit.kaplan
+    title = f"Approach 3 fit on {len(fit.points)} points ({fit3.bootstrap} bootstrap resamples, 95% CI)"
+    table = new_table(title, ("param", "estimate", "95% CI"), ("param", "estimate", "95% CI"))
+    for k in ("E", "A", "B", "alpha", "beta", "a"):
+        ci = fit3.ci.get(k)
+        table.add_row(k, f"{result[k]:.4g}", f"[{ci[0]:.4g}, {ci[1]:.4g}]" if ci else "–")
+    stdout.print(table)
+    if iso:
+        stdout.print(f"Approach 2 (IsoFLOP): N_opt ∝ C^{iso.a:.3f} over {len(iso.budgets)} budgets")
+    stdout.print(f"Kaplan L(N, D): α_N={kap.alpha_n:.3f} α_D={kap.alpha_d:.3f} N_c={kap.n_c:.3g} D_c={kap.d_c:.3g}")
+    for p in fit.plots:
+        stdout.print(f"plot: {p}")
+
+
+@app.command("predict-task")
+def predict_task_cmd(
+    table: Path = typer.Argument(..., help="CSV, one row per (run, task): name,flops,task,acc,nll[,chance]"),
+    flops: float = typer.Option(..., "--flops", help="training FLOPs of the run to predict"),
+    out: Path = typer.Option(Path("runs/predict-task"), "--out", help="folder for prediction.json and tasks.png"),
+    bootstrap: int = typer.Option(1000, "--bootstrap", min=10),
+) -> None:
+    """Llama 3's two-step task prediction (compute -> correct-answer NLL -> accuracy) and jaggedness flags."""
+    from flopwise.scale.tasks import predict_tasks
+
+    report = predict_tasks(table, flops, out, bootstrap)
+    columns = ("task", "NLL", "95% interval", "accuracy", "95% interval", "flags")
+    title = f"task prediction at {flops:.3g} FLOPs (both steps fitted on the ladder's own runs)"
+    t = new_table(title, columns, columns)
+    for n, p in report.predictions.items():
+        flags = ",".join(k for k in ("jump", "inverse") if report.record["tasks"][n][k]) or "–"
+        t.add_row(
+            n,
+            f"{p.nll:.3f}",
+            f"[{p.nll_interval[0]:.3f}, {p.nll_interval[1]:.3f}]",
+            f"{p.acc:.3f}",
+            f"[{p.acc_interval[0]:.3f}, {p.acc_interval[1]:.3f}]",
+            flags,
+        )
+    stdout.print(t)
+    stdout.print(f"wrote {' and '.join(map(str, report.written))}")
+
+
+@app.command("sweep")
+def sweep_cmd(
+    args: list[str] | None = typer.Argument(None, help=ARGS_HELP + " (the base config)"),
+    budgets: str = typer.Option("3e12,1e13,3e13", "--budgets", help="comma-separated FLOP budgets"),
+    sizes: int = typer.Option(5, "--sizes", min=1, help="model sizes per budget"),
+    spread: float = typer.Option(8.0, "--spread", min=1.0, help="largest / smallest size within a budget"),
+    law: str = typer.Option("chinchilla-3", "--law", help="law that centres each budget's sizes"),
+    out: Path = typer.Option(Path("runs/ladder"), "--out"),
+    emit: bool = typer.Option(False, "--emit", help="write configs and print torchrun commands instead of running"),
+    nproc: int = typer.Option(1, "--nproc", min=1, help="processes per run in the emitted commands"),
+    jobs: int = typer.Option(1, "--jobs", min=1, help="runs trained at once here, sharing the CPU's threads"),
+) -> None:
+    """An IsoFLOP ladder: configs for K budgets × M sizes, run here (resumable) or emitted for a cluster."""
+    from flopwise.train.ladder import sweep_ladder
+
+    done = sweep_ladder(config_from(args), budgets, sizes, spread, law, out, emit, nproc, jobs, note)
+    for cmd in done.commands or []:
+        typer.echo(cmd)
+    if done.table:
+        stdout.print(f"collected {done.table}; fit it with: flopwise scale fit {done.table}")
