@@ -6,7 +6,7 @@
 training benchmarks", NVIDIA H100, read at commit 36027d8): torchtitan, Llama 3 8B on 8 H100s,
 FSDP2, batch 1 per GPU, seq 8192, torch.compile, per-op selective activation checkpointing; median
 tokens/s per GPU and peak memory (torchtitan's max reserved, GiB) for bf16, tensorwise with float8
-all-gather and rowwise with bf16 all-gather. The planner: plan.perf.evaluate on h100-sxm, the
+all-gather and rowwise with bf16 all-gather. The planner: plan.step.evaluate on h100-sxm, the
 llama3-8b preset, dp 8 with ZeRO 3 (FSDP2), micro-batch 1, compile on. Per-op SAC is none of the
 planner's recompute modes (none; selective: the attention core; full): it keeps every SDPA output
 and every other aten.mm output and recomputes the rest (wk, wo and w3 of each block, 37% of the
@@ -21,11 +21,11 @@ linears with an activation between them, not a SwiGLU: a SwiGLU's three GEMMs (7
 8.27 ms would run at 897 TFLOP/s, 91% of the dense bf16 peak, above what Hopper's bf16 GEMMs
 sustain (torchao's roofline takes 78%, torchao/testing/training/roofline_utils.py); two linears
 (4.9 TFLOP) need 598 TFLOP/s, 60%. The planner's terms for it: flopwise.plan.float8_speedup.linear_times, the
-terms plan.perf.layer_times books for a block's linears: GEMMs (plan.perf.gemm_fwd_bwd at the bf16
+terms plan.step.layer_times books for a block's linears: GEMMs (plan.step.gemm_fwd_bwd at the bf16
 or fp8 peak, each direction at plan.float8.scaled_mm_speed), the amax, cast and rescale bytes
 (plan.float8.linear_cast_bytes, bf16 weights as a module in a microbenchmark has them) and the
 activation's element-wise bytes (read + write of the 8192-wide hidden, twice that in backward, as
-plan.perf.layer_elementwise_bytes counts it), both at plan.perf.stream_time's rate for the layer's
+plan.step.layer_elementwise_bytes counts it), both at plan.step.stream_time's rate for the layer's
 16,384 x 3072 activation, as layer_times streams them. Until 2026-12-05 this script streamed them at
 the uncalibrated 0.8 of nominal HBM bandwidth (3.84 TB/s on an H200) instead of the H200's measured
 3.28 TB/s that layer_times uses (`BEFORE_STREAM`).

@@ -12,7 +12,8 @@ from pathlib import Path
 from flopwise.config.schema import ModelConfig
 from flopwise.hardware.catalogue import get_hardware
 from flopwise.plan.search import search
-from flopwise.plan.step import STACKS, model_shape
+from flopwise.plan.shape import model_shape
+from flopwise.plan.stack import STACKS
 
 OUT = Path(__file__).parent / "results" / "plan.json"
 

@@ -18,11 +18,11 @@ import torch
 from typer.testing import CliRunner
 
 from flopwise.checkpoints import checkpoint
-from flopwise.files import rundir
 from flopwise.checkpoints.export import export_checkpoint
 from flopwise.cli import app
 from flopwise.config.schema import load_config, to_toml
 from flopwise.errors import CheckpointError, ConfigError
+from flopwise.files import rundir
 from flopwise.model.transformer import build_model
 from tests.conftest import tiny_overrides
 

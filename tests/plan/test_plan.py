@@ -21,7 +21,9 @@ from flopwise.plan.audit import audit_claim, catalogue, parse_claim
 from flopwise.plan.planner import plan, resolve_layout
 from flopwise.plan.reliability import DEFAULT_GPU_MTBF_HOURS, account, daly_interval, goodput, reliability
 from flopwise.plan.search import search, why_slower
-from flopwise.plan.step import STACKS, evaluate, layer_times, model_shape, rank_loads
+from flopwise.plan.shape import model_shape, rank_loads
+from flopwise.plan.stack import STACKS
+from flopwise.plan.step import evaluate, layer_times
 
 A100 = get_hardware("a100-80gb")
 MEGATRON = STACKS["megatron-2021"]

@@ -13,7 +13,7 @@ link rates):
 - elementwise: (tensor-parallel degree, bytes of one activation tensor, achieved bytes/s) of the
   engine's own forward + backward (under its tensor parallel for a degree > 1) with the GEMM and
   attention tables' time (and, at tp > 1, the fitted all-reduces) taken out, in the planner's byte
-  count (`plan.perf` element-wise terms): what everything else really costs at that size and
+  count (`plan.step` element-wise terms): what everything else really costs at that size and
   degree, launch overheads, casts and DTensor's per-op dispatch included;
 - optimizer: (parameters, seconds) of one fused AdamW step with gradient clipping;
 - collectives: per kind, (ranks, bytes, seconds); the planner fits latency and bandwidth of the

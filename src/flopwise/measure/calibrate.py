@@ -11,7 +11,7 @@ degrees a layout search on this machine tries, plus a coarse grid so other model
 - SDPA causal attention forward and backward by sequence length and head dim;
 - element-wise work: the config's model forward + backward (train.engine.lm_loss) at several
   token counts, less what the GEMM and attention tables predict for it, over the planner's own
-  element-wise bytes (plan.perf): the bandwidth streaming work reaches in this engine here;
+  element-wise bytes (plan.step): the bandwidth streaming work reaches in this engine here;
 - one fused AdamW step with gradient clipping (train.optim) by parameter count;
 - all-reduce, all-gather, reduce-scatter and send/recv by message size over N local ranks
   (gloo on CPU, NCCL on GPU), in a torchrun of this module;
@@ -57,16 +57,10 @@ from flopwise.layout.rules import Layout, check_layout, config_layout
 from flopwise.measure.restart import measure_recovery
 from flopwise.model.layers import CoreAttention
 from flopwise.model.transformer import build_model
-from flopwise.plan.step import (
-    RUNTIME_RESERVE,
-    STACKS,
-    eager_precision,
-    estimate,
-    layer_elementwise_bytes,
-    loss_bytes,
-    model_shape,
-    weight_cast_bytes,
-)
+from flopwise.plan.rank_memory import RUNTIME_RESERVE
+from flopwise.plan.shape import model_shape
+from flopwise.plan.stack import STACKS
+from flopwise.plan.step import eager_precision, estimate, layer_elementwise_bytes, loss_bytes, weight_cast_bytes
 from flopwise.train.engine import lm_loss
 from flopwise.train.metrics import DTYPES, measure_matmul_peak
 from flopwise.train.optim import build_optimizer
@@ -159,7 +153,7 @@ def measure_attention(
 ) -> list:
     """The engine's attention core (model.layers.CoreAttention: SDPA, causal; in fp32 on a CPU)
     forward and backward, `queries` query elements a call; shares of peak in the planner's FLOPs
-    (forward: 4·s²·d per head over the full context, backward: three times that, as plan.perf
+    (forward: 4·s²·d per head over the full context, backward: three times that, as plan.step
     counts a fused kernel)."""
     rows = []
     core = CoreAttention(0.0)

@@ -36,7 +36,9 @@ from flopwise.hardware.calibration import Calibration
 from flopwise.hardware.catalogue import Hardware, get_hardware
 from flopwise.layout.rules import Layout, check_layout, config_layout
 from flopwise.plan.comm import dp_collectives, fsdp_copy_bytes
-from flopwise.plan.step import ACT_BYTES, MEM_EFFICIENCY, STACKS, evaluate, layer_times, model_shape, stream_time
+from flopwise.plan.shape import model_shape
+from flopwise.plan.stack import STACKS
+from flopwise.plan.step import ACT_BYTES, MEM_EFFICIENCY, evaluate, layer_times, stream_time
 
 # Llama 3.2 1B's blocks (16 layers, d 2048, 32 heads, 8 kv heads, SwiGLU 8192) with a 32K vocabulary:
 # the recorded runs' model (benchmarks/gpu/llama1b.py)

@@ -12,7 +12,7 @@ collective in the last step. The joint tests (tests/dist/jobs.py) measure throug
 Time: the memory steps (the first of which compiles) warm up; then `steps` more are timed by
 the wall clock, each from a barrier to the device drained, and PROFILED more (taking turns with
 them) under torch.profiler split a step into components (`step_components`), set beside the
-planner's time model (plan.perf.estimate of this exact layout on cluster.hardware).
+planner's time model (plan.step.estimate of this exact layout on cluster.hardware).
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ from flopwise.parallel.data import local_optimizer
 from flopwise.parallel.mesh import layout_of, torchrun
 from flopwise.plan.planner import plan_hardware, resolve_layout
 from flopwise.plan.rank import predict_rank
-from flopwise.plan.step import STACKS, Estimate, estimate, model_shape
+from flopwise.plan.shape import model_shape
+from flopwise.plan.stack import STACKS
+from flopwise.plan.step import Estimate, estimate
 from flopwise.train.build import build_run
 from flopwise.train.faults import Faults
 from flopwise.train.run import Run
@@ -399,7 +401,7 @@ def measure(
         f"(each step starts from a barrier); components: rank {pacing['rank']}'s profiled step; predicted: "
         + (
             why
-            or f"plan.perf.estimate of {lo.name()} on {cfg.cluster.hardware}"
+            or f"plan.step.estimate of {lo.name()} on {cfg.cluster.hardware}"
             + (f" ({cfg.cluster.hardware_file})" if cfg.cluster.hardware_file else "")
         ),
         "step_time_components_s": component_times(est, pacing["step_time_components_s"], last),

@@ -9,12 +9,12 @@ kind is published as data (the README's tensorwise tables are images outside the
 2024 one was a roofline estimate from benchmarked GEMMs, not a measurement), so the planner's
 tensorwise figures are listed without a reference.
 
-The planner: `linear_times`, the terms plan.perf.layer_times books for a block's float8 linear, for
-one (M, K, N) product: the three GEMMs (plan.perf.gemm_fwd_bwd at the bf16 or fp8 peak, each
+The planner: `linear_times`, the terms plan.step.layer_times books for a block's float8 linear, for
+one (M, K, N) product: the three GEMMs (plan.step.gemm_fwd_bwd at the bf16 or fp8 peak, each
 direction at plan.float8.scaled_mm_speed), the amax, cast and rescale kernels (plan.float8.
 linear_cast_bytes with the module's bf16 weight) and the module's element-wise work, both streamed
-at plan.perf.stream_time's rate for an M x K activation, as layer_times streams a layer's. The
-LayerNorm (no affine) and the sigmoid are booked as plan.perf.layer_elementwise_bytes books a
+at plan.step.stream_time's rate for an M x K activation, as layer_times streams a layer's. The
+LayerNorm (no affine) and the sigmoid are booked as plan.step.layer_elementwise_bytes books a
 fused block's norms and activation function: a read and a write of M x K and of M x N bf16 in
 forward, twice that in backward; bf16 and float8 alike. Not booked: the LayerNorm's per-row
 statistics, fixed per-kernel costs (the planner has none; torchao's roofline takes 2 us per kernel,
@@ -60,7 +60,7 @@ def linear_times(
     shapes: list[tuple[int, int, int]], hw: Hardware, recipe: str, elementwise_bytes: float, act_bytes: float
 ) -> dict[str, float]:
     """Seconds of forward + backward of (M, K, N) linears under train.float8 = `recipe` ("none": bf16), by
-    term, as plan.perf.layer_times books a block's linears, with `elementwise_bytes` of other work
+    term, as plan.step.layer_times books a block's linears, with `elementwise_bytes` of other work
     streamed at the rate of an `act_bytes` activation."""
     products: list[tuple[float, float, float]] = [(m, k, n) for m, k, n in shapes]
     cast = 0.0

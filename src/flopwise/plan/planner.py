@@ -19,21 +19,14 @@ from flopwise.config.schema import Config, apply_override, hf_model_fields, load
 from flopwise.errors import ConfigError
 from flopwise.flops import count_params
 from flopwise.hardware.catalogue import Hardware, cluster_hardware
+from flopwise.layout.linears import RECIPES
 from flopwise.layout.rules import COMPILE_MIN_STEPS, Layout, check_layout, compiles, config_layout
-from flopwise.plan.float8 import RECIPES
+from flopwise.plan.rank_memory import FIT_MARGIN, RUNTIME_RESERVE
 from flopwise.plan.reliability import Reliability, reliability
 from flopwise.plan.search import RECOMPUTE_ORDER, SearchResult, search, why_slower
-from flopwise.plan.step import (
-    FIT_MARGIN,
-    LINK_EFFICIENCY,
-    MEM_EFFICIENCY,
-    RUNTIME_RESERVE,
-    STACKS,
-    Estimate,
-    Shape,
-    estimate,
-    model_shape,
-)
+from flopwise.plan.shape import Shape, model_shape
+from flopwise.plan.stack import STACKS
+from flopwise.plan.step import LINK_EFFICIENCY, MEM_EFFICIENCY, Estimate, estimate
 
 PARALLEL_KEYS = (
     "dp",

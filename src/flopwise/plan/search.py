@@ -28,7 +28,9 @@ from dataclasses import dataclass, field, replace
 
 from flopwise.hardware.catalogue import Hardware
 from flopwise.layout.rules import FIXED_VIRTUAL_STAGES, SCHEDULES, Layout, check_layout
-from flopwise.plan.step import Estimate, Shape, Stack, estimate
+from flopwise.plan.shape import Shape
+from flopwise.plan.stack import Stack
+from flopwise.plan.step import Estimate, estimate
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 MAX_MICRO_BATCH = 64
@@ -161,7 +163,7 @@ def search(
     float8: tuple[str, ...] = ("none",),
 ) -> SearchResult:
     """Every valid layout's estimate under each float8 recipe of `float8`, the fitting ones fastest
-    first (`compile`, `steps`, `dtype`: the run's, as plan.perf.estimate)."""
+    first (`compile`, `steps`, `dtype`: the run's, as plan.step.estimate)."""
     fixed = dict(fixed or {})
     cache: dict = {}
     fits: list[Estimate] = []

@@ -44,11 +44,11 @@ from flopwise.files import rundir
 from flopwise.files.outputs import read_records
 from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware.catalogue import cluster_catalogue
+from flopwise.layout.linears import unconverted_linears
 from flopwise.layout.rules import Layout
 from flopwise.model.transformer import Transformer
 from flopwise.parallel.apply import compiles
 from flopwise.parallel.mesh import DIMS, Parallel, across_nodes, missing_ranks
-from flopwise.plan.float8 import unconverted_linears
 from flopwise.train.engine import Engine, autocast
 from flopwise.train.faults import Faults, nan_grad, poison
 from flopwise.train.guard import Verdict
