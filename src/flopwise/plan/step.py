@@ -265,47 +265,16 @@ def layer_times(
     the same calibrated efficiency: one table per chip; rowwise's forward at
     plan.float8.scaled_mm_speed of it), plus the amax and cast kernels around them
     (plan.float8.cast_bytes; weights cast from fp32 masters, or from FSDP2's bf16 gathered copy)."""
-    peak = planning_peak(hw)
     tokens = mb * seq / cp
-    h, hq, hkv, f = sh.d_model, sh.hq, sh.hkv, sh.ffn
-    kv_local = hkv / tp if sh.n_kv_heads >= tp else sh.head_dim  # replicated kv heads when tp > n_kv
-    shapes = [
-        (tokens, h, (hq + 2 * kv_local * tp) / tp),
-        (tokens, hq / tp, h),
-        (tokens, h, sh.ffn_in * f / tp),
-        (tokens, f / tp, h),
-    ] + ([(tokens, h, hq / tp)] if sh.relative else [])
-    low = float8 != "none"
-    fp8 = [s for s in shapes if low and float8_eligible((int(s[2]), int(s[1])))]
-    gemm_f, gemm_b = gemm_fwd_bwd([s for s in shapes if s not in fp8], hw, peak)
-    if fp8:  # a device without an fp8 peak runs float8 emulated (train.float8_emulate): 16-bit GEMMs
-        f8_f, f8_b = gemm_fwd_bwd(fp8, hw, hw.peak("fp8") or peak)
-        # the recipe's kernels beside tensorwise cuBLAS (rowwise: a slower CUTLASS forward)
-        speed_f, speed_b = scaled_mm_speed(float8) if hw.peak("fp8") else (1.0, 1.0)
-        gemm_f, gemm_b = gemm_f + f8_f / speed_f, gemm_b + f8_b / speed_b
-    heads = mb * sh.n_heads / tp
-    q_len, context = seq / cp, min(seq, sh.window or seq)
-    score_flops = 2 * 2 * heads * q_len * context * sh.head_dim * (1.5 if sh.relative else 1)
-    if stack.flash_attention:
-        # dQ, dK, dV plus the scores the fused kernel recomputes: 3x the forward's FLOPs
-        eta_f, eta_b = (
-            hw.calibration.attention_efficiency(context, sh.head_dim)
-            if hw.calibration
-            else (hw.matmul_efficiency, hw.matmul_efficiency)
-        )
-        attn_f = score_flops / (eta_f * peak)
-        attn_b = 3 * score_flops / (eta_b * peak)
-    else:
-        elements = heads * q_len * context
-        softmax_f = (4 + (5 if sh.dropout else 0)) * elements  # scale-mask-softmax r/w, dropout r/w + mask
-        softmax_b = (6 + (5 if sh.dropout else 0)) * elements
-        score_gemms = gemm_time(q_len, sh.head_dim, context, hw, peak, heads) + gemm_time(
-            q_len, context, sh.head_dim, hw, peak, heads
-        )
-        attn_f = score_gemms + stream_time(softmax_f, hw)
-        attn_b = 2 * score_gemms + stream_time(softmax_b, hw)
+    h = sh.d_model
+    kv_local = sh.hkv / tp if sh.n_kv_heads >= tp else sh.head_dim  # replicated kv heads when tp > n_kv
+    gemm_f, gemm_b = linear_gemm_times(sh, hw, tokens, tp, kv_local, float8)
+    attn_f, attn_b = attention_core_times(sh, hw, stack, seq, mb, tp, cp)
     ew_f, ew_b, act = layer_elementwise_bytes(sh, tokens, tp, sp, eager)
-    cast_f, cast_b = cast_bytes(sh.config, tokens, tp, float8, weight_bytes=2 if fsdp2 else 4) if low else (0.0, 0.0)
+    float8_casts = float8 != "none"
+    cast_f, cast_b = (
+        cast_bytes(sh.config, tokens, tp, float8, weight_bytes=2 if fsdp2 else 4) if float8_casts else (0.0, 0.0)
+    )
     # Two collectives of b·s·h per direction; with SP each all-reduce becomes AG + RS of the same bytes.
     tp_one = comm_time(hw, "all_reduce", tp, act, tp)
     regather = sp and not stack.engine_activations  # Megatron saved only the sequence shard
@@ -327,6 +296,56 @@ def layer_times(
         cp_fwd=comm_time(hw, "all_gather", cp, kv_bytes, tp * cp),
         cp_bwd=comm_time(hw, "reduce_scatter", cp, kv_bytes, tp * cp),
     )
+
+
+def linear_gemm_times(
+    sh: Shape, hw: Hardware, tokens: float, tp: int, kv_local: float, float8: str = "none"
+) -> tuple[float, float]:
+    """Forward and backward time of one layer's weight GEMMs on its tensor-parallel shard (`kv_local`:
+    this rank's K/V width), the float8 linears' at the fp8 peak and their recipe's kernel speed."""
+    peak = planning_peak(hw)
+    h, hq, f = sh.d_model, sh.hq, sh.ffn
+    shapes = [
+        (tokens, h, (hq + 2 * kv_local * tp) / tp),
+        (tokens, hq / tp, h),
+        (tokens, h, sh.ffn_in * f / tp),
+        (tokens, f / tp, h),
+    ] + ([(tokens, h, hq / tp)] if sh.relative else [])
+    low = float8 != "none"
+    fp8 = [s for s in shapes if low and float8_eligible((int(s[2]), int(s[1])))]
+    gemm_f, gemm_b = gemm_fwd_bwd([s for s in shapes if s not in fp8], hw, peak)
+    if fp8:  # a device without an fp8 peak runs float8 emulated (train.float8_emulate): 16-bit GEMMs
+        f8_f, f8_b = gemm_fwd_bwd(fp8, hw, hw.peak("fp8") or peak)
+        # the recipe's kernels beside tensorwise cuBLAS (rowwise: a slower CUTLASS forward)
+        speed_f, speed_b = scaled_mm_speed(float8) if hw.peak("fp8") else (1.0, 1.0)
+        gemm_f, gemm_b = gemm_f + f8_f / speed_f, gemm_b + f8_b / speed_b
+    return gemm_f, gemm_b
+
+
+def attention_core_times(
+    sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: int, cp: int
+) -> tuple[float, float]:
+    """Forward and backward time of one layer's attention core: fused flash attention at its
+    (calibrated) efficiency, or materialised scores (two GEMMs and the softmax's streams)."""
+    peak = planning_peak(hw)
+    heads = mb * sh.n_heads / tp
+    q_len, context = seq / cp, min(seq, sh.window or seq)
+    score_flops = 2 * 2 * heads * q_len * context * sh.head_dim * (1.5 if sh.relative else 1)
+    if stack.flash_attention:
+        # dQ, dK, dV plus the scores the fused kernel recomputes: 3x the forward's FLOPs
+        eta_f, eta_b = (
+            hw.calibration.attention_efficiency(context, sh.head_dim)
+            if hw.calibration
+            else (hw.matmul_efficiency, hw.matmul_efficiency)
+        )
+        return score_flops / (eta_f * peak), 3 * score_flops / (eta_b * peak)
+    elements = heads * q_len * context
+    softmax_f = (4 + (5 if sh.dropout else 0)) * elements  # scale-mask-softmax r/w, dropout r/w + mask
+    softmax_b = (6 + (5 if sh.dropout else 0)) * elements
+    score_gemms = gemm_time(q_len, sh.head_dim, context, hw, peak, heads) + gemm_time(
+        q_len, context, sh.head_dim, hw, peak, heads
+    )
+    return score_gemms + stream_time(softmax_f, hw), 2 * score_gemms + stream_time(softmax_b, hw)
 
 
 @dataclass(kw_only=True)
