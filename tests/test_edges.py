@@ -151,7 +151,7 @@ def test_every_builtin_hardware_entry_passes_the_file_checks(tmp_path):
 
 def test_calibrate_in_fp32_is_refused_before_measuring(tmp_path, cli, monkeypatch):
     """`train.dtype="fp32"` crashed after 60-90 s of measuring: the planner times compute against the
-    16-bit peak, which an fp32 calibration of the CPU entry lacks (TypeError in plan.perf.gemm_time)."""
+    16-bit peak, which an fp32 calibration of the CPU entry lacks (TypeError in plan.step.gemm_time)."""
     import flopwise.measure.calibrate
 
     def never(*a, **k):

@@ -46,7 +46,7 @@ def one(shape: str, recipe: str, a: argparse.Namespace) -> dict:
     from flopwise.flops import flops_per_token, mfu
     from flopwise.hardware.catalogue import get_hardware
     from flopwise.plan.rank import predict_rank
-    from flopwise.plan.step import evaluate
+    from flopwise.plan.step import evaluate_layout
     from flopwise.train.build import build_run
     from flopwise.train.faults import Faults
     from flopwise.train.trainer import train_step
@@ -112,7 +112,7 @@ def one(shape: str, recipe: str, a: argparse.Namespace) -> dict:
         "losses": losses,
         "tail_loss": statistics.fmean(losses[-TAIL:]),
     }
-    plan = evaluate(
+    plan = evaluate_layout(
         cfg.model, h200, lo, seq, a.batch, compile=cfg.train.compile, steps=cfg.train.steps, dtype="bf16", float8=recipe
     )
     out["predicted_tokens_per_s"] = plan.tokens_per_s

@@ -32,7 +32,7 @@ from flopwise.hardware.catalogue import get_hardware, load_catalogue
 from flopwise.measure.hopper_tables import SHAPE_1B  # Llama 3.2 1B's blocks, 32K vocabulary
 from flopwise.parallel import mesh
 from flopwise.plan.rank import predict_rank
-from flopwise.plan.step import evaluate
+from flopwise.plan.step import evaluate_layout
 from flopwise.train.build import build_engine
 from flopwise.train.metrics import measure_matmul_peak
 from flopwise.train.optim import step_unless
@@ -128,7 +128,7 @@ def main() -> None:
         "measured_matmul_flops": measured,
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
     }
-    plan = evaluate(
+    plan = evaluate_layout(
         cfg.model,
         get_hardware("h200"),
         lo,
@@ -152,7 +152,7 @@ def main() -> None:
         },
     }
     if a.hardware_file:  # the same prediction from this GPU's own tables
-        mine = evaluate(
+        mine = evaluate_layout(
             cfg.model,
             load_catalogue(a.hardware_file)["h200"],
             lo,

@@ -6,7 +6,7 @@
 training benchmarks", NVIDIA H100, read at commit 36027d8): torchtitan, Llama 3 8B on 8 H100s,
 FSDP2, batch 1 per GPU, seq 8192, torch.compile, per-op selective activation checkpointing; median
 tokens/s per GPU and peak memory (torchtitan's max reserved, GiB) for bf16, tensorwise with float8
-all-gather and rowwise with bf16 all-gather. The planner: plan.step.evaluate on h100-sxm, the
+all-gather and rowwise with bf16 all-gather. The planner: plan.step.evaluate_layout on h100-sxm, the
 llama3-8b preset, dp 8 with ZeRO 3 (FSDP2), micro-batch 1, compile on. Per-op SAC is none of the
 planner's recompute modes (none; selective: the attention core; full): it keeps every SDPA output
 and every other aten.mm output and recomputes the rest (wk, wo and w3 of each block, 37% of the
@@ -43,7 +43,7 @@ from flopwise.config.schema import ModelConfig
 from flopwise.hardware.catalogue import get_hardware
 from flopwise.layout.rules import Layout
 from flopwise.plan.float8_speedup import linear_times
-from flopwise.plan.step import ACT_BYTES, evaluate
+from flopwise.plan.step import ACT_BYTES, evaluate_layout
 
 OUT = Path(__file__).parent / "results" / "plan_float8_published.json"
 RECIPES = ("none", "tensorwise", "rowwise")
@@ -78,7 +78,7 @@ def e2e() -> dict:
         lo = Layout(dp=GPUS, zero=3, micro_batch=1, recompute=mode)
         rows = {}
         for recipe in RECIPES:
-            e = evaluate(m, hw, lo, SEQ, GPUS, compile=True, float8=recipe)
+            e = evaluate_layout(m, hw, lo, SEQ, GPUS, compile=True, float8=recipe)
             rows[recipe] = {
                 "tokens_per_s_per_gpu": e.tokens_per_s / GPUS,
                 "memory_total_gib": e.memory["total"] / 2**30,

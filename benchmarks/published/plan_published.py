@@ -15,7 +15,9 @@ from flopwise.config.schema import ModelConfig
 from flopwise.hardware.catalogue import get_hardware
 from flopwise.layout.rules import Layout
 from flopwise.plan.search import search_layouts
-from flopwise.plan.step import STACKS, estimate, layer_times, model_shape
+from flopwise.plan.shape import model_shape
+from flopwise.plan.stack import STACKS
+from flopwise.plan.step import estimate, layer_times
 
 A100 = get_hardware("a100-80gb")
 

@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "published"))  # th
 from flopwise.config.schema import ModelConfig  # noqa: E402
 from flopwise.hardware.catalogue import get_hardware  # noqa: E402
 from flopwise.plan.search import search_layouts  # noqa: E402
-from flopwise.plan.step import STACKS, model_shape  # noqa: E402
+from flopwise.plan.shape import model_shape  # noqa: E402
+from flopwise.plan.stack import STACKS  # noqa: E402
 from plan_published import megatron  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "plan_speed.json"

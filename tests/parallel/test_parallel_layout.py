@@ -101,7 +101,8 @@ def test_searched_dualpipev_layouts_are_ones_torch_builds():
     builds in torch."""
     from flopwise.hardware.catalogue import get_hardware
     from flopwise.plan.search import search_layouts
-    from flopwise.plan.step import STACKS, model_shape
+    from flopwise.plan.shape import model_shape
+    from flopwise.plan.stack import STACKS
 
     m = ModelConfig(preset="llama3-70b", max_seq_len=8192)
     res = search_layouts(

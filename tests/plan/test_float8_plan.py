@@ -21,7 +21,7 @@ from flopwise.config.schema import ModelConfig
 from flopwise.hardware.catalogue import get_hardware
 from flopwise.layout.rules import Layout
 from flopwise.plan import float8_speedup as float8_linear
-from flopwise.plan.step import evaluate
+from flopwise.plan.step import evaluate_layout
 from tests.conftest import FIXTURES
 
 PUBLISHED = {"none": 6150.0, "tensorwise": 7689.5, "rowwise": 6768.0}  # tokens/s per GPU
@@ -32,7 +32,7 @@ def planned(recompute: str) -> dict[str, float]:
     """Tokens/s per GPU the planner gives the published run, per train.float8 recipe."""
     m, hw = ModelConfig(preset="llama3-8b"), get_hardware("h100-sxm")
     lo = Layout(dp=8, zero=3, micro_batch=1, recompute=recompute)
-    return {r: evaluate(m, hw, lo, 8192, 8, compile=True, float8=r).tokens_per_s / 8 for r in PUBLISHED}
+    return {r: evaluate_layout(m, hw, lo, 8192, 8, compile=True, float8=r).tokens_per_s / 8 for r in PUBLISHED}
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])

@@ -27,7 +27,9 @@ from flopwise.plan.reliability import (
     predict_reliability,
 )
 from flopwise.plan.search import search_layouts, why_slower
-from flopwise.plan.step import STACKS, evaluate, layer_times, model_shape, rank_loads
+from flopwise.plan.shape import model_shape, rank_loads
+from flopwise.plan.stack import STACKS
+from flopwise.plan.step import evaluate_layout, layer_times
 
 A100 = get_hardware("a100-80gb")
 MEGATRON = STACKS["megatron-2021"]
@@ -130,7 +132,7 @@ def test_korthikanti_table5_mfu_within_3_points(shape, layout, batch, published)
     lo = replace(layout, recompute="selective", sequence_parallel=True)
     m = megatron_gpt(*shape)
     assert check_layout(lo, m, 2048, batch, engine=False) is None  # a Megatron layout
-    est = evaluate(m, A100, lo, 2048, batch, "megatron-2022")
+    est = evaluate_layout(m, A100, lo, 2048, batch, "megatron-2022")
     assert est.fits
     assert abs(100 * est.mfu - published) <= 3, est.mfu
     if lo.pp > 1:
@@ -787,7 +789,7 @@ def test_search_books_each_rank_as_predict_rank_does(over):
         ],
     )
     lo = layout_of(cfg, 4)
-    est = evaluate(
+    est = evaluate_layout(
         cfg.model,
         get_hardware("h100-sxm"),
         lo,
@@ -810,7 +812,7 @@ def test_search_books_each_rank_as_predict_rank_does(over):
         assert booked == tuple(max(row[i] for row in rows) for i in range(len(quantities)))
     else:
         assert booked in rows
-    other = evaluate(
+    other = evaluate_layout(
         cfg.model,
         get_hardware("h100-sxm"),
         lo,

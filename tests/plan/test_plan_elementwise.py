@@ -17,7 +17,8 @@ from flopwise.config.schema import load_config
 from flopwise.model.layers import Span
 from flopwise.model.transformer import Transformer
 from flopwise.plan.memory import engine_precision
-from flopwise.plan.step import layer_elementwise_bytes, model_shape, weight_cast_bytes
+from flopwise.plan.shape import model_shape
+from flopwise.plan.step import layer_elementwise_bytes, weight_cast_bytes
 
 SEQ, BATCH = 128, 2
 OTHER_TERMS = ("mm", "addmm", "bmm", "_scaled_dot_product")

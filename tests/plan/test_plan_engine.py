@@ -17,7 +17,7 @@ from flopwise.flops import count_params
 from flopwise.hardware.catalogue import get_hardware
 from flopwise.parallel.mesh import layout_of
 from flopwise.plan.rank import predict_rank
-from flopwise.plan.step import evaluate
+from flopwise.plan.step import evaluate_layout
 from tests.conftest import FIXTURES, run_jobs, tiny_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
@@ -175,7 +175,7 @@ def test_rank_model_states_equal_the_engines_bytes(family, layout, measured, tin
     if lo.zero == 1:
         # The step model books the busiest dp rank's whole-tensor ZeRO-1 share (not Ψ/N): the largest
         # measured, of the pipeline rank whose memory it reports.
-        est = evaluate(cfg.model, get_hardware("h100-sxm"), lo, cfg.data.seq_len, cfg.train.global_batch)
+        est = evaluate_layout(cfg.model, get_hardware("h100-sxm"), lo, cfg.data.seq_len, cfg.train.global_batch)
         busiest: dict[int, int] = {}
         for r in measured[f"{family}-{layout}"]["ranks"]:
             busiest[r["pp_rank"]] = max(busiest.get(r["pp_rank"], 0), r["optimizer"])

@@ -16,7 +16,7 @@ from safetensors.torch import load_file  # noqa: E402
 from flopwise.config.schema import load_config, load_tree, validate  # noqa: E402
 from flopwise.measure.step import measure_rank  # noqa: E402
 from flopwise.plan.planner import plan  # noqa: E402
-from flopwise.plan.step import FIT_MARGIN, RUNTIME_RESERVE  # noqa: E402
+from flopwise.plan.rank_memory import FIT_MARGIN, RUNTIME_RESERVE  # noqa: E402
 from flopwise.train.build import build_run  # noqa: E402
 from tests.conftest import tiny_overrides  # noqa: E402
 

@@ -115,235 +115,269 @@ def model_fields(cfg: dict, path: Any = "") -> dict:
     that); a field that would change the computation and has no flopwise equivalent is refused."""
     mt = cfg.get("model_type")
     if mt in LLAMA_LIKE:
-        if (
-            cfg.get("hidden_act", "silu") != "silu"
-            or cfg.get("mlp_bias")
-            or (cfg.get("attention_bias") and mt != "qwen3")
-        ):
-            refuse(path, "biases or a non-SiLU activation in a Llama-family config are not supported")
-        if cfg.get("attention_bias"):
-            refuse(path, "attention_bias=true is not supported")
-        theta, scaling = _rope(cfg, path)
-        window = cfg.get("sliding_window") if (mt == "mistral" or cfg.get("use_sliding_window")) else None
-        if mt in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
-            refuse(path, f"{mt} sliding-window layers (use_sliding_window=true) are not supported")
-        return dict(
-            arch=mt,
-            n_layers=cfg["num_hidden_layers"],
-            d_model=cfg["hidden_size"],
-            n_heads=cfg["num_attention_heads"],
-            n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-            ffn_dim=cfg["intermediate_size"],
-            vocab_size=cfg["vocab_size"],
-            max_seq_len=cfg["max_position_embeddings"],
-            norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            sliding_window=window,
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=mt == "qwen2",
+        return _llama_fields(cfg, mt, path)
+    readers = {"gpt2": _gpt2_fields, "gpt_neox": _neox_fields, "opt": _opt_fields}
+    if mt not in readers:
+        refuse(
+            path, f"model_type {mt!r} is not supported (supported: llama, mistral, qwen2, qwen3, gpt2, gpt_neox, opt)"
         )
-    if mt == "gpt2":
-        if cfg.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-            refuse(path, f"GPT-2 activation {cfg.get('activation_function')!r} is not supported (gelu_new)")
-        if cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("reorder_and_upcast_attn"):
-            refuse(path, "scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
-        return dict(
-            arch="gpt2",
-            n_layers=cfg["n_layer"],
-            d_model=cfg["n_embd"],
-            n_heads=cfg["n_head"],
-            ffn_dim=cfg.get("n_inner") or 4 * cfg["n_embd"],
-            vocab_size=cfg["vocab_size"],
-            max_seq_len=cfg["n_positions"],
-            norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        )
-    if mt == "gpt_neox":
-        if cfg.get("hidden_act", "gelu") != "gelu":
-            refuse(path, f"GPT-NeoX activation {cfg.get('hidden_act')!r} is not supported (gelu)")
-        theta, scaling = _rope({**cfg, "rope_theta": cfg.get("rotary_emb_base", cfg.get("rope_theta", 10000.0))}, path)
-        rp = cfg.get("rope_parameters") or {}
-        return dict(
-            arch="neox",
-            n_layers=cfg["num_hidden_layers"],
-            d_model=cfg["hidden_size"],
-            n_heads=cfg["num_attention_heads"],
-            ffn_dim=cfg["intermediate_size"],
-            vocab_size=cfg["vocab_size"],
-            max_seq_len=cfg["max_position_embeddings"],
-            norm_eps=cfg.get("layer_norm_eps", 1e-5),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            rotary_pct=rp.get("partial_rotary_factor", cfg.get("rotary_pct", 0.25)),
-            parallel_block=bool(cfg.get("use_parallel_residual", True)),
-            bias=bool(cfg.get("attention_bias", True)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
-    if mt == "opt":
-        if (
-            not cfg.get("do_layer_norm_before", True)
-            or cfg.get("word_embed_proj_dim", cfg["hidden_size"]) != cfg["hidden_size"]
-        ):
-            refuse(path, "OPT with post-layer-norm or a projected embedding (opt-350m style) is not supported")
-        if cfg.get("activation_function", "relu") != "relu" or not cfg.get("enable_bias", True):
-            refuse(path, "OPT without biases or with a non-ReLU activation is not supported")
-        return dict(
-            arch="opt",
-            n_layers=cfg["num_hidden_layers"],
-            d_model=cfg["hidden_size"],
-            n_heads=cfg["num_attention_heads"],
-            ffn_dim=cfg["ffn_dim"],
-            vocab_size=cfg["vocab_size"],
-            max_seq_len=cfg["max_position_embeddings"],
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        )
-    refuse(path, f"model_type {mt!r} is not supported (supported: llama, mistral, qwen2, qwen3, gpt2, gpt_neox, opt)")
+    return readers[mt](cfg, path)
+
+
+def _llama_fields(cfg: dict, mt: str, path: Any) -> dict:
+    """Llama, Mistral, Qwen2 and Qwen3: RMSNorm, SwiGLU, RoPE; Qwen2's q/k/v biases, Mistral's window."""
+    if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias") or (cfg.get("attention_bias") and mt != "qwen3"):
+        refuse(path, "biases or a non-SiLU activation in a Llama-family config are not supported")
+    if cfg.get("attention_bias"):
+        refuse(path, "attention_bias=true is not supported")
+    theta, scaling = _rope(cfg, path)
+    window = cfg.get("sliding_window") if (mt == "mistral" or cfg.get("use_sliding_window")) else None
+    if mt in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+        refuse(path, f"{mt} sliding-window layers (use_sliding_window=true) are not supported")
+    return dict(
+        arch=mt,
+        n_layers=cfg["num_hidden_layers"],
+        d_model=cfg["hidden_size"],
+        n_heads=cfg["num_attention_heads"],
+        n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        ffn_dim=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        max_seq_len=cfg["max_position_embeddings"],
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        sliding_window=window,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=mt == "qwen2",
+    )
+
+
+def _gpt2_fields(cfg: dict, path: Any) -> dict:
+    """GPT-2: LayerNorm, tanh-GELU MLP, learned positions, biases, a tied head."""
+    if cfg.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        refuse(path, f"GPT-2 activation {cfg.get('activation_function')!r} is not supported (gelu_new)")
+    if cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("reorder_and_upcast_attn"):
+        refuse(path, "scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
+    return dict(
+        arch="gpt2",
+        n_layers=cfg["n_layer"],
+        d_model=cfg["n_embd"],
+        n_heads=cfg["n_head"],
+        ffn_dim=cfg.get("n_inner") or 4 * cfg["n_embd"],
+        vocab_size=cfg["vocab_size"],
+        max_seq_len=cfg["n_positions"],
+        norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+    )
+
+
+def _neox_fields(cfg: dict, path: Any) -> dict:
+    """GPT-NeoX (Pythia): parallel residual blocks, partial rotary, biases."""
+    if cfg.get("hidden_act", "gelu") != "gelu":
+        refuse(path, f"GPT-NeoX activation {cfg.get('hidden_act')!r} is not supported (gelu)")
+    theta, scaling = _rope({**cfg, "rope_theta": cfg.get("rotary_emb_base", cfg.get("rope_theta", 10000.0))}, path)
+    rp = cfg.get("rope_parameters") or {}
+    return dict(
+        arch="neox",
+        n_layers=cfg["num_hidden_layers"],
+        d_model=cfg["hidden_size"],
+        n_heads=cfg["num_attention_heads"],
+        ffn_dim=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        max_seq_len=cfg["max_position_embeddings"],
+        norm_eps=cfg.get("layer_norm_eps", 1e-5),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rotary_pct=rp.get("partial_rotary_factor", cfg.get("rotary_pct", 0.25)),
+        parallel_block=bool(cfg.get("use_parallel_residual", True)),
+        bias=bool(cfg.get("attention_bias", True)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def _opt_fields(cfg: dict, path: Any) -> dict:
+    """OPT (125m-style: pre-layer-norm, unprojected embedding): ReLU MLP, learned positions, biases."""
+    if (
+        not cfg.get("do_layer_norm_before", True)
+        or cfg.get("word_embed_proj_dim", cfg["hidden_size"]) != cfg["hidden_size"]
+    ):
+        refuse(path, "OPT with post-layer-norm or a projected embedding (opt-350m style) is not supported")
+    if cfg.get("activation_function", "relu") != "relu" or not cfg.get("enable_bias", True):
+        refuse(path, "OPT without biases or with a non-ReLU activation is not supported")
+    return dict(
+        arch="opt",
+        n_layers=cfg["num_hidden_layers"],
+        d_model=cfg["hidden_size"],
+        n_heads=cfg["num_attention_heads"],
+        ffn_dim=cfg["ffn_dim"],
+        vocab_size=cfg["vocab_size"],
+        max_seq_len=cfg["max_position_embeddings"],
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+    )
 
 
 def hf_config_from_model(m, eos_id: int | None = None, bos_id: int | None = None) -> dict:
     """The HF config.json of a flopwise ModelConfig `m` (any object with its fields); `bos_id`
     defaults to `eos_id` (a flopwise-trained tokenizer's end-of-text token does both)."""
-
-    def check(cond: bool, what: str):
-        if not cond:
-            raise CheckpointError(f"to_hf: arch {m.arch!r} with {what} has no Hugging Face equivalent")
-
     base = {"vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings, "torch_dtype": "float32"}
     if eos_id is not None:
         base.update(eos_token_id=eos_id, bos_token_id=eos_id if bos_id is None else bos_id)
     if m.arch in LLAMA_LIKE:
-        check(
-            m.norm == "rmsnorm"
-            and m.mlp == "swiglu"
-            and m.pos == "rope"
-            and not m.bias
-            and not m.parallel_block
-            and not m.embed_norm
-            and m.rotary_pct == 1.0,
-            "these norm/mlp/pos/bias settings",
+        return _hf_llama(m, base)
+    writers = {"gpt2": _hf_gpt2, "neox": _hf_neox, "opt": _hf_opt}
+    if m.arch not in writers:
+        raise CheckpointError(
+            f"to_hf: arch {m.arch!r} has no Hugging Face export here "
+            "(supported: llama, mistral, qwen2, qwen3, gpt2, neox, opt)"
         )
-        check(m.qk_norm == (m.arch == "qwen3"), f"qk_norm={m.qk_norm}")
-        check(m.qkv_bias == (m.arch == "qwen2"), f"qkv_bias={m.qkv_bias}")
-        check(m.arch == "mistral" or not m.sliding_window, "a sliding window")
-        rope = {"rope_type": "default", "rope_theta": m.rope_theta}
-        legacy_scaling = None
-        if m.rope_scaling:
-            s = m.rope_scaling
-            rope.update(
-                rope_type="llama3",
-                factor=s.factor,
-                low_freq_factor=s.low_freq_factor,
-                high_freq_factor=s.high_freq_factor,
-                original_max_position_embeddings=s.original_max_seq_len,
-            )
-            legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        cfg = {
-            **base,
-            "model_type": m.arch,
-            "architectures": [LLAMA_LIKE[m.arch]],
-            "hidden_size": m.d_model,
-            "intermediate_size": m.ffn_dim,
-            "num_hidden_layers": m.n_layers,
-            "num_attention_heads": m.n_heads,
-            "num_key_value_heads": m.n_kv_heads,
-            "head_dim": m.head_dim,
-            "max_position_embeddings": m.max_seq_len,
-            "rms_norm_eps": m.norm_eps,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "rope_parameters": rope,
-            "rope_theta": m.rope_theta,
-        }
-        if legacy_scaling:
-            cfg["rope_scaling"] = legacy_scaling
-        if m.arch == "mistral":
-            cfg["sliding_window"] = m.sliding_window
-        if m.arch in ("qwen2", "qwen3"):
-            cfg.update(use_sliding_window=False, sliding_window=None)
-        return cfg
-    if m.arch == "gpt2":
-        check(
-            m.norm == "layernorm"
-            and m.mlp == "gelu_tanh"
-            and m.pos == "learned"
-            and m.bias
-            and m.tie_embeddings
-            and m.head_dim * m.n_heads == m.d_model
-            and m.n_kv_heads == m.n_heads,
-            "this configuration",
-        )
-        return {
-            **base,
-            "model_type": "gpt2",
-            "architectures": ["GPT2LMHeadModel"],
-            "n_layer": m.n_layers,
-            "n_embd": m.d_model,
-            "n_head": m.n_heads,
-            "n_inner": m.ffn_dim,
-            "n_positions": m.max_seq_len,
-            "layer_norm_epsilon": m.norm_eps,
-            "activation_function": "gelu_new",
-        }
-    if m.arch == "neox":
-        check(
-            m.norm == "layernorm"
-            and m.mlp == "gelu"
-            and m.pos == "rope"
-            and m.bias
-            and m.n_kv_heads == m.n_heads
-            and m.head_dim * m.n_heads == m.d_model
-            and not m.rope_scaling,
-            "this configuration",
-        )
-        return {
-            **base,
-            "model_type": "gpt_neox",
-            "architectures": ["GPTNeoXForCausalLM"],
-            "hidden_size": m.d_model,
-            "intermediate_size": m.ffn_dim,
-            "num_hidden_layers": m.n_layers,
-            "num_attention_heads": m.n_heads,
-            "max_position_embeddings": m.max_seq_len,
-            "layer_norm_eps": m.norm_eps,
-            "hidden_act": "gelu",
-            "use_parallel_residual": m.parallel_block,
-            "attention_bias": True,
-            "rotary_pct": m.rotary_pct,
-            "rotary_emb_base": m.rope_theta,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": m.rope_theta,
-                "partial_rotary_factor": m.rotary_pct,
-            },
-        }
-    if m.arch == "opt":
-        check(
-            m.norm == "layernorm"
-            and m.mlp == "relu"
-            and m.pos == "learned"
-            and m.pos_offset == 2
-            and m.bias
-            and m.n_kv_heads == m.n_heads
-            and m.head_dim * m.n_heads == m.d_model,
-            "this configuration",
-        )
-        return {
-            **base,
-            "model_type": "opt",
-            "architectures": ["OPTForCausalLM"],
-            "hidden_size": m.d_model,
-            "ffn_dim": m.ffn_dim,
-            "num_hidden_layers": m.n_layers,
-            "num_attention_heads": m.n_heads,
-            "max_position_embeddings": m.max_seq_len,
-            "word_embed_proj_dim": m.d_model,
-            "do_layer_norm_before": True,
-            "activation_function": "relu",
-            "enable_bias": True,
-        }
-    raise CheckpointError(
-        f"to_hf: arch {m.arch!r} has no Hugging Face export here "
-        "(supported: llama, mistral, qwen2, qwen3, gpt2, neox, opt)"
+    return writers[m.arch](m, base)
+
+
+def _exportable(m, cond: bool, what: str) -> None:
+    """Refuse an export whose `what` has no Hugging Face equivalent for m.arch."""
+    if not cond:
+        raise CheckpointError(f"to_hf: arch {m.arch!r} with {what} has no Hugging Face equivalent")
+
+
+def _hf_llama(m, base: dict) -> dict:
+    """Llama, Mistral, Qwen2, Qwen3: the rope parameters in both the current and the legacy keys."""
+    _exportable(
+        m,
+        m.norm == "rmsnorm"
+        and m.mlp == "swiglu"
+        and m.pos == "rope"
+        and not m.bias
+        and not m.parallel_block
+        and not m.embed_norm
+        and m.rotary_pct == 1.0,
+        "these norm/mlp/pos/bias settings",
     )
+    _exportable(m, m.qk_norm == (m.arch == "qwen3"), f"qk_norm={m.qk_norm}")
+    _exportable(m, m.qkv_bias == (m.arch == "qwen2"), f"qkv_bias={m.qkv_bias}")
+    _exportable(m, m.arch == "mistral" or not m.sliding_window, "a sliding window")
+    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
+    legacy_scaling = None
+    if m.rope_scaling:
+        s = m.rope_scaling
+        rope.update(
+            rope_type="llama3",
+            factor=s.factor,
+            low_freq_factor=s.low_freq_factor,
+            high_freq_factor=s.high_freq_factor,
+            original_max_position_embeddings=s.original_max_seq_len,
+        )
+        legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    cfg = {
+        **base,
+        "model_type": m.arch,
+        "architectures": [LLAMA_LIKE[m.arch]],
+        "hidden_size": m.d_model,
+        "intermediate_size": m.ffn_dim,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.head_dim,
+        "max_position_embeddings": m.max_seq_len,
+        "rms_norm_eps": m.norm_eps,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rope_parameters": rope,
+        "rope_theta": m.rope_theta,
+    }
+    if legacy_scaling:
+        cfg["rope_scaling"] = legacy_scaling
+    if m.arch == "mistral":
+        cfg["sliding_window"] = m.sliding_window
+    if m.arch in ("qwen2", "qwen3"):
+        cfg.update(use_sliding_window=False, sliding_window=None)
+    return cfg
+
+
+def _hf_gpt2(m, base: dict) -> dict:
+    _exportable(
+        m,
+        m.norm == "layernorm"
+        and m.mlp == "gelu_tanh"
+        and m.pos == "learned"
+        and m.bias
+        and m.tie_embeddings
+        and m.head_dim * m.n_heads == m.d_model
+        and m.n_kv_heads == m.n_heads,
+        "this configuration",
+    )
+    return {
+        **base,
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "n_layer": m.n_layers,
+        "n_embd": m.d_model,
+        "n_head": m.n_heads,
+        "n_inner": m.ffn_dim,
+        "n_positions": m.max_seq_len,
+        "layer_norm_epsilon": m.norm_eps,
+        "activation_function": "gelu_new",
+    }
+
+
+def _hf_neox(m, base: dict) -> dict:
+    _exportable(
+        m,
+        m.norm == "layernorm"
+        and m.mlp == "gelu"
+        and m.pos == "rope"
+        and m.bias
+        and m.n_kv_heads == m.n_heads
+        and m.head_dim * m.n_heads == m.d_model
+        and not m.rope_scaling,
+        "this configuration",
+    )
+    return {
+        **base,
+        "model_type": "gpt_neox",
+        "architectures": ["GPTNeoXForCausalLM"],
+        "hidden_size": m.d_model,
+        "intermediate_size": m.ffn_dim,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "max_position_embeddings": m.max_seq_len,
+        "layer_norm_eps": m.norm_eps,
+        "hidden_act": "gelu",
+        "use_parallel_residual": m.parallel_block,
+        "attention_bias": True,
+        "rotary_pct": m.rotary_pct,
+        "rotary_emb_base": m.rope_theta,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": m.rope_theta,
+            "partial_rotary_factor": m.rotary_pct,
+        },
+    }
+
+
+def _hf_opt(m, base: dict) -> dict:
+    _exportable(
+        m,
+        m.norm == "layernorm"
+        and m.mlp == "relu"
+        and m.pos == "learned"
+        and m.pos_offset == 2
+        and m.bias
+        and m.n_kv_heads == m.n_heads
+        and m.head_dim * m.n_heads == m.d_model,
+        "this configuration",
+    )
+    return {
+        **base,
+        "model_type": "opt",
+        "architectures": ["OPTForCausalLM"],
+        "hidden_size": m.d_model,
+        "ffn_dim": m.ffn_dim,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "max_position_embeddings": m.max_seq_len,
+        "word_embed_proj_dim": m.d_model,
+        "do_layer_norm_before": True,
+        "activation_function": "relu",
+        "enable_bias": True,
+    }

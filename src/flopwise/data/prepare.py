@@ -332,16 +332,7 @@ def prepare_data(
     given = load_tokenizer(tok_file) if tok_file else None
     files = [f for s in inputs for f in input_files(s)]
     with folder_lock(out, setting or "--out"):  # one writer per folder, for the whole prepare
-        keep = _inputs_kept(out, files, tok_file, force, setting)
-        reason = why_not_ours(out, DATA_MANIFEST)
-        if reason and not force:
-            raise DataError(_refusal(out, reason, keep, setting))
-        if out.is_symlink() or (out.exists() and not out.is_dir()):  # --force replaces a folder, never a file
-            raise DataError(
-                f"--out {out}: is a file, not a folder; --force replaces only a folder: choose another "
-                "--out, or move the file away"
-            )
-        check_folder(out, setting or "--out")
+        keep, reason = _claim_out(out, files, tok_file, force, setting)
         key = {
             "format": SHARDS_FORMAT,
             "inputs": _input_key(files),
@@ -353,20 +344,14 @@ def prepare_data(
             "dedup": dedup,
             "decontaminate": decontaminate,
         }
-        work = out / WORK
-        plan = None
-        if reason is None:  # resume only a folder the manifest vouches for
-            try:
-                plan = json.loads((work / "plan.json").read_text())
-            except (OSError, ValueError):  # none, or not readable: start afresh
-                plan = None
-        if not isinstance(plan, dict) or plan.get("key") != key or not (out / "tokenizer.json").is_file():
+        plan = _resumable_plan(out, key) if reason is None else None  # resume only what the manifest vouches for
+        if plan is None:
             plan = _fresh_plan(inputs, out, spec, given, key, keep, force, workers, tasks, val_fraction, seed, setting)
         tok = load_tokenizer(out / "tokenizer.json")
         dtype = dtype_for_vocab(tok.get_vocab_size())
 
         quality, deduped = _run_stages(out, plan, quality, words, dedup, dtype, workers, progress)
-        report = _report(work, plan, filters, quality, deduped, decontaminate)
+        report = _report(out / WORK, plan, filters, quality, deduped, decontaminate)
         meta = _finish(out, plan, tok, dtype, seed, val_fraction, report)
         if progress:
             progress("tokenize", plan["bytes"], plan["bytes"], meta["counts"]["tokens"])
@@ -378,6 +363,35 @@ def prepare_data(
             {s: e["tokens"] for s, e in meta["splits"].items()},
             report,
         )
+
+
+def _claim_out(
+    out: Path, files: list[Path], tok_file: Path | None, force: bool, setting: str | None
+) -> tuple[set[Path], str | None]:
+    """The inputs inside `out` to keep, and why flopwise may not replace `out` (None: its manifest
+    vouches for every file); refused here, before any write, unless `force` may replace it."""
+    keep = _inputs_kept(out, files, tok_file, force, setting)
+    reason = why_not_ours(out, DATA_MANIFEST)
+    if reason and not force:
+        raise DataError(_refusal(out, reason, keep, setting))
+    if out.is_symlink() or (out.exists() and not out.is_dir()):  # --force replaces a folder, never a file
+        raise DataError(
+            f"--out {out}: is a file, not a folder; --force replaces only a folder: choose another "
+            "--out, or move the file away"
+        )
+    check_folder(out, setting or "--out")
+    return keep, reason
+
+
+def _resumable_plan(out: Path, key: dict) -> dict | None:
+    """The task plan of an unfinished prepare in `out` with these inputs and settings, or None."""
+    try:
+        plan = json.loads((out / WORK / "plan.json").read_text())
+    except (OSError, ValueError):  # none, or not readable: start afresh
+        return None
+    if not isinstance(plan, dict) or plan.get("key") != key or not (out / "tokenizer.json").is_file():
+        return None
+    return plan
 
 
 def _fresh_plan(
@@ -434,94 +448,122 @@ def _run_stages(
     """Deduplicate (if asked) and tokenize into shards with datatrove, resuming finished tasks;
     `quality`: the (name, filter) steps (`_filter_steps`), `words` their word splitter. The names of
     the quality and dedup stages that ran, for the report."""
-    work, n_tasks = out / WORK, len(plan["tasks"])
+    dedup_steps = []
+    if "exact" in dedup:
+        dedup_steps.append(("exact", _exact_dedup(out / WORK, plan, quality, workers)))
+    if "minhash" in dedup:
+        earlier = [f for _, f in dedup_steps]
+        dedup_steps.append(("minhash", _minhash_dedup(out / WORK, plan, quality, words, earlier, workers)))
+    _tokenize(out, plan, quality, [f for _, f in dedup_steps], dtype, workers, progress)
+    return [n for n, _ in quality], [n for n, _ in dedup_steps]
+
+
+def _head(work: Path, plan: dict, quality: list, stage: str) -> list:
+    """Reader, tally and quality filters (each followed by a tally): the same stream in every pass."""
+    from flopwise.data.prepare_steps import OrdinalReader, Tally
+
+    reader = OrdinalReader(plan["files"], plan["tasks"], str(work / "progress" / stage))
+    return [reader, Tally(), *_tallied([f for _, f in quality])]
+
+
+def _tallied(filters: list) -> list:
+    """Each filter followed by a tally of what it kept."""
+    from flopwise.data.prepare_steps import Tally
+
+    return [s for f in filters for s in (f, Tally())]
+
+
+def _exact_dedup(work: Path, plan: dict, quality: list, workers: int):
+    """Exact deduplication's signature and find passes; the filter that drops the duplicates."""
+    from datatrove.pipeline.dedup import ExactDedupFilter, ExactDedupSignature, ExactFindDedups
+    from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig
+
+    from flopwise.data.prepare_steps import normalized_text
+
+    exact_cfg = ExactDedupConfig(content_getter=normalized_text)
+    n_tasks = len(plan["tasks"])
+    _run(
+        "exact-signature",
+        _head(work, plan, quality, "exact-signature") + [ExactDedupSignature(str(work / "exact" / "sigs"), exact_cfg)],
+        n_tasks,
+        workers,
+        work,
+    )
+    _run(
+        "exact-find",
+        [ExactFindDedups(str(work / "exact" / "sigs"), str(work / "exact" / "dups"), exact_cfg)],
+        1,
+        workers,
+        work,
+    )
+    return ExactDedupFilter(str(work / "exact" / "dups"), exact_cfg)
+
+
+def _minhash_dedup(work: Path, plan: dict, quality: list, words, earlier: list, workers: int):
+    """MinHash near-deduplication's signature, bucket and cluster passes over the stream after the
+    `earlier` dedup filters (exact dedup's); the filter that drops the near-duplicates."""
     from datatrove.pipeline.dedup import (
-        ExactDedupFilter,
-        ExactDedupSignature,
-        ExactFindDedups,
         MinhashDedupBuckets,
         MinhashDedupCluster,
         MinhashDedupFilter,
         MinhashDedupSignature,
     )
-    from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig
     from datatrove.pipeline.dedup.minhash import MinhashConfig
     from datatrove.utils.hashing import HashConfig
 
-    from flopwise.data.prepare_steps import OrdinalReader, ShardWriter, Tally, normalized_text
-
-    exact_cfg = ExactDedupConfig(content_getter=normalized_text)
     # sha1, not the default xxhash: datatrove hashes str shingles, which xxhash >= 3.5 refuses
     minhash_cfg = MinhashConfig(**MINHASH, hash_config=HashConfig(precision=64, hash_fc="sha1"))
+    sig = MinhashDedupSignature(str(work / "minhash" / "sigs"), minhash_cfg, language=words)
+    n_tasks = len(plan["tasks"])
+    _run(
+        "minhash-signature",
+        _head(work, plan, quality, "minhash-signature") + _tallied(earlier) + [sig],
+        n_tasks,
+        workers,
+        work,
+    )
+    _run(
+        "minhash-buckets",
+        [MinhashDedupBuckets(str(work / "minhash" / "sigs"), str(work / "minhash" / "buckets"), config=minhash_cfg)],
+        MINHASH["num_buckets"],
+        workers,
+        work,
+    )
+    _run(
+        "minhash-cluster",
+        [
+            MinhashDedupCluster(
+                str(work / "minhash" / "buckets"),
+                str(work / "minhash" / "remove"),
+                config=minhash_cfg,
+                save_cluster_id=True,
+            )
+        ],
+        1,
+        workers,
+        work,
+    )
+    return MinhashDedupFilter(str(work / "minhash" / "remove"))
 
-    def head(stage: str) -> list:
-        """Reader, tally and quality filters (each followed by a tally): the same stream in every pass."""
-        steps = [OrdinalReader(plan["files"], plan["tasks"], str(work / "progress" / stage)), Tally()]
-        for _, f in quality:
-            steps += [f, Tally()]
-        return steps
 
-    dedup_steps = []
-    if "exact" in dedup:
-        _run(
-            "exact-signature",
-            head("exact-signature") + [ExactDedupSignature(str(work / "exact" / "sigs"), exact_cfg)],
-            n_tasks,
-            workers,
-            work,
-        )
-        _run(
-            "exact-find",
-            [ExactFindDedups(str(work / "exact" / "sigs"), str(work / "exact" / "dups"), exact_cfg)],
-            1,
-            workers,
-            work,
-        )
-        dedup_steps.append(("exact", ExactDedupFilter(str(work / "exact" / "dups"), exact_cfg)))
-    if "minhash" in dedup:
-        before = [s for _, f in dedup_steps for s in (f, Tally())]
-        sig = MinhashDedupSignature(str(work / "minhash" / "sigs"), minhash_cfg, language=words)
-        _run("minhash-signature", head("minhash-signature") + before + [sig], n_tasks, workers, work)
-        _run(
-            "minhash-buckets",
-            [
-                MinhashDedupBuckets(
-                    str(work / "minhash" / "sigs"), str(work / "minhash" / "buckets"), config=minhash_cfg
-                )
-            ],
-            MINHASH["num_buckets"],
-            workers,
-            work,
-        )
-        _run(
-            "minhash-cluster",
-            [
-                MinhashDedupCluster(
-                    str(work / "minhash" / "buckets"),
-                    str(work / "minhash" / "remove"),
-                    config=minhash_cfg,
-                    save_cluster_id=True,
-                )
-            ],
-            1,
-            workers,
-            work,
-        )
-        dedup_steps.append(("minhash", MinhashDedupFilter(str(work / "minhash" / "remove"))))
+def _tokenize(out: Path, plan: dict, quality: list, dedup_filters: list, dtype, workers: int, progress) -> None:
+    """The last pass: the stream through the quality and dedup filters into token shards, with a
+    progress thread when asked."""
+    from flopwise.data.prepare_steps import ShardWriter
 
-    pipeline = head("tokenize") + [s for _, f in dedup_steps for s in (f, Tally())]
+    work = out / WORK
+    pipeline = _head(work, plan, quality, "tokenize") + _tallied(dedup_filters)
     pipeline.append(ShardWriter(str(out), str(work), dtype.name))
     stop = threading.Event()
     poller = threading.Thread(target=_progress_loop, args=(work, plan["bytes"], progress, stop), daemon=True)
     if progress:
         poller.start()
     try:
-        _run("tokenize", pipeline, n_tasks, workers, work)
+        _run("tokenize", pipeline, len(plan["tasks"]), workers, work)
     finally:
         stop.set()
         if progress:
             poller.join()
-    return [n for n, _ in quality], [n for n, _ in dedup_steps]
 
 
 def _finish(out: Path, plan: dict, tok, dtype, seed: int, val_fraction: float, report: dict) -> dict:

@@ -48,85 +48,100 @@ def _with_bias(f: str, h: str, table) -> list[tuple[str, str]]:
 
 def _names(m: ModelConfig) -> list[tuple[str, str]]:
     """(flopwise name, HF name) for every tensor that maps one to one."""
-    pairs = []
     if m.arch in LLAMA_LIKE:
-        pairs += [("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight")]
-        if not m.tie_embeddings:
-            pairs.append(("output.weight", "lm_head.weight"))
-        for i in range(m.n_layers):
-            f, h = f"layers.{i}.", f"model.layers.{i}."
-            pairs += [
-                (f + "attention.wq.weight", h + "self_attn.q_proj.weight"),
-                (f + "attention.wk.weight", h + "self_attn.k_proj.weight"),
-                (f + "attention.wv.weight", h + "self_attn.v_proj.weight"),
-                (f + "attention.wo.weight", h + "self_attn.o_proj.weight"),
-                (f + "feed_forward.w1.weight", h + "mlp.gate_proj.weight"),
-                (f + "feed_forward.w3.weight", h + "mlp.up_proj.weight"),
-                (f + "feed_forward.w2.weight", h + "mlp.down_proj.weight"),
-                (f + "attention_norm.weight", h + "input_layernorm.weight"),
-                (f + "ffn_norm.weight", h + "post_attention_layernorm.weight"),
-            ]
-            if m.qkv_bias:
-                pairs += [(f + f"attention.w{x}.bias", h + f"self_attn.{x}_proj.bias") for x in "qkv"]
-            if m.qk_norm:
-                pairs += [
-                    (f + "attention.q_norm.weight", h + "self_attn.q_norm.weight"),
-                    (f + "attention.k_norm.weight", h + "self_attn.k_norm.weight"),
-                ]
-    elif m.arch == "gpt2":
+        return _llama_names(m)
+    families = {"gpt2": _gpt2_names, "neox": _neox_names, "opt": _opt_names}
+    return families[m.arch](m) if m.arch in families else []
+
+
+def _llama_names(m: ModelConfig) -> list[tuple[str, str]]:
+    pairs = [("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight")]
+    if not m.tie_embeddings:
+        pairs.append(("output.weight", "lm_head.weight"))
+    for i in range(m.n_layers):
+        f, h = f"layers.{i}.", f"model.layers.{i}."
         pairs += [
-            ("tok_embeddings.weight", "transformer.wte.weight"),
-            ("pos_embeddings.weight", "transformer.wpe.weight"),
+            (f + "attention.wq.weight", h + "self_attn.q_proj.weight"),
+            (f + "attention.wk.weight", h + "self_attn.k_proj.weight"),
+            (f + "attention.wv.weight", h + "self_attn.v_proj.weight"),
+            (f + "attention.wo.weight", h + "self_attn.o_proj.weight"),
+            (f + "feed_forward.w1.weight", h + "mlp.gate_proj.weight"),
+            (f + "feed_forward.w3.weight", h + "mlp.up_proj.weight"),
+            (f + "feed_forward.w2.weight", h + "mlp.down_proj.weight"),
+            (f + "attention_norm.weight", h + "input_layernorm.weight"),
+            (f + "ffn_norm.weight", h + "post_attention_layernorm.weight"),
         ]
-        pairs += _with_bias("", "transformer.", (("norm", "ln_f"),))
-        for i in range(m.n_layers):
-            f, h = f"layers.{i}.", f"transformer.h.{i}."
-            pairs += _with_bias(f, h, (("attention_norm", "ln_1"), ("ffn_norm", "ln_2")))
+        if m.qkv_bias:
+            pairs += [(f + f"attention.w{x}.bias", h + f"self_attn.{x}_proj.bias") for x in "qkv"]
+        if m.qk_norm:
             pairs += [
-                (f + "attention.wo.bias", h + "attn.c_proj.bias"),
-                (f + "feed_forward.w1.bias", h + "mlp.c_fc.bias"),
-                (f + "feed_forward.w2.bias", h + "mlp.c_proj.bias"),
+                (f + "attention.q_norm.weight", h + "self_attn.q_norm.weight"),
+                (f + "attention.k_norm.weight", h + "self_attn.k_norm.weight"),
             ]
-    elif m.arch == "neox":
-        pairs += [("tok_embeddings.weight", "gpt_neox.embed_in.weight")]
-        pairs += _with_bias("", "gpt_neox.", (("norm", "final_layer_norm"),))
-        if not m.tie_embeddings:
-            pairs.append(("output.weight", "embed_out.weight"))
-        for i in range(m.n_layers):
-            pairs += _with_bias(
-                f"layers.{i}.",
-                f"gpt_neox.layers.{i}.",
-                (
-                    ("attention_norm", "input_layernorm"),
-                    ("ffn_norm", "post_attention_layernorm"),
-                    ("attention.wo", "attention.dense"),
-                    ("feed_forward.w1", "mlp.dense_h_to_4h"),
-                    ("feed_forward.w2", "mlp.dense_4h_to_h"),
-                ),
-            )
-    elif m.arch == "opt":
+    return pairs
+
+
+def _gpt2_names(m: ModelConfig) -> list[tuple[str, str]]:
+    """Not the Conv1D weights (q/k/v fused, all transposed): `_sources` maps those."""
+    pairs = [
+        ("tok_embeddings.weight", "transformer.wte.weight"),
+        ("pos_embeddings.weight", "transformer.wpe.weight"),
+    ]
+    pairs += _with_bias("", "transformer.", (("norm", "ln_f"),))
+    for i in range(m.n_layers):
+        f, h = f"layers.{i}.", f"transformer.h.{i}."
+        pairs += _with_bias(f, h, (("attention_norm", "ln_1"), ("ffn_norm", "ln_2")))
         pairs += [
-            ("tok_embeddings.weight", "model.decoder.embed_tokens.weight"),
-            ("pos_embeddings.weight", "model.decoder.embed_positions.weight"),
+            (f + "attention.wo.bias", h + "attn.c_proj.bias"),
+            (f + "feed_forward.w1.bias", h + "mlp.c_fc.bias"),
+            (f + "feed_forward.w2.bias", h + "mlp.c_proj.bias"),
         ]
-        pairs += _with_bias("", "model.decoder.", (("norm", "final_layer_norm"),))
-        if not m.tie_embeddings:
-            pairs.append(("output.weight", "lm_head.weight"))
-        for i in range(m.n_layers):
-            pairs += _with_bias(
-                f"layers.{i}.",
-                f"model.decoder.layers.{i}.",
-                (
-                    ("attention_norm", "self_attn_layer_norm"),
-                    ("ffn_norm", "final_layer_norm"),
-                    ("attention.wq", "self_attn.q_proj"),
-                    ("attention.wk", "self_attn.k_proj"),
-                    ("attention.wv", "self_attn.v_proj"),
-                    ("attention.wo", "self_attn.out_proj"),
-                    ("feed_forward.w1", "fc1"),
-                    ("feed_forward.w2", "fc2"),
-                ),
-            )
+    return pairs
+
+
+def _neox_names(m: ModelConfig) -> list[tuple[str, str]]:
+    pairs = [("tok_embeddings.weight", "gpt_neox.embed_in.weight")]
+    pairs += _with_bias("", "gpt_neox.", (("norm", "final_layer_norm"),))
+    if not m.tie_embeddings:
+        pairs.append(("output.weight", "embed_out.weight"))
+    for i in range(m.n_layers):
+        pairs += _with_bias(
+            f"layers.{i}.",
+            f"gpt_neox.layers.{i}.",
+            (
+                ("attention_norm", "input_layernorm"),
+                ("ffn_norm", "post_attention_layernorm"),
+                ("attention.wo", "attention.dense"),
+                ("feed_forward.w1", "mlp.dense_h_to_4h"),
+                ("feed_forward.w2", "mlp.dense_4h_to_h"),
+            ),
+        )
+    return pairs
+
+
+def _opt_names(m: ModelConfig) -> list[tuple[str, str]]:
+    pairs = [
+        ("tok_embeddings.weight", "model.decoder.embed_tokens.weight"),
+        ("pos_embeddings.weight", "model.decoder.embed_positions.weight"),
+    ]
+    pairs += _with_bias("", "model.decoder.", (("norm", "final_layer_norm"),))
+    if not m.tie_embeddings:
+        pairs.append(("output.weight", "lm_head.weight"))
+    for i in range(m.n_layers):
+        pairs += _with_bias(
+            f"layers.{i}.",
+            f"model.decoder.layers.{i}.",
+            (
+                ("attention_norm", "self_attn_layer_norm"),
+                ("ffn_norm", "final_layer_norm"),
+                ("attention.wq", "self_attn.q_proj"),
+                ("attention.wk", "self_attn.k_proj"),
+                ("attention.wv", "self_attn.v_proj"),
+                ("attention.wo", "self_attn.out_proj"),
+                ("feed_forward.w1", "fc1"),
+                ("feed_forward.w2", "fc2"),
+            ),
+        )
     return pairs
 
 

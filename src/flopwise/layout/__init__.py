@@ -4,6 +4,17 @@ pipeline schedules, compile): torch-free, read by both plan/ and parallel/."""
 from flopwise import public_api
 
 HOMES = {
+    "linears": [
+        "block_linears",
+        "float8_all_gather",
+        "float8_eligible",
+        "float8_shapes",
+        "float8_weight_elements",
+        "LINEAR_KEYS",
+        "RECIPES",
+        "tp_local_shape",
+        "unconverted_linears",
+    ],
     "rules": [
         "balanced_stages",
         "check_layout",

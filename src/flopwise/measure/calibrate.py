@@ -57,16 +57,10 @@ from flopwise.layout.rules import Layout, check_layout, config_layout
 from flopwise.measure.restart import measure_recovery
 from flopwise.model.layers import CoreAttention
 from flopwise.model.transformer import build_model
-from flopwise.plan.step import (
-    RUNTIME_RESERVE,
-    STACKS,
-    eager_precision,
-    estimate,
-    layer_elementwise_bytes,
-    loss_bytes,
-    model_shape,
-    weight_cast_bytes,
-)
+from flopwise.plan.rank_memory import RUNTIME_RESERVE
+from flopwise.plan.shape import model_shape
+from flopwise.plan.stack import STACKS
+from flopwise.plan.step import eager_precision, estimate, layer_elementwise_bytes, loss_bytes, weight_cast_bytes
 from flopwise.train.engine import lm_loss
 from flopwise.train.metrics import DTYPES, measure_matmul_peak
 from flopwise.train.optim import build_optimizer

@@ -36,7 +36,9 @@ from flopwise.hardware.calibration import Calibration
 from flopwise.hardware.catalogue import Hardware, get_hardware
 from flopwise.layout.rules import Layout, check_layout, config_layout
 from flopwise.plan.comm import dp_collectives, fsdp_copy_bytes
-from flopwise.plan.step import ACT_BYTES, MEM_EFFICIENCY, STACKS, evaluate, layer_times, model_shape, stream_time
+from flopwise.plan.shape import model_shape
+from flopwise.plan.stack import STACKS
+from flopwise.plan.step import ACT_BYTES, MEM_EFFICIENCY, evaluate_layout, layer_times, stream_time
 
 # Llama 3.2 1B's blocks (16 layers, d 2048, 32 heads, 8 kv heads, SwiGLU 8192) with a 32K vocabulary:
 # the recorded runs' model (benchmarks/gpu/llama1b.py)
@@ -113,7 +115,7 @@ def predict(cfg: Config, hw: Hardware) -> tuple[float, float]:
     copies (plan.comm's rule for one rank, streamed at the rate of the planner's other memory-bound
     work) replace autocast's weight casts (its parameters are bf16 already)."""
     lo = _one_rank(cfg)
-    est = evaluate(
+    est = evaluate_layout(
         cfg.model,
         hw,
         lo,
@@ -145,7 +147,7 @@ def derive(run: dict) -> Calibration:
     cfg = run_config(run["batch"], 3, True)
     unit = replace(get_hardware("h200"), calibration=None, matmul_efficiency=1.0)
     lo = _one_rank(cfg)
-    at_unit = evaluate(cfg.model, unit, lo, cfg.data.seq_len, cfg.train.global_batch, compile=True).time
+    at_unit = evaluate_layout(cfg.model, unit, lo, cfg.data.seq_len, cfg.train.global_batch, compile=True).time
     # GEMMs at the full peak; element-wise at MEM_EFFICIENCY x HBM
     sh = model_shape(cfg.model, cfg.data.seq_len)
     lt = layer_times(sh, unit, STACKS["flopwise"], cfg.data.seq_len, run["batch"], 1, 1, False)

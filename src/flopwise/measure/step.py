@@ -46,7 +46,9 @@ from flopwise.parallel.data import local_optimizer
 from flopwise.parallel.mesh import layout_of, torchrun
 from flopwise.plan.planner import plan_hardware, resolve_layout
 from flopwise.plan.rank import predict_rank
-from flopwise.plan.step import STACKS, Estimate, estimate, model_shape
+from flopwise.plan.shape import model_shape
+from flopwise.plan.stack import STACKS
+from flopwise.plan.step import Estimate, estimate
 from flopwise.train.build import build_run
 from flopwise.train.faults import Faults
 from flopwise.train.run import Run
@@ -326,6 +328,28 @@ def measure_plan(
     parallel degrees) for `steps` steps; per rank, predicted and measured values side by side.
     `on_start` is called once the arguments and the config are accepted, just before the launch (the
     CLI says there whether the machine is busy: a refused run times nothing, so it gets no note)."""
+    cfg, lo, world = _measured_layout(path, overrides, nproc, steps)
+    if on_start is not None:
+        on_start()
+    measured = _run_ranks(cfg, lo, world, steps)
+    ranks = [_rank_row(cfg, lo, i, m) for i, m in enumerate(measured)]
+    return {
+        "layout": lo.name(),
+        "parallel": lo.to_json(),
+        "world": world,
+        "steps": steps,
+        "dtype": cfg.train.dtype,
+        "seq_len": cfg.data.seq_len,
+        "global_batch": cfg.train.global_batch,
+        **_step_time(cfg, lo, measured, ranks, steps),
+        "ranks": ranks,
+    }
+
+
+def _measured_layout(
+    path: str | None, overrides: list[str], nproc: int | None, steps: int
+) -> tuple[Config, Layout, int]:
+    """The config, its layout and the world size to measure, every refusal before any launch."""
     if steps < 1:
         raise ConfigError(f"--steps={steps}: measure at least one step")
     if nproc is not None and nproc < 1:
@@ -342,9 +366,11 @@ def measure_plan(
             f"{MAX_RANKS}; lower the parallel.* degrees (or --nproc)"
         )
     cfg = resolve_layout(cfg, tree, world)
-    lo = layout_of(cfg, world)
-    if on_start is not None:
-        on_start()
+    return cfg, layout_of(cfg, world), world
+
+
+def _run_ranks(cfg: Config, lo: Layout, world: int, steps: int) -> list[dict[str, Any]]:
+    """Each rank's measurement (`measure_rank`), from one torchrun of this module's `_rank_main`."""
     with tempfile.TemporaryDirectory(prefix="flopwise-measure-") as tmp:
         config, out = Path(tmp) / "config.toml", Path(tmp) / "measured.json"
         config.write_text(to_toml(cfg))
@@ -368,32 +394,38 @@ def measure_plan(
                 f"the measurement run of {lo.name()} failed (exit {r.returncode}): "
                 f"{(errors or ['see torchrun output'])[-1].strip()[:300]}"
             )
-        measured = json.loads(out.read_text())
-    ranks = []
-    for i, m in enumerate(measured):
-        want = predict_rank(cfg, lo, m["pp_rank"], m["shard_rank"], m["dp_rank"], m["cpu"])
-        kinds = sorted(set(want.collectives) | set(m["collectives"]))
-        ranks.append(
-            {
-                "rank": i,
-                **{k: m[k] for k in ("pp_rank", "shard_rank", "dp_rank")},
-                "layers": {"predicted": want.layers, "measured": m["layers"]},
-                **{q: {"predicted": getattr(want, q), "measured": m[q]} for q in QUANTITIES},
-                "collectives": {
-                    k: {"predicted": want.collectives.get(k, 0), "measured": m["collectives"].get(k, 0)} for k in kinds
-                },
-                "step_time_s": m["step_time_s"],
-                "profiled_step_s": m["profiled_step_s"],
-                "step_time_components_s": m["components"],
-            }
-        )
+        return json.loads(out.read_text())
+
+
+def _rank_row(cfg: Config, lo: Layout, i: int, m: dict[str, Any]) -> dict[str, Any]:
+    """Rank i's predicted values (plan.rank.predict_rank) beside its measured ones."""
+    want = predict_rank(cfg, lo, m["pp_rank"], m["shard_rank"], m["dp_rank"], m["cpu"])
+    kinds = sorted(set(want.collectives) | set(m["collectives"]))
+    return {
+        "rank": i,
+        **{k: m[k] for k in ("pp_rank", "shard_rank", "dp_rank")},
+        "layers": {"predicted": want.layers, "measured": m["layers"]},
+        **{q: {"predicted": getattr(want, q), "measured": m[q]} for q in QUANTITIES},
+        "collectives": {
+            k: {"predicted": want.collectives.get(k, 0), "measured": m["collectives"].get(k, 0)} for k in kinds
+        },
+        "step_time_s": m["step_time_s"],
+        "profiled_step_s": m["profiled_step_s"],
+        "step_time_components_s": m["components"],
+    }
+
+
+def _step_time(
+    cfg: Config, lo: Layout, measured: list[dict[str, Any]], ranks: list[dict[str, Any]], steps: int
+) -> dict[str, Any]:
+    """The step's time, predicted and measured, and its components on the rank that paces it."""
     est, why = predicted_time(cfg, lo)
     # every step starts from a barrier, so the slowest rank's time is the step's
     slowest = statistics.median(max(r) for r in zip(*(m["step_time_s"]["steps"] for m in measured), strict=False))
     # the rank that paces the step: the busiest in its profiled step (least bubble or idle)
     last = "pipeline_bubble" if lo.pp > 1 else "idle"
     pacing = min(ranks, key=lambda r: r["step_time_components_s"][last])
-    time_ = {
+    return {
         "step_time_s": {"predicted": est.step_time if est else None, "measured": slowest},
         "step_time_note": f"measured: the median over {steps} timed steps of the slowest rank's wall time "
         f"(each step starts from a barrier); components: rank {pacing['rank']}'s profiled step; predicted: "
@@ -404,17 +436,6 @@ def measure_plan(
         ),
         "step_time_components_s": component_times(est, pacing["step_time_components_s"], last),
         "components_rank": pacing["rank"],
-    }
-    return {
-        "layout": lo.name(),
-        "parallel": lo.to_json(),
-        "world": world,
-        "steps": steps,
-        "dtype": cfg.train.dtype,
-        "seq_len": cfg.data.seq_len,
-        "global_batch": cfg.train.global_batch,
-        **time_,
-        "ranks": ranks,
     }
 
 

@@ -1,13 +1,13 @@
 """float8 training of the blocks' linear layers (train.float8) with torchao's dynamic scaling.
 
-`apply_float8` swaps each block linear that plan.memory.float8_eligible accepts (both weight dims,
+`apply_float8` swaps each block linear that layout.linears.float8_eligible accepts (both weight dims,
 tensor-parallel local, multiples of 16) for torchao's Float8Linear; the embedding, the head and
 any other linear stay in train.dtype. It runs first in `parallelize`, on the meta device, as
 torchao's own tensor-parallel and FSDP2 integration expects (float8 conversion, then TP, then
 activation checkpointing, compile and FSDP2: the later steps wrap Float8Linear like any linear).
 Tensor parallel uses the engine's plain DTensor plan: both recipes compute on DTensor shards, with
 the activations' collectives in high precision. Tensorwise scaling under FSDP2 all-gathers the
-weights in float8 (`plan.float8.float8_all_gather`); its scales are computed in each pre-all-gather
+weights in float8 (`layout.linears.float8_all_gather`); its scales are computed in each pre-all-gather
 from the shards' amax (torchao's precompute_float8_dynamic_scale_for_fsdp, an optimisation that
 folds them into one all-reduce after the optimizer step, is not used: its cached scales would go
 stale when a checkpoint is restored into the weights).
@@ -23,9 +23,8 @@ from torch import nn
 
 from flopwise.config.schema import Config
 from flopwise.errors import ConfigError
+from flopwise.layout.linears import block_linears, float8_all_gather, float8_eligible
 from flopwise.layout.rules import Layout
-from flopwise.plan.float8 import float8_all_gather
-from flopwise.plan.memory import block_linears, float8_eligible
 
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cores
 

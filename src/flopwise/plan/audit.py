@@ -134,6 +134,8 @@ def _model(claim: dict) -> tuple[ModelConfig | None, float | None]:
 
 
 def audit_claim(claim: dict, predict: bool = True) -> ClaimVerdict:
+    """One claim's FLOPs by the convention, the MFU its numbers imply, and (`predict`) the planner's
+    best MFU for it on its hardware and device count, with a verdict."""
     claim = validate_claim(claim)
     m, params = _model(claim)
     seq = claim.get("seq_len", 2048)
@@ -145,41 +147,15 @@ def audit_claim(claim: dict, predict: bool = True) -> ClaimVerdict:
         fpt = scaling_flops(params, 1)
         notes.append("no shape given (preset=...): FLOPs are 6·N per token, attention not counted")
     else:
-        return ClaimVerdict(
-            name=claim["name"],
-            params=0,
-            tokens=None,
-            flops=None,
-            flops_6nd=None,
-            implied_mfu=None,
-            basis="",
-            predicted_mfu=None,
-            predicted_layout=None,
-            verdict="underdetermined",
-            missing=["preset or params"],
-            source=claim.get("source", ""),
-            status=claim.get("status", ""),
-        )
+        return _without_model(claim)
     tokens = claim.get("tokens")
     flops = fpt * tokens if tokens else None
     missing = [] if tokens else ["tokens"]
     hw = get_hardware(claim["hardware"]) if "hardware" in claim else None
-    peak = hw.peak_16bit if hw else None
     if hw is None:
         missing.append("hardware")
     devices = claim.get("devices")
-    implied, basis = None, ""
-    if peak:
-        if "tokens_per_s_per_device" in claim:
-            implied, basis = mfu(claim["tokens_per_s_per_device"], fpt, peak), "tokens/s per device"
-        elif flops and "device_hours" in claim:
-            implied, basis = mfu(tokens / (claim["device_hours"] * 3600), fpt, peak), "device-hours"
-        elif flops and devices and "days" in claim:
-            implied, basis = mfu(tokens / (claim["days"] * 86400), fpt, peak, devices), "devices × days"
-        elif "stated_mfu" in claim:
-            implied, basis = claim["stated_mfu"], "stated MFU"
-        elif "tflops_per_device" in claim:
-            implied, basis = claim["tflops_per_device"] * 1e12 / peak, "stated TFLOP/s per device (authors' convention)"
+    implied, basis = _implied_mfu(claim, fpt, flops, hw.peak_16bit if hw else None)
     if implied is None and not missing:
         missing.append("time (tokens_per_s_per_device, device_hours, days or stated_mfu)")
     predicted, layout = None, None
@@ -193,18 +169,7 @@ def audit_claim(claim: dict, predict: bool = True) -> ClaimVerdict:
     elif predict and hw is not None and not n_dev:
         missing.append("devices")
     no_fit = predict and layout is None and any(n.startswith("does not fit") for n in notes)
-    if no_fit:
-        verdict = "impossible"
-    elif implied is None:
-        verdict = "underdetermined"
-    elif implied > 1:
-        verdict = "impossible"
-    elif predicted is not None and implied > predicted * (1 + PLANNER_BAND):
-        verdict = "optimistic"
-    elif predicted is None:  # no planner figure to compare with (no devices, or the planner could not plan)
-        verdict = "underdetermined"
-    else:
-        verdict = "plausible"
+    verdict = _verdict(no_fit, implied, predicted)
     if flops and claim.get("stated_flops"):
         notes.append(f"stated {claim['stated_flops']:.3g} FLOPs vs {flops:.3g} by the convention")
     return ClaimVerdict(
@@ -223,6 +188,60 @@ def audit_claim(claim: dict, predict: bool = True) -> ClaimVerdict:
         source=claim.get("source", ""),
         status=claim.get("status", ""),
     )
+
+
+def _without_model(claim: dict) -> ClaimVerdict:
+    """A claim with neither a preset nor a parameter count: nothing to compute."""
+    return ClaimVerdict(
+        name=claim["name"],
+        params=0,
+        tokens=None,
+        flops=None,
+        flops_6nd=None,
+        implied_mfu=None,
+        basis="",
+        predicted_mfu=None,
+        predicted_layout=None,
+        verdict="underdetermined",
+        missing=["preset or params"],
+        source=claim.get("source", ""),
+        status=claim.get("status", ""),
+    )
+
+
+def _implied_mfu(claim: dict, fpt: float, flops: float | None, peak: float | None) -> tuple[float | None, str]:
+    """The MFU the claim's own numbers imply over the 16-bit `peak`, and which numbers: the first
+    of throughput, device-hours, devices × days, a stated MFU or stated TFLOP/s per device."""
+    if not peak:
+        return None, ""
+    tokens, devices = claim.get("tokens"), claim.get("devices")
+    if "tokens_per_s_per_device" in claim:
+        return mfu(claim["tokens_per_s_per_device"], fpt, peak), "tokens/s per device"
+    if flops and "device_hours" in claim:
+        return mfu(tokens / (claim["device_hours"] * 3600), fpt, peak), "device-hours"
+    if flops and devices and "days" in claim:
+        return mfu(tokens / (claim["days"] * 86400), fpt, peak, devices), "devices × days"
+    if "stated_mfu" in claim:
+        return claim["stated_mfu"], "stated MFU"
+    if "tflops_per_device" in claim:
+        return claim["tflops_per_device"] * 1e12 / peak, "stated TFLOP/s per device (authors' convention)"
+    return None, ""
+
+
+def _verdict(no_fit: bool, implied: float | None, predicted: float | None) -> str:
+    """impossible (does not fit, or MFU over 1), underdetermined, optimistic (above the planner's
+    best by more than PLANNER_BAND) or plausible."""
+    if no_fit:
+        return "impossible"
+    if implied is None:
+        return "underdetermined"
+    if implied > 1:
+        return "impossible"
+    if predicted is not None and implied > predicted * (1 + PLANNER_BAND):
+        return "optimistic"
+    if predicted is None:  # no planner figure to compare with (no devices, or the planner could not plan)
+        return "underdetermined"
+    return "plausible"
 
 
 def _predict(claim: dict, devices: int, seq: int) -> tuple[float | None, dict | None, str]:

@@ -1,10 +1,10 @@
-"""float8 training (train.float8, torchao's dynamic scaling) as the planner books it. Pure Python.
+"""float8 training (train.float8, torchao's dynamic scaling) as the step-time model books it. Pure Python.
 
-Which of a block's linears run in float8 (plan.memory.float8_eligible: both weight dims multiples
-of 16, the rest stay in train.dtype), whether FSDP2 gathers their weights in float8, and the HBM
-bytes the amax, cast and rescale kernels around each float8 matmul move and how fast each recipe's
-matmul kernels run beside tensorwise cuBLAS, for the step-time model. The bytes those linears keep
-for backward are plan.memory's (`engine_precision(..., float8=True)`).
+Which of a block's linears run in float8 and whether FSDP2 gathers their weights in float8 are
+layout.linears' facts (the runtime converts by them too). Booked here: the HBM bytes the amax,
+cast and rescale kernels around each float8 matmul move, and how fast each recipe's matmul kernels
+run beside tensorwise cuBLAS. The bytes those linears keep for backward are plan.memory's
+(`engine_precision(..., float8=True)`).
 
 Which kernel each of the three matmuls of a float8 linear runs, in torchao 0.18 (float8/config.py
 `recipe_name_to_linear_config`, float8/float8_ops.py `addmm_float8_unwrapped`): the forward with
@@ -19,9 +19,8 @@ one extra kernel per matmul, pytorch/ao#2184), booked as bytes in `linear_cast_b
 from __future__ import annotations
 
 from flopwise.config.schema import ModelConfig
-from flopwise.plan.memory import block_linears, float8_eligible
+from flopwise.layout.linears import RECIPES, float8_shapes
 
-RECIPES = ("rowwise", "tensorwise")
 SCALE_BYTES = 4  # torchao keeps every scale in fp32
 # Speed of torch._scaled_mm's rowwise CUTLASS kernel beside cuBLAS's tensorwise one on Hopper, both
 # with fast accumulation (the float8 forward): "most shapes are within 90-100% of tensor-wise
@@ -29,19 +28,6 @@ SCALE_BYTES = 4  # torchao keeps every scale in fp32
 # H100, after the tile heuristics of pytorch/pytorch#134781); the low end of that range, the tail
 # lying below it. A kernel-level figure, not fitted to any run this planner is checked against.
 ROWWISE_FORWARD_SPEED = 0.9
-
-
-def float8_all_gather(recipe: str, lo) -> bool:
-    """Whether FSDP2 all-gathers the float8 linears' weights in float8 (torchao's
-    enable_fsdp_float8_all_gather): tensorwise scaling only (one scale per weight, computed over
-    the shards), under fully_shard (ZeRO 2/3 on more than one rank). `lo`: a plan.layout.Layout."""
-    return recipe == "tensorwise" and lo.zero >= 2 and lo.world > 1
-
-
-def unconverted_linears(m: ModelConfig, tp: int = 1) -> list[str]:
-    """The block linears that stay in train.dtype under train.float8 (a weight dim, tensor-parallel
-    local, not a multiple of 16), named as in the banner."""
-    return [name for name, shape in block_linears(m, tp) if not float8_eligible(shape)]
 
 
 def scaled_mm_speed(recipe: str) -> tuple[float, float]:
@@ -118,7 +104,7 @@ def cast_bytes(
     dp ranks, so they are booked here per rank as if unsharded (an upper bound of 1/dp of the
     weight terms)."""
     fwd = bwd = 0.0
-    for n_out, k_in in (s for _, s in block_linears(model, tp) if float8_eligible(s)):
+    for n_out, k_in in float8_shapes(model, tp):
         f, b = linear_cast_bytes(n_out, k_in, tokens, recipe, weight_bytes=weight_bytes, hp_bytes=hp_bytes)
         fwd, bwd = fwd + f, bwd + b
     return fwd, bwd

@@ -15,7 +15,7 @@ The tensor lists and their measurements: docs/activation-memory.md.
 
 This engine's per-tensor model states (`rank_model_states`: its stage split, tensor-parallel slices,
 ZeRO-1's whole-tensor partition, FSDP2's dim-0 chunks) and the other pieces of one rank's bytes are
-put together in plan.account.rank_memory.
+put together in plan.rank_memory.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from flopwise.config.schema import ModelConfig
 from flopwise.flops import count_params, param_shapes
+from flopwise.layout.linears import LINEAR_KEYS, float8_shapes, float8_weight_elements, tp_local_shape
 
 OPTIMIZER_BYTES_PER_PARAM = 12  # K of mixed-precision Adam
 
@@ -99,7 +100,7 @@ def engine_precision(
     (fp32 master weights); or, under FSDP2 with bf16 param_dtype, bf16 throughout (FSDP2 casts
     each block's inputs to bf16, so the residual stream is bf16). On a CPU the attention core runs
     in fp32 whatever the dtype (model.layers.CoreAttention). `compiled`: the blocks (and the loss)
-    are torch.compile'd (plan.layout.compiles). `float8`: the blocks' linears run in float8
+    are torch.compile'd (layout.rules.compiles). `float8`: the blocks' linears run in float8
     (train.float8, torchao): eager, they keep exactly what autocast's linears keep (torchao saves
     the high-precision input, cast to the autocast dtype, and the weight itself; measured with
     SavedBytes); they make no bf16 weight copy."""
@@ -212,7 +213,7 @@ def _compiled_layer(m, s, b, tp, rep_div, recompute, flash, drop, a, precision, 
     weights = e * count_params(m).layer_matmul / m.n_layers / tp if casts else 0.0
     if casts and precision.float8:  # float8 linears cast their weights afresh in backward (an upper
         # bound: torchao's emulation on a CPU keeps less still, the partitioner recomputing more)
-        weights -= e * sum(math.prod(s) for _, s in block_linears(m, tp) if float8_eligible(s))
+        weights -= e * float8_weight_elements(m, tp)
     rng = CHECKPOINT_RNG_STATE_BYTES if recompute == "selective" and precision.cpu else 0
     return (
         replicated,
@@ -291,7 +292,7 @@ def rank_activation_bytes(
 ) -> float:
     """Saved activations a rank holding `layers` layers keeps at its peak: the micro-batches in
     flight on pipeline rank `pp_rank` × its layers × one layer's bytes, plus, under full recompute,
-    the one layer whose activations the backward rebuilds. `lo` is a plan.layout.Layout; `cache`
+    the one layer whose activations the backward rebuilds. `lo` is a layout.rules.Layout; `cache`
     (one per model, seq and document mask) keeps the per-layer bytes."""
 
     def per_layer() -> tuple[float, float]:
@@ -307,32 +308,6 @@ def rank_activation_bytes(
         lo.pp_schedule, lo.pp, lo.microbatches(global_batch), lo.virtual_stages if lo.pp > 1 else 1, pp_rank
     )
     return one * layers * in_flight + rebuilt
-
-
-# Tensor-parallel split of each parameter in this engine's Megatron plan (parallel/tensor.py):
-# column-parallel weights and biases split dim 0, row-parallel weights dim 1 (their biases and
-# every norm are replicated), the vocab-parallel embedding and head split the vocabulary.
-_TP_DIM0 = (
-    "attention.wq.",
-    "attention.wk.",
-    "attention.wv.",
-    "feed_forward.w1.",
-    "feed_forward.w3.",
-    "tok_embeddings.weight",
-    "output.weight",
-)
-_TP_DIM1 = ("attention.wo.weight", "feed_forward.w2.weight")
-
-
-def _tp_local(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    if tp > 1 and any(k in name for k in _TP_DIM0):
-        return (shape[0] // tp, *shape[1:])
-    if tp > 1 and name.endswith(_TP_DIM1):
-        return (shape[0], shape[1] // tp)
-    return shape
-
-
-_LINEAR = ("attention.wq.", "attention.wk.", "attention.wv.", "attention.wo.", "attention.pos_proj.", "feed_forward.w")
 
 
 def end_activation_bytes(
@@ -420,33 +395,13 @@ def autocast_weight_copy_bytes(m: ModelConfig, layers: int, head: bool, tp: int 
     a compiled rank books only its head here (layers=0). `float8`: the blocks' float8 linears
     (train.float8) make no such copy (torchao casts their fp32 weights to float8 at each use)."""
     block = sum(
-        math.prod(_tp_local(n, s, tp))
+        math.prod(tp_local_shape(n, s, tp))
         for n, s in param_shapes(m.model_copy(update={"n_layers": 1}))
-        if n.startswith("layers.0.") and any(k in n for k in _LINEAR)
+        if n.startswith("layers.0.") and any(k in n for k in LINEAR_KEYS)
     )
     if float8:
-        block -= sum(math.prod(s) for _, s in block_linears(m, tp) if float8_eligible(s))
+        block -= float8_weight_elements(m, tp)
     return 2 * (layers * block + (m.vocab_size * m.d_model / tp if head else 0))
-
-
-# torch._scaled_mm's operands need both dims of a float8 weight to be multiples of 16
-FLOAT8_MULTIPLE = 16
-
-
-def block_linears(m: ModelConfig, tp: int = 1) -> list[tuple[str, tuple[int, ...]]]:
-    """(name in the block, tensor-parallel local (out, in) shape) of each linear one block applies to
-    its tokens (the attention and MLP projections; not the relative-position table's)."""
-    return [
-        (n.removeprefix("layers.0.").removesuffix(".weight"), _tp_local(n, s, tp))
-        for n, s in param_shapes(m.model_copy(update={"n_layers": 1}))
-        if n.startswith("layers.0.") and n.endswith(".weight") and any(k in n for k in _LINEAR) and "pos_proj" not in n
-    ]
-
-
-def float8_eligible(shape: tuple[int, ...]) -> bool:
-    """Whether a linear of this (out, in) weight runs in float8 under train.float8 (else it stays in
-    train.dtype; parallel.float8 converts exactly these)."""
-    return all(d % FLOAT8_MULTIPLE == 0 for d in shape)
 
 
 def _chunk_rows(rows: int, n: int, rank: int) -> int:
@@ -482,7 +437,7 @@ def _tensor_parts(m: ModelConfig, tp: int) -> tuple[list, list, list]:
     head: list[tuple[tuple[int, ...], bool]] = []
     for name, shape in param_shapes(m.model_copy(update={"n_layers": 1})):
         part = block if name.startswith("layers.") else head if name in _HEAD_NAMES else emb
-        part.append((_tp_local(name, shape, tp), len(shape) >= 2 and "embeddings" not in name))
+        part.append((tp_local_shape(name, shape, tp), len(shape) >= 2 and "embeddings" not in name))
     return block, emb, head
 
 
@@ -543,7 +498,7 @@ def gathered_param_bytes(
     mine = rank_tensors(m, lo.tp, layers, has_embedding, has_head, cache)
     out = e * sum(count * -(-s[0] // n) * n * math.prod(s[1:]) for s, _, count in mine)
     if float8_gather:
-        f8 = [s for _, s in block_linears(m, lo.tp) if float8_eligible(s)]
+        f8 = float8_shapes(m, lo.tp)
         out -= layers * (e - 1) * sum(-(-s[0] // n) * n * math.prod(s[1:]) for s in f8)
     return out
 
@@ -574,7 +529,7 @@ def rank_model_states(
     pipeline stages, its tensor-parallel slice, and its data-parallel share: DDP replicates;
     ZeRO-1 partitions whole tensors over the dp·cp ranks (`dp_rank` among them); FSDP2 (zero 2/3)
     shards dim 0 over the dp_shard·cp ranks (`shard_rank`; torch.chunk gives the first ranks the
-    most), at rest. `lo` is a plan.layout.Layout."""
+    most), at rest. `lo` is a layout.rules.Layout."""
     mine = rank_tensors(m, lo.tp, layers, has_embedding, has_head, cache)
     if lo.zero >= 2 and lo.world > 1:  # FSDP2 (any process group)
         n_shard = lo.dp_shard * lo.cp

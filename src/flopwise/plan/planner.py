@@ -20,21 +20,14 @@ from flopwise.errors import ConfigError
 from flopwise.files.outputs import check_writable, write_text
 from flopwise.flops import count_params
 from flopwise.hardware.catalogue import Hardware, cluster_hardware
+from flopwise.layout.linears import RECIPES
 from flopwise.layout.rules import COMPILE_MIN_STEPS, Layout, check_layout, compiles, config_layout
-from flopwise.plan.float8 import RECIPES
+from flopwise.plan.rank_memory import FIT_MARGIN, RUNTIME_RESERVE
 from flopwise.plan.reliability import Reliability, predict_reliability
 from flopwise.plan.search import RECOMPUTE_ORDER, SearchResult, search_layouts, why_slower
-from flopwise.plan.step import (
-    FIT_MARGIN,
-    LINK_EFFICIENCY,
-    MEM_EFFICIENCY,
-    RUNTIME_RESERVE,
-    STACKS,
-    Estimate,
-    Shape,
-    estimate,
-    model_shape,
-)
+from flopwise.plan.shape import Shape, model_shape
+from flopwise.plan.stack import STACKS
+from flopwise.plan.step import LINK_EFFICIENCY, MEM_EFFICIENCY, Estimate, estimate
 
 PARALLEL_KEYS = (
     "dp",

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 from flopwise.config.schema import Config
 from flopwise.layout.rules import Layout, stage_ids, stage_sizes
-from flopwise.plan.account import EngineRun, rank_memory
 from flopwise.plan.comm import dp_collectives, pp_boundary_elements, tp_allreduce_elements
 from flopwise.plan.memory import rank_param_count
-from flopwise.plan.step import STACKS, fsdp_copies
+from flopwise.plan.rank_memory import EngineRun, rank_memory
+from flopwise.plan.stack import STACKS
+from flopwise.plan.step import fsdp_copies
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +44,7 @@ def rank_layers(cfg: Config, lo: Layout, pp_rank: int) -> tuple[list[int], bool,
 def predict_rank(
     cfg: Config, lo: Layout, pp_rank: int, shard_rank: int, dp_rank: int, cpu: bool = False
 ) -> RankPrediction:
-    """What the rank at these mesh coordinates holds (exact for model states; plan.account, the
+    """What the rank at these mesh coordinates holds (exact for model states; plan.rank_memory, the
     account the layout search ranks by) and sends per step (`cpu`: the engine runs on CPUs, where
     its attention core computes in fp32)."""
     layers, emb, head = rank_layers(cfg, lo, pp_rank)

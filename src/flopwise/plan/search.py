@@ -28,7 +28,9 @@ from dataclasses import dataclass, field, replace
 
 from flopwise.hardware.catalogue import Hardware
 from flopwise.layout.rules import FIXED_VIRTUAL_STAGES, SCHEDULES, Layout, check_layout
-from flopwise.plan.step import Estimate, Shape, Stack, estimate
+from flopwise.plan.shape import Shape
+from flopwise.plan.stack import Stack
+from flopwise.plan.step import Estimate, estimate
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 MAX_MICRO_BATCH = 64

@@ -1,10 +1,8 @@
-"""Memory and time of one training step for one layout on one cluster. Pure Python, no torch.
+"""Time of one training step for one layout on one cluster, and the step's estimate. Pure Python, no torch.
 
-Memory: on this engine's stack (`flopwise`) every distinct rank of the layout is booked by
-plan.account.rank_memory, the one per-rank account `flopwise plan --measure` and the joint tests
-set beside the engine's measured bytes, with the run's train.dtype; the search ranks by the worst.
-The published stacks (megatron-*) keep ZeRO's Ψ formulas and Korthikanti's activations
-(`published_memory`), validated against published runs.
+`estimate` sets the step's time beside its bytes: the worst rank's memory is plan.rank_memory's
+(`layout_memory`: this engine's per-rank account, or a published stack's), the time is this
+module's.
 
 The step is built bottom-up from what each device executes, and every term has a source:
 
@@ -49,19 +47,14 @@ The step is built bottom-up from what each device executes, and every term has a
   micro-batch (stage 3, FSDP prefetch).
 - ZeRO-1 optimizer state: this engine's is torch's ZeroRedundancyOptimizer, which gives each rank
   whole tensors (greedy, per param group), so the busiest rank's share is booked
-  (`plan.account.busiest_dp_rank`); one V×h/t table can exceed Ψ/N at large dp. Megatron's
+  (`plan.rank_memory.busiest_dp_rank`); one V×h/t table can exceed Ψ/N at large dp. Megatron's
   distributed optimizer shards flat buffers, so Ψ/N is right for the megatron stacks.
 - Optimizer: bytes streamed per local parameter (the busiest rank's, under ZeRO). Fused AdamW on
   fp32 parameters reads p, g, m, v and writes p, m, v (28) plus the clipping norm's read of g (4)
   = 32. Megatron keeps separate
   16-bit model and fp32 main copies: + grad copy to main (2 + 4) + main-to-model copy (4 + 2) = 44.
 
-Three software stacks are built in because published runs used different kernels: `flopwise`
-(PyTorch SDPA flash attention, FSDP2 with fp32 gradient reduction overlapped), `megatron-2021`
-(fused-softmax materialised attention, 16-bit gradient all-reduce not overlapped), which is what
-Narayanan 2021 ran, and `megatron-2022`, the same with gradient-accumulation fusion (Megatron-LM
-commit 83b1e42, Feb 2022, on by default: the weight-gradient GEMM adds into the held gradient),
-which is what Korthikanti 2022 ran.
+The software stacks (`flopwise`, `megatron-2021`, `megatron-2022`) and what each assumes: plan.stack.
 """
 
 from __future__ import annotations
@@ -71,10 +64,10 @@ from dataclasses import dataclass
 
 from flopwise.config.schema import ModelConfig
 from flopwise.errors import ConfigError
-from flopwise.flops import count_params, flops_per_token, mfu
+from flopwise.flops import mfu
 from flopwise.hardware.catalogue import Hardware
-from flopwise.layout.rules import Layout, compiles, stage_ids, stage_sizes
-from flopwise.plan.account import EngineRun, busiest_dp_rank, rank_memory
+from flopwise.layout.linears import float8_all_gather, float8_eligible, float8_weight_elements
+from flopwise.layout.rules import Layout, compiles
 from flopwise.plan.comm import (
     Collective,
     dp_collectives,
@@ -84,172 +77,16 @@ from flopwise.plan.comm import (
     sp_regather_elements,
     tied_embedding_elements,
 )
-from flopwise.plan.float8 import cast_bytes, float8_all_gather, scaled_mm_speed
-from flopwise.plan.memory import (
-    KORTHIKANTI,
-    autocast_weight_copy_bytes,
-    block_linears,
-    engine_precision,
-    float8_eligible,
-    memo,
-    model_state_bytes,
-    rank_activation_bytes,
-    regathered_bytes,
-    step_peak_bytes,
-)
+from flopwise.plan.float8 import cast_bytes, scaled_mm_speed
+from flopwise.plan.memory import autocast_weight_copy_bytes, engine_precision, memo
+from flopwise.plan.rank_memory import FIT_MARGIN, layout_memory
+from flopwise.plan.shape import RankLoad, Shape, first_ranks, model_shape, rank_loads
+from flopwise.plan.stack import STACKS, Stack
 
 MEM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for streaming kernels (STREAM-like copies)
 LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth over the nominal per-direction link rate
-FIT_MARGIN = 0.10  # share of device memory left free for fragmentation and allocator slack
-RUNTIME_RESERVE = 1.0 * 2**30  # CUDA context, NCCL and cuBLAS workspaces per device
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default (this engine's ZeRO 0/1 gradient all-reduce)
 ACT_BYTES = 2  # 16-bit activations
-
-
-@dataclass(frozen=True, kw_only=True)
-class Stack:
-    """Software assumptions that change step time but not the model's arithmetic."""
-
-    name: str
-    flash_attention: bool
-    grad_reduce_bytes: int  # bytes per gradient element on the dp wire
-    dp_overlap: float  # fraction of the overlap window that hides dp communication
-    optimizer_bytes: int  # HBM bytes the optimizer step streams per local parameter
-    balanced_stages: bool  # pipeline stages balanced by parameters (else even layers)
-    param_bytes: int  # bytes per parameter held (master copy)
-    grad_bytes: int  # bytes per gradient element held
-    optimizer_state_bytes: int  # K: bytes of optimizer state per parameter
-    zero1_broadcast: bool  # ZeRO-1 as torch's ZeroRedundancyOptimizer (all-reduce + broadcast)
-    fsdp2: bool  # ZeRO-2/3 parameters re-gathered for every micro-batch (FSDP2 frees them after backward)
-    engine_activations: bool  # this engine: its per-rank account (plan.account, run dtype; activations as it
-    # keeps them), else the published account (Ψ formulas, Korthikanti's list, whose sequence-parallel shard of
-    # the linear inputs Megatron all-gathers again in backward)
-    description: str
-    grad_accum_bytes: int  # HBM bytes per held gradient element to add one more micro-batch's gradient
-    pp_scatter_gather: bool  # stage-boundary tensors sent as 1/t slices, all-gathered on the receiver
-
-
-STACKS = {
-    s.name: s
-    for s in [
-        Stack(
-            name="flopwise",
-            flash_attention=True,
-            grad_reduce_bytes=4,
-            dp_overlap=0.9,
-            optimizer_bytes=32,
-            balanced_stages=True,
-            param_bytes=4,
-            grad_bytes=4,
-            optimizer_state_bytes=8,
-            zero1_broadcast=True,
-            fsdp2=True,
-            engine_activations=True,
-            grad_accum_bytes=12,
-            pp_scatter_gather=False,
-            description="this engine: PyTorch SDPA flash attention; fp32 master weights and gradients (4 + 4 bytes) "
-            "and AdamW moments (8) under bf16 autocast (activations over an fp32 residual stream and a "
-            "bf16 copy of every weight, or bf16 throughout under FSDP2's bf16 param_dtype); FSDP2/DDP "
-            "with fp32 gradient reduction, 90% of dp traffic hidden behind backward; ZeRO-1 is DDP's all-"
-            "reduce plus a broadcast of the updated parameters (ZeroRedundancyOptimizer); pipeline stages"
-            " balanced by parameters; fp32 gradients accumulated across micro-batches (read held + read "
-            "new + write, 12 bytes); stage-boundary tensors sent whole per rank",
-        ),
-        Stack(
-            name="megatron-2021",
-            flash_attention=False,
-            grad_reduce_bytes=2,
-            dp_overlap=0.0,
-            optimizer_bytes=44,
-            balanced_stages=False,
-            param_bytes=2,
-            grad_bytes=2,
-            optimizer_state_bytes=12,
-            zero1_broadcast=False,
-            fsdp2=False,
-            engine_activations=False,
-            grad_accum_bytes=6,
-            pp_scatter_gather=True,
-            description="Megatron-LM as in Narayanan 2021: fused softmax on materialised scores; 16-bit parameters and "
-            "gradients with an fp32 master copy in the optimizer state (2 + 2 + 12 bytes); 16-bit gradient "
-            "all-reduce after the backward, no overlap; distributed optimizer; even stages; autograd accumulates "
-            "16-bit gradients across micro-batches (6 bytes); scatter/gather of stage-boundary tensors",
-        ),
-        Stack(
-            name="megatron-2022",
-            flash_attention=False,
-            grad_reduce_bytes=2,
-            dp_overlap=0.0,
-            optimizer_bytes=44,
-            balanced_stages=False,
-            param_bytes=2,
-            grad_bytes=2,
-            optimizer_state_bytes=12,
-            zero1_broadcast=False,
-            fsdp2=False,
-            engine_activations=False,
-            grad_accum_bytes=0,
-            pp_scatter_gather=True,
-            description="Megatron-LM as in Korthikanti 2022: megatron-2021 with gradient-accumulation fusion "
-            "(the weight-gradient GEMM adds into the held gradient: no separate accumulation pass)",
-        ),
-    ]
-}
-
-
-@dataclass(frozen=True, kw_only=True)
-class Shape:
-    """The numbers of a ModelConfig the step model needs, extracted once (the search calls this a lot)."""
-
-    n_layers: int
-    d_model: int
-    hq: int
-    hkv: int
-    ffn: int
-    ffn_in: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    vocab: int
-    dropout: bool
-    relative: bool
-    window: int | None
-    params: int
-    layer_params: float  # one block's parameters
-    embed_params: int  # token (+ position) table and embedding norm, on the first stage
-    final_norm_params: int  # on the last stage, with the output matrix (a copy of the table when tied and pp > 1)
-    model_flops_token: dict  # recompute -> FLOPs per token, at the planned seq_len
-    config: ModelConfig
-    document_mask: bool = False  # data.document_mask: a (b, 1, s, s) mask instead of is_causal
-
-
-def model_shape(m: ModelConfig, seq_len: int, document_mask: bool = False) -> Shape:
-    """The step model's view of a model. A document mask changes no FLOP (the dense SDPA kernel
-    computes every score and the convention counts the full context anyway) but adds the mask to
-    each layer's saved activations (`activation_bytes_per_layer`)."""
-    p = count_params(m)
-    return Shape(
-        n_layers=m.n_layers,
-        d_model=m.d_model,
-        hq=m.n_heads * m.head_dim,
-        hkv=m.n_kv_heads * m.head_dim,
-        ffn=m.ffn_dim,
-        ffn_in=2 if m.mlp == "swiglu" else 1,
-        n_heads=m.n_heads,
-        n_kv_heads=m.n_kv_heads,
-        head_dim=m.head_dim,
-        vocab=m.vocab_size,
-        dropout=m.dropout > 0,
-        relative=m.pos == "relative",
-        window=m.sliding_window,
-        params=p.total,
-        layer_params=p.per_layer,
-        embed_params=p.embed_side,
-        final_norm_params=p.head_side - (0 if m.tie_embeddings else p.head_matmul),
-        model_flops_token={r: flops_per_token(m, seq_len, r) for r in ("none", "selective", "full")},
-        config=m,
-        document_mask=document_mask,
-    )
 
 
 def gemm_time(mm: float, kk: float, nn: float, hw: Hardware, peak: float, count: float = 1) -> float:
@@ -390,7 +227,7 @@ def _eager_layer_bytes(sh: Shape, e: int, r: int) -> tuple[float, float, float, 
 
 def eager_precision(stack: Stack, compile: bool | str, steps: float, lo: Layout, dtype: str) -> tuple[int, int] | None:
     """(compute, residual) bytes per element when this engine runs the layout's blocks op by op
-    (train.compile off, or `auto` declining it: plan.layout.compiles), else None (fused)."""
+    (train.compile off, or `auto` declining it: layout.rules.compiles), else None (fused)."""
     if not stack.engine_activations or compiles(compile, steps, lo):
         return None
     precision = engine_precision(dtype, lo.fsdp2)
@@ -428,47 +265,16 @@ def layer_times(
     the same calibrated efficiency: one table per chip; rowwise's forward at
     plan.float8.scaled_mm_speed of it), plus the amax and cast kernels around them
     (plan.float8.cast_bytes; weights cast from fp32 masters, or from FSDP2's bf16 gathered copy)."""
-    peak = planning_peak(hw)
     tokens = mb * seq / cp
-    h, hq, hkv, f = sh.d_model, sh.hq, sh.hkv, sh.ffn
-    kv_local = hkv / tp if sh.n_kv_heads >= tp else sh.head_dim  # replicated kv heads when tp > n_kv
-    shapes = [
-        (tokens, h, (hq + 2 * kv_local * tp) / tp),
-        (tokens, hq / tp, h),
-        (tokens, h, sh.ffn_in * f / tp),
-        (tokens, f / tp, h),
-    ] + ([(tokens, h, hq / tp)] if sh.relative else [])
-    low = float8 != "none"
-    fp8 = [s for s in shapes if low and float8_eligible((int(s[2]), int(s[1])))]
-    gemm_f, gemm_b = gemm_fwd_bwd([s for s in shapes if s not in fp8], hw, peak)
-    if fp8:  # a device without an fp8 peak runs float8 emulated (train.float8_emulate): 16-bit GEMMs
-        f8_f, f8_b = gemm_fwd_bwd(fp8, hw, hw.peak("fp8") or peak)
-        # the recipe's kernels beside tensorwise cuBLAS (rowwise: a slower CUTLASS forward)
-        speed_f, speed_b = scaled_mm_speed(float8) if hw.peak("fp8") else (1.0, 1.0)
-        gemm_f, gemm_b = gemm_f + f8_f / speed_f, gemm_b + f8_b / speed_b
-    heads = mb * sh.n_heads / tp
-    q_len, context = seq / cp, min(seq, sh.window or seq)
-    score_flops = 2 * 2 * heads * q_len * context * sh.head_dim * (1.5 if sh.relative else 1)
-    if stack.flash_attention:
-        # dQ, dK, dV plus the scores the fused kernel recomputes: 3x the forward's FLOPs
-        eta_f, eta_b = (
-            hw.calibration.attention_efficiency(context, sh.head_dim)
-            if hw.calibration
-            else (hw.matmul_efficiency, hw.matmul_efficiency)
-        )
-        attn_f = score_flops / (eta_f * peak)
-        attn_b = 3 * score_flops / (eta_b * peak)
-    else:
-        elements = heads * q_len * context
-        softmax_f = (4 + (5 if sh.dropout else 0)) * elements  # scale-mask-softmax r/w, dropout r/w + mask
-        softmax_b = (6 + (5 if sh.dropout else 0)) * elements
-        score_gemms = gemm_time(q_len, sh.head_dim, context, hw, peak, heads) + gemm_time(
-            q_len, context, sh.head_dim, hw, peak, heads
-        )
-        attn_f = score_gemms + stream_time(softmax_f, hw)
-        attn_b = 2 * score_gemms + stream_time(softmax_b, hw)
+    h = sh.d_model
+    kv_local = sh.hkv / tp if sh.n_kv_heads >= tp else sh.head_dim  # replicated kv heads when tp > n_kv
+    gemm_f, gemm_b = linear_gemm_times(sh, hw, tokens, tp, kv_local, float8)
+    attn_f, attn_b = attention_core_times(sh, hw, stack, seq, mb, tp, cp)
     ew_f, ew_b, act = layer_elementwise_bytes(sh, tokens, tp, sp, eager)
-    cast_f, cast_b = cast_bytes(sh.config, tokens, tp, float8, weight_bytes=2 if fsdp2 else 4) if low else (0.0, 0.0)
+    float8_casts = float8 != "none"
+    cast_f, cast_b = (
+        cast_bytes(sh.config, tokens, tp, float8, weight_bytes=2 if fsdp2 else 4) if float8_casts else (0.0, 0.0)
+    )
     # Two collectives of b·s·h per direction; with SP each all-reduce becomes AG + RS of the same bytes.
     tp_one = comm_time(hw, "all_reduce", tp, act, tp)
     regather = sp and not stack.engine_activations  # Megatron saved only the sequence shard
@@ -490,6 +296,56 @@ def layer_times(
         cp_fwd=comm_time(hw, "all_gather", cp, kv_bytes, tp * cp),
         cp_bwd=comm_time(hw, "reduce_scatter", cp, kv_bytes, tp * cp),
     )
+
+
+def linear_gemm_times(
+    sh: Shape, hw: Hardware, tokens: float, tp: int, kv_local: float, float8: str = "none"
+) -> tuple[float, float]:
+    """Forward and backward time of one layer's weight GEMMs on its tensor-parallel shard (`kv_local`:
+    this rank's K/V width), the float8 linears' at the fp8 peak and their recipe's kernel speed."""
+    peak = planning_peak(hw)
+    h, hq, f = sh.d_model, sh.hq, sh.ffn
+    shapes = [
+        (tokens, h, (hq + 2 * kv_local * tp) / tp),
+        (tokens, hq / tp, h),
+        (tokens, h, sh.ffn_in * f / tp),
+        (tokens, f / tp, h),
+    ] + ([(tokens, h, hq / tp)] if sh.relative else [])
+    low = float8 != "none"
+    fp8 = [s for s in shapes if low and float8_eligible((int(s[2]), int(s[1])))]
+    gemm_f, gemm_b = gemm_fwd_bwd([s for s in shapes if s not in fp8], hw, peak)
+    if fp8:  # a device without an fp8 peak runs float8 emulated (train.float8_emulate): 16-bit GEMMs
+        f8_f, f8_b = gemm_fwd_bwd(fp8, hw, hw.peak("fp8") or peak)
+        # the recipe's kernels beside tensorwise cuBLAS (rowwise: a slower CUTLASS forward)
+        speed_f, speed_b = scaled_mm_speed(float8) if hw.peak("fp8") else (1.0, 1.0)
+        gemm_f, gemm_b = gemm_f + f8_f / speed_f, gemm_b + f8_b / speed_b
+    return gemm_f, gemm_b
+
+
+def attention_core_times(
+    sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: int, cp: int
+) -> tuple[float, float]:
+    """Forward and backward time of one layer's attention core: fused flash attention at its
+    (calibrated) efficiency, or materialised scores (two GEMMs and the softmax's streams)."""
+    peak = planning_peak(hw)
+    heads = mb * sh.n_heads / tp
+    q_len, context = seq / cp, min(seq, sh.window or seq)
+    score_flops = 2 * 2 * heads * q_len * context * sh.head_dim * (1.5 if sh.relative else 1)
+    if stack.flash_attention:
+        # dQ, dK, dV plus the scores the fused kernel recomputes: 3x the forward's FLOPs
+        eta_f, eta_b = (
+            hw.calibration.attention_efficiency(context, sh.head_dim)
+            if hw.calibration
+            else (hw.matmul_efficiency, hw.matmul_efficiency)
+        )
+        return score_flops / (eta_f * peak), 3 * score_flops / (eta_b * peak)
+    elements = heads * q_len * context
+    softmax_f = (4 + (5 if sh.dropout else 0)) * elements  # scale-mask-softmax r/w, dropout r/w + mask
+    softmax_b = (6 + (5 if sh.dropout else 0)) * elements
+    score_gemms = gemm_time(q_len, sh.head_dim, context, hw, peak, heads) + gemm_time(
+        q_len, context, sh.head_dim, hw, peak, heads
+    )
+    return score_gemms + stream_time(softmax_f, hw), 2 * score_gemms + stream_time(softmax_b, hw)
 
 
 @dataclass(kw_only=True)
@@ -533,35 +389,6 @@ class Estimate:
         return out
 
 
-@dataclass(frozen=True, kw_only=True)
-class RankLoad:
-    """What one pipeline rank holds: layers, parameters (its tensor-parallel shard), the head, the embedding."""
-
-    layers: int
-    params: float
-    head: bool
-    embedding: bool = False
-
-
-def rank_loads(sh: Shape, lo: Layout, balanced: bool) -> list[RankLoad]:
-    """Per pipeline rank, with the engine's (or Megatron's) stage split (`plan.layout`)."""
-    sizes = stage_sizes(sh.config, lo, balanced)
-    last = lo.n_stages - 1
-    tied_whole = lo.pp == 1 and sh.config.tie_embeddings  # one table serves both ends
-    head_side = sh.final_norm_params if tied_whole else sh.final_norm_params + sh.vocab * sh.d_model
-    out = []
-    for r in range(lo.pp):
-        ids = stage_ids(r, lo)
-        head = last in ids
-        psi = (
-            sum(sizes[i] for i in ids) * sh.layer_params
-            + (sh.embed_params if 0 in ids else 0)
-            + (head_side if head else 0)
-        )
-        out.append(RankLoad(layers=sum(sizes[i] for i in ids), params=psi / lo.tp, head=head, embedding=0 in ids))
-    return out
-
-
 def estimate(
     sh: Shape,
     hw: Hardware,
@@ -581,7 +408,7 @@ def estimate(
     `cache` (one dict per search over a fixed model, hardware, stack, seq, batch, compile, steps and
     dtype) memoises per-layer times and the per-rank tensor walks. `compile`, `steps` and `dtype`
     (train.compile, the run's length, by default a long one, and train.dtype) are the run's: they
-    say what this engine keeps (plan.layout.compiles; fp32 or bf16 autocast); the step time does not
+    say what this engine keeps (layout.rules.compiles; fp32 or bf16 autocast); the step time does not
     model compilation. The published stacks keep 16-bit parameters whatever `dtype` says. The `cpu`
     entry books what this engine keeps on a CPU (EngineRun.cpu)."""
     loads = memo(
@@ -589,25 +416,20 @@ def estimate(
         ("loads", lo.pp, lo.pp_schedule, lo.virtual_stages, lo.tp),
         lambda: first_ranks(rank_loads(sh, lo, stack.balanced_stages)),
     )
-    if stack.engine_activations:
-        run = memo(
-            cache,
-            ("run", seq, global_batch, compile, steps, dtype, float8),
-            lambda: EngineRun(
-                model=sh.config,
-                seq=seq,
-                global_batch=global_batch,
-                dtype=dtype,
-                compile=compile,
-                steps=steps,
-                document_mask=sh.document_mask,
-                float8=float8,
-                cpu=hw.name == "cpu",
-            ),
-        )
-        memory, opt_elements = engine_memory(run, lo, stack, loads, cache)
-    else:
-        memory, opt_elements = published_memory(sh, lo, seq, global_batch, stack, loads)
+    memory, opt_elements = layout_memory(
+        sh,
+        lo,
+        seq,
+        global_batch,
+        stack,
+        loads,
+        cache,
+        compile=compile,
+        steps=steps,
+        dtype=dtype,
+        float8=float8,
+        cpu=hw.name == "cpu",
+    )
     usable = hw.memory_bytes * (1 - FIT_MARGIN)
     fits = memory["total"] <= usable
     time = step_times(
@@ -651,96 +473,6 @@ def planning_peak(hw: Hardware) -> float:
     if not hw.peak_16bit:
         raise ConfigError(f"cluster.hardware={hw.name}: no catalogue bf16 or fp16 peak to plan against")
     return hw.peak_16bit
-
-
-def first_ranks(loads: list[RankLoad]) -> list[tuple[RankLoad, int]]:
-    """Each distinct pipeline-rank load with the first rank that has it (the most micro-batches in
-    flight of those alike): ranks alike count once."""
-    first: dict[RankLoad, int] = {}
-    for r, load in enumerate(loads):
-        first.setdefault(load, r)
-    return list(first.items())
-
-
-def engine_memory(
-    run: EngineRun, lo: Layout, stack: Stack, loads: list[tuple[RankLoad, int]], cache: dict | None
-) -> tuple[dict[str, float], float]:
-    """The worst rank's bytes by this engine's own account (plan.account.rank_memory, what the
-    joint tests and `plan --measure` set beside the engine's measured bytes), and the optimizer
-    elements the busiest rank steps. Each distinct pipeline rank is booked at its largest data-
-    parallel share: FSDP2's first shard (torch.chunk gives it the most), ZeRO-1's busiest rank."""
-    worst: dict[str, float] = {}
-    opt_elements = 0.0
-    for load, pp_rank in loads:
-        dp_rank = busiest_dp_rank(run.model, lo, load.layers, load.embedding, load.head, cache)
-        r = rank_memory(
-            run,
-            lo,
-            layers=load.layers,
-            embedding=load.embedding,
-            head=load.head,
-            pp_rank=pp_rank,
-            shard_rank=0,
-            dp_rank=dp_rank,
-            flash=stack.flash_attention,
-            cache=cache,
-        )
-        opt_elements = max(opt_elements, r.optimizer / stack.optimizer_state_bytes)
-        mem = {
-            "params": r.params,
-            "grads": r.grads,
-            "optimizer": r.optimizer,
-            "activations": r.activations,
-            "other": r.other + r.buffers + RUNTIME_RESERVE,
-            "step_peak": r.peak,
-            "total": r.params + r.optimizer + r.grads - r.step_grads + r.peak + r.buffers + RUNTIME_RESERVE,
-        }
-        if not worst or mem["total"] > worst["total"]:
-            worst = mem
-    return worst, opt_elements
-
-
-def published_memory(
-    sh: Shape, lo: Layout, seq: int, global_batch: int, stack: Stack, loads: list[tuple[RankLoad, int]]
-) -> tuple[dict[str, float], float]:
-    """The worst pipeline rank's bytes by a published stack's account, and the optimizer elements a
-    rank steps: ZeRO's Ψ formulas with the stack's bytes per parameter (Megatron's distributed
-    optimizer shards flat buffers, so Ψ/N), Korthikanti's activations with the first stage's
-    micro-batches in flight, 16-bit logits kept and the loss's fp32 softmax beside ZeRO-3's
-    re-gathered layers; gradients held through the step."""
-    shard = lo.dp_shard
-    zero3_live = regathered_bytes(sh.layer_params / lo.tp, lo)
-    loss_work = lo.micro_batch * seq / lo.cp * sh.vocab / lo.tp * (2 + 4) + zero3_live
-    worst: dict[str, float] = {}
-    opt_elements = 0.0
-    for load, _ in loads:
-        st = model_state_bytes(
-            load.params,
-            lo.zero,
-            shard,
-            stack.optimizer_state_bytes,
-            stack.param_bytes,
-            stack.grad_bytes,
-            params_sharded=lo.reshards_params,
-        )
-        opt_elements = max(opt_elements, load.params / (shard if lo.zero >= 1 else 1))
-        activations = rank_activation_bytes(
-            sh.config, lo, seq, global_batch, load.layers, stack.flash_attention, sh.document_mask, KORTHIKANTI
-        )
-        work = loss_work if load.head else zero3_live
-        peak = step_peak_bytes(st.grads, True, activations, work)
-        mem = {
-            "params": st.params,
-            "grads": st.grads,
-            "optimizer": st.optimizer,
-            "activations": activations,
-            "other": work + RUNTIME_RESERVE,
-            "step_peak": peak,
-            "total": st.params + st.optimizer + peak + RUNTIME_RESERVE,
-        }
-        if not worst or mem["total"] > worst["total"]:
-            worst = mem
-    return worst, opt_elements
 
 
 def step_times(
@@ -871,11 +603,7 @@ def fsdp_copies(
     if not lo.fsdp2:
         return {"micro": 0.0, "step": 0.0}
     stack = STACKS["flopwise"]
-    f8 = (
-        layers * sum(math.prod(s) for _, s in block_linears(m, lo.tp) if float8_eligible(s))
-        if float8_all_gather(float8, lo)
-        else 0.0
-    )
+    f8 = layers * float8_weight_elements(m, lo.tp) if float8_all_gather(float8, lo) else 0.0
     collectives = dp_collectives(
         psi,
         lo.zero,
@@ -966,7 +694,7 @@ def data_parallel_time(
     return exposed_step + exposed_micro + per["after_step"]
 
 
-def evaluate(
+def evaluate_layout(
     m: ModelConfig,
     hw: Hardware,
     lo: Layout,

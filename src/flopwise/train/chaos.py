@@ -89,6 +89,23 @@ def run_under_failures(
     random worker after each gap of `gaps`, counted from the line of step `from_step`. `until(timeline)`,
     asked at each logged step, ends the job early (torchrun and its workers killed; returncode None).
     A job still running after `timeout_s` is killed and reported in one line."""
+    job = _Job(_launch(overrides, nproc), random.Random(seed))
+    threading.Thread(target=job.kill_after, args=(gaps,), daemon=True).start()
+    deadline = threading.Timer(timeout_s, job.stop, ("timeout",))
+    deadline.start()
+    try:
+        job.follow(from_step, until)
+    finally:
+        deadline.cancel()
+        if job.proc.poll() is None:  # interrupted here: leave nothing running
+            job.stop("interrupted")
+        job.done.set()
+        job.started.set()
+    return job.outcome(timeout_s)
+
+
+def _launch(overrides: list[str], nproc: int) -> subprocess.Popen:
+    """`flopwise train` under torchrun, its output piped line by line, dying with this process."""
     cmd = torchrun(
         nproc,
         "--max-restarts",
@@ -99,7 +116,7 @@ def run_under_failures(
         *overrides,
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "400"}
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -107,71 +124,74 @@ def run_under_failures(
         env=env,
         preexec_fn=_die_with_parent,
     )
-    t = Timeline()
-    started, done = threading.Event(), threading.Event()
-    rng = random.Random(seed)
 
-    def strike() -> None:
-        while not done.is_set():
-            victims = workers(proc.pid)
+
+class _Job:
+    """A training job under torchrun, the timeline of its logged steps and kills, and why this process
+    ended it early, if it did."""
+
+    def __init__(self, proc: subprocess.Popen, rng: random.Random) -> None:
+        self.proc, self.rng, self.t = proc, rng, Timeline()
+        self.started, self.done = threading.Event(), threading.Event()
+        self.ended: list[str] = []  # why this process ended the job early: "until" or "timeout"
+
+    def strike(self) -> None:
+        """SIGKILL a random worker, waiting for one to start if none is alive."""
+        while not self.done.is_set():
+            victims = workers(self.proc.pid)
             if victims:
                 try:
-                    os.kill(rng.choice(victims), signal.SIGKILL)
+                    os.kill(self.rng.choice(victims), signal.SIGKILL)
                 except ProcessLookupError:  # it exited between the listing and the kill
                     continue
-                t.kills.append(time.monotonic())
+                self.t.kills.append(time.monotonic())
                 return
-            done.wait(0.05)
+            self.done.wait(0.05)
 
-    def killer() -> None:
-        started.wait()
+    def kill_after(self, gaps: Iterable[float]) -> None:
+        """Strike after each gap, counted from the step the schedule starts at."""
+        self.started.wait()
         due = time.monotonic()
         for gap in gaps:
             due += gap
-            if done.wait(max(0.0, due - time.monotonic())):
+            if self.done.wait(max(0.0, due - time.monotonic())):
                 return
-            strike()
+            self.strike()
 
-    ended: list[str] = []  # why this process ended the job early: "until" or "timeout"
-
-    def stop(why: str) -> None:
-        ended.append(why)
-        done.set()
-        for pid in [proc.pid, *workers(proc.pid)]:  # torchrun starts each worker in a session of its own
+    def stop(self, why: str) -> None:
+        self.ended.append(why)
+        self.done.set()
+        for pid in [self.proc.pid, *workers(self.proc.pid)]:  # torchrun starts each worker in a session of its own
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:  # already gone
                 pass
 
-    threading.Thread(target=killer, daemon=True).start()
-    deadline = threading.Timer(timeout_s, stop, ("timeout",))
-    deadline.start()
-    try:
-        assert proc.stdout is not None  # piped above
-        for line in proc.stdout:
+    def follow(self, from_step: int, until: Callable[[Timeline], bool] | None) -> None:
+        """Record each logged step until the job ends (its last step, `until`, or a stop)."""
+        assert self.proc.stdout is not None  # piped by _launch
+        t = self.t
+        for line in self.proc.stdout:
             t.output.append(line)
             m = STEP.match(line)
-            if not m or done.is_set():
+            if not m or self.done.is_set():
                 continue
             t.lines.append((time.monotonic(), int(m[1])))
             if int(m[1]) >= from_step:
-                started.set()
+                self.started.set()
             if int(m[1]) == int(m[2]):
-                done.set()
+                self.done.set()
             elif until is not None and until(t):
-                stop("until")
-        proc.wait()
-    finally:
-        deadline.cancel()
-        if proc.poll() is None:  # interrupted here: leave nothing running
-            stop("interrupted")
-        done.set()
-        started.set()
-    lines = [line.strip() for line in t.output if line.strip()] or ["no output"]
-    last = next((line for line in reversed(lines) if "error" in line.lower()), lines[-1])[:300]  # the cause
-    if "timeout" in ended:
-        raise FlopwiseError(f"training under failures still ran after {timeout_s:g} s and was killed: {last}")
-    if not ended and proc.returncode != 0:
-        raise FlopwiseError(f"training under failures failed (exit {proc.returncode}): {last}")
-    t.returncode = None if ended else proc.returncode
-    return t
+                self.stop("until")
+        self.proc.wait()
+
+    def outcome(self, timeout_s: float) -> Timeline:
+        """The timeline, or a one-line error with the cause torchrun printed."""
+        lines = [line.strip() for line in self.t.output if line.strip()] or ["no output"]
+        last = next((line for line in reversed(lines) if "error" in line.lower()), lines[-1])[:300]  # the cause
+        if "timeout" in self.ended:
+            raise FlopwiseError(f"training under failures still ran after {timeout_s:g} s and was killed: {last}")
+        if not self.ended and self.proc.returncode != 0:
+            raise FlopwiseError(f"training under failures failed (exit {self.proc.returncode}): {last}")
+        self.t.returncode = None if self.ended else self.proc.returncode
+        return self.t

@@ -1,7 +1,7 @@
 """Will it fit? The pre-flight of `flopwise train`, and the report of an out-of-memory step.
 
 Before anything large exists (no data prepared, no run folder, no parameter), every rank predicts
-its own peak with the planner's per-rank account (plan.step.engine_memory: the `total` the layout
+its own peak with the planner's per-rank account (plan.rank_memory.engine_memory: the `total` the layout
 search compares with usable memory) and compares it with what its device has free (CUDA:
 torch.cuda.mem_get_info; CPU: MemAvailable shared by the node's ranks), under the planner's own
 rule: it fits if it is at most (1 - FIT_MARGIN) of that. The ranks agree, and if one does not fit
@@ -34,11 +34,12 @@ from flopwise.files.outputs import json_record
 from flopwise.hardware.catalogue import GiB, Hardware, cluster_catalogue, cpu_multiplies_bf16, identify_gpu
 from flopwise.layout.rules import Layout
 from flopwise.parallel.mesh import Parallel, is_rank0
-from flopwise.plan.account import EngineRun
 from flopwise.plan.memory import rank_param_count
 from flopwise.plan.rank import rank_layers
+from flopwise.plan.rank_memory import FIT_MARGIN, RUNTIME_RESERVE, EngineRun, engine_memory
 from flopwise.plan.search import RECOMPUTE_ORDER, search_layouts
-from flopwise.plan.step import FIT_MARGIN, RUNTIME_RESERVE, STACKS, RankLoad, engine_memory, model_shape
+from flopwise.plan.shape import RankLoad, model_shape
+from flopwise.plan.stack import STACKS
 
 # what a suggestion may change, and the config key each lives in (dp follows from tp and pp)
 CHANGES = {
@@ -59,7 +60,7 @@ class RankView:
     """One rank's side of the pre-flight: what it needs and what its device has."""
 
     rank: int
-    need: float  # bytes: plan.step.engine_memory's total for this rank's pipeline stage
+    need: float  # bytes: plan.rank_memory.engine_memory's total for this rank's pipeline stage
     available: float | None  # bytes free for this rank (None: cannot tell on this system)
     source: str  # where `available` comes from
 
@@ -70,7 +71,7 @@ def gib(b: float) -> str:
 
 def rank_memory_total(cfg: Config, lo: Layout, pp_rank: int, cpu: bool) -> dict:
     """The bytes of pipeline rank `pp_rank` of `lo` by the layout search's own account
-    (plan.step.engine_memory over this one stage, booked at its largest data-parallel share as the
+    (plan.rank_memory.engine_memory over this one stage, booked at its largest data-parallel share as the
     search books it), with the engine's stage split (parallel.pp_layers) and, on a CPU, its fp32
     attention core."""
     layers, emb, head = rank_layers(cfg, lo, pp_rank)
@@ -317,8 +318,8 @@ def explain_oom(cfg: Config, par: Parallel, step: int, error: BaseException) -> 
                 "layout": lo.to_json(),
                 "requested_bytes": requested,
                 "predicted_bytes": {k: round(v) for k, v in predicted.items()},
-                "predicted_by": "flopwise.plan.step.engine_memory for this rank's pipeline stage (what the layout "
-                "search compares with usable memory); total includes the runtime reserve",
+                "predicted_by": "flopwise.plan.rank_memory.engine_memory for this rank's pipeline stage (what the "
+                "layout search compares with usable memory); total includes the runtime reserve",
                 "memory_stats": stats,
                 "memory_stats_note": None
                 if stats is not None

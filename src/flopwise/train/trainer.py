@@ -44,11 +44,11 @@ from flopwise.files import rundir
 from flopwise.files.outputs import read_records
 from flopwise.flops import count_params, flops_per_token, mfu
 from flopwise.hardware.catalogue import cluster_catalogue
+from flopwise.layout.linears import unconverted_linears
 from flopwise.layout.rules import Layout
 from flopwise.model.transformer import Transformer
 from flopwise.parallel.apply import config_compiles
 from flopwise.parallel.mesh import DIMS, Parallel, across_nodes, missing_ranks
-from flopwise.plan.float8 import unconverted_linears
 from flopwise.train.engine import Engine, autocast
 from flopwise.train.faults import Faults, nan_grad, poison
 from flopwise.train.guard import Verdict
@@ -416,8 +416,28 @@ def train_loop(run: Run, started: float | None = None) -> TrainResult:
     """Train a built run on this process, or as one rank of a torchrun/srun job (rank 0 writes logs
     and metrics); `started`: when building it began (perf_counter), for the run's wall time."""
     t_start = time.perf_counter() if started is None else started
+    cfg = run.cfg
+    _refuse_before_step_one(run)
+    _start_records(run)
+    loop = _Loop(run)
+    if cfg.model.init_from and run.start_step == 0 and run.engine.can_eval:  # the model as loaded, for comparison
+        loop.val0 = loop.val0_seen = validation_losses(run.engine, run.sources, cfg)[0]
+        loop.write({"step": 0, "val_loss": loop.val0})
+        logger.info(
+            f"step 0: val loss {loop.val0:.4f} (the model as loaded, {cfg.train.eval_batches} batches of "
+            f"{cfg.data.seq_len}-token windows)",
+            extra={"highlighter": None},
+        )
+    _banner(run, loop)
+    preempted = _run_loop(run, loop)
+    if loop.writer is not None:
+        loop.writer.close()
+    return _result(run, loop, preempted, time.perf_counter() - t_start)
+
+
+def _refuse_before_step_one(run: Run) -> None:
+    """What would fail or destroy something only later: refused before the first step."""
     cfg, par, run_dir = run.cfg, run.par, Path(run.cfg.run.dir)
-    metrics_path = run_dir / "metrics.jsonl"
     if cfg.checkpoint.resume == "none" and (done := checkpoint.list_complete(run_dir)):  # starting over beside them
         # would replace the earlier run's metrics and leave its checkpoints for the next resume
         raise ConfigError(
@@ -434,6 +454,12 @@ def train_loop(run: Run, started: float | None = None) -> TrainResult:
                 f"train.sample_prompt is {n} tokens: it needs 1 to model.max_seq_len-1="
                 f"{cfg.model.max_seq_len - 1}; change it or set train.sample_tokens=0"
             )
+
+
+def _start_records(run: Run) -> None:
+    """The run folder's metrics (kept up to the resumed step, or started afresh) and config.toml."""
+    cfg, par, run_dir = run.cfg, run.par, Path(run.cfg.run.dir)
+    metrics_path = run_dir / "metrics.jsonl"
     if run.resumed_from is not None:
         if par.is_main:
             kept = [r for r in read_records(metrics_path) if r["step"] <= run.start_step]
@@ -446,15 +472,11 @@ def train_loop(run: Run, started: float | None = None) -> TrainResult:
         rundir.remove(run_dir, "metrics.jsonl")
     if par.is_main:
         rundir.replace(run_dir, "config.toml", to_toml(cfg).encode())
-    loop = _Loop(run)
-    if cfg.model.init_from and run.start_step == 0 and run.engine.can_eval:  # the model as loaded, for comparison
-        loop.val0 = loop.val0_seen = validation_losses(run.engine, run.sources, cfg)[0]
-        loop.write({"step": 0, "val_loss": loop.val0})
-        logger.info(
-            f"step 0: val loss {loop.val0:.4f} (the model as loaded, {cfg.train.eval_batches} batches of "
-            f"{cfg.data.seq_len}-token windows)",
-            extra={"highlighter": None},
-        )
+
+
+def _banner(run: Run, loop: _Loop) -> None:
+    """The model, its MFU basis, float8, the layout and a missing validation, logged once."""
+    cfg, par = run.cfg, run.par
     n_params, lo = count_params(cfg.model), par.layout
     logger.info(
         f"[bold]model[/] {n_params.total / 1e6:.2f}M params ({n_params.non_embedding / 1e6:.2f}M "
@@ -481,23 +503,25 @@ def train_loop(run: Run, started: float | None = None) -> TrainResult:
             f"[yellow]note[/]: no validation in this run: torch's {lo.pp_schedule} schedule deadlocks in eval "
             "(see Engine.can_eval); export the checkpoint and run `flopwise eval` on it"
         )
+
+
+def _run_loop(run: Run, loop: _Loop) -> int | None:
+    """The loop under its watchdog and progress bar; a timed-out collective becomes a one-line stop
+    (at once when a peer is known lost). The preempted step, if the run was preempted."""
     try:
         with loop.watch, _progress() as bar:
-            preempted = loop(bar)
+            return loop(bar)
     except RuntimeError as e:
         if not is_timeout(e):
             raise
         if peer_lost(e):  # at once, not after the timeout: no hang, so no stack dumps either
-            raise lost_peer(par, loop.rank, loop.watch.step, loop.saver.last) from None
+            raise lost_peer(run.par, loop.rank, loop.watch.step, loop.saver.last) from None
         raise TrainingStopped(
             f"rank {loop.rank}: a collective timed out at step {loop.watch.step} after "
-            f"watchdog.collective_timeout_s={cfg.watchdog.collective_timeout_s:g} s (a rank hung "
-            f"or died; see {run_dir}/hang-rank*.txt); restart resumes from the last complete "
+            f"watchdog.collective_timeout_s={run.cfg.watchdog.collective_timeout_s:g} s (a rank hung "
+            f"or died; see {Path(run.cfg.run.dir)}/hang-rank*.txt); restart resumes from the last complete "
             "checkpoint"
         ) from None
-    if loop.writer is not None:
-        loop.writer.close()
-    return _result(run, loop, preempted, time.perf_counter() - t_start)
 
 
 def _result(run: Run, loop: _Loop, preempted: int | None, seconds: float) -> TrainResult:

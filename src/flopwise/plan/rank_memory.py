@@ -1,0 +1,342 @@
+"""One rank's bytes, and a layout's worst rank: THE memory account. Pure Python, no torch.
+
+The formulas (model states by ZeRO stage and by tensor, activations per layer, working sets) are
+plan.memory's; this module puts them together. `rank_memory` books what one rank of the `flopwise`
+engine holds (parameters, gradients, optimizer state, saved activations, FSDP2's gathered copies,
+working sets and the step's high-water mark) from the run and the rank's place in the layout. Two
+callers, one account: `plan.rank.predict_rank` (what `flopwise plan --measure` and the joint tests
+set beside the engine's measured bytes) and `layout_memory`, the worst of a layout's distinct ranks
+(what plan.step.estimate books and the layout search ranks by; the pre-flight's `engine_memory` of
+one stage). The published stacks (megatron-*) keep ZeRO's Ψ formulas and Korthikanti's activations
+(`published_memory`), validated against published runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from flopwise.config.schema import Config, ModelConfig
+from flopwise.layout.linears import float8_all_gather
+from flopwise.layout.rules import Layout, compiles
+from flopwise.plan.memory import (
+    KORTHIKANTI,
+    SavedPrecision,
+    autocast_weight_copy_bytes,
+    buffer_bytes,
+    end_activation_bytes,
+    engine_precision,
+    gathered_param_bytes,
+    in_flight_microbatches,
+    loss_working_bytes,
+    memo,
+    model_state_bytes,
+    rank_activation_bytes,
+    rank_model_states,
+    rank_param_count,
+    regathered_bytes,
+    step_grads,
+    step_peak_bytes,
+    zero1_rank_loads,
+)
+from flopwise.plan.shape import RankLoad, Shape
+from flopwise.plan.stack import Stack
+
+FIT_MARGIN = 0.10  # share of device memory left free for fragmentation and allocator slack
+RUNTIME_RESERVE = 1.0 * 2**30  # CUDA context, NCCL and cuBLAS workspaces per device
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineRun:
+    """What this engine's per-rank bytes depend on besides the layout and the rank."""
+
+    model: ModelConfig
+    seq: int  # data.seq_len
+    global_batch: int  # sequences per optimizer step
+    dtype: str = "bf16"  # train.dtype
+    compile: bool | str = "auto"  # train.compile; with `steps`, decides layout.rules.compiles
+    steps: float = math.inf  # the run's length (train.steps; the planner: its token budget's steps)
+    document_mask: bool = False  # data.document_mask
+    cpu: bool = False  # the engine on CPUs: its attention core computes in fp32, RMSNorm is composite ops
+    float8: str = "none"  # train.float8: the recipe of the blocks' float8 linears
+
+    @classmethod
+    def of(cls, cfg: Config, cpu: bool = False) -> EngineRun:
+        return cls(
+            model=cfg.model,
+            seq=cfg.data.seq_len,
+            global_batch=cfg.train.global_batch,
+            dtype=cfg.train.dtype,
+            compile=cfg.train.compile,
+            steps=cfg.train.steps,
+            document_mask=cfg.data.document_mask,
+            cpu=cpu,
+            float8=cfg.train.float8,
+        )
+
+
+@dataclass(kw_only=True, slots=True)  # not frozen: a search builds tens of thousands
+class RankMemory:
+    params: float  # held at rest (fp32 master weights, this rank's share)
+    grads: float  # after the backward
+    optimizer: float  # AdamW moments after the step
+    activations: float  # saved for backward at the rank's peak
+    gathered: float  # FSDP2's all-gathered parameters when the activations peak
+    other: float  # gathered copies, autocast's weight copies, the loss's or ZeRO-3's working set
+    buffers: float  # computed buffers held from the build on (RoPE tables: grow with model.max_seq_len)
+    step_grads: float  # gradient bytes the step allocates (DDP's bucket views: none)
+    peak: float  # allocated at the step's high-water mark, above the resident model states
+
+
+def rank_memory(
+    run: EngineRun,
+    lo: Layout,
+    *,
+    layers: int,
+    embedding: bool,
+    head: bool,
+    pp_rank: int = 0,
+    shard_rank: int = 0,
+    dp_rank: int = 0,
+    flash: bool = True,
+    cache: dict | None = None,
+) -> RankMemory:
+    """What the rank at these mesh coordinates holds: `layers` blocks (its pipeline stages), the
+    embedding and/or the head; `pp_rank` sets its micro-batches in flight, `shard_rank` its FSDP2
+    shard, `dp_rank` its ZeRO-1 share. `cache`: one dict per run (a search shares it across
+    layouts): the tensor walks are memoised by what they depend on."""
+    m, fsdp2 = run.model, lo.fsdp2
+    compiled, float8 = compiles(run.compile, run.steps, lo), run.float8 != "none"
+    precision = memo(
+        cache,
+        ("precision", fsdp2, compiled, float8),
+        lambda: engine_precision(run.dtype, fsdp2, run.cpu, compiled, float8),
+    )
+    states = memo(
+        cache,
+        (
+            "states",
+            layers,
+            embedding,
+            head,
+            lo.tp,
+            lo.zero,
+            lo.world > 1,
+            lo.dp_shard * lo.cp,
+            lo.dp * lo.cp,
+            shard_rank,
+            dp_rank,
+        ),
+        lambda: rank_model_states(m, lo, layers, embedding, head, shard_rank=shard_rank, dp_rank=dp_rank, cache=cache),
+    )
+    acts = _saved_activations(run, lo, layers, embedding, head, pp_rank, flash, precision, cache)
+    gathered = _gathered_params(run, lo, layers, embedding, head, cache)
+    other = gathered + _autocast_copies(run, lo, layers, head, compiled, cache)
+    work = _working_set(run, lo, head, precision, cache)
+    grads, held = step_grads(lo, lo.microbatches(run.global_batch), states.grads)
+    return RankMemory(
+        params=states.params,
+        grads=states.grads,
+        optimizer=states.optimizer,
+        activations=acts,
+        gathered=gathered,
+        other=other + work,
+        buffers=buffer_bytes(m, layers, lo.tp),
+        step_grads=grads,
+        peak=step_peak_bytes(grads, held, acts, other + work),
+    )
+
+
+def _saved_activations(
+    run: EngineRun,
+    lo: Layout,
+    layers: int,
+    embedding: bool,
+    head: bool,
+    pp_rank: int,
+    flash: bool,
+    precision: SavedPrecision,
+    cache: dict | None,
+) -> float:
+    """The blocks' saved activations at the rank's peak and, for each micro-batch in flight, what
+    the embedding and head ends keep."""
+    m, n_micro = run.model, lo.microbatches(run.global_batch)
+    in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, n_micro, lo.virtual_stages if lo.pp > 1 else 1, pp_rank)
+    blocks = rank_activation_bytes(
+        m, lo, run.seq, run.global_batch, layers, flash, run.document_mask, precision, pp_rank, cache
+    )
+    return blocks + in_flight * memo(
+        cache,
+        ("end", lo.fsdp2, precision.compiled, lo.cp, lo.micro_batch, lo.tp, embedding, head),
+        lambda: end_activation_bytes(m, run.seq // lo.cp, lo.micro_batch, lo.tp, embedding, head, precision),
+    )
+
+
+def _gathered_params(run: EngineRun, lo: Layout, layers: int, embedding: bool, head: bool, cache: dict | None) -> float:
+    """FSDP2's all-gathered parameters held when the activations peak (none when it reshards them)."""
+    if not lo.fsdp2 or lo.reshards_params:
+        return 0.0
+    f8_gather = float8_all_gather(run.float8, lo)
+    return memo(
+        cache,
+        ("gathered", layers, embedding, head, lo.tp, lo.zero >= 2, lo.dp_shard * lo.cp, f8_gather),
+        lambda: gathered_param_bytes(run.model, lo, layers, embedding, head, run.dtype, cache, f8_gather),
+    )
+
+
+def _autocast_copies(run: EngineRun, lo: Layout, layers: int, head: bool, compiled: bool, cache: dict | None) -> float:
+    """Autocast's bf16 weight copies (none under FSDP2's bf16 parameters); compiled blocks keep
+    theirs among their saved activations, so only the head's count here."""
+    if run.dtype != "bf16" or lo.fsdp2:
+        return 0.0
+    kept, float8 = 0 if compiled else layers, run.float8 != "none"
+    return memo(
+        cache,
+        ("copies", kept, head, lo.tp, float8),
+        lambda: autocast_weight_copy_bytes(run.model, kept, head, lo.tp, float8),
+    )
+
+
+def _working_set(run: EngineRun, lo: Layout, head: bool, precision: SavedPrecision, cache: dict | None) -> float:
+    """The loss's working set and ZeRO-3's re-gathered blocks: they come one after the other in
+    backward, so the larger counts."""
+    m = run.model
+    return memo(
+        cache,
+        ("work", lo.fsdp2, precision.compiled, lo.cp, lo.micro_batch, lo.tp, lo.reshards_params, head),
+        lambda: max(
+            loss_working_bytes(m, run.seq // lo.cp, lo.micro_batch, lo.tp, precision) if head else 0.0,
+            regathered_bytes(rank_param_count(m, lo, 1, False, False, cache), lo, precision.compute),
+        ),
+    )
+
+
+def busiest_dp_rank(
+    m: ModelConfig, lo: Layout, layers: int, embedding: bool, head: bool, cache: dict | None = None
+) -> int:
+    """The data-parallel rank (of dp·cp) whose optimizer state is largest: under ZeRO-1 torch's
+    ZeroRedundancyOptimizer gives whole tensors, unevenly; every other share is even or the first
+    rank's largest (FSDP2's torch.chunk)."""
+    if lo.zero != 1 or lo.dp * lo.cp == 1:
+        return 0
+    loads = zero1_rank_loads(m, lo, layers, embedding, head, cache)
+    return loads.index(max(loads))
+
+
+def layout_memory(
+    sh: Shape,
+    lo: Layout,
+    seq: int,
+    global_batch: int,
+    stack: Stack,
+    loads: list[tuple[RankLoad, int]],
+    cache: dict | None,
+    *,
+    compile: bool | str,
+    steps: float,
+    dtype: str,
+    float8: str,
+    cpu: bool,
+) -> tuple[dict[str, float], float]:
+    """The worst rank's bytes by the stack's account (this engine's, or a published stack's), and
+    the optimizer elements the busiest rank steps. `loads`: each distinct pipeline rank's load with
+    the first rank that has it (plan.shape.first_ranks)."""
+    if not stack.engine_activations:
+        return published_memory(sh, lo, seq, global_batch, stack, loads)
+    run = memo(
+        cache,
+        ("run", seq, global_batch, compile, steps, dtype, float8),
+        lambda: EngineRun(
+            model=sh.config,
+            seq=seq,
+            global_batch=global_batch,
+            dtype=dtype,
+            compile=compile,
+            steps=steps,
+            document_mask=sh.document_mask,
+            float8=float8,
+            cpu=cpu,
+        ),
+    )
+    return engine_memory(run, lo, stack, loads, cache)
+
+
+def engine_memory(
+    run: EngineRun, lo: Layout, stack: Stack, loads: list[tuple[RankLoad, int]], cache: dict | None
+) -> tuple[dict[str, float], float]:
+    """The worst rank's bytes by this engine's own account (`rank_memory`, what the
+    joint tests and `plan --measure` set beside the engine's measured bytes), and the optimizer
+    elements the busiest rank steps. Each distinct pipeline rank is booked at its largest data-
+    parallel share: FSDP2's first shard (torch.chunk gives it the most), ZeRO-1's busiest rank."""
+    worst: dict[str, float] = {}
+    opt_elements = 0.0
+    for load, pp_rank in loads:
+        dp_rank = busiest_dp_rank(run.model, lo, load.layers, load.embedding, load.head, cache)
+        r = rank_memory(
+            run,
+            lo,
+            layers=load.layers,
+            embedding=load.embedding,
+            head=load.head,
+            pp_rank=pp_rank,
+            shard_rank=0,
+            dp_rank=dp_rank,
+            flash=stack.flash_attention,
+            cache=cache,
+        )
+        opt_elements = max(opt_elements, r.optimizer / stack.optimizer_state_bytes)
+        mem = {
+            "params": r.params,
+            "grads": r.grads,
+            "optimizer": r.optimizer,
+            "activations": r.activations,
+            "other": r.other + r.buffers + RUNTIME_RESERVE,
+            "step_peak": r.peak,
+            "total": r.params + r.optimizer + r.grads - r.step_grads + r.peak + r.buffers + RUNTIME_RESERVE,
+        }
+        if not worst or mem["total"] > worst["total"]:
+            worst = mem
+    return worst, opt_elements
+
+
+def published_memory(
+    sh: Shape, lo: Layout, seq: int, global_batch: int, stack: Stack, loads: list[tuple[RankLoad, int]]
+) -> tuple[dict[str, float], float]:
+    """The worst pipeline rank's bytes by a published stack's account, and the optimizer elements a
+    rank steps: ZeRO's Ψ formulas with the stack's bytes per parameter (Megatron's distributed
+    optimizer shards flat buffers, so Ψ/N), Korthikanti's activations with the first stage's
+    micro-batches in flight, 16-bit logits kept and the loss's fp32 softmax beside ZeRO-3's
+    re-gathered layers; gradients held through the step."""
+    shard = lo.dp_shard
+    zero3_live = regathered_bytes(sh.layer_params / lo.tp, lo)
+    loss_work = lo.micro_batch * seq / lo.cp * sh.vocab / lo.tp * (2 + 4) + zero3_live
+    worst: dict[str, float] = {}
+    opt_elements = 0.0
+    for load, _ in loads:
+        st = model_state_bytes(
+            load.params,
+            lo.zero,
+            shard,
+            stack.optimizer_state_bytes,
+            stack.param_bytes,
+            stack.grad_bytes,
+            params_sharded=lo.reshards_params,
+        )
+        opt_elements = max(opt_elements, load.params / (shard if lo.zero >= 1 else 1))
+        activations = rank_activation_bytes(
+            sh.config, lo, seq, global_batch, load.layers, stack.flash_attention, sh.document_mask, KORTHIKANTI
+        )
+        work = loss_work if load.head else zero3_live
+        peak = step_peak_bytes(st.grads, True, activations, work)
+        mem = {
+            "params": st.params,
+            "grads": st.grads,
+            "optimizer": st.optimizer,
+            "activations": activations,
+            "other": work + RUNTIME_RESERVE,
+            "step_peak": peak,
+            "total": st.params + st.optimizer + peak + RUNTIME_RESERVE,
+        }
+        if not worst or mem["total"] > worst["total"]:
+            worst = mem
+    return worst, opt_elements
