@@ -62,9 +62,9 @@ from flopwise.model.init import canonical_name
 from flopwise.parallel.data import local_optimizer
 from flopwise.parallel.mesh import is_rank0
 
-MANIFEST = "manifest.json"
+_MANIFEST = "manifest.json"
 STATE = "state.json"
-DCP_METADATA = ".metadata"
+_DCP_METADATA = ".metadata"
 CHECKPOINT_FORMAT = 2  # 1: manifest without format/config hash/layout (still readable)
 
 
@@ -266,7 +266,7 @@ def finish(
             "layout": state.get("layout"),
             "files": entries,
         }
-        (tmp / MANIFEST).write_text(json.dumps(manifest))
+        (tmp / _MANIFEST).write_text(json.dumps(manifest))
         for p in [*tmp.iterdir(), tmp]:
             fd = os.open(p, os.O_RDONLY)
             try:
@@ -310,9 +310,9 @@ def claim_step(run_dir: str | Path, step: int, force: bool = False) -> Path:
     rundir.claim(run_dir, ["checkpoints"])
     final = step_dir(run_dir, step)
     if final.exists() or final.is_symlink():
-        if final.is_symlink() or not (final / MANIFEST).is_file():
+        if final.is_symlink() or not (final / _MANIFEST).is_file():
             raise CheckpointError(
-                f"{final} is already there and is not a flopwise checkpoint (no {MANIFEST}); "
+                f"{final} is already there and is not a flopwise checkpoint (no {_MANIFEST}); "
                 "nothing was written: move it away or choose another output folder"
             )
         if not force:
@@ -397,7 +397,7 @@ def verify(path: Path, checksums: bool = True) -> str | None:
     plain files, match every file's size (and sha256), and DCP's metadata must only point at
     files of this folder."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        manifest = json.loads((path / _MANIFEST).read_text(encoding="utf-8"))
         files = manifest["files"]
         if not isinstance(files, dict) or not isinstance(manifest.get("step"), int):
             return "manifest malformed"
@@ -417,14 +417,14 @@ def verify(path: Path, checksums: bool = True) -> str | None:
                 return f"{name} fails its sha256 checksum"
         except OSError:
             return f"{name} missing"
-    if DCP_METADATA in files:
+    if _DCP_METADATA in files:
         try:
             md = read_dcp_metadata(path)
         except CheckpointError as e:
             return str(e).split(": ", 1)[-1]
         unlisted = sorted({info.relative_path for info in (md.storage_data or {}).values()} - set(files))
         if unlisted:
-            return f"{DCP_METADATA} reads {unlisted[0]!r}, which the manifest does not list"
+            return f"{_DCP_METADATA} reads {unlisted[0]!r}, which the manifest does not list"
     return None
 
 
@@ -704,7 +704,7 @@ def read_dcp_metadata(path: Path) -> Metadata:
     checked before the restricted unpickler builds anything from them (once per content:
     _SOUND_METADATA); whatever either raises (SystemError included) is a refusal in one line."""
     try:
-        raw = (path / DCP_METADATA).read_bytes()
+        raw = (path / _DCP_METADATA).read_bytes()
         digest = hashlib.sha256(raw).digest()
         sound = digest in _SOUND_METADATA
         if not sound:
@@ -713,10 +713,10 @@ def read_dcp_metadata(path: Path) -> Metadata:
         why = None if sound else _metadata_problem(metadata)
     except Exception as e:  # untrusted bytes: any way the unpickler fails means refused
         raise CheckpointError(
-            f"checkpoint {path}: {DCP_METADATA} refused ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+            f"checkpoint {path}: {_DCP_METADATA} refused ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
         ) from None
     if why:
-        raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} {why}")
+        raise CheckpointError(f"checkpoint {path}: {_DCP_METADATA} {why}")
     _SOUND_METADATA.add(digest)
     return metadata
 
@@ -738,7 +738,7 @@ def resolve(path: str | Path, report: Callable[[str], None] | None = None) -> Pa
     """A checkpoint folder, or a run folder (-> its newest complete checkpoint). `report` hears,
     for a run folder whose newest checkpoint is damaged, why and which older one is used."""
     p = Path(path)
-    if (p / MANIFEST).exists():
+    if (p / _MANIFEST).exists():
         if reason := verify(p):
             raise CheckpointError(f"checkpoint {p}: damaged ({reason})")
         return p

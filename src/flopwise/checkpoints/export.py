@@ -41,7 +41,7 @@ def _libc():
     return lib if lib is not None and hasattr(lib, "malloc_trim") else None
 
 
-def release_freed_memory() -> None:
+def _release_freed_memory() -> None:
     """Hand memory freed by the previous tensor back to the OS (glibc). Why: glibc's dynamic mmap
     threshold rises to the size of the largest block freed so far, after which multi-MB tensors
     come from the heap and their freed space stays resident; a streamed export would then grow
@@ -75,7 +75,7 @@ class CheckpointTensors(checkpoint.SafeReader):
         return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        release_freed_memory()
+        _release_freed_memory()
         specs = self.specs
         missing = [k for k in keys if k not in specs]
         if missing:

@@ -40,7 +40,7 @@ def read_hf_config(path: str | Path) -> dict:
     return cfg
 
 
-MAX_HEADER = 100_000_000  # bytes: the safetensors format's own limit on a header (MAX_HEADER_SIZE)
+_MAX_HEADER = 100_000_000  # bytes: the safetensors format's own limit on a header (MAX_HEADER_SIZE)
 
 
 def _header_shapes(folder: Path, name: str) -> dict[str, tuple[int, ...]]:
@@ -49,7 +49,7 @@ def _header_shapes(folder: Path, name: str) -> dict[str, tuple[int, ...]]:
     try:
         with open(folder / name, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
-            if not 0 < n <= MAX_HEADER:
+            if not 0 < n <= _MAX_HEADER:
                 raise ValueError(f"header length {n}")
             header = json.loads(f.read(n))
         return {key: tuple(int(d) for d in entry["shape"]) for key, entry in header.items() if key != "__metadata__"}

@@ -87,7 +87,7 @@ class Published:
 
 
 @dataclass(frozen=True)
-class Preset:
+class _Preset:
     arch: str
     shape: dict[str, Any]
     published: Published | None = None
@@ -103,9 +103,9 @@ def _rounded(label: float, last_digit: float) -> float:
     return max(0.005, 0.5 * last_digit / label)
 
 
-def _gpt2(n_layers: int, d_model: int, n_heads: int, params: int) -> Preset:
+def _gpt2(n_layers: int, d_model: int, n_heads: int, params: int) -> _Preset:
     shape = dict(n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab_size=50257, max_seq_len=1024)
-    return Preset("gpt2", shape, Published(params, "openai-community/gpt2* checkpoints (exact count)", rel_tol=1e-9))
+    return _Preset("gpt2", shape, Published(params, "openai-community/gpt2* checkpoints (exact count)", rel_tol=1e-9))
 
 
 _GPT3_NOTE = (
@@ -114,11 +114,11 @@ _GPT3_NOTE = (
 )
 
 
-def _gpt3(n_layers: int, d_model: int, n_heads: int, head_dim: int, params: float) -> Preset:
+def _gpt3(n_layers: int, d_model: int, n_heads: int, head_dim: int, params: float) -> _Preset:
     shape = dict(
         n_layers=n_layers, d_model=d_model, n_heads=n_heads, head_dim=head_dim, vocab_size=50257, max_seq_len=2048
     )
-    return Preset(
+    return _Preset(
         "gpt2",
         shape,
         Published(params, "Brown et al. 2020, Table 2.1", rel_tol=0.02, note=_GPT3_NOTE),
@@ -140,7 +140,7 @@ def _llama(
     theta=10000.0,
     eps=1e-6,
     rope_scaling=None,
-) -> Preset:
+) -> _Preset:
     shape = dict(
         n_layers=n_layers,
         d_model=d_model,
@@ -154,10 +154,10 @@ def _llama(
     )
     if rope_scaling:
         shape["rope_scaling"] = rope_scaling
-    return Preset("llama", shape, Published(params, source, rel_tol=1e-9))
+    return _Preset("llama", shape, Published(params, source, rel_tol=1e-9))
 
 
-def _qwen3(n_layers, d_model, n_heads, ffn_dim, tied, params, non_emb, non_emb_digit) -> Preset:
+def _qwen3(n_layers, d_model, n_heads, ffn_dim, tied, params, non_emb, non_emb_digit) -> _Preset:
     shape = dict(
         n_layers=n_layers,
         d_model=d_model,
@@ -169,7 +169,7 @@ def _qwen3(n_layers, d_model, n_heads, ffn_dim, tied, params, non_emb, non_emb_d
         max_seq_len=40960,
         tie_embeddings=tied,
     )
-    return Preset(
+    return _Preset(
         "qwen3",
         shape,
         Published(
@@ -183,7 +183,7 @@ def _qwen3(n_layers, d_model, n_heads, ffn_dim, tied, params, non_emb, non_emb_d
     )
 
 
-def _palm(n_layers, d_model, n_heads, params) -> Preset:
+def _palm(n_layers, d_model, n_heads, params) -> _Preset:
     shape = dict(
         n_layers=n_layers,
         d_model=d_model,
@@ -194,7 +194,7 @@ def _palm(n_layers, d_model, n_heads, params) -> Preset:
         vocab_size=256000,
         max_seq_len=2048,
     )
-    return Preset(
+    return _Preset(
         "palm",
         shape,
         Published(params, "Chowdhery et al. 2022, Table 1", rel_tol=_rounded(params, 0.01e9)),
@@ -205,12 +205,12 @@ def _palm(n_layers, d_model, n_heads, params) -> Preset:
 _LLAMA3_ROPE = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
 _META = "meta-llama checkpoints on the Hugging Face hub (exact count)"
 
-PRESETS: dict[str, Preset] = {
+PRESETS: dict[str, _Preset] = {
     # Tiny presets for tests and the embedded default.
-    "demo-tiny": Preset(
+    "demo-tiny": _Preset(
         "llama", dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=512, max_seq_len=128)
     ),
-    "demo-small": Preset(
+    "demo-small": _Preset(
         "llama", dict(n_layers=6, d_model=256, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=4096, max_seq_len=256)
     ),
     "gpt2-124m": _gpt2(12, 768, 12, 124_439_808),
@@ -227,28 +227,28 @@ PRESETS: dict[str, Preset] = {
     # d_model 5140 with 40 heads of 128 as printed: heads·head_dim (5120) differs from d_model.
     "gpt3-13b": _gpt3(40, 5140, 40, 128, 13e9),
     "gpt3-175b": _gpt3(96, 12288, 96, 128, 175e9),
-    "opt-175b": Preset(
+    "opt-175b": _Preset(
         "opt",
         dict(n_layers=96, d_model=12288, n_heads=96, ffn_dim=49152, vocab_size=50272, max_seq_len=2048),
         Published(175e9, "Zhang et al. 2022, Table 1", rel_tol=_rounded(175e9, 1e9)),
     ),
-    "gpt-neox-20b": Preset(
+    "gpt-neox-20b": _Preset(
         "neox",
         dict(n_layers=44, d_model=6144, n_heads=64, ffn_dim=24576, vocab_size=50432, max_seq_len=2048),
         Published(20_554_567_680, "EleutherAI/gpt-neox-20b checkpoint (exact count)", rel_tol=1e-9),
     ),
-    "bloom-176b": Preset(
+    "bloom-176b": _Preset(
         "bloom",
         dict(n_layers=70, d_model=14336, n_heads=112, vocab_size=250880, max_seq_len=2048),
         Published(176_247_271_424, "bigscience/bloom model card (exact count)", rel_tol=1e-9),
     ),
-    "gopher-280b": Preset(
+    "gopher-280b": _Preset(
         "gopher",
         dict(n_layers=80, d_model=16384, n_heads=128, head_dim=128, vocab_size=32000, max_seq_len=2048),
         Published(280e9, "Rae et al. 2021, Table 1", rel_tol=_rounded(280e9, 1e9)),
         notes="Transformer-XL relative positions add a d×d projection per layer (13·L·d²)",
     ),
-    "chinchilla-70b": Preset(
+    "chinchilla-70b": _Preset(
         "gopher",
         dict(n_layers=80, d_model=8192, n_heads=64, head_dim=128, vocab_size=32000, max_seq_len=2048),
         Published(70e9, "Hoffmann et al. 2022, Table 4", rel_tol=_rounded(70e9, 1e9)),
@@ -284,7 +284,7 @@ PRESETS: dict[str, Preset] = {
         eps=1e-5,
         rope_scaling=_LLAMA3_ROPE,
     ),
-    "mistral-7b": Preset(
+    "mistral-7b": _Preset(
         "mistral",
         dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000, max_seq_len=32768),
         Published(7_241_732_096, "mistralai/Mistral-7B-v0.1 checkpoint (exact count)", rel_tol=1e-9),
@@ -295,7 +295,7 @@ PRESETS: dict[str, Preset] = {
     "qwen3-8b": _qwen3(36, 4096, 32, 12288, False, 8.2e9, 6.95e9, 0.01e9),
     "qwen3-14b": _qwen3(40, 5120, 40, 17408, False, 14.8e9, 13.2e9, 0.1e9),
     "qwen3-32b": _qwen3(64, 5120, 64, 25600, False, 32.8e9, 31.2e9, 0.1e9),
-    "mt-nlg-530b": Preset(
+    "mt-nlg-530b": _Preset(
         "gpt2",
         dict(n_layers=105, d_model=20480, n_heads=128, vocab_size=51200, max_seq_len=2048),
         Published(530e9, "Smith et al. 2022, §2", rel_tol=_rounded(530e9, 10e9)),

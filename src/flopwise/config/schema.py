@@ -445,14 +445,14 @@ class Config(Section):
 # Loading
 
 
-def builtin_config_path(name: str) -> Path:
+def _builtin_config_path(name: str) -> Path:
     return Path(str(resources.files("flopwise") / "configs" / f"{name}.toml"))
 
 
 def _read_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
-    if not p.suffix and not p.exists() and builtin_config_path(str(path)).exists():
-        p = builtin_config_path(str(path))
+    if not p.suffix and not p.exists() and _builtin_config_path(str(path)).exists():
+        p = _builtin_config_path(str(path))
     if not p.is_file():
         raise ConfigError(f"config file {path}: not found (give a .toml path or a built-in name such as 'demo')")
     try:
@@ -532,7 +532,7 @@ def validate(tree: dict[str, Any]) -> Config:
 CONTINUED_LR, CONTINUED_MIN_LR, CONTINUED_WARMUP, CONTINUED_MAX_SEQ = 1e-4, 1e-5, 0.01, 4096
 
 
-def continued_defaults(tree: dict[str, Any], user: dict[str, Any]) -> list[str]:
+def _continued_defaults(tree: dict[str, Any], user: dict[str, Any]) -> list[str]:
     """With model.init_from in `tree`, set the continued-pretraining defaults (above) for every key
     that `user` (the keys the user gave) does not set, and drop a preset the user did not name
     (init_from gives the shape); the `key=value`s applied."""
@@ -571,12 +571,12 @@ def load_tree(
     """The raw key tree a user gave: TOML (a path, a built-in name, or none) plus overrides, with
     the continued-pretraining defaults where model.init_from is set (appended to `applied`)."""
     tree = _read_toml(path) if path is not None else {}
-    builtin = path is not None and not Path(path).is_file() and builtin_config_path(str(path)).is_file()
+    builtin = path is not None and not Path(path).is_file() and _builtin_config_path(str(path)).is_file()
     user = {} if path is None or builtin else _read_toml(path)
     for item in overrides:
         apply_override(tree, item)
         apply_override(user, item)
-    done = continued_defaults(tree, user)
+    done = _continued_defaults(tree, user)
     if applied is not None:
         applied += done
     return tree

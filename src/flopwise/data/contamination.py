@@ -38,7 +38,7 @@ from datatrove.pipeline.filters.base_filter import BaseFilter
 
 from flopwise.errors import DataError
 
-GPT3_N = 13
+_GPT3_N = 13
 _WORD = re.compile(r"[^\W_]+")  # \w minus the underscore: exactly the str.isalnum characters
 # one fixed odd 64-bit multiplier per word position of a gram (seeded: the same hashes in every process)
 _MULTIPLIERS = np.random.default_rng(2020).integers(0, 2**63, size=4096, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
@@ -49,7 +49,7 @@ def words(text: str) -> list[str]:
     return _WORD.findall(text.lower())
 
 
-def example_text(example) -> str:
+def _example_text(example) -> str:
     """What the model reads for an example when it is scored: context + correct answer."""
     return example.context + example.answer
 
@@ -87,7 +87,7 @@ class _Grams:
 class TaskGrams:
     """The grams of every example of some tasks, to test training text against."""
 
-    def __init__(self, tasks: list[tuple[str, list[str]]], n: int = GPT3_N):
+    def __init__(self, tasks: list[tuple[str, list[str]]], n: int = _GPT3_N):
         if not 1 <= n <= len(_MULTIPLIERS):
             raise DataError(f"--n {n}: the n-gram length must be between 1 and {len(_MULTIPLIERS)} (GPT-3: 13)")
         if not tasks:
@@ -181,7 +181,7 @@ def scan(grams: TaskGrams, documents: Iterable[str]) -> Contamination:
     return report
 
 
-def training_texts(data: str, batch: int = 256) -> Iterator[str]:
+def _training_texts(data: str, batch: int = 256) -> Iterator[str]:
     """The training documents of `data`: a prepared data folder's train split, decoded document by
     document with its own tokenizer (EOS dropped), or raw inputs (files, folders, builtin:NAME)."""
     from flopwise.data.shards import iter_documents, open_split, read_index, tokenizer_of
@@ -202,10 +202,10 @@ def training_texts(data: str, batch: int = 256) -> Iterator[str]:
         yield from tok.decode_batch(ids, skip_special_tokens=False)
 
 
-def measure_contamination(data: str, tasks: list[tuple[str, list]], n: int = GPT3_N) -> Contamination:
+def measure_contamination(data: str, tasks: list[tuple[str, list]], n: int = _GPT3_N) -> Contamination:
     """Contamination of loaded tasks ((name, examples) as `load_task` returns) by the training data."""
-    grams = TaskGrams([(name, [example_text(e) for e in examples]) for name, examples in tasks], n)
-    return scan(grams, training_texts(data))
+    grams = TaskGrams([(name, [_example_text(e) for e in examples]) for name, examples in tasks], n)
+    return scan(grams, _training_texts(data))
 
 
 class DecontaminationFilter(BaseFilter):
@@ -213,18 +213,18 @@ class DecontaminationFilter(BaseFilter):
 
     name = "🧼 decontamination"
 
-    def __init__(self, task_names: list[str], n: int = GPT3_N, exclusion_writer=None):
+    def __init__(self, task_names: list[str], n: int = _GPT3_N, exclusion_writer=None):
         from flopwise.data.tasks import load_task
 
         super().__init__(exclusion_writer)
         loaded = [load_task(t) for t in task_names]
-        self.grams = TaskGrams([(name, [example_text(e) for e in ex]) for name, ex in loaded], n)
+        self.grams = TaskGrams([(name, [_example_text(e) for e in ex]) for name, ex in loaded], n)
 
     def filter(self, doc: Document) -> bool | tuple[bool, str]:
         return (False, "contaminated") if self.grams.touches(doc.text) else True
 
 
-def contamination_report(data: str, tasks: list[str], n: int = GPT3_N, ids_out: Path | None = None) -> Contamination:
+def contamination_report(data: str, tasks: list[str], n: int = _GPT3_N, ids_out: Path | None = None) -> Contamination:
     """`flopwise data contamination`: built-in task names or JSONL files against `data`; with
     `ids_out`, the contaminated example indices per task written there (checked writable first)."""
     from flopwise.data.tasks import load_task

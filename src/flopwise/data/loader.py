@@ -22,10 +22,10 @@ from flopwise.data.mixture import Source
 from flopwise.data.shards import open_split, read_index
 from flopwise.errors import DataError
 
-MIX_KEY = 0x6D6978  # "mix": keeps the batch-composition stream apart from the window orders
+_MIX_KEY = 0x6D6978  # "mix": keeps the batch-composition stream apart from the window orders
 
 
-class WindowStream:
+class _WindowStream:
     """The windows of one source's split, in a seeded order per epoch."""
 
     def __init__(self, source: Source, index: int, split: str, seq_len: int, seed: int):
@@ -101,7 +101,7 @@ class TokenLoader:
         if global_batch % dp_size:
             raise DataError(f"train.global_batch={global_batch} is not divisible by the data-parallel size {dp_size}")
         sources = [Source("data", Path(data))] if isinstance(data, (str, Path)) else list(data)
-        self.streams = [WindowStream(s, i, split, seq_len, seed) for i, s in enumerate(sources)]
+        self.streams = [_WindowStream(s, i, split, seq_len, seed) for i, s in enumerate(sources)]
         weights = np.asarray([s.weight for s in sources], dtype=np.float64)
         self.weights = weights / weights.sum()
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
@@ -116,7 +116,7 @@ class TokenLoader:
         """The source of each sequence of global batch `batch` (a function of seed and batch only)."""
         if len(self.streams) == 1:
             return np.zeros(self.global_batch, dtype=np.int64)
-        return np.random.default_rng([self.seed, MIX_KEY, batch]).choice(
+        return np.random.default_rng([self.seed, _MIX_KEY, batch]).choice(
             len(self.streams), self.global_batch, p=self.weights
         )
 

@@ -94,18 +94,18 @@ from flopwise.files.ownership import (
     write_manifest,
 )
 
-SAMPLE_BYTES = 200 * 10**6  # tokenizer training sample: the first 200 MB of documents, in order
-CHUNK_BYTES = 1 << 20  # a task may start at a file's first document or every ~1 MiB inside a file
-TASK_BYTES = 64 << 20  # target input per task (more tasks than workers: finer resume, balance)
-FILTERS = ("gopher", "c4")
-DEDUPS = ("exact", "minhash")
-MINHASH = {"n_grams": 5, "num_buckets": 14, "hashes_per_bucket": 8}
+_SAMPLE_BYTES = 200 * 10**6  # tokenizer training sample: the first 200 MB of documents, in order
+_CHUNK_BYTES = 1 << 20  # a task may start at a file's first document or every ~1 MiB inside a file
+_TASK_BYTES = 64 << 20  # target input per task (more tasks than workers: finer resume, balance)
+_FILTERS = ("gopher", "c4")
+_DEDUPS = ("exact", "minhash")
+_MINHASH = {"n_grams": 5, "num_buckets": 14, "hashes_per_bucket": 8}
 # What an unfinished prepare writes in WORK besides val.npy (whose sha256 its manifest records):
 # folders whose whole content its tasks write (datatrove's logs and completion markers, the tasks'
 # tables, progress counters, dedup intermediates), the logs every run appends to, and the plan (and
 # its temporary file). The manifest names them (`_claims`).
-WORK_FOLDERS = ("tasks", "progress", "logs", "exact", "minhash")
-WORK_FILES = ("datatrove.log", "wall.jsonl", "plan.json", "plan.json.tmp")
+_WORK_FOLDERS = ("tasks", "progress", "logs", "exact", "minhash")
+_WORK_FILES = ("datatrove.log", "wall.jsonl", "plan.json", "plan.json.tmp")
 
 
 @dataclass
@@ -127,11 +127,11 @@ def survey(inputs: list[str]) -> Survey:
     skipped: Skipped = {}
     files = [f for spec in inputs for f in input_files(spec, skipped)]
     s = Survey([str(f) for f in files], [], 0, 0, [], skipped)
-    last = -CHUNK_BYTES
+    last = -_CHUNK_BYTES
     for fi, path in enumerate(files):
         first = True
         for pos, line, text in read_documents(path, skipped=skipped):
-            if first or s.bytes - last >= CHUNK_BYTES:
+            if first or s.bytes - last >= _CHUNK_BYTES:
                 s.chunks.append([s.documents, fi, pos, line, s.bytes])
                 last = s.bytes
             if first:
@@ -147,7 +147,7 @@ def survey(inputs: list[str]) -> Survey:
     return s
 
 
-def plan_tasks(s: Survey, n_tasks: int) -> list[dict]:
+def _plan_tasks(s: Survey, n_tasks: int) -> list[dict]:
     """Contiguous runs of ordinals with about equal bytes, cut at recorded chunk starts."""
     cuts = [0]
     for k in range(1, n_tasks):
@@ -162,7 +162,7 @@ def plan_tasks(s: Survey, n_tasks: int) -> list[dict]:
     ]
 
 
-def sample_texts(files: list[str], limit: int = SAMPLE_BYTES) -> Iterator[str]:
+def _sample_texts(files: list[str], limit: int = _SAMPLE_BYTES) -> Iterator[str]:
     """The tokenizer's training sample: documents in order while fewer than `limit` bytes are taken."""
     taken = 0
     for f in files:
@@ -318,7 +318,7 @@ def prepare_data(
 
     t0 = time.perf_counter()
     out = real_path(out)
-    filters, dedup = _parse("--filter", filters, FILTERS), _parse("--dedup", dedup, DEDUPS)
+    filters, dedup = _parse("--filter", filters, _FILTERS), _parse("--dedup", dedup, _DEDUPS)
     decontaminate = [
         t.strip() for t in (decontaminate.split(",") if isinstance(decontaminate, str) else decontaminate) if t.strip()
     ]
@@ -412,13 +412,13 @@ def _fresh_plan(
     manifest, tokenizer, validation ids and the task plan: a prepare that a rerun can resume."""
     work = out / WORK
     s = survey(inputs)
-    tok = given or train_bpe(sample_texts(s.files), spec)
+    tok = given or train_bpe(_sample_texts(s.files), spec)
     if not force and (
         reason := why_not_ours(out, DATA_MANIFEST)
     ):  # again: the survey and training may have taken hours
         raise DataError(_refusal(out, reason, keep, setting))
     remove_all_but(out, keep)
-    n_tasks = tasks or max(workers, math.ceil(s.bytes / TASK_BYTES))
+    n_tasks = tasks or max(workers, math.ceil(s.bytes / _TASK_BYTES))
     unchecked, folders = _claims(n_tasks)
     out.mkdir(parents=True, exist_ok=True)
     # first: from here on every file in the folder is one this manifest names
@@ -435,7 +435,7 @@ def _fresh_plan(
         "documents": s.documents,
         "bytes": s.bytes,
         "skipped": s.skipped,
-        "tasks": plan_tasks(s, n_tasks),
+        "tasks": _plan_tasks(s, n_tasks),
     }
     (work / "plan.json.tmp").write_text(json.dumps(plan))
     os.replace(work / "plan.json.tmp", work / "plan.json")  # last: the plan means "resumable"
@@ -512,7 +512,7 @@ def _minhash_dedup(work: Path, plan: dict, quality: list, words, earlier: list, 
     from datatrove.utils.hashing import HashConfig
 
     # sha1, not the default xxhash: datatrove hashes str shingles, which xxhash >= 3.5 refuses
-    minhash_cfg = MinhashConfig(**MINHASH, hash_config=HashConfig(precision=64, hash_fc="sha1"))
+    minhash_cfg = MinhashConfig(**_MINHASH, hash_config=HashConfig(precision=64, hash_fc="sha1"))
     sig = MinhashDedupSignature(str(work / "minhash" / "sigs"), minhash_cfg, language=words)
     n_tasks = len(plan["tasks"])
     _run(
@@ -525,7 +525,7 @@ def _minhash_dedup(work: Path, plan: dict, quality: list, words, earlier: list, 
     _run(
         "minhash-buckets",
         [MinhashDedupBuckets(str(work / "minhash" / "sigs"), str(work / "minhash" / "buckets"), config=minhash_cfg)],
-        MINHASH["num_buckets"],
+        _MINHASH["num_buckets"],
         workers,
         work,
     )
@@ -589,8 +589,8 @@ def _claims(n_tasks: int) -> tuple[list[str], list[str]]:
     being written: every task's shards, the report, the index's temporary file, WORK_FILES) and
     the work folders its tasks write."""
     unchecked = [f"{s}-{rank:05d}.bin" for s in ("train", "val") for rank in range(n_tasks)]
-    unchecked += ["report.json", "index.json.tmp"] + [f"{WORK}/{f}" for f in WORK_FILES]
-    return unchecked, [f"{WORK}/{d}" for d in WORK_FOLDERS]
+    unchecked += ["report.json", "index.json.tmp"] + [f"{WORK}/{f}" for f in _WORK_FILES]
+    return unchecked, [f"{WORK}/{d}" for d in _WORK_FOLDERS]
 
 
 def _records(out: Path, names: list[str]) -> dict[str, dict]:
@@ -756,7 +756,7 @@ def _report(
             "filters": filters,
             "dedup": dedup_names,
             "decontaminate": decontaminate,
-            "minhash": MINHASH
-            | {"threshold": round((1 / MINHASH["num_buckets"]) ** (1 / MINHASH["hashes_per_bucket"]), 3)},
+            "minhash": _MINHASH
+            | {"threshold": round((1 / _MINHASH["num_buckets"]) ** (1 / _MINHASH["hashes_per_bucket"]), 3)},
         },
     }

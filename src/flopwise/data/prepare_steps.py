@@ -24,7 +24,7 @@ from datatrove.utils.word_tokenizers import WordTokenizer
 
 from flopwise.data.shards import read_documents
 
-PROGRESS_EVERY = 1 << 20  # bytes between progress-file updates
+_PROGRESS_EVERY = 1 << 20  # bytes between progress-file updates
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -61,7 +61,7 @@ class OrdinalReader(PipelineStep):
                 yield doc
                 ordinal += 1
                 done += len(text.encode())
-                if done - reported >= PROGRESS_EVERY:
+                if done - reported >= _PROGRESS_EVERY:
                     _write_atomic(progress, str(done))
                     reported = done
             fi, pos, line = fi + 1, 0, 1

@@ -35,12 +35,12 @@ from flopwise.errors import DataError
 from flopwise.files.ownership import ManifestKind
 
 SHARDS_FORMAT = "flopwise-shards/2"
-BUILTIN = {
+_BUILTIN = {
     "shakespeare": "corpus/shakespeare",
     "alice": "corpus/eval/alice29.txt",
     "enwiki": "corpus/eval/enwiki-105-articles.txt",
 }
-TEXT_SUFFIXES = {".txt", ".md", ".text", ""}
+_TEXT_SUFFIXES = {".txt", ".md", ".text", ""}
 WORK = "work"  # the unfinished-prepare folder inside --out: plan, logs, dedup intermediates
 DATA_MANIFEST = ManifestKind("manifest.json", "flopwise-data-manifest/1")  # what proves a data dir is flopwise's
 
@@ -49,11 +49,11 @@ def resolve_input(spec: str) -> Path:
     """`builtin:NAME` -> the corpus shipped in the package; anything else -> a path."""
     if spec.startswith("builtin:"):
         name = spec.split(":", 1)[1]
-        if name not in BUILTIN:
+        if name not in _BUILTIN:
             raise DataError(
-                f"data input {spec!r}: unknown built-in corpus (known: {', '.join('builtin:' + k for k in BUILTIN)})"
+                f"data input {spec!r}: unknown built-in corpus (known: {', '.join('builtin:' + k for k in _BUILTIN)})"
             )
-        return Path(str(resources.files("flopwise") / BUILTIN[name]))
+        return Path(str(resources.files("flopwise") / _BUILTIN[name]))
     p = Path(spec)
     if not p.exists():
         raise DataError(f"data input {spec}: no such file or directory")
@@ -185,9 +185,9 @@ def input_files(spec: str, skipped: Skipped | None = None) -> list[Path]:
     else:
         files = [root]
     for f in files:
-        if f.suffix.lower() not in TEXT_SUFFIXES | {".jsonl", ".parquet"}:
+        if f.suffix.lower() not in _TEXT_SUFFIXES | {".jsonl", ".parquet"}:
             skip(left, "files of another type (not .txt, .md, .jsonl, .parquet)", str(f))
-    files = [f for f in files if f.suffix.lower() in TEXT_SUFFIXES | {".jsonl", ".parquet"}]
+    files = [f for f in files if f.suffix.lower() in _TEXT_SUFFIXES | {".jsonl", ".parquet"}]
     if not files:
         raise DataError(
             f"data input {spec}: no .txt, .jsonl or .parquet files found"

@@ -97,7 +97,7 @@ def sentences(text: str) -> list[str]:
     return [s.strip() for s in _SENTENCE.findall(flat) if 8 <= len(s.split()) <= 40]
 
 
-def build_lastword(text: str, n: int, seed: int) -> list[dict]:
+def _build_lastword(text: str, n: int, seed: int) -> list[dict]:
     """LAMBADA-style cloze: a sentence (after the one before it) with its last word held out."""
     sents = sentences(text)
     rng = random.Random(seed)
@@ -111,7 +111,7 @@ def build_lastword(text: str, n: int, seed: int) -> list[dict]:
     return items
 
 
-def build_next_sentence(text: str, n: int, seed: int, n_choices: int = 4) -> list[dict]:
+def _build_next_sentence(text: str, n: int, seed: int, n_choices: int = 4) -> list[dict]:
     """Multiple choice: which sentence really comes next (the others are drawn from elsewhere)."""
     sents = sentences(text)
     rng = random.Random(seed)
@@ -148,7 +148,7 @@ def heldout_plays() -> list[str]:
     return [docs[i][1] for i in sorted(val_documents(len(docs), cfg.data.val_fraction, cfg.run.seed))]
 
 
-def build_line_cloze(plays: list[str], n: int, seed: int) -> list[dict]:
+def _build_line_cloze(plays: list[str], n: int, seed: int) -> list[dict]:
     """Cloze: a speech's speaker and first lines, and the last word of its last line held out."""
     pool = [
         (who, verse)
@@ -164,7 +164,7 @@ def build_line_cloze(plays: list[str], n: int, seed: int) -> list[dict]:
     return items
 
 
-def build_next_line(plays: list[str], n: int, seed: int, n_choices: int = 4) -> list[dict]:
+def _build_next_line(plays: list[str], n: int, seed: int, n_choices: int = 4) -> list[dict]:
     """Multiple choice: the line that really follows within a speech, against lines of other speeches."""
     lines = [
         (k, who, verse, i)
@@ -188,7 +188,7 @@ def build_next_line(plays: list[str], n: int, seed: int, n_choices: int = 4) -> 
     return items
 
 
-def build_speaker(plays: list[str], n: int, seed: int, n_choices: int = 4) -> list[dict]:
+def _build_speaker(plays: list[str], n: int, seed: int, n_choices: int = 4) -> list[dict]:
     """Multiple choice: who speaks next, given the two speeches before (choices: that play's speakers)."""
     rng = random.Random(seed)
     cases = []
@@ -213,20 +213,20 @@ def shipped_task_records() -> dict[str, list[dict]]:
     wiki = (root / "enwiki-105-articles.txt").read_text(encoding="utf-8")
     plays = heldout_plays()
     return {
-        "alice-lastword": build_lastword(alice, 200, seed=1),
-        "enwiki-lastword": build_lastword(wiki, 200, seed=2),
-        "alice-nextsent": build_next_sentence(alice, 200, seed=3),
-        "shakespeare-cloze": build_line_cloze(plays, 300, seed=4),
-        "shakespeare-nextline": build_next_line(plays, 300, seed=5),
-        "shakespeare-speaker": build_speaker(plays, 300, seed=6),
+        "alice-lastword": _build_lastword(alice, 200, seed=1),
+        "enwiki-lastword": _build_lastword(wiki, 200, seed=2),
+        "alice-nextsent": _build_next_sentence(alice, 200, seed=3),
+        "shakespeare-cloze": _build_line_cloze(plays, 300, seed=4),
+        "shakespeare-nextline": _build_next_line(plays, 300, seed=5),
+        "shakespeare-speaker": _build_speaker(plays, 300, seed=6),
     }
 
 
-def write_shipped_tasks(out: Path) -> None:
+def _write_shipped_tasks(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, records in shipped_task_records().items():
         (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 if __name__ == "__main__":  # python -m flopwise.data.tasks: rebuild the shipped task files
-    write_shipped_tasks(Path(str(resources.files("flopwise") / "corpus" / "tasks")))
+    _write_shipped_tasks(Path(str(resources.files("flopwise") / "corpus" / "tasks")))

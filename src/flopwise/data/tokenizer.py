@@ -32,10 +32,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from flopwise.errors import DataError
 
 EOS = "<|endoftext|>"
-MIN_VOCAB = 257  # 256 byte symbols + EOS
-MAX_VOCAB = 2**20  # 4x the largest published vocabulary (Gemma's 262,144)
+_MIN_VOCAB = 257  # 256 byte symbols + EOS
+_MAX_VOCAB = 2**20  # 4x the largest published vocabulary (Gemma's 262,144)
 # what a corpus may hold: words, punctuation, doubled spaces, tab, newline, digits, accents, CJK, emoji
-PROBE_TEXT = "Hello, world!  Two  spaces,\ttab\nnew line; 0123456789 café naïve 中文 🙂 end "
+_PROBE_TEXT = "Hello, world!  Two  spaces,\ttab\nnew line; 0123456789 café naïve 中文 🙂 end "
 
 
 def _library_error(e: BaseException) -> bool:
@@ -93,19 +93,19 @@ def guarded(tok: Tokenizer | GuardedTokenizer, where: str | Path = "tokenizer") 
     return tok if isinstance(tok, GuardedTokenizer) else GuardedTokenizer(tok, where)
 
 
-def bpe_vocab(vocab_size: int) -> int:
+def _bpe_vocab(vocab_size: int) -> int:
     """A vocab size a BPE can be trained to: at least the 256 bytes + EOS, at most MAX_VOCAB (the
     trainer allocates per entry up front: 1e10 was a Rust abort, 'memory allocation of 566 GB failed')."""
-    if not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
+    if not _MIN_VOCAB <= vocab_size <= _MAX_VOCAB:
         raise DataError(
-            f"tokenizer vocab {vocab_size}: a byte-level BPE needs {MIN_VOCAB} (256 bytes + EOS) to "
-            f"{MAX_VOCAB:,} entries (the largest published vocabularies are ~256k); use e.g. bpe:4096"
+            f"tokenizer vocab {vocab_size}: a byte-level BPE needs {_MIN_VOCAB} (256 bytes + EOS) to "
+            f"{_MAX_VOCAB:,} entries (the largest published vocabularies are ~256k); use e.g. bpe:4096"
         )
     return vocab_size
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> GuardedTokenizer:
-    bpe_vocab(vocab_size)
+    _bpe_vocab(vocab_size)
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -195,8 +195,8 @@ def _probe(tok: GuardedTokenizer) -> None:
     """Encode and decode PROBE_TEXT as every reader will: a panic is a DataError now, at load. Its
     message goes to a silenced stderr, so the user sees the DataError's one line."""
     with _quiet_stderr():
-        ids = tok.encode(PROBE_TEXT).ids
-        tok.encode_batch([PROBE_TEXT, ""], add_special_tokens=False)
+        ids = tok.encode(_PROBE_TEXT).ids
+        tok.encode_batch([_PROBE_TEXT, ""], add_special_tokens=False)
         tok.decode(ids)
         tok.decode_batch([ids])
         tok.get_vocab_size()
@@ -320,7 +320,7 @@ def parse_tokenizer_spec(spec: str) -> int | Path:
     inside it, for a Hugging Face model folder)."""
     if spec.startswith("bpe:"):
         try:
-            return bpe_vocab(int(spec[4:]))
+            return _bpe_vocab(int(spec[4:]))
         except ValueError:
             raise DataError(f"data.tokenizer {spec!r}: expected bpe:VOCAB with an integer, e.g. bpe:4096") from None
     p = Path(spec)

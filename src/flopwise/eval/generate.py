@@ -16,7 +16,7 @@ from flopwise.model.layers import KVCache
 from flopwise.model.transformer import Transformer
 
 
-def sample_next(
+def _sample_next(
     logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, gen: torch.Generator | None
 ) -> torch.Tensor:
     """logits (b, vocab) -> next ids (b,). temperature 0 is greedy."""
@@ -80,7 +80,7 @@ def generate_tokens(
             logits = model(step_input, cache)[:, -1]
         else:
             logits = model(torch.tensor([ids + out], device=device))[:, -1]
-        nxt = int(sample_next(logits, temperature, top_k, top_p, gen))
+        nxt = int(_sample_next(logits, temperature, top_k, top_p, gen))
         out.append(nxt)
         if nxt == stop_id:
             break

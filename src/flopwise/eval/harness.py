@@ -153,7 +153,7 @@ def write_task_yamls(out: Path, tasks: dict[str, Path] | None = None) -> list[st
     return names
 
 
-def split_include_paths(argv: list[str]) -> tuple[list[str], list[str]]:
+def _split_include_paths(argv: list[str]) -> tuple[list[str], list[str]]:
     """(the user's --include_path values, in order; the other arguments). lm-eval's CLI keeps only
     the last --include_path, so ours appended after the user's would hide theirs."""
     paths, rest, args = [], [], iter(argv)
@@ -168,7 +168,7 @@ def split_include_paths(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 @contextlib.contextmanager
-def include_paths(paths: list[str]):
+def _include_paths(paths: list[str]):
     """Every TaskManager built inside scans all of `paths` (lm-eval's TaskManager takes a list of
     include paths; its CLI passes one)."""
     from lm_eval.tasks import TaskManager
@@ -192,8 +192,8 @@ def run_lm_eval(argv: list[str]) -> None:
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    user, rest = split_include_paths(argv)
-    with tempfile.TemporaryDirectory(prefix="flopwise-tasks-") as tmp, include_paths([tmp, *user]):
+    user, rest = _split_include_paths(argv)
+    with tempfile.TemporaryDirectory(prefix="flopwise-tasks-") as tmp, _include_paths([tmp, *user]):
         write_task_yamls(Path(tmp))
         sys.argv = ["lm_eval", *rest, "--include_path", tmp]
         cli_evaluate()

@@ -21,7 +21,7 @@ from flopwise.data.tasks import Example
 from flopwise.data.tokenizer import guarded
 from flopwise.errors import DataError
 
-SHOT_SEPARATOR = "\n\n"
+_SHOT_SEPARATOR = "\n\n"
 
 
 def with_shots(examples: list[Example], shots: int, seed: int) -> list[str]:
@@ -34,8 +34,8 @@ def with_shots(examples: list[Example], shots: int, seed: int) -> list[str]:
     contexts = []
     for i, e in enumerate(examples):
         pool = [j for j in rng.sample(range(len(examples)), shots + 1) if j != i][:shots]
-        demo = SHOT_SEPARATOR.join(examples[j].context + examples[j].answer for j in pool)
-        contexts.append(demo + SHOT_SEPARATOR + e.context)
+        demo = _SHOT_SEPARATOR.join(examples[j].context + examples[j].answer for j in pool)
+        contexts.append(demo + _SHOT_SEPARATOR + e.context)
     return contexts
 
 

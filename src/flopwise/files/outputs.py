@@ -32,30 +32,30 @@ from flopwise.files.ownership import UNWRITABLE, cannot_write, real_path, write_
 
 __all__ = ["UNWRITABLE", "cannot_write"]  # the CLI's one-line OS errors, kept where they were
 
-SEAL = "flopwise-sha256:"
-PLACEHOLDER = SEAL + "0" * 64  # what a writer puts where the seal goes; `seal` fills in the digest
+_SEAL = "flopwise-sha256:"
+_PLACEHOLDER = _SEAL + "0" * 64  # what a writer puts where the seal goes; `seal` fills in the digest
 _SEALED = re.compile(rb"flopwise-sha256:([0-9a-f]{64})")
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-SEALED_MAX_BYTES = 256 << 20  # larger files at an output path are nobody's flopwise output
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+_SEALED_MAX_BYTES = 256 << 20  # larger files at an output path are nobody's flopwise output
 TOML_HEADER = "# written by flopwise; a later flopwise command may replace this file while it is unchanged: "
-PNG_SOFTWARE = "flopwise"
-WRITTEN_BY = "written_by"  # a JSON record's key; a CSV table's last column (its rows: "flopwise COMMAND")
+_PNG_SOFTWARE = "flopwise"
+_WRITTEN_BY = "written_by"  # a JSON record's key; a CSV table's last column (its rows: "flopwise COMMAND")
 
 
 def _digest(path: Path, data: bytes, at: int) -> str:
     """The seal of `data` at `path` (its seal at offset `at`, and a PNG chunk's CRC after it, masked)."""
-    end = at + len(PLACEHOLDER)
-    masked = data[:at] + PLACEHOLDER.encode() + data[end + (4 if data.startswith(PNG_MAGIC) else 0) :]
+    end = at + len(_PLACEHOLDER)
+    masked = data[:at] + _PLACEHOLDER.encode() + data[end + (4 if data.startswith(_PNG_MAGIC) else 0) :]
     return hashlib.sha256(os.fsencode(path) + b"\0" + masked).hexdigest()
 
 
 def seal(path: Path, data: bytes) -> bytes:
     """`data` (holding PLACEHOLDER once) with its seal for `path` filled in (and a PNG text chunk's CRC
     made right again)."""
-    at = data.index(PLACEHOLDER.encode())
-    end = at + len(PLACEHOLDER)
-    data = data[:at] + (SEAL + _digest(path, data, at)).encode() + data[end:]
-    if data.startswith(PNG_MAGIC):
+    at = data.index(_PLACEHOLDER.encode())
+    end = at + len(_PLACEHOLDER)
+    data = data[:at] + (_SEAL + _digest(path, data, at)).encode() + data[end:]
+    if data.startswith(_PNG_MAGIC):
         chunk = data.rfind(b"tEXt", 0, at)
         data = data[:end] + zlib.crc32(data[chunk:end]).to_bytes(4, "big") + data[end + 4 :]
     return data
@@ -65,7 +65,7 @@ def is_ours(path: Path) -> bool:
     """`path` is a file flopwise wrote there, unchanged since: its seal verifies."""
     path = real_path(path)
     try:
-        if path.is_symlink() or not path.is_file() or path.stat().st_size > SEALED_MAX_BYTES:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > _SEALED_MAX_BYTES:
             return False
         data = path.read_bytes()
     except OSError:
@@ -126,7 +126,7 @@ def _replace(path: Path, data: bytes, option: str) -> None:
 def write_text(path: str | Path, text: str, option: str) -> Path:
     """Write a TOML file with flopwise's header line (its seal, so a rerun may replace it)."""
     path = check_writable(path, option)
-    _replace(path, (TOML_HEADER + PLACEHOLDER + "\n" + text).encode(), option)
+    _replace(path, (TOML_HEADER + _PLACEHOLDER + "\n" + text).encode(), option)
     return path
 
 
@@ -139,7 +139,7 @@ def write_json(path: str | Path, record: dict, option: str, command: str) -> Pat
 
 def json_record(record: dict, command: str) -> bytes:
     """A JSON record's bytes, marked as written by `flopwise COMMAND` (with a seal to fill in)."""
-    return (json.dumps({WRITTEN_BY: f"flopwise {command}; {PLACEHOLDER}", **record}, indent=1) + "\n").encode()
+    return (json.dumps({_WRITTEN_BY: f"flopwise {command}; {_PLACEHOLDER}", **record}, indent=1) + "\n").encode()
 
 
 def write_csv(path: str | Path, header: list[str], rows: list[list], option: str, command: str) -> Path:
@@ -148,7 +148,7 @@ def write_csv(path: str | Path, header: list[str], rows: list[list], option: str
     path = check_writable(path, option)
     text = io.StringIO()
     csv.writer(text, lineterminator="\n").writerows(
-        [[*header, f"{WRITTEN_BY} {PLACEHOLDER}"], *([*row, f"flopwise {command}"] for row in rows)]
+        [[*header, f"{_WRITTEN_BY} {_PLACEHOLDER}"], *([*row, f"flopwise {command}"] for row in rows)]
     )
     _replace(path, text.getvalue().encode(), option)
     return path
@@ -193,5 +193,5 @@ def save_figure(fig, path: str | Path, option: str, **savefig) -> Path:
 def png_bytes(fig, **savefig) -> bytes:
     """A matplotlib figure as PNG bytes marked as flopwise's (written by the caller, no symlink followed)."""
     data = io.BytesIO()
-    fig.savefig(data, format="png", metadata={"Software": PNG_SOFTWARE, "Comment": PLACEHOLDER}, **savefig)
+    fig.savefig(data, format="png", metadata={"Software": _PNG_SOFTWARE, "Comment": _PLACEHOLDER}, **savefig)
     return data.getvalue()

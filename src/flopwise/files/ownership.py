@@ -47,7 +47,7 @@ UNWRITABLE = {
     errno.EDQUOT,
     errno.ELOOP,
 }
-TMP_NAME = ".{}.flopwise-tmp"  # where write_nofollow writes NAME's new bytes before the rename
+_TMP_NAME = ".{}.flopwise-tmp"  # where write_nofollow writes NAME's new bytes before the rename
 LOCK = ".flopwise.lock"  # in a folder a command writes: held (flock) for the whole command, holds its PID
 
 
@@ -114,7 +114,7 @@ def write_nofollow(path: Path, data: bytes) -> None:
     """Replace `path` with `data` through a temporary file beside it (TMP_NAME, no symlink followed:
     one writer per folder, so the name is this writer's) and a rename, which replaces the name
     itself, never what a link points to."""
-    tmp = path.with_name(TMP_NAME.format(path.name))
+    tmp = path.with_name(_TMP_NAME.format(path.name))
     fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -216,7 +216,7 @@ def _remove_empty(folders: list[Path]) -> None:
             return
 
 
-def ends_sha256(path: str | Path) -> str:
+def _ends_sha256(path: str | Path) -> str:
     """sha256 of a file's first and last ENDS_BYTES (the whole file when it is shorter than both)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -241,7 +241,7 @@ def file_record(path: str | Path, sha256: str | None = None) -> dict:
         sha256 = h.hexdigest()
     record = {"bytes": size, "sha256": sha256}
     if size > FULL_CHECK_BYTES:
-        record["ends"] = ends_sha256(path)
+        record["ends"] = _ends_sha256(path)
     return record
 
 
@@ -254,7 +254,7 @@ def same_file(path: Path, record) -> bool:
     try:
         if path.stat().st_size == record.get("bytes"):
             if "ends" in record:
-                if ends_sha256(path) == record["ends"]:
+                if _ends_sha256(path) == record["ends"]:
                     return True
             elif file_record(path)["sha256"] == record.get("sha256"):
                 return True
@@ -286,7 +286,7 @@ def write_manifest(
     write_nofollow(out / kind.name, json.dumps(manifest, indent=1).encode())
 
 
-def read_manifest(out: Path, kind: ManifestKind) -> dict | None:
+def _read_manifest(out: Path, kind: ManifestKind) -> dict | None:
     """The folder's manifest if it is a well-formed flopwise manifest of this kind written for this
     folder (`written_for`: not one copied from elsewhere or written by hand), else None."""
     if (out / kind.name).is_symlink():
@@ -312,7 +312,7 @@ def add_to_manifest(out: str | Path, kind: ManifestKind, name: str, data: bytes)
     """Write a file flopwise makes beside a prepared folder's data (e.g. a run's recipe.json) and
     record it in the folder's manifest, so a later prepare may replace the folder with it inside."""
     out = Path(out)
-    m = read_manifest(out, kind)
+    m = _read_manifest(out, kind)
     if m is None:
         raise DataError(f"{out}: no flopwise {kind.name} to record {name} in")
     write_nofollow(out / name, data)
@@ -354,7 +354,7 @@ def why_not_ours(out: str | Path, kind: ManifestKind) -> str | None:
     found = [p for p in found if p != out / LOCK]
     if not found:
         return None
-    m = read_manifest(out, kind)
+    m = _read_manifest(out, kind)
     if m is None:
         if (out / kind.name).is_file():
             return (
@@ -367,7 +367,7 @@ def why_not_ours(out: str | Path, kind: ManifestKind) -> str | None:
         rel = path.relative_to(out).as_posix()
         if path.is_symlink():
             return f"holds {rel}, a symbolic link (flopwise never writes one there, nor through one)"
-        if rel in (kind.name, TMP_NAME.format(kind.name)) or rel in unchecked or rel.startswith(folders):
+        if rel in (kind.name, _TMP_NAME.format(kind.name)) or rel in unchecked or rel.startswith(folders):
             continue
         if rel not in m["files"]:
             return f"holds {rel}, which flopwise did not write (not in its {kind.name})"

@@ -36,14 +36,14 @@ from flopwise.files.ownership import (
     written_for,
 )
 
-RUN_FILE = "flopwise-run.json"
-RUN_FORMAT = "flopwise-run/2"
+_RUN_FILE = "flopwise-run.json"
+_RUN_FORMAT = "flopwise-run/2"
 
 
 def _read(run_dir: Path) -> dict | None:
     """The folder's run record (None when it has none); refused in one line when it does not prove
     flopwise wrote the folder (not a run record, an older format, written for another folder)."""
-    path = run_dir / RUN_FILE
+    path = run_dir / _RUN_FILE
     if not path.exists() and not path.is_symlink():
         return None
     try:
@@ -52,20 +52,20 @@ def _read(run_dir: Path) -> dict | None:
         record = None
     if not (
         isinstance(record, dict)
-        and record.get("format") == RUN_FORMAT
+        and record.get("format") == _RUN_FORMAT
         and isinstance(record.get("files"), dict)
         and isinstance(record.get("writes"), list)
         and all(isinstance(n, str) for n in record["writes"])
     ):
         raise ConfigError(
-            f"run folder {run_dir}: {RUN_FILE} is not a flopwise run record (of this version); "
+            f"run folder {run_dir}: {_RUN_FILE} is not a flopwise run record (of this version); "
             "choose a new or empty folder, or move that file away"
         )
     if not written_for(record, run_dir):
         bound = record.get("folder")
         where = bound.get("path") if isinstance(bound, dict) and bound.get("path") else "another folder"
         raise ConfigError(
-            f"run folder {run_dir}: {RUN_FILE} was written for {where}, not this one (a copied run "
+            f"run folder {run_dir}: {_RUN_FILE} was written for {where}, not this one (a copied run "
             "folder proves nothing): choose a new or empty folder, or move the copied files away"
         )
     return record
@@ -89,8 +89,8 @@ def _why_foreign(run_dir: Path, name: str, record: dict | None) -> str | None:
         return None if name in owned else "is a folder flopwise did not make"
     entry = record["files"].get(name) if record else None
     if entry is None:
-        return f"is a file flopwise did not write (its {RUN_FILE} has no record of it)"
-    return None if same_file(path, entry) else f"has changed since flopwise wrote it ({RUN_FILE} records other bytes)"
+        return f"is a file flopwise did not write (its {_RUN_FILE} has no record of it)"
+    return None if same_file(path, entry) else f"has changed since flopwise wrote it ({_RUN_FILE} records other bytes)"
 
 
 def check_claim(run_dir: str | Path, names: Iterable[str], option: str = "run.dir") -> set[str]:
@@ -124,11 +124,11 @@ def _updating(run_dir: Path, option: str = "run.dir") -> Iterator[dict]:
         raise cannot_write(option, run_dir, e) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        record = _read(run_dir) or {"format": RUN_FORMAT, "writes": [], "files": {}}
+        record = _read(run_dir) or {"format": _RUN_FORMAT, "writes": [], "files": {}}
         yield record
         record["folder"] = folder_id(run_dir)
         try:
-            write_nofollow(run_dir / RUN_FILE, (json.dumps(record, indent=1) + "\n").encode())
+            write_nofollow(run_dir / _RUN_FILE, (json.dumps(record, indent=1) + "\n").encode())
         except OSError as e:
             raise cannot_write(option, run_dir, e) from None
     finally:
@@ -141,7 +141,7 @@ def claim(run_dir: str | Path, names: Iterable[str], option: str = "run.dir") ->
     written (naming `option`). The folder's real path."""
     run_dir, names = real_path(run_dir), set(names)
     owned = check_claim(run_dir, names, option)
-    if not names <= owned or not (run_dir / RUN_FILE).is_file():
+    if not names <= owned or not (run_dir / _RUN_FILE).is_file():
         with _updating(run_dir, option) as record:
             record["writes"] = sorted(set(record["writes"]) | names)
     return run_dir
@@ -250,7 +250,7 @@ def remove(run_dir: str | Path, name: str) -> None:
         _hashes.pop(str(run_dir / name), None)
 
 
-def record_file(run_dir: str | Path, name: str) -> None:
+def _record_file(run_dir: str | Path, name: str) -> None:
     """Record the bytes of a claimed file a library wrote in place (TensorBoard's, the allocator's
     snapshot), so a later command may replace it."""
     run_dir = real_path(run_dir)

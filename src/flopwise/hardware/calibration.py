@@ -114,7 +114,7 @@ def _interp_log(rows, x: float) -> float:
     return pts[-1][1]
 
 
-def ring_steps_and_factor(kind: str, n: int) -> tuple[float, float]:
+def _ring_steps_and_factor(kind: str, n: int) -> tuple[float, float]:
     """Latency steps and bytes-on-the-wire factor of a ring collective over n ranks (plan.comm's
     model; a send/recv is one step carrying the whole buffer)."""
     if kind == "send_recv":
@@ -126,7 +126,7 @@ def ring_steps_and_factor(kind: str, n: int) -> tuple[float, float]:
 
 def _fit_ring(kind: str, rows) -> tuple[float, float]:
     """Least squares of t = α·steps + factor·bytes / β over the measured rows (α, 1/β ≥ 0)."""
-    xs = [ring_steps_and_factor(kind, int(n)) for n, _, _ in rows]
+    xs = [_ring_steps_and_factor(kind, int(n)) for n, _, _ in rows]
     a = [(s, f * b) for (s, f), (_, b, _) in zip(xs, rows, strict=True)]
     t = [sec for _, _, sec in rows]
     s11 = sum(x * x for x, _ in a)
@@ -138,7 +138,7 @@ def _fit_ring(kind: str, rows) -> tuple[float, float]:
     alpha, inv_bw = ((r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det) if det > 0 else (0.0, 0.0)
     if inv_bw <= 0:  # latency-bound measurements: bandwidth from the largest message alone
         n, b, sec = max(rows, key=lambda r: r[1])
-        steps, factor = ring_steps_and_factor(kind, int(n))
+        steps, factor = _ring_steps_and_factor(kind, int(n))
         return max(alpha, 0.0), factor * b / max(sec - max(alpha, 0.0) * steps, 1e-9)
     if alpha < 0:
         alpha, inv_bw = 0.0, r2 / s22

@@ -27,7 +27,7 @@ TB = 1e12
 # which the planner's layer model reproduces at 0.75; a microbenchmark, not one of the end-to-end
 # runs the planner is validated against. H100 SXM and H200: measured (`hopper_calibration`). Other chips: U, assumed
 # the same until measured (`flopwise hardware calibrate` on one; put the figure in a catalogue TOML).
-A100_GEMM = 0.75
+_A100_GEMM = 0.75
 
 
 def hopper_calibration(hbm_bw: float, source: str) -> Calibration:
@@ -44,10 +44,10 @@ def hopper_calibration(hbm_bw: float, source: str) -> Calibration:
     over those kernels' time; the optimizer row is the fused AdamW's time plus the clip's bytes at
     that rate, as `hardware calibrate` times the two together. `flopwise hardware calibrate --device
     cuda` measures full tables on the user's own GPU."""
-    scale = hbm_bw / H200_HBM
+    scale = hbm_bw / _H200_HBM
     return Calibration(
         dtype="bf16",
-        gemm=((16384, 8192, 2048, HOPPER_GEMM),),
+        gemm=((16384, 8192, 2048, _HOPPER_GEMM),),
         attention=((2048, 64, 0.736, 0.643),),
         elementwise=((1, 67108864, 3.96e12 * scale),),
         optimizer=((1104218112, 0.01221 / scale),),
@@ -55,8 +55,8 @@ def hopper_calibration(hbm_bw: float, source: str) -> Calibration:
     )
 
 
-HOPPER_GEMM = 0.743
-H200_HBM = 4800 * GB
+_HOPPER_GEMM = 0.743
+_H200_HBM = 4800 * GB
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class Hardware:
     devices_per_node: int
     source: str
     notes: str = ""
-    matmul_efficiency: float = A100_GEMM  # achievable share of peak for large dense GEMMs (chip + BLAS)
+    matmul_efficiency: float = _A100_GEMM  # achievable share of peak for large dense GEMMs (chip + BLAS)
     extra: dict = field(default_factory=dict)
     calibration: Calibration | None = None  # measured tables (`flopwise hardware calibrate`), else the above
     recovery: Recovery | None = None  # measured checkpoint write and restart (calibrate), else plan's constants
@@ -108,7 +108,7 @@ CATALOGUE: dict[str, Hardware] = {
             8,
             "V: 312 TFLOP/s in Narayanan et al. 2021 §5 and PaLM App. B; V2: NVIDIA A100 datasheet; "
             "8x 200 Gb/s HDR per node (Selene)",
-            matmul_efficiency=A100_GEMM,
+            matmul_efficiency=_A100_GEMM,
         ),
         Hardware(
             "a100-80gb",
@@ -119,7 +119,7 @@ CATALOGUE: dict[str, Hardware] = {
             25 * GB,
             8,
             "V: Narayanan et al. 2021 (312 TFLOP/s, 8x HDR 200 Gb/s per DGX A100); V2: NVIDIA datasheet",
-            matmul_efficiency=A100_GEMM,
+            matmul_efficiency=_A100_GEMM,
         ),
         Hardware(
             "h100-sxm",
@@ -131,7 +131,7 @@ CATALOGUE: dict[str, Hardware] = {
             8,
             "V2: NVIDIA H100 datasheet (989 dense bf16); NVLink4 900 GB/s bidirectional; "
             "V: Llama 3 paper, 400 Gb/s per GPU RoCE/IB",
-            matmul_efficiency=HOPPER_GEMM,
+            matmul_efficiency=_HOPPER_GEMM,
             calibration=hopper_calibration(
                 3350 * GB, "D: the H200's measured compute shares; memory-bound rates x 3.35/4.8 TB/s"
             ),
@@ -166,8 +166,8 @@ CATALOGUE: dict[str, Hardware] = {
             50 * GB,
             8,
             "V2: NVIDIA H200 datasheet / MLCommons system description (141 GB HBM3e, 4.8 TB/s)",
-            matmul_efficiency=HOPPER_GEMM,
-            calibration=hopper_calibration(H200_HBM, "measured: this project's H200 profile"),
+            matmul_efficiency=_HOPPER_GEMM,
+            calibration=hopper_calibration(_H200_HBM, "measured: this project's H200 profile"),
         ),
         Hardware(
             "h200-nvl",
@@ -330,7 +330,7 @@ def cluster_hardware(cluster) -> Hardware:
     return replace(hw, devices_per_node=cluster.gpus_per_node) if cluster.gpus_per_node else hw
 
 
-NUMBERS = ("memory_bytes", "memory_bw", "intra_node_bw", "inter_node_bw")
+_NUMBERS = ("memory_bytes", "memory_bw", "intra_node_bw", "inter_node_bw")
 
 
 def load_catalogue(path: str | Path) -> dict[str, Hardware]:
@@ -356,10 +356,10 @@ def load_catalogue(path: str | Path) -> dict[str, Hardware]:
         peaks = fields.get("peak_flops")
         if not isinstance(peaks, dict) or not all(positive_number(v) for v in peaks.values()):
             raise ConfigError(f"{where}.peak_flops: a table of dtype = FLOP/s (positive numbers) is needed")
-        for key in NUMBERS:
+        for key in _NUMBERS:
             if key in fields and not (positive_number(fields[key]) or (name == "cpu" and fields[key] == 0)):
                 raise ConfigError(f"{where}.{key}: a positive number is needed, got {fields[key]!r}")
-        eff = fields.get("matmul_efficiency", A100_GEMM)
+        eff = fields.get("matmul_efficiency", _A100_GEMM)
         if not (positive_number(eff) and eff <= 1):
             raise ConfigError(f"{where}.matmul_efficiency: a share of the peak in (0, 1] is needed, got {eff!r}")
         dpn = fields.get("devices_per_node", 1)

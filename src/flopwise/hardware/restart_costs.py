@@ -38,19 +38,19 @@ class Recovery:
         return self.restart_fixed_s + nbytes / self.read_bytes_per_s
 
 
-RECOVERY_FIELDS = ("write_latency_s", "write_bytes_per_s", "restart_fixed_s", "read_bytes_per_s")
+_RECOVERY_FIELDS = ("write_latency_s", "write_bytes_per_s", "restart_fixed_s", "read_bytes_per_s")
 
 
 def parse_recovery(where: str, data) -> Recovery:
     """A recovery table from a hardware TOML's `[NAME.recovery]`, every field checked."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: a table is needed")
-    extra = set(data) - {*RECOVERY_FIELDS, "source"}
+    extra = set(data) - {*_RECOVERY_FIELDS, "source"}
     if extra:
         raise ConfigError(
-            f"{where}: unknown field(s) {', '.join(sorted(extra))} (known: {', '.join(RECOVERY_FIELDS)}, source)"
+            f"{where}: unknown field(s) {', '.join(sorted(extra))} (known: {', '.join(_RECOVERY_FIELDS)}, source)"
         )
-    for key in RECOVERY_FIELDS:
+    for key in _RECOVERY_FIELDS:
         value = data.get(key)
         zero_ok = key in ("write_latency_s", "restart_fixed_s")
         if not (positive_number(value) or (zero_ok and value == 0 and not isinstance(value, bool))):
@@ -58,7 +58,7 @@ def parse_recovery(where: str, data) -> Recovery:
                 f"{where}.{key}: a {'non-negative' if zero_ok else 'positive'} number is needed, got {value!r} "
                 "(run `flopwise hardware calibrate` again)"
             )
-    return Recovery(**{k: float(data[k]) for k in RECOVERY_FIELDS}, source=str(data.get("source", "")))
+    return Recovery(**{k: float(data[k]) for k in _RECOVERY_FIELDS}, source=str(data.get("source", "")))
 
 
 def recovery_toml(r: Recovery) -> dict:

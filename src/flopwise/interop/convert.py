@@ -27,7 +27,7 @@ from flopwise.interop.hf import from_hf, write_hf
 
 # What proves an HF folder is one flopwise exported (so a later export may replace it): every file in
 # it, with size and sha256 (a name HF tools do not use, so the folder stays a plain HF folder)
-HF_MANIFEST = ManifestKind("flopwise-manifest.json", "flopwise-hf-manifest/1")
+_HF_MANIFEST = ManifestKind("flopwise-manifest.json", "flopwise-hf-manifest/1")
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
@@ -71,7 +71,7 @@ def _import_hf(hf_dir: Path, out: Path, force: bool) -> Path:
     )
 
 
-def check_export(
+def _check_export(
     src: Path, m: ModelConfig, shapes: dict[str, tuple[int, ...]], tok, ids: dict[str, int | None]
 ) -> None:
     """Refuse (one line, nothing written) a checkpoint whose tensors do not fit its config (a
@@ -110,7 +110,7 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 
 
 
 def _export_hf(ckpt: str | Path, out_dir: Path, max_shard_bytes: int) -> Path:
-    if reason := why_not_ours(out_dir, HF_MANIFEST):
+    if reason := why_not_ours(out_dir, _HF_MANIFEST):
         raise CheckpointError(
             f"convert to-hf: {out_dir} {reason}; flopwise writes a Hugging Face folder only into a "
             "new or empty one, or one it exported before: choose another folder"
@@ -122,7 +122,7 @@ def _export_hf(ckpt: str | Path, out_dir: Path, max_shard_bytes: int) -> Path:
     tensors = CheckpointTensors(src)
     shapes = {k.removeprefix("model."): tuple(v.size) for k, v in tensors.specs.items() if k.startswith("model.")}
     ids = special_ids(tok, src)
-    check_export(src, cfg.model, shapes, tok, ids)  # before anything is written
+    _check_export(src, cfg.model, shapes, tok, ids)  # before anything is written
 
     def fetch(names: list[str]) -> dict:
         got = tensors.read([f"model.{n}" for n in names])
@@ -152,6 +152,6 @@ def _export_hf(ckpt: str | Path, out_dir: Path, max_shard_bytes: int) -> Path:
         (out / "generation_config.json").write_text(
             json.dumps({"eos_token_id": ids["eos"], "bos_token_id": ids["bos"]}, indent=1)
         )
-    written = [p for p in files_under(out) if p.relative_to(out).as_posix() not in (HF_MANIFEST.name, LOCK)]
-    write_manifest(out, HF_MANIFEST, {p.relative_to(out).as_posix(): file_record(p) for p in written}, complete=True)
+    written = [p for p in files_under(out) if p.relative_to(out).as_posix() not in (_HF_MANIFEST.name, LOCK)]
+    write_manifest(out, _HF_MANIFEST, {p.relative_to(out).as_posix(): file_record(p) for p in written}, complete=True)
     return out

@@ -30,7 +30,7 @@ from flopwise.config.hf_mapping import LLAMA_LIKE, hf_config_from_model, refuse,
 from flopwise.config.schema import ModelConfig, hf_model_fields
 from flopwise.model.init import canonical_name, global_box
 
-TOKENIZER_FILES = (
+_TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -146,7 +146,7 @@ def _opt_names(m: ModelConfig) -> list[tuple[str, str]]:
 
 
 @dataclass(frozen=True)
-class TensorSource:
+class _TensorSource:
     """Where one flopwise tensor lives in an HF folder: a tensor, maybe transposed (GPT-2's Conv1D
     stores (in, out)), maybe one of `fused` tensors stacked along its rows (GPT-2's q|k|v at
     row offset k·d; NeoX's per-head [q k v] interleave, `heads` = (n_heads, head_dim, k))."""
@@ -187,25 +187,25 @@ class TensorSource:
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def _sources(m: ModelConfig) -> dict[str, TensorSource]:
+def _sources(m: ModelConfig) -> dict[str, _TensorSource]:
     """flopwise tensor name -> its TensorSource, for every parameter of the model."""
-    out = {ours: TensorSource(theirs) for ours, theirs in _names(m)}
+    out = {ours: _TensorSource(theirs) for ours, theirs in _names(m)}
     d, hd, nh = m.d_model, m.head_dim, m.n_heads
     for i in range(m.n_layers):
         f = f"layers.{i}."
         if m.arch == "gpt2":
             h = f"transformer.h.{i}."
             for k, name in enumerate(("wq", "wk", "wv")):
-                out[f + f"attention.{name}.weight"] = TensorSource(h + "attn.c_attn.weight", True, 3, k * d)
-                out[f + f"attention.{name}.bias"] = TensorSource(h + "attn.c_attn.bias", False, 3, k * d)
-            out[f + "attention.wo.weight"] = TensorSource(h + "attn.c_proj.weight", True)
-            out[f + "feed_forward.w1.weight"] = TensorSource(h + "mlp.c_fc.weight", True)
-            out[f + "feed_forward.w2.weight"] = TensorSource(h + "mlp.c_proj.weight", True)
+                out[f + f"attention.{name}.weight"] = _TensorSource(h + "attn.c_attn.weight", True, 3, k * d)
+                out[f + f"attention.{name}.bias"] = _TensorSource(h + "attn.c_attn.bias", False, 3, k * d)
+            out[f + "attention.wo.weight"] = _TensorSource(h + "attn.c_proj.weight", True)
+            out[f + "feed_forward.w1.weight"] = _TensorSource(h + "mlp.c_fc.weight", True)
+            out[f + "feed_forward.w2.weight"] = _TensorSource(h + "mlp.c_proj.weight", True)
         elif m.arch == "neox":
             h = f"gpt_neox.layers.{i}.attention.query_key_value."
             for k, name in enumerate(("wq", "wk", "wv")):
-                out[f + f"attention.{name}.weight"] = TensorSource(h + "weight", fused=3, heads=(nh, hd, k))
-                out[f + f"attention.{name}.bias"] = TensorSource(h + "bias", fused=3, heads=(nh, hd, k))
+                out[f + f"attention.{name}.weight"] = _TensorSource(h + "weight", fused=3, heads=(nh, hd, k))
+                out[f + f"attention.{name}.bias"] = _TensorSource(h + "bias", fused=3, heads=(nh, hd, k))
     return out
 
 
@@ -391,7 +391,7 @@ def write_hf(
         )
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     if tokenizer_dir is not None:
-        for name in TOKENIZER_FILES:
+        for name in _TOKENIZER_FILES:
             if (Path(tokenizer_dir) / name).is_file():
                 shutil.copyfile(Path(tokenizer_dir) / name, path / name)
     return path

@@ -40,7 +40,7 @@ LINEAR_KEYS = (
 )
 
 # torch._scaled_mm's operands need both dims of a float8 weight to be multiples of 16
-FLOAT8_MULTIPLE = 16
+_FLOAT8_MULTIPLE = 16
 
 RECIPES = ("rowwise", "tensorwise")  # train.float8's recipes (torchao's dynamic scaling)
 
@@ -70,7 +70,7 @@ def block_linears(m: ModelConfig, tp: int = 1) -> list[tuple[str, tuple[int, ...
 def float8_eligible(shape: tuple[int, ...]) -> bool:
     """Whether a linear of this (out, in) weight runs in float8 under train.float8 (else it stays in
     train.dtype; parallel.float8 converts exactly these)."""
-    return all(d % FLOAT8_MULTIPLE == 0 for d in shape)
+    return all(d % _FLOAT8_MULTIPLE == 0 for d in shape)
 
 
 def float8_shapes(m: ModelConfig, tp: int = 1) -> list[tuple[int, ...]]:

@@ -149,7 +149,7 @@ def min_microbatches(schedule: str, pp: int) -> int:
     return {"1f1b": pp, "dualpipev": 2 * pp}.get(schedule, 1)
 
 
-def schedule_microbatches(lo: Layout, global_batch: int) -> str | None:
+def _schedule_microbatches(lo: Layout, global_batch: int) -> str | None:
     """Why torch's schedule class would refuse this step's micro-batch count (None: it takes it),
     with the train.micro_batch or train.global_batch that fixes it."""
     n, dp, mb, sched = lo.microbatches(global_batch), lo.dp, lo.micro_batch, lo.pp_schedule
@@ -229,7 +229,7 @@ def check_layout(
         )
     if lo.pp * lo.virtual_stages > m.n_layers:
         return f"pp·virtual_stages={lo.pp * lo.virtual_stages} exceeds model.n_layers={m.n_layers}"
-    if lo.pp > 1 and engine and (reason := schedule_microbatches(lo, global_batch)):
+    if lo.pp > 1 and engine and (reason := _schedule_microbatches(lo, global_batch)):
         return reason
     n_micro = lo.microbatches(global_batch)
     if lo.pp > 1 and not engine and (n_micro < lo.pp or lo.pp_schedule == "interleaved-1f1b" and n_micro % lo.pp):

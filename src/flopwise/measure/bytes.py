@@ -21,23 +21,23 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 
-def local_bytes(t: torch.Tensor) -> int:
+def _local_bytes(t: torch.Tensor) -> int:
     t = t.to_local() if isinstance(t, DTensor) else t
     return t.numel() * t.element_size()
 
 
 def param_bytes(modules) -> int:
-    return sum(local_bytes(p) for m in modules for p in m.parameters())
+    return sum(_local_bytes(p) for m in modules for p in m.parameters())
 
 
 def grad_bytes(modules) -> int:
-    return sum(local_bytes(p.grad) for m in modules for p in m.parameters() if p.grad is not None)
+    return sum(_local_bytes(p.grad) for m in modules for p in m.parameters() if p.grad is not None)
 
 
 def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Moments only (the per-parameter step counters are scalars)."""
     return sum(
-        local_bytes(v)
+        _local_bytes(v)
         for s in optimizer.state.values()
         for v in s.values()
         if isinstance(v, torch.Tensor) and v.dim() > 0

@@ -67,17 +67,17 @@ from flopwise.train.optim import build_optimizer
 from flopwise.train.preflight import device_memory
 
 Progress = Callable[[str], None]
-CPU_FLOPS_PER_THREAD = 2e10  # largest product timed on a CPU, per thread of a rank (~0.1 s at 0.2 TFLOP/s a core)
-PRODUCT_S = 0.1  # ... and no larger than the measured peak does in this: in bf16 without bf16 instructions
+_CPU_FLOPS_PER_THREAD = 2e10  # largest product timed on a CPU, per thread of a rank (~0.1 s at 0.2 TFLOP/s a core)
+_PRODUCT_S = 0.1  # ... and no larger than the measured peak does in this: in bf16 without bf16 instructions
 # (1.4 GFLOP/s on 2 threads of an AVX2 EPYC, 2026-12-07) the fixed size alone made one product ~14 s
-CPU_QUERIES_PER_THREAD = 2**21  # attention's query elements per call on a CPU, per thread
-GPU_QUERIES = 2**26  # ... on a GPU
+_CPU_QUERIES_PER_THREAD = 2**21  # attention's query elements per call on a CPU, per thread
+_GPU_QUERIES = 2**26  # ... on a GPU
 CALL_S = 1.0  # the longest one measured forward + backward may take on a CPU, as the tables before it predict
-MEASURE_S = 1.0  # a measurement stops repeating once its calls (warm-up included) have taken this long
-STABLE = 0.05  # ... or once three timed calls agree within 5%: more would not move the median
-MEMORY_SHARE = 0.5  # of the memory free now, what one measured workload may take (all its ranks together)
-MIN_SEQ = 16  # the shortest sequence a forward + backward is timed at
-MESSAGE_BYTES = {"cpu": [2**k for k in range(12, 25, 3)], "cuda": [2**k for k in range(16, 31, 2)]}
+_MEASURE_S = 1.0  # a measurement stops repeating once its calls (warm-up included) have taken this long
+_STABLE = 0.05  # ... or once three timed calls agree within 5%: more would not move the median
+_MEMORY_SHARE = 0.5  # of the memory free now, what one measured workload may take (all its ranks together)
+_MIN_SEQ = 16  # the shortest sequence a forward + backward is timed at
+_MESSAGE_BYTES = {"cpu": [2**k for k in range(12, 25, 3)], "cuda": [2**k for k in range(16, 31, 2)]}
 
 
 def timed(
@@ -86,7 +86,7 @@ def timed(
     repeats: int = 5,
     warmup: int = 1,
     before: Callable[[], object] | None = None,
-    budget_s: float | None = MEASURE_S,
+    budget_s: float | None = _MEASURE_S,
 ) -> float:
     """Median seconds of `fn` over `repeats` after `warmup` calls (the GPU synchronised around each;
     `before` runs untimed ahead of each, e.g. a barrier that starts all ranks together); fewer once
@@ -106,13 +106,13 @@ def timed(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-        stable = len(times) >= 3 and max(times) <= (1 + STABLE) * min(times)
+        stable = len(times) >= 3 and max(times) <= (1 + _STABLE) * min(times)
         if budget_s is not None and (stable or time.perf_counter() - start >= budget_s):
             break
     return statistics.median(times)
 
 
-def gemm_shapes(cfg: Config, tps: tuple[int, ...], micro_batches: tuple[int, ...]) -> list[tuple[int, int, int]]:
+def _gemm_shapes(cfg: Config, tps: tuple[int, ...], micro_batches: tuple[int, ...]) -> list[tuple[int, int, int]]:
     """(m, n, k) of every product one layer and the output layer run, forward and both backward
     transposes, at the given tensor-parallel degrees and micro-batches, plus a coarse grid."""
     m = cfg.model
@@ -136,7 +136,7 @@ def gemm_shapes(cfg: Config, tps: tuple[int, ...], micro_batches: tuple[int, ...
     return sorted(s for s in out if min(s) >= 1)
 
 
-def measure_gemms(shapes, dtype: torch.dtype, device: torch.device, peak: float, progress: Progress) -> list:
+def _measure_gemms(shapes, dtype: torch.dtype, device: torch.device, peak: float, progress: Progress) -> list:
     rows = []
     for m, n, k in shapes:
         flops = 2 * m * n * k
@@ -148,7 +148,7 @@ def measure_gemms(shapes, dtype: torch.dtype, device: torch.device, peak: float,
     return rows
 
 
-def measure_attention(
+def _measure_attention(
     head_dims, seqs, queries: int, dtype: torch.dtype, device: torch.device, peak: float, progress: Progress
 ) -> list:
     """The engine's attention core (model.layers.CoreAttention: SDPA, causal; in fp32 on a CPU)
@@ -177,7 +177,7 @@ def measure_attention(
     return rows
 
 
-def elementwise_row(cfg: Config, partial: Hardware, tp: int, seconds: float) -> list:
+def _elementwise_row(cfg: Config, partial: Hardware, tp: int, seconds: float) -> list:
     """(tp, activation bytes, achieved bandwidth) from a measured forward + backward of the config's
     one micro-batch: what the planner's GEMM, attention and tensor-parallel all-reduce time for it
     (from the tables and fits just measured) leaves, over the planner's element-wise bytes (with
@@ -194,7 +194,7 @@ def elementwise_row(cfg: Config, partial: Hardware, tp: int, seconds: float) -> 
     return [tp, tensor, round(nbytes / other)]
 
 
-def model_seconds(sizes: list[Config], device: torch.device, progress: Progress) -> list[float]:
+def _model_seconds(sizes: list[Config], device: torch.device, progress: Progress) -> list[float]:
     """Seconds of the model's forward + backward (train.engine.lm_loss) at each config's micro-batch
     and sequence length (one model: they differ in those only)."""
     m = sizes[0].model
@@ -213,7 +213,7 @@ def model_seconds(sizes: list[Config], device: torch.device, progress: Progress)
     return out
 
 
-def at_size(cfg: Config, tp: int, mb: int, seq: int) -> Config | None:
+def _at_size(cfg: Config, tp: int, mb: int, seq: int) -> Config | None:
     """The config at tensor-parallel degree `tp`, one micro-batch of `mb` sequences of `seq` tokens
     per step, or None if its model does not split that way."""
     d = cfg.model_dump(mode="json", exclude_none=True, by_alias=True)
@@ -229,19 +229,19 @@ def at_size(cfg: Config, tp: int, mb: int, seq: int) -> Config | None:
     return None if check else sized
 
 
-def tp_config(cfg: Config, tp: int) -> Config | None:
+def _tp_config(cfg: Config, tp: int) -> Config | None:
     """The config at tensor-parallel degree `tp`, one micro-batch per step, or None if its model
     does not split that way."""
-    return at_size(cfg, tp, cfg.train.micro_batch or 1, cfg.data.seq_len)
+    return _at_size(cfg, tp, cfg.train.micro_batch or 1, cfg.data.seq_len)
 
 
 def halved(cfg: Config, tp: int) -> Config | None:
     """`cfg` with half the tokens a step: half the micro-batch, or at one sequence half its length
     (None below MIN_SEQ or where the model does not split so)."""
     mb, seq = cfg.train.micro_batch or 1, cfg.data.seq_len
-    if mb == 1 and seq // 2 < MIN_SEQ:
+    if mb == 1 and seq // 2 < _MIN_SEQ:
         return None
-    return at_size(cfg, tp, mb // 2, seq) if mb > 1 else at_size(cfg, tp, 1, seq // 2)
+    return _at_size(cfg, tp, mb // 2, seq) if mb > 1 else _at_size(cfg, tp, 1, seq // 2)
 
 
 def workload(cfg: Config, hw: Hardware, room: float, device: torch.device) -> Config:
@@ -294,7 +294,7 @@ def _tp_seconds(config: str, device: torch.device) -> float:
     return timed(step, device, repeats=3, before=dist.barrier, budget_s=None)
 
 
-def measure_optimizer(cfg: Config, device: torch.device, sizes, progress: Progress) -> list:
+def _measure_optimizer(cfg: Config, device: torch.device, sizes, progress: Progress) -> list:
     rows = []
 
     def step(w: torch.nn.Linear, opt: torch.optim.Optimizer) -> None:
@@ -311,7 +311,7 @@ def measure_optimizer(cfg: Config, device: torch.device, sizes, progress: Progre
     return rows
 
 
-def measure_ranks(nproc: int, threads: int, device: torch.device, tp_cfg: Config | None, progress: Progress) -> dict:
+def _measure_ranks(nproc: int, threads: int, device: torch.device, tp_cfg: Config | None, progress: Progress) -> dict:
     """Over `nproc` local ranks (of `threads` threads each on a CPU), in a torchrun of this module:
     each collective by message size, how much of one hides behind compute (`overlap`), and the
     engine's forward + backward at tensor-parallel degree nproc (`tp_seconds`, given `tp_cfg`)."""
@@ -362,7 +362,7 @@ def _collectives_rank(out: str, backend: str, config: str) -> None:
             "send_recv": lambda: (dist.send(full, 1) if rank == 0 else dist.recv(full, 0)) if rank < 2 else None,
         }
 
-    for nbytes in MESSAGE_BYTES[device.type]:
+    for nbytes in _MESSAGE_BYTES[device.type]:
         n = nbytes // 4
         ops = collectives(torch.ones(n, device=device), torch.ones(n // world, device=device))
         for kind, op in ops.items():
@@ -405,7 +405,7 @@ def overlap(device: torch.device) -> float:
     return max(0.0, min(1.0, (t_c + t_m - t_both) / min(t_c, t_m)))
 
 
-def device_entry(device: torch.device) -> tuple[str, Hardware]:
+def _device_entry(device: torch.device) -> tuple[str, Hardware]:
     """The catalogue entry the calibration replaces: `cpu`, or the GPU's (identified by name and
     memory), else a new entry named after the driver's name."""
     if device.type == "cpu":
@@ -420,7 +420,7 @@ def device_entry(device: torch.device) -> tuple[str, Hardware]:
     )
 
 
-def host_memory_bytes() -> float:
+def _host_memory_bytes() -> float:
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemTotal:"):
@@ -435,7 +435,7 @@ def stream_bandwidth(device: torch.device) -> float:
     return 8 * n / timed(lambda: b.copy_(a), device)
 
 
-def require_bf16(dtype: str) -> None:
+def _require_bf16(dtype: str) -> None:
     """Only bf16 is measured: the planner reads every table as a share of the 16-bit peak
     (`Hardware.peak_16bit`), so fp32 tables would be misread, and a CPU entry with only an fp32 peak
     is refused by `plan` (an fp32 calibration crashed after a minute of measuring)."""
@@ -466,7 +466,7 @@ def calibration_config(path: str, overrides: list[str]) -> Config:
     train = tree.setdefault("train", {})
     if isinstance(train, dict):  # (anything else is validate's error)
         dtype = train.get("dtype", "auto")
-        require_bf16("bf16" if dtype == "auto" else str(dtype))
+        _require_bf16("bf16" if dtype == "auto" else str(dtype))
         train["dtype"] = "bf16"
     return validate(tree)
 
@@ -478,9 +478,9 @@ def calibrate_device(
     On a CPU one device is one of `nproc` ranks: the compute is measured on its share of the cores.
     `total(n)`: the number of `progress` calls to expect, once the peak that sizes them is measured.
     """
-    require_bf16(cfg.train.dtype)
+    _require_bf16(cfg.train.dtype)
     require_bf16_device(device)
-    threads = rank_threads(device, nproc)
+    threads = _rank_threads(device, nproc)
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -492,16 +492,16 @@ def calibrate_device(
         torch.set_num_threads(before)
 
 
-def rank_threads(device: torch.device, nproc: int) -> int:
+def _rank_threads(device: torch.device, nproc: int) -> int:
     """The threads one of `nproc` ranks has on a CPU (its share of the cores); 0 on a GPU."""
     return max(1, (os.cpu_count() or 1) // nproc) if device.type == "cpu" else 0
 
 
-def free_memory(device: torch.device) -> float:
+def _free_memory(device: torch.device) -> float:
     """Bytes MEMORY_SHARE leaves a measured workload of all ranks together: of what the device has
     free now (a CPU's MemAvailable: the OS and its other processes keep the rest)."""
     free, _ = device_memory(device)
-    return MEMORY_SHARE * (free if free is not None else host_memory_bytes())
+    return _MEMORY_SHARE * (free if free is not None else _host_memory_bytes())
 
 
 def sweep(cfg: Config, nproc: int, device: torch.device, peak: float) -> dict:
@@ -512,17 +512,17 @@ def sweep(cfg: Config, nproc: int, device: torch.device, peak: float) -> dict:
     mb = cfg.train.micro_batch or 1
     micro_batches = tuple(sorted({max(1, mb // 4), max(1, mb // 2), mb}))
     tps = tuple(t for t in (1, 2, 4, 8) if t <= max(nproc, 1))
-    threads, room, size = rank_threads(device, nproc), free_memory(device), DTYPES[cfg.train.dtype].itemsize
-    flops = min(CPU_FLOPS_PER_THREAD * threads, peak * PRODUCT_S) if threads else math.inf
+    threads, room, size = _rank_threads(device, nproc), _free_memory(device), DTYPES[cfg.train.dtype].itemsize
+    flops = min(_CPU_FLOPS_PER_THREAD * threads, peak * _PRODUCT_S) if threads else math.inf
     gemms = [
         (m, n, k)
-        for m, n, k in gemm_shapes(cfg, tps, micro_batches)
+        for m, n, k in _gemm_shapes(cfg, tps, micro_batches)
         if 2 * m * n * k <= flops and (m * k + k * n + m * n) * size <= room
     ]
     seqs = sorted(
         {s for s in (128, 256, 512, 1024, 2048, 4096) if device.type == "cuda" or s <= 1024} | {cfg.data.seq_len}
     )
-    queries = CPU_QUERIES_PER_THREAD * threads if threads else GPU_QUERIES
+    queries = _CPU_QUERIES_PER_THREAD * threads if threads else _GPU_QUERIES
     return {
         "micro_batches": micro_batches,
         "gemms": gemms,
@@ -532,13 +532,13 @@ def sweep(cfg: Config, nproc: int, device: torch.device, peak: float) -> dict:
     }
 
 
-MODEL_SIZES = 3  # the model's forward + backward at its workload, a half and a quarter of it
+_MODEL_SIZES = 3  # the model's forward + backward at its workload, a half and a quarter of it
 
 
 def steps_of(cfg: Config, nproc: int, device: torch.device, peak: float) -> int:
     """How many measurements calibrate takes (for the progress bar)."""
     s = sweep(cfg, nproc, device, peak)
-    return 1 + len(s["gemms"]) + len(s["seqs"]) * len(s["head_dims"]) + MODEL_SIZES + 5 + (nproc >= 2)
+    return 1 + len(s["gemms"]) + len(s["seqs"]) * len(s["head_dims"]) + _MODEL_SIZES + 5 + (nproc >= 2)
 
 
 def _calibrate(
@@ -546,20 +546,20 @@ def _calibrate(
 ) -> Hardware:
     dtype_name = cfg.train.dtype
     dtype = DTYPES[dtype_name]
-    _, base = device_entry(device)
+    _, base = _device_entry(device)
     peak = measure_matmul_peak(dtype_name, device)
     total(steps_of(cfg, nproc, device, peak))
     progress(f"peak {peak / 1e12:.3g} TFLOP/s")
     s = sweep(cfg, nproc, device, peak)
-    gemm = measure_gemms(s["gemms"], dtype, device, peak, progress)
-    attention = measure_attention(s["head_dims"], s["seqs"], s["queries"], dtype, device, peak, progress)
+    gemm = _measure_gemms(s["gemms"], dtype, device, peak, progress)
+    attention = _measure_attention(s["head_dims"], s["seqs"], s["queries"], dtype, device, peak, progress)
     bw = stream_bandwidth(device)
     hw = replace(
         base,
         peak_flops={**base.peak_flops, dtype_name: peak},
         memory_bw=bw,
         devices_per_node=max(nproc, 1),
-        memory_bytes=base.memory_bytes or host_memory_bytes(),
+        memory_bytes=base.memory_bytes or _host_memory_bytes(),
         intra_node_bw=base.intra_node_bw or bw,
         inter_node_bw=base.inter_node_bw or bw,
         source=f"measured by flopwise hardware calibrate on {platform.node()} "
@@ -573,28 +573,28 @@ def _calibrate(
         elementwise=((1.0, 1.0, bw),),
         optimizer=((1.0, 1.0),),
     )
-    room = free_memory(device)  # the model's workloads: sized by what the tables so far predict of them
-    one = tp_config(cfg, 1)
+    room = _free_memory(device)  # the model's workloads: sized by what the tables so far predict of them
+    one = _tp_config(cfg, 1)
     assert one is not None  # one process: no split to refuse
     workloads = [workload(one, replace(hw, calibration=stub), room, device)]
-    while len(workloads) < MODEL_SIZES and (smaller := halved(workloads[-1], 1)) is not None:
+    while len(workloads) < _MODEL_SIZES and (smaller := halved(workloads[-1], 1)) is not None:
         workloads.append(smaller)
-    tp_cfg = tp_config(cfg, nproc) if nproc >= 2 else None
+    tp_cfg = _tp_config(cfg, nproc) if nproc >= 2 else None
     if tp_cfg is not None:
         tp_cfg = workload(tp_cfg, replace(hw, calibration=stub), room / nproc, device)  # each rank its share
-    measured = measure_ranks(nproc, threads, device, tp_cfg, progress)
+    measured = _measure_ranks(nproc, threads, device, tp_cfg, progress)
     stub = replace(
         stub, collectives=tuple((k, tuple(map(tuple, v))) for k, v in sorted(measured["collectives"].items()) if v)
     )
     partial = replace(hw, calibration=stub)
     elementwise = [
-        elementwise_row(c, partial, 1, sec)
-        for c, sec in zip(workloads, model_seconds(workloads, device, progress), strict=True)
+        _elementwise_row(c, partial, 1, sec)
+        for c, sec in zip(workloads, _model_seconds(workloads, device, progress), strict=True)
     ]
     if tp_cfg is not None and measured["tp_seconds"]:
-        elementwise.append(elementwise_row(tp_cfg, partial, nproc, measured["tp_seconds"]))
+        elementwise.append(_elementwise_row(tp_cfg, partial, nproc, measured["tp_seconds"]))
     sizes = [2**20, 2**22, 2**24] if device.type == "cpu" else [2**24, 2**26, 2**28]
-    optimizer = measure_optimizer(cfg, device, sizes, progress)
+    optimizer = _measure_optimizer(cfg, device, sizes, progress)
     cal = Calibration(
         dtype=dtype_name,
         gemm=stub.gemm,

@@ -54,8 +54,8 @@ SHAPE_1B = [
 ]
 # engine.clip_grad_norm's foreach kernels per fp32 gradient element: the norm reads it (4), the clip
 # multiplies it in place (4 + 4); `hardware calibrate` times them with the AdamW step, as one row
-CLIP_BYTES = 12
-KERNELS = {
+_CLIP_BYTES = 12
+_KERNELS = {
     "mm": "aten::mm",
     "attn_fwd": "aten::_cudnn_attention_forward",
     "attn_bwd": "aten::_cudnn_attention_backward",
@@ -73,10 +73,10 @@ def _one_rank(cfg: Config) -> Layout:
     return lo
 
 
-def self_cuda_ms(table: str) -> dict[str, float]:
+def _self_cuda_ms(table: str) -> dict[str, float]:
     """Self CUDA time (ms) of the kernel classes in a torch.profiler key_averages table, and the total."""
     out = {}
-    for key, name in KERNELS.items():
+    for key, name in _KERNELS.items():
         row = next(line for line in table.splitlines() if line.strip().startswith(name + " "))
         cells = re.split(r"\s{2,}", row.strip())
         out[key] = _ms(cells[6])  # Name, Self CPU %, Self CPU, CPU total %, CPU total, CPU time avg, Self CUDA
@@ -143,7 +143,7 @@ def predict(cfg: Config, hw: Hardware) -> tuple[float, float]:
 def derive(run: dict) -> Calibration:
     """The H200 table from the recorded profile `run` (benchmarks/gpu/results/gpu_llama1b_z3_b8.json; see
     the module docstring)."""
-    k = self_cuda_ms(run["profile_top_kernels"])
+    k = _self_cuda_ms(run["profile_top_kernels"])
     cfg = run_config(run["batch"], 3, True)
     unit = replace(get_hardware("h200"), calibration=None, matmul_efficiency=1.0)
     lo = _one_rank(cfg)
@@ -153,7 +153,7 @@ def derive(run: dict) -> Calibration:
     lt = layer_times(sh, unit, STACKS["flopwise"], cfg.data.seq_len, run["batch"], 1, 1, False)
     n = cfg.model.n_layers
     memory_bound_ms = k["total"] - k["mm"] - k["attn_fwd"] - k["attn_bwd"] - k["adamw"]
-    clip_bytes = CLIP_BYTES * run["params"]
+    clip_bytes = _CLIP_BYTES * run["params"]
     stream_bytes = at_unit["other_compute"] * MEM_EFFICIENCY * unit.memory_bw + predict(cfg, unit)[1] + clip_bytes
     rate = float(f"{1e3 * stream_bytes / memory_bound_ms:.3g}")
     tokens = run["batch"] * cfg.data.seq_len

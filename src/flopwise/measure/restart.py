@@ -40,12 +40,12 @@ from flopwise.model.transformer import build_model
 from flopwise.train.optim import build_optimizer
 
 REPEATS = 3  # saves of each size
-RESTARTS = 2
-TINY_FEATURES = 64  # a 64 × 64 linear layer: 4,096 parameters, a save that is all fixed cost
-READY = "restart-probe loaded in"
+_RESTARTS = 2
+_TINY_FEATURES = 64  # a 64 × 64 linear layer: 4,096 parameters, a save that is all fixed cost
+_READY = "restart-probe loaded in"
 # the child imports the CLI first, as `python -m flopwise train` does (its cost is the restart's); a
 # program of its own, so that this module, which the CLI imports, does not import the CLI back
-PROBE_SCRIPT = (
+_PROBE_SCRIPT = (
     "import sys, flopwise.cli; from flopwise.measure.restart import restart_probe; restart_probe(*sys.argv[1:])"
 )
 
@@ -62,12 +62,12 @@ def _save_seconds(root: Path, model: torch.nn.Module, optimizer: torch.optim.Opt
 
 def _restart_seconds(config: Path, ckpt: Path, device: torch.device) -> tuple[float, float]:
     """(launch to loaded, the load alone) of one child process, in seconds."""
-    cmd = [sys.executable, "-c", PROBE_SCRIPT, str(config), str(ckpt), str(device)]
+    cmd = [sys.executable, "-c", _PROBE_SCRIPT, str(config), str(ckpt), str(device)]
     t0 = time.perf_counter()
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         assert proc.stdout is not None and proc.stderr is not None  # piped above
         for line in proc.stdout:
-            if line.startswith(READY):
+            if line.startswith(_READY):
                 total = time.perf_counter() - t0
                 proc.wait()
                 return total, float(line.split()[-1])
@@ -87,7 +87,7 @@ def measure_recovery(cfg: Config, device: torch.device, progress: Callable[[str]
     """The write and restart costs of `cfg`'s model on `device` (see the module docstring)."""
     with tempfile.TemporaryDirectory(prefix="flopwise-calibrate-") as tmp:
         root = Path(tmp)
-        tiny = torch.nn.Linear(TINY_FEATURES, TINY_FEATURES, bias=False, device=device)
+        tiny = torch.nn.Linear(_TINY_FEATURES, _TINY_FEATURES, bias=False, device=device)
         t_tiny, b_tiny, _ = _save_seconds(root / "tiny", tiny, build_optimizer(tiny, cfg.optim))
         model = build_model(cfg.model, device)
         params = sum(p.numel() for p in model.parameters())
@@ -97,7 +97,7 @@ def measure_recovery(cfg: Config, device: torch.device, progress: Callable[[str]
         del model
         config = root / "config.toml"
         config.write_text(to_toml(cfg))
-        total, load = min(_restart_seconds(config, ckpt, device) for _ in range(RESTARTS))
+        total, load = min(_restart_seconds(config, ckpt, device) for _ in range(_RESTARTS))
         progress(f"restart: {total:.3g} s")
     return Recovery(
         write_latency_s=round(write_latency, 4),
@@ -109,11 +109,11 @@ def measure_recovery(cfg: Config, device: torch.device, progress: Callable[[str]
     )
 
 
-def restart_probe(config: str, ckpt: str, device: str) -> None:
+def _restart_probe(config: str, ckpt: str, device: str) -> None:
     """One restart: the model and optimizer built on `device`, the checkpoint loaded into them."""
     cfg = load_config(config)
     model = build_model(cfg.model, device)
     optimizer = build_optimizer(model, cfg.optim)
     t0 = time.perf_counter()
     checkpoint.load(Path(ckpt), model, optimizer)
-    print(f"{READY} {time.perf_counter() - t0!r}", flush=True)
+    print(f"{_READY} {time.perf_counter() - t0!r}", flush=True)

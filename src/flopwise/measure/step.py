@@ -54,10 +54,10 @@ from flopwise.train.faults import Faults
 from flopwise.train.run import Run
 from flopwise.train.trainer import train_step
 
-MAX_RANKS = 8  # processes one CPU machine runs for a measurement (gloo)
+_MAX_RANKS = 8  # processes one CPU machine runs for a measurement (gloo)
 QUANTITIES = ("params", "grads", "optimizer", "activations", "gathered", "peak", "fsdp_copies")
 # The step's components, measured and predicted: the planner's Estimate.time terms that make each
-COMPONENTS = {
+_COMPONENTS = {
     "matmul": ("matmul",),
     "attention": ("attention",),
     "other_compute": ("other_compute", "grad_accum", "fsdp_copies", "weight_casts"),
@@ -65,7 +65,7 @@ COMPONENTS = {
     "exposed_comm": ("tp_comm", "dp_comm", "pp_comm", "cp_comm"),
     "pipeline_bubble": ("pp_bubble",),
 }
-STEP_SCOPE = "flopwise.step"  # the record_function around the profiled step
+_STEP_SCOPE = "flopwise.step"  # the record_function around the profiled step
 PROFILED = 3  # profiled steps, of which the median one is split into components
 _MATMUL_OPS = {
     "aten::mm",
@@ -110,7 +110,7 @@ def measure_rank(run: Run, steps: int, timed: int = 0, collectives: bool = True)
                 train_step(run, next(step), faults)
             out["activations"], out["gathered"], out["peak"] = saved.bytes, saved.gathered, peak.bytes
         if timed:  # before the counted step, under whose dispatch mode compiled blocks run eagerly
-            out.update(time_steps(run, step, faults, timed))
+            out.update(_time_steps(run, step, faults, timed))
         # CommCounter is a dispatch mode, under which compiled blocks run eagerly (and save what eager
         # saves): the collectives get a step of their own
         if collectives:
@@ -124,7 +124,7 @@ def measure_rank(run: Run, steps: int, timed: int = 0, collectives: bool = True)
     return out
 
 
-def time_steps(run: Run, step: Iterator[int], faults: Faults, n: int) -> dict[str, Any]:
+def _time_steps(run: Run, step: Iterator[int], faults: Faults, n: int) -> dict[str, Any]:
     """The wall time of `n` steps and their median, and PROFILED steps under torch.profiler (kept
     out of the median: the profiler adds its own overhead), the one of median wall time split into
     components (one step: its components add up to its wall time). Timed and profiled steps take
@@ -133,19 +133,19 @@ def time_steps(run: Run, step: Iterator[int], faults: Faults, n: int) -> dict[st
     times, profiled = [], []
     for i in range(max(n, PROFILED)):
         if i < n:
-            times.append(timed_step(run, next(step), faults))
+            times.append(_timed_step(run, next(step), faults))
         if i < PROFILED:
             with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
-                profiled.append((timed_step(run, next(step), faults, scope=STEP_SCOPE), prof))
+                profiled.append((_timed_step(run, next(step), faults, scope=_STEP_SCOPE), prof))
     wall, prof = sorted(profiled, key=lambda p: p[0])[PROFILED // 2]
     return {
         "step_time_s": {"measured": statistics.median(times), "steps": times},
         "profiled_step_s": wall,
-        "components": step_components(prof.events(), wall, cuda, bubble=run.par.size("pp") > 1),
+        "components": _step_components(prof.events(), wall, cuda, bubble=run.par.size("pp") > 1),
     }
 
 
-def timed_step(run: Run, step: int, faults: Faults, scope: str | None = None) -> float:
+def _timed_step(run: Run, step: int, faults: Faults, scope: str | None = None) -> float:
     """Wall seconds of training step `step` on this rank: every rank starts it together (a
     barrier) and the clock stops when this rank's device has finished it."""
     device = run.par.device
@@ -168,7 +168,7 @@ def _category(e: FunctionEvent | None) -> str:
     optimizer step; the gradient-clipping norm (foreach kernels) is the optimizer's, as the planner
     books its read of the gradients there."""
     names = []
-    while e is not None and e.name != STEP_SCOPE:
+    while e is not None and e.name != _STEP_SCOPE:
         names.append(e.name.removeprefix("autograd::engine::evaluate_function: "))
         e = e.cpu_parent
     if any(n.startswith(_COMM_PREFIXES) for n in names):
@@ -182,7 +182,7 @@ def _category(e: FunctionEvent | None) -> str:
     return "other_compute"
 
 
-def step_components(events: list[FunctionEvent], wall: float, cuda: bool, bubble: bool) -> dict[str, float]:
+def _step_components(events: list[FunctionEvent], wall: float, cuda: bool, bubble: bool) -> dict[str, float]:
     """Seconds of one profiled step by component; they sum to its wall time.
 
     On a CPU, each operator's own time on the step's thread (its span less its children's, so
@@ -194,7 +194,7 @@ def step_components(events: list[FunctionEvent], wall: float, cuda: bool, bubble
     overlap compute, so theirs is an upper bound of the exposed. What is left of the wall time is
     the pipeline bubble (pp > 1) or, with no pipeline, idle: host work outside operators and waits
     the profiler sees no collective for."""
-    scope = next(e for e in events if e.name == STEP_SCOPE)
+    scope = next(e for e in events if e.name == _STEP_SCOPE)
     start, end = scope.time_range.start, scope.time_range.end
     flight = _merged(
         [
@@ -203,7 +203,7 @@ def step_components(events: list[FunctionEvent], wall: float, cuda: bool, bubble
             if e.is_async and e.name.startswith(_COMM_PREFIXES) and not e.name.endswith(_P2P)
         ]
     )
-    out = dict.fromkeys([*COMPONENTS][:-1], 0.0)
+    out = dict.fromkeys([*_COMPONENTS][:-1], 0.0)
     for e in events:
         if e.device_type != torch.autograd.DeviceType.CPU or e.is_async or not start <= e.time_range.start <= end:
             continue
@@ -280,17 +280,17 @@ def predicted_time(cfg: Config, lo: Layout) -> tuple[Estimate | None, str | None
     ), None
 
 
-def component_times(est: Estimate | None, measured: dict[str, float], last: str) -> dict[str, dict[str, float | None]]:
+def _component_times(est: Estimate | None, measured: dict[str, float], last: str) -> dict[str, dict[str, float | None]]:
     """Predicted beside measured per component (`COMPONENTS`); the measured side's `last` is the
     bubble (pp > 1) or idle, both set beside the planner's bubble."""
-    names = {c: c for c in COMPONENTS} | {"pipeline_bubble": last}
+    names = {c: c for c in _COMPONENTS} | {"pipeline_bubble": last}
     return {
         names[c]: {"predicted": sum(est.time[k] for k in keys) if est else None, "measured": measured[names[c]]}
-        for c, keys in COMPONENTS.items()
+        for c, keys in _COMPONENTS.items()
     }
 
 
-def calibrated_threads(cfg: Config, world: int) -> int:
+def _calibrated_threads(cfg: Config, world: int) -> int:
     """Threads per rank on a CPU: as many as the calibration's device had (a CPU device is one rank
     of `hardware calibrate --nproc`, so prediction and measurement run alike), else a fair share."""
     cal = cluster_hardware(cfg.cluster).calibration
@@ -360,10 +360,10 @@ def _measured_layout(
     cfg = validate(tree)
     p = cfg.parallel
     world = (p.dp or 1) * p.tp * p.pp * p.cp if nproc is None else nproc
-    if world > MAX_RANKS:
+    if world > _MAX_RANKS:
         raise ConfigError(
             f"plan measure runs one process per rank on this machine: {world} ranks asked, at most "
-            f"{MAX_RANKS}; lower the parallel.* degrees (or --nproc)"
+            f"{_MAX_RANKS}; lower the parallel.* degrees (or --nproc)"
         )
     cfg = resolve_layout(cfg, tree, world)
     return cfg, layout_of(cfg, world), world
@@ -374,7 +374,7 @@ def _run_ranks(cfg: Config, lo: Layout, world: int, steps: int) -> list[dict[str
     with tempfile.TemporaryDirectory(prefix="flopwise-measure-") as tmp:
         config, out = Path(tmp) / "config.toml", Path(tmp) / "measured.json"
         config.write_text(to_toml(cfg))
-        env = {"OMP_NUM_THREADS": str(calibrated_threads(cfg, world)), **os.environ}
+        env = {"OMP_NUM_THREADS": str(_calibrated_threads(cfg, world)), **os.environ}
         r = subprocess.run(
             torchrun(
                 world,
@@ -434,7 +434,7 @@ def _step_time(
             or f"plan.step.estimate of {lo.name()} on {cfg.cluster.hardware}"
             + (f" ({cfg.cluster.hardware_file})" if cfg.cluster.hardware_file else "")
         ),
-        "step_time_components_s": component_times(est, pacing["step_time_components_s"], last),
+        "step_time_components_s": _component_times(est, pacing["step_time_components_s"], last),
         "components_rank": pacing["rank"],
     }
 

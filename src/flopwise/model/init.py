@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-BLOCK = 16384
+_BLOCK = 16384
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
@@ -52,8 +52,8 @@ def normal_box(
     c0, nc = (offset[1], shape[1]) if len(full_shape) == 2 else (0, cols)
     if len(full_shape) > 2 and math.prod(shape[1:]) != cols:
         raise ValueError(f"{name}: only the first two dims of a weight may be sharded")
-    bc = min(cols, BLOCK)
-    br = max(1, BLOCK // bc)
+    bc = min(cols, _BLOCK)
+    br = max(1, _BLOCK // bc)
     col_blocks = -(-cols // bc)
     out = torch.empty(nr, nc)
     base, gen = _base_seed(seed, name), torch.Generator(device="cpu")

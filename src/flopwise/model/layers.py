@@ -73,7 +73,7 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def sinusoids(n: int, dim: int) -> torch.Tensor:
+def _sinusoids(n: int, dim: int) -> torch.Tensor:
     """Transformer-XL relative-distance embeddings for distances 0..n-1."""
     inv = 1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     ang = torch.outer(torch.arange(n, dtype=torch.float32), inv)
@@ -187,7 +187,7 @@ class Attention(nn.Module):
 
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
         if self.relative:
-            self.register_buffer("distances", sinusoids(self.max_seq_len, self.d_model).to(device), persistent=False)
+            self.register_buffer("distances", _sinusoids(self.max_seq_len, self.d_model).to(device), persistent=False)
 
     def forward(self, x: torch.Tensor, ctx: AttnContext, cache: KVCache | None = None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -226,7 +226,7 @@ class Attention(nn.Module):
         return q + self.pos_bias_u[None, :, None, :].to(q.dtype), mask, False
 
 
-class FeedForward(nn.Module):
+class _FeedForward(nn.Module):
     def __init__(self, m: ModelConfig):
         super().__init__()
         self.kind = m.mlp
@@ -252,7 +252,7 @@ class Block(nn.Module):
         self.attention_norm = make_norm(m, m.d_model)
         self.attention = Attention(m, layer_idx)
         self.ffn_norm = make_norm(m, m.d_model)
-        self.feed_forward = FeedForward(m)
+        self.feed_forward = _FeedForward(m)
         self.dropout = nn.Dropout(m.dropout)
 
     def forward(self, x: torch.Tensor, ctx: AttnContext, cache: KVCache | None = None) -> torch.Tensor:

@@ -59,7 +59,7 @@ class Transformer(nn.Module):
             self.register_buffer("rope_sin", sin.to(device), persistent=False)
         if m.pos == "alibi":
             held = getattr(self, "alibi", None)
-            self.register_buffer("alibi", held_part(alibi_slopes(m.n_heads), held, device), persistent=False)
+            self.register_buffer("alibi", _held_part(alibi_slopes(m.n_heads), held, device), persistent=False)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -86,13 +86,13 @@ class Transformer(nn.Module):
         """What every layer shares for the tokens at `span`: positions, rope tables, the mask (see
         `forward` for `documents` and `positions`)."""
         m = self.cfg
-        pos_ids = position_ids(span, positions)
+        pos_ids = _position_ids(span, positions)
         cos = sin = None
         if m.pos == "rope":
-            cos, sin = rope_tables(self.rope_cos, self.rope_sin, pos_ids)
-        mask = allowed_keys(span, m.sliding_window, documents)
+            cos, sin = _rope_tables(self.rope_cos, self.rope_sin, pos_ids)
+        mask = _allowed_keys(span, m.sliding_window, documents)
         if m.pos == "alibi":
-            mask = alibi_mask(local_part(self.alibi), span, mask)
+            mask = _alibi_mask(_local_part(self.alibi), span, mask)
         elif m.pos == "relative" and mask is None:  # Attention._relative folds its terms into a mask
             mask = causal(span)
         return AttnContext(span, cos, sin, mask, mask is None, pos_ids)
@@ -141,13 +141,13 @@ class Transformer(nn.Module):
 # --- what a forward's span means for attention: one concern each ------------------------------
 
 
-def position_ids(span: Span, positions: torch.Tensor | None) -> torch.Tensor:
+def _position_ids(span: Span, positions: torch.Tensor | None) -> torch.Tensor:
     """The positions RoPE and learned embeddings see: the queries' absolute ones (t,), or theirs in
     `positions` (b, s) over the whole sequence: (b, t)."""
     return span.q_pos if positions is None else positions[:, span.q_pos]
 
 
-def rope_tables(cos: torch.Tensor, sin: torch.Tensor, pos_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor, pos_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of the RoPE tables at `pos_ids`; per sequence (b, t, r) -> (b, 1, t, r) against (b, h, t, d)."""
     cos, sin = cos[pos_ids], sin[pos_ids]
     if pos_ids.dim() == 2:
@@ -160,7 +160,7 @@ def causal(span: Span) -> torch.Tensor:
     return span.k_pos[None, :] <= span.q_pos[:, None]
 
 
-def allowed_keys(span: Span, window: int | None, documents: torch.Tensor | None) -> torch.Tensor | None:
+def _allowed_keys(span: Span, window: int | None, documents: torch.Tensor | None) -> torch.Tensor | None:
     """Which keys each query may see, or None where SDPA's is_causal says it (a whole sequence, no
     window, no documents): causal, within `window` positions, and inside the query's document
     (`documents` (b, s): then one (b, 1, t, k) mask per sequence, shared by the heads)."""
@@ -175,7 +175,7 @@ def allowed_keys(span: Span, window: int | None, documents: torch.Tensor | None)
     return allowed
 
 
-def alibi_mask(slopes: torch.Tensor, span: Span, allowed: torch.Tensor | None) -> torch.Tensor:
+def _alibi_mask(slopes: torch.Tensor, span: Span, allowed: torch.Tensor | None) -> torch.Tensor:
     """ALiBi (Press et al. 2022): −slope·distance on the keys a query may see, −inf elsewhere;
     (h, t, k), or (b, h, t, k) with a per-sequence mask."""
     dist = (span.q_pos[:, None] - span.k_pos[None, :]).float()
@@ -184,12 +184,12 @@ def alibi_mask(slopes: torch.Tensor, span: Span, allowed: torch.Tensor | None) -
     return torch.where(keep, bias, float("-inf"))
 
 
-def local_part(t: torch.Tensor) -> torch.Tensor:
+def _local_part(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a buffer a parallel plan sharded (a DTensor), or the buffer."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def held_part(full: torch.Tensor, held: torch.Tensor | None, device: torch.device | str | None) -> torch.Tensor:
+def _held_part(full: torch.Tensor, held: torch.Tensor | None, device: torch.device | str | None) -> torch.Tensor:
     """`full`'s values for what this rank holds of a computed buffer: the same slice of it where a
     parallel plan sharded the buffer (`held` a DTensor: its layout kept), else all of it."""
     if not isinstance(held, DTensor):

@@ -26,7 +26,7 @@ from flopwise.errors import ConfigError
 from flopwise.layout.linears import block_linears, float8_all_gather, float8_eligible
 from flopwise.layout.rules import Layout
 
-MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cores
+_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cores
 
 
 def _torchao():
@@ -60,7 +60,7 @@ def check_float8(cfg: Config, device: torch.device) -> None:
         else:
             props = torch.cuda.get_device_properties(device)
             found = f"{props.name} (compute capability {props.major}.{props.minor})"
-        if device.type != "cuda" or (props.major, props.minor) < MIN_CAPABILITY:
+        if device.type != "cuda" or (props.major, props.minor) < _MIN_CAPABILITY:
             raise ConfigError(
                 f"train.float8 needs a CUDA GPU of compute capability >= 8.9; found {found}; "
                 "set train.float8=none (or train.float8_emulate=true to emulate)"
@@ -68,7 +68,7 @@ def check_float8(cfg: Config, device: torch.device) -> None:
     _torchao()
 
 
-def float8_config(recipe: str, emulate: bool, all_gather: bool):
+def _float8_config(recipe: str, emulate: bool, all_gather: bool):
     """torchao's Float8LinearConfig for a recipe, emulated or not, with FSDP2's float8 all-gather."""
     base = _torchao().Float8LinearConfig.from_recipe_name(recipe)
     return dataclasses.replace(base, emulate=emulate, enable_fsdp_float8_all_gather=all_gather)
@@ -90,7 +90,7 @@ def apply_float8(model: nn.Module, cfg: Config, lo: Layout, device: torch.device
         return
     f8 = _torchao()
     eligible = {name for name, shape in block_linears(cfg.model, lo.tp) if float8_eligible(shape)}
-    config = float8_config(recipe, cfg.train.float8_emulate, float8_all_gather(recipe, lo))
+    config = _float8_config(recipe, cfg.train.float8_emulate, float8_all_gather(recipe, lo))
     f8.convert_to_float8_training(
         model.layers, config=config, module_filter_fn=lambda _, fqn: fqn.partition(".")[2] in eligible
     )

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from flopwise.model.transformer import Transformer
 
 
-class ReplicateParallel(ParallelStyle):
+class _ReplicateParallel(ParallelStyle):
     """Parameters replicated as DTensors, inputs and outputs local: a norm outside sequence parallel.
     (So every parameter is a DTensor on the tp mesh and FSDP/clipping see one kind of tensor.)"""
 
@@ -38,14 +38,14 @@ class ReplicateParallel(ParallelStyle):
 def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> None:
     sp = sequence_parallel
     seq = Shard(1) if sp else Replicate()
-    norm = SequenceParallel() if sp else ReplicateParallel()
+    norm = SequenceParallel() if sp else _ReplicateParallel()
     plan: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
         if model.embed_norm is not None:
             plan["embed_norm"] = norm
         if model.pos_embeddings is not None:
-            plan["pos_embeddings"] = ReplicateParallel()
+            plan["pos_embeddings"] = _ReplicateParallel()
     if model.output is not None:
         plan["norm"] = norm
         plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
@@ -75,10 +75,10 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> N
             bplan["attention.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
             bplan["attention.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
         parallelize_module(block, mesh, bplan)
-    shard_head_buffers(model, mesh)
+    _shard_head_buffers(model, mesh)
 
 
-def shard_head_buffers(model: Transformer, mesh: DeviceMesh) -> None:
+def _shard_head_buffers(model: Transformer, mesh: DeviceMesh) -> None:
     """Each rank attends with its own heads' ALiBi slopes: the buffer becomes a DTensor sharded by
     head (locally cut, no communication), whose layout the model's reset_buffers keeps when it
     fills the buffer after materialising."""

@@ -26,10 +26,10 @@ from flopwise.errors import ConfigError
 from flopwise.flops import count_params, flops_per_token, mfu, scaling_flops
 from flopwise.hardware.catalogue import CATALOGUE, get_hardware
 
-PLANNER_BAND = 0.10  # the planner's validated error on published throughput (tests/test_plan_validation.py)
+_PLANNER_BAND = 0.10  # the planner's validated error on published throughput (tests/test_plan_validation.py)
 # What a claim may state: counts are whole numbers >= 1, amounts finite numbers > 0 (an example each)
-COUNT_KEYS = {"devices": "devices=1024", "assumed_devices": "assumed_devices=1024", "seq_len": "seq_len=8192"}
-AMOUNT_KEYS = {
+_COUNT_KEYS = {"devices": "devices=1024", "assumed_devices": "assumed_devices=1024", "seq_len": "seq_len=8192"}
+_AMOUNT_KEYS = {
     "params": "params=70e9",
     "tokens": "tokens=15e12",
     "batch_tokens": "batch_tokens=16e6",
@@ -40,8 +40,8 @@ AMOUNT_KEYS = {
     "stated_mfu": "stated_mfu=0.41",
     "stated_flops": "stated_flops=3.8e25",
 }
-USER_KEYS = {"preset", "hardware", *COUNT_KEYS, *AMOUNT_KEYS}
-CLAIM_KEYS = USER_KEYS | {"name", "stated", "source", "status"}  # the last four: the catalogue's bookkeeping
+_USER_KEYS = {"preset", "hardware", *_COUNT_KEYS, *_AMOUNT_KEYS}
+_CLAIM_KEYS = _USER_KEYS | {"name", "stated", "source", "status"}  # the last four: the catalogue's bookkeeping
 
 
 def catalogue() -> dict[str, dict[str, Any]]:
@@ -52,7 +52,7 @@ def catalogue() -> dict[str, dict[str, Any]]:
 def parse_claim(items: list[str]) -> dict[str, Any]:
     """key=value words into a checked claim, or one bare word alone naming a catalogue entry
     (its published numbers are not mixed with a user's: which time basis wins would be hidden)."""
-    keys = ", ".join(sorted(USER_KEYS))
+    keys = ", ".join(sorted(_USER_KEYS))
     bare = [item for item in items if "=" not in item]
     if bare:
         entries = catalogue()
@@ -67,18 +67,18 @@ def parse_claim(items: list[str]) -> dict[str, Any]:
                 f"audit {' '.join(items)}: give one catalogue entry alone (or nothing for all of them), "
                 "or a claim of key=value words only"
             )
-        return validate_claim(entries[bare[0]])
+        return _validate_claim(entries[bare[0]])
     claim: dict[str, Any] = {"name": "claim", "stated": [], "source": "user claim", "status": "claim"}
     for item in items:
         key, _, value = item.partition("=")
-        if key not in USER_KEYS:
+        if key not in _USER_KEYS:
             raise ConfigError(f"audit claim: unknown key {key!r} (keys: {keys})")
         claim[key] = parse_value(value)
         claim["stated"].append(key)
-    return validate_claim(claim)
+    return _validate_claim(claim)
 
 
-def validate_claim(claim: dict[str, Any]) -> dict[str, Any]:
+def _validate_claim(claim: dict[str, Any]) -> dict[str, Any]:
     """The claim with every stated number type- and range-checked (counts made int): a negative,
     zero, NaN or text value would otherwise turn into a wrong MFU and verdict, or a crash."""
     where = "audit claim" if claim.get("status") == "claim" else f"audit catalogue entry {claim.get('name')}"
@@ -86,13 +86,13 @@ def validate_claim(claim: dict[str, Any]) -> dict[str, Any]:
     for key, value in claim.items():
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         shown = f"{value:.6g}" if number else repr(value)
-        if key in COUNT_KEYS:
+        if key in _COUNT_KEYS:
             if not (number and math.isfinite(value) and value >= 1 and float(value).is_integer()):
-                raise ConfigError(f"{where}: {key}={shown}: expected a whole number >= 1, e.g. {COUNT_KEYS[key]}")
+                raise ConfigError(f"{where}: {key}={shown}: expected a whole number >= 1, e.g. {_COUNT_KEYS[key]}")
             out[key] = int(value)
-        elif key in AMOUNT_KEYS:
+        elif key in _AMOUNT_KEYS:
             if not (number and math.isfinite(value) and value > 0):
-                raise ConfigError(f"{where}: {key}={shown}: expected a finite number > 0, e.g. {AMOUNT_KEYS[key]}")
+                raise ConfigError(f"{where}: {key}={shown}: expected a finite number > 0, e.g. {_AMOUNT_KEYS[key]}")
         elif key == "preset" and (not isinstance(value, str) or value not in PRESETS):
             raise ConfigError(f"{where}: preset={value!r}: unknown preset (list them with `flopwise presets`)")
         elif key == "hardware":
@@ -136,7 +136,7 @@ def _model(claim: dict) -> tuple[ModelConfig | None, float | None]:
 def audit_claim(claim: dict, predict: bool = True) -> ClaimVerdict:
     """One claim's FLOPs by the convention, the MFU its numbers imply, and (`predict`) the planner's
     best MFU for it on its hardware and device count, with a verdict."""
-    claim = validate_claim(claim)
+    claim = _validate_claim(claim)
     m, params = _model(claim)
     seq = claim.get("seq_len", 2048)
     notes: list[str] = []
@@ -237,7 +237,7 @@ def _verdict(no_fit: bool, implied: float | None, predicted: float | None) -> st
         return "underdetermined"
     if implied > 1:
         return "impossible"
-    if predicted is not None and implied > predicted * (1 + PLANNER_BAND):
+    if predicted is not None and implied > predicted * (1 + _PLANNER_BAND):
         return "optimistic"
     if predicted is None:  # no planner figure to compare with (no devices, or the planner could not plan)
         return "underdetermined"

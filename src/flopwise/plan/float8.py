@@ -21,7 +21,7 @@ from __future__ import annotations
 from flopwise.config.schema import ModelConfig
 from flopwise.layout.linears import RECIPES, float8_shapes
 
-SCALE_BYTES = 4  # torchao keeps every scale in fp32
+_SCALE_BYTES = 4  # torchao keeps every scale in fp32
 # Speed of torch._scaled_mm's rowwise CUTLASS kernel beside cuBLAS's tensorwise one on Hopper, both
 # with fast accumulation (the float8 forward): "most shapes are within 90-100% of tensor-wise
 # efficiency, but there's a long tail going down to 50%" (pytorch/pytorch#147971, Feb 2025,
@@ -42,7 +42,7 @@ def _cast(n: float, rows: float, hp_bytes: float, recipe: str) -> float:
     amax (torchao's tensor_to_amax: per tensor, or per row for rowwise), and a pass that reads it
     again and writes it in float8 (1 byte per element) with its fp32 scales (one, or one per row)."""
     scales = rows if recipe == "rowwise" else 1
-    return 2 * hp_bytes * n + n + SCALE_BYTES * scales
+    return 2 * hp_bytes * n + n + _SCALE_BYTES * scales
 
 
 def linear_cast_bytes(

@@ -28,7 +28,7 @@ from flopwise.config.schema import ModelConfig
 from flopwise.flops import count_params, param_shapes
 from flopwise.layout.linears import LINEAR_KEYS, float8_shapes, float8_weight_elements, tp_local_shape
 
-OPTIMIZER_BYTES_PER_PARAM = 12  # K of mixed-precision Adam
+_OPTIMIZER_BYTES_PER_PARAM = 12  # K of mixed-precision Adam
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +56,7 @@ def model_state_bytes(
     psi: float,
     zero: int,
     shard: int,
-    k: float = OPTIMIZER_BYTES_PER_PARAM,
+    k: float = _OPTIMIZER_BYTES_PER_PARAM,
     param_bytes: float = 2,
     grad_bytes: float = 2,
     params_sharded: bool | None = None,
@@ -411,7 +411,7 @@ def _chunk_rows(rows: int, n: int, rank: int) -> int:
     return max(0, min(rows, (rank + 1) * size) - rank * size)
 
 
-def zero1_loads(sizes: list[tuple[int, bool]], n: int) -> list[int]:
+def _zero1_loads(sizes: list[tuple[int, bool]], n: int) -> list[int]:
     """Elements ZeroRedundancyOptimizer assigns to each of n ranks, from (numel, weight-decayed) per
     tensor: per param group (decay, then no decay), largest tensor first, each to the least-loaded
     rank so far, the lowest rank on ties (torch's greedy partition; a heap keeps it O(T log n))."""
@@ -441,7 +441,7 @@ def _tensor_parts(m: ModelConfig, tp: int) -> tuple[list, list, list]:
     return block, emb, head
 
 
-def rank_tensors(
+def _rank_tensors(
     m: ModelConfig, tp: int, layers: int, has_embedding: bool, has_head: bool, cache: dict | None = None
 ) -> list[tuple[tuple[int, ...], bool, int]]:
     """(tensor-parallel local shape, weight-decayed, how many) of the parameter tensors one
@@ -464,8 +464,8 @@ def zero1_rank_loads(
     n = lo.dp * lo.cp
 
     def loads() -> list[int]:
-        mine = rank_tensors(m, lo.tp, layers, has_embedding, has_head, cache)
-        return zero1_loads([(math.prod(s), d) for s, d, count in mine for _ in range(count)], n)
+        mine = _rank_tensors(m, lo.tp, layers, has_embedding, has_head, cache)
+        return _zero1_loads([(math.prod(s), d) for s, d, count in mine for _ in range(count)], n)
 
     return memo(cache, ("zero1", lo.tp, layers, has_embedding, has_head, n), loads)
 
@@ -495,7 +495,7 @@ def gathered_param_bytes(
         return 0.0
     n = lo.dp_shard * lo.cp if lo.zero >= 2 else 1  # replicate's shard dim is 1
     e = 2 if dtype == "bf16" else 4
-    mine = rank_tensors(m, lo.tp, layers, has_embedding, has_head, cache)
+    mine = _rank_tensors(m, lo.tp, layers, has_embedding, has_head, cache)
     out = e * sum(count * -(-s[0] // n) * n * math.prod(s[1:]) for s, _, count in mine)
     if float8_gather:
         f8 = float8_shapes(m, lo.tp)
@@ -508,7 +508,7 @@ def rank_param_count(
 ) -> int:
     """Parameters of one rank's stages, its tensor-parallel slice, before any ZeRO sharding (the
     buffer its data-parallel collectives move)."""
-    return sum(count * math.prod(s) for s, _, count in rank_tensors(m, lo.tp, layers, has_embedding, has_head, cache))
+    return sum(count * math.prod(s) for s, _, count in _rank_tensors(m, lo.tp, layers, has_embedding, has_head, cache))
 
 
 def rank_model_states(
@@ -530,7 +530,7 @@ def rank_model_states(
     ZeRO-1 partitions whole tensors over the dp·cp ranks (`dp_rank` among them); FSDP2 (zero 2/3)
     shards dim 0 over the dp_shard·cp ranks (`shard_rank`; torch.chunk gives the first ranks the
     most), at rest. `lo` is a layout.rules.Layout."""
-    mine = rank_tensors(m, lo.tp, layers, has_embedding, has_head, cache)
+    mine = _rank_tensors(m, lo.tp, layers, has_embedding, has_head, cache)
     if lo.zero >= 2 and lo.world > 1:  # FSDP2 (any process group)
         n_shard = lo.dp_shard * lo.cp
         sharded = sum(count * _chunk_rows(s[0], n_shard, shard_rank) * math.prod(s[1:]) for s, _, count in mine)

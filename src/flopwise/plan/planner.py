@@ -29,7 +29,7 @@ from flopwise.plan.shape import Shape, model_shape
 from flopwise.plan.stack import STACKS
 from flopwise.plan.step import LINK_EFFICIENCY, MEM_EFFICIENCY, Estimate, estimate
 
-PARALLEL_KEYS = (
+_PARALLEL_KEYS = (
     "dp",
     "dp_replicate",
     "zero",
@@ -41,7 +41,7 @@ PARALLEL_KEYS = (
     "sequence_parallel",
     "recompute",
 )
-DEFAULT_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022's rule of thumb, when plan.tokens is not given
+_DEFAULT_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022's rule of thumb, when plan.tokens is not given
 
 
 # Nominal rates of this CPU for a plan before `hardware calibrate` has measured it (marked
@@ -51,7 +51,7 @@ DEFAULT_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022's rule of thumb, when plan
 CPU_CORE_FLOPS, CPU_MEMORY_BW = 50e9, 20e9
 
 
-def nominal_cpu(hw: Hardware) -> Hardware:
+def _nominal_cpu(hw: Hardware) -> Hardware:
     """The `cpu` entry with nominal rates of this machine (CPU_CORE_FLOPS per core, its memory)."""
     cores = os.cpu_count() or 1
     try:
@@ -77,7 +77,7 @@ def nominal_cpu(hw: Hardware) -> Hardware:
 def plan_hardware(cfg: Config) -> Hardware:
     hw = cluster_hardware(cfg.cluster)
     if hw.name == "cpu" and not hw.peak_16bit and hw.calibration is None:
-        return nominal_cpu(hw)
+        return _nominal_cpu(hw)
     if not hw.peak_16bit or not hw.memory_bytes:
         raise ConfigError(
             f"cluster.hardware={hw.name}: no catalogue peak or memory to plan against; choose an "
@@ -86,10 +86,10 @@ def plan_hardware(cfg: Config) -> Hardware:
     return hw
 
 
-def fixed_keys(tree: dict[str, Any]) -> dict[str, Any]:
+def _fixed_keys(tree: dict[str, Any]) -> dict[str, Any]:
     """The layout keys the user set (config file or overrides), which the search must not change."""
     par = tree.get("parallel", {}) or {}
-    fixed = {k: par[k] for k in PARALLEL_KEYS if k in par}
+    fixed = {k: par[k] for k in _PARALLEL_KEYS if k in par}
     mb = (tree.get("train", {}) or {}).get("micro_batch")
     if mb is not None:
         fixed["micro_batch"] = mb
@@ -207,7 +207,7 @@ def plan_tree(path: str | None, overrides: list[str], hf: str | Path | None = No
     return tree
 
 
-def hf_source(path: str | Path) -> dict:
+def _hf_source(path: str | Path) -> dict:
     """What `plan --hf` read: the model_type and, for a folder with weights, its safetensors tensors
     and their elements (from the headers), which the exact parameter count must equal."""
     cfg = read_hf_config(path)
@@ -222,16 +222,16 @@ def hf_source(path: str | Path) -> dict:
     }
 
 
-def float8_choices(cfg: Config, hw: Hardware) -> tuple[str, ...]:
+def _float8_choices(cfg: Config, hw: Hardware) -> tuple[str, ...]:
     """The float8 recipes the search weighs: the run's train.float8, and with plan.float8 every
     recipe too where the hardware has an fp8 peak (float8 tensor cores)."""
     extra = RECIPES if cfg.plan.float8 and hw.peak("fp8") else ()
     return tuple(dict.fromkeys((cfg.train.float8, "none" if extra else cfg.train.float8, *extra)))
 
 
-def planned_tokens(cfg: Config, sh: Shape) -> float:
+def _planned_tokens(cfg: Config, sh: Shape) -> float:
     """The planned run's tokens: its length decides train.compile=auto for every estimate."""
-    return cfg.plan.tokens or DEFAULT_TOKENS_PER_PARAM * sh.params
+    return cfg.plan.tokens or _DEFAULT_TOKENS_PER_PARAM * sh.params
 
 
 def plan(
@@ -247,8 +247,8 @@ def plan(
     hw = plan_hardware(cfg)
     seq, batch = cfg.data.seq_len, cfg.train.global_batch
     sh = model_shape(cfg.model, seq, cfg.data.document_mask)
-    fixed = fixed_keys(tree or {})
-    tokens = planned_tokens(cfg, sh)
+    fixed = _fixed_keys(tree or {})
+    tokens = _planned_tokens(cfg, sh)
     # the planned run's length decides train.compile=auto, as train.steps does for the engine; its
     # train.dtype decides what the engine holds (fp32 or bf16 autocast)
     result = search_layouts(
@@ -263,7 +263,7 @@ def plan(
         compile=cfg.train.compile,
         steps=tokens / (seq * batch),
         dtype=cfg.train.dtype,
-        float8=float8_choices(cfg, hw),
+        float8=_float8_choices(cfg, hw),
     )
     if not result.ranked:
         why = (
@@ -309,7 +309,7 @@ def plan(
         reliability=rel,
         fixed=fixed,
         data=mixture(tokens) if mixture else None,
-        hf=hf_source(hf) if hf is not None else None,
+        hf=_hf_source(hf) if hf is not None else None,
     )
 
 
@@ -324,7 +324,7 @@ def compile_note(cfg: Config, tokens: float, lo: Layout) -> str:
         why = f"train.compile={str(cfg.train.compile).lower()}"
     else:
         source = (
-            "plan.tokens" if cfg.plan.tokens else f"plan.tokens unset: {DEFAULT_TOKENS_PER_PARAM} tokens per parameter"
+            "plan.tokens" if cfg.plan.tokens else f"plan.tokens unset: {_DEFAULT_TOKENS_PER_PARAM} tokens per parameter"
         )
         why = (
             f"train.compile=auto and the planned run is {steps:,.0f} steps ({source}); auto compiles runs of "
@@ -343,7 +343,7 @@ def compile_note(cfg: Config, tokens: float, lo: Layout) -> str:
 def layout_config(cfg: Config, lo: Layout) -> Config:
     """`cfg` with `lo` written into parallel.* and train.micro_batch (for --out-config and layout=auto)."""
     tree = cfg.model_dump(mode="json", exclude_none=True)
-    tree["parallel"] = {**tree["parallel"], **{k: getattr(lo, k) for k in PARALLEL_KEYS}, "layout": "manual"}
+    tree["parallel"] = {**tree["parallel"], **{k: getattr(lo, k) for k in _PARALLEL_KEYS}, "layout": "manual"}
     tree["train"]["micro_batch"] = lo.micro_batch
     return validate(tree)
 
@@ -378,7 +378,7 @@ def resolve_layout(cfg: Config, tree: dict[str, Any], world: int, per_node: int 
 
 
 @dataclass(kw_only=True)
-class MicroBatchLimit:
+class _MicroBatchLimit:
     """The largest micro-batch that fits under one recompute policy, and what stops the next one."""
 
     recompute: str
@@ -411,7 +411,7 @@ class MicroBatchReport:
     layout: Layout  # the config's, at its own micro-batch and recompute
     valid: list[int]  # the micro-batches the layout rules allow at train.global_batch
     usable_memory: float
-    limits: list[MicroBatchLimit]
+    limits: list[_MicroBatchLimit]
     params: int
 
     def to_json(self) -> dict:
@@ -429,7 +429,7 @@ class MicroBatchReport:
         }
 
 
-MAX_BEYOND = 1 << 16  # micro-batches looked at past the global batch
+_MAX_BEYOND = 1 << 16  # micro-batches looked at past the global batch
 
 
 def max_micro_batch(cfg: Config) -> MicroBatchReport:
@@ -464,7 +464,7 @@ def max_micro_batch(cfg: Config) -> MicroBatchReport:
             stack,
             cache=caches.setdefault(gb, {}),
             compile=cfg.train.compile,
-            steps=planned_tokens(cfg, sh) / (seq * gb),
+            steps=_planned_tokens(cfg, sh) / (seq * gb),
             dtype=cfg.train.dtype,
             float8=cfg.train.float8,
         )
@@ -479,7 +479,7 @@ def max_micro_batch(cfg: Config) -> MicroBatchReport:
         best = max(fit, default=None)
         above = [mb for mb in valid if best is None or mb > best]
         nxt = above[0] if above else None
-        lim = MicroBatchLimit(
+        lim = _MicroBatchLimit(
             recompute=rc,
             micro_batch=best,
             memory=est[best].memory["total"] if best else None,
@@ -489,15 +489,15 @@ def max_micro_batch(cfg: Config) -> MicroBatchReport:
         if best is not None and nxt is None:  # the batch, not the memory, is the limit
             per_step = batch // (base.dp * best)  # micro-batches per step, kept as the batch grows
             lo, hi = best, best + 1  # lo fits; find an hi that does not, then bisect
-            while hi <= MAX_BEYOND and fits(hi, rc, per_step):
+            while hi <= _MAX_BEYOND and fits(hi, rc, per_step):
                 lo, hi = hi, 2 * hi
-            capped = hi > MAX_BEYOND
-            hi = min(hi, MAX_BEYOND + 1)
+            capped = hi > _MAX_BEYOND
+            hi = min(hi, _MAX_BEYOND + 1)
             while hi - lo > 1:
                 mid = (lo + hi) // 2
                 lo, hi = (mid, hi) if fits(mid, rc, per_step) else (lo, mid)
             if lo > best:
-                lim.beyond, lim.beyond_capped = (lo, base.dp * lo * per_step), capped and lo == MAX_BEYOND
+                lim.beyond, lim.beyond_capped = (lo, base.dp * lo * per_step), capped and lo == _MAX_BEYOND
         limits.append(lim)
     return MicroBatchReport(
         cfg=cfg,

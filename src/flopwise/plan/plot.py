@@ -7,7 +7,7 @@ from pathlib import Path
 from flopwise.files.outputs import pyplot, save_figure
 from flopwise.plan.step import Estimate
 
-PARTS = ("params", "grads", "optimizer", "activations", "other")
+_PARTS = ("params", "grads", "optimizer", "activations", "other")
 
 
 def plot_memory(estimates: list[Estimate], out: Path, title: str) -> Path:
@@ -16,7 +16,7 @@ def plot_memory(estimates: list[Estimate], out: Path, title: str) -> Path:
     fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(estimates)), 5))
     xs = range(len(estimates))
     bottom = [0.0] * len(estimates)
-    for part in PARTS:
+    for part in _PARTS:
         vals = [e.memory[part] / 2**30 for e in estimates]
         ax.bar(xs, vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]

@@ -70,12 +70,12 @@ def predict_rank(
         activations=mem.activations,
         gathered=mem.gathered,
         peak=mem.peak,
-        collectives=step_collectives(cfg, lo, pp_rank, psi, len(layers)),
+        collectives=_step_collectives(cfg, lo, pp_rank, psi, len(layers)),
         fsdp_copies=n_micro * copies["micro"] + copies["step"],
     )
 
 
-def step_collectives(cfg: Config, lo: Layout, pp_rank: int, psi: int, n_layers: int) -> dict[str, float]:
+def _step_collectives(cfg: Config, lo: Layout, pp_rank: int, psi: int, n_layers: int) -> dict[str, float]:
     """Elements of each kind of collective one rank runs in a step (`psi`: its parameters before
     ZeRO sharding): the data-parallel volumes of plan.comm for this engine's stack (torch's ZeRO-1
     broadcasts the stepped parameters), Megatron's tensor-parallel all-reduces of b·s·h (4 per

@@ -242,7 +242,7 @@ def layout_memory(
     the optimizer elements the busiest rank steps. `loads`: each distinct pipeline rank's load with
     the first rank that has it (plan.shape.first_ranks)."""
     if not stack.engine_activations:
-        return published_memory(sh, lo, seq, global_batch, stack, loads)
+        return _published_memory(sh, lo, seq, global_batch, stack, loads)
     run = memo(
         cache,
         ("run", seq, global_batch, compile, steps, dtype, float8),
@@ -299,7 +299,7 @@ def engine_memory(
     return worst, opt_elements
 
 
-def published_memory(
+def _published_memory(
     sh: Shape, lo: Layout, seq: int, global_batch: int, stack: Stack, loads: list[tuple[RankLoad, int]]
 ) -> tuple[dict[str, float], float]:
     """The worst pipeline rank's bytes by a published stack's account, and the optimizer elements a

@@ -43,14 +43,14 @@ from flopwise.hardware.restart_costs import Recovery
 
 LLAMA3_INTERRUPTIONS, LLAMA3_DAYS, LLAMA3_GPUS = 466, 54, 16384
 DEFAULT_GPU_MTBF_HOURS = LLAMA3_GPUS * LLAMA3_DAYS * 24 / LLAMA3_INTERRUPTIONS
-DEFAULT_STORAGE_GBPS_PER_GPU = 2000 / LLAMA3_GPUS
-DEFAULT_RESTART_MINUTES = 10.0
+_DEFAULT_STORAGE_GBPS_PER_GPU = 2000 / LLAMA3_GPUS
+_DEFAULT_RESTART_MINUTES = 10.0
 CHECKPOINT_BYTES_PER_PARAM = 12
-FAILURE_SOURCE = (
+_FAILURE_SOURCE = (
     "Llama 3 405B: 466 job interruptions in 54 days on 16,384 H100 GPUs (Dubey et al. 2024), applied per GPU"
 )
-WRITE_SOURCE = "Llama 3's 2 TB/s over 16,384 GPUs (Dubey et al. 2024), per GPU"
-RESTART_SOURCE = f"{DEFAULT_RESTART_MINUTES:g} min, assumed"
+_WRITE_SOURCE = "Llama 3's 2 TB/s over 16,384 GPUs (Dubey et al. 2024), per GPU"
+_RESTART_SOURCE = f"{_DEFAULT_RESTART_MINUTES:g} min, assumed"
 Line = tuple[float, int]  # (time in seconds, step) of one logged step
 
 
@@ -117,7 +117,7 @@ def predict_reliability(
             f"({measured.source})"
         )
     else:
-        write_s, write_source = share / (DEFAULT_STORAGE_GBPS_PER_GPU * 1e9), WRITE_SOURCE
+        write_s, write_source = share / (_DEFAULT_STORAGE_GBPS_PER_GPU * 1e9), _WRITE_SOURCE
     if restart_minutes is not None:
         restart_s, restart_source = restart_minutes * 60, f"cluster.restart_minutes={restart_minutes:g}"
     elif measured is not None:
@@ -127,7 +127,7 @@ def predict_reliability(
             f"device, without failure detection and rendezvous ({measured.source})"
         )
     else:
-        restart_s, restart_source = DEFAULT_RESTART_MINUTES * 60, RESTART_SOURCE
+        restart_s, restart_source = _DEFAULT_RESTART_MINUTES * 60, _RESTART_SOURCE
     mtbf_h = (gpu_mtbf_hours or DEFAULT_GPU_MTBF_HOURS) / gpus
     mtbf_s = mtbf_h * 3600
     tau = daly_interval(write_s, mtbf_s)
@@ -143,7 +143,7 @@ def predict_reliability(
         goodput=good,
         failures_expected=wall / mtbf_s,
         wall_days=wall / 86400,
-        failure_source=FAILURE_SOURCE if gpu_mtbf_hours is None else f"cluster.gpu_mtbf_hours={gpu_mtbf_hours:g}",
+        failure_source=_FAILURE_SOURCE if gpu_mtbf_hours is None else f"cluster.gpu_mtbf_hours={gpu_mtbf_hours:g}",
         write_source=write_source,
         restart_source=restart_source,
     )

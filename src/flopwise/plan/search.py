@@ -33,7 +33,7 @@ from flopwise.plan.stack import Stack
 from flopwise.plan.step import Estimate, estimate
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
-MAX_MICRO_BATCH = 64
+_MAX_MICRO_BATCH = 64
 
 
 @dataclass(kw_only=True)
@@ -85,7 +85,7 @@ def candidates(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int,
                     continue
                 per_rank = global_batch // dp
                 # at least pp micro-batches; none can: micro-batch 1 alone, for check_layout to judge by the schedule
-                mbs = [b for b in _divisors(per_rank) if b <= MAX_MICRO_BATCH and per_rank // b >= pp] or [1]
+                mbs = [b for b in _divisors(per_rank) if b <= _MAX_MICRO_BATCH and per_rank // b >= pp] or [1]
                 if "micro_batch" in fixed or global_batch % dp:  # a dp that does not divide the batch is
                     mbs = [fixed.get("micro_batch", 1)]  # yielded once, for check_layout to name
                 sps = [fixed["sequence_parallel"]] if "sequence_parallel" in fixed else [tp > 1]

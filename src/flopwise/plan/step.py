@@ -85,7 +85,7 @@ from flopwise.plan.stack import STACKS, Stack
 
 MEM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for streaming kernels (STREAM-like copies)
 LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth over the nominal per-direction link rate
-DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default (this engine's ZeRO 0/1 gradient all-reduce)
+_DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default (this engine's ZeRO 0/1 gradient all-reduce)
 ACT_BYTES = 2  # 16-bit activations
 
 
@@ -115,13 +115,13 @@ def stream_time(nbytes: float, hw: Hardware, tensor_bytes: float | None = None, 
     return nbytes / (MEM_EFFICIENCY * hw.memory_bw)
 
 
-def link_bw(hw: Hardware, group_span: int) -> float:
+def _link_bw(hw: Hardware, group_span: int) -> float:
     """Per-device bandwidth of a ring whose ranks span `group_span` consecutive devices."""
     nominal = hw.intra_node_bw if group_span <= hw.devices_per_node else hw.inter_node_bw
     return LINK_EFFICIENCY * nominal
 
 
-def comm_time(hw: Hardware, kind: str, n: int, nbytes: float, group_span: int) -> float:
+def _comm_time(hw: Hardware, kind: str, n: int, nbytes: float, group_span: int) -> float:
     """One collective over n ranks spanning `group_span` devices: the latency and bandwidth fitted
     to the calibrated measurements of that kind within a node, else the α-β ring model on the
     nominal links."""
@@ -129,10 +129,10 @@ def comm_time(hw: Hardware, kind: str, n: int, nbytes: float, group_span: int) -
     if kind == "send_recv":
         if fit:
             return fit[0] + nbytes / fit[1]
-        return ring_time("all_gather", 2, 2 * nbytes, link_bw(hw, group_span))  # latency + bytes / bw
+        return ring_time("all_gather", 2, 2 * nbytes, _link_bw(hw, group_span))  # latency + bytes / bw
     if fit:
         return ring_time(kind, n, nbytes, fit[1], fit[0])
-    return ring_time(kind, n, nbytes, link_bw(hw, group_span))
+    return ring_time(kind, n, nbytes, _link_bw(hw, group_span))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -268,18 +268,18 @@ def layer_times(
     tokens = mb * seq / cp
     h = sh.d_model
     kv_local = sh.hkv / tp if sh.n_kv_heads >= tp else sh.head_dim  # replicated kv heads when tp > n_kv
-    gemm_f, gemm_b = linear_gemm_times(sh, hw, tokens, tp, kv_local, float8)
-    attn_f, attn_b = attention_core_times(sh, hw, stack, seq, mb, tp, cp)
+    gemm_f, gemm_b = _linear_gemm_times(sh, hw, tokens, tp, kv_local, float8)
+    attn_f, attn_b = _attention_core_times(sh, hw, stack, seq, mb, tp, cp)
     ew_f, ew_b, act = layer_elementwise_bytes(sh, tokens, tp, sp, eager)
     float8_casts = float8 != "none"
     cast_f, cast_b = (
         cast_bytes(sh.config, tokens, tp, float8, weight_bytes=2 if fsdp2 else 4) if float8_casts else (0.0, 0.0)
     )
     # Two collectives of b·s·h per direction; with SP each all-reduce becomes AG + RS of the same bytes.
-    tp_one = comm_time(hw, "all_reduce", tp, act, tp)
+    tp_one = _comm_time(hw, "all_reduce", tp, act, tp)
     regather = sp and not stack.engine_activations  # Megatron saved only the sequence shard
     tp_regather = (
-        2 * comm_time(hw, "all_gather", tp, ACT_BYTES * sp_regather_elements(seq / cp, mb, h, 1) / 2, tp)
+        2 * _comm_time(hw, "all_gather", tp, ACT_BYTES * sp_regather_elements(seq / cp, mb, h, 1) / 2, tp)
         if regather
         else 0.0
     )  # two all-gathers, one per input
@@ -293,12 +293,12 @@ def layer_times(
         other_bwd=stream_time(ew_b + cast_b, hw, act, tp),
         tp_fwd=2 * tp_one,
         tp_bwd=2 * tp_one + tp_regather,
-        cp_fwd=comm_time(hw, "all_gather", cp, kv_bytes, tp * cp),
-        cp_bwd=comm_time(hw, "reduce_scatter", cp, kv_bytes, tp * cp),
+        cp_fwd=_comm_time(hw, "all_gather", cp, kv_bytes, tp * cp),
+        cp_bwd=_comm_time(hw, "reduce_scatter", cp, kv_bytes, tp * cp),
     )
 
 
-def linear_gemm_times(
+def _linear_gemm_times(
     sh: Shape, hw: Hardware, tokens: float, tp: int, kv_local: float, float8: str = "none"
 ) -> tuple[float, float]:
     """Forward and backward time of one layer's weight GEMMs on its tensor-parallel shard (`kv_local`:
@@ -322,7 +322,7 @@ def linear_gemm_times(
     return gemm_f, gemm_b
 
 
-def attention_core_times(
+def _attention_core_times(
     sh: Shape, hw: Hardware, stack: Stack, seq: int, mb: int, tp: int, cp: int
 ) -> tuple[float, float]:
     """Forward and backward time of one layer's attention core: fused flash attention at its
@@ -522,7 +522,7 @@ def step_times(
     slowest = max(loads, key=lambda load: sum(micro_batch_times(load).values()))
     mb_times = micro_batch_times(slowest)
     mb_total = sum(mb_times.values())
-    mb_pp, pp_step = pipeline_comm_times(sh, hw, lo, stack, seq)
+    mb_pp, pp_step = _pipeline_comm_times(sh, hw, lo, stack, seq)
     bubble_share = {"gpipe": 1.0, "1f1b": 1.0, "interleaved-1f1b": 1 / v, "zero-bubble": 1 / 3, "dualpipev": 1 / 3}
     bubble = (lo.pp - 1) * (mb_total + mb_pp) * bubble_share[lo.pp_schedule]
     biggest = max(loads, key=lambda load: load.params)
@@ -537,17 +537,17 @@ def step_times(
     )
     return {
         **{k: n_micro * t for k, t in mb_times.items()},
-        "dp_comm": data_parallel_time(hw, lo, stack, psi, n_micro, mb_total, slowest.layers, lt),
+        "dp_comm": _data_parallel_time(hw, lo, stack, psi, n_micro, mb_total, slowest.layers, lt),
         "pp_bubble": bubble,
         "pp_comm": n_micro * mb_pp + pp_step,
         "grad_accum": (n_micro - 1) * stream_time(accum_bytes, hw, accum_bytes),
-        "fsdp_copies": fsdp_copy_time(sh, hw, lo, stack, biggest, n_micro, float8, dtype),
-        "weight_casts": weight_cast_time(sh, hw, lo, stack, slowest, n_micro, float8, dtype, eager is None),
+        "fsdp_copies": _fsdp_copy_time(sh, hw, lo, stack, biggest, n_micro, float8, dtype),
+        "weight_casts": _weight_cast_time(sh, hw, lo, stack, slowest, n_micro, float8, dtype, eager is None),
         "optimizer": optimizer,
     }
 
 
-def fsdp_copy_time(
+def _fsdp_copy_time(
     sh: Shape, hw: Hardware, lo: Layout, stack: Stack, load: RankLoad, n_micro: int, float8: str, dtype: str
 ) -> float:
     """FSDP2's copies around its collectives on a rank with `load` (`fsdp_copies`), at the streaming
@@ -559,7 +559,7 @@ def fsdp_copy_time(
     return n_micro * stream_time(nbytes["micro"], hw, block) + stream_time(nbytes["step"], hw, block)
 
 
-def weight_cast_time(
+def _weight_cast_time(
     sh: Shape,
     hw: Hardware,
     lo: Layout,
@@ -632,7 +632,7 @@ def fsdp_copies(
     )
 
 
-def pipeline_comm_times(sh: Shape, hw: Hardware, lo: Layout, stack: Stack, seq: int) -> tuple[float, float]:
+def _pipeline_comm_times(sh: Shape, hw: Hardware, lo: Layout, stack: Stack, seq: int) -> tuple[float, float]:
     """(p2p time per micro-batch on a rank, per-step pipeline traffic). Per micro-batch each of the
     rank's v chunks exchanges one activation forward and one gradient backward with its neighbours
     (`plan.comm.pp_boundary_elements`); a scatter/gather stack then all-gathers each received
@@ -646,17 +646,17 @@ def pipeline_comm_times(sh: Shape, hw: Hardware, lo: Layout, stack: Stack, seq: 
     send = ACT_BYTES * pp_boundary_elements(seq_local, lo.micro_batch, sh.d_model, lo.tp, sliced)
     whole = ACT_BYTES * pp_boundary_elements(seq_local, lo.micro_batch, sh.d_model, 1)
     pp_span = lo.tp * lo.cp * lo.dp  # stage neighbours are this many ranks apart in the mesh
-    exchange = comm_time(hw, "send_recv", 2, send, pp_span + 1)
+    exchange = _comm_time(hw, "send_recv", 2, send, pp_span + 1)
     if stack.pp_scatter_gather and not lo.sequence_parallel:
-        exchange += comm_time(hw, "all_gather", lo.tp, whole, lo.tp)
+        exchange += _comm_time(hw, "all_gather", lo.tp, whole, lo.tp)
     per_step = 0.0
     if sh.config.tie_embeddings:
         table = stack.grad_reduce_bytes * tied_embedding_elements(sh.vocab, sh.d_model, lo.tp)
-        per_step = comm_time(hw, "all_reduce", 2, table, pp_span * (lo.pp - 1) + 1)
+        per_step = _comm_time(hw, "all_reduce", 2, table, pp_span * (lo.pp - 1) + 1)
     return 2 * v * exchange, per_step
 
 
-def data_parallel_time(
+def _data_parallel_time(
     hw: Hardware, lo: Layout, stack: Stack, psi: float, n_micro: int, mb_total: float, rank_layers: int, lt: LayerTimes
 ) -> float:
     """Exposed data-parallel communication per step: the stack's collectives (`plan.comm`) over
@@ -681,15 +681,15 @@ def data_parallel_time(
         when = (
             "after_step" if c.when == "step" and not c.gradients and lo.zero == 1 and stack.zero1_broadcast else c.when
         )  # nothing to hide it behind: it follows the optimizer step
-        per[when] += comm_time(hw, c.kind, sizes[c.group], nbytes, spans[c.group])
+        per[when] += _comm_time(hw, c.kind, sizes[c.group], nbytes, spans[c.group])
     # Overlap windows: the last micro-batch's backward for once-per-step traffic; every
     # micro-batch's compute for per-micro-batch traffic (FSDP prefetching); a calibrated device
     # hides only the share it was measured to (a CPU whose cores all compute: little).
     hides = stack.dp_overlap * (hw.calibration.overlap if hw.calibration else 1.0)
     exposed_step = max(0.0, per["step"] - hides * rank_layers * lt.bwd)
     if stack.fsdp2 and lo.zero <= 1 and lo.tp == 1:  # DDP: the last bucket is ready only when backward ends
-        last = min(DDP_BUCKET_BYTES, psi * stack.grad_reduce_bytes)
-        exposed_step = max(exposed_step, comm_time(hw, "all_reduce", sizes["all"], last, spans["all"]))
+        last = min(_DDP_BUCKET_BYTES, psi * stack.grad_reduce_bytes)
+        exposed_step = max(exposed_step, _comm_time(hw, "all_reduce", sizes["all"], last, spans["all"]))
     exposed_micro = n_micro * max(0.0, per["micro"] - hides * mb_total)
     return exposed_step + exposed_micro + per["after_step"]
 

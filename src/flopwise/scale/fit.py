@@ -23,7 +23,7 @@ from flopwise.files.outputs import check_writable, pyplot, read_records, save_fi
 from flopwise.flops import scaling_flops, scaling_tokens
 from flopwise.scale.laws import ParametricLaw
 
-GRID = dict(
+_GRID = dict(
     alpha=np.arange(0, 2.01, 0.5),
     beta=np.arange(0, 2.01, 0.5),
     e=np.arange(-1, 1.01, 0.5),
@@ -226,7 +226,7 @@ def fit_approach3(
     from the point estimate."""
     if len(pts) < 5:
         raise DataError(f"scale fit: {len(pts)} points; Approach 3 has 5 parameters and needs at least 5")
-    theta, value = _fit_from(_best_starts(pts, delta, grid or GRID, keep_starts), pts, delta)
+    theta, value = _fit_from(_best_starts(pts, delta, grid or _GRID, keep_starts), pts, delta)
     fit = Approach3Fit(law=_law(theta, "fitted"), objective=value, n_points=len(pts))
     if bootstrap:
         rng = np.random.default_rng(seed)
@@ -324,10 +324,10 @@ def save_law(fit: Approach3Fit, path: str | Path, option: str = "--out") -> None
 def fitted_law(name: str) -> ParametricLaw | None:
     """The law a `--law fitted:FILE` name points to (read from FILE), None for a built-in name:
     what plan.scaling.get_law and allocate take as `fitted`."""
-    return load_law(name.split(":", 1)[1]) if name.startswith("fitted:") else None
+    return _load_law(name.split(":", 1)[1]) if name.startswith("fitted:") else None
 
 
-def load_law(path: str | Path) -> ParametricLaw:
+def _load_law(path: str | Path) -> ParametricLaw:
     p = Path(path)
     try:
         d = json.loads(p.read_text(encoding="utf-8"))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from flopwise.errors import ConfigError
 from flopwise.flops import scaling_flops, scaling_tokens
 
-PF_DAY = 8.64e19  # FLOPs in one petaflop/s-day (Kaplan §2.1)
+_PF_DAY = 8.64e19  # FLOPs in one petaflop/s-day (Kaplan §2.1)
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ CHINCHILLA_TABLE3 = [
     (1e12, 1.27e26),
     (10e12, 1.30e28),
 ]
-CHINCHILLA_TABLE_A3_A2 = [
+_CHINCHILLA_TABLE_A3_A2 = [
     (400e6, 1.84e19),
     (1e9, 1.20e20),
     (10e9, 1.32e22),
@@ -92,11 +92,11 @@ def _power_law(rows: list[tuple[float, float]]) -> dict[str, float]:
 
 
 # Kaplan et al. 2020 Table 2: L(N, D) = [(N_c/N)^(α_N/α_D) + D_c/D]^α_D (non-embedding N, nats on WebText2).
-KAPLAN_LND = dict(alpha_n=0.076, alpha_d=0.103, n_c=6.4e13, d_c=1.8e13)
+_KAPLAN_LND = dict(alpha_n=0.076, alpha_d=0.103, n_c=6.4e13, d_c=1.8e13)
 
 
-def kaplan_loss(n: float, d: float) -> float:
-    k = KAPLAN_LND
+def _kaplan_loss(n: float, d: float) -> float:
+    k = _KAPLAN_LND
     return ((k["n_c"] / n) ** (k["alpha_n"] / k["alpha_d"]) + k["d_c"] / d) ** k["alpha_d"]
 
 
@@ -126,7 +126,7 @@ LAWS: dict[str, ParametricLaw | PowerLawAllocation] = {
         name="kaplan",
         k=1.3e9,
         a=0.73,
-        flops_unit=2 * PF_DAY,
+        flops_unit=2 * _PF_DAY,
         source="Kaplan et al. 2020 §6: N_opt = 1.3e9·C_min^0.73, C_min = C/2 in PF-days (non-embedding N)",
     ),
     # The papers give the exponents (Table 2: 0.50 and 0.49) but not the coefficients; both are read
@@ -138,7 +138,7 @@ LAWS: dict[str, ParametricLaw | PowerLawAllocation] = {
     ),
     "chinchilla-2": PowerLawAllocation(
         name="chinchilla-2",
-        **_power_law(CHINCHILLA_TABLE_A3_A2),
+        **_power_law(_CHINCHILLA_TABLE_A3_A2),
         source="Hoffmann et al. 2022 Approach 2, fitted to its Table A3 projections",
     ),
     "chinchilla-3": HOFFMANN,
@@ -165,7 +165,7 @@ def loss_law(law) -> ParametricLaw | None:
 def predicted_loss(law, n: float, d: float) -> tuple[float, str]:
     pl = loss_law(law)
     if pl is None:  # Kaplan's allocation
-        return kaplan_loss(n, d), "kaplan L(N, D), Table 2 (WebText2 nats)"
+        return _kaplan_loss(n, d), "kaplan L(N, D), Table 2 (WebText2 nats)"
     return pl.loss(n, d), pl.name
 
 
@@ -208,7 +208,7 @@ def inference_aware(law: ParametricLaw, flops: float, inference_tokens: float) -
     return n, tokens_for(n)
 
 
-R_STAR_D = 15.4  # Muennighoff et al. 2023 eq. 5: fitted R*_D, the repetitions after which data is ~worthless
+_R_STAR_D = 15.4  # Muennighoff et al. 2023 eq. 5: fitted R*_D, the repetitions after which data is ~worthless
 
 
 def effective_tokens(tokens: float, unique: float) -> float:
@@ -216,7 +216,7 @@ def effective_tokens(tokens: float, unique: float) -> float:
     if tokens <= unique:
         return tokens
     repeats = tokens / unique - 1
-    return unique + unique * R_STAR_D * (1 - math.exp(-repeats / R_STAR_D))
+    return unique + unique * _R_STAR_D * (1 - math.exp(-repeats / _R_STAR_D))
 
 
 def data_constrained(law: ParametricLaw, flops: float, unique_tokens: float) -> tuple[float, float]:
@@ -249,10 +249,10 @@ class ChosenShape:
 # Shapes within this share of the target parameter count are as good for the law (its loss is flat
 # there), so among them the most usual aspect ratio wins (ASPECT_CENTRE); with none that close,
 # the closest
-SHAPE_TOLERANCE = 0.02
+_SHAPE_TOLERANCE = 0.02
 # d_model/n_layers a shape leans to: the geometric centre of Chinchilla's Table A9 models (64-110);
 # Llama 2 7B-70B (102-128) and GPT-3 13B-175B (128-133) sit above it, inside Kaplan §3.1's flat range
-ASPECT_CENTRE = math.sqrt(64 * 110)
+_ASPECT_CENTRE = math.sqrt(64 * 110)
 
 
 def choose_shape(
@@ -290,8 +290,8 @@ def choose_shape(
         raise ConfigError(f"no shape near {target:.3g} parameters within aspect ratio {aspect}")
     closest = min(shapes)[0]
     _, n_layers, d, head_dim, ffn = min(
-        (s for s in shapes if s[0] <= max(closest, SHAPE_TOLERANCE)),
-        key=lambda s: (abs(math.log(s[2] / s[1] / ASPECT_CENTRE)), s[0]),
+        (s for s in shapes if s[0] <= max(closest, _SHAPE_TOLERANCE)),
+        key=lambda s: (abs(math.log(s[2] / s[1] / _ASPECT_CENTRE)), s[0]),
     )
     m = ModelConfig.model_validate(
         dict(
@@ -406,7 +406,7 @@ def allocate(
         epochs = d / unique_tokens
         notes.append(
             f"data-constrained: {epochs:.1f} epochs over {unique_tokens:.3g} unique tokens "
-            f"(repeats discounted as Muennighoff et al. 2023, R*={R_STAR_D})"
+            f"(repeats discounted as Muennighoff et al. 2023, R*={_R_STAR_D})"
         )
         if epochs > 4:
             notes.append("over 4 epochs: returns from repeated data fall off quickly; consider more unique data")

@@ -23,7 +23,7 @@ from flopwise.errors import ConfigError, DataError
 from flopwise.files.outputs import check_writable, pyplot, save_figure, write_json
 from flopwise.scale.fit import read_csv_rows
 
-TASK_FIELDS = ("name", "flops", "task", "acc", "nll")
+_TASK_FIELDS = ("name", "flops", "task", "acc", "nll")
 
 
 @dataclass(frozen=True)
@@ -40,10 +40,10 @@ def read_task_table(path: str | Path) -> dict[str, TaskPoints]:
     if not path.is_file():
         raise DataError(f"task table {path}: no such file")
     rows = read_csv_rows(path, "task table")
-    missing = [k for k in TASK_FIELDS if rows and k not in rows[0]]
+    missing = [k for k in _TASK_FIELDS if rows and k not in rows[0]]
     if not rows or missing:
         raise DataError(
-            f"task table {path}: needs columns {', '.join(TASK_FIELDS)} (missing: {', '.join(missing) or 'rows'})"
+            f"task table {path}: needs columns {', '.join(_TASK_FIELDS)} (missing: {', '.join(missing) or 'rows'})"
         )
     out: dict[str, list[dict]] = {}
     for row, r in enumerate(rows, start=1):

@@ -52,7 +52,7 @@ from flopwise.train.run import Finished, Run, last_step, resume, resume_state
 logger = logging.getLogger(__name__)
 
 
-def resolve_device(name: str) -> torch.device:
+def _resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
@@ -64,12 +64,12 @@ def resolve_device(name: str) -> torch.device:
 TRAIN_WRITES = ("config.toml", "metrics.jsonl", "loss.png", "skipped.jsonl", "tensorboard", "checkpoints")
 
 
-def is_prepared(path: str) -> bool:
+def _is_prepared(path: str) -> bool:
     """A data source given as a prepared folder (read where it is), not a raw input to prepare."""
     return not path.startswith("builtin:") and (Path(path) / "index.json").exists()
 
 
-def data_dir_name(cfg: Config, label: str) -> str:
+def _data_dir_name(cfg: Config, label: str) -> str:
     """Where in the run folder a raw source is prepared: data/, or data-NAME/ in a mixture."""
     return "data" if len(cfg.data.mixture) == 1 else f"data-{label}"
 
@@ -77,7 +77,7 @@ def data_dir_name(cfg: Config, label: str) -> str:
 def claim_run_dir(cfg: Config, run_dir: Path, world: int) -> None:
     """Claim every name this run writes in its folder before writing any (refused if a user's file
     holds one of them)."""
-    data = [data_dir_name(cfg, s.label) for s in cfg.data.mixture if not is_prepared(s.path)]
+    data = [_data_dir_name(cfg, s.label) for s in cfg.data.mixture if not _is_prepared(s.path)]
     per_rank = [*(f"hang-rank{r}.txt" for r in range(world)), *(n for r in range(world) for n in oom_names(world, r))]
     claim(run_dir, [*TRAIN_WRITES, *data, *per_rank])
 
@@ -85,7 +85,7 @@ def claim_run_dir(cfg: Config, run_dir: Path, world: int) -> None:
 def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, setting: str) -> Path:
     """A prepared data dir as given, or the raw input `path` prepared under `out` (kept while its
     recipe is unchanged); `setting` names the option that chose `out`'s folder, for a refusal."""
-    if is_prepared(path):
+    if _is_prepared(path):
         return Path(path)
     recipe = {
         "inputs": [path],
@@ -129,11 +129,11 @@ def ensure_data(cfg: Config, run_dir: Path, setting: str = "run.dir") -> list[So
     `setting`: the option that chose `run_dir` (run.dir; a sweep's --out), named in a refusal."""
     mixture = cfg.data.mixture
     tokenizer = cfg.data.tokenizer
-    if raw := [data_dir_name(cfg, s.label) for s in mixture if not is_prepared(s.path)]:
+    if raw := [_data_dir_name(cfg, s.label) for s in mixture if not _is_prepared(s.path)]:
         claim(run_dir, raw, setting)
     sources: list[Source] = []
     for s in mixture:
-        out = run_dir / data_dir_name(cfg, s.label)
+        out = run_dir / _data_dir_name(cfg, s.label)
         d = _prepared(s.path, out, tokenizer, cfg, setting)
         if not sources:  # a plain name inside the folder, checked before anything reads or copies it
             tokenizer = str(tokenizer_path(d).resolve())
@@ -150,7 +150,7 @@ def planned_draws(cfg: Config, tokens: float | None = None) -> tuple[float, list
         return planned, draws(ensure_data(cfg, run_dir), planned)
 
 
-def check_init_tokenizer(cfg: Config, data_dir: Path) -> GuardedTokenizer | None:
+def _check_init_tokenizer(cfg: Config, data_dir: Path) -> GuardedTokenizer | None:
     """model.init_from=hf:PATH pins the model's tokenizer: data tokenized with another one (its own
     bpe:VOCAB, another model's) is refused in one line, before step 1, by vocabulary and special
     tokens (its ids would mean other tokens to the embeddings: the first loss would be about
@@ -170,7 +170,7 @@ def check_init_tokenizer(cfg: Config, data_dir: Path) -> GuardedTokenizer | None
     return model_tok
 
 
-def loaded_line(cfg: Config, tok: GuardedTokenizer | None) -> str:
+def _loaded_line(cfg: Config, tok: GuardedTokenizer | None) -> str:
     """What model.init_from brought in: source, parameters, tokenizer, and the schedule it goes on at."""
     source, o = cfg.model.init_from or "", cfg.optim
     hf = Path(source[3:])
@@ -191,7 +191,7 @@ def loaded_line(cfg: Config, tok: GuardedTokenizer | None) -> str:
     )
 
 
-def build_parts(cfg: Config, par: mesh.Parallel) -> list[tuple[int, nn.Module]]:
+def _build_parts(cfg: Config, par: mesh.Parallel) -> list[tuple[int, nn.Module]]:
     """(stage id, parallelized module) for each pipeline stage this rank runs ((0, model) without
     pipelining): split and sharded on the meta device, then only this rank's shards allocated,
     initialised, and (model.init_from=hf:PATH) overwritten with their slices of the HF weights."""
@@ -207,7 +207,7 @@ def build_parts(cfg: Config, par: mesh.Parallel) -> list[tuple[int, nn.Module]]:
 def build_engine(cfg: Config, par: mesh.Parallel, eos_id: int | None = None) -> tuple[Engine, torch.optim.Optimizer]:
     """This rank's parallelized model parts and their optimizer (`eos_id`: where documents end,
     for data.document_mask)."""
-    engine = Engine(cfg, par, build_parts(cfg, par), eos_id)
+    engine = Engine(cfg, par, _build_parts(cfg, par), eos_id)
     return engine, build_optimizer(engine.modules, cfg.optim, zero1_group(par))
 
 
@@ -255,7 +255,7 @@ def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run | F
     torch.manual_seed(cfg.run.seed)
     world = mesh.world_size()  # torchrun's LOCAL_WORLD_SIZE: the ranks of each node, for layout=auto
     cfg = resolve_layout(cfg, cfg.model_dump(exclude_unset=True), world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    par = mesh.init(cfg, resolve_device(cfg.train.device))
+    par = mesh.init(cfg, _resolve_device(cfg.train.device))
     check_float8(cfg, par.device)  # before anything is written
     if par.is_main and (note := slow_bf16_note(cfg, par.device)):
         logger.warning(note, extra={"highlighter": None})
@@ -271,7 +271,7 @@ def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run | F
     if not par.is_main:
         sources = ensure_data(cfg, run_dir)  # prepared by rank 0 by now
     index = read_index(sources[0].data_dir)
-    model_tok = check_init_tokenizer(cfg, sources[0].data_dir)
+    model_tok = _check_init_tokenizer(cfg, sources[0].data_dir)
     if index["vocab_size"] > cfg.model.vocab_size:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
@@ -306,7 +306,7 @@ def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run | F
         data_fp,
     )
     if cfg.model.init_from:
-        logger.info(loaded_line(cfg, model_tok), extra={"highlighter": None})
+        logger.info(_loaded_line(cfg, model_tok), extra={"highlighter": None})
     run.resumed_from = resume_from
     if resume_from is not None:
         resume(run, resume_from)

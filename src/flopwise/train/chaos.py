@@ -28,7 +28,7 @@ from pathlib import Path
 from flopwise.errors import FlopwiseError
 from flopwise.parallel.mesh import torchrun
 
-STEP = re.compile(r"^step (\d+)/(\d+) ")
+_STEP = re.compile(r"^step (\d+)/(\d+) ")
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -173,7 +173,7 @@ class _Job:
         t = self.t
         for line in self.proc.stdout:
             t.output.append(line)
-            m = STEP.match(line)
+            m = _STEP.match(line)
             if not m or self.done.is_set():
                 continue
             t.lines.append((time.monotonic(), int(m[1])))

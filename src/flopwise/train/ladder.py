@@ -154,7 +154,7 @@ def _data_dir(base: Config, out: Path) -> Path:
     return given if (given / "index.json").exists() else out / "data"
 
 
-def is_finished(run: LadderRun) -> bool:
+def _is_finished(run: LadderRun) -> bool:
     rows = read_records(Path(run.config.run.dir) / "metrics.jsonl")
     return any(r.get("step") == run.steps and "val_loss" in r for r in rows)
 
@@ -168,7 +168,7 @@ def _config_path(r: LadderRun, out: Path) -> Path:
     return out / "configs" / f"{r.name}.toml"
 
 
-def check_outputs(runs: list[LadderRun], out: Path, table: bool) -> None:
+def _check_outputs(runs: list[LadderRun], out: Path, table: bool) -> None:
     """Before any work: `out` can be written, and no user's file holds a config (or, `table`, the
     runs.csv) the sweep writes there; flopwise's own are replaced."""
     check_folder(out, "--out")
@@ -178,7 +178,7 @@ def check_outputs(runs: list[LadderRun], out: Path, table: bool) -> None:
 
 def write_configs(runs: list[LadderRun], out: Path) -> list[Path]:
     """Each run's config TOML under <out>/configs (marked as flopwise's, so a rerun replaces it)."""
-    check_outputs(runs, out, table=False)
+    _check_outputs(runs, out, table=False)
     return [write_text(_config_path(r, out), to_toml(r.config), "--out") for r in runs]
 
 
@@ -187,7 +187,7 @@ def collect(runs: list[LadderRun], out: Path) -> Path:
     rows = [
         [r.name, f"{r.budget:.6g}", r.params, r.tokens, scaling_flops(r.params, r.tokens), f"{final_val_loss(r):.6f}"]
         for r in runs
-        if is_finished(r)
+        if _is_finished(r)
     ]
     return write_csv(
         out / "runs.csv", ["name", "budget", "params", "tokens", "flops", "loss"], rows, "--out", "scale sweep"
@@ -227,12 +227,12 @@ def run_ladder(base: Config, runs: list[LadderRun], out: Path, jobs: int = 1) ->
 
     from flopwise.train.build import ensure_data
 
-    check_outputs(runs, out, table=True)  # before hours of training, not after
+    _check_outputs(runs, out, table=True)  # before hours of training, not after
     ensure_data(base, out, "--out")
     write_configs(runs, out)
     todo = []
     for i, r in enumerate(runs, 1):
-        if is_finished(r):
+        if _is_finished(r):
             logger.info(f"[{i}/{len(runs)}] {r.name}: done, skipped")
         else:
             todo.append((i, r))

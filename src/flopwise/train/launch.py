@@ -20,7 +20,7 @@ from flopwise.train.run import Run
 from flopwise.train.trainer import TrainResult, finished, train_loop
 
 
-def is_main_process() -> bool:
+def _is_main_process() -> bool:
     """Rank 0 of a torchrun/srun job, or a single process (the one that reports)."""
     return os.environ.get("RANK", "0") == "0"
 
@@ -35,7 +35,7 @@ def train(cfg: Config) -> TrainResult:
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": str(real_path(cfg.run.dir))})})
     with subnormals_flushed(), contextlib.ExitStack() as held:
         result = _train(cfg, started, lambda: held.enter_context(folder_lock(cfg.run.dir, "run.dir")))
-    if result.preempted is not None and result.is_main and (marker := os.environ.get(PREEMPT_FILE)):
+    if result.preempted is not None and result.is_main and (marker := os.environ.get(_PREEMPT_FILE)):
         Path(marker).write_text(
             f"{result.signal or 'a signal'} at step {result.preempted}: checkpoint {result.checkpoint}\n"
         )
@@ -45,7 +45,7 @@ def train(cfg: Config) -> TrainResult:
 # Where rank 0 notes a clean stop on a signal (step and checkpoint written), for a launcher to tell
 # it from a crash: torchrun's agent itself exits 1 when SLURM signals it, whatever its workers did
 # (examples/train.sbatch reads it and exits 0, so the job ends COMPLETED and `--requeue` continues).
-PREEMPT_FILE = "FLOPWISE_PREEMPT_FILE"
+_PREEMPT_FILE = "FLOPWISE_PREEMPT_FILE"
 
 
 def _train(cfg: Config, started: float, lock: Callable[[], object]) -> TrainResult:
@@ -54,7 +54,7 @@ def _train(cfg: Config, started: float, lock: Callable[[], object]) -> TrainResu
     except WillNotFit as e:
         if not dist.is_initialized():
             raise
-        if is_main_process():  # before any rank exits: torchrun stops the others when one does
+        if _is_main_process():  # before any rank exits: torchrun stops the others when one does
             print(f"error: {e}", file=sys.stderr, flush=True)
         dist.barrier()
         sys.stdout.flush()

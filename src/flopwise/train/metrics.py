@@ -24,7 +24,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 # Square products big enough to saturate the device: a CPU peaks by 1-2K, an H200 needs 8K (1-2K
 # products reach under half its 989 TFLOP/s, which made MFU read 2.2x too high there).
-CEILING_SIZES = {"cpu": (512, 1024, 2048), "cuda": (8192,)}
+_CEILING_SIZES = {"cpu": (512, 1024, 2048), "cuda": (8192,)}
 
 
 def measure_matmul_peak(
@@ -35,7 +35,7 @@ def measure_matmul_peak(
     timed (each size gets one): bf16 on a CPU without bf16 instructions took 5.5 minutes over all of
     them (2026-12-07, an AVX2 EPYC, where the 512s already showed its 1 GFLOP/s); 1-3 s elsewhere."""
     best, start = 0.0, time.perf_counter()
-    for n in sizes or CEILING_SIZES.get(device.type, CEILING_SIZES["cpu"]):
+    for n in sizes or _CEILING_SIZES.get(device.type, _CEILING_SIZES["cpu"]):
         if best and time.perf_counter() - start > budget_s:
             break
         # constant operands, not randn: the global RNG is training state (restored on resume)

@@ -42,7 +42,7 @@ from flopwise.plan.shape import RankLoad, model_shape
 from flopwise.plan.stack import STACKS
 
 # what a suggestion may change, and the config key each lives in (dp follows from tp and pp)
-CHANGES = {
+_CHANGES = {
     "micro_batch": "train.micro_batch",
     "recompute": "parallel.recompute",
     "zero": "parallel.zero",
@@ -56,7 +56,7 @@ class WillNotFit(FlopwiseError):
 
 
 @dataclass(frozen=True)
-class RankView:
+class _RankView:
     """One rank's side of the pre-flight: what it needs and what its device has."""
 
     rank: int
@@ -82,7 +82,7 @@ def rank_memory_total(cfg: Config, lo: Layout, pp_rank: int, cpu: bool) -> dict:
     return memory
 
 
-def worst_rank_total(cfg: Config, lo: Layout, cpu: bool) -> float:
+def _worst_rank_total(cfg: Config, lo: Layout, cpu: bool) -> float:
     return max(rank_memory_total(cfg, lo, r, cpu)["total"] for r in range(lo.pp))
 
 
@@ -108,7 +108,7 @@ def device_memory(device: torch.device) -> tuple[float | None, str]:
     return (None if avail is None else avail / local), f"MemAvailable / {local} local rank{'s' * (local > 1)}"
 
 
-def search_hardware(cfg: Config, device: torch.device) -> Hardware:
+def _search_hardware(cfg: Config, device: torch.device) -> Hardware:
     """The device to search layouts for: its catalogue entry (a GPU identified by name; the CPU's
     entry, which `hardware calibrate` can fill), else cluster.hardware, with the node's ranks as its
     devices per node. Step times only order equally near changes; where neither
@@ -127,13 +127,13 @@ def search_hardware(cfg: Config, device: torch.device) -> Hardware:
 def _distance(lo: Layout, user: Layout) -> tuple[int, float]:
     """(keys changed, how far): a factor of 2 in micro-batch, tp or pp, one recompute level or one
     ZeRO stage each count 1."""
-    changed = [k for k in CHANGES if getattr(lo, k) != getattr(user, k)]
+    changed = [k for k in _CHANGES if getattr(lo, k) != getattr(user, k)]
     far = sum(abs(math.log2(getattr(lo, k) / getattr(user, k))) for k in ("micro_batch", "tp", "pp"))
     far += abs(RECOMPUTE_ORDER.index(lo.recompute) - RECOMPUTE_ORDER.index(user.recompute)) + abs(lo.zero - user.zero)
     return len(changed), far
 
 
-def nearest_fit(cfg: Config, user: Layout, hw: Hardware, budget: float, cpu: bool) -> tuple[Layout, float] | float:
+def _nearest_fit(cfg: Config, user: Layout, hw: Hardware, budget: float, cpu: bool) -> tuple[Layout, float] | float:
     """The fitting layout nearest `user` (fewest changed keys, then the smallest changes, then the
     fastest) among those the planner's search finds for the same world size with every ZeRO stage
     and recompute policy, each predicted to need at most `budget` bytes on its worst rank; its
@@ -173,19 +173,19 @@ def nearest_fit(cfg: Config, user: Layout, hw: Hardware, budget: float, cpu: boo
                 least = min(least, r.ranked[0].memory["total"])
     fits.sort(key=lambda e: (*_distance(e.layout, user), -e.tokens_per_s))
     for e in fits:  # the search books a CPU's tensors only for the `cpu` entry: confirm with this engine's
-        total = worst_rank_total(cfg, e.layout, cpu) if cpu else e.memory["total"]
+        total = _worst_rank_total(cfg, e.layout, cpu) if cpu else e.memory["total"]
         if total <= budget:
             return e.layout, total
         least = min(least, total)
     return least
 
 
-def describe_change(cfg: Config, user: Layout, hw_name: str, found: tuple[Layout, float] | float) -> str:
+def _describe_change(cfg: Config, user: Layout, hw_name: str, found: tuple[Layout, float] | float) -> str:
     if not isinstance(found, tuple):
         return f"nothing fits on {user.world} rank{'s' * (user.world > 1)} of {hw_name}: needs >= {gib(found)}"
     lo, total = found
-    keys = [k for k in CHANGES if getattr(lo, k) != getattr(user, k)]
-    sets = [f"{CHANGES[k]}={getattr(lo, k)}" for k in keys]
+    keys = [k for k in _CHANGES if getattr(lo, k) != getattr(user, k)]
+    sets = [f"{_CHANGES[k]}={getattr(lo, k)}" for k in keys]
     if lo.dp != user.dp and cfg.parallel.dp is not None:
         sets.append(f"parallel.dp={lo.dp}")
     n = len(keys)
@@ -203,7 +203,7 @@ def run_preflight(cfg: Config, par: Parallel) -> str | None:
     lo, cpu = par.layout, par.device.type != "cuda"
     rank = dist.get_rank() if dist.is_initialized() else 0
     available, source = device_memory(par.device)
-    views = [RankView(rank, rank_memory_total(cfg, lo, par.rank("pp"), cpu)["total"], available, source)]
+    views = [_RankView(rank, rank_memory_total(cfg, lo, par.rank("pp"), cpu)["total"], available, source)]
     if dist.is_initialized():
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, views[0])
@@ -223,8 +223,8 @@ def run_preflight(cfg: Config, par: Parallel) -> str | None:
     if not is_rank0():
         raise WillNotFit("does not fit (rank 0 says why)")
     budget = min(a for _, a in known) * (1 - FIT_MARGIN)
-    hw = search_hardware(cfg, par.device)
-    change = describe_change(cfg, lo, hw.name, nearest_fit(cfg, lo, hw, budget, cpu))
+    hw = _search_hardware(cfg, par.device)
+    change = _describe_change(cfg, lo, hw.name, _nearest_fit(cfg, lo, hw, budget, cpu))
     raise WillNotFit(f"train.preflight: will not fit: {head}; {change}; train.preflight=false starts it anyway")
 
 
@@ -241,7 +241,7 @@ def slow_bf16_note(cfg: Config, device: torch.device) -> str | None:
 
 # --- out of memory during a step ------------------------------------------------------------
 
-PHASES = {
+_PHASES = {
     "next_batch": "data",
     "forward_backward": "forward",
     "backward": "backward",
@@ -251,14 +251,14 @@ PHASES = {
 }
 
 
-def where_in_step(tb: TracebackType | None) -> tuple[str | None, int | None]:
+def _where_in_step(tb: TracebackType | None) -> tuple[str | None, int | None]:
     """(phase, 0-based micro-batch) of the innermost step function an exception passed through (the
     engine's loop variable gives the micro-batch); None where unknown."""
     phase, micro = None, None
     while tb is not None:
         code, frame = tb.tb_frame.f_code, tb.tb_frame
-        if code.co_name in PHASES:
-            phase = PHASES[code.co_name]
+        if code.co_name in _PHASES:
+            phase = _PHASES[code.co_name]
         if code.co_name == "forward_backward" and isinstance(frame.f_locals.get("i"), int):
             micro = frame.f_locals["i"] // frame.f_locals["mb"]
         tb = tb.tb_next
@@ -288,7 +288,7 @@ def explain_oom(cfg: Config, par: Parallel, step: int, error: BaseException) -> 
     run_dir, lo, cpu = Path(cfg.run.dir), par.layout, par.device.type != "cuda"
     rank = dist.get_rank() if dist.is_initialized() else 0
     report_name, snapshot_name = oom_names(lo.world, rank)
-    phase, micro = where_in_step(error.__traceback__)
+    phase, micro = _where_in_step(error.__traceback__)
     predicted = rank_memory_total(cfg, lo, par.rank("pp"), cpu)
     stats = torch.cuda.memory_stats(par.device) if par.device.type == "cuda" else None
     snapshot = None
@@ -302,8 +302,8 @@ def explain_oom(cfg: Config, par: Parallel, step: int, error: BaseException) -> 
         reserved = stats.get("reserved_bytes.all.current", 0)
         share = reserved / (reserved + requested)
     budget = RUNTIME_RESERVE + (predicted["total"] - RUNTIME_RESERVE) * share * (1 - FIT_MARGIN)
-    hw = search_hardware(cfg, par.device)
-    change = describe_change(cfg, lo, hw.name, nearest_fit(cfg, lo, hw, budget, cpu))
+    hw = _search_hardware(cfg, par.device)
+    change = _describe_change(cfg, lo, hw.name, _nearest_fit(cfg, lo, hw, budget, cpu))
     report = rundir.replace(
         run_dir,
         report_name,

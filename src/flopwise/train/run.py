@@ -49,8 +49,8 @@ class Run:
 
 # What a resumed run must share with the checkpoint: the model, the order and shape of its data.
 # Anything else (layout, steps, LR schedule tail, dtype, logging, ...) may change and is reported.
-FIXED_ON_RESUME = ("model.", "data.seq_len", "train.global_batch", "run.seed")
-NOT_COMPARED = ("model.preset", "model.init_from", "run.dir", "checkpoint.resume", "data.path")
+_FIXED_ON_RESUME = ("model.", "data.seq_len", "train.global_batch", "run.seed")
+_NOT_COMPARED = ("model.preset", "model.init_from", "run.dir", "checkpoint.resume", "data.path")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -60,15 +60,15 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_resumable(ckpt: Path, state: dict, cfg: Config, data_fp: str) -> list[str]:
+def _check_resumable(ckpt: Path, state: dict, cfg: Config, data_fp: str) -> list[str]:
     """Refuse (one line naming the keys) a checkpoint of another model, data order or data; the
     keys that changed but may, to report."""
     saved = _flat(checkpoint_config(ckpt, state).model_dump(mode="json"))
     now = _flat(cfg.model_dump(mode="json"))
     changed = sorted(
-        k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k) and not k.startswith(NOT_COMPARED)
+        k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k) and not k.startswith(_NOT_COMPARED)
     )
-    fixed = [k for k in changed if k.startswith(FIXED_ON_RESUME)]
+    fixed = [k for k in changed if k.startswith(_FIXED_ON_RESUME)]
     if fixed:
         diff = ", ".join(f"{k}={saved.get(k)!r} there, {now.get(k)!r} here" for k in fixed[:4])
         raise CheckpointError(
@@ -152,7 +152,7 @@ def resume_state(ckpt: Path, cfg: Config, data_fp: str) -> dict:
     """The state.json of the checkpoint to resume from, read before anything is built: refused in
     one line if it is another run's (model, data, steps past train.steps); what changed is said."""
     state = checkpoint.read_state(ckpt)
-    changed = check_resumable(ckpt, state, cfg, data_fp)
+    changed = _check_resumable(ckpt, state, cfg, data_fp)
     if changed:
         logger.info(
             f"[bold]resume[/]: changed since the checkpoint: {escape(', '.join(changed))}", extra={"highlighter": None}

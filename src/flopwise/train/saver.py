@@ -31,7 +31,7 @@ from flopwise.train.faults import Faults
 
 logger = logging.getLogger(__name__)
 
-AUTO_PROBE_STEP = 5  # interval=auto: the first save, after enough steps for a median step time
+_AUTO_PROBE_STEP = 5  # interval=auto: the first save, after enough steps for a median step time
 
 
 @dataclass
@@ -73,7 +73,7 @@ class Saver:
         if last:
             return True
         if self.every is None:  # auto, not measured yet
-            return done == AUTO_PROBE_STEP
+            return done == _AUTO_PROBE_STEP
         return bool(self.every) and done % self.every == 0
 
     def save(self, done: int, step_times: list[float]) -> None:

@@ -91,7 +91,7 @@ class TrainResult:
     layout: str = "single"  # layout.rules.Layout.name() of the layout that ran
 
 
-def eval_sources(sources: list[Source], seq_len: int) -> list[Source]:
+def _eval_sources(sources: list[Source], seq_len: int) -> list[Source]:
     """The sources whose validation split holds one sequence (more than data.seq_len tokens), which
     evaluation reads; refused when none does (a split holds whole documents: one document, none)."""
     usable = [s for s in sources if read_index(s.data_dir)["splits"]["val"]["tokens"] > seq_len]
@@ -104,12 +104,12 @@ def eval_sources(sources: list[Source], seq_len: int) -> list[Source]:
     return usable
 
 
-def validation_losses(engine: Engine, sources: list[Source], cfg: Config) -> tuple[float, dict[str, float]]:
+def _validation_losses(engine: Engine, sources: list[Source], cfg: Config) -> tuple[float, dict[str, float]]:
     """Mean loss over the first validation windows of each source, in micro-batches (a pipeline
     evaluates micro_batch × its number of micro-batches at a time); the mixture's loss is the
     weight-averaged mean of the sources' that have a validation split (of one sequence or more)."""
     rows = cfg.train.micro_batch * (engine.n_micro if engine.schedule is not None else 1)
-    sources = eval_sources(sources, cfg.data.seq_len)
+    sources = _eval_sources(sources, cfg.data.seq_len)
     by_source = {}
     for s in sources:
         losses = [engine.eval_loss(b) for b in eval_batches(s.data_dir, cfg.data.seq_len, rows, cfg.train.eval_batches)]
@@ -353,7 +353,7 @@ class _Loop:
 
     def evaluate(self, done: int) -> None:
         run = self.run
-        self.val_loss, by_source = validation_losses(run.engine, run.sources, self.cfg)
+        self.val_loss, by_source = _validation_losses(run.engine, run.sources, self.cfg)
         self.write(
             {
                 "step": done,
@@ -421,7 +421,7 @@ def train_loop(run: Run, started: float | None = None) -> TrainResult:
     _start_records(run)
     loop = _Loop(run)
     if cfg.model.init_from and run.start_step == 0 and run.engine.can_eval:  # the model as loaded, for comparison
-        loop.val0 = loop.val0_seen = validation_losses(run.engine, run.sources, cfg)[0]
+        loop.val0 = loop.val0_seen = _validation_losses(run.engine, run.sources, cfg)[0]
         loop.write({"step": 0, "val_loss": loop.val0})
         logger.info(
             f"step 0: val loss {loop.val0:.4f} (the model as loaded, {cfg.train.eval_batches} batches of "
@@ -446,7 +446,7 @@ def _refuse_before_step_one(run: Run) -> None:
             "to start over there"
         )
     if run.engine.can_eval:  # every run evaluates at its end: refuse before step 1, not after the last
-        eval_sources(run.sources, cfg.data.seq_len)
+        _eval_sources(run.sources, cfg.data.seq_len)
     if cfg.train.sample_tokens and par.layout.world == 1:  # the end-of-run sample (one process only)
         n = len(run.tokenizer.encode(cfg.train.sample_prompt).ids)
         if not 0 < n < cfg.model.max_seq_len:
@@ -495,7 +495,7 @@ def _banner(run: Run, loop: _Loop) -> None:
         )
     if lo.world > 1:
         logger.info(
-            f"[bold]layout[/] {layout_label(lo)} on {lo.world} processes{nodes_label(par)} "
+            f"[bold]layout[/] {layout_label(lo)} on {lo.world} processes{_nodes_label(par)} "
             f"({dist.get_backend()}), {run.engine.n_micro} micro-batches of {cfg.train.micro_batch} per rank"
         )
     if not run.engine.can_eval:
@@ -515,7 +515,7 @@ def _run_loop(run: Run, loop: _Loop) -> int | None:
         if not is_timeout(e):
             raise
         if peer_lost(e):  # at once, not after the timeout: no hang, so no stack dumps either
-            raise lost_peer(run.par, loop.rank, loop.watch.step, loop.saver.last) from None
+            raise _lost_peer(run.par, loop.rank, loop.watch.step, loop.saver.last) from None
         raise TrainingStopped(
             f"rank {loop.rank}: a collective timed out at step {loop.watch.step} after "
             f"watchdog.collective_timeout_s={run.cfg.watchdog.collective_timeout_s:g} s (a rank hung "
@@ -599,7 +599,7 @@ def finished(done: Finished, started: float) -> TrainResult:
     )
 
 
-def nodes_label(par: Parallel) -> str:
+def _nodes_label(par: Parallel) -> str:
     """ " on 2 nodes (tp inside a node, dp across)": where the mesh's groups lie, from each rank's node."""
     n = len(set(par.nodes))
     if n == 1 or par.mesh is None:
@@ -612,7 +612,7 @@ def nodes_label(par: Parallel) -> str:
     return f" on {n} nodes ({'; '.join(where)})"
 
 
-def lost_peer(par: Parallel, rank: int, step: int, last: Path | None) -> TrainingStopped:
+def _lost_peer(par: Parallel, rank: int, step: int, last: Path | None) -> TrainingStopped:
     """The one line a surviving rank stops with when a peer went away: which node or ranks (those
     that did not check in through the job's store), at which step, and where a restart resumes. Only
     the lowest surviving rank says it (without the store: each node's first); the others stop quietly.

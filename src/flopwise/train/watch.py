@@ -45,12 +45,12 @@ from flopwise.config.schema import WatchdogConfig
 from flopwise.errors import FlopwiseError
 from flopwise.files import rundir
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-ABORT_GRACE_S = 1.0  # a second Ctrl-C: how long the main thread has to take its KeyboardInterrupt
+_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+_ABORT_GRACE_S = 1.0  # a second Ctrl-C: how long the main thread has to take its KeyboardInterrupt
 
 
 @dataclass
-class Sync:
+class _Sync:
     """What all ranks agreed on at a sync point."""
 
     stop: bool
@@ -81,7 +81,7 @@ class Watch:
 
     def __enter__(self) -> Watch:
         if threading.current_thread() is threading.main_thread():
-            for s in SIGNALS:
+            for s in _SIGNALS:
                 self._previous[s] = signal.signal(s, self._on_signal)
             r, w = os.pipe()
             os.set_blocking(w, False)
@@ -114,7 +114,7 @@ class Watch:
     def _signalled(self, data: bytes) -> None:
         """Signal numbers read from the wake-up pipe (watchdog thread), as they arrive."""
         for signum in data:
-            if signum in SIGNALS:
+            if signum in _SIGNALS:
                 if signum == signal.SIGINT:
                     self._interrupt()
                 self.signal = signal.Signals(signum).name
@@ -137,7 +137,7 @@ class Watch:
         if threading.current_thread() is threading.main_thread():
             raise KeyboardInterrupt
         _thread.interrupt_main()  # runs _on_signal(SIGINT) in the main thread, which raises
-        if not self._stop.wait(ABORT_GRACE_S):  # still in the step
+        if not self._stop.wait(_ABORT_GRACE_S):  # still in the step
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(130)
@@ -205,7 +205,7 @@ class Watch:
         own work (what follows is waiting for the others), the figure that names a straggler."""
         self._busy += time.perf_counter() - self._step_start
 
-    def sync(self, save_failed: bool, values: torch.Tensor) -> tuple[Sync, list[float]]:
+    def sync(self, save_failed: bool, values: torch.Tensor) -> tuple[_Sync, list[float]]:
         """The sync point (every rank calls it at the same steps): preemption and failed saves
         seen by any rank, each rank's own work time since the previous sync (`arrived`), and `values` (a device tensor
         of the steps since) read on the host, all in one device-to-host transfer."""
@@ -219,17 +219,17 @@ class Watch:
         else:
             host, rows = values.flatten().double().tolist(), [mine]
         self._busy = 0.0
-        sync = Sync(any(r[1] for r in rows), any(r[2] for r in rows), [r[0] for r in rows])
+        sync = _Sync(any(r[1] for r in rows), any(r[2] for r in rows), [r[0] for r in rows])
         return sync, host[:n]
 
 
-PEER_LOST = ("connection closed by peer", "connection reset by peer")
+_PEER_LOST = ("connection closed by peer", "connection reset by peer")
 
 
 def peer_lost(e: BaseException) -> bool:
     """A collective that failed because another rank's process went away (gloo's wording), rather
     than one that waited out the timeout."""
-    return any(p in str(e).lower() for p in PEER_LOST)
+    return any(p in str(e).lower() for p in _PEER_LOST)
 
 
 def is_timeout(e: BaseException) -> bool:
@@ -241,5 +241,5 @@ def is_timeout(e: BaseException) -> bool:
         return True
     return isinstance(e, RuntimeError) and any(
         p in text
-        for p in ("timed out waiting", "collective operation timeout", "gloo timeout", "wait timeout", *PEER_LOST)
+        for p in ("timed out waiting", "collective operation timeout", "gloo timeout", "wait timeout", *_PEER_LOST)
     )
