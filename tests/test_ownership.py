@@ -196,7 +196,7 @@ def test_a_path_through_a_missing_folder_and_back_is_checked_where_it_lands(
     import flopwise.measure.calibrate
 
     monkeypatch.setattr(
-        flopwise.measure.calibrate, "calibrate", lambda *a, **k: pytest.fail("measured before checking")
+        flopwise.measure.calibrate, "calibrate_device", lambda *a, **k: pytest.fail("measured before checking")
     )
     argv_of, target, rels = DOTDOT[name]
     mine = [_user(tmp_path / "t" / target / rel if rel else tmp_path / "t" / target) for rel in rels]
