@@ -24,6 +24,7 @@ HOMES = {
         "files_under",
         "folder_lock",
         "LOCK",
+        "lock_lost",
         "ManifestKind",
         "real_path",
         "remove_all_but",
