@@ -22,6 +22,7 @@ HOMES = {
         "add_to_manifest",
         "file_record",
         "files_under",
+        "folder_id",
         "folder_lock",
         "LOCK",
         "lock_lost",
@@ -31,6 +32,7 @@ HOMES = {
         "UNWRITABLE",
         "why_not_ours",
         "write_manifest",
+        "written_for",
     ],
     "rundir": ["append", "Appender", "check_claim", "claim", "claimed", "remove", "replace"],
 }
