@@ -383,6 +383,43 @@ def test_an_output_file_is_replaced_only_while_its_seal_verifies(tmp_path):
         p.unlink()
 
 
+@pytest.mark.parametrize("name", ["config.toml", "flopwise-run.json"])
+def test_a_users_file_hard_linked_at_a_temporary_name_is_not_written(name, tmp_path):
+    """Before: every atomic write went through `.NAME.flopwise-tmp` opened with O_TRUNC, so a user's
+    file hard-linked at that name was overwritten with flopwise's bytes and renamed over NAME."""
+    from flopwise.files import claim, replace
+
+    run = tmp_path / "run"
+    claim(run, ["config.toml"])
+    mine = _user(tmp_path / "thesis.tex", "my thesis\n")
+    os.link(mine, run / f".{name}.flopwise-tmp")
+    replace(run, "config.toml", b"lr = 1\n")
+    assert mine.read_text() == "my thesis\n" and (run / f".{name}.flopwise-tmp").read_text() == "my thesis\n"
+    assert (run / "config.toml").read_bytes() == b"lr = 1\n"
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert (run / "config.toml").stat().st_mode & 0o777 == 0o666 & ~umask  # as open() made it, not mkstemp's 0600
+
+
+def test_a_temporary_name_proves_nothing_by_its_name(tmp_path):
+    """A file at the manifest's temporary name counts as flopwise's only if its content is the
+    folder's manifest (a write cut short by a kill); a user's file there makes the folder theirs,
+    so a replacing command refuses it rather than deleting it."""
+    from flopwise.files import ManifestKind, file_record, why_not_ours, write_manifest
+
+    kind = ManifestKind("manifest.json", "test-manifest/1")
+    out = tmp_path / "data"
+    _user(out / "index.json", "{}")
+    write_manifest(out, kind, {"index.json": file_record(out / "index.json")}, complete=True)
+    assert why_not_ours(out, kind) is None
+    left = out / ".manifest.json.k3j9x0qa.flopwise-tmp"
+    left.write_bytes((out / "manifest.json").read_bytes())  # what a kill during a rewrite leaves
+    assert why_not_ours(out, kind) is None
+    mine = _user(out / ".manifest.json.flopwise-tmp", "my notes\n")
+    assert "which flopwise did not write" in (why_not_ours(out, kind) or "")
+    assert mine.read_text() == "my notes\n"
+
+
 # --- 4. one writer per folder -----------------------------------------------------------------
 
 HOLD = """
@@ -435,19 +472,72 @@ def test_a_second_writer_of_a_folder_is_refused_naming_the_holder(
     assert sorted(x.name for x in folder.iterdir()) == [".flopwise.lock"]
 
 
-@pytest.mark.slow
-def test_a_stale_lock_is_taken_over_with_a_warning(tiny_data, tmp_path, capsys, monkeypatch):
-    """A lock left by a process that is gone (killed: the kernel released its flock, its file stays)
-    is taken over, with a warning naming it; the lock is gone when the command ends."""
-    run = tmp_path / "run"
-    run.mkdir()
+def _gone_pid() -> int:
     gone = subprocess.Popen([sys.executable, "-c", ""])
     gone.wait()
-    (run / ".flopwise.lock").write_text(f"{gone.pid}\n")
-    with pytest.warns(UserWarning, match=f"took over the lock of flopwise process {gone.pid}"):
-        code, err = _train(run, tiny_data, capsys, monkeypatch)
+    return gone.pid
+
+
+@pytest.mark.slow
+def test_a_stale_lock_is_taken_over_in_one_line(tiny_data, tmp_path, capsys, monkeypatch, caplog):
+    """A lock left by a process that is gone (killed: the kernel released its flock, its file stays)
+    is taken over, said in one log line naming it; the lock is gone when the command ends."""
+    run = tmp_path / "run"
+    run.mkdir()
+    pid = _gone_pid()
+    (run / ".flopwise.lock").write_text(f"flopwise lock, held by PID {pid}\n")
+    code, err = _train(run, tiny_data, capsys, monkeypatch)
     assert code == 0, err
+    said = [r.getMessage() for r in caplog.records if "taking over the lock" in r.getMessage()]
+    assert said == [f"{run}: taking over the lock of flopwise process {pid}, which is gone"], said
     assert not (run / ".flopwise.lock").exists()
+
+
+USERS_LOCK = {  # how a user's bytes come to be at DIR/.flopwise.lock
+    "plain file": lambda lock, mine: lock.write_text("my notes, named oddly\n"),
+    "hard link": lambda lock, mine: os.link(_user(mine, "my thesis\n"), lock),
+    "hard link to a lock text": lambda lock, mine: os.link(
+        _user(mine, f"flopwise lock, held by PID {_gone_pid()}\n"), lock
+    ),
+}
+
+
+@pytest.mark.parametrize("how", list(USERS_LOCK))
+@pytest.mark.parametrize("name", ["train", "data-prepare", "convert-to-hf"])
+def test_a_users_file_at_the_lock_name_is_neither_truncated_nor_deleted(
+    name, how, made, tiny_data, tmp_path, capsys, monkeypatch
+):
+    """Before: a user's file hard-linked (or simply present) at DIR/.flopwise.lock was truncated to a
+    PID and then deleted, by `data prepare` even when it refused the folder."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    USERS_LOCK[how](folder / ".flopwise.lock", tmp_path / "mine.txt")
+    before = _bytes([folder / ".flopwise.lock", tmp_path / "mine.txt"])
+    code, err = _main(LOCKED[name](folder, made, tiny_data), capsys, monkeypatch)
+    _refused(code, err, str(folder / ".flopwise.lock"), "nothing was written")
+    assert _bytes([folder / ".flopwise.lock", tmp_path / "mine.txt"]) == before
+    assert sorted(x.name for x in folder.iterdir()) == [".flopwise.lock"]
+
+
+def test_a_lock_removed_under_its_holder_is_noticed_and_nothing_else_deleted(tmp_path):
+    """Before: `rm DIR/.flopwise.lock` let a second writer in beside the first, both exit 0. Now the
+    holder's next write through the run record stops in one line; a file someone puts at the name
+    afterwards is not deleted when the holder ends."""
+    from flopwise.errors import ConfigError
+    from flopwise.files import claim, folder_lock, lock_lost, replace
+
+    run = tmp_path / "run"
+    with folder_lock(run, "run.dir"):
+        claim(run, ["notes.json"])
+        replace(run, "notes.json", b"{}")
+        assert lock_lost(run) is None
+        (run / ".flopwise.lock").unlink()
+        with pytest.raises(ConfigError, match="removed while this process held it") as e:
+            replace(run, "notes.json", b'{"a": 1}')
+        assert "\n" not in str(e.value)
+        _user(run / ".flopwise.lock", "a user's file\n")
+    assert (run / ".flopwise.lock").read_text() == "a user's file\n"
+    assert (run / "notes.json").read_bytes() == b"{}"
 
 
 @pytest.mark.slow

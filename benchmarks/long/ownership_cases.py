@@ -247,7 +247,7 @@ def stale_lock(u):
     run.mkdir()
     dead = subprocess.Popen(["true"])
     dead.wait()
-    (run / ".flopwise.lock").write_text(f"{dead.pid}\n")
+    (run / ".flopwise.lock").write_text(f"flopwise lock, held by PID {dead.pid}\n")
     return (lambda: train(run, 2, cwd=u)), []
 
 
@@ -286,7 +286,7 @@ for name, f in CASES.items():
         continue
     # user bytes: compare with what the setup wrote (files list is read right after setup? recorded by content)
     errs = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
-    warn = [ln for ln in out.stderr.splitlines() if "took over" in ln or "lock" in ln.lower()]
+    warn = [ln for ln in (out.stdout + out.stderr).splitlines() if "taking over" in ln or "lock" in ln.lower()]
     intact = snapshot(files) == before
     print(
         json.dumps(

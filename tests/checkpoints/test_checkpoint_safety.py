@@ -409,3 +409,114 @@ def test_a_ctrl_c_during_the_write_stops_the_run_and_leaves_no_folder(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         checkpoint.begin(tmp_path, 1, model, None, Interrupted)
     assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
+
+
+# --- retention and resume by content, not by the name step-* --------------------------------------
+
+
+def _tree(root) -> dict[str, str]:
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in root.rglob("*")
+        if p.is_file()
+    }
+
+
+def test_retention_deletes_only_what_a_manifest_of_this_run_lists(tmp_path, caplog):
+    """Before: retention deleted a user's `step-00000003.keep/` and `step-00000006-before-lr-change/`
+    (copies of real checkpoints) and a `my-eval.json` inside a real step folder, without a word."""
+    import shutil
+
+    cfg, run = _cfg(tmp_path), tmp_path / "run"
+    root = run / "checkpoints"
+    _save(run, 3, cfg, tmp_path, keep=None)
+    _save(run, 6, cfg, tmp_path, keep=None)
+    shutil.copytree(root / "step-00000003", root / "step-00000003.keep")
+    shutil.copytree(root / "step-00000006", root / "step-00000006-before-lr-change")
+    (root / "step-00000003" / "my-eval.json").write_text('{"acc": 0.5}')
+    (root / "step-00000004.tmp").mkdir()  # a user's folder named like a partial write
+    (root / "step-00000004.tmp" / "notes.txt").write_text("mine")
+    mine = {k: v for k, v in _tree(root).items() if not k.startswith(("step-00000003/", "step-00000006/"))}
+    mine["step-00000003/my-eval.json"] = _tree(root)["step-00000003/my-eval.json"]
+    _save(run, 9, cfg, tmp_path, keep=1)
+    _save(run, 12, cfg, tmp_path, keep=1)
+    assert {k: v for k, v in _tree(root).items() if k in mine} == mine
+    assert sorted(p.name for p in (root / "step-00000003").iterdir()) == ["my-eval.json"]
+    assert not (root / "step-00000006").exists() and not (root / "step-00000009").exists()
+    assert checkpoint.latest(run, own=True) == checkpoint.step_dir(run, 12)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoints: ")]
+    named = ("step-00000003 left in place", "step-00000003.keep is not", "before-lr-change is not", ".tmp is not")
+    assert all(sum(n in m for m in said) == 1 for n in named), said  # each named, once
+
+
+def test_a_copy_named_like_a_step_or_from_another_run_is_never_the_resume_point(tmp_path, caplog):
+    """Before: a user's `step-00000006-before-lr-change/` became the resume point (it sorts after
+    step-00000003), as did a step folder copied in from another run."""
+    import shutil
+
+    cfg, run = _cfg(tmp_path), tmp_path / "run"
+    _save(run, 3, cfg, tmp_path)
+    other = _save(tmp_path / "other", 9, cfg, tmp_path)
+    shutil.copytree(checkpoint.step_dir(run, 3), run / "checkpoints" / "step-00000006-before-lr-change")
+    shutil.copytree(other, run / "checkpoints" / "step-00000009")
+    said: list[str] = []
+    assert checkpoint.resume_point(run, True, said.append) == checkpoint.step_dir(run, 3)
+    assert said == [
+        "skipping damaged checkpoint step-00000009 (written for another run folder, or before "
+        "checkpoints named their run (checkpoint.resume=PATH reads it)); using step-00000003"
+    ]
+    assert any("before-lr-change is not a flopwise checkpoint" in r.getMessage() for r in caplog.records)
+
+
+def test_when_no_checkpoint_verifies_resume_stops_naming_each_and_why(tmp_path, monkeypatch):
+    """Before: checkpoint.resume=auto started from scratch in the same folder (exit 0) when no
+    checkpoint verified, then replaced them; an unreadable shard was reported as "missing"."""
+    cfg, run = _cfg(tmp_path), tmp_path / "run"
+    for s in (3, 6):
+        _save(run, s, cfg, tmp_path, keep=None)
+    shard = next((checkpoint.step_dir(run, 6)).glob("__*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # recoverable bytes, but not the ones written
+    shard.write_bytes(bytes(data))
+    real = checkpoint._sha256
+    flaky = checkpoint.step_dir(run, 3) / shard.name
+
+    def read(path):
+        if path == flaky:
+            raise OSError(5, "Input/output error")  # a transient read failure
+        return real(path)
+
+    monkeypatch.setattr(checkpoint, "_sha256", read)
+    before = _tree(run)
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.resume_point(run, True, lambda msg: None)
+    msg = str(e.value)
+    assert _one_line(e.value) and "checkpoint.resume=none" in msg and "new run.dir" in msg, msg
+    assert f"step-00000006: {shard.name} fails its sha256 checksum" in msg, msg
+    assert f"step-00000003: {shard.name} unreadable (Input/output error)" in msg, msg
+    assert _tree(run) == before
+    assert checkpoint.resume_point(tmp_path / "new", True, lambda msg: None) is None  # nothing there: a fresh start
+
+
+@pytest.mark.slow
+def test_train_never_silently_restarts_over_checkpoints_that_fail(tmp_path, tiny_data, capsys, monkeypatch):
+    """The reported case end to end: both checkpoints of a run damaged, `flopwise train` again with
+    checkpoint.resume=auto stops in one line, exit 2, and leaves the run folder as it was."""
+    from tests.conftest import run_main
+
+    run = tmp_path / "run"
+    args = ["train", *tiny_overrides(run, tiny_data, **{"train.steps": 4, "checkpoint.interval": 2})]
+    code, err = run_main(args, capsys, monkeypatch)
+    assert code == 0, err
+    for step in (2, 4):
+        shard = next(checkpoint.step_dir(run, step).glob("__*.distcp"))
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    before = _tree(run)
+    args = ["train", *tiny_overrides(run, tiny_data, **{"train.steps": 6, "checkpoint.interval": 2})]
+    code, err = run_main(args, capsys, monkeypatch)
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err and lines[-1].startswith("error: "), err
+    assert "step-00000004: " in lines[-1] and "step-00000002: " in lines[-1] and "checksum" in lines[-1]
+    assert _tree(run) == before

@@ -11,6 +11,7 @@ import io
 import json
 import pickle
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,14 +150,14 @@ def test_retention_says_what_it_could_not_delete(tiny_data, tmp_path, monkeypatc
     model = build_model(cfg.model, "cpu")
     for step in (1, 2):
         checkpoint.save(tmp_path, step, model, None, {"config": to_toml(cfg)})
-    real = checkpoint.shutil.rmtree
+    real = Path.unlink
 
-    def rmtree(path, onerror=None, **kw):  # retention's deletions fail; other removals work
-        if onerror is None:
-            return real(path, **kw)
-        onerror(None, str(path), (PermissionError, PermissionError(13, "Permission denied"), None))
+    def unlink(path, missing_ok=False):  # retention's deletions in step 1 fail; other removals work
+        if path.parent.name == "step-00000001":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, missing_ok=missing_ok)
 
-    monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(Path, "unlink", unlink)
     with pytest.warns(UserWarning, match="could not delete .*step-00000001.*Permission denied"):
         checkpoint.save(tmp_path, 3, model, None, {"config": to_toml(cfg)}, keep=1)
 

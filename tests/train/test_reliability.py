@@ -9,6 +9,7 @@ import pickle
 import re
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,10 +87,16 @@ def test_corrupt_latest_is_reported_and_the_previous_one_resumed(tiny_data, tiny
     assert distcp_hashes(r.checkpoint) == distcp_hashes(checkpoint.latest(tiny_run(6)))
 
 
-def test_retention_never_deletes_the_last_complete_checkpoint_and_clears_stale_tmp(tiny_run_copy):
-    run_dir = tiny_run_copy(6)
+def test_retention_never_deletes_the_last_complete_checkpoint_and_clears_stale_tmp(tmp_path):
+    """A write cut short (the tensors of step 7 in step-00000007.tmp, flopwise's own) is cleared; a
+    step folder without its manifest and a copied run's checkpoints are not this run's: kept."""
+    from flopwise.model.transformer import build_model
+
+    cfg = load_config(None, tiny_overrides(tmp_path / "run", tmp_path / "data"))
+    model, run_dir = build_model(cfg.model, "cpu"), tmp_path / "run"
     root = run_dir / "checkpoints"
-    (root / "step-00000007.tmp").mkdir()
+    checkpoint.save(run_dir, 6, model, None, {}, keep=None)
+    checkpoint.begin(run_dir, 7, model, None)  # killed before finish: a partial write
     broken = root / "step-00000009"
     shutil.copytree(root / "step-00000006", broken)
     (broken / "manifest.json").unlink()  # interrupted before the manifest
@@ -97,6 +104,10 @@ def test_retention_never_deletes_the_last_complete_checkpoint_and_clears_stale_t
     assert [p.name for p in checkpoint.list_complete(run_dir)] == ["step-00000006"]
     assert not (root / "step-00000007.tmp").exists()
     assert checkpoint.verify(broken) == "no manifest (write interrupted)"
+    copy = Path(shutil.copytree(run_dir, tmp_path / "copy"))
+    checkpoint.save(copy, 8, model, None, {}, keep=None)
+    checkpoint.prune(copy, keep=1)  # step 6 there was written for run/, not for copy/
+    assert [p.name for p in checkpoint.list_complete(copy)] == ["step-00000006", "step-00000008"]
 
 
 class Boom:

@@ -27,10 +27,12 @@ import errno
 import hashlib
 import io
 import json
+import logging
 import math
 import os
 import pickle
 import pickletools
+import re
 import secrets
 import shutil
 import warnings
@@ -56,8 +58,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from flopwise.data.tokenizer import SIDE_FILES
 from flopwise.errors import CheckpointError
 from flopwise.files import rundir
+from flopwise.files.ownership import folder_id, written_for
 from flopwise.model.init import canonical_name
 from flopwise.parallel.data import local_optimizer
 from flopwise.parallel.mesh import is_rank0
@@ -65,7 +69,13 @@ from flopwise.parallel.mesh import is_rank0
 _MANIFEST = "manifest.json"
 STATE = "state.json"
 _DCP_METADATA = ".metadata"
-CHECKPOINT_FORMAT = 2  # 1: manifest without format/config hash/layout (still readable)
+CHECKPOINT_FORMAT = 3  # 2: no run binding; 1: no format/config hash/layout (both still readable)
+_STEP_NAME = re.compile(r"step-([0-9]{8})")  # the only names discovery and retention look at
+_PARTIAL = ".flopwise-partial"  # in a folder a checkpoint is written in: that folder's identity
+_WRITTEN = {_PARTIAL, _DCP_METADATA, STATE, _MANIFEST, "tokenizer.json", *SIDE_FILES}  # and DCP's tensor files
+_DCP_FILE = re.compile(r"__[0-9]+_[0-9]+\.distcp")
+log = logging.getLogger(__name__)
+_named: set[str] = set()  # what discovery and retention named as not theirs (once per process)
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
@@ -178,12 +188,42 @@ def _run_on_main(fn: Callable[[], None]) -> str | None:
 
 
 def _fresh(tmp: Path) -> None:
+    """An empty folder at `tmp` (step-N.tmp) to write a checkpoint in, marked as flopwise's
+    (`_PARTIAL`). One there already is cleared only if it is a partial write flopwise made."""
     if tmp.parent.is_symlink():  # an OSError: every rank is told (_run_on_main), and the save fails in one line
         raise OSError(errno.ELOOP, "a symbolic link: flopwise never writes through one", str(tmp.parent))
-    if tmp.is_symlink():
-        tmp.unlink()
-    shutil.rmtree(tmp, ignore_errors=True)
+    if tmp.exists() or tmp.is_symlink():
+        if _is_partial(tmp):
+            _remove_partial(tmp, [])
+        if tmp.exists() or tmp.is_symlink():
+            raise OSError(errno.EEXIST, "not a partial checkpoint flopwise made: move it away", str(tmp))
     tmp.mkdir(parents=True)
+    _mark_partial(tmp)
+
+
+def _mark_partial(tmp: Path) -> None:
+    (tmp / _PARTIAL).write_text(json.dumps({"folder": folder_id(tmp)}))
+
+
+def _is_partial(tmp: Path) -> bool:
+    """`tmp` is a folder flopwise made to write a checkpoint in: its marker names this very folder
+    (a copy of one, or a user's step-N.tmp, is not)."""
+    try:
+        return not tmp.is_symlink() and written_for(json.loads((tmp / _PARTIAL).read_text()), tmp)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _remove_partial(tmp: Path, failed: list[str]) -> None:
+    """Remove what flopwise writes in a partial checkpoint (tensors, state, side files, manifest,
+    the marker) and the folder if nothing else is left in it."""
+    for f in tmp.iterdir():
+        if f.name in _WRITTEN or _DCP_FILE.fullmatch(f.name):
+            try:
+                f.unlink()
+            except OSError as e:
+                failed.append(f"{f} ({e.strerror})")
+    _rmdir_or_name(tmp)
 
 
 def _content(model: Modules, optimizer: torch.optim.Optimizer | None) -> dict:
@@ -258,9 +298,11 @@ def finish(
         (tmp / STATE).write_text(json.dumps({**state, "step": step}))
         for name, src in (files or {}).items():
             shutil.copyfile(src, tmp / name)
+        (tmp / _PARTIAL).unlink(missing_ok=True)
         entries = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
         manifest = {
             "format": CHECKPOINT_FORMAT,
+            "run": folder_id(Path(run_dir)),  # binds it to this run folder: a copy elsewhere is not this run's
             "step": step,
             "config_hash": state.get("config_hash"),
             "layout": state.get("layout"),
@@ -276,11 +318,12 @@ def finish(
         if final.exists() or final.is_symlink():
             if not replace:
                 raise FileExistsError(errno.EEXIST, "already exists, not replaced", str(final))
-            old = final.with_name(final.name + ".replaced.tmp")  # swapped out, then deleted: never a gap
-            shutil.rmtree(old, ignore_errors=True)
+            if final.is_symlink() or _problem(final, run_dir, False, own=True):
+                raise FileExistsError(errno.EEXIST, "not this run's checkpoint: move it away", str(final))
+            old = final.with_name(f"{final.name}.{secrets.token_hex(4)}.replaced")  # swapped out: never a gap
             os.replace(final, old)
             os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_listed(old, [])
         else:
             os.replace(tmp, final)
         if keep is not None:
@@ -333,9 +376,10 @@ def scratch_dir(run_dir: str | Path, step: int) -> Path:
             tmp = root / f"step-{step:08d}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
             try:
                 tmp.mkdir()
-                return tmp
             except FileExistsError:
                 continue
+            _mark_partial(tmp)
+            return tmp
     except OSError as e:
         raise CheckpointError(
             f"cannot write a checkpoint under {root} ({e.strerror or e}); nothing was written"
@@ -359,7 +403,7 @@ def abandon(tmp: Path) -> None:
 
 
 def not_written(run_dir: str | Path, step: int, reason: str) -> CheckpointError:
-    prev = latest(run_dir, verify_checksums=False)
+    prev = latest(run_dir, verify_checksums=False, own=True)
     kept = f"the latest complete checkpoint is still {prev.name}" if prev else "there is no earlier checkpoint"
     return CheckpointError(
         f"checkpoint step-{step:08d} not written ({reason}); {kept}. Free space or fix "
@@ -415,8 +459,10 @@ def verify(path: Path, checksums: bool = True) -> str | None:
                 return f"{name} is {size} bytes, manifest says {meta.get('bytes') if isinstance(meta, dict) else '?'}"
             if checksums and _sha256(f) != meta.get("sha256"):
                 return f"{name} fails its sha256 checksum"
-        except OSError:
+        except FileNotFoundError:
             return f"{name} missing"
+        except OSError as e:
+            return f"{name} unreadable ({e.strerror or type(e).__name__})"
     if _DCP_METADATA in files:
         try:
             md = read_dcp_metadata(path)
@@ -434,47 +480,126 @@ def is_complete(path: Path) -> bool:
 
 
 def _candidates(run_dir: str | Path) -> list[Path]:
+    """The folders under checkpoints/ named as flopwise names a step (step-NNNNNNNN), oldest first:
+    all that discovery and retention look at (a user's step-6-before-lr-change/ is not one)."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted(
-        (p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp")),
-        key=lambda p: p.name,
-    )
+    return sorted(p for p in root.iterdir() if _STEP_NAME.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
 
 
-def list_complete(run_dir: str | Path) -> list[Path]:
-    return [p for p in _candidates(run_dir) if is_complete(p)]
-
-
-def latest(
-    run_dir: str | Path, verify_checksums: bool = True, report: Callable[[str], None] | None = None
-) -> Path | None:
-    """The newest checkpoint that verifies; each damaged newer one is reported in one line and skipped."""
-    skipped: list[tuple[str, str]] = []
-    for p in reversed(_candidates(run_dir)):
-        reason = verify(p, verify_checksums)
-        if reason is None:
-            if report is not None:
-                for name, why in skipped:
-                    report(f"skipping damaged checkpoint {name} ({why}); using {p.name}")
-            return p
-        skipped.append((p.name, reason))
-    if report is not None and skipped:
-        report(f"no usable checkpoint: {'; '.join(f'{n} ({w})' for n, w in skipped)}; starting from scratch")
+def _not_this_runs(path: Path, run_dir: str | Path) -> str | None:
+    """Why a checkpoint that verifies is not this run's own (None when it is): its manifest must be
+    of its folder's step and bound to `run_dir` (written there, not copied in nor handed)."""
+    m = json.loads((path / _MANIFEST).read_text(encoding="utf-8"))
+    if f"step-{m['step']:08d}" != path.name:
+        return f"its manifest is of step {m['step']}"
+    if not written_for({"folder": m.get("run")}, Path(run_dir)):
+        return "written for another run folder, or before checkpoints named their run (checkpoint.resume=PATH reads it)"
     return None
 
 
+def _problem(path: Path, run_dir: str | Path, checksums: bool, own: bool) -> str | None:
+    return verify(path, checksums) or (_not_this_runs(path, run_dir) if own else None)
+
+
+def list_complete(run_dir: str | Path, own: bool = False) -> list[Path]:
+    """The step folders that verify (sizes only); `own`: and are this run's own."""
+    return [p for p in _candidates(run_dir) if _problem(p, run_dir, False, own) is None]
+
+
+def _scan(run_dir: str | Path, checksums: bool, own: bool) -> tuple[Path | None, list[tuple[str, str]]]:
+    """The newest step folder that verifies (and is this run's, `own`), and the newer ones skipped, why."""
+    skipped: list[tuple[str, str]] = []
+    for p in reversed(_candidates(run_dir)):
+        reason = _problem(p, run_dir, checksums, own)
+        if reason is None:
+            return p, skipped
+        skipped.append((p.name, reason))
+    return None, skipped
+
+
+def latest(
+    run_dir: str | Path, verify_checksums: bool = True, report: Callable[[str], None] | None = None, own: bool = False
+) -> Path | None:
+    """The newest checkpoint that verifies (`own`: and is this run's); each damaged newer one is
+    reported in one line and skipped."""
+    found, skipped = _scan(run_dir, verify_checksums, own)
+    if report is not None and found is not None:
+        for name, why in skipped:
+            report(f"skipping damaged checkpoint {name} ({why}); using {found.name}")
+    return found
+
+
+def resume_point(run_dir: str | Path, checksums: bool, report: Callable[[str], None]) -> Path | None:
+    """What checkpoint.resume=auto resumes from: the newest of this run's checkpoints that verifies
+    (None when it has none). Step folders there of which none verifies stop the run in one line
+    naming each and why: starting over beside them would replace them and the run's metrics."""
+    found, skipped = _scan(run_dir, checksums, own=True)
+    _name_others(Path(run_dir) / "checkpoints")
+    if found is not None:
+        for name, why in skipped:
+            report(f"skipping damaged checkpoint {name} ({why}); using {found.name}")
+        return found
+    if skipped:
+        raise CheckpointError(
+            f"checkpoint.resume=auto: no checkpoint in {Path(run_dir) / 'checkpoints'} verifies "
+            f"({'; '.join(f'{n}: {w}' for n, w in skipped)}); nothing was written. Restore or move them away, "
+            "resume one by path (checkpoint.resume=PATH), or start over in a new run.dir with checkpoint.resume=none"
+        )
+    return None
+
+
+def _rmdir_or_name(folder: Path) -> None:
+    """Remove `folder` if flopwise's files were all it held, else name it once (what is left is someone's)."""
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+    if folder.exists():
+        left = sorted(p.name for p in folder.iterdir())
+        held = ", ".join(left[:3]) + (" ..." if len(left) > 3 else "")
+        _name_once(folder, f"left in place: it holds {held}, which flopwise did not write")
+
+
+def _name_once(path: Path, what: str) -> None:
+    if str(path) not in _named:
+        _named.add(str(path))
+        log.warning(f"checkpoints: {path} {what}")
+
+
+def _name_others(root: Path) -> None:
+    """Name, once, each entry under checkpoints/ that is neither a step folder nor a partial write
+    of flopwise's: discovery and retention leave it alone."""
+    if root.is_dir() and not root.is_symlink():
+        for p in sorted(root.iterdir()):
+            if not _STEP_NAME.fullmatch(p.name) and not _is_partial(p):
+                _name_once(p, "is not a flopwise checkpoint: left alone (never resumed nor deleted)")
+
+
+def _remove_listed(ckpt: Path, failed: list[str]) -> None:
+    """Delete a checkpoint's files its manifest lists, then the manifest, then the folder if that
+    was all it held (a user's my-eval.json beside them keeps the folder)."""
+    names = json.loads((ckpt / _MANIFEST).read_text(encoding="utf-8"))["files"]
+    for name in [*names, _MANIFEST]:
+        try:
+            (ckpt / name).unlink(missing_ok=True)
+        except OSError as e:
+            failed.append(f"{ckpt / name} ({e.strerror})")
+    _rmdir_or_name(ckpt)
+
+
 def prune(run_dir: str | Path, keep: int, protect: Path | None = None) -> None:
-    """Delete all but the newest `keep` complete checkpoints (never the newest one, nor `protect`,
-    the one just written) and leftover .tmp folders of interrupted writes (no write is in flight
-    when this runs)."""
+    """Delete all but the newest `keep` of this run's checkpoints (never the newest one, nor
+    `protect`, the one just written): only the files their manifests list. Partial writes flopwise
+    made are cleared (no write is in flight when this runs); anything else is left and named once."""
     failed: list[str] = []
-    old_ones = [p for p in list_complete(run_dir)[: -max(1, keep)] if protect is None or p != Path(protect)]
     root = _no_link(Path(run_dir) / "checkpoints")
-    for old in [*old_ones, *root.glob("step-*.tmp")]:
-        if not old.is_symlink():  # a link there is not flopwise's to delete, nor what it points to
-            shutil.rmtree(old, onerror=lambda _fn, path, info: failed.append(f"{path} ({info[1]})"))
+    ours = list_complete(run_dir, own=True)
+    for old in [p for p in ours[: -max(1, keep)] if protect is None or p != Path(protect)]:
+        _remove_listed(old, failed)
+    for p in sorted(root.glob("step-*.tmp")):
+        if _is_partial(p):
+            _remove_partial(p, failed)
+    _name_others(root)
     if failed:  # the new checkpoint is complete; say what could not be cleared, and go on
         warnings.warn(
             f"checkpoint retention could not delete {failed[0]}"

@@ -168,7 +168,7 @@ def _export(ckpt: Path, source: CheckpointTensors, state: dict, cfg, step: int, 
 def resume_advice(out: str | Path, dest: Path) -> str:
     """The overrides that resume training from `dest` in run folder `out`: run.dir alone when it is
     the newest checkpoint there, else also its path (run.dir alone would take the newer one)."""
-    newest = checkpoint.latest(out, verify_checksums=False)
+    newest = checkpoint.latest(out, verify_checksums=False, own=True)
     if newest is None or newest == dest:
         return f"run.dir={out}"
     return f"run.dir={out} checkpoint.resume={dest} ({newest.name} is newer there)"

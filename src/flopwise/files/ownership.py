@@ -25,13 +25,18 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
-import warnings
+import re
+import stat
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from flopwise.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
 
 FULL_CHECK_BYTES = 4 << 20
 ENDS_BYTES = 1 << 20
@@ -47,7 +52,9 @@ UNWRITABLE = {
     errno.EDQUOT,
     errno.ELOOP,
 }
-_TMP_NAME = ".{}.flopwise-tmp"  # where write_nofollow writes NAME's new bytes before the rename
+_TMP_SUFFIX = ".flopwise-tmp"  # write_nofollow writes NAME's new bytes in .NAME.XXXXXXXX.flopwise-tmp first
+_UMASK = os.umask(0o022)  # the process's umask (read by setting it, put back at once)
+os.umask(_UMASK)
 LOCK = ".flopwise.lock"  # in a folder a command writes: held (flock) for the whole command, holds its PID
 
 
@@ -111,12 +118,13 @@ def open_nofollow(path: Path, flags: int, mode: int = 0o666) -> int:
 
 
 def write_nofollow(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` through a temporary file beside it (TMP_NAME, no symlink followed:
-    one writer per folder, so the name is this writer's) and a rename, which replaces the name
-    itself, never what a link points to."""
-    tmp = path.with_name(_TMP_NAME.format(path.name))
-    fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    """Replace `path` with `data` through a temporary file beside it and a rename, which replaces
+    the name itself, never what a link (symbolic or hard) points to. The temporary file is new
+    (mkstemp: O_EXCL, a unique name, no symlink followed), so no file already there is ever
+    truncated or written; one left by a kill is never reused nor deleted by name."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=_TMP_SUFFIX, dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide the file from the user's group
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
@@ -126,14 +134,23 @@ def write_nofollow(path: Path, data: bytes) -> None:
         raise
 
 
+def _is_tmp_of(rel: str, name: str) -> bool:
+    """`rel` is a name `write_nofollow` gives NAME's temporary file (which proves nothing by itself)."""
+    return rel.startswith(f".{name}.") and rel.endswith(_TMP_SUFFIX) and "/" not in rel
+
+
 _held: dict[str, tuple[int, int]] = {}  # folder -> (lock fd, depth): a command that locks a folder twice
+_LOCK_TEXT = "flopwise lock, held by PID {}\n"  # a lock file's whole content: what proves it flopwise's
+_LOCK_RE = re.compile(r"flopwise lock, held by PID ([0-9]{1,10})\n")
 
 
-def _pid_in(fd: int) -> int | None:
+def _lock_pid(fd: int) -> int | None:
+    """The PID a lock file names if its whole content is flopwise's lock text, else None."""
     try:
-        return int(os.pread(fd, 32, 0).decode().strip() or "x")
-    except (OSError, ValueError):
+        m = _LOCK_RE.fullmatch(os.pread(fd, 64, 0).decode())
+    except (OSError, UnicodeDecodeError):
         return None
+    return int(m.group(1)) if m else None
 
 
 def _alive(pid: int) -> bool:
@@ -146,12 +163,92 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _at_path(fd: int, path: Path) -> bool:
+    """The file open at `fd` is still the one at `path` (same device and inode)."""
+    try:
+        a, b = os.fstat(fd), os.lstat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _busy(option: str, folder: Path, fd: int) -> ConfigError:
+    """Another process holds the flock: refused in one line naming its PID (the lock file holds it)."""
+    pid = _lock_pid(fd)
+    who = f"PID {pid}" if pid else "PID unknown"
+    if pid and not _alive(pid):  # the flock is shared with the children it forked
+        who = f"a child of PID {pid}, which has exited"
+    return ConfigError(
+        f"{option} {folder}: another flopwise process ({who}) is writing this folder; wait for it to finish, or stop it"
+    )
+
+
+def _take_stale(option: str, folder: Path, fd: int) -> None:
+    """A lock file no process holds: removed (to be created afresh) only if its content is flopwise's
+    lock text and it has no other name (a hard link to a user's file is theirs); else refused."""
+    path, pid, links = folder / LOCK, _lock_pid(fd), os.fstat(fd).st_nlink
+    if pid is None or links != 1 or not stat.S_ISREG(os.fstat(fd).st_mode):
+        why = "is not a flopwise lock file" if pid is None else f"has {links} names (hard links)"
+        raise ConfigError(
+            f"{option} {folder}: {path} {why}; nothing was written: move it away, or choose another folder"
+        )
+    state = "which is gone" if not _alive(pid) or pid == os.getpid() else "whose PID another process now has"
+    log.warning(f"{folder}: taking over the lock of flopwise process {pid}, {state}")
+    os.unlink(path)
+
+
+def _lock_fd(folder: Path, option: str) -> int:
+    """An fd on a lock file in `folder` that this process created (O_EXCL, never truncated or
+    written by name) and holds (flock), its PID written in it. A lock file already there is another
+    holder's (refused, `_busy`), or a stale one (`_take_stale`)."""
+    path = folder / LOCK
+    while True:
+        try:
+            fd = open_nofollow(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            try:
+                fd = open_nofollow(path, os.O_RDONLY | os.O_NONBLOCK)
+            except FileNotFoundError:  # released meanwhile
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                busy = _busy(option, folder, fd)
+                os.close(fd)
+                raise busy from None
+            try:
+                if _at_path(fd, path):  # else its holder released it meanwhile: try again
+                    _take_stale(option, folder, fd)
+            finally:
+                os.close(fd)
+            continue
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a new file: another process holds it only while it reads it
+        os.pwrite(fd, _LOCK_TEXT.format(os.getpid()).encode(), 0)
+        if _at_path(fd, path):
+            return fd
+        os.close(fd)
+
+
+def lock_lost(folder: str | Path) -> str | None:
+    """Why this process no longer holds `folder`'s lock, though it took it (its file removed or
+    replaced: `rm`, `git clean`, `rsync --delete`), in one line; None while it holds it, or when it
+    never took it."""
+    held = _held.get(str(real_path(folder)))
+    if held is None or _at_path(held[0], real_path(folder) / LOCK):
+        return None
+    return (
+        f"{real_path(folder) / LOCK} was removed while this process held it, so another flopwise process "
+        "may be writing the folder now; stopped here: check the folder, then run again"
+    )
+
+
 @contextlib.contextmanager
 def folder_lock(folder: str | Path, option: str) -> Iterator[Path]:
-    """Hold `folder`'s lock (fcntl.flock on LOCK in it, created with the folder) while the block
-    runs: one writer per folder. Another live holder is refused in one line naming its PID (the
-    lock file holds it); a lock whose process is gone (the kernel released its flock) is taken over
-    with a warning. Released and removed at the end; a folder this created and left empty is removed."""
+    """Hold `folder`'s lock while the block runs: one writer per folder. The lock is a file this
+    process created in the folder (LOCK, O_EXCL) and holds (fcntl.flock); a file there already is
+    another live holder's (refused in one line naming its PID), a stale flopwise lock (taken over,
+    said in one line), or someone's (refused: never truncated, written or deleted). Released and
+    removed at the end if still the one it made; a folder this created and left empty is removed."""
     folder = real_path(folder)
     key = str(folder)
     if key in _held:
@@ -170,39 +267,21 @@ def folder_lock(folder: str | Path, option: str) -> Iterator[Path]:
     made = [p for p in [folder, *folder.parents] if not p.exists()]  # removed at the end if still empty
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = open_nofollow(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                pid = _pid_in(fd)
-                os.close(fd)
-                who = f"PID {pid}" if pid else "PID unknown"
-                if pid and not _alive(pid):  # the flock is shared with the children it forked
-                    who = f"a child of PID {pid}, which has exited"
-                raise ConfigError(
-                    f"{option} {folder}: another flopwise process ({who}) is "
-                    "writing this folder; wait for it to finish, or stop it"
-                ) from None
-            with contextlib.suppress(OSError):  # the file locked is still the one at that name
-                if os.fstat(fd).st_ino == os.lstat(folder / LOCK).st_ino:
-                    break
-            os.close(fd)
+        fd = _lock_fd(folder, option)
     except OSError as e:
         _remove_empty(made)
         raise cannot_write(option, folder, e) from None
-    stale = _pid_in(fd)
-    if stale is not None and stale != os.getpid():
-        warnings.warn(f"{folder}: took over the lock of flopwise process {stale}, which is gone", stacklevel=3)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except ConfigError:
+        _remove_empty(made)
+        raise
     _held[key] = (fd, 1)
     try:
         yield folder
     finally:
         del _held[key]
-        with contextlib.suppress(OSError):
-            os.unlink(folder / LOCK)
+        if _at_path(fd, folder / LOCK):  # never a file someone put at that name after it was removed
+            with contextlib.suppress(OSError):
+                os.unlink(folder / LOCK)
         os.close(fd)
         _remove_empty(made)
 
@@ -271,7 +350,8 @@ def write_manifest(
     folders: Sequence[str] = (),
     complete: bool = False,
 ) -> None:
-    """Write `out`/kind.name atomically (through NAME.tmp, counted as the manifest's):
+    """Write `out`/kind.name atomically (`write_nofollow`; a temporary file of it left by a kill counts
+    as the manifest's only if its content is one, for this folder):
     `files` {relative path: file_record}; `unchecked` files flopwise is writing whose content is not
     final yet (an unfinished task's shard, the logs each run appends to); `folders` whose whole
     content flopwise's pipeline writes (datatrove's logs, the tasks' tables, dedup intermediates)."""
@@ -286,13 +366,15 @@ def write_manifest(
     write_nofollow(out / kind.name, json.dumps(manifest, indent=1).encode())
 
 
-def _read_manifest(out: Path, kind: ManifestKind) -> dict | None:
-    """The folder's manifest if it is a well-formed flopwise manifest of this kind written for this
-    folder (`written_for`: not one copied from elsewhere or written by hand), else None."""
-    if (out / kind.name).is_symlink():
+def _read_manifest(out: Path, kind: ManifestKind, path: Path | None = None) -> dict | None:
+    """The folder's manifest (or the one at `path`: a temporary file of it) if it is a well-formed
+    flopwise manifest of this kind written for this folder (`written_for`: not one copied from
+    elsewhere or written by hand), else None."""
+    path = path or out / kind.name
+    if path.is_symlink():
         return None
     try:
-        m = json.loads((out / kind.name).read_text(encoding="utf-8"))
+        m = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not (
@@ -367,8 +449,10 @@ def why_not_ours(out: str | Path, kind: ManifestKind) -> str | None:
         rel = path.relative_to(out).as_posix()
         if path.is_symlink():
             return f"holds {rel}, a symbolic link (flopwise never writes one there, nor through one)"
-        if rel in (kind.name, _TMP_NAME.format(kind.name)) or rel in unchecked or rel.startswith(folders):
+        if rel == kind.name or rel in unchecked or rel.startswith(folders):
             continue
+        if _is_tmp_of(rel, kind.name) and _read_manifest(out, kind, path) is not None:
+            continue  # a manifest's write cut short: its content proves it flopwise's
         if rel not in m["files"]:
             return f"holds {rel}, which flopwise did not write (not in its {kind.name})"
         if not same_file(path, m["files"][rel]):

@@ -29,6 +29,7 @@ from flopwise.files.ownership import (
     cannot_write,
     file_record,
     folder_id,
+    lock_lost,
     open_nofollow,
     real_path,
     same_file,
@@ -116,7 +117,8 @@ def check_claim(run_dir: str | Path, names: Iterable[str], option: str = "run.di
 @contextlib.contextmanager
 def _updating(run_dir: Path, option: str = "run.dir") -> Iterator[dict]:
     """The run record to change in place, written back (no symlink followed) when the block ends;
-    one process at a time (flock on the folder itself)."""
+    one process at a time (flock on the folder itself). Every write to the folder passes here, so
+    a holder whose folder lock was removed stops at its next write (`lock_lost`)."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -124,6 +126,8 @@ def _updating(run_dir: Path, option: str = "run.dir") -> Iterator[dict]:
         raise cannot_write(option, run_dir, e) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+        if lost := lock_lost(run_dir):  # a second writer may be in the folder: write nothing more
+            raise ConfigError(f"{option} {run_dir}: {lost}")
         record = _read(run_dir) or {"format": _RUN_FORMAT, "writes": [], "files": {}}
         yield record
         record["folder"] = folder_id(run_dir)

@@ -31,7 +31,7 @@ from flopwise.data.mixture import Source, SourceDraw, check_tokenizers, draws, m
 from flopwise.data.prepare import prepare_data
 from flopwise.data.shards import DATA_MANIFEST, SHARDS_FORMAT, read_index, skipped_note, tokenizer_of, tokenizer_path
 from flopwise.data.tokenizer import GuardedTokenizer, load_tokenizer, special_ids, tokenizer_difference
-from flopwise.errors import ConfigError, DataError
+from flopwise.errors import CheckpointError, ConfigError, DataError
 from flopwise.files.ownership import add_to_manifest, folder_lock, real_path, why_not_ours
 from flopwise.files.rundir import claim
 from flopwise.flops import count_params
@@ -219,11 +219,16 @@ def _resume_point(cfg: Config, run_dir: Path) -> Path | None:
         return None
     if r != "auto":
         return checkpoint.resolve(r)
-    found: list[Path | None] = [None]
+    found: list[Path | str | None] = [None]  # the checkpoint, or why there is none to resume from
     if not dist.is_initialized() or dist.get_rank() == 0:
-        found = [checkpoint.latest(run_dir, cfg.checkpoint.verify == "sha256", _report_checkpoint)]
+        try:
+            found = [checkpoint.resume_point(run_dir, cfg.checkpoint.verify == "sha256", _report_checkpoint)]
+        except CheckpointError as e:
+            found = [str(e)]
     if dist.is_initialized():
         dist.broadcast_object_list(found, src=0)
+    if isinstance(found[0], str):  # every rank stops, in one line
+        raise CheckpointError(found[0])
     return found[0]
 
 

@@ -323,7 +323,7 @@ class _Loop:
         run, cfg = self.run, self.cfg
         run.guard.rolled_back(reason, bad_step)
         self.saver.wait()
-        ckpt = checkpoint.latest(self.run_dir, verify_checksums=False)
+        ckpt = checkpoint.latest(self.run_dir, verify_checksums=False, own=True)
         if ckpt is None:  # nothing to go back to: the update already applied stays
             logger.warning(
                 f"[yellow]guard[/]: step {bad_step}: {escape(reason)}; no checkpoint to roll back to, training goes on"
