@@ -141,6 +141,13 @@ def attention_flops_per_token(m: ModelConfig, seq_len: int) -> int:
     return m.n_layers * 2 * score_matmuls * context * m.n_heads * m.head_dim
 
 
+def forward_flops_per_token(m: ModelConfig, context: int) -> int:
+    """Forward FLOPs of one token over `context` positions: 2 per weight entry it passes through
+    (the head included) plus the attention scores; a third of training's, and what inference runs."""
+    p = count_params(m)
+    return 2 * (p.layer_matmul + p.head_matmul) + attention_flops_per_token(m, context)
+
+
 def flops_per_token(m: ModelConfig, seq_len: int, recompute: Recompute = "none") -> int:
     """Training FLOPs per token (forward + backward), plus the recomputed forward work if asked.
 
@@ -148,7 +155,7 @@ def flops_per_token(m: ModelConfig, seq_len: int, recompute: Recompute = "none")
     """
     p = count_params(m)
     attn = attention_flops_per_token(m, seq_len)
-    model = 6 * (p.layer_matmul + p.head_matmul) + 3 * attn
+    model = 3 * forward_flops_per_token(m, seq_len)
     if recompute == "full":
         return model + 2 * p.layer_matmul + attn
     if recompute == "selective":

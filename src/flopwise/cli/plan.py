@@ -1,5 +1,6 @@
 """`flopwise plan`: every layout ranked (the default, `plan search`), the config's own layout
-measured here (`plan measure`), its largest micro-batch (`plan max-micro-batch`)."""
+measured here (`plan measure`), its largest micro-batch (`plan max-micro-batch`), the cost of
+serving the model (`plan serve`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import typer
 from typer.core import TyperGroup
 
 from flopwise.cli.common import note, note_if_busy, stdout
-from flopwise.cli.render import human, print_max_micro_batch, print_measured, print_plan
+from flopwise.cli.render import human, print_max_micro_batch, print_measured, print_plan, print_serve
 from flopwise.errors import ConfigError
 
 DEFAULT = "search"
@@ -44,7 +45,8 @@ class PlanGroup(TyperGroup):
 app = typer.Typer(
     cls=PlanGroup,
     help="Predict memory, step time, MFU, days and GPU-hours of every layout; rank them "
-    "(`flopwise plan CONFIG KEY=VALUE...` is `plan search`); measure a layout here; find its largest micro-batch.",
+    "(`flopwise plan CONFIG KEY=VALUE...` is `plan search`); measure a layout here; find its largest micro-batch; "
+    "price serving it.",
 )
 
 
@@ -135,3 +137,27 @@ def max_micro_batch_cmd(
         typer.echo(json.dumps(limits.to_json(), indent=1))
     else:
         print_max_micro_batch(limits, model_name(limits.cfg, hf))
+
+
+@app.command("serve")
+def serve_cmd(
+    args: list[str] | None = typer.Argument(
+        None, help="[CONFIG] [key=value ...]: model.*, cluster.* (gpus, hardware, price_per_gpu_hour), serve.*"
+    ),
+    top: int = typer.Option(5, "--top", min=1, help="layouts to show"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    hf: Path | None = typer.Option(
+        None, "--hf", help="the model of a Hugging Face folder or config.json (replaces the config's model.*)"
+    ),
+) -> None:
+    """Serving cost per tensor/pipeline layout: memory, largest batch, prefill, decode and its bound, tokens/s, cost."""
+    from flopwise.config.schema import split_cli_args, validate
+    from flopwise.plan.planner import model_name, plan_tree
+    from flopwise.plan.serve import plan_serve
+
+    path, overrides = split_cli_args(args)
+    planned = plan_serve(validate(plan_tree(path, overrides, hf)))
+    if as_json:
+        typer.echo(json.dumps(planned.to_json(top), indent=1))
+    else:
+        print_serve(planned, top, model_name(planned.cfg, hf))

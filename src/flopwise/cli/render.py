@@ -248,3 +248,48 @@ def print_measured(r: dict) -> None:
     row(parts, None, "step (median, slowest rank)", r["step_time_s"], ".4g")
     stdout.print(parts)
     stdout.print(f"[dim]{r['step_time_note']}[/]")
+
+
+def print_serve(plan, top: int, name: str) -> None:
+    """The served model and regime, then its `top` layouts, cheapest per served token first."""
+    cfg, hw, s = plan.cfg, plan.hardware, plan.cfg.serve
+    price = cfg.cluster.price_per_gpu_hour
+    stdout.print(
+        f"{escape(name)}: {human(plan.params)} params; {cfg.cluster.gpus} × {hw.name}; per request "
+        f"{s.prompt_tokens} prompt + {s.cached_tokens} cached → {s.output_tokens} generated tokens; "
+        f"{s.weights_dtype} weights; batch {s.batch or 'the largest that fits'}"
+        + (f"; decode ≤ {s.latency_ms:g} ms/token" if s.latency_ms else "")
+    )
+    t = new_table(
+        "serving layouts, cheapest per served token first",
+        ("tp", "pp", "replicas", "batch", "GiB", "weights", "KV", "prefill s", "MFU", "ms/token", "bound", "tok/s")
+        + ("GPU-h/M", "cost/M", "why not"),
+        left=("bound", "why not"),
+    )
+    for lay in plan.layouts[:top]:
+        gib = {k: f"{v / 2**30:.1f}" for k, v in lay.memory.items()}
+        cost = lay.cost_per_million_tokens
+        t.add_row(
+            str(lay.tp),
+            str(lay.pp),
+            str(lay.replicas),
+            str(lay.batch),
+            gib["total"],
+            gib["weights"],
+            gib["kv_cache"],
+            f"{lay.prefill_s:.3g}",
+            f"{lay.prefill_mfu:.1%}",
+            f"{lay.decode_s_per_token * 1e3:.3g}",
+            lay.decode_bound,
+            human(lay.tokens_per_s),
+            f"{lay.gpu_hours_per_million:.3g}",
+            "–" if cost is None else f"{cost:.3g}",
+            lay.reason,
+        )
+    stdout.print(t)
+    stdout.print(
+        "[dim]per device: GiB (total, runtime reserve included, against 90% of memory), weights, KV cache; prefill: "
+        "one batch's prompts, MFU against the 16-bit peak; ms/token: one decode step, its bound the slowest of "
+        "compute, memory and communication; tok/s: generated tokens of all replicas; GPU-h/M and cost/M: per "
+        "million generated tokens" + ("" if price else " (cost: set cluster.price_per_gpu_hour)") + "[/]"
+    )

@@ -22,6 +22,7 @@ HOMES = {
         "RopeScaling",
         "RunConfig",
         "Section",
+        "ServeConfig",
         "split_cli_args",
         "to_toml",
         "validate",

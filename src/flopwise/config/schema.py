@@ -384,6 +384,12 @@ class ClusterConfig(Section):
         description="time to detect a failure, restart and reload; default: measured by `hardware calibrate` "
         "(cluster.hardware_file), else 10",
     )
+    price_per_gpu_hour: float | None = Field(
+        None,
+        gt=0,
+        description="what one device costs an hour (any currency): prices `plan serve`'s cost per million "
+        "tokens; none: GPU-hours only",
+    )
 
 
 class PlanConfig(Section):
@@ -395,6 +401,26 @@ class PlanConfig(Section):
         False,
         description="let the layout search also consider train.float8 for the "
         "blocks' linear layers (hardware with a float8 peak)",
+    )
+
+
+class ServeConfig(Section):
+    """The serving regime `flopwise plan serve` prices: one request's tokens and the batch decoded together."""
+
+    batch: int | None = Field(
+        None,
+        ge=1,
+        description="sequences decoded together per model replica; default: the largest that fits "
+        "(and meets serve.latency_ms)",
+    )
+    prompt_tokens: int = Field(1024, ge=1, description="new input tokens per request (prefilled)")
+    cached_tokens: int = Field(0, ge=0, description="tokens already in the KV cache per request (a chat's history)")
+    output_tokens: int = Field(256, ge=1, description="tokens generated per request (the served tokens)")
+    weights_dtype: Literal["bf16", "fp8", "int8"] = Field(
+        "bf16", description="stored weights (weight-only quantisation: matmuls still run at the 16-bit peak)"
+    )
+    latency_ms: float | None = Field(
+        None, gt=0, description="target decode time per token; a layout or batch over it does not qualify"
     )
 
 
@@ -411,6 +437,7 @@ class Config(Section):
     log: LogConfig = LogConfig()
     cluster: ClusterConfig = ClusterConfig()
     plan: PlanConfig = PlanConfig()
+    serve: ServeConfig = ServeConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

@@ -224,14 +224,17 @@ CATALOGUE: dict[str, Hardware] = {
         ),
         Hardware(
             "tpu-v4",
-            {"bf16": 275e12},
+            {"bf16": 275e12, "int8": 275e12},
             32 * GiB,
             1200 * GB,
             135 * GB,
             135 * GB,
             3072,
-            "V: 275 TFLOP/s in PaLM App. B; U: memory and ICI (6 links)",
-            notes="devices_per_node is PaLM's 3072-chip pod; pods are joined by DCN (inter_node_bw, U)",
+            "V: 275 TFLOP/s bf16 in PaLM App. B; V2: Google Cloud's TPU v4 page (275 TFLOP/s bf16 or int8, "
+            "32 GiB HBM2 at 1200 GB/s; the same chip as Jouppi et al., ISCA 2023); U: ICI 270 GB/s a chip in "
+            "Pope et al. 2022 §2, booked as 135 GB/s each way",
+            notes="devices_per_node is PaLM's 3072-chip pod; pods are joined by DCN (inter_node_bw, U); "
+            "collectives are priced as rings, not the 3D torus's multi-dimensional ones",
         ),
         Hardware(
             "tpu-v5p",

@@ -1,5 +1,5 @@
 """The torch-free planner: step time, per-rank memory, communication, the layout search,
-reliability, float8's cost and the audit of published training claims."""
+reliability, float8's cost, the audit of published training claims and the cost of serving."""
 
 from flopwise import public_api
 
@@ -55,6 +55,7 @@ HOMES = {
         "predict_reliability",
         "Reliability",
     ],
+    "serve": ["plan_serve", "serve_memory", "ServeLayout", "ServePlan"],
     "search": ["RECOMPUTE_ORDER", "search_layouts", "SearchResult", "why_slower"],
     "shape": ["model_shape", "rank_loads", "RankLoad"],
     "stack": ["STACKS"],

@@ -94,8 +94,13 @@ def gemm_time(mm: float, kk: float, nn: float, hw: Hardware, peak: float, count:
     when the hardware entry was measured (`flopwise hardware calibrate`), else the chip's one."""
     flops = 2 * mm * kk * nn
     nbytes = ACT_BYTES * (mm * kk + kk * nn + mm * nn)
-    eta = hw.calibration.gemm_efficiency(mm, nn, kk) if hw.calibration else hw.matmul_efficiency
-    return count * max(flops / (eta * peak), nbytes / (MEM_EFFICIENCY * hw.memory_bw))
+    return count * max(flops / (gemm_efficiency(mm, kk, nn, hw) * peak), nbytes / (MEM_EFFICIENCY * hw.memory_bw))
+
+
+def gemm_efficiency(mm: float, kk: float, nn: float, hw: Hardware) -> float:
+    """The share of the peak an (M×K)·(K×N) product reaches: its shape's calibrated share when the
+    hardware entry was measured, else the chip's one (`Hardware.matmul_efficiency`)."""
+    return hw.calibration.gemm_efficiency(mm, nn, kk) if hw.calibration else hw.matmul_efficiency
 
 
 def gemm_fwd_bwd(shapes: list[tuple[float, float, float]], hw: Hardware, peak: float) -> tuple[float, float]:
@@ -121,7 +126,7 @@ def _link_bw(hw: Hardware, group_span: int) -> float:
     return LINK_EFFICIENCY * nominal
 
 
-def _comm_time(hw: Hardware, kind: str, n: int, nbytes: float, group_span: int) -> float:
+def comm_time(hw: Hardware, kind: str, n: int, nbytes: float, group_span: int) -> float:
     """One collective over n ranks spanning `group_span` devices: the latency and bandwidth fitted
     to the calibrated measurements of that kind within a node, else the α-β ring model on the
     nominal links."""
@@ -267,8 +272,8 @@ def layer_times(
     (plan.float8.cast_bytes; weights cast from fp32 masters, or from FSDP2's bf16 gathered copy)."""
     tokens = mb * seq / cp
     h = sh.d_model
-    kv_local = sh.hkv / tp if sh.n_kv_heads >= tp else sh.head_dim  # replicated kv heads when tp > n_kv
-    gemm_f, gemm_b = _linear_gemm_times(sh, hw, tokens, tp, kv_local, float8)
+    kv_local = kv_width(sh, tp)
+    gemm_f, gemm_b = _linear_gemm_times(sh, hw, tokens, tp, float8)
     attn_f, attn_b = _attention_core_times(sh, hw, stack, seq, mb, tp, cp)
     ew_f, ew_b, act = layer_elementwise_bytes(sh, tokens, tp, sp, eager)
     float8_casts = float8 != "none"
@@ -276,10 +281,10 @@ def layer_times(
         cast_bytes(sh.config, tokens, tp, float8, weight_bytes=2 if fsdp2 else 4) if float8_casts else (0.0, 0.0)
     )
     # Two collectives of b·s·h per direction; with SP each all-reduce becomes AG + RS of the same bytes.
-    tp_one = _comm_time(hw, "all_reduce", tp, act, tp)
+    tp_one = comm_time(hw, "all_reduce", tp, act, tp)
     regather = sp and not stack.engine_activations  # Megatron saved only the sequence shard
     tp_regather = (
-        2 * _comm_time(hw, "all_gather", tp, ACT_BYTES * sp_regather_elements(seq / cp, mb, h, 1) / 2, tp)
+        2 * comm_time(hw, "all_gather", tp, ACT_BYTES * sp_regather_elements(seq / cp, mb, h, 1) / 2, tp)
         if regather
         else 0.0
     )  # two all-gathers, one per input
@@ -293,24 +298,35 @@ def layer_times(
         other_bwd=stream_time(ew_b + cast_b, hw, act, tp),
         tp_fwd=2 * tp_one,
         tp_bwd=2 * tp_one + tp_regather,
-        cp_fwd=_comm_time(hw, "all_gather", cp, kv_bytes, tp * cp),
-        cp_bwd=_comm_time(hw, "reduce_scatter", cp, kv_bytes, tp * cp),
+        cp_fwd=comm_time(hw, "all_gather", cp, kv_bytes, tp * cp),
+        cp_bwd=comm_time(hw, "reduce_scatter", cp, kv_bytes, tp * cp),
     )
 
 
-def _linear_gemm_times(
-    sh: Shape, hw: Hardware, tokens: float, tp: int, kv_local: float, float8: str = "none"
-) -> tuple[float, float]:
-    """Forward and backward time of one layer's weight GEMMs on its tensor-parallel shard (`kv_local`:
-    this rank's K/V width), the float8 linears' at the fp8 peak and their recipe's kernel speed."""
-    peak = planning_peak(hw)
-    h, hq, f = sh.d_model, sh.hq, sh.ffn
-    shapes = [
+def kv_width(sh: Shape, tp: int) -> float:
+    """Elements of K (or V) per token one tensor-parallel rank holds: its share of the kv heads, or
+    one whole head where tp exceeds them (each rank keeps a copy of the head its queries read)."""
+    return sh.hkv / tp if sh.n_kv_heads >= tp else sh.head_dim
+
+
+def linear_shapes(sh: Shape, tokens: float, tp: int) -> list[tuple[float, float, float]]:
+    """(M, K, N) of one layer's weight products over `tokens` tokens on a tensor-parallel shard:
+    QKV, the attention output, the MLP's input(s) and output (and Transformer-XL's position
+    projection)."""
+    h, hq, f, kv_local = sh.d_model, sh.hq, sh.ffn, kv_width(sh, tp)
+    return [
         (tokens, h, (hq + 2 * kv_local * tp) / tp),
         (tokens, hq / tp, h),
         (tokens, h, sh.ffn_in * f / tp),
         (tokens, f / tp, h),
     ] + ([(tokens, h, hq / tp)] if sh.relative else [])
+
+
+def _linear_gemm_times(sh: Shape, hw: Hardware, tokens: float, tp: int, float8: str = "none") -> tuple[float, float]:
+    """Forward and backward time of one layer's weight GEMMs on its tensor-parallel shard, the
+    float8 linears' at the fp8 peak and their recipe's kernel speed."""
+    peak = planning_peak(hw)
+    shapes = linear_shapes(sh, tokens, tp)
     low = float8 != "none"
     fp8 = [s for s in shapes if low and float8_eligible((int(s[2]), int(s[1])))]
     gemm_f, gemm_b = gemm_fwd_bwd([s for s in shapes if s not in fp8], hw, peak)
@@ -320,6 +336,14 @@ def _linear_gemm_times(
         speed_f, speed_b = scaled_mm_speed(float8) if hw.peak("fp8") else (1.0, 1.0)
         gemm_f, gemm_b = gemm_f + f8_f / speed_f, gemm_b + f8_b / speed_b
     return gemm_f, gemm_b
+
+
+def flash_efficiency(hw: Hardware, context: float, head_dim: int) -> tuple[float, float]:
+    """Shares of the peak fused (flash) attention reaches forward and backward over `context`
+    keys: calibrated when the entry was measured, else the chip's GEMM share."""
+    if hw.calibration:
+        return hw.calibration.attention_efficiency(context, head_dim)
+    return hw.matmul_efficiency, hw.matmul_efficiency
 
 
 def _attention_core_times(
@@ -333,11 +357,7 @@ def _attention_core_times(
     score_flops = 2 * 2 * heads * q_len * context * sh.head_dim * (1.5 if sh.relative else 1)
     if stack.flash_attention:
         # dQ, dK, dV plus the scores the fused kernel recomputes: 3x the forward's FLOPs
-        eta_f, eta_b = (
-            hw.calibration.attention_efficiency(context, sh.head_dim)
-            if hw.calibration
-            else (hw.matmul_efficiency, hw.matmul_efficiency)
-        )
+        eta_f, eta_b = flash_efficiency(hw, context, sh.head_dim)
         return score_flops / (eta_f * peak), 3 * score_flops / (eta_b * peak)
     elements = heads * q_len * context
     softmax_f = (4 + (5 if sh.dropout else 0)) * elements  # scale-mask-softmax r/w, dropout r/w + mask
@@ -646,13 +666,13 @@ def _pipeline_comm_times(sh: Shape, hw: Hardware, lo: Layout, stack: Stack, seq:
     send = ACT_BYTES * pp_boundary_elements(seq_local, lo.micro_batch, sh.d_model, lo.tp, sliced)
     whole = ACT_BYTES * pp_boundary_elements(seq_local, lo.micro_batch, sh.d_model, 1)
     pp_span = lo.tp * lo.cp * lo.dp  # stage neighbours are this many ranks apart in the mesh
-    exchange = _comm_time(hw, "send_recv", 2, send, pp_span + 1)
+    exchange = comm_time(hw, "send_recv", 2, send, pp_span + 1)
     if stack.pp_scatter_gather and not lo.sequence_parallel:
-        exchange += _comm_time(hw, "all_gather", lo.tp, whole, lo.tp)
+        exchange += comm_time(hw, "all_gather", lo.tp, whole, lo.tp)
     per_step = 0.0
     if sh.config.tie_embeddings:
         table = stack.grad_reduce_bytes * tied_embedding_elements(sh.vocab, sh.d_model, lo.tp)
-        per_step = _comm_time(hw, "all_reduce", 2, table, pp_span * (lo.pp - 1) + 1)
+        per_step = comm_time(hw, "all_reduce", 2, table, pp_span * (lo.pp - 1) + 1)
     return 2 * v * exchange, per_step
 
 
@@ -681,7 +701,7 @@ def _data_parallel_time(
         when = (
             "after_step" if c.when == "step" and not c.gradients and lo.zero == 1 and stack.zero1_broadcast else c.when
         )  # nothing to hide it behind: it follows the optimizer step
-        per[when] += _comm_time(hw, c.kind, sizes[c.group], nbytes, spans[c.group])
+        per[when] += comm_time(hw, c.kind, sizes[c.group], nbytes, spans[c.group])
     # Overlap windows: the last micro-batch's backward for once-per-step traffic; every
     # micro-batch's compute for per-micro-batch traffic (FSDP prefetching); a calibrated device
     # hides only the share it was measured to (a CPU whose cores all compute: little).
@@ -689,7 +709,7 @@ def _data_parallel_time(
     exposed_step = max(0.0, per["step"] - hides * rank_layers * lt.bwd)
     if stack.fsdp2 and lo.zero <= 1 and lo.tp == 1:  # DDP: the last bucket is ready only when backward ends
         last = min(_DDP_BUCKET_BYTES, psi * stack.grad_reduce_bytes)
-        exposed_step = max(exposed_step, _comm_time(hw, "all_reduce", sizes["all"], last, spans["all"]))
+        exposed_step = max(exposed_step, comm_time(hw, "all_reduce", sizes["all"], last, spans["all"]))
     exposed_micro = n_micro * max(0.0, per["micro"] - hides * mb_total)
     return exposed_step + exposed_micro + per["after_step"]
 
