@@ -109,7 +109,7 @@ def measure_recovery(cfg: Config, device: torch.device, progress: Callable[[str]
     )
 
 
-def _restart_probe(config: str, ckpt: str, device: str) -> None:
+def restart_probe(config: str, ckpt: str, device: str) -> None:
     """One restart: the model and optimizer built on `device`, the checkpoint loaded into them."""
     cfg = load_config(config)
     model = build_model(cfg.model, device)
