@@ -250,16 +250,20 @@ def print_measured(r: dict) -> None:
     stdout.print(f"[dim]{r['step_time_note']}[/]")
 
 
+def serve_regime(s) -> str:
+    """A `serve.*` regime in words (a ServeConfig)."""
+    return (
+        f"per request {s.prompt_tokens} prompt + {s.cached_tokens} cached → {s.output_tokens} generated tokens; "
+        f"{s.weights_dtype} weights; batch {s.batch or 'the largest that fits'}"
+        + (f"; decode ≤ {s.latency_ms:g} ms/token" if s.latency_ms else "")
+    )
+
+
 def print_serve(plan, top: int, name: str) -> None:
     """The served model and regime, then its `top` layouts, cheapest per served token first."""
     cfg, hw, s = plan.cfg, plan.hardware, plan.cfg.serve
     price = cfg.cluster.price_per_gpu_hour
-    stdout.print(
-        f"{escape(name)}: {human(plan.params)} params; {cfg.cluster.gpus} × {hw.name}; per request "
-        f"{s.prompt_tokens} prompt + {s.cached_tokens} cached → {s.output_tokens} generated tokens; "
-        f"{s.weights_dtype} weights; batch {s.batch or 'the largest that fits'}"
-        + (f"; decode ≤ {s.latency_ms:g} ms/token" if s.latency_ms else "")
-    )
+    stdout.print(f"{escape(name)}: {human(plan.params)} params; {cfg.cluster.gpus} × {hw.name}; {serve_regime(s)}")
     t = new_table(
         "serving layouts, cheapest per served token first",
         ("tp", "pp", "replicas", "batch", "GiB", "weights", "KV", "prefill s", "MFU", "ms/token", "bound", "tok/s")

@@ -8,21 +8,32 @@ from pathlib import Path
 import typer
 
 from flopwise.cli.common import ARGS_HELP, config_from, note, stdout
-from flopwise.cli.render import human, new_table
+from flopwise.cli.render import human, new_table, serve_regime
 
 app = typer.Typer(no_args_is_help=True, help="Compute-optimal allocation, scaling-law fits, IsoFLOP ladders.")
 
 
 @app.command("optimal")
 def optimal_cmd(
+    serving: list[str] | None = typer.Argument(
+        None,
+        help="the serving regime --inference-tokens is priced in: serve.KEY=VALUE, cluster.gpus=G "
+        "(default: one node of --hardware), cluster.price_per_gpu_hour=P",
+    ),
     flops: float | None = typer.Option(None, "--flops", help="training budget in FLOPs"),
     gpu_hours: float | None = typer.Option(None, "--gpu-hours", help="budget in device-hours (with --hardware)"),
-    hardware: str = typer.Option("h100-sxm", "--hardware"),
-    mfu: float = typer.Option(0.40, "--mfu", min=0.01, max=1.0, help="model FLOP utilisation for --gpu-hours"),
+    hardware: str = typer.Option("h100-sxm", "--hardware", help="device of --gpu-hours and --inference-tokens"),
+    mfu: float = typer.Option(
+        0.40, "--mfu", min=0.01, max=1.0, help="training's model FLOP utilisation (--gpu-hours, --inference-tokens)"
+    ),
     law: list[str] = typer.Option(
         ["chinchilla-3"], "--law", help="kaplan, chinchilla-1/2/3, epoch, fitted:FILE; repeat to compare"
     ),
-    inference_tokens: float = typer.Option(0.0, "--inference-tokens", help="lifetime inference tokens to serve"),
+    inference_tokens: list[float] = typer.Option(
+        [],
+        "--inference-tokens",
+        help="lifetime tokens to serve, priced by the serving plan on --hardware; repeat to compare (0: none)",
+    ),
     unique_tokens: str | None = typer.Option(
         None,
         "--unique-tokens",
@@ -39,9 +50,12 @@ def optimal_cmd(
 
     unique = parse_unique_tokens(unique_tokens) if unique_tokens is not None else None
     budget = optimal_allocations(
-        flops, gpu_hours, hardware, mfu, law, inference_tokens, unique, vocab_size, seq_len, out_config
+        flops, gpu_hours, hardware, mfu, law, inference_tokens, unique, vocab_size, seq_len, out_config, serving
     )
     allocs = budget.allocations
+    if budget.lifetimes:
+        _print_lifetimes(budget, as_json)
+        return
     if as_json:
         rows = [a.to_json() for a in allocs]
         typer.echo(json.dumps(rows[0] if len(rows) == 1 else rows, indent=1))
@@ -67,6 +81,40 @@ def optimal_cmd(
     stdout.print(
         f"[dim]loss predicted by: {', '.join(sorted({a.loss_law for a in allocs}))}; "
         f"batch/LR rule: {allocs[0].batch_rule}[/]"
+    )
+
+
+def _print_lifetimes(budget, as_json: bool) -> None:
+    """The allocations that train and serve each demand for the fewest device-hours, with their costs."""
+    lts = budget.lifetimes
+    if as_json:
+        rows = [lt.to_json() for lt in lts]
+        typer.echo(json.dumps(rows[0] if len(rows) == 1 else rows, indent=1))
+        return
+    first, price = lts[0], lts[0].price_per_gpu_hour
+    columns: tuple[str, ...] = ("law", "served T", "N", "D", "D/N", "pred. loss", "shape L×d (heads, ffn)")
+    columns += ("serving", "train GPU-h", "serve GPU-h", "total GPU-h", "vs Chinchilla") + (
+        ("total cost",) * bool(price)
+    )
+    title = (
+        f"lifetime-optimal allocation for C = {budget.flops:.3g} FLOPs: trained at MFU {first.mfu:.0%}, "
+        f"served on {first.gpus} × {first.hardware}"
+    )
+    table = new_table(title, columns, columns[:8], no_wrap=True)
+    for lt in lts:
+        a, s, lay = lt.allocation, lt.allocation.shape, lt.layout
+        row = [a.law, f"{lt.inference_tokens:.3g}", human(a.params), human(a.tokens), f"{a.tokens_per_param:.1f}"]
+        row += [f"{a.predicted_loss:.3f}", f"{s.n_layers}×{s.d_model} ({s.n_heads}, {s.ffn_dim})"]
+        row += [f"tp{lay.tp} pp{lay.pp} b{lay.batch}", human(lt.train_gpu_hours), human(lt.serve_gpu_hours)]
+        row += [human(lt.total_gpu_hours), f"{-round(100 * lt.saving) or 0:+d}%"]
+        table.add_row(*row, *((human(price * lt.total_gpu_hours),) if price else ()))
+    stdout.print(table)
+    for lt in lts:
+        for line in lt.allocation.notes:
+            stdout.print(f"[dim]{lt.allocation.law}: {line}[/]")
+    stdout.print(
+        f"[dim]serving: {serve_regime(first.serve)}; the cheapest layout that qualifies (batch per replica); "
+        "vs Chinchilla: the total against the same law's compute-optimal model serving the same tokens[/]"
     )
 
 

@@ -1,10 +1,12 @@
 """Scaling laws, torch-free: the published laws, fits to a sweep's points (Chinchilla's
-Approaches 2 and 3, Kaplan) and task-accuracy prediction."""
+Approaches 2 and 3, Kaplan), allocation over a model's life (training and planned serving) and
+task-accuracy prediction."""
 
 from flopwise import public_api
 
 HOMES = {
     "optimal": ["Budget", "budget_flops", "optimal_allocations"],
+    "lifetime": ["flops_per_device_hour", "Lifetime", "lifetime_allocations"],
     "fit": [
         "fit_approach2",
         "fit_approach3",
@@ -32,6 +34,8 @@ HOMES = {
         "inference_aware",
         "LAWS",
         "ParametricLaw",
+        "Pricing",
+        "FLOP_PRICING",
     ],
     "tasks": ["fit_task", "jaggedness", "plot_tasks", "predict_task", "read_task_table", "TaskPoints", "predict_tasks"],
 }

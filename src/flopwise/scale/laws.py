@@ -8,10 +8,15 @@ N counts embeddings for the Chinchilla/Epoch laws (Hoffmann App. F) and excludes
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from flopwise.errors import ConfigError
 from flopwise.flops import scaling_flops, scaling_tokens
+
+if TYPE_CHECKING:
+    from flopwise.config.schema import ModelConfig
 
 _PF_DAY = 8.64e19  # FLOPs in one petaflop/s-day (Kaplan §2.1)
 
@@ -186,9 +191,30 @@ def _golden_min(f, lo: float, hi: float, iters: int = 200) -> float:
     return (a + b) / 2
 
 
-def inference_aware(law: ParametricLaw, flops: float, inference_tokens: float) -> tuple[float, float]:
-    """Sardana et al. 2023: reach the loss the compute-optimal model reaches with C, minimising
-    training + inference FLOPs 6·N·D + 2·N·T_inf instead of training FLOPs alone."""
+def _flops_per_served_token(n: float) -> float:
+    return 2 * n  # a forward pass (Kaplan eq. 2.1)
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """A model's lifetime cost in one unit: training N on D tokens, and each served token.
+    `iters`: golden-section steps of the search (fewer where each prices a planned model)."""
+
+    train: Callable[[float, float], float] = scaling_flops
+    serve: Callable[[float], float] = _flops_per_served_token
+    unit: str = "FLOPs (6·N·D + 2·N per served token)"
+    iters: int = 200
+
+
+FLOP_PRICING = Pricing()
+
+
+def inference_aware(
+    law: ParametricLaw, flops: float, inference_tokens: float, pricing: Pricing = FLOP_PRICING
+) -> tuple[float, float]:
+    """Sardana & Frankle 2024: reach the loss the compute-optimal model reaches with C, minimising
+    the lifetime cost train(N, D) + T·serve(N) instead of training alone: in FLOPs by default
+    (their formulation), in device-hours of the serving plan from `scale.lifetime`."""
     n0, d0 = law.frontier(flops)
     target = law.loss(n0, d0)
 
@@ -199,11 +225,11 @@ def inference_aware(law: ParametricLaw, flops: float, inference_tokens: float) -
     def total(log_n: float) -> float:
         n = math.exp(log_n)
         d = tokens_for(n)
-        return scaling_flops(n, d) + 2 * n * inference_tokens if math.isfinite(d) else math.inf
+        return pricing.train(n, d) + inference_tokens * pricing.serve(n) if math.isfinite(d) else math.inf
 
     # N below n_min cannot reach the target loss with any amount of data
     n_min = (law.A / (target - law.E)) ** (1 / law.alpha)
-    log_n = _golden_min(total, math.log(n_min) + 1e-9, math.log(n0) + 1e-9)
+    log_n = _golden_min(total, math.log(n_min) + 1e-9, math.log(n0) + 1e-9, pricing.iters)
     n = math.exp(log_n)
     return n, tokens_for(n)
 
@@ -244,6 +270,7 @@ class ChosenShape:
     head_dim: int
     params: int
     non_embedding_params: int
+    model: ModelConfig = field(repr=False, compare=False)  # the shape as a model the planner prices
 
 
 # Shapes within this share of the target parameter count are as good for the law (its loss is flat
@@ -273,7 +300,10 @@ def choose_shape(
 
     shapes = []  # (|log(count/target)|, n_layers, d_model, head_dim, ffn)
     for n_layers in range(1, 513):
-        for d in range(32, 131073, 32):
+        # only the d_model the aspect range allows (the rest were skipped one by one)
+        for d in range(
+            32 * max(1, math.ceil(aspect[0] * n_layers / 32)), min(131072, int(aspect[1] * n_layers)) + 1, 32
+        ):
             if d >= 512 and d % 128:
                 continue
             if not aspect[0] <= d / n_layers <= aspect[1]:
@@ -315,6 +345,7 @@ def choose_shape(
         head_dim=head_dim,
         params=c.total,
         non_embedding_params=c.non_embedding,
+        model=m,
     )
 
 
@@ -373,7 +404,10 @@ def allocate(
     unique_tokens: float | None = None,
     vocab_size: int = 32000,
     fitted: ParametricLaw | None = None,
+    pricing: Pricing = FLOP_PRICING,
 ) -> Allocation:
+    """N and D under `law_name` for `flops`; with `inference_tokens`, the same loss at the least
+    lifetime cost under `pricing`; with `unique_tokens`, repeats discounted."""
     if not (math.isfinite(flops) and flops > 0):
         raise ConfigError(f"--flops {flops:g}: expected a finite budget > 0 in FLOPs, e.g. --flops 1e21")
     if not (math.isfinite(inference_tokens) and inference_tokens >= 0):
@@ -392,11 +426,11 @@ def allocate(
         pl = loss_law(law)
         if pl is None:
             raise ConfigError("--inference-tokens needs a parametric loss law (chinchilla-3, epoch or fitted:FILE)")
-        n, d = inference_aware(pl, flops, inference_tokens)
+        n, d = inference_aware(pl, flops, inference_tokens, pricing)
         flops = scaling_flops(n, d)
         notes.append(
             f"inference-aware: same loss as the compute-optimal model, {inference_tokens:.3g} inference "
-            f"tokens; training FLOPs become {flops:.3g}"
+            f"tokens priced in {pricing.unit}; training FLOPs become {flops:.3g}"
         )
     if unique_tokens is not None and d > unique_tokens:
         pl = loss_law(law)

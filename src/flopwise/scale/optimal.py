@@ -1,10 +1,11 @@
 """`flopwise scale optimal`: a compute budget (FLOPs, or device-hours at an MFU on a catalogue
-device) allocated under each scaling law asked for, and a training TOML of the first allocation."""
+device) allocated under each scaling law asked for, at each lifetime inference demand asked for
+(priced by the serving plan), and a training TOML of the first allocation."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from flopwise.errors import ConfigError
@@ -12,12 +13,14 @@ from flopwise.files.outputs import check_writable, write_text
 from flopwise.hardware.catalogue import get_hardware
 from flopwise.scale.fit import fitted_law
 from flopwise.scale.laws import Allocation, allocate, allocation_config
+from flopwise.scale.lifetime import Lifetime, flops_per_device_hour, lifetime_allocations
 
 
 @dataclass(frozen=True)
 class Budget:
     flops: float
-    allocations: list[Allocation]  # one per law, in the order asked
+    allocations: list[Allocation]  # one per law (and demand), in the order asked
+    lifetimes: list[Lifetime] = field(default_factory=list)  # with --inference-tokens: each one's life
 
 
 def budget_flops(flops: float | None, gpu_hours: float | None, hardware: str, mfu: float) -> float:
@@ -29,13 +32,7 @@ def budget_flops(flops: float | None, gpu_hours: float | None, hardware: str, mf
         return flops
     if not (math.isfinite(gpu_hours) and gpu_hours > 0):
         raise ConfigError(f"--gpu-hours {gpu_hours:g}: expected a finite number of device-hours > 0")
-    hw = get_hardware(hardware, option="--hardware")
-    if not (peak := hw.peak_16bit):
-        raise ConfigError(
-            f"--hardware {hw.name}: no 16-bit dense peak in the catalogue to turn --gpu-hours into "
-            "FLOPs; choose an accelerator (e.g. h100-sxm) or give --flops"
-        )
-    return gpu_hours * 3600 * peak * mfu
+    return gpu_hours * flops_per_device_hour(get_hardware(hardware, option="--hardware"), mfu, "--gpu-hours")
 
 
 def optimal_allocations(
@@ -44,21 +41,31 @@ def optimal_allocations(
     hardware: str = "h100-sxm",
     mfu: float = 0.40,
     laws: list[str] | None = None,
-    inference_tokens: float = 0.0,
+    inference_tokens: list[float] | None = None,
     unique_tokens: float | None = None,
     vocab_size: int = 32000,
     seq_len: int = 4096,
     out_config: Path | None = None,
+    serving: list[str] | None = None,
 ) -> Budget:
     """Model size, tokens, shape, batch and LR under each law (default: Chinchilla Approach 3);
+    with `inference_tokens` (each a lifetime demand T), the allocation that trains and serves T
+    for the fewest device-hours on `hardware` in the `serving` regime (serve.* keys);
     `out_config` (checked writable first) gets a training TOML of the first."""
     if out_config:
         check_writable(out_config, "--out-config")
+    if serving and not inference_tokens:
+        raise ConfigError(f"{serving[0]}: the serving regime prices --inference-tokens; give --inference-tokens T")
     budget = budget_flops(flops, gpu_hours, hardware, mfu)
-    allocs = [
-        allocate(budget, name, inference_tokens, unique_tokens, vocab_size, fitted_law(name))
-        for name in laws or ["chinchilla-3"]
-    ]
+    names = laws or ["chinchilla-3"]
+    lifetimes = []
+    if inference_tokens:
+        lifetimes = lifetime_allocations(
+            budget, names, inference_tokens, unique_tokens, vocab_size, hardware, mfu, serving or []
+        )
+        allocs = [lt.allocation for lt in lifetimes]
+    else:
+        allocs = [allocate(budget, name, 0.0, unique_tokens, vocab_size, fitted_law(name)) for name in names]
     if out_config:
         write_text(out_config, allocation_config(allocs[0], seq_len), "--out-config")
-    return Budget(budget, allocs)
+    return Budget(budget, allocs, lifetimes)
