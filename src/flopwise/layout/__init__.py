@@ -22,6 +22,7 @@ HOMES = {
         "compiles",
         "config_layout",
         "FIXED_VIRTUAL_STAGES",
+        "head_split",
         "Layout",
         "SCHEDULES",
         "stage_ids",

@@ -176,6 +176,20 @@ def _schedule_microbatches(lo: Layout, global_batch: int) -> str | None:
     return None
 
 
+def head_split(m: ModelConfig, tp: int) -> str | None:
+    """Why `tp` ranks cannot share the attention heads (None if they can): every rank the same number
+    of query heads, and kv heads split or, where tp exceeds them, whole ones replicated. Training's
+    layouts and the serving plan's both obey it."""
+    if m.n_heads % tp:
+        return f"parallel.tp={tp} does not divide model.n_heads={m.n_heads}"
+    if m.n_kv_heads % tp and tp % m.n_kv_heads:
+        return (
+            f"parallel.tp={tp} and model.n_kv_heads={m.n_kv_heads}: one must divide the other "
+            "(kv heads are replicated when tp exceeds them)"
+        )
+    return None
+
+
 def check_layout(
     layout: Layout,
     m: ModelConfig,
@@ -195,13 +209,8 @@ def check_layout(
         )
     if lo.dp % lo.dp_replicate:
         return f"parallel.dp_replicate={lo.dp_replicate} does not divide parallel.dp={lo.dp}"
-    if m.n_heads % lo.tp:
-        return f"parallel.tp={lo.tp} does not divide model.n_heads={m.n_heads}"
-    if m.n_kv_heads % lo.tp and lo.tp % m.n_kv_heads:
-        return (
-            f"parallel.tp={lo.tp} and model.n_kv_heads={m.n_kv_heads}: one must divide the other "
-            "(kv heads are replicated when tp exceeds them)"
-        )
+    if why := head_split(m, lo.tp):
+        return why
     if m.ffn_dim % lo.tp:
         return f"parallel.tp={lo.tp} does not divide model.ffn_dim={m.ffn_dim}"
     if lo.sequence_parallel and lo.tp == 1:

@@ -39,7 +39,7 @@ from flopwise.config.schema import Config, ServeConfig
 from flopwise.errors import ConfigError
 from flopwise.flops import attention_flops_per_token, count_params, forward_flops_per_token
 from flopwise.hardware.catalogue import Hardware
-from flopwise.layout.rules import Layout, stage_sizes
+from flopwise.layout.rules import Layout, head_split, stage_sizes
 from flopwise.plan.planner import plan_hardware
 from flopwise.plan.rank_memory import FIT_MARGIN, RUNTIME_RESERVE
 from flopwise.plan.shape import Shape, model_shape, rank_loads
@@ -122,8 +122,7 @@ def serve_layouts(cfg: Config, hw: Hardware) -> list[tuple[int, int]]:
     m, gpus = cfg.model, cfg.cluster.gpus
     out = []
     for tp in range(1, min(gpus, hw.devices_per_node) + 1):
-        heads_split = m.n_heads % tp == 0 and (m.n_kv_heads % tp == 0 or tp % m.n_kv_heads == 0)
-        if gpus % tp or not heads_split:
+        if gpus % tp or head_split(m, tp):
             continue
         out += [(tp, pp) for pp in range(1, min(gpus // tp, m.n_layers) + 1) if (gpus // tp) % pp == 0]
     return out
