@@ -389,12 +389,20 @@ def _run_ranks(cfg: Config, lo: Layout, world: int, steps: int) -> list[dict[str
             env=env,
         )
         if r.returncode != 0 or not out.exists():
-            errors = [ln for ln in r.stderr.splitlines() if "Error: " in ln and "ChildFailedError" not in ln]
             raise FlopwiseError(
-                f"the measurement run of {lo.name()} failed (exit {r.returncode}): "
-                f"{(errors or ['see torchrun output'])[-1].strip()[:300]}"
+                f"the measurement run of {lo.name()} failed (exit {r.returncode}): {_failure_reason(r.stderr)}"
             )
         return json.loads(out.read_text())
+
+
+def _failure_reason(stderr: str) -> str:
+    """The line of torchrun's output that says why: a Python error's last line, else torchrun's own
+    account of the failed rank (its exit code or signal), else the output's last line. The output is
+    captured, so the reason must be in the message."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error: " in ln and "ChildFailedError" not in ln]
+    failed = [ln for ln in lines if ln.startswith(("exitcode", "traceback")) and "N/A" not in ln]
+    return ((errors or failed or lines or ["no output"])[-1])[:300]
 
 
 def _rank_row(cfg: Config, lo: Layout, i: int, m: dict[str, Any]) -> dict[str, Any]:
