@@ -39,12 +39,20 @@ TABLE4 = {
 KORTHIKANTI = [
     ("22B", (48, 6144, 64), Layout(dp=1, tp=8, pp=1, micro_batch=4), 4, 41.5),
     (
+        "175B",
+        (96, 12288, 96),
+        Layout(dp=1, tp=8, pp=8, micro_batch=1, pp_schedule="interleaved-1f1b", virtual_stages=3),
+        64,
+        51.4,
+    ),
+    (
         "530B",
         (105, 20480, 128),
         Layout(dp=1, tp=8, pp=35, micro_batch=1, pp_schedule="interleaved-1f1b", virtual_stages=3),
         280,
         56.0,
     ),
+    ("1T", (128, 25600, 160), Layout(dp=1, tp=8, pp=64, micro_batch=1), 512, 56.3),
 ]
 NARAYANAN = [
     (24, 2304, 24, 1, 1, 32, 512, 137),
