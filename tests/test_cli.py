@@ -13,7 +13,7 @@ from flopwise.errors import ConfigError
 
 OLD_MEASURE = "note: `plan --measure` is now `plan measure`; the flag goes in the next release"
 OLD_MAX_MB = "note: `plan --max-micro-batch` is now `plan max-micro-batch`; the flag goes in the next release"
-COMMANDS = ("search", "measure", "max-micro-batch")
+COMMANDS = ("search", "measure", "max-micro-batch", "serve")
 
 
 def test_route_puts_the_subcommand_first():
@@ -31,6 +31,12 @@ def test_route_turns_an_old_flag_into_its_subcommand_with_a_note(capsys):
     assert capsys.readouterr().err.strip() == OLD_MAX_MB
     with pytest.raises(ConfigError, match="choose one"):
         route(["--measure", "--max-micro-batch"], COMMANDS)
+
+
+def test_a_flag_after_a_subcommand_is_the_subcommands_own(capsys):
+    """`plan serve --measure` measures serving; it is not the old `plan --measure`."""
+    assert route(["serve", "demo", "--measure"], COMMANDS) == ["serve", "demo", "--measure"]
+    assert capsys.readouterr().err == ""
 
 
 def test_plan_plans_by_default(cli):

@@ -55,6 +55,30 @@ def test_kv_cache_matches_full_forward(family_model):
     assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5)
 
 
+def test_requests_prefilled_alone_decode_together_as_the_full_forward(family_model):
+    """KVCache.join (how `plan serve --measure` batches requests): two prompts prefilled one at a
+    time, then decoded as one batch, give each sequence's own whole-sequence logits; and
+    `last_only` is the last position of those."""
+    m = family_model.cfg
+    x = torch.randint(0, 97, (2, 20))
+    with torch.no_grad():
+        full = family_model(x)
+        caches = [KVCache(m, 1, 20, "cpu", torch.float32) for _ in range(2)]
+        prefill = [family_model(x[i : i + 1, :7], caches[i], last_only=True) for i in range(2)]
+        cache = KVCache.join(caches)
+        steps = [family_model(x[:, t : t + 1], cache) for t in range(7, 20)]
+    assert torch.allclose(torch.cat(prefill), full[:, 6:7], atol=1e-5)
+    assert torch.allclose(torch.cat(steps, dim=1), full[:, 7:], atol=1e-5)
+
+
+def test_caches_at_different_positions_do_not_join():
+    m = tiny()
+    a, b = KVCache(m, 1, 8, "cpu", torch.float32), KVCache(m, 1, 8, "cpu", torch.float32)
+    b.pos = 3
+    with pytest.raises(ValueError, match="different positions"):
+        KVCache.join([a, b])
+
+
 def test_the_default_span_is_the_whole_sequence(family_model):
     """`model(tokens)` needs nothing else: it is the call with the whole sequence's span."""
     x = torch.randint(0, 97, (2, 20))

@@ -12,7 +12,14 @@ import typer
 from typer.core import TyperGroup
 
 from flopwise.cli.common import note, note_if_busy, stdout
-from flopwise.cli.render import human, print_max_micro_batch, print_measured, print_plan, print_serve
+from flopwise.cli.render import (
+    human,
+    print_max_micro_batch,
+    print_measured,
+    print_plan,
+    print_serve,
+    print_serve_measured,
+)
 from flopwise.errors import ConfigError
 
 DEFAULT = "search"
@@ -22,7 +29,10 @@ ARGS_HELP = "[CONFIG] [key=value ...]: model.*, data.seq_len, train.global_batch
 
 def route(args: list[str], commands: Collection[str]) -> list[str]:
     """`args` with their subcommand first: `plan KEY=VALUE...` is `plan search KEY=VALUE...`, and
-    an old flag (`plan --measure ...`) is its subcommand, with a note."""
+    an old flag (`plan --measure ...`) is its subcommand, with a note; after a subcommand a flag is
+    that subcommand's own (`plan serve --measure`)."""
+    if args and (args[0] in commands or args[0] == "--help"):
+        return args
     old = [flag for flag in OLD_FLAGS if flag in args]
     if len(old) > 1:
         raise ConfigError("--measure and --max-micro-batch: choose one")
@@ -30,8 +40,6 @@ def route(args: list[str], commands: Collection[str]) -> list[str]:
         flag, command = old[0], OLD_FLAGS[old[0]]
         note(f"`plan {flag}` is now `plan {command}`; the flag goes in the next release")
         return [command, *(a for a in args if a != flag)]
-    if args and (args[0] in commands or args[0] == "--help"):
-        return args
     return [DEFAULT, *args]
 
 
@@ -149,6 +157,11 @@ def serve_cmd(
     hf: Path | None = typer.Option(
         None, "--hf", help="the model of a Hugging Face folder or config.json (replaces the config's model.*)"
     ),
+    measure: bool = typer.Option(
+        False,
+        "--measure",
+        help="generate the planned workload here (one device, serve.batch) and time it beside the plan",
+    ),
 ) -> None:
     """Serving cost per tensor/pipeline layout: memory, largest batch, prefill, decode and its bound, tokens/s, cost."""
     from flopwise.config.schema import split_cli_args, validate
@@ -157,7 +170,15 @@ def serve_cmd(
 
     path, overrides = split_cli_args(args)
     planned = plan_serve(validate(plan_tree(path, overrides, hf)))
+    measured = None
+    if measure:
+        from flopwise.measure.serve import measure_serve
+
+        note_if_busy("the measured prefill and decode times")
+        measured = measure_serve(planned.cfg, planned.hardware, planned.layouts[0].batch)
     if as_json:
-        typer.echo(json.dumps(planned.to_json(top), indent=1))
-    else:
-        print_serve(planned, top, model_name(planned.cfg, hf))
+        typer.echo(json.dumps({**planned.to_json(top), **({"measured": measured} if measured else {})}, indent=1))
+        return
+    print_serve(planned, top, model_name(planned.cfg, hf))
+    if measured:
+        print_serve_measured(planned.layouts[0], measured)

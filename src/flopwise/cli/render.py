@@ -297,3 +297,17 @@ def print_serve(plan, top: int, name: str) -> None:
         "compute, memory and communication; tok/s: generated tokens of all replicas; GPU-h/M and cost/M: per "
         "million generated tokens" + ("" if price else " (cost: set cluster.price_per_gpu_hour)") + "[/]"
     )
+
+
+def print_serve_measured(layout, measured: dict) -> None:
+    """The one-device layout's planned prefill and decode beside what `--measure` timed here."""
+    t = new_table(
+        f"measured here: {measured['device']}, {measured['dtype']}, batch {measured['batch']}",
+        ("", "planned", "measured", "measured / planned"),
+        left=("",),
+    )
+    rows = (("prefill", "prefill_s", 1, "s"), ("decode", "decode_s_per_token", 1e3, "ms/token"))
+    for label, key, scale, unit in rows:
+        planned, got = getattr(layout, key), measured[key]
+        t.add_row(f"{label} ({unit})", f"{planned * scale:.3g}", f"{got * scale:.3g}", f"{got / planned:.2f}")
+    stdout.print(t)

@@ -77,9 +77,9 @@ def generate_tokens(
     out: list[int] = []
     for _ in range(n_new):
         if cache is not None:
-            logits = model(step_input, cache)[:, -1]
+            logits = model(step_input, cache, last_only=True)[:, -1]
         else:
-            logits = model(torch.tensor([ids + out], device=device))[:, -1]
+            logits = model(torch.tensor([ids + out], device=device), last_only=True)[:, -1]
         nxt = int(_sample_next(logits, temperature, top_k, top_p, gen))
         out.append(nxt)
         if nxt == stop_id:

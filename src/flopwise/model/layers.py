@@ -130,6 +130,18 @@ class KVCache:
         self.pos = 0
         self.max_len = max_len
 
+    @classmethod
+    def join(cls, caches: list[KVCache]) -> KVCache:
+        """One cache of the requests of `caches` (each prefilled alone, all at the same position), to
+        decode them together as one batch: how a serving engine admits prefilled requests."""
+        if len({c.pos for c in caches}) != 1:
+            raise ValueError("caches at different positions cannot be decoded as one batch")
+        out = cls.__new__(cls)
+        out.k = [torch.cat(layer) for layer in zip(*(c.k for c in caches), strict=True)]
+        out.v = [torch.cat(layer) for layer in zip(*(c.v for c in caches), strict=True)]
+        out.pos, out.max_len = caches[0].pos, min(c.max_len for c in caches)
+        return out
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.pos + k.shape[2]
         self.k[layer][:, :, self.pos : end] = k

@@ -104,6 +104,7 @@ class Transformer(nn.Module):
         documents: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         span: Span | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """tokens (b, t) -> logits (b, t, vocab). A pipeline stage without the embedding takes the
         previous stage's hidden states (b, t, d) instead, and one without the head returns them.
@@ -114,7 +115,9 @@ class Transformer(nn.Module):
         whole (not context-sharded) sequence: `documents` numbers the document of every token and
         attention stays inside documents; `positions` replaces the absolute positions the
         embeddings see (e.g. restarting in every document), while masks and relative terms keep the
-        absolute ones. `document_ids` and `document_positions` make them from the tokens."""
+        absolute ones. `document_ids` and `document_positions` make them from the tokens.
+        `last_only`: the logits of the last position alone (b, 1, vocab), all that generation reads:
+        a prompt's head products are one token's, not the prompt's."""
         if span is None:
             span = Span.after(cache.pos if cache is not None else 0, tokens.shape[1], tokens.device)
         if span.length > self.cfg.max_seq_len:
@@ -127,7 +130,7 @@ class Transformer(nn.Module):
             cache.pos += span.q_pos.shape[0]
         if self.output is None:
             return h
-        return self.output(self.norm(h))
+        return self.output(self.norm(h[:, -1:] if last_only else h))
 
     def embed(self, tokens: torch.Tensor, pos_ids: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
