@@ -29,16 +29,12 @@ TINY = [
 ]
 
 
-# calibrate measures bf16 tables, which a CPU without bf16 instructions refuses (the test below)
-needs_bf16_cpu = pytest.mark.skipif(
-    not cpu_multiplies_bf16(), reason="this CPU has no AMX or AVX512-BF16: hardware calibrate refuses it"
-)
+# what calibrate measures here under train.dtype=auto: bf16 with bf16 instructions, else fp32
+NATIVE = "bf16" if cpu_multiplies_bf16() else "fp32"
 
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
-    if not cpu_multiplies_bf16():
-        pytest.skip("this CPU has no AMX or AVX512-BF16: hardware calibrate refuses it")
     out = tmp_path_factory.mktemp("cal") / "hw.toml"
     before = cpu_share_probe()
     r = flopwise("hardware", "calibrate", *TINY, "--nproc", "2", "--out", str(out))
@@ -77,8 +73,8 @@ def test_calibrate_writes_an_entry_the_planner_plans_with(calibrated, tmp_path):
     assert f"wrote {out}" in stdout
     hw = load_catalogue(out)["cpu"]
     cal = hw.calibration
-    assert hw.peak_flops["bf16"] > 1e9 and hw.memory_bw > 1e8 and hw.devices_per_node == 2
-    assert cal.dtype == "bf16" and cal.threads >= 1
+    assert hw.peak_flops[NATIVE] > 1e9 and hw.memory_bw > 1e8 and hw.devices_per_node == 2
+    assert cal.dtype == NATIVE and cal.threads >= 1
     # the demo-tiny block's products are in the table: d_model 64 -> q/k/v 64+2*32, at 8 x 64 tokens
     assert any(r[:3] == (512.0, 128.0, 64.0) for r in cal.gemm)
     assert {r[0] for r in cal.attention} >= {64.0, 128.0}
@@ -153,7 +149,7 @@ def test_save_replaces_its_own_entry_and_keeps_the_others(calibrated, tmp_path):
 @pytest.mark.parametrize(
     "edit, field",
     [
-        (lambda t: t.replace('dtype = "bf16"', 'dtype = "bf16"\ngemx = 1'), "unknown field(s) gemx"),
+        (lambda t: t.replace("threads = ", "gemx = 1\nthreads = "), "unknown field(s) gemx"),
         (lambda t: t.replace("attention = [", "attention_old = ["), "missing attention"),
         (lambda t: t.replace("  [", "  [0.0, ", 1), ".gemm[0]"),
         (lambda t: t.replace("memory_bw = ", "memory_bw = -"), ".memory_bw"),
@@ -194,7 +190,6 @@ SMOL = {
 
 @pytest.mark.slow
 @pytest.mark.multiproc  # calibrate in a process of its own (its peak RSS), which starts the restart probes
-@needs_bf16_cpu
 def test_a_135m_model_is_timed_at_what_the_machine_does_in_a_second(tmp_path):
     """Calibrating for an imported 135M model took 345 s and 8.9 GB: its forward + backward
     was timed at the config's own micro-batch 16 x 2,048 tokens (the continued-pretraining defaults),
@@ -230,19 +225,49 @@ def test_a_busy_machine_is_said_before_timing(monkeypatch):
     assert busy_note("the tables") is None
 
 
-def test_calibration_measures_bf16_whatever_the_cpu_and_refuses_fp32(monkeypatch):
-    """The demo's train.dtype=auto is fp32 on a CPU without bf16 instructions, but calibrate measures
-    only bf16 tables (the planner reads them against the 16-bit peak): auto means bf16 there."""
-    from flopwise.hardware import catalogue as hardware
-    from flopwise.measure.calibrate import calibration_config
+@pytest.mark.parametrize("bf16_instructions, native", [(True, "bf16"), (False, "fp32")])
+def test_calibration_measures_the_dtype_runs_here_train_in(monkeypatch, bf16_instructions, native):
+    """train.dtype=auto is what a run here trains in (train.build: bf16 with AMX or AVX512-BF16, fp32
+    on an AVX2 EPYC or a laptop), so that is what calibrate measures; a dtype given is measured."""
+    import torch
 
-    monkeypatch.setattr(hardware, "cpu_multiplies_bf16", lambda cpuinfo=None: False)
-    assert calibration_config("demo", TINY).train.dtype == "bf16"
-    assert calibration_config("demo", [*TINY, 'train.dtype="auto"']).train.dtype == "bf16"
-    with pytest.raises(
-        ConfigError, match=r'train.dtype=fp32: hardware calibrate measures the bf16 tables.*train.dtype="bf16"'
-    ):
-        calibration_config("demo", [*TINY, 'train.dtype="fp32"'])
+    from flopwise.hardware.catalogue import CATALOGUE, auto_dtype
+    from flopwise.measure import calibrate
+
+    monkeypatch.setattr(calibrate, "cpu_multiplies_bf16", lambda cpuinfo=None: bf16_instructions)
+    monkeypatch.setattr("flopwise.hardware.catalogue.cpu_multiplies_bf16", lambda cpuinfo=None: bf16_instructions)
+    cpu = torch.device("cpu")
+    assert calibrate.calibration_config("demo", TINY, cpu).train.dtype == native == auto_dtype(CATALOGUE["cpu"])
+    assert calibrate.calibration_config("demo", [*TINY, 'train.dtype="fp32"'], cpu).train.dtype == "fp32"
+    assert calibrate.calibration_config("demo", TINY, torch.device("cuda")).train.dtype == "bf16"
+
+
+def test_an_fp32_calibration_is_planned_against_its_fp32_peak(tmp_path, cli):
+    """An entry measured in fp32 (a CPU without bf16 instructions) has no 16-bit peak: the planner
+    states its tables, time and MFU against the fp32 peak it measured, and train.dtype=auto on it is
+    fp32 (what it was measured in)."""
+    from dataclasses import replace
+
+    from flopwise.hardware.calibration import Calibration
+    from flopwise.hardware.catalogue import auto_dtype
+
+    cal = Calibration(
+        dtype="fp32",
+        gemm=((512.0, 512.0, 512.0, 0.5),),
+        attention=((256.0, 64.0, 0.25, 0.25),),
+        elementwise=((1.0, 1e6, 2e9),),
+        optimizer=((1e6, 0.01),),
+        threads=1,
+    )
+    hw = replace(CATALOGUE["cpu"], peak_flops={"fp32": 1e11}, memory_bytes=16 * 2.0**30, memory_bw=1e10)
+    hw = replace(hw, intra_node_bw=1e10, inter_node_bw=1e10, calibration=cal)
+    assert hw.peak_16bit == 1e11 and auto_dtype(hw) == "fp32"
+    assert replace(hw, calibration=None).peak_16bit is None  # an uncalibrated fp32 figure is not planned against
+    save_hardware(hw, tmp_path / "hw.toml")
+    r = cli("plan", "demo", *TINY, f'cluster.hardware_file="{tmp_path / "hw.toml"}"', "--json", "--top", "1")
+    assert r.returncode == 0, r.stderr
+    best = json.loads(r.stdout)["layouts"][0]
+    assert best["step_time_s"] > 0 and 0 < best["mfu"] <= 0.5  # no product faster than half the fp32 peak
 
 
 def test_a_slow_peak_shrinks_the_products_calibrate_times():
@@ -253,7 +278,8 @@ def test_a_slow_peak_shrinks_the_products_calibrate_times():
 
     from flopwise.measure.calibrate import calibration_config, steps_of, sweep
 
-    cfg, cpu = calibration_config("demo", TINY), torch.device("cpu")
+    cpu = torch.device("cpu")
+    cfg = calibration_config("demo", [*TINY, 'train.dtype="bf16"'], cpu)
     slow, fast = sweep(cfg, 2, cpu, 1.4e9), sweep(cfg, 2, cpu, 1e15)
     assert (
         max(2 * m * n * k for m, n, k in slow["gemms"]) / 1.4e9
@@ -263,16 +289,18 @@ def test_a_slow_peak_shrinks_the_products_calibrate_times():
     assert set(slow["gemms"]) < set(fast["gemms"]) and steps_of(cfg, 2, cpu, 1.4e9) < steps_of(cfg, 2, cpu, 1e15)
 
 
-def test_a_cpu_without_bf16_instructions_is_refused_before_anything_is_measured(monkeypatch, tmp_path, cli):
+def test_bf16_on_a_cpu_without_bf16_instructions_is_refused_before_anything_is_measured(monkeypatch, tmp_path, cli):
     """On an AVX2 EPYC (2026-12-07) the bf16 tables came out below the fp32 work beside them (square
-    products 1.4 GFLOP/s, the planned MFU of the demo from them 1.7): refused in one line, nothing written."""
+    products 1.4 GFLOP/s, the planned MFU of the demo from them 1.7): train.dtype=bf16 there is
+    refused in one line, nothing written (auto measures fp32, above)."""
     from flopwise.hardware import catalogue as hardware
     from flopwise.measure import calibrate
 
     monkeypatch.setattr(calibrate, "cpu_multiplies_bf16", lambda cpuinfo=None: False)
     monkeypatch.setattr(hardware, "busy_note", lambda what: pytest.fail("the load looked at before refusing"))
     monkeypatch.setattr(calibrate, "measure_matmul_peak", lambda *a, **k: pytest.fail("measured before refusing"))
-    r = cli("hardware", "calibrate", "--device", "cpu", "--out", str(tmp_path / "hw.toml"), cwd=tmp_path)
+    out = str(tmp_path / "hw.toml")
+    r = cli("hardware", "calibrate", 'train.dtype="bf16"', "--device", "cpu", "--out", out, cwd=tmp_path)
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "hardware calibrate: this CPU has no bf16 matrix instructions (AMX or AVX512-BF16)" in r.stderr
+    assert "train.dtype=bf16: this CPU has no bf16 matrix instructions (AMX or AVX512-BF16)" in r.stderr
     assert not (tmp_path / "hw.toml").exists()

@@ -80,8 +80,11 @@ class Hardware:
 
     @property
     def peak_16bit(self) -> float | None:
-        """The dense 16-bit peak that planning and MFU are stated against: bf16, else fp16 (V100)."""
-        return self.peak("bf16") or self.peak("fp16")
+        """The dense peak that planning and MFU are stated against: bf16, else fp16 (V100); an entry
+        `hardware calibrate` measured in fp32 (a CPU without bf16 instructions, whose runs train in
+        fp32) has only that peak, and its tables are shares of it."""
+        fp32 = self.peak("fp32") if self.calibration and self.calibration.dtype == "fp32" else None
+        return self.peak("bf16") or self.peak("fp16") or fp32
 
 
 CATALOGUE: dict[str, Hardware] = {

@@ -1,5 +1,6 @@
 """Measurements on this machine that feed or check the planner: hardware calibration,
-`plan measure` (the engine beside the planner), measured bytes, restart costs, the Hopper tables."""
+`plan measure` (the engine beside the planner), `plan serve --measure` (generation beside the
+serving plan), measured bytes, restart costs, the Hopper tables."""
 
 from flopwise import public_api
 
@@ -9,11 +10,13 @@ HOMES = {
     "calibrate": [
         "calibrate_device",
         "calibration_config",
-        "require_bf16_device",
+        "native_dtype",
+        "require_native_dtype",
         "save_hardware",
         "steps_of",
         "sweep",
     ],
+    "serve": ["measure_serve"],
     "hopper_tables": ["derive", "predict", "run_config", "SHAPE_1B"],
     "step": ["gather", "measure_plan", "measure_rank", "predicted_time", "QUANTITIES"],
 }

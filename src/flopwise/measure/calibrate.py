@@ -3,9 +3,11 @@
     parent:  calibrate_device(cfg, device, nproc, progress) -> Hardware (its `calibration` filled)
     ranks:   python -m flopwise.measure.calibrate OUT.json BACKEND   (collectives, under torchrun)
 
-Measured in the run's training dtype (train.dtype), for the GEMM and attention shapes the given
-config's model produces (default: the embedded demo) at the micro-batches and tensor-parallel
-degrees a layout search on this machine tries, plus a coarse grid so other models interpolate:
+Measured in the run's training dtype (train.dtype; under auto, `native_dtype`: bf16 on a GPU or a
+CPU with bf16 matrix instructions, fp32 on a CPU without them, as its runs train), for the GEMM
+and attention shapes the given config's model produces (default: the embedded demo) at the
+micro-batches and tensor-parallel degrees a layout search on this machine tries, plus a coarse
+grid so other models interpolate:
 - the dense peak: the best square product (train.metrics.measure_matmul_peak, the MFU ceiling);
 - each GEMM (M×K)·(K×N), forward and both backward transposes, as a share of that peak;
 - SDPA causal attention forward and backward by sequence length and head dim;
@@ -114,21 +116,24 @@ def timed(
 
 def _gemm_shapes(cfg: Config, tps: tuple[int, ...], micro_batches: tuple[int, ...]) -> list[tuple[int, int, int]]:
     """(m, n, k) of every product one layer and the output layer run, forward and both backward
-    transposes, at the given tensor-parallel degrees and micro-batches, plus a coarse grid."""
-    m = cfg.model
+    transposes, at the given tensor-parallel degrees and micro-batches, plus a coarse grid; and the
+    forward products of serving (`plan serve`): a decode step's serve.batch rows (1, 4 and 16 when
+    unset) and a prefill's serve.prompt_tokens, which training's shapes do not reach."""
+    m, s = cfg.model, cfg.serve
     hq, hkv, seq = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, cfg.data.seq_len
+    serving = {s.prompt_tokens, *((s.batch,) if s.batch else (1, 4, 16))}
     out = set()
     for tp in tps:
-        for mb in micro_batches:
-            t = mb * seq
-            for k, n in (
-                (m.d_model, (hq + 2 * hkv) // tp),
-                (hq // tp, m.d_model),
-                (m.d_model, (2 if m.mlp == "swiglu" else 1) * m.ffn_dim // tp),
-                (m.ffn_dim // tp, m.d_model),
-                (m.d_model, m.vocab_size // tp),
-            ):
+        for k, n in (
+            (m.d_model, (hq + 2 * hkv) // tp),
+            (hq // tp, m.d_model),
+            (m.d_model, (2 if m.mlp == "swiglu" else 1) * m.ffn_dim // tp),
+            (m.ffn_dim // tp, m.d_model),
+            (m.d_model, m.vocab_size // tp),
+        ):
+            for t in (mb * seq for mb in micro_batches):
                 out |= {(t, n, k), (t, k, n), (k, n, t)}  # forward (t×k)·(k×n); data grad; weight grad
+            out |= {(t, n, k) for t in serving}
     for d in (256, 1024, 4096):
         for e in (256, 1024, 4096):
             for t in (512, 4096, 32768):
@@ -435,39 +440,31 @@ def stream_bandwidth(device: torch.device) -> float:
     return 8 * n / timed(lambda: b.copy_(a), device)
 
 
-def _require_bf16(dtype: str) -> None:
-    """Only bf16 is measured: the planner reads every table as a share of the 16-bit peak
-    (`Hardware.peak_16bit`), so fp32 tables would be misread, and a CPU entry with only an fp32 peak
-    is refused by `plan` (an fp32 calibration crashed after a minute of measuring)."""
-    if dtype != "bf16":
-        raise ConfigError(
-            f"train.dtype={dtype}: hardware calibrate measures the bf16 tables the planner "
-            "reads (it times every run's compute against the 16-bit peak); drop train.dtype or set "
-            'train.dtype="bf16"'
-        )
+def native_dtype(device: torch.device) -> str:
+    """What runs on `device` train in under train.dtype=auto, so what calibrate measures: bf16 on a GPU
+    or a CPU with bf16 matrix instructions, fp32 on one without (its bf16 products run tens of times
+    slower than fp32: hardware.catalogue.cpu_multiplies_bf16)."""
+    return "bf16" if device.type != "cpu" or cpu_multiplies_bf16() else "fp32"
 
 
-def require_bf16_device(device: torch.device) -> None:
-    """A CPU without bf16 instructions: its bf16 products run below the fp32 work beside them, so bf16
-    tables (all calibrate measures) would not describe a run there (a plan from them put MFU at 1.7)."""
-    if device.type == "cpu" and not cpu_multiplies_bf16():
+def require_native_dtype(dtype: str, device: torch.device) -> None:
+    """bf16 tables of a CPU without bf16 instructions would describe no run there (its bf16 products
+    run below the fp32 work beside them: a plan from such tables put MFU at 1.7): one line."""
+    if dtype == "bf16" and native_dtype(device) == "fp32":
         raise FlopwiseError(
-            "hardware calibrate: this CPU has no bf16 matrix instructions (AMX or AVX512-BF16), so its bf16 "
-            "products run tens of times slower than the fp32 attention and element-wise work beside them, and "
-            "bf16 tables (all calibrate measures) would not describe a run here (a plan from them put MFU at "
-            "1.7); plan this CPU uncalibrated, or calibrate one with those instructions or a GPU"
+            "train.dtype=bf16: this CPU has no bf16 matrix instructions (AMX or AVX512-BF16), so its bf16 "
+            "products run tens of times slower than fp32 and its runs train in fp32; drop train.dtype "
+            "(calibrate then measures the fp32 tables its runs use)"
         )
 
 
-def calibration_config(path: str, overrides: list[str]) -> Config:
-    """The config whose shapes `hardware calibrate` measures, in bf16: train.dtype=auto (the demo's)
-    means bf16 here, whatever this CPU multiplies at speed, since bf16 is all it measures."""
+def calibration_config(path: str, overrides: list[str], device: torch.device) -> Config:
+    """The config whose shapes `hardware calibrate` measures, in the dtype its runs on `device` use:
+    train.dtype=auto (the demo's) is `native_dtype`; bf16 or fp32 as given."""
     tree = load_tree(path, overrides)
     train = tree.setdefault("train", {})
-    if isinstance(train, dict):  # (anything else is validate's error)
-        dtype = train.get("dtype", "auto")
-        _require_bf16("bf16" if dtype == "auto" else str(dtype))
-        train["dtype"] = "bf16"
+    if isinstance(train, dict) and train.get("dtype", "auto") == "auto":  # (a non-table is validate's error)
+        train["dtype"] = native_dtype(device)
     return validate(tree)
 
 
@@ -478,8 +475,7 @@ def calibrate_device(
     On a CPU one device is one of `nproc` ranks: the compute is measured on its share of the cores.
     `total(n)`: the number of `progress` calls to expect, once the peak that sizes them is measured.
     """
-    _require_bf16(cfg.train.dtype)
-    require_bf16_device(device)
+    require_native_dtype(cfg.train.dtype, device)
     threads = _rank_threads(device, nproc)
     before = torch.get_num_threads()
     if threads:

@@ -15,7 +15,7 @@ from flopwise.measure.calibrate import (
     Progress,
     calibrate_device,
     calibration_config,
-    require_bf16_device,
+    require_native_dtype,
     save_hardware,
 )
 
@@ -45,8 +45,8 @@ def calibrate_machine(
     check_writable(out, "--out")
     dev = calibration_device(device)
     ranks = nproc or (torch.cuda.device_count() if dev.type == "cuda" else 2)
-    cfg = calibration_config(path, overrides)
-    require_bf16_device(dev)
+    cfg = calibration_config(path, overrides, dev)
+    require_native_dtype(cfg.train.dtype, dev)
     on_start()
     hw = calibrate_device(cfg, dev, ranks, progress, total)
     save_hardware(hw, out)
