@@ -22,9 +22,9 @@ devices; cluster.gpus holds gpus / (tp·pp) of them) decodes `batch` requests to
 - Decode, one token per request per step, the slowest of three bounds (not summed: the ideal a
   serving engine approaches by overlapping): compute (the same FLOPs at the GEMM share of the
   peak: on a calibrated entry, the share measured at the decode batch's rows), memory (the
-  stage's weights and its requests' KV cache read once per step, at the streaming rate: on a
-  calibrated entry the copy bandwidth it measured), communication (the all-reduces of b·h per
-  layer on the intra-node link: plan.step.comm_time's ring, and the stage boundary's send).
+  stage's weights and its requests' KV cache read once per step, at the streaming rate),
+  communication (the all-reduces of b·h per layer on the intra-node link: plan.step.comm_time's
+  ring, and the stage boundary's send).
 - Weight-only quantisation: fp8 and int8 weights halve the bytes stored and read; the products
   still run at the 16-bit peak, against which MFU is stated (as Pope et al. state theirs).
 - FLOPs: flops.forward_flops_per_token (2N plus the attention scores over the full context, PaLM's
@@ -201,13 +201,7 @@ def decode_terms(sh: Shape, hw: Hardware, s: ServeConfig, tp: int, pp: int, batc
     read = WEIGHT_BYTES[s.weights_dtype] * (st.layers * sh.layer_params + st.head * sh.vocab * sh.d_model) / tp
     read += micro * context * st.layers * 2 * kv_width(sh, tp) * ACT_BYTES
     comm = st.layers * _layer_comm(sh, hw, tp, micro) + _boundary(sh, hw, tp, pp, micro)
-    return {"compute": pp * compute, "memory": pp * _read_time(read, hw), "communication": pp * comm}
-
-
-def _read_time(nbytes: float, hw: Hardware) -> float:
-    """Bytes a decode step reads once (weights, KV cache): at the copy bandwidth `hardware calibrate`
-    measured (already an achieved rate), else at plan.step's streaming share of the nominal one."""
-    return nbytes / hw.memory_bw if hw.calibration else stream_time(nbytes, hw)
+    return {"compute": pp * compute, "memory": pp * stream_time(read, hw), "communication": pp * comm}
 
 
 def _evaluate(cfg: Config, sh: Shape, hw: Hardware, tp: int, pp: int, batch: int, limit: int) -> ServeLayout:
