@@ -304,3 +304,18 @@ def test_bf16_on_a_cpu_without_bf16_instructions_is_refused_before_anything_is_m
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "train.dtype=bf16: this CPU has no bf16 matrix instructions (AMX or AVX512-BF16)" in r.stderr
     assert not (tmp_path / "hw.toml").exists()
+
+
+def test_serving_products_are_measured_and_a_decode_steps_cold():
+    """`plan serve` reads a decode step's products (serve.batch rows, 1/4/16 unset) and a prefill's
+    (serve.prompt_tokens rows), which no training shape reaches; the decode rows are the ones timed
+    cold (each weight read from memory, as a decode step reads it)."""
+    import torch
+
+    from flopwise.measure.calibrate import calibration_config, decode_rows, sweep
+
+    cpu = torch.device("cpu")
+    cfg = calibration_config("demo", [*TINY, "serve.batch=3", "serve.prompt_tokens=40"], cpu)
+    rows = {m for m, _, _ in sweep(cfg, 2, cpu, 1e12)["gemms"]}
+    assert decode_rows(cfg) == {3} and {3, 40} <= rows
+    assert decode_rows(calibration_config("demo", TINY, cpu)) == {1, 4, 16}

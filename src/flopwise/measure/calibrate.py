@@ -79,6 +79,7 @@ _MEASURE_S = 1.0  # a measurement stops repeating once its calls (warm-up includ
 _STABLE = 0.05  # ... or once three timed calls agree within 5%: more would not move the median
 _MEMORY_SHARE = 0.5  # of the memory free now, what one measured workload may take (all its ranks together)
 _MIN_SEQ = 16  # the shortest sequence a forward + backward is timed at
+COLD_BYTES = 2**28  # weights a cold product cycles through: past a CPU's last-level cache, a GPU's L2
 _MESSAGE_BYTES = {"cpu": [2**k for k in range(12, 25, 3)], "cuda": [2**k for k in range(16, 31, 2)]}
 
 
@@ -119,9 +120,9 @@ def _gemm_shapes(cfg: Config, tps: tuple[int, ...], micro_batches: tuple[int, ..
     transposes, at the given tensor-parallel degrees and micro-batches, plus a coarse grid; and the
     forward products of serving (`plan serve`): a decode step's serve.batch rows (1, 4 and 16 when
     unset) and a prefill's serve.prompt_tokens, which training's shapes do not reach."""
-    m, s = cfg.model, cfg.serve
+    m = cfg.model
     hq, hkv, seq = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, cfg.data.seq_len
-    serving = {s.prompt_tokens, *((s.batch,) if s.batch else (1, 4, 16))}
+    serving = {cfg.serve.prompt_tokens, *decode_rows(cfg)}
     out = set()
     for tp in tps:
         for k, n in (
@@ -141,16 +142,33 @@ def _gemm_shapes(cfg: Config, tps: tuple[int, ...], micro_batches: tuple[int, ..
     return sorted(s for s in out if min(s) >= 1)
 
 
-def _measure_gemms(shapes, dtype: torch.dtype, device: torch.device, peak: float, progress: Progress) -> list:
+def decode_rows(cfg: Config) -> set[int]:
+    """The rows of a decode step's products: serve.batch, or 1, 4 and 16 when it is unset."""
+    return {cfg.serve.batch} if cfg.serve.batch else {1, 4, 16}
+
+
+def _measure_gemms(
+    shapes, cold: set[int], dtype: torch.dtype, device: torch.device, peak: float, progress: Progress
+) -> list:
+    """Each product's share of the peak. Those of `cold` rows (a decode step's) are timed cold,
+    cycling through copies of the weight that overflow the caches (COLD_BYTES), as a decode step
+    reads each weight from memory once: timed hot, GPT-2 124M's 16-row products ran at 70-130
+    GFLOP/s on one core where its decode step's reached 10-20 (bf16, 2026-12-07)."""
     rows = []
     for m, n, k in shapes:
         flops = 2 * m * n * k
         a = torch.full((m, k), 0.5, dtype=dtype, device=device)
-        b = torch.full((k, n), 0.25, dtype=dtype, device=device)
-        sec = timed(partial(torch.matmul, a, b), device, repeats=3 if flops > 1e9 else 7)
+        copies = math.ceil(COLD_BYTES / (k * n * a.element_size())) if m in cold else 1
+        bs = [torch.full((k, n), 0.25, dtype=dtype, device=device) for _ in range(copies)]
+        sec = timed(partial(_products, a, bs), device, repeats=3 if flops > 1e9 else 7) / copies
         rows.append([m, n, k, round(flops / sec / peak, 4)])
         progress(f"gemm {m}x{k}x{n}")
     return rows
+
+
+def _products(a: torch.Tensor, bs: list[torch.Tensor]) -> None:
+    for b in bs:
+        torch.matmul(a, b)
 
 
 def _measure_attention(
@@ -547,7 +565,7 @@ def _calibrate(
     total(steps_of(cfg, nproc, device, peak))
     progress(f"peak {peak / 1e12:.3g} TFLOP/s")
     s = sweep(cfg, nproc, device, peak)
-    gemm = _measure_gemms(s["gemms"], dtype, device, peak, progress)
+    gemm = _measure_gemms(s["gemms"], decode_rows(cfg), dtype, device, peak, progress)
     attention = _measure_attention(s["head_dims"], s["seqs"], s["queries"], dtype, device, peak, progress)
     bw = stream_bandwidth(device)
     hw = replace(

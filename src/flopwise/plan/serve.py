@@ -22,7 +22,8 @@ devices; cluster.gpus holds gpus / (tp·pp) of them) decodes `batch` requests to
 - Decode, one token per request per step, the slowest of three bounds (not summed: the ideal a
   serving engine approaches by overlapping): compute (the same FLOPs at the GEMM share of the
   peak: on a calibrated entry, the share measured at the decode batch's rows), memory (the
-  stage's weights and its requests' KV cache read once per step, at the streaming rate),
+  stage's weights and its requests' KV cache read once per step, at the streaming rate; on the
+  `cpu` entry the cache's fp32 copy too, which the engine's attention core makes there),
   communication (the all-reduces of b·h per layer on the intra-node link: plan.step.comm_time's
   ring, and the stage boundary's send).
 - Weight-only quantisation: fp8 and int8 weights halve the bytes stored and read; the products
@@ -59,6 +60,7 @@ from flopwise.plan.step import (
 
 WEIGHT_BYTES = {"bf16": 2, "fp8": 1, "int8": 1}
 LOGIT_BYTES = 4  # fp32 logits, as the training loss keeps them
+CPU_KV_CAST = 8  # bytes per cached element on a CPU: model.layers.CoreAttention's fp32 copy, written and read
 _MAX_BATCH = 2**20  # the largest batch searched
 
 
@@ -199,7 +201,7 @@ def decode_terms(sh: Shape, hw: Hardware, s: ServeConfig, tp: int, pp: int, batc
     scores = micro * attention_flops_per_token(sh.config, round(context)) / sh.n_layers / tp * st.layers
     compute = gemm + scores / (flash_efficiency(hw, context, sh.head_dim)[0] * peak)
     read = WEIGHT_BYTES[s.weights_dtype] * (st.layers * sh.layer_params + st.head * sh.vocab * sh.d_model) / tp
-    read += micro * context * st.layers * 2 * kv_width(sh, tp) * ACT_BYTES
+    read += micro * context * st.layers * 2 * kv_width(sh, tp) * (ACT_BYTES + (CPU_KV_CAST if hw.name == "cpu" else 0))
     comm = st.layers * _layer_comm(sh, hw, tp, micro) + _boundary(sh, hw, tp, pp, micro)
     return {"compute": pp * compute, "memory": pp * stream_time(read, hw), "communication": pp * comm}
 
