@@ -52,7 +52,7 @@ def row(hw_file: Path, hardware: str, batch: int, prompt: int, cached: int, outp
     )
     plan = plan_serve(cfg)
     layout = plan.layouts[0]
-    measured = measure_serve(cfg, plan.hardware, batch)
+    measured = measure_serve(cfg, plan.hardware, layout)
     return {
         "batch": batch,
         "prompt_tokens": prompt,

@@ -4,6 +4,7 @@ measurement runs the stated regime on the plan's device and says what it ran, an
 run is one line."""
 
 import json
+import re
 
 import pytest
 
@@ -37,16 +38,18 @@ def test_the_table_sets_measured_beside_planned(cli):
         (["serve.weights_dtype=int8"], "serve.weights_dtype=int8: --measure runs 16-bit weights only"),
         (["serve.output_tokens=1"], "serve.output_tokens=1: --measure times decode steps"),
         (["cluster.hardware=h100-sxm"], "cluster.hardware=h100-sxm: --measure runs on this machine"),
+        (["serve.batch=100000000"], "serve.batch=100000000: the plan says it does not fit here (needs"),
     ],
 )
 def test_what_cannot_run_here_is_one_line(overrides, message):
     cfg = load_config(None, [*TINY, *REGIME, *overrides])
-    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("+", r"\+")):
-        measure_serve(cfg, plan_serve(cfg).hardware, 2)
+    plan = plan_serve(cfg)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        measure_serve(cfg, plan.hardware, plan.layouts[0])
 
 
 def test_an_unstated_batch_is_refused_with_the_plans_own():
     cfg = load_config(None, [*TINY, "serve.prompt_tokens=8", "serve.output_tokens=4"])
     plan = plan_serve(cfg)
     with pytest.raises(ConfigError, match=f"serve.batch: .*largest here: {plan.layouts[0].batch}"):
-        measure_serve(cfg, plan.hardware, plan.layouts[0].batch)
+        measure_serve(cfg, plan.hardware, plan.layouts[0])

@@ -175,7 +175,7 @@ def serve_cmd(
         from flopwise.measure.serve import measure_serve
 
         note_if_busy("the measured prefill and decode times")
-        measured = measure_serve(planned.cfg, planned.hardware, planned.layouts[0].batch)
+        measured = measure_serve(planned.cfg, planned.hardware, planned.layouts[0])
     if as_json:
         typer.echo(json.dumps({**planned.to_json(top), **({"measured": measured} if measured else {})}, indent=1))
         return

@@ -27,6 +27,7 @@ from flopwise.errors import ConfigError
 from flopwise.hardware.catalogue import Hardware, auto_dtype, identify_gpu
 from flopwise.model.layers import KVCache
 from flopwise.model.transformer import Transformer, build_model
+from flopwise.plan.serve import ServeLayout
 from flopwise.train.metrics import DTYPES
 
 _WARMUP_STEPS = 2  # decode steps of the warm-up request
@@ -52,14 +53,16 @@ def measure_dtype(hw: Hardware) -> str:
     return hw.calibration.dtype if hw.calibration else auto_dtype(hw)
 
 
-def measure_serve(cfg: Config, hw: Hardware, batch: int) -> dict:
-    """Measured prefill and decode of `batch` requests of the serve.* regime on this machine
-    (module docstring): {"prefill_s", "decode_s_per_token", ...how it ran}."""
-    s = cfg.serve
+def measure_serve(cfg: Config, hw: Hardware, layout: ServeLayout) -> dict:
+    """Measured prefill and decode of the planned one-device `layout` (its batch of the serve.*
+    regime) on this machine (module docstring): {"prefill_s", "decode_s_per_token", ...how it ran}."""
+    s, batch = cfg.serve, layout.batch
     if s.batch is None:
         raise ConfigError(f"serve.batch: --measure runs a stated batch; set it (the plan's largest here: {batch})")
     if cfg.cluster.gpus != 1:
         raise ConfigError(f"cluster.gpus={cfg.cluster.gpus}: --measure runs one device here; set cluster.gpus=1")
+    if not layout.fits:
+        raise ConfigError(f"serve.batch={batch}: the plan says it does not fit here ({layout.reason}); lower it")
     if s.weights_dtype != "bf16":
         raise ConfigError(f"serve.weights_dtype={s.weights_dtype}: --measure runs 16-bit weights only; drop it")
     if s.output_tokens < 2:
