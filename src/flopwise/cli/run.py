@@ -14,12 +14,14 @@ from flopwise.cli.common import ARGS_HELP, config_from, logger, names, note, std
 
 
 def train_cmd(args: list[str] | None = typer.Argument(None, help=ARGS_HELP)) -> None:
-    """Train a model (default: a small Llama-style model on the embedded Shakespeare corpus)."""
+    """Train a model (default: a small Llama-style model on the embedded Shakespeare corpus).
+
+    Every key and its default: `flopwise config docs` (docs/config.md)."""
+    applied: list[str] = []
+    cfg = config_from(args, applied)  # a typo is answered before torch is imported (seconds on a busy machine)
     from flopwise.train.launch import train
     from flopwise.train.trainer import summary_table
 
-    applied: list[str] = []
-    cfg = config_from(args, applied)
     if applied:
         logger.info(
             f"[bold]continued pre-training[/] defaults (docs/continued-pretraining.md; Gupta et al. 2023, "
