@@ -218,8 +218,8 @@ def plot_loss_curve(metrics_path: Path, title: str = "") -> bytes:
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    if train:
-        ax.plot(*zip(*train, strict=True), label="train loss", lw=1.2)
+    if train:  # a single point is a marker (a line through one point draws nothing)
+        ax.plot(*zip(*train, strict=True), "o" if len(train) == 1 else "-", label="train loss", lw=1.2)
     if val:
         ax.plot(*zip(*val, strict=True), "o-", label="val loss", lw=1.5)
     ax.set_xlabel("step")
