@@ -25,7 +25,7 @@ def _flag_untyped(option: typer.core.TyperOption, ctx) -> str | None:
     return None if option.is_flag else _type_column(option, ctx)
 
 
-typer.core.TyperOption.display_type_rich = _flag_untyped  # type: ignore[method-assign]
+typer.core.TyperOption.display_type_rich = _flag_untyped  # type: ignore[method-assign,assignment]
 
 app = typer.Typer(
     add_completion=False,
@@ -72,7 +72,7 @@ def main() -> None:
     try:
         app()
     except FlopwiseError as e:
-        if getattr(e, "quiet", False):  # already said, by the rank that saw it
+        if e.quiet:  # already said, by the rank that saw it
             sys.exit(2)
         refuse(str(e))
     except OSError as e:  # a path the OS refused that no command turned into its option's error: still one line

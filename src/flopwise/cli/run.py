@@ -10,7 +10,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from flopwise import log
 from flopwise.cli.common import ARGS_HELP, config_from, logger, names, note, stdout
+from flopwise.errors import FlopwiseError
 
 
 def train_cmd(args: list[str] | None = typer.Argument(None, help=ARGS_HELP)) -> None:
@@ -18,7 +20,11 @@ def train_cmd(args: list[str] | None = typer.Argument(None, help=ARGS_HELP)) -> 
 
     Every key and its default: `flopwise config docs` (docs/config.md)."""
     applied: list[str] = []
-    cfg = config_from(args, applied)  # a typo is answered before torch is imported (seconds on a busy machine)
+    try:
+        cfg = config_from(args, applied)  # a typo is answered before torch is imported (seconds on a busy machine)
+    except FlopwiseError as e:  # every rank of a job reads the same config: rank 0 says what is wrong
+        e.quiet = log.rank() != 0
+        raise
     from flopwise.train.launch import train
     from flopwise.train.trainer import summary_table
 
