@@ -74,3 +74,41 @@ def test_a_signalled_launcher_stops_cleanly_without_a_traceback(tmp_path, tiny_d
     assert "preempted by " in out and "checkpoint " in out and "written" in out, out[-3000:]
     assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
     assert "Slicing a flattened dim" not in out + err
+
+
+def test_a_stop_signal_during_compile_is_a_clean_stop(tmp_path, tiny_data):
+    """SIGTERM to the whole process group (as scancel and Ctrl-C send it) while the first step
+    compiles kills inductor's C++ compiler: the run says it is compiling, then stops in one line, exit
+    0, with no InductorError traceback (a 200-line one and a FAILED job before, issue 54)."""
+    over = tiny_overrides(tmp_path, tiny_data, **{"train.compile": "true", "train.steps": 2})
+    cmd = [sys.executable, "-m", "flopwise", "train", *over]
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True
+    )
+    first = p.stdout.readline()
+    while "compiling" not in first:
+        assert first, p.communicate()[1][-3000:]
+        first = p.stdout.readline()
+    time.sleep(3)  # inside the compile (tens of seconds here)
+    os.killpg(p.pid, signal.SIGTERM)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "InductorError" not in out + err, err[-3000:]
+    assert "preempted by SIGTERM at step " in out, out[-3000:]
+
+
+def test_a_step_failing_under_a_stop_signal_is_a_stop_without_checkpoint(tmp_path, tiny_data, cli, monkeypatch):
+    """What a signal to the process group does inside the first step's compile (inductor's C++
+    compiler killed: InductorError), made certain: the step raises with the signal already seen.
+    The run stops at step 0 in one line, exit 0, and writes no checkpoint (no step finished)."""
+    from flopwise.train import trainer
+
+    def killed_compile(run, step, faults, watch=None):
+        watch.signal = "SIGTERM"
+        raise RuntimeError("torch._inductor.exc.InductorError: CppCompileError: C++ compile error")
+
+    monkeypatch.setattr(trainer, "train_step", killed_compile)
+    r = cli("train", *tiny_overrides(tmp_path, tiny_data))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "preempted by SIGTERM at step 0: no checkpoint yet, nothing to save; run the same command" in r.stdout
+    assert "Traceback" not in r.stderr and not (tmp_path / "checkpoints").exists()

@@ -40,9 +40,10 @@ def train_cmd(args: list[str] | None = typer.Argument(None, help=ARGS_HELP)) -> 
     stdout.print(summary_table(result))
     if result.preempted is not None:
         verb = "stopped" if result.signal == "SIGINT" else "preempted"
+        saved = f"checkpoint {result.checkpoint} written" if result.checkpoint else "no checkpoint yet, nothing to save"
         stdout.print(
-            f"[bold]{verb}[/] by {result.signal or 'a signal to another rank'} at step {result.preempted}: checkpoint "
-            f"{result.checkpoint} written; run the same command again to continue"
+            f"[bold]{verb}[/] by {result.signal or 'a signal to another rank'} at step {result.preempted}: {saved}; "
+            "run the same command again to continue"
         )
     if result.sample:
         stdout.rule("sample")

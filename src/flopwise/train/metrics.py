@@ -144,7 +144,9 @@ def device_peak(catalogue: dict[str, Hardware], dtype: str, device: torch.device
             f"measured {dtype} matmul ceiling: {what} is not in the catalogue",
             True,
         )
-    return Peak(_cpu_ceiling(dtype), f"measured {dtype} matmul ceiling on this {device.type}", True)
+    # named with where it is kept: every run on this machine divides by the same figure, so their MFUs compare
+    where = f"measured {dtype} matmul ceiling on this {device.type}, once per machine: {ceilings_file()}"
+    return Peak(_cpu_ceiling(dtype), where, True)
 
 
 def mfu_basis(dtype: str, float8: str) -> str | None:

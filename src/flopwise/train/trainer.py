@@ -387,6 +387,11 @@ class _Loop:
                 values, lr = train_step(self.run, step, self.faults, self.watch)
             except torch.cuda.OutOfMemoryError as e:  # oom.json says where, beside the planner's breakdown
                 raise explain_oom(self.cfg, self.run.par, done, e) from None
+            except Exception:  # a stop signal to the process group kills a compile's C++ compiler (InductorError)
+                if self.watch.signal is None:
+                    raise
+                self.saver.wait()
+                return step  # stopped inside this step: nothing new to checkpoint
             pending.append((done, lr, values))
             step = done
             do_eval, do_save = self.due(done)
@@ -491,6 +496,11 @@ def _banner(run: Run, loop: _Loop) -> None:
         f"MFU vs {loop.peak.flops / 1e9:,.0f} GFLOP/s "
         f"per device ({loop.peak.source})"
     )
+    if config_compiles(cfg, lo) and run.start_step < loop.end:
+        logger.info(
+            "[bold]compiling[/]: the first step takes longer (torch.compile of each block, once per process; "
+            "train.compile=false skips it)"
+        )
     if cfg.train.float8 != "none":
         unconverted = ", ".join(["embedding", "head", *unconverted_linears(cfg.model, lo.tp)])
         logger.info(
