@@ -168,6 +168,7 @@ def test_time_limit_signal_checkpoints_and_exits_0(tiny_data, tmp_path):
     assert (j["JobState"], j["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
     m = re.search(r"flopwise: preempted by SIGTERM at step (\d+): checkpoint \S+step-0+(\d+); exit 0", log)
     assert m and m[1] == m[2], log[-3000:]
+    assert "Traceback" not in log and "ChildFailedError" not in log, log[-3000:]  # the agent's quiet stop
 
 
 def _documented_command() -> list[str]:
