@@ -79,9 +79,24 @@ def test_help_lists_the_subcommands(cli):
     assert "contamination" in cli("--help").stdout  # `data` says all three of its jobs
 
 
+def test_help_types_no_flag_and_points_train_at_the_keys(cli):
+    train = cli("train", "--help").stdout
+    assert "flopwise config docs" in train and "docs/config.md" in train
+    assert "[key=value ...]" in train  # not read as a rich style tag
+    text = cli("--help").stdout + cli("eval", "--help").stdout
+    assert "--json" in text and "--quiet" in text and "<bool>" not in text
+    assert "<int range>" in text  # an option that takes a value keeps its type
+
+
 @pytest.mark.parametrize(
     "args",
-    [["--help"], ["plan", "model.preset=llama3-8b", "cluster.gpus=64"], ["plan", "--help"], ["config", "show"]],
+    [
+        ["--help"],
+        ["plan", "model.preset=llama3-8b", "cluster.gpus=64"],
+        ["plan", "--help"],
+        ["config", "show"],
+        ["train", "model.n_layer=3"],  # a typo is answered before torch (0.4 s, not 4 s idle, 40-67 s busy)
+    ],
 )
 def test_planning_and_config_commands_import_no_torch(args):
     code = "import sys; from flopwise.cli import main; sys.argv = ['flopwise', *sys.argv[1:]]\n"

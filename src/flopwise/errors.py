@@ -3,7 +3,10 @@ traceback and exits with code 2."""
 
 
 class FlopwiseError(Exception):
-    """A problem the user can fix (bad config, bad data, bad checkpoint)."""
+    """A problem the user can fix (bad config, bad data, bad checkpoint). `quiet`: another rank of
+    the job says it, so this one exits (code 2) without repeating it."""
+
+    quiet = False
 
 
 class ConfigError(FlopwiseError):
@@ -19,8 +22,7 @@ class CheckpointError(FlopwiseError):
 
 
 class TrainingStopped(FlopwiseError):
-    """Training cannot usefully go on (rollback cap, hung collective); the message says what to do.
-    `quiet`: another rank of the job says it, so this one exits (code 2) without repeating it."""
+    """Training cannot usefully go on (rollback cap, hung collective); the message says what to do."""
 
     def __init__(self, message: str, quiet: bool = False):
         super().__init__(message)

@@ -204,7 +204,7 @@ def measured_dist(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("family, layout", DIST_CASES)
 def test_planner_books_what_each_rank_saves(family, layout, measured_dist):
     from flopwise.config.schema import load_config
-    from flopwise.parallel.mesh import layout_of
+    from flopwise.layout.rules import layout_of
 
     lo = layout_of(load_config(None, _dist_overrides(family, layout, 4)), 2)
     fsdp, dtype = lo.zero >= 2, DIST_LAYOUTS[layout][1]

@@ -19,10 +19,11 @@ from torchao.float8.float8_linear import Float8Linear
 from flopwise.config.schema import ModelConfig, load_config, validate  # noqa: E402
 from flopwise.errors import ConfigError  # noqa: E402
 from flopwise.layout.linears import unconverted_linears  # noqa: E402
+from flopwise.layout.rules import layout_of  # noqa: E402
 from flopwise.measure.bytes import SavedBytes  # noqa: E402
 from flopwise.model.transformer import build_model  # noqa: E402
 from flopwise.parallel.apply import apply_compile, parallelize  # noqa: E402
-from flopwise.parallel.mesh import Parallel, layout_of  # noqa: E402
+from flopwise.parallel.mesh import Parallel  # noqa: E402
 from flopwise.plan.memory import activation_bytes_per_layer, autocast_weight_copy_bytes, engine_precision  # noqa: E402
 from flopwise.train.engine import autocast  # noqa: E402
 from flopwise.train.launch import train  # noqa: E402

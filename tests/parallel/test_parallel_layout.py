@@ -7,11 +7,10 @@ import torch
 
 from flopwise.config.schema import ModelConfig, load_config
 from flopwise.errors import ConfigError
-from flopwise.layout.rules import FIXED_VIRTUAL_STAGES, SCHEDULES, Layout, balanced_stages, check_layout
+from flopwise.layout.rules import FIXED_VIRTUAL_STAGES, SCHEDULES, Layout, balanced_stages, check_layout, layout_of
 from flopwise.model.layers import Span
 from flopwise.model.transformer import build_model, document_ids, document_positions
 from flopwise.parallel.context import ContextParallel
-from flopwise.parallel.mesh import layout_of
 from flopwise.parallel.pipeline import SCHEDULE_CLASSES
 
 

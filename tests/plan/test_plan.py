@@ -451,7 +451,7 @@ def test_search_offers_no_hsdp_with_shard_groups_of_one_rank():
     """On 2 processes layout=auto picked `dp2·hsdp2 zero2`: HSDP over shard groups of one rank, which
     shards nothing under a ZeRO-2 label. The search skips such layouts; asked for explicitly the engine
     runs them (FSDP2 fully_shard over a (2, 1) mesh trains on gloo), so check_layout accepts them."""
-    from flopwise.parallel.mesh import layout_of
+    from flopwise.layout.rules import layout_of
 
     tree = load_tree(None, ["parallel.layout=auto", "cluster.hardware=h100-sxm"])
     cfg = validate(tree)
@@ -714,10 +714,10 @@ def test_plan_measure_nproc_below_one_is_refused(cli):
 @pytest.mark.parametrize("case", ["llama3-405b/16384", "llama3-70b/1024", "megatron-1t/3072"])
 def test_every_layout_the_search_returns_passes_the_engines_validation(case):
     """The README's worked searches under the `flopwise` stack: every fitting layout they return
-    is accepted by the engine's own check (`parallel.mesh.layout_of`, what `flopwise train` runs
+    is accepted by the engine's own check (`layout.rules.layout_of`, what `flopwise train` runs
     before building anything), called on the config the planner would write."""
     from flopwise.config.schema import load_config
-    from flopwise.parallel.mesh import layout_of
+    from flopwise.layout.rules import layout_of
     from flopwise.plan.planner import layout_config
 
     preset, gpus = case.split("/")
@@ -784,7 +784,7 @@ def test_search_books_each_rank_as_predict_rank_does(over):
     account `plan measure` and the joint tests hold against the engine), with the run's
     train.dtype: without pipelining the largest of every quantity over the ranks (one rank holds
     them all: FSDP2's first shard, ZeRO-1's busiest), with it one pipeline rank's, at shard 0."""
-    from flopwise.parallel.mesh import layout_of
+    from flopwise.layout.rules import layout_of
     from flopwise.plan.rank import predict_rank
 
     cfg = load_config(

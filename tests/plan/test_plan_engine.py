@@ -15,7 +15,7 @@ import pytest
 from flopwise.config.schema import load_config
 from flopwise.flops import count_params
 from flopwise.hardware.catalogue import get_hardware
-from flopwise.parallel.mesh import layout_of
+from flopwise.layout.rules import layout_of
 from flopwise.plan.rank import predict_rank
 from flopwise.plan.step import evaluate_layout
 from tests.conftest import FIXTURES, run_jobs, tiny_overrides

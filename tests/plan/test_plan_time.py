@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from flopwise.config.schema import load_tree, validate
+from flopwise.layout.rules import layout_of
 from flopwise.measure.step import predicted_time
-from flopwise.parallel.mesh import layout_of
 
 MEASURED = {"matmul", "attention", "other_compute", "optimizer", "exposed_comm", "idle"}
 # a hand-written `cpu` entry with a peak, in the format cluster.hardware_file reads (hardware.load_catalogue)

@@ -128,6 +128,7 @@ def test_a_cpu_ceiling_is_timed_once_per_machine_and_thread_count(monkeypatch, t
     threads = torch.get_num_threads()
     first = metrics.device_peak(CATALOGUE, "fp32", cpu)
     assert metrics.device_peak(CATALOGUE, "fp32", cpu) == first and first.flops == 1e9 and first.measured
+    assert first.source.endswith(f"once per machine: {tmp_path / 'cache' / 'cpu-ceilings.json'}")  # summary says
     assert metrics.device_peak(CATALOGUE, "bf16", cpu).flops == 2e9
     try:
         torch.set_num_threads(threads + 1)
@@ -162,3 +163,18 @@ def test_the_ceiling_stops_timing_once_its_budget_is_spent(monkeypatch):
     made.clear()
     assert metrics.measure_matmul_peak("fp32", cpu, sizes=(64, 128, 256), repeats=2, budget_s=60.0) > 0
     assert made == [64, 64, 128, 128, 256, 256]
+
+
+def test_loss_plot_of_one_logged_step_shows_it(tmp_path):
+    """A run that logged one point drew an empty plot (a line through one point draws nothing): the
+    point is a marker now, in the train series' colour (matplotlib's first, #1f77b4)."""
+    from flopwise.files.outputs import pyplot
+    from flopwise.train.metrics import plot_loss_curve
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    png = tmp_path / "loss.png"
+    png.write_bytes(plot_loss_curve(metrics, title="one point"))
+    pixels = pyplot().imread(png)[..., :3]
+    blue = (abs(pixels - torch.tensor([0x1F, 0x77, 0xB4]).numpy() / 255).max(axis=-1) < 0.05).sum()
+    assert blue > 20  # the marker's disc (the legend's sample alone would be a few pixels of line)

@@ -168,3 +168,31 @@ def test_time_limit_signal_checkpoints_and_exits_0(tiny_data, tmp_path):
     assert (j["JobState"], j["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
     m = re.search(r"flopwise: preempted by SIGTERM at step (\d+): checkpoint \S+step-0+(\d+); exit 0", log)
     assert m and m[1] == m[2], log[-3000:]
+    assert "Traceback" not in log and "ChildFailedError" not in log, log[-3000:]  # the agent's quiet stop
+
+
+def _documented_command() -> list[str]:
+    """The CPU command of examples/train.sbatch's header (docs/scaling-out.md shows the same), as written."""
+    header = (ROOT / "examples" / "train.sbatch").read_text().split("#   CPUs: ", 1)[1]
+    first, second = header.splitlines()[:2]
+    words = (first.rstrip("\\").strip() + " " + second.lstrip("#").strip()).split()
+    return words[words.index("examples/train.sbatch") + 1 :]
+
+
+def test_documented_example_completes_and_a_config_error_is_not_retried(tmp_path):
+    """The header's CPU example, verbatim, completes on its first submission (issue 54: it failed on
+    seq_len, then warm-up, then the batch); a config error stops the job at the pre-flight check,
+    once, with exit 2 and its one line: no rank starts, torchrun retries nothing."""
+    bad = submit(tmp_path, "bad", ["model.preset=demo-tiny", "train.steps=10"])
+    good = submit(tmp_path, "good", _documented_command())
+    j = wait(bad)
+    log = (tmp_path / f"bad-{bad}.out").read_text()
+    assert (j["JobState"], j["ExitCode"]) == ("FAILED", "2:0"), log[-3000:]
+    assert log.splitlines()[1:] == [
+        "error: config error: data.seq_len=256 exceeds model.max_seq_len=128; lower data.seq_len or raise "
+        "model.max_seq_len"
+    ], log[-3000:]
+    j = wait(good, timeout=400)
+    log = (tmp_path / f"good-{good}.out").read_text()
+    assert (j["JobState"], j["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
+    assert "step 10/10" in log and (tmp_path / "runs" / "good" / "checkpoints" / "step-00000010").is_dir(), log

@@ -9,11 +9,23 @@ import logging
 import sys
 
 import typer
+import typer.core
 
 from flopwise import log
 from flopwise.cli import audit, checkpoint, config, data, hardware, plan, run, scale
 from flopwise.cli.common import refuse, stdout
 from flopwise.errors import FlopwiseError
+
+_type_column = typer.core.TyperOption.display_type_rich
+
+
+def _flag_untyped(option: typer.core.TyperOption, ctx) -> str | None:
+    """typer 0.29 prints every flag as `--json <bool>`, as if it took a value: a flag's type column
+    stays empty (an option that takes a value keeps its `<int>`, `<path>`)."""
+    return None if option.is_flag else _type_column(option, ctx)
+
+
+typer.core.TyperOption.display_type_rich = _flag_untyped  # type: ignore[method-assign,assignment]
 
 app = typer.Typer(
     add_completion=False,
@@ -60,7 +72,7 @@ def main() -> None:
     try:
         app()
     except FlopwiseError as e:
-        if getattr(e, "quiet", False):  # already said, by the rank that saw it
+        if e.quiet:  # already said, by the rank that saw it
             sys.exit(2)
         refuse(str(e))
     except OSError as e:  # a path the OS refused that no command turned into its option's error: still one line

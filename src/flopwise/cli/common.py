@@ -15,7 +15,8 @@ stdout = Console() if sys.stdout.isatty() else Console(width=200)
 logger = logging.getLogger("flopwise.cli")
 
 DEFAULT_CONFIG = "demo"
-ARGS_HELP = "[CONFIG] [key=value ...]: a TOML file or built-in name (default: demo), then overrides"
+# help texts are rich markup: "[key=value ...]" unescaped would be read as a style tag and vanish
+ARGS_HELP = escape("[CONFIG] [key=value ...]: a TOML file or built-in name (default: demo), then overrides")
 
 
 def config_from(args: list[str] | None, applied: list[str] | None = None):

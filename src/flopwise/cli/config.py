@@ -1,4 +1,4 @@
-"""`flopwise config show|docs` and `flopwise presets`: the resolved config, its reference, the presets."""
+"""`flopwise config show|check|docs` and `flopwise presets`: the resolved config, its reference, the presets."""
 
 from __future__ import annotations
 
@@ -18,6 +18,21 @@ def show_cmd(args: list[str] | None = typer.Argument(None, help=ARGS_HELP)) -> N
     from flopwise.config.schema import to_toml
 
     typer.echo(to_toml(config_from(args)), nl=False)
+
+
+@app.command("check")
+def check_cmd(
+    args: list[str] | None = typer.Argument(None, help=ARGS_HELP),
+    world: int = typer.Option(1, "--world", min=1, help="processes the job starts: its layout is checked for them"),
+) -> None:
+    """Validate a config and its layout on --world processes without torch: exit 2 and one line
+    if not. Run once before a job's ranks start (examples/train.sbatch): a config error fails every
+    rank alike, and a launcher that restarts failed ranks would only repeat it."""
+    from flopwise.layout.rules import layout_of
+
+    cfg = config_from(args)
+    lo = layout_of(cfg, world)
+    stdout.print(f"config ok: {cfg.model.preset or 'custom model'}, layout {lo.name()} on {world} process(es)")
 
 
 @app.command("docs")

@@ -9,6 +9,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 from typer.core import TyperGroup
 
 from flopwise.cli.common import note, note_if_busy, stdout
@@ -24,7 +25,7 @@ from flopwise.errors import ConfigError
 
 DEFAULT = "search"
 OLD_FLAGS = {"--measure": "measure", "--max-micro-batch": "max-micro-batch"}  # flags until the next release
-ARGS_HELP = "[CONFIG] [key=value ...]: model.*, data.seq_len, train.global_batch, cluster.*, parallel.*"
+ARGS_HELP = escape("[CONFIG] [key=value ...]: model.*, data.seq_len, train.global_batch, cluster.*, parallel.*")
 
 
 def route(args: list[str], commands: Collection[str]) -> list[str]:

@@ -27,11 +27,12 @@ def size(n: float) -> str:
 
 
 def human(n: float) -> str:
-    """A count with a suffix: "8.03B", "12.50K"."""
+    """A count with a suffix: "8.03B", "12.50K"; under a thousand, three digits ("512", "0.53": a
+    32-minute plan's GPU-hours, which a whole number showed as 0)."""
     for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= div:
             return f"{n / div:.2f}{unit}"
-    return str(int(n))
+    return f"{n:.3g}"
 
 
 def new_table(title: str, columns: tuple[str, ...], left: tuple[str, ...] = (), **options) -> Table:

@@ -10,16 +10,24 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from flopwise import log
 from flopwise.cli.common import ARGS_HELP, config_from, logger, names, note, stdout
+from flopwise.errors import FlopwiseError
 
 
 def train_cmd(args: list[str] | None = typer.Argument(None, help=ARGS_HELP)) -> None:
-    """Train a model (default: a small Llama-style model on the embedded Shakespeare corpus)."""
+    """Train a model (default: a small Llama-style model on the embedded Shakespeare corpus).
+
+    Every key and its default: `flopwise config docs` (docs/config.md)."""
+    applied: list[str] = []
+    try:
+        cfg = config_from(args, applied)  # a typo is answered before torch is imported (seconds on a busy machine)
+    except FlopwiseError as e:  # every rank of a job reads the same config: rank 0 says what is wrong
+        e.quiet = log.rank() != 0
+        raise
     from flopwise.train.launch import train
     from flopwise.train.trainer import summary_table
 
-    applied: list[str] = []
-    cfg = config_from(args, applied)
     if applied:
         logger.info(
             f"[bold]continued pre-training[/] defaults (docs/continued-pretraining.md; Gupta et al. 2023, "
@@ -32,9 +40,10 @@ def train_cmd(args: list[str] | None = typer.Argument(None, help=ARGS_HELP)) -> 
     stdout.print(summary_table(result))
     if result.preempted is not None:
         verb = "stopped" if result.signal == "SIGINT" else "preempted"
+        saved = f"checkpoint {result.checkpoint} written" if result.checkpoint else "no checkpoint yet, nothing to save"
         stdout.print(
-            f"[bold]{verb}[/] by {result.signal or 'a signal to another rank'} at step {result.preempted}: checkpoint "
-            f"{result.checkpoint} written; run the same command again to continue"
+            f"[bold]{verb}[/] by {result.signal or 'a signal to another rank'} at step {result.preempted}: {saved}; "
+            "run the same command again to continue"
         )
     if result.sample:
         stdout.rule("sample")

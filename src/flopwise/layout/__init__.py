@@ -24,6 +24,7 @@ HOMES = {
         "FIXED_VIRTUAL_STAGES",
         "head_split",
         "Layout",
+        "layout_of",
         "SCHEDULES",
         "stage_ids",
         "stage_sizes",

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from flopwise.config.schema import Config, ModelConfig
+from flopwise.errors import ConfigError
 from flopwise.flops import count_params
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev")
@@ -326,7 +327,7 @@ def compiles(setting: bool | str, steps: float, lo: Layout) -> bool:
 
 def config_layout(cfg: Config, world: int) -> Layout:
     """The layout the config's parallel.* and train.micro_batch give on `world` devices (dp: what
-    the other degrees leave), unchecked (the engine's parallel.mesh.layout_of checks it)."""
+    the other degrees leave), unchecked (layout_of checks it)."""
     p = cfg.parallel
     dp = p.dp if p.dp is not None else max(1, world // (p.tp * p.pp * p.cp))
     return Layout(
@@ -342,3 +343,17 @@ def config_layout(cfg: Config, world: int) -> Layout:
         recompute=p.recompute,
         sequence_parallel=p.sequence_parallel,
     )
+
+
+def layout_of(cfg: Config, world: int) -> Layout:
+    """The layout the config asks for on `world` processes (dp: what is left), checked: a layout the
+    engine cannot run is refused in one line, without torch (`flopwise config check` before a job)."""
+    lo = config_layout(cfg, world)
+    reason = check_layout(
+        lo, cfg.model, cfg.data.seq_len, cfg.train.global_batch, world, pp_layers=cfg.parallel.pp_layers
+    )
+    if reason and world == 1 and lo.world > 1:
+        reason += f" (launch with: torchrun --nproc-per-node {lo.world} -m flopwise train ...)"
+    if reason:
+        raise ConfigError(reason)
+    return lo

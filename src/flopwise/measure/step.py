@@ -40,10 +40,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from flopwise.config.schema import Config, load_config, load_tree, to_toml, validate
 from flopwise.errors import ConfigError, FlopwiseError
 from flopwise.hardware.catalogue import cluster_hardware
-from flopwise.layout.rules import Layout
+from flopwise.layout.rules import Layout, layout_of
 from flopwise.measure import bytes as acc
 from flopwise.parallel.data import local_optimizer
-from flopwise.parallel.mesh import layout_of, torchrun
+from flopwise.parallel.mesh import torchrun
 from flopwise.plan.planner import plan_hardware, resolve_layout
 from flopwise.plan.rank import predict_rank
 from flopwise.plan.shape import model_shape

@@ -15,7 +15,6 @@ HOMES = {
         "DIMS",
         "init",
         "is_rank0",
-        "layout_of",
         "make_mesh",
         "missing_ranks",
         "Parallel",

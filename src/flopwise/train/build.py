@@ -101,6 +101,12 @@ def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, setting: str) -
                 return out
         except ValueError:  # recorded in the manifest, so flopwise's, yet unreadable: prepare again
             pass
+    if (n := tokenizer.removeprefix("bpe:")).isdigit() and int(n) > cfg.model.vocab_size:  # before, not after, it
+        raise ConfigError(
+            f"data.tokenizer={tokenizer} would train a {n}-token vocabulary for model.vocab_size="
+            f"{cfg.model.vocab_size} embedding rows; set data.tokenizer=bpe:{cfg.model.vocab_size} or raise "
+            "model.vocab_size"
+        )
     logger.info(f"[bold]preparing data[/] {path} -> {out} (tokenizer {tokenizer})")
     stats = prepare_data(
         [path], out, tokenizer=tokenizer, val_fraction=cfg.data.val_fraction, seed=cfg.run.seed, setting=setting

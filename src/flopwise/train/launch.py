@@ -13,11 +13,13 @@ from pathlib import Path
 import torch.distributed as dist
 
 from flopwise.config.schema import Config
+from flopwise.errors import TrainingStopped
 from flopwise.files.ownership import folder_lock, real_path
 from flopwise.train.build import build_run, subnormals_flushed
 from flopwise.train.preflight import WillNotFit
 from flopwise.train.run import Run
 from flopwise.train.trainer import TrainResult, finished, train_loop
+from flopwise.train.watch import peer_lost
 
 
 def _is_main_process() -> bool:
@@ -59,4 +61,8 @@ def _train(cfg: Config, started: float, lock: Callable[[], object]) -> TrainResu
         dist.barrier()
         sys.stdout.flush()
         os._exit(2)  # all at once: a rank still shutting down when another has exited is stopped by torchrun
+    except RuntimeError as e:  # rank 0 refused alone (its data, its run folder) and left: it said why
+        if _is_main_process() or not peer_lost(e):
+            raise
+        raise TrainingStopped("rank 0 stopped while the run was built", quiet=True) from None
     return train_loop(built, started) if isinstance(built, Run) else finished(built, started)

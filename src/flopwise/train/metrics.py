@@ -144,7 +144,9 @@ def device_peak(catalogue: dict[str, Hardware], dtype: str, device: torch.device
             f"measured {dtype} matmul ceiling: {what} is not in the catalogue",
             True,
         )
-    return Peak(_cpu_ceiling(dtype), f"measured {dtype} matmul ceiling on this {device.type}", True)
+    # named with where it is kept: every run on this machine divides by the same figure, so their MFUs compare
+    where = f"measured {dtype} matmul ceiling on this {device.type}, once per machine: {ceilings_file()}"
+    return Peak(_cpu_ceiling(dtype), where, True)
 
 
 def mfu_basis(dtype: str, float8: str) -> str | None:
@@ -218,8 +220,8 @@ def plot_loss_curve(metrics_path: Path, title: str = "") -> bytes:
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    if train:
-        ax.plot(*zip(*train, strict=True), label="train loss", lw=1.2)
+    if train:  # a single point is a marker (a line through one point draws nothing)
+        ax.plot(*zip(*train, strict=True), "o" if len(train) == 1 else "-", label="train loss", lw=1.2)
     if val:
         ax.plot(*zip(*val, strict=True), "o-", label="val loss", lw=1.5)
     ax.set_xlabel("step")

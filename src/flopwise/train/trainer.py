@@ -172,6 +172,7 @@ class _Loop:
         self.fpt = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak = device_peak(cluster_catalogue(cfg.cluster), cfg.train.dtype, par.device)
         self.end = last_step(cfg)
+        self.first = run.start_step + 1  # logged too: a first line at once, not after log.every steps
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.faults = Faults.from_env(self.rank)
         self.writer = MetricsWriter(self.run_dir, cfg.log.tensorboard) if par.is_main else None
@@ -220,6 +221,10 @@ class _Loop:
         if self.writer is not None:
             self.writer.write({**record, "tokens_by_source": self.run.loader.tokens_by_source()})
 
+    def logs(self, done: int) -> bool:
+        """Whether step `done` is logged: every log.every steps, this invocation's first and the last."""
+        return done % self.cfg.log.every == 0 or done in (self.first, self.end)
+
     def due(self, done: int) -> tuple[bool, bool]:
         """(evaluate, checkpoint) at step `done`; either, or a log step, is a sync point."""
         last, every = done == self.end, self.cfg.train.eval_every
@@ -245,7 +250,7 @@ class _Loop:
                 self.write({"step": done, "event": "skipped_update", "reason": reason})
             self.losses.append(loss)
             self.watch_rise(done, loss)
-            if done % self.cfg.log.every == 0 or done == self.end:
+            if self.logs(done):
                 self.log(done, loss, lr, norm)
         return None
 
@@ -271,7 +276,8 @@ class _Loop:
         steps = max(1, done - step0)
         self.tps = steps * self.tokens_per_step / max(now - t0, 1e-9)
         self.mfu = self.measure_mfu(done)
-        self.rates.append((self.tps, self.mfu))
+        if done > self.first or done == self.end:  # the first step's warm-up (and compile) is not the run's speed
+            self.rates.append((self.tps, self.mfu))
         basis = mfu_basis(self.cfg.train.dtype, self.cfg.train.float8)
         self.write(
             {
@@ -381,12 +387,17 @@ class _Loop:
                 values, lr = train_step(self.run, step, self.faults, self.watch)
             except torch.cuda.OutOfMemoryError as e:  # oom.json says where, beside the planner's breakdown
                 raise explain_oom(self.cfg, self.run.par, done, e) from None
+            except Exception:  # a stop signal to the process group kills a compile's C++ compiler (InductorError)
+                if self.watch.signal is None:
+                    raise
+                self.saver.wait()
+                return step  # stopped inside this step: nothing new to checkpoint
             pending.append((done, lr, values))
             step = done
             do_eval, do_save = self.due(done)
             # a signal on one process: checkpoint at this step's end (ranks learn of one at a sync point)
             signalled = self.watch.signal is not None and self.run.par.layout.world == 1
-            if not (do_eval or do_save or signalled or done % self.cfg.log.every == 0 or done == self.end):
+            if not (do_eval or do_save or signalled or self.logs(done)):
                 continue
             sync, host = self.watch.sync(self.saver.poll(), torch.stack([v for _, _, v in pending]))
             self.ranks = {"rank_step_s": sync.rank_s, "slowest_rank": sync.slowest} if len(sync.rank_s) > 1 else {}
@@ -479,12 +490,17 @@ def _banner(run: Run, loop: _Loop) -> None:
     cfg, par = run.cfg, run.par
     n_params, lo = count_params(cfg.model), par.layout
     logger.info(
-        f"[bold]model[/] {n_params.total / 1e6:.2f}M params ({n_params.non_embedding / 1e6:.2f}M "
+        f"[bold]model[/] {_millions(n_params.total)} params ({_millions(n_params.non_embedding)} "
         f"non-embedding), {loop.fpt / 1e6:.1f} MFLOP/token (model FLOPs, 6N + attention); "
         f"{par.device.type} {cfg.train.dtype}{' compiled' if config_compiles(cfg, lo) else ''}; "
         f"MFU vs {loop.peak.flops / 1e9:,.0f} GFLOP/s "
         f"per device ({loop.peak.source})"
     )
+    if config_compiles(cfg, lo) and run.start_step < loop.end:
+        logger.info(
+            "[bold]compiling[/]: the first step takes longer (torch.compile of each block, once per process; "
+            "train.compile=false skips it)"
+        )
     if cfg.train.float8 != "none":
         unconverted = ", ".join(["embedding", "head", *unconverted_linears(cfg.model, lo.tp)])
         logger.info(
@@ -530,7 +546,7 @@ def _result(run: Run, loop: _Loop, preempted: int | None, seconds: float) -> Tra
     metrics_path = run_dir / "metrics.jsonl"
     plot = None
     if par.is_main and metrics_path.exists() and read_records(metrics_path):
-        png = plot_loss_curve(metrics_path, title=f"{cfg.run.name}: {count_params(cfg.model).total / 1e6:.1f}M params")
+        png = plot_loss_curve(metrics_path, title=f"{cfg.run.name}: {_millions(count_params(cfg.model).total)} params")
         plot = rundir.replace(run_dir, "loss.png", png)
     sample = ""
     if cfg.train.sample_tokens and par.layout.world == 1:
@@ -648,6 +664,11 @@ def layout_label(lo: Layout) -> str:
     schedule (Layout.name's detail line, less the micro-batch and recompute the banner gives apart)."""
     detail = lo.name(detail=True).split("\n")[1].split()[:-2]
     return " ".join([lo.name(), *detail])
+
+
+def _millions(n: float) -> str:
+    """A parameter count as the model line and the loss plot's title both print it: "0.16M"."""
+    return f"{n / 1e6:.2f}M"
 
 
 def percent(x: float | None) -> str:

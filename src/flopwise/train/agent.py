@@ -1,0 +1,42 @@
+"""torchrun, without a traceback for an outcome that is not a crash: `python -m flopwise.train.agent
+ARGS` takes torchrun's own arguments (examples/train.sbatch starts it on each node).
+
+torchrun prints a Python traceback when it is signalled (SignalException: SLURM's warning before
+the time limit, `scancel --signal=TERM`), though its ranks then checkpoint and exit 0, and a
+ChildFailedError report when a rank exits non-zero, also when the job was refused in one line
+(exit 2: rank 0 said why, the others left quietly or were stopped by torchrun). Here those two end
+with their exit code and no report; any other failure is torchrun's report, as ever.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+
+REFUSED = 2  # flopwise's exit code for a user error, said in one line by the rank that found it
+
+
+def refused(codes: set[int]) -> bool:
+    """Whether ranks' exit codes are a refusal: one rank exited 2 and any other did too or was
+    stopped by torchrun (SIGTERM) before it could."""
+    return REFUSED in codes and codes <= {REFUSED, -signal.SIGTERM}
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        run(parse_args(argv))
+    except SignalException as e:  # the ranks were passed the signal and say how they stopped
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        if not refused({f.exitcode for f in e.failures.values()}):
+            raise
+        return REFUSED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
