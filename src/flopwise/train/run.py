@@ -60,9 +60,9 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def _check_resumable(ckpt: Path, state: dict, cfg: Config, data_fp: str) -> list[str]:
-    """Refuse (one line naming the keys) a checkpoint of another model, data order or data; the
-    keys that changed but may, to report."""
+def _check_resumable(ckpt: Path, state: dict, cfg: Config) -> list[str]:
+    """Refuse (one line naming the keys) a checkpoint of another model or data order; the keys that
+    changed but may, to report."""
     saved = _flat(checkpoint_config(ckpt, state).model_dump(mode="json"))
     now = _flat(cfg.model_dump(mode="json"))
     changed = sorted(
@@ -75,12 +75,16 @@ def _check_resumable(ckpt: Path, state: dict, cfg: Config, data_fp: str) -> list
             f"checkpoint {ckpt} is of another run ({diff}); resume with the same values, or start "
             "fresh in another run.dir"
         )
+    return changed
+
+
+def check_data(ckpt: Path, state: dict, data_fp: str) -> None:
+    """Refuse a checkpoint trained on other data than the run's (its data fingerprint differs)."""
     if state.get("data_fingerprint") not in (None, data_fp):
         raise CheckpointError(
             f"checkpoint {ckpt} was trained on other data (data fingerprint differs from "
             "index.json here); point data.path at its data, or start fresh in another run.dir"
         )
-    return changed
 
 
 def restore(run: Run, ckpt: Path, counters: bool = True) -> dict:
@@ -148,11 +152,12 @@ class Finished:
     is_main: bool
 
 
-def resume_state(ckpt: Path, cfg: Config, data_fp: str) -> dict:
-    """The state.json of the checkpoint to resume from, read before anything is built: refused in
-    one line if it is another run's (model, data, steps past train.steps); what changed is said."""
+def resume_state(ckpt: Path, cfg: Config) -> dict:
+    """The state.json of the checkpoint to resume from, read before anything is written or built:
+    refused in one line if it is another run's (model, data order, steps past train.steps); what
+    changed is said. Its data is checked once prepared (`check_data`)."""
     state = checkpoint.read_state(ckpt)
-    changed = _check_resumable(ckpt, state, cfg, data_fp)
+    changed = _check_resumable(ckpt, state, cfg)
     if changed:
         logger.info(
             f"[bold]resume[/]: changed since the checkpoint: {escape(', '.join(changed))}", extra={"highlighter": None}

@@ -1,0 +1,81 @@
+"""Nothing lost, third round (issue 53): refusals before the first write, weights that must stay
+finite, ranks that must run one job, absurd sizes refused in one line. Each case is a real command
+in a fresh folder; every byte that was there before is checked after, and a refusal is one line."""
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_overrides
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file under `root` (a symlink by its target's name)."""
+    out = {}
+    for here, _, files in os.walk(root):
+        for f in files:
+            p = Path(here, f)
+            rel = p.relative_to(root).as_posix()
+            out[rel] = f"-> {os.readlink(p)}" if p.is_symlink() else hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def one_line(r, code: int, *words: str) -> str:
+    """The command refused with exit `code` in one line holding `words`, no traceback; that line."""
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == code, r.stdout[-1500:] + r.stderr[-1500:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    errors = [ln for ln in lines if ln.startswith("error")]
+    assert len(errors) == 1, r.stderr[-2000:]
+    for w in words:
+        assert w in errors[0], errors[0]
+    return errors[0]
+
+
+# --- 5: every refusal before the first write ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def alice_docs(tmp_path_factory) -> Path:
+    """Alice's chapters as raw text files (a validation split needs more than one document)."""
+    from flopwise.data.shards import resolve_input
+
+    docs = tmp_path_factory.mktemp("alice_raw")
+    for i, chunk in enumerate(resolve_input("builtin:alice").read_text().split("CHAPTER")):
+        if chunk.strip():
+            (docs / f"part_{i:02d}.txt").write_text(chunk)
+    return docs
+
+
+@pytest.fixture(scope="module")
+def raw_run(alice_docs, tmp_path_factory):
+    """A run that prepared its own data (Alice, bpe:300) in run.dir/data, 2 steps, 1 checkpoint."""
+    from flopwise.config.schema import load_config
+    from flopwise.train.launch import train
+
+    run = tmp_path_factory.mktemp("raw") / "run"
+    over = {"train.steps": 2, "checkpoint.interval": 2, "train.eval_every": 0, "data.tokenizer": '"bpe:300"'}
+    train(load_config(None, tiny_overrides(run, alice_docs, **over)))
+    return run
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"data.tokenizer": '"bpe:256"'}, ("data.tokenizer 'bpe:300' there, 'bpe:256' here", "nothing was written")),
+        ({"data.tokenizer": '"bpe:256"', "model.n_layers": 1}, ("is of another run", "model.n_layers")),
+    ],
+    ids=["tokenizer", "tokenizer-and-model"],
+)
+def test_a_resume_refused_by_its_checkpoint_leaves_the_data_it_was_trained_on(change, words, raw_run, alice_docs, cli):
+    """The README tour run where the quickstart ran: refused before the data is prepared again (each
+    case in the fixture's own folder: a copy is another run folder, whose checkpoints are not its own)."""
+    run = raw_run
+    before = tree_hashes(run)
+    over = {"train.steps": 4, "checkpoint.interval": 2, "train.eval_every": 0, **change}
+    r = cli("train", *tiny_overrides(run, alice_docs, **over))
+    one_line(r, 2, *words)
+    assert "preparing data" not in r.stderr + r.stdout
+    assert tree_hashes(run) == before
