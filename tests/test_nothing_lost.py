@@ -79,3 +79,76 @@ def test_a_resume_refused_by_its_checkpoint_leaves_the_data_it_was_trained_on(ch
     one_line(r, 2, *words)
     assert "preparing data" not in r.stderr + r.stdout
     assert tree_hashes(run) == before
+
+
+# --- 9: weights that must stay finite ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "setting, words",
+    [
+        ({"optim.lr": 3e38}, ("stopped at step 1:", "made weights non-finite", "Lower optim.lr")),
+        ({"optim.lr": 1e30}, ("stopped at step 4:", "cannot make progress", "optim.lr")),
+        ({"model.init_std": 1e30}, ("stopped at step 3:", "cannot make progress", "model.init_std")),
+    ],
+    ids=["lr-overflows-weights", "lr-overflows-activations", "init_std"],
+)
+def test_a_run_that_breaks_its_weights_stops_in_one_line_with_no_broken_checkpoint(
+    setting, words, tiny_data, tmp_path, cli
+):
+    """optim.lr=1e30 made every weight NaN at step 1 and wrote NaN checkpoints, exit 0; init_std=1e30
+    skipped every update and ended exit 0 with nothing trained."""
+    run = tmp_path / "run"
+    over = {"train.steps": 6, "checkpoint.interval": 4, "train.eval_every": 0, "optim.warmup_steps": 0, **setting}
+    r = cli("train", *tiny_overrides(run, tiny_data, **over))
+    one_line(r, 2, *words)
+    assert not list((run / "checkpoints").glob("step-*")), "a checkpoint of broken weights was written"
+
+
+# --- 6: the ranks of one job run one job ----------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.multinode
+def test_two_agents_given_different_configs_stop_before_any_step(tiny_data, tmp_path):
+    """The multi-node launch of docs/scaling-out.md with optim.lr differing between the two agents:
+    both exited 0 with diverged replicas before; now every rank stops with exit 2 before step 1, rank
+    0 naming the key and the rank in one line, and the run folder holds no checkpoint or metrics."""
+    import subprocess
+    import sys
+
+    run, port = tmp_path / "run", _free_port()
+    agents = []
+    for lr in ("1e-3", "2e-3"):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id=job{port}",
+            "--max-restarts=0",
+            "-m",
+            "flopwise",
+            "train",
+            *tiny_overrides(run, tiny_data, **{"optim.lr": lr, "train.steps": 2}),
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        agents.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    results = [a.communicate(timeout=300) for a in agents]
+    codes = [a.returncode for a in agents]
+    assert all(c != 0 for c in codes), results
+    lines = [ln for out, err in results for ln in (out + err).splitlines() if ln.startswith("error")]
+    assert len(lines) == 1, results
+    assert "optim.lr=0.001 on rank 0, 0.002 on rank 1" in lines[0], lines
+    assert not (run / "metrics.jsonl").exists() and not list(run.glob("checkpoints/step-*"))

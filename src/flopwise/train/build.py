@@ -47,7 +47,7 @@ from flopwise.train.guard import Guard
 from flopwise.train.metrics import check_tensorboard
 from flopwise.train.optim import build_optimizer
 from flopwise.train.preflight import oom_names, record_history, run_preflight, slow_bf16_note
-from flopwise.train.run import Finished, Run, check_data, last_step, resume, resume_state
+from flopwise.train.run import Finished, Run, check_data, check_same_job, flat, last_step, resume, resume_state
 
 logger = logging.getLogger(__name__)
 
@@ -295,6 +295,7 @@ def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run | F
     world = mesh.world_size()  # torchrun's LOCAL_WORLD_SIZE: the ranks of each node, for layout=auto
     cfg = resolve_layout(cfg, cfg.model_dump(exclude_unset=True), world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     par = mesh.init(cfg, _resolve_device(cfg.train.device))
+    check_same_job(flat(cfg.model_dump(mode="json")))
     check_float8(cfg, par.device)  # before anything is written
     if par.is_main and (note := slow_bf16_note(cfg, par.device)):
         logger.warning(note, extra={"highlighter": None})
@@ -322,6 +323,7 @@ def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run | F
             f"{index['vocab_size']}; set model.vocab_size>={index['vocab_size']}"
         )
     data_fp = mixture_fingerprint(sources)
+    check_same_job({"data fingerprint": data_fp})
     if resume_from is not None:  # decided from its state.json: a finished run builds and loads nothing
         check_data(resume_from, state, data_fp)
         if state["step"] >= last_step(cfg):
