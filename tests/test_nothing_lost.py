@@ -152,3 +152,91 @@ def test_two_agents_given_different_configs_stop_before_any_step(tiny_data, tmp_
     assert len(lines) == 1, results
     assert "optim.lr=0.001 on rank 0, 0.002 on rank 1" in lines[0], lines
     assert not (run / "metrics.jsonl").exists() and not list(run.glob("checkpoints/step-*"))
+
+
+# --- 11: absurd sizes, refused in one line before anything is built ---------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tiny_run, tmp_path_factory) -> Path:
+    """The session's tiny run (2 layers) exported to a Hugging Face folder."""
+    from flopwise.interop.convert import export_hf
+
+    out = tmp_path_factory.mktemp("hf") / "hf"
+    export_hf(tiny_run(6), out)
+    return out
+
+
+def _claiming(hf: Path, where: Path, layers: int, weights: bool = True) -> Path:
+    """A copy of `hf` whose config.json claims `layers` layers (without its weights: a bare config)."""
+    import json
+    import shutil
+
+    shutil.copytree(hf, where)
+    if not weights:
+        for f in where.glob("*.safetensors*"):
+            f.unlink()
+    cfg = json.loads((where / "config.json").read_text())
+    (where / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": layers}))
+    return where
+
+
+@pytest.mark.parametrize("layers", [1_000_000_000, 3, 1])
+def test_a_config_counting_other_layers_than_its_weights_is_refused_before_building(layers, hf_folder, tmp_path, cli):
+    """A config.json claiming 1e9 layers built the meta model until killed; now the count is
+    checked against the blocks in the safetensors headers (2 here) first."""
+    hf = _claiming(hf_folder, tmp_path / "hf", layers)
+    before = tree_hashes(hf)
+    r = cli("convert", "from-hf", hf, tmp_path / "out")
+    one_line(r, 2, f"counts {layers:,} layers", "blocks 0-1 (2 of them)")
+    assert not (tmp_path / "out").exists() and tree_hashes(hf) == before
+
+
+def test_a_bare_config_of_absurd_size_is_refused_before_building(hf_folder, tmp_path, cli):
+    hf = _claiming(hf_folder, tmp_path / "hf", 1_000_000_000, weights=False)
+    one_line(cli("convert", "from-hf", hf, tmp_path / "out"), 2, "no model.safetensors")
+
+
+def test_plan_answers_for_the_largest_cluster_and_refuses_beyond_it(cli):
+    """plan cluster.gpus=1e9 counted every number up to 1e9 for its divisors and did not finish."""
+    one_line(cli("plan", "cluster.gpus=1000000000"), 2, "cluster.gpus", "1048576")
+    r = cli("plan", "cluster.gpus=1048576", "train.global_batch=1048576")
+    assert "Traceback" not in r.stderr and r.returncode in (0, 2), r.stderr[-2000:]
+
+
+# --- 8: a handed Hugging Face folder is read only inside itself --------------------------------
+
+
+@pytest.mark.parametrize("name", ["chat_template.jinja", "special_tokens_map.json", "model.safetensors"])
+def test_a_handed_folder_linking_outside_itself_is_refused_and_nothing_is_copied(name, hf_folder, tmp_path, cli):
+    """A symlinked chat_template.jinja (or special_tokens_map.json, model.safetensors) was followed
+    and copied into the checkpoint: a handed folder could make a user republish ~/.aws/credentials."""
+    import shutil
+
+    secret = tmp_path / "home" / "credentials"
+    secret.parent.mkdir()
+    secret.write_text("aws_secret_access_key = not-for-publishing\n")
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_folder, hf)
+    if (hf / name).exists():
+        shutil.move(hf / name, tmp_path / "home" / name)  # a real file of the right kind, outside
+        (hf / name).symlink_to(tmp_path / "home" / name if name == "model.safetensors" else secret)
+    else:
+        (hf / name).symlink_to(secret)
+    before = tree_hashes(tmp_path / "home")
+    r = cli("convert", "from-hf", hf, tmp_path / "out")
+    one_line(r, 2, f"{name} is a symbolic link to", "outside the folder")
+    assert not (tmp_path / "out").exists() and tree_hashes(tmp_path / "home") == before
+
+
+def test_a_hub_cache_snapshot_linking_into_its_blobs_is_read(hf_folder, tmp_path, cli):
+    """The hub cache's own layout (snapshots/REV/NAME -> ../../blobs/HASH) stays inside the download."""
+    repo = tmp_path / "models--me--tiny"
+    snap, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for f in hf_folder.iterdir():
+        (blobs / f.name).write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(Path("../../blobs") / f.name)
+    r = cli("convert", "from-hf", snap, tmp_path / "out")
+    assert r.returncode == 0, r.stderr[-2000:]
