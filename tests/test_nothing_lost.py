@@ -240,3 +240,84 @@ def test_a_hub_cache_snapshot_linking_into_its_blobs_is_read(hf_folder, tmp_path
         (snap / f.name).symlink_to(Path("../../blobs") / f.name)
     r = cli("convert", "from-hf", snap, tmp_path / "out")
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+# --- 10: a run holds the data it reads ----------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.waits
+def test_data_prepare_into_the_folder_a_running_train_reads_is_refused_naming_the_run(alice_docs, tmp_path, cli):
+    """`data prepare` into the data.path of a running train was allowed: the run went on from its
+    old memory-mapped shards and copied the new tokenizer.json into every later checkpoint."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from flopwise.data.prepare import prepare_data
+
+    data, run = tmp_path / "data", tmp_path / "run"
+    prepare_data([str(alice_docs)], data, tokenizer="bpe:300", val_fraction=0.1, seed=0)
+    before = tree_hashes(data)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FLOPWISE_FAULTS": "slow:step=2:seconds=120"}
+    train = subprocess.Popen(
+        [sys.executable, "-m", "flopwise", "train", *tiny_overrides(run, data, **{"train.steps": 3})],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "metrics.jsonl").exists():  # step 1 logged: the run reads its data
+            assert train.poll() is None and time.monotonic() < deadline, train.stderr.read() if train.stderr else ""
+            time.sleep(0.2)
+        r = cli("data", "prepare", alice_docs, "--out", data, "--train-tokenizer", 400)
+        one_line(r, 2, f"the run in {run.resolve()} (PID {train.pid})", "reads this folder", "nothing was written")
+        assert tree_hashes(data) == before
+    finally:
+        os.killpg(train.pid, signal.SIGKILL)
+        train.wait()
+
+
+# --- 12: a full disk is one line naming the output and the space it needs -------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs (a disk that fills up), mounted for the test; skipped where mounting is not allowed."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.parametrize("command", ["to-hf", "export"])
+@pytest.mark.parametrize("when", ["before", "while-writing"])
+def test_an_export_into_a_full_disk_is_one_line_and_leaves_nothing(
+    command, when, small_disk, tiny_run, cli, monkeypatch
+):
+    """convert to-hf into a full disk was a SafetensorError traceback and left a partial folder that
+    blocked the rerun; checkpoint export said "unexpected pos 704 vs 598". `while-writing`: the
+    space check before writing is told there is room, so the real write fills the real disk."""
+    import flopwise.checkpoints.export as export
+    import flopwise.interop.convert as convert
+
+    if when == "while-writing":
+        module = convert if command == "to-hf" else export
+        real = module.check_space
+        monkeypatch.setattr(module, "check_space", lambda o, out, n, e=None: real(o, out, n, e) if e else None)
+    out = small_disk / "out"
+    argv = ["convert", "to-hf", tiny_run(6), out] if command == "to-hf" else ["checkpoint", "export", tiny_run(6)]
+    r = cli(*argv, *([] if command == "to-hf" else ["--out", out]))
+    line = one_line(r, 2, str(out), "no space left there: it needs", "MB are free")
+    assert ("partial output was removed" if when == "while-writing" else "nothing was written") in line
+    left = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) if out.exists() else []
+    assert left in ([], ["flopwise-run.json"]), left  # at most the run record that claims checkpoints/

@@ -32,7 +32,7 @@ from flopwise.data.prepare import prepare_data
 from flopwise.data.shards import DATA_MANIFEST, SHARDS_FORMAT, read_index, skipped_note, tokenizer_of, tokenizer_path
 from flopwise.data.tokenizer import GuardedTokenizer, load_tokenizer, special_ids, tokenizer_difference
 from flopwise.errors import CheckpointError, ConfigError, DataError
-from flopwise.files.ownership import add_to_manifest, folder_lock, real_path, why_not_ours
+from flopwise.files.ownership import add_to_manifest, folder_lock, hold_reading, real_path, why_not_ours
 from flopwise.files.rundir import claim
 from flopwise.flops import count_params
 from flopwise.model.transformer import build_model
@@ -312,6 +312,8 @@ def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run | F
     if par.is_main:
         claim_run_dir(cfg, run_dir, par.layout.world)
         sources = ensure_data(cfg, run_dir, resumes=resume_from)
+        for s in sources:  # held with the run folder: no `data prepare` replaces them while it trains
+            hold_reading(run_dir, s.data_dir, "data.path")
     mesh.barrier()
     if not par.is_main:
         sources = ensure_data(cfg, run_dir)  # prepared by rank 0 by now

@@ -184,6 +184,7 @@ class _Loop:
             "tokenizer.json": run.sources[0].data_dir / run.index["tokenizer"],
             **(side_files(cfg.model.init_from[3:]) if cfg.model.init_from else {}),
         }
+        files = {name: path.read_bytes() for name, path in files.items()}  # as it trains with them
         self.saver = Saver(
             cfg, self.run_dir, run.engine.parts, run.optimizer, self.snapshot, files, self.faults, par.layout.world
         )
