@@ -321,3 +321,16 @@ def test_an_export_into_a_full_disk_is_one_line_and_leaves_nothing(
     assert ("partial output was removed" if when == "while-writing" else "nothing was written") in line
     left = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) if out.exists() else []
     assert left in ([], ["flopwise-run.json"]), left  # at most the run record that claims checkpoints/
+
+
+# --- smaller: SIGHUP, the takeover message ---------------------------------------------------------
+
+
+def test_sighup_checkpoints_and_stops_like_sigterm(tiny_data, tmp_path, monkeypatch):
+    """A closed ssh session (SIGHUP) killed a run with no checkpoint; SIGTERM saved one."""
+    from flopwise.config.schema import load_config
+    from flopwise.train.launch import train
+
+    monkeypatch.setenv("FLOPWISE_FAULTS", "sighup:step=2")
+    r = train(load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{"train.steps": 4})))
+    assert r.preempted == 2 and r.signal == "SIGHUP" and r.checkpoint.name == "step-00000002"
