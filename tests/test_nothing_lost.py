@@ -334,3 +334,90 @@ def test_sighup_checkpoints_and_stops_like_sigterm(tiny_data, tmp_path, monkeypa
     monkeypatch.setenv("FLOPWISE_FAULTS", "sighup:step=2")
     r = train(load_config(None, tiny_overrides(tmp_path / "run", tiny_data, **{"train.steps": 4})))
     assert r.preempted == 2 and r.signal == "SIGHUP" and r.checkpoint.name == "step-00000002"
+
+
+# --- the property: whatever a user put in the folders, every byte of it stays -----------------
+
+# names flopwise writes or reads, and shapes of its temporary and step folders
+_NAMES = [
+    "config.toml",
+    "metrics.jsonl",
+    "loss.png",
+    "skipped.jsonl",
+    "flopwise-run.json",
+    ".flopwise.lock",
+    ".config.toml.x1y2z3.flopwise-tmp",
+    ".metrics.jsonl.abcdef.flopwise-tmp",
+    "notes.txt",
+    "checkpoints/my-eval.json",
+    "checkpoints/step-00000001-before-lr-change/state.json",
+    "checkpoints/step-00000002.keep/notes.txt",
+    "checkpoints/step-00000004/my-eval.json",
+    "checkpoints/step-00000009.tmp/x.distcp",
+]
+_DATA_NAMES = ["notes.txt", ".flopwise.lock", ".index.json.abc123.flopwise-tmp", "extra/shard.bin"]
+
+
+def _place(rng, folder: Path, names: list[str], outside: Path) -> dict[Path, tuple[str, object]]:
+    """Some of `names` in `folder` as a user's plain file, hard link or symlink to a file of theirs
+    outside; what each must still be afterwards."""
+    placed: dict[Path, tuple[str, object]] = {}
+    for i, name in enumerate(rng.sample(names, rng.randint(1, 4))):
+        p = folder / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        kind = rng.choice(["file", "hardlink", "symlink"])
+        theirs = outside / f"{folder.name}-{i}.txt"
+        theirs.write_bytes(f"the user's own {name} #{i}\n".encode() * rng.randint(1, 50))
+        if kind == "file":
+            p.write_bytes(theirs.read_bytes())
+        elif kind == "hardlink":
+            os.link(theirs, p)
+        else:
+            p.symlink_to(theirs)
+        placed[p] = (kind, theirs)
+    return placed
+
+
+def _intact(placed: dict[Path, tuple[str, object]], before: dict[str, str]) -> list[str]:
+    """What changed: a user's name gone or replaced, or their bytes changed (outside or in)."""
+    import hashlib
+
+    bad = []
+    for p, (kind, theirs) in placed.items():
+        if kind == "symlink" and not (p.is_symlink() and os.readlink(p) == str(theirs)):
+            bad.append(f"{p} (symlink)")
+        elif kind != "symlink" and (p.is_symlink() or not p.is_file()):
+            bad.append(f"{p} ({kind} gone)")
+        elif kind != "symlink" and hashlib.sha256(p.read_bytes()).hexdigest() != before[str(theirs)]:
+            bad.append(f"{p} ({kind} rewritten)")
+    return bad + [f"{t} (outside)" for t, h in before.items() if hashlib.sha256(Path(t).read_bytes()).hexdigest() != h]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4))
+def test_no_mix_of_user_files_links_and_copies_loses_a_byte_to_train_and_resume(seed, tiny_data, tmp_path, cli):
+    """Random mixes of a user's files, hard links, symlinks, temporary names and step-* copies: in a
+    prepared data folder before a run, and in its run folder after its first command (2 steps, a
+    checkpoint each), then the run resumed to 4 steps (retention deleting step folders): whatever each
+    command does (trains, or refuses in one line), every byte of the user's is as it was."""
+    import hashlib
+    import random
+    import shutil
+
+    rng = random.Random(seed)
+    outside, run, data = tmp_path / "home", tmp_path / "run", tmp_path / "data"
+    outside.mkdir()
+    shutil.copytree(tiny_data, data)
+    placed = _place(rng, data, _DATA_NAMES, outside)
+    for steps in (2, 4):  # seeds 0-1 refuse the resume (a symlink at the lock's name), 2-3 resume and prune
+        over = {"train.steps": steps, "checkpoint.interval": 1, "checkpoint.keep": 1, "train.eval_every": 0}
+        r = cli("train", *tiny_overrides(run, data, **over))
+        assert "Traceback" not in r.stderr, r.stderr[-3000:]
+        if r.returncode:
+            one_line(r, 2)
+        if steps == 2:
+            assert r.returncode == 0, r.stderr[-2000:]  # a user's files in the data folder do not stop a run
+            free = [n for n in _NAMES if not (run / n).exists() and not (run / n).is_symlink()]
+            placed |= _place(rng, run, free, outside)
+            before = {str(t): hashlib.sha256(t.read_bytes()).hexdigest() for _, t in placed.values()}
+        assert not _intact(placed, before), (_intact(placed, before), r.stderr[-1500:])
