@@ -471,7 +471,7 @@ def _resumer(real, work):
     does: resume_state (config and data checks, step) then resume (weights, optimizer, loader
     position, RNG, guard, step), then one batch is drawn from the restored loader position."""
     from flopwise.train.build import build_run
-    from flopwise.train.run import resume, resume_state
+    from flopwise.train.run import check_data, resume, resume_state
 
     built = []
 
@@ -492,7 +492,7 @@ def _resumer(real, work):
                 ),
             )
             built.append(build_run(cfg))
-        resume_state(ckpt, built[0].cfg, built[0].data_fingerprint)
+        check_data(ckpt, resume_state(ckpt, built[0].cfg), built[0].data_fingerprint)
         resume(built[0], ckpt)
         built[0].loader.next_batch()
 

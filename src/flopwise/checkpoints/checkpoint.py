@@ -36,7 +36,7 @@ import re
 import secrets
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import cache
 from pathlib import Path
 from typing import TypeGuard
@@ -281,7 +281,7 @@ def finish(
     step: int,
     tmp: Path,
     state: dict,
-    files: dict[str, Path] | None = None,
+    files: Mapping[str, Path | bytes] | None = None,
     keep: int | None = 2,
     collective: bool = True,
     replace: bool = True,
@@ -297,7 +297,10 @@ def finish(
     def complete() -> None:
         (tmp / STATE).write_text(json.dumps({**state, "step": step}))
         for name, src in (files or {}).items():
-            shutil.copyfile(src, tmp / name)
+            if isinstance(src, bytes):
+                (tmp / name).write_bytes(src)
+            else:
+                shutil.copyfile(src, tmp / name)
         (tmp / _PARTIAL).unlink(missing_ok=True)
         entries = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
         manifest = {
@@ -417,7 +420,7 @@ def save(
     model: Modules,
     optimizer: torch.optim.Optimizer | None,
     state: dict,
-    files: dict[str, Path] | None = None,
+    files: Mapping[str, Path | bytes] | None = None,
     keep: int | None = 2,
     writer: Callable[[Path], FileSystemWriter] = FileSystemWriter,
     replace: bool = True,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 from functools import cache
 from pathlib import Path
 
@@ -26,9 +27,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from flopwise.checkpoints import checkpoint
 from flopwise.config.schema import config_hash, to_toml, validate
 from flopwise.data.tokenizer import SIDE_FILES
-from flopwise.errors import CheckpointError
+from flopwise.errors import CheckpointError, ConfigError
 from flopwise.files import rundir
-from flopwise.files.outputs import check_folder
+from flopwise.files.outputs import check_folder, check_space
 from flopwise.files.ownership import folder_lock, real_path
 from flopwise.layout.rules import Layout
 from flopwise.plan.planner import layout_config
@@ -146,6 +147,12 @@ def export_checkpoint(path: str | Path, out: str | Path, force: bool = False) ->
 
 
 def _export(ckpt: Path, source: CheckpointTensors, state: dict, cfg, step: int, out: Path, force: bool) -> Path:
+    # tokenizer.json is absent from a model imported without one (convert from-hf)
+    files = {name: ckpt / name for name in ("tokenizer.json", *SIDE_FILES) if (ckpt / name).is_file()}
+    # the tensors as stored (model and optimizer), the files copied, and slack for DCP's metadata
+    needed = sum(math.prod(s.size) * s.properties.dtype.itemsize for s in source.specs.values())
+    needed += sum(p.stat().st_size for p in files.values()) + (1 << 20)
+    check_space("--out", out, needed)
     checkpoint.claim_step(out, step, force)
     state.update(
         config=to_toml(cfg),
@@ -158,11 +165,20 @@ def _export(ckpt: Path, source: CheckpointTensors, state: dict, cfg, step: int, 
         with checkpoint.without_process_group():
             dcp.save(_meta_state(source), storage_writer=FileSystemWriter(str(tmp)), planner=_FetchingPlanner(source))
     except (Exception, CheckpointException) as e:  # DCP's write error is a BaseException
-        checkpoint.abandon(tmp)
+        try:
+            check_space("--out", out, needed, e)  # torch says "unexpected pos 704 vs 598" of a full disk
+        finally:
+            checkpoint.abandon(tmp)
         raise CheckpointError(f"export of {ckpt} failed ({checkpoint.reason(e)})") from None
-    # tokenizer.json is absent from a model imported without one (convert from-hf)
-    files = {name: ckpt / name for name in ("tokenizer.json", *SIDE_FILES) if (ckpt / name).is_file()}
-    return checkpoint.finish(out, step, tmp, state, files=files, keep=None, replace=force)
+    try:
+        return checkpoint.finish(out, step, tmp, state, files=files, keep=None, replace=force)
+    except OSError as e:
+        try:
+            check_space("--out", out, needed, e)
+        except ConfigError:
+            checkpoint.abandon(tmp)
+            raise
+        raise
 
 
 def resume_advice(out: str | Path, dest: Path) -> str:

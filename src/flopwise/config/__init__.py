@@ -4,7 +4,15 @@
 from flopwise import public_api
 
 HOMES = {
-    "hf_mapping": ["hf_config_from_model", "LLAMA_LIKE", "read_hf_config", "refuse", "tensor_shapes", "weight_map"],
+    "hf_mapping": [
+        "check_inside",
+        "hf_config_from_model",
+        "LLAMA_LIKE",
+        "read_hf_config",
+        "refuse",
+        "tensor_shapes",
+        "weight_map",
+    ],
     "presets": ["PRESETS"],
     "reference": ["render"],
     "schema": [

@@ -9,6 +9,8 @@ conversion never silently drops one.
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -26,8 +28,30 @@ def refuse(path: Any, msg: str) -> NoReturn:
     raise CheckpointError(f"Hugging Face folder {path}: {msg}")
 
 
+def check_inside(folder: str | Path) -> None:
+    """A handed Hugging Face folder is read only inside itself: a file at its top level that is a
+    symbolic link leaving it (a `chat_template.jinja` pointing at ~/.aws/credentials would be copied
+    into every checkpoint and export) is refused in one line. The hub cache's own links, from a
+    snapshot into its repository's blobs/, stay inside the download."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    root = Path(os.path.realpath(folder))
+    inside = [root, *([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])]
+    for entry in sorted(folder.iterdir()):
+        target = Path(os.path.realpath(entry))
+        if entry.is_symlink() and not any(target.is_relative_to(a) for a in inside):
+            refuse(
+                folder,
+                f"{entry.name} is a symbolic link to {target}, outside the folder; flopwise reads nothing outside "
+                "a handed folder: copy the file in, or remove the link",
+            )
+
+
 def read_hf_config(path: str | Path) -> dict:
-    """The config.json of an HF folder, or `path` itself when it is a JSON file."""
+    """The config.json of an HF folder (checked to reach nothing outside it), or `path` itself when
+    it is a JSON file."""
+    check_inside(path)
     p = Path(path) if Path(path).is_file() else Path(path) / "config.json"
     if not p.is_file():
         refuse(Path(path), "no config.json")
@@ -86,6 +110,22 @@ def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     for name in sorted(set(weight_map(folder).values())):
         shapes.update(_header_shapes(folder, name))
     return shapes
+
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")  # the block index in an HF tensor name (model.layers.3., h.3.)
+
+
+def check_layers(path: str | Path, n_layers: int) -> None:
+    """A folder with weights holds the blocks its config.json counts: each of 0..n_layers-1 and no
+    other, checked from the safetensors headers before any model is built (a config claiming 1e9
+    layers would otherwise build for ever). A bare config (no weights) is not checked here."""
+    if not Path(path).is_dir():
+        return
+    shapes = tensor_shapes(path)
+    found = {int(m.group(1)) for name in shapes if (m := _LAYER.search(name))}
+    if shapes and (len(found) != n_layers or max(found, default=-1) != n_layers - 1):  # i.e. not 0..n_layers-1
+        held = f"blocks 0-{max(found)} ({len(found)} of them)" if found else "no numbered blocks"
+        refuse(path, f"config.json counts {n_layers:,} layers but its safetensors hold {held}; fix num_hidden_layers")
 
 
 # --- config ----------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from flopwise.config.hf_mapping import model_fields, read_hf_config, refuse
+from flopwise.config.hf_mapping import check_layers, model_fields, read_hf_config, refuse
 from flopwise.config.presets import ARCH_DEFAULTS, PRESETS
 from flopwise.errors import ConfigError
 from flopwise.hardware.catalogue import auto_dtype, cluster_hardware
@@ -148,7 +148,9 @@ def hf_model_fields(path: str | Path) -> dict:
     """The validated `model.*` keys that reproduce the Hugging Face model in `path` (its config.json);
     a missing or malformed field is one line naming the folder and the field."""
     try:
-        return ModelConfig(**model_fields(read_hf_config(path), path)).model_dump(exclude_none=True)
+        fields = ModelConfig(**model_fields(read_hf_config(path), path)).model_dump(exclude_none=True)
+        check_layers(path, fields["n_layers"])
+        return fields
     except KeyError as e:
         refuse(Path(path), f"config.json lacks {e}")
     except ValidationError as e:
@@ -358,14 +360,26 @@ class LogConfig(Section):
     tensorboard: bool = Field(False, description="mirror metrics to TensorBoard event files (flopwise[tensorboard])")
 
 
+# The largest cluster the planner describes: 2^20 devices, five times the largest training cluster
+# published by 2026 (xAI's Colossus, ~200k GPUs); beyond it a layout search would only count divisors.
+MAX_DEVICES = 1 << 20
+
+
 class ClusterConfig(Section):
     hardware: str = Field(
         "cpu",
         description="the device the planner plans for (a name in the hardware catalogue, or cluster.hardware_file)",
     )
     hardware_file: str | None = Field(None, description="TOML with extra or replaced hardware entries")
-    gpus: int = Field(1, ge=1, description="devices the planner plans for")
-    gpus_per_node: int | None = Field(None, ge=1, description="default: the hardware's devices per node")
+    gpus: int = Field(
+        1,
+        ge=1,
+        le=MAX_DEVICES,
+        description="devices the planner plans for",
+    )
+    gpus_per_node: int | None = Field(
+        None, ge=1, le=MAX_DEVICES, description="default: the hardware's devices per node"
+    )
     storage_gbps_per_gpu: float | None = Field(
         None,
         gt=0,

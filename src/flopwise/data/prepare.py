@@ -90,6 +90,7 @@ from flopwise.files.ownership import (
     folder_lock,
     real_path,
     remove_all_but,
+    unread,
     why_not_ours,
     write_manifest,
 )
@@ -331,7 +332,8 @@ def prepare_data(
     tok_file = None if isinstance(spec, int) else spec  # bpe:VOCAB trains one; else a given tokenizer file
     given = load_tokenizer(tok_file) if tok_file else None
     files = [f for s in inputs for f in input_files(s)]
-    with folder_lock(out, setting or "--out"):  # one writer per folder, for the whole prepare
+    # one writer per folder, for the whole prepare, and none while a run reads it
+    with folder_lock(out, setting or "--out") as locked, unread(locked, setting or "--out"):
         keep, reason = _claim_out(out, files, tok_file, force, setting)
         key = {
             "format": SHARDS_FORMAT,

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from flopwise.config.hf_mapping import check_inside
 from flopwise.errors import DataError
 
 EOS = "<|endoftext|>"
@@ -127,6 +128,7 @@ def load_tokenizer(path: str | Path) -> GuardedTokenizer:
     Raises only DataError for a bad file (this is the one call a fuzzer of tokenizer files needs)."""
     p = Path(path)
     if p.is_dir():
+        check_inside(p)
         if not (p / "tokenizer.json").is_file():
             raise DataError(
                 f"tokenizer {p}: a folder without a tokenizer.json (give a Hugging Face model folder "
@@ -264,7 +266,8 @@ SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template
 
 
 def side_files(folder: str | Path) -> dict[str, Path]:
-    """name -> path of the SIDE_FILES present in `folder`."""
+    """name -> path of the SIDE_FILES present in `folder` (a handed folder: nothing outside it)."""
+    check_inside(folder)
     return {name: Path(folder) / name for name in SIDE_FILES if (Path(folder) / name).is_file()}
 
 

@@ -6,6 +6,7 @@ from flopwise import public_api
 HOMES = {
     "outputs": [
         "check_folder",
+        "check_space",
         "check_writable",
         "is_ours",
         "json_record",
@@ -24,11 +25,13 @@ HOMES = {
         "files_under",
         "folder_id",
         "folder_lock",
+        "hold_reading",
         "LOCK",
         "lock_lost",
         "ManifestKind",
         "real_path",
         "remove_all_but",
+        "unread",
         "UNWRITABLE",
         "why_not_ours",
         "write_manifest",

@@ -23,6 +23,7 @@ import io
 import json
 import os
 import re
+import shutil
 import tempfile
 import zlib
 from pathlib import Path
@@ -195,3 +196,34 @@ def png_bytes(fig, **savefig) -> bytes:
     data = io.BytesIO()
     fig.savefig(data, format="png", metadata={"Software": _PNG_SOFTWARE, "Comment": _PLACEHOLDER}, **savefig)
     return data.getvalue()
+
+
+def _free_bytes(out: Path) -> int:
+    """Bytes free to this user on the disk that holds `out` (or its nearest existing parent)."""
+    here = next(p for p in [out, *out.parents] if p.exists())
+    return shutil.disk_usage(here).free
+
+
+def check_space(option: str, out: Path, needed: int, error: BaseException | None = None) -> None:
+    """Refuse in one line naming `out` and the space it needs: before a writer starts, when its
+    disk has less than `needed` bytes free; after a write failed (`error`, checked before the partial
+    output is removed), when the failure was the disk filling up: ENOSPC or EDQUOT, a library's
+    wording of it (safetensors'), or under 1 MiB left (torch's "unexpected pos" says no more).
+    Returns when space is not the problem."""
+    free = _free_bytes(out)
+    if error is None:
+        full = free < needed
+    else:
+        said = f"{error}".lower()
+        full = (
+            (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT))
+            or any(w in said for w in ("no space left", "os error 28", "storagefull", "quota"))
+            or free < 1 << 20
+        )
+    if not full:
+        return
+    raise ConfigError(
+        f"{option} {out}: no space left there: it needs {needed / 1e6:,.1f} MB, {free / 1e6:,.1f} MB are free"
+        f"{'; the partial output was removed' if error is not None else '; nothing was written'}. Free space "
+        "there or choose another path"
+    )

@@ -279,11 +279,79 @@ def folder_lock(folder: str | Path, option: str) -> Iterator[Path]:
         yield folder
     finally:
         del _held[key]
+        for reader in _reading.pop(key, []):  # the folders it read (`hold_reading`), released with it
+            os.close(reader)
         if _at_path(fd, folder / LOCK):  # never a file someone put at that name after it was removed
             with contextlib.suppress(OSError):
                 os.unlink(folder / LOCK)
         os.close(fd)
         _remove_empty(made)
+
+
+_reading: dict[str, list[int]] = {}  # a held folder -> descriptors of the folders its command reads
+
+
+@contextlib.contextmanager
+def unread(folder: Path, option: str) -> Iterator[None]:
+    """Hold `folder` (a prepared data folder, whose lock its writer holds) unread while the block
+    writes it: an exclusive flock on the folder's own descriptor, which no run reading it
+    (`hold_reading`'s shared flock) lets it take: refused in one line naming that run."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(
+                f"{option} {folder}: {_readers_of(folder)} reads this folder; nothing was written: wait for it "
+                "to finish, or write into another folder"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _readers_of(folder: Path) -> str:
+    """Who holds a flock on `folder` (from /proc/locks), by the run folder each one holds (the lock
+    file it has open), else its PID: "the run in runs/demo (PID 4242)"."""
+    st = os.stat(folder)
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            pids = sorted({int(parts[4]) for line in f if len(parts := line.split()) > 5 and parts[5] == inode})
+    except (OSError, ValueError):
+        pids = []
+    who = []
+    for pid in pids:
+        if pid == os.getpid():
+            continue
+        runs = []
+        with contextlib.suppress(OSError):
+            for entry in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{entry}")
+                    if link.endswith(f"/{LOCK}"):
+                        runs.append(link[: -len(LOCK) - 1])
+        who.append(f"the run in {runs[0]} (PID {pid})" if runs else f"PID {pid}")
+    return f"a running flopwise command, {', '.join(who)}," if who else "a running flopwise command"
+
+
+def hold_reading(holder: str | Path, folder: str | Path, option: str) -> None:
+    """While this process holds `holder`'s lock (a run folder), hold `folder` (the data it reads)
+    for reading: a shared flock on the folder's own descriptor, so that a command writing `folder`
+    (its exclusive flock, `folder_lock`) is refused while the run reads it; several runs may read
+    it at once. Refused in one line while another command writes `folder`."""
+    key, folder = str(real_path(holder)), real_path(folder)
+    if key not in _held:
+        return
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(
+            f"{option} {folder}: another flopwise command is writing this folder; wait for it to finish"
+        ) from None
+    _reading.setdefault(key, []).append(fd)
 
 
 def _remove_empty(folders: list[Path]) -> None:

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
 from flopwise.checkpoints import checkpoint
 from flopwise.checkpoints.export import CheckpointTensors, checkpoint_config
-from flopwise.config.schema import ModelConfig, to_toml, validate
-from flopwise.data.tokenizer import EOS, load_tokenizer, side_files, special_ids
+from flopwise.config.schema import Config, ModelConfig, to_toml, validate
+from flopwise.data.tokenizer import EOS, GuardedTokenizer, load_tokenizer, side_files, special_ids
 from flopwise.errors import CheckpointError
 from flopwise.files import rundir
-from flopwise.files.outputs import check_folder
+from flopwise.files.outputs import check_folder, check_space
 from flopwise.files.ownership import (
     LOCK,
     ManifestKind,
@@ -20,6 +21,7 @@ from flopwise.files.ownership import (
     files_under,
     folder_lock,
     real_path,
+    remove_all_but,
     why_not_ours,
     write_manifest,
 )
@@ -123,7 +125,34 @@ def _export_hf(ckpt: str | Path, out_dir: Path, max_shard_bytes: int) -> Path:
     shapes = {k.removeprefix("model."): tuple(v.size) for k, v in tensors.specs.items() if k.startswith("model.")}
     ids = special_ids(tok, src)
     _check_export(src, cfg.model, shapes, tok, ids)  # before anything is written
+    # fp32 tensors and the tokenizer's files, less what an earlier export there frees
+    needed = 4 * sum(math.prod(s) for s in shapes.values()) + sum(p.stat().st_size for p in _side(src)) + (1 << 20)
+    check_space("OUT_DIR", out_dir, needed - sum(p.stat().st_size for p in files_under(out_dir)))
+    try:
+        return _write_export(src, cfg, shapes, tensors, tok, ids, out_dir, max_shard_bytes)
+    except BaseException as e:  # cut short (a full disk, a signal): nothing half-written is left to block a rerun
+        try:
+            if isinstance(e, Exception):  # SafetensorError and torch's write errors are plain Exceptions
+                check_space("OUT_DIR", out_dir, needed, e)
+        finally:
+            remove_all_but(out_dir, set())  # the folder was new, empty or an export of flopwise's
+        raise
 
+
+def _side(src: Path) -> list[Path]:
+    return [src / "tokenizer.json", *side_files(src).values()]
+
+
+def _write_export(
+    src: Path,
+    cfg: Config,
+    shapes: dict[str, tuple[int, ...]],
+    tensors: CheckpointTensors,
+    tok: GuardedTokenizer,
+    ids: dict[str, int | None],
+    out_dir: Path,
+    max_shard_bytes: int,
+) -> Path:
     def fetch(names: list[str]) -> dict:
         got = tensors.read([f"model.{n}" for n in names])
         return {n: got[f"model.{n}"] for n in names}

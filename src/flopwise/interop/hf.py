@@ -249,16 +249,22 @@ def _open(path: Path, name: str):
         refuse(path, f"{name} is not a readable safetensors file ({str(e).splitlines()[0][:100]})")
 
 
-@torch.no_grad()
-def load_hf_weights(modules: list[nn.Module], path: str | Path) -> None:
-    """Overwrite the parameters these modules hold (whole tensors, or this rank's DTensor shards
-    under any layout) with their values in an HF folder, reading only the slices held."""
-    path = Path(path)
+def _weight_files(path: Path) -> dict[str, str]:
+    """The folder's weight_map, refused in one line when it holds no safetensors weights."""
     files = weight_map(path)
     if not files:
         refuse(
             path, "no model.safetensors or model.safetensors.index.json with tensors (pickled .bin weights are refused)"
         )
+    return files
+
+
+@torch.no_grad()
+def load_hf_weights(modules: list[nn.Module], path: str | Path) -> None:
+    """Overwrite the parameters these modules hold (whole tensors, or this rank's DTensor shards
+    under any layout) with their values in an HF folder, reading only the slices held."""
+    path = Path(path)
+    files = _weight_files(path)
     # DDP's wrapped Transformer, or the Transformer (whose .cfg nn.Module's stub cannot know)
     m: ModelConfig = getattr(modules[0], "module", modules[0]).cfg  # type: ignore[assignment]
     sources = _sources(m)
@@ -302,7 +308,8 @@ def from_hf(path: str | Path, device: str = "cpu"):
     from flopwise.model.transformer import build_model
 
     path = Path(path)
-    m = ModelConfig(**hf_model_fields(path))
+    m = ModelConfig(**hf_model_fields(path))  # its layer count checked against the weights' blocks
+    _weight_files(path)  # before anything is built
     try:
         model = build_model(m, device="meta")
         model.to_empty(device=device)

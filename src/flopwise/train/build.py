@@ -32,7 +32,7 @@ from flopwise.data.prepare import prepare_data
 from flopwise.data.shards import DATA_MANIFEST, SHARDS_FORMAT, read_index, skipped_note, tokenizer_of, tokenizer_path
 from flopwise.data.tokenizer import GuardedTokenizer, load_tokenizer, special_ids, tokenizer_difference
 from flopwise.errors import CheckpointError, ConfigError, DataError
-from flopwise.files.ownership import add_to_manifest, folder_lock, real_path, why_not_ours
+from flopwise.files.ownership import add_to_manifest, folder_lock, hold_reading, real_path, why_not_ours
 from flopwise.files.rundir import claim
 from flopwise.flops import count_params
 from flopwise.model.transformer import build_model
@@ -47,7 +47,7 @@ from flopwise.train.guard import Guard
 from flopwise.train.metrics import check_tensorboard
 from flopwise.train.optim import build_optimizer
 from flopwise.train.preflight import oom_names, record_history, run_preflight, slow_bf16_note
-from flopwise.train.run import Finished, Run, last_step, resume, resume_state
+from flopwise.train.run import Finished, Run, check_data, check_same_job, flat, last_step, resume, resume_state
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +82,40 @@ def claim_run_dir(cfg: Config, run_dir: Path, world: int) -> None:
     claim(run_dir, [*TRAIN_WRITES, *data, *per_rank])
 
 
-def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, setting: str) -> Path:
+# A prepared folder's recipe.json keys and the setting each comes from, for a refusal to prepare it again
+_RECIPE_KEYS = {
+    "inputs": "data.path",
+    "tokenizer": "data.tokenizer",
+    "val_fraction": "data.val_fraction",
+    "seed": "run.seed",
+    "format": "the shard format",
+}
+
+
+def _recipe_changes(out: Path, recipe: dict) -> list[str] | None:
+    """The settings that differ from the recipe `out` was prepared with ([] when it is the same);
+    None where `out` holds no flopwise-prepared data (nothing there to keep)."""
+    recipe_file = out / "recipe.json"
+    if not (out / "index.json").is_file() or why_not_ours(out, DATA_MANIFEST) is not None or not recipe_file.is_file():
+        return None
+    try:
+        before = json.loads(recipe_file.read_text(encoding="utf-8"))
+    except ValueError:  # recorded in the manifest, so flopwise's, yet unreadable: prepare again
+        return ["recipe.json (unreadable)"]
+    if not isinstance(before, dict):
+        return ["recipe.json (not an object)"]
+    return [
+        f"{_RECIPE_KEYS[k]} {before.get(k)!r} there, {recipe[k]!r} here"
+        for k in _RECIPE_KEYS
+        if before.get(k) != recipe[k]
+    ]
+
+
+def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, setting: str, resumes: Path | None = None) -> Path:
     """A prepared data dir as given, or the raw input `path` prepared under `out` (kept while its
-    recipe is unchanged); `setting` names the option that chose `out`'s folder, for a refusal."""
+    recipe is unchanged); `setting` names the option that chose `out`'s folder, for a refusal.
+    `resumes`: the checkpoint this run resumes from, trained on `out`'s data: a recipe changed
+    since is refused before anything is written (preparing again would replace that data)."""
     if _is_prepared(path):
         return Path(path)
     recipe = {
@@ -94,13 +125,15 @@ def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, setting: str) -
         "seed": cfg.run.seed,
         "format": SHARDS_FORMAT,
     }  # a folder of an older format is prepared again
-    recipe_file = out / "recipe.json"
-    if (out / "index.json").is_file() and why_not_ours(out, DATA_MANIFEST) is None and recipe_file.is_file():
-        try:
-            if json.loads(recipe_file.read_text(encoding="utf-8")) == recipe:
-                return out
-        except ValueError:  # recorded in the manifest, so flopwise's, yet unreadable: prepare again
-            pass
+    changes = _recipe_changes(out, recipe)
+    if changes == []:
+        return out
+    if changes is not None and resumes is not None:
+        raise CheckpointError(
+            f"checkpoint {resumes} was trained on the data in {out}, which this command would prepare again "
+            f"({'; '.join(changes)}): nothing was written; "
+            "give the same data settings to resume, or start fresh in another run.dir"
+        )
     if (n := tokenizer.removeprefix("bpe:")).isdigit() and int(n) > cfg.model.vocab_size:  # before, not after, it
         raise ConfigError(
             f"data.tokenizer={tokenizer} would train a {n}-token vocabulary for model.vocab_size="
@@ -127,12 +160,13 @@ def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, setting: str) -
     return out
 
 
-def ensure_data(cfg: Config, run_dir: Path, setting: str = "run.dir") -> list[Source]:
+def ensure_data(cfg: Config, run_dir: Path, setting: str = "run.dir", resumes: Path | None = None) -> list[Source]:
     """The mixture's sources as prepared data dirs. Raw inputs are prepared under <run.dir>/data
     (one source) or <run.dir>/data-NAME, claimed in the run folder first (rundir.claim: so `data
     mix` or a sweep leaves a folder that `train` accepts as flopwise's); the first fixes the
     tokenizer (bpe:VOCAB is trained on it) and every later raw source is tokenized with it.
-    `setting`: the option that chose `run_dir` (run.dir; a sweep's --out), named in a refusal."""
+    `setting`: the option that chose `run_dir` (run.dir; a sweep's --out), named in a refusal;
+    `resumes`: the checkpoint the run resumes from (its data is never prepared again, `_prepared`)."""
     mixture = cfg.data.mixture
     tokenizer = cfg.data.tokenizer
     if raw := [_data_dir_name(cfg, s.label) for s in mixture if not _is_prepared(s.path)]:
@@ -140,7 +174,7 @@ def ensure_data(cfg: Config, run_dir: Path, setting: str = "run.dir") -> list[So
     sources: list[Source] = []
     for s in mixture:
         out = run_dir / _data_dir_name(cfg, s.label)
-        d = _prepared(s.path, out, tokenizer, cfg, setting)
+        d = _prepared(s.path, out, tokenizer, cfg, setting, resumes)
         if not sources:  # a plain name inside the folder, checked before anything reads or copies it
             tokenizer = str(tokenizer_path(d).resolve())
         sources.append(Source(s.label, d, s.weight))
@@ -267,6 +301,7 @@ def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run | F
     world = mesh.world_size()  # torchrun's LOCAL_WORLD_SIZE: the ranks of each node, for layout=auto
     cfg = resolve_layout(cfg, cfg.model_dump(exclude_unset=True), world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     par = mesh.init(cfg, _resolve_device(cfg.train.device))
+    check_same_job(flat(cfg.model_dump(mode="json")))
     check_float8(cfg, par.device)  # before anything is written
     if par.is_main and (note := slow_bf16_note(cfg, par.device)):
         logger.warning(note, extra={"highlighter": None})
@@ -276,8 +311,15 @@ def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run | F
     record_history(cfg, par.device)
     if par.is_main:
         lock()
+    # every refusal a checkpoint can give comes before the first write (the data prepared again included)
+    resume_from = _resume_point(cfg, run_dir)
+    if resume_from is not None:
+        state = resume_state(resume_from, cfg)
+    if par.is_main:
         claim_run_dir(cfg, run_dir, par.layout.world)
-        sources = ensure_data(cfg, run_dir)
+        sources = ensure_data(cfg, run_dir, resumes=resume_from)
+        for s in sources:  # held with the run folder: no `data prepare` replaces them while it trains
+            hold_reading(run_dir, s.data_dir, "data.path")
     mesh.barrier()
     if not par.is_main:
         sources = ensure_data(cfg, run_dir)  # prepared by rank 0 by now
@@ -289,9 +331,9 @@ def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run | F
             f"{index['vocab_size']}; set model.vocab_size>={index['vocab_size']}"
         )
     data_fp = mixture_fingerprint(sources)
-    resume_from = _resume_point(cfg, run_dir)
+    check_same_job({"data fingerprint": data_fp})
     if resume_from is not None:  # decided from its state.json: a finished run builds and loads nothing
-        state = resume_state(resume_from, cfg, data_fp)
+        check_data(resume_from, state, data_fp)
         if state["step"] >= last_step(cfg):
             return Finished(cfg, resume_from, state, index, par.is_main)
     engine, optimizer = build_engine(cfg, par, index["eos_id"])

@@ -198,6 +198,18 @@ class Engine:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
         return norm
 
+    def weights_nonfinite(self, agreed: bool = False) -> torch.Tensor:
+        """1.0 where any of this rank's weights is NaN or infinite, else 0.0, on the device (no host
+        sync): one fused max-abs over its local shards (a finite maximum means every weight is
+        finite); `agreed`: the flag of every rank (an all-reduce)."""
+        params = [p.detach() for m in self.parts for p in m.parameters()]
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+        peak = torch.nn.utils.get_total_norm(local, norm_type=math.inf, foreach=True) if local else torch.zeros(())
+        flag = (~torch.isfinite(peak)).float().to(self.par.device)
+        if agreed and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag
+
 
 def _rows(extra: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
     """The keyword inputs of batch rows [start, stop): per-row tensors cut, the span kept."""

@@ -9,7 +9,7 @@ restarted job does not fail again in the same place. Each fault fires once. Kind
 
   kill      SIGKILL this process (a node or GPU dying)        sigterm   SIGTERM to itself (preemption)
   hang      block forever (a stuck rank or collective)        slow      sleep `seconds` (a straggler)
-  sigint    SIGINT to itself (Ctrl-C)
+  sigint    SIGINT to itself (Ctrl-C)                         sighup    SIGHUP to itself (a closed ssh session)
   nan_grad  a NaN in one gradient                             poison    replace the batch by random tokens
   enospc    the checkpoint write fails with "No space left on device"
 
@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from flopwise.errors import ConfigError
 
-KINDS = ("kill", "sigterm", "sigint", "hang", "slow", "nan_grad", "poison", "enospc")
+KINDS = ("kill", "sigterm", "sigint", "sighup", "hang", "slow", "nan_grad", "poison", "enospc")
 ENV = "FLOPWISE_FAULTS"
 
 
@@ -100,8 +100,8 @@ class Faults:
 def _process_fault(f: Fault) -> None:
     if f.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    elif f.kind in ("sigterm", "sigint"):
-        os.kill(os.getpid(), signal.SIGTERM if f.kind == "sigterm" else signal.SIGINT)
+    elif f.kind in ("sigterm", "sigint", "sighup"):
+        os.kill(os.getpid(), getattr(signal, f.kind.upper()))
     elif f.kind == "hang":
         while True:
             time.sleep(3600)

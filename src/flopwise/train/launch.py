@@ -17,7 +17,7 @@ from flopwise.errors import TrainingStopped
 from flopwise.files.ownership import folder_lock, real_path
 from flopwise.train.build import build_run, subnormals_flushed
 from flopwise.train.preflight import WillNotFit
-from flopwise.train.run import Run
+from flopwise.train.run import RanksDiffer, Run
 from flopwise.train.trainer import TrainResult, finished, train_loop
 from flopwise.train.watch import peer_lost
 
@@ -53,7 +53,7 @@ _PREEMPT_FILE = "FLOPWISE_PREEMPT_FILE"
 def _train(cfg: Config, started: float, lock: Callable[[], object]) -> TrainResult:
     try:
         built = build_run(cfg, lock)
-    except WillNotFit as e:
+    except (WillNotFit, RanksDiffer) as e:
         if not dist.is_initialized():
             raise
         if _is_main_process():  # before any rank exits: torchrun stops the others when one does

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from rich.markup import escape
 
 from flopwise.checkpoints import checkpoint
@@ -53,18 +54,18 @@ _FIXED_ON_RESUME = ("model.", "data.seq_len", "train.global_batch", "run.seed")
 _NOT_COMPARED = ("model.preset", "model.init_from", "run.dir", "checkpoint.resume", "data.path")
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
+def flat(tree: dict, prefix: str = "") -> dict:
     out: dict[str, Any] = {}
     for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
 
 
-def _check_resumable(ckpt: Path, state: dict, cfg: Config, data_fp: str) -> list[str]:
-    """Refuse (one line naming the keys) a checkpoint of another model, data order or data; the
-    keys that changed but may, to report."""
-    saved = _flat(checkpoint_config(ckpt, state).model_dump(mode="json"))
-    now = _flat(cfg.model_dump(mode="json"))
+def _check_resumable(ckpt: Path, state: dict, cfg: Config) -> list[str]:
+    """Refuse (one line naming the keys) a checkpoint of another model or data order; the keys that
+    changed but may, to report."""
+    saved = flat(checkpoint_config(ckpt, state).model_dump(mode="json"))
+    now = flat(cfg.model_dump(mode="json"))
     changed = sorted(
         k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k) and not k.startswith(_NOT_COMPARED)
     )
@@ -75,18 +76,55 @@ def _check_resumable(ckpt: Path, state: dict, cfg: Config, data_fp: str) -> list
             f"checkpoint {ckpt} is of another run ({diff}); resume with the same values, or start "
             "fresh in another run.dir"
         )
+    return changed
+
+
+def check_data(ckpt: Path, state: dict, data_fp: str) -> None:
+    """Refuse a checkpoint trained on other data than the run's (its data fingerprint differs)."""
     if state.get("data_fingerprint") not in (None, data_fp):
         raise CheckpointError(
             f"checkpoint {ckpt} was trained on other data (data fingerprint differs from "
             "index.json here); point data.path at its data, or start fresh in another run.dir"
         )
-    return changed
+
+
+class RanksDiffer(ConfigError):
+    """The ranks of one job were given different configs or data (each agent its own arguments)."""
+
+
+def check_same_job(what: dict[str, object]) -> None:
+    """Every rank of a job holds what rank 0 holds (`what`: its resolved config, flattened, or its
+    data fingerprint), checked once with one all-gather before any step: a rank of another config
+    would train a diverging replica or trip a collective. A difference stops every rank (exit 2),
+    rank 0 naming the keys and the ranks in one line."""
+    if not dist.is_initialized():
+        return
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, what)
+    differ: dict[str, list[int]] = {}
+    for rank, theirs in enumerate(every):
+        for k in sorted(theirs.keys() | every[0].keys()):
+            if theirs.get(k) != every[0].get(k):
+                differ.setdefault(k, []).append(rank)
+    if differ:
+        keys = "; ".join(
+            f"{k}={every[0].get(k)!r} on rank 0, {every[r[0]].get(k)!r} on rank {', '.join(map(str, r))}"
+            for k, r in list(differ.items())[:4]
+        )
+        raise RanksDiffer(
+            f"the ranks of this job run different jobs ({keys}{' ...' if len(differ) > 4 else ''}); give every "
+            "node the same command, config and data"
+        )
 
 
 def restore(run: Run, ckpt: Path, counters: bool = True) -> dict:
     """Model, optimizer, data position, RNG and guard window from a checkpoint into `run`; its
     state (counters=False: a rollback, whose guard keeps counting)."""
     state = checkpoint.load(ckpt, run.engine.parts, run.optimizer)
+    if run.engine.weights_nonfinite(agreed=True).item():  # never trusted to resume or roll back to
+        raise CheckpointError(
+            f"checkpoint {ckpt} holds non-finite weights; resume an earlier one by path (checkpoint.resume=PATH)"
+        )
     parts = {
         "loader": lambda: run.loader.load_state_dict(_loader_state(state["loader"])),
         "rng": lambda: checkpoint.set_rng_state(state["rng"]),
@@ -148,11 +186,12 @@ class Finished:
     is_main: bool
 
 
-def resume_state(ckpt: Path, cfg: Config, data_fp: str) -> dict:
-    """The state.json of the checkpoint to resume from, read before anything is built: refused in
-    one line if it is another run's (model, data, steps past train.steps); what changed is said."""
+def resume_state(ckpt: Path, cfg: Config) -> dict:
+    """The state.json of the checkpoint to resume from, read before anything is written or built:
+    refused in one line if it is another run's (model, data order, steps past train.steps); what
+    changed is said. Its data is checked once prepared (`check_data`)."""
     state = checkpoint.read_state(ckpt)
-    changed = _check_resumable(ckpt, state, cfg, data_fp)
+    changed = _check_resumable(ckpt, state, cfg)
     if changed:
         logger.info(
             f"[bold]resume[/]: changed since the checkpoint: {escape(', '.join(changed))}", extra={"highlighter": None}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +50,7 @@ class Saver:
         parts: list,
         optimizer,
         snapshot: Callable[[], dict],
-        files: dict[str, Path],
+        files: Mapping[str, Path | bytes],
         faults: Faults,
         world: int,
     ):

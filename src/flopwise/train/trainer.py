@@ -120,7 +120,8 @@ def _validation_losses(engine: Engine, sources: list[Source], cfg: Config) -> tu
 
 def train_step(run: Run, step: int, faults: Faults, watch: Watch | None = None) -> tuple[torch.Tensor, float]:
     """Optimizer step `step` (0-based), with no host sync: returns the device tensor [loss, grad
-    norm, non-finite flag] (the flag agreed by every rank) and the learning rate used."""
+    norm, non-finite flag (agreed by every rank), this rank's weights non-finite after the update]
+    and the learning rate used."""
     cfg, engine, done = run.cfg, run.engine, step + 1
     lr = lr_at(step, cfg.optim, cfg.train.steps)
     for g in run.optimizer.param_groups:
@@ -144,7 +145,8 @@ def train_step(run: Run, step: int, faults: Faults, watch: Watch | None = None) 
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     step_unless(run.optimizer, bad > 0)
     run.optimizer.zero_grad(set_to_none=True)
-    return torch.stack([loss.detach().float(), norm.detach().float(), bad]), lr
+    broken = engine.weights_nonfinite() if cfg.guard.enabled else torch.zeros((), device=loss.device)
+    return torch.stack([loss.detach().float(), norm.detach().float(), bad, broken]), lr
 
 
 def _progress() -> Progress:
@@ -183,6 +185,7 @@ class _Loop:
             "tokenizer.json": run.sources[0].data_dir / run.index["tokenizer"],
             **(side_files(cfg.model.init_from[3:]) if cfg.model.init_from else {}),
         }
+        files = {name: path.read_bytes() for name, path in files.items()}  # as it trains with them
         self.saver = Saver(
             cfg, self.run_dir, run.engine.parts, run.optimizer, self.snapshot, files, self.faults, par.layout.world
         )
@@ -232,13 +235,20 @@ class _Loop:
 
     def settle(self, steps: list[tuple[int, float, list[float]]]) -> int | None:
         """At a sync point: let the guard judge the steps since the last one in order ((step, lr,
-        [loss, grad norm, non-finite flag]) each), and log; the step to go on from after a
-        rollback, else None."""
-        for done, lr, (loss, norm, bad) in steps:
+        [loss, grad norm, non-finite flag, weights non-finite]) each), and log; the step to go on
+        from after a rollback, else None. An update that left a weight non-finite stops the run
+        here, before any checkpoint of it is written."""
+        for done, lr, (loss, norm, bad, broken) in steps:
+            if broken > 0:
+                raise TrainingStopped(
+                    f"stopped at step {done}: its update made weights non-finite (lr {lr:.3g}, loss {loss:.4g}, "
+                    f"grad norm {norm:.4g}); no checkpoint of them was written. Lower optim.lr, then run again: "
+                    f"it resumes from {self.saver.last or 'the start (no checkpoint yet)'}"
+                )
             guard = self.run.guard
             verdict, reason = guard.decide(loss, bad > 0, guard.is_spike(loss))
             if verdict is Verdict.ROLLBACK:
-                back = self.rollback(done, reason)
+                back = self.rollback(done, reason, stuck=bad > 0)
                 if back is not None:
                     return back
                 continue
@@ -323,13 +333,19 @@ class _Loop:
             self.peak = peak
         return mfu(self.tps, self.fpt, peak.flops, world) if achieved < peak.flops else None
 
-    def rollback(self, bad_step: int, reason: str) -> int | None:
+    def rollback(self, bad_step: int, reason: str, stuck: bool = False) -> int | None:
         """Back to the last complete checkpoint, past the bad data; the step to go on from (None:
-        no checkpoint to go back to, training goes on)."""
+        no checkpoint to go back to, training goes on). `stuck`: the reason is updates skipped in a
+        row, which with no checkpoint to go back to would go on being skipped: the run stops."""
         run, cfg = self.run, self.cfg
         run.guard.rolled_back(reason, bad_step)
         self.saver.wait()
         ckpt = checkpoint.latest(self.run_dir, verify_checksums=False, own=True)
+        if ckpt is None and stuck:
+            raise TrainingStopped(
+                f"stopped at step {bad_step}: {reason} (loss or gradient) and no checkpoint to roll back to: "
+                "this run cannot make progress; check model.init_std, optim.lr and the data"
+            )
         if ckpt is None:  # nothing to go back to: the update already applied stays
             logger.warning(
                 f"[yellow]guard[/]: step {bad_step}: {escape(reason)}; no checkpoint to roll back to, training goes on"
@@ -399,11 +415,16 @@ class _Loop:
             signalled = self.watch.signal is not None and self.run.par.layout.world == 1
             if not (do_eval or do_save or signalled or self.logs(done)):
                 continue
-            sync, host = self.watch.sync(self.saver.poll(), torch.stack([v for _, _, v in pending]))
+            values = torch.stack([v for _, _, v in pending])
+            if dist.is_initialized():  # every rank stops if an update broke any rank's weights
+                broken = values[:, 3].contiguous()
+                dist.all_reduce(broken, op=dist.ReduceOp.MAX)
+                values[:, 3] = broken
+            sync, host = self.watch.sync(self.saver.poll(), values)
             self.ranks = {"rank_step_s": sync.rank_s, "slowest_rank": sync.slowest} if len(sync.rank_s) > 1 else {}
             if sync.save_failed:
                 self.saver.failed()
-            back = self.settle([(d, r, host[3 * i : 3 * i + 3]) for i, (d, r, _) in enumerate(pending)])
+            back = self.settle([(d, r, host[4 * i : 4 * i + 4]) for i, (d, r, _) in enumerate(pending)])
             pending = []
             if back is not None:
                 step = back

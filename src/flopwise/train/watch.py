@@ -1,8 +1,9 @@
 """What every rank watches while it trains: preemption signals, hung steps, and each other.
 
-- SIGTERM / SIGUSR1 (SLURM's warning signal, `--signal=USR1@120`) and a first Ctrl-C (SIGINT)
-  only set a flag: training goes on to the next sync point (a log, eval or checkpoint step; the
-  next step on one process), where every rank learns of it and the job checkpoints and exits 0.
+- SIGTERM / SIGUSR1 (SLURM's warning signal, `--signal=USR1@120`), SIGHUP (a closed ssh session)
+  and a first Ctrl-C (SIGINT) only set a flag: training goes on to the next sync point (a log,
+  eval or checkpoint step; the next step on one process), where every rank learns of it and the
+  job checkpoints and exits 0.
   A second Ctrl-C stops at once. Both are acted on at once even in the middle of a step: Python
   runs a signal handler only when the main thread is back in bytecode, which a CPU step of a 135M
   model keeps it out of for a minute (the acknowledgement came ~63 s late, and a second Ctrl-C in
@@ -45,7 +46,7 @@ from flopwise.config.schema import WatchdogConfig
 from flopwise.errors import FlopwiseError
 from flopwise.files import rundir
 
-_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)  # SIGHUP: a closed ssh session
 _ABORT_GRACE_S = 1.0  # a second Ctrl-C: how long the main thread has to take its KeyboardInterrupt
 
 
