@@ -22,7 +22,9 @@ def optimal_cmd(
     ),
     flops: float | None = typer.Option(None, "--flops", help="training budget in FLOPs"),
     gpu_hours: float | None = typer.Option(None, "--gpu-hours", help="budget in device-hours (with --hardware)"),
-    hardware: str = typer.Option("h100-sxm", "--hardware", help="device of --gpu-hours and --inference-tokens"),
+    hardware: str = typer.Option(
+        "h100-sxm", "--hardware", help="device of --gpu-hours, --inference-tokens and the --out-config run"
+    ),
     mfu: float = typer.Option(
         0.40, "--mfu", min=0.01, max=1.0, help="training's model FLOP utilisation (--gpu-hours, --inference-tokens)"
     ),
@@ -42,7 +44,19 @@ def optimal_cmd(
     vocab_size: int = typer.Option(32000, "--vocab-size", min=2),
     seq_len: int = typer.Option(4096, "--seq-len", min=1, help="sequence length of the written config"),
     as_json: bool = typer.Option(False, "--json"),
-    out_config: Path | None = typer.Option(None, "--out-config", help="write a training TOML for the first law"),
+    out_config: Path | None = typer.Option(
+        None,
+        "--out-config",
+        help="write a training TOML for the first law: its shape, plan.tokens, --gpus × --hardware, "
+        "the layout left to `flopwise plan FILE`",
+    ),
+    gpus: int | None = typer.Option(
+        None,
+        "--gpus",
+        min=1,
+        help="devices the --out-config run plans for (default: the fewest power-of-two nodes that hold "
+        "the model and train it in 30 days at --mfu)",
+    ),
 ) -> None:
     """Model size, tokens, shape, batch and LR for a compute budget under a scaling law."""
     from flopwise.data.mixture import parse_unique_tokens
@@ -50,16 +64,22 @@ def optimal_cmd(
 
     unique = parse_unique_tokens(unique_tokens) if unique_tokens is not None else None
     budget = optimal_allocations(
-        flops, gpu_hours, hardware, mfu, law, inference_tokens, unique, vocab_size, seq_len, out_config, serving
+        flops, gpu_hours, hardware, mfu, law, inference_tokens, unique, vocab_size, seq_len, out_config, serving, gpus
     )
-    allocs = budget.allocations
     if budget.lifetimes:
         _print_lifetimes(budget, as_json)
-        return
-    if as_json:
-        rows = [a.to_json() for a in allocs]
+    elif as_json:
+        rows = [a.to_json() for a in budget.allocations]
         typer.echo(json.dumps(rows[0] if len(rows) == 1 else rows, indent=1))
-        return
+    else:
+        _print_allocations(budget)
+    if budget.written and not as_json:
+        stdout.print(budget.written, highlight=False)
+
+
+def _print_allocations(budget) -> None:
+    """One row per law: N, D, shape, batch, LR, and the notes."""
+    allocs = budget.allocations
     columns = ("law", "N", "D", "D/N", "pred. loss", "shape L×d (heads, ffn)", "batch tok", "lr")
     table = new_table(f"compute-optimal allocation for C = {budget.flops:.3g} FLOPs", columns, columns, no_wrap=True)
     for a in allocs:
