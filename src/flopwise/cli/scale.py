@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from flopwise.cli.common import ARGS_HELP, config_from, note, stdout
 from flopwise.cli.render import human, new_table, serve_regime
@@ -147,10 +148,28 @@ def fit_cmd(
     out: Path | None = typer.Option(None, "--out", help="write the fitted law (JSON) for --law fitted:FILE"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Fit L(N, D) = E + A/N^α + B/D^β (Approach 3, with bootstrap CIs), IsoFLOP parabolas, Kaplan's form."""
+    """Fit L(N, D) = E + A/N^α + B/D^β (Approach 3, with bootstrap CIs), IsoFLOP parabolas, Kaplan's form.
+
+    Then judge the fit: points or budgets too few, minima not bracketed, parameters at a bound,
+    intervals without width or across zero, curves that miss their points; each a warning line
+    naming the fix (--json: "warnings")."""
+    from rich.console import Console
+    from rich.progress import Progress
+
     from flopwise.scale.fit import fit_runs
 
-    fit = fit_runs(runs, bootstrap, drop_highest, plots, out)
+    bar = Progress(console=Console(stderr=True), transient=True)
+    task = bar.add_task(f"bootstrap ({bootstrap} refits)", total=bootstrap)
+
+    def progress(done: int, total: int) -> None:
+        if done == 1:
+            bar.start()
+        bar.update(task, completed=done)
+
+    try:
+        fit = fit_runs(runs, bootstrap, drop_highest, plots, out, progress)
+    finally:
+        bar.stop()
     result = fit.to_json()
     if as_json:
         typer.echo(json.dumps(result, indent=1))
@@ -167,6 +186,8 @@ def fit_cmd(
     stdout.print(f"Kaplan L(N, D): α_N={kap.alpha_n:.3f} α_D={kap.alpha_d:.3f} N_c={kap.n_c:.3g} D_c={kap.d_c:.3g}")
     for p in fit.plots:
         stdout.print(f"plot: {p}")
+    for line in fit.warnings:
+        stdout.print(f"[yellow]warning[/]: {escape(line)}", highlight=False)
 
 
 @app.command("predict-task")
@@ -200,20 +221,54 @@ def predict_task_cmd(
 @app.command("sweep")
 def sweep_cmd(
     args: list[str] | None = typer.Argument(None, help=ARGS_HELP + " (the base config)"),
-    budgets: str = typer.Option("3e12,1e13,3e13", "--budgets", help="comma-separated FLOP budgets"),
-    sizes: int = typer.Option(5, "--sizes", min=1, help="model sizes per budget"),
-    spread: float = typer.Option(8.0, "--spread", min=1.0, help="largest / smallest size within a budget"),
-    law: str = typer.Option("chinchilla-3", "--law", help="law that centres each budget's sizes"),
+    preset: str | None = typer.Option(
+        None,
+        "--preset",
+        help="a ladder chosen whole (data, shapes, budgets, law; the flags below override it): cpu-tiny, "
+        "3 budgets x 5 sizes that bracket each optimum on 2 CPU cores in about 13 minutes",
+    ),
+    budgets: str | None = typer.Option(None, "--budgets", help="comma-separated FLOP budgets [3e12,1e13,3e13]"),
+    sizes: int | None = typer.Option(None, "--sizes", min=1, help="model sizes per budget [5]"),
+    spread: float | None = typer.Option(None, "--spread", min=1.0, help="largest / smallest size within a budget [8]"),
+    law: str | None = typer.Option(
+        None, "--law", help="law that centres each budget's sizes: a built-in or fitted:FILE [chinchilla-3]"
+    ),
     out: Path = typer.Option(Path("runs/ladder"), "--out"),
     emit: bool = typer.Option(False, "--emit", help="write configs and print torchrun commands instead of running"),
     nproc: int = typer.Option(1, "--nproc", min=1, help="processes per run in the emitted commands"),
     jobs: int = typer.Option(1, "--jobs", min=1, help="runs trained at once here, sharing the CPU's threads"),
 ) -> None:
-    """An IsoFLOP ladder: configs for K budgets × M sizes, run here (resumable) or emitted for a cluster."""
-    from flopwise.train.ladder import sweep_ladder
+    """An IsoFLOP ladder: configs for K budgets × M sizes, run here (resumable) or emitted for a cluster.
 
-    done = sweep_ladder(config_from(args), budgets, sizes, spread, law, out, emit, nproc, jobs, note)
+    Raw data is prepared once into a cache named by its content (FLOPWISE_CACHE_DIR, else
+    ~/.cache/flopwise), shared by every ladder over the same corpus and tokenizer."""
+    from flopwise.config.schema import split_cli_args
+    from flopwise.train.ladder import ladder_preset, sweep_ladder
+
+    p = ladder_preset(preset)
+    path, given = split_cli_args(args)
+    base = config_from([*([path] if path else []), *p.overrides, *given])
+    done = sweep_ladder(
+        base,
+        budgets or p.budgets,
+        sizes or p.sizes,
+        spread or p.spread,
+        law or p.law,
+        out,
+        emit,
+        nproc,
+        jobs,
+        note,
+    )
     for cmd in done.commands or []:
         typer.echo(cmd)
     if done.table:
-        stdout.print(f"collected {done.table}; fit it with: flopwise scale fit {done.table}")
+        stdout.print(f"collected {done.table}; fit it with: flopwise scale fit {done.table}", highlight=False)
+        if p.heldout:
+            law_file = out / "law.json"
+            stdout.print(
+                f"then predict and train the held-out budget: flopwise scale fit {done.table} --out {law_file}; "
+                f"flopwise scale sweep --preset {preset} --budgets {p.heldout:g} --sizes 1 "
+                f"--law fitted:{law_file} --out {out}-heldout",
+                highlight=False,
+            )

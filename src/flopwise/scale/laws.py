@@ -32,6 +32,7 @@ class ParametricLaw:
     alpha: float
     beta: float
     source: str = ""
+    embeddings: bool = True  # N counts the embeddings (Hoffmann); False: a law fitted to a sweep's non-embedding N
 
     def loss(self, n: float, d: float) -> float:
         return self.E + self.A / n**self.alpha + self.B / d**self.beta
@@ -454,8 +455,9 @@ def allocate(
             notes.append("over 4 epochs: returns from repeated data fall off quickly; consider more unique data")
     loss, loss_name = predicted_loss(law, n, effective_tokens(d, unique_tokens) if unique_tokens else d)
     is_kaplan = isinstance(law, PowerLawAllocation) and law.name == "kaplan"
-    shape = choose_shape(n, vocab_size, count_embeddings=not is_kaplan)
-    shape_n = shape.non_embedding_params if is_kaplan else shape.params
+    embeddings = not is_kaplan and (law.embeddings if isinstance(law, ParametricLaw) else True)
+    shape = choose_shape(n, vocab_size, count_embeddings=embeddings)
+    shape_n = shape.params if embeddings else shape.non_embedding_params
     if abs(shape_n / n - 1) > 0.1:
         notes.append(f"nearest allowed shape has {shape_n:.3g} parameters ({100 * (shape_n / n - 1):+.0f}%)")
     batch, lr, rule = batch_and_lr(flops)
