@@ -70,9 +70,11 @@ class LadderPreset:
 
 
 LADDER_PRESETS = {
-    # Measured on 2 shared cores (docs/scaling-laws.md): 15 runs of 13K-640K non-embedding parameters;
-    # chinchilla-1 centres the sizes, and spread 16 covers where this small-vocabulary, short-context
-    # setting puts the optimum (about half of chinchilla-1's N), so every budget brackets it
+    # Measured once on 2 shared cores (docs/scaling-laws.md): 57 min of wall-clock at a load of 13-16
+    # (822 s of CPU: about 7 min on a quiet machine), 15 runs of 13K-640K non-embedding parameters.
+    # Centred on chinchilla-1 it brackets 3e12's minimum (80K) but not 3e11's or 1e12's, which fall at
+    # their smallest sizes: this setting's optimum is about a quarter of chinchilla-1's N, and 13K is
+    # the smallest shape the aspect range allows, so 3e11 cannot be bracketed (docs: what to change)
     "cpu-tiny": LadderPreset(
         about="3 budgets x 5 sizes of 13K-640K parameters on Shakespeare (bpe:512, seq 128)",
         overrides=(
