@@ -227,11 +227,15 @@ def sweep_cmd(
         help="a ladder chosen whole (data, shapes, budgets, law; the flags below override it): cpu-tiny, "
         "3 budgets x 5 sizes of 13K-640K parameters, 822 s of CPU (docs/scaling-laws.md)",
     ),
-    budgets: str | None = typer.Option(None, "--budgets", help="comma-separated FLOP budgets [3e12,1e13,3e13]"),
-    sizes: int | None = typer.Option(None, "--sizes", min=1, help="model sizes per budget [5]"),
-    spread: float | None = typer.Option(None, "--spread", min=1.0, help="largest / smallest size within a budget [8]"),
+    budgets: str | None = typer.Option(
+        None, "--budgets", help="comma-separated FLOP budgets (default: 3e12,1e13,3e13)"
+    ),
+    sizes: int | None = typer.Option(None, "--sizes", min=1, help="model sizes per budget (default: 5)"),
+    spread: float | None = typer.Option(
+        None, "--spread", min=1.0, help="largest / smallest size within a budget (default: 8)"
+    ),
     law: str | None = typer.Option(
-        None, "--law", help="law that centres each budget's sizes: a built-in or fitted:FILE [chinchilla-3]"
+        None, "--law", help="law that centres each budget's sizes: a built-in or fitted:FILE (default: chinchilla-3)"
     ),
     out: Path = typer.Option(Path("runs/ladder"), "--out"),
     emit: bool = typer.Option(False, "--emit", help="write configs and print torchrun commands instead of running"),

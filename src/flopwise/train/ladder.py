@@ -90,7 +90,7 @@ LADDER_PRESETS = {
         sizes=5,
         spread=16.0,
         law="chinchilla-1",
-        heldout=6e12,
+        heldout=2e12,
     ),
 }
 
@@ -219,7 +219,7 @@ def _cache_entry(base: Config) -> Path:
     tok_file = Path(tok)
     recipe = {
         "input": input_digest(base.data.path),
-        "tokenizer": input_digest(tok) if not tok.startswith("bpe:") and tok_file.is_file() else tok,
+        "tokenizer": hashlib.sha256(tok_file.read_bytes()).hexdigest() if tok_file.is_file() else tok,
         "val_fraction": base.data.val_fraction,
         "seed": base.run.seed,
         "format": SHARDS_FORMAT,
