@@ -268,7 +268,7 @@ def sweep_cmd(
         typer.echo(cmd)
     if done.table:
         stdout.print(f"collected {done.table}; fit it with: flopwise scale fit {done.table}", highlight=False)
-        if p.heldout:
+        if p.heldout and not budgets:  # the preset's own ladder, not its held-out run
             law_file = out / "law.json"
             stdout.print(
                 f"then predict and train the held-out budget: flopwise scale fit {done.table} --out {law_file}; "

@@ -90,7 +90,7 @@ LADDER_PRESETS = {
         sizes=5,
         spread=16.0,
         law="chinchilla-1",
-        heldout=2e12,
+        heldout=6e11,
     ),
 }
 
