@@ -12,6 +12,7 @@ import csv
 import itertools
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -432,7 +433,32 @@ def fit_warnings(pts: Points, fit3: Approach3Fit, iso: IsoFlopFit | None) -> lis
     """What makes a fit untrustworthy, one line each naming the fix: too few points or budgets,
     minima not bracketed, parameters at a bound, degenerate or sign-spanning intervals, curves that
     miss their points."""
-    return _ladder_warnings(pts, iso) + _approach3_warnings(pts, fit3) + _approach2_warnings(pts, iso)
+    lines = _ladder_warnings(pts, iso) + _approach3_warnings(pts, fit3) + _approach2_warnings(pts, iso)
+    return _summarised(lines, _MAX_PER_KIND)
+
+
+_MAX_PER_KIND = 3  # budget lines of one kind beyond this are one line: a scatter of budgets (Epoch's
+# extraction of Chinchilla's points groups into 33) would otherwise bury the other warnings
+
+
+def _summarised(lines: list[str], most: int) -> list[str]:
+    """`lines`, with each kind of per-budget line ("budget C: ...") beyond `most` folded into one."""
+
+    def kind(line: str) -> str:  # the line without its budget and numbers
+        return re.sub(r"\([^)]*\)|[\d.,%+]+", "", line.split(": ", 1)[1])
+
+    kinds: dict[str, list[str]] = {}
+    for line in lines:
+        if line.startswith("budget "):
+            kinds.setdefault(kind(line), []).append(line)
+    out = []
+    for line in lines:
+        same = kinds.get(kind(line), []) if line.startswith("budget ") else []
+        if len(same) <= most:
+            out.append(line)
+        elif line is same[0]:
+            out.append(f"{len(same)} budgets alike, the first: {line}")
+    return out
 
 
 def _ladder_warnings(pts: Points, iso: IsoFlopFit | None) -> list[str]:
