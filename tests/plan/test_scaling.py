@@ -102,11 +102,67 @@ def test_batch_and_lr_rule_and_written_config(tmp_path):
     assert b == pytest.approx(0.2920 * 1e20**0.3271) and lr == pytest.approx(0.3118 * 1e20**-0.125)
     a = allocate(1e21, "epoch")
     p = tmp_path / "run.toml"
-    p.write_text(allocation_config(a, 2048))
+    p.write_text(allocation_config(a, 2048, 32000, "h100-sxm", 64))
     cfg = load_config(p)
     assert cfg.model.d_model == a.shape.d_model and cfg.optim.lr == pytest.approx(a.lr)
     tokens = cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len
     assert tokens == pytest.approx(a.tokens, rel=0.01)
+
+
+@pytest.mark.parametrize("target", [10e3, 30e3, 2.2e9, 40e9, 61e9, 150e9])
+def test_shape_heads_split_evenly(target):
+    """Heads divide the width at a standard size, and from d_model 1024 up their count is a multiple
+    of 8, so tensor parallelism within a node splits them (the 61B once had 59 heads: no TP at all)."""
+    s = choose_shape(target, 32000, count_embeddings=target > 1e6)
+    assert s.n_heads * s.head_dim == s.d_model
+    if s.d_model >= 1024:
+        assert s.head_dim == 128 and s.n_heads % 8 == 0
+
+
+def test_written_config_plans_at_scale_and_its_own_tokens(tmp_path, cli):
+    """`scale optimal --out-config` -> `plan FILE`: the hardware given, nothing of the layout pinned,
+    a global batch that 1,024 devices divide, and the file's own token budget planned."""
+    import tomllib
+
+    p = tmp_path / "run.toml"
+    r = cli("scale", "optimal", "--flops", "1e22", "--hardware", "h100-sxm", "--out-config", p)
+    assert r.returncode == 0, r.stderr
+    tree = tomllib.loads(p.read_text())
+    assert tree["parallel"] == {"layout": "auto"} and "micro_batch" not in tree["train"]
+    assert tree["cluster"]["hardware"] == "h100-sxm" and tree["cluster"]["gpus"] % 8 == 0
+    assert tree["data"]["tokenizer"] == f"bpe:{tree['model']['vocab_size']}"
+    rule = 0.2920 * 1e22**0.3271 / 4096  # DeepSeek LLM eq. 1, in sequences of the default 4096 tokens
+    gb = tree["train"]["global_batch"]
+    assert gb % 1024 == 0 and abs(gb / rule - 1) <= 0.125
+    m = tree["model"]
+    assert m["n_heads"] * m["head_dim"] == m["d_model"] and m["n_heads"] % 8 == 0
+    n, d = HOFFMANN.frontier(1e22)
+    assert tree["plan"]["tokens"] == pytest.approx(d, rel=1e-6)
+    r = cli("plan", p, "cluster.gpus=1024", "--json")
+    assert r.returncode == 0, r.stderr
+    big = json.loads(r.stdout)
+    assert big["search"]["fixed"] == {} and big["layouts"][0]["fits"] and big["hardware"]["name"] == "h100-sxm"
+    r = cli("plan", p, "--json")
+    assert r.returncode == 0, r.stderr
+    own = json.loads(r.stdout)
+    assert own["layouts"][0]["fits"] and own["hardware"]["gpus"] == tree["cluster"]["gpus"]
+    assert own["tokens"] == pytest.approx(d, rel=1e-6)  # not 20 tokens per parameter
+    assert own["tokens"] != pytest.approx(20 * own["params"], rel=0.1)
+
+
+@pytest.mark.slow
+def test_written_config_trains_shrunk_on_cpu(tmp_path, cli, demo_data):
+    """The written file trains as it stands, its model shrunk for a CPU (the shipped corpus and the
+    tokenizer its vocabulary asks for: demo_data is that data, prepared once)."""
+    p = tmp_path / "run.toml"
+    r = cli("scale", "optimal", "--flops", "1e21", "--vocab-size", "4096", "--seq-len", "1024", "--out-config", p)
+    assert r.returncode == 0, r.stderr
+    shrink = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.head_dim=16", "model.ffn_dim=64"]
+    run = ["train.steps=2", "optim.warmup_steps=1", "train.global_batch=2", "data.seq_len=16", "train.sample_tokens=0"]
+    r = cli("train", p, *shrink, *run, f"data.path={demo_data}", f"run.dir={tmp_path / 'run'}")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert max(row.get("step", 0) for row in rows) == 2
 
 
 def synthetic(law: ParametricLaw, noise: float, seed: int = 0) -> Points:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from flopwise.cli.common import ARGS_HELP, config_from, note, stdout
 from flopwise.cli.render import human, new_table, serve_regime
@@ -22,7 +23,9 @@ def optimal_cmd(
     ),
     flops: float | None = typer.Option(None, "--flops", help="training budget in FLOPs"),
     gpu_hours: float | None = typer.Option(None, "--gpu-hours", help="budget in device-hours (with --hardware)"),
-    hardware: str = typer.Option("h100-sxm", "--hardware", help="device of --gpu-hours and --inference-tokens"),
+    hardware: str = typer.Option(
+        "h100-sxm", "--hardware", help="device of --gpu-hours, --inference-tokens and the --out-config run"
+    ),
     mfu: float = typer.Option(
         0.40, "--mfu", min=0.01, max=1.0, help="training's model FLOP utilisation (--gpu-hours, --inference-tokens)"
     ),
@@ -42,7 +45,19 @@ def optimal_cmd(
     vocab_size: int = typer.Option(32000, "--vocab-size", min=2),
     seq_len: int = typer.Option(4096, "--seq-len", min=1, help="sequence length of the written config"),
     as_json: bool = typer.Option(False, "--json"),
-    out_config: Path | None = typer.Option(None, "--out-config", help="write a training TOML for the first law"),
+    out_config: Path | None = typer.Option(
+        None,
+        "--out-config",
+        help="write a training TOML for the first law: its shape, plan.tokens, --gpus × --hardware, "
+        "the layout left to `flopwise plan FILE`",
+    ),
+    gpus: int | None = typer.Option(
+        None,
+        "--gpus",
+        min=1,
+        help="devices the --out-config run plans for (default: the fewest power-of-two nodes that hold "
+        "the model and train it in 30 days at --mfu)",
+    ),
 ) -> None:
     """Model size, tokens, shape, batch and LR for a compute budget under a scaling law."""
     from flopwise.data.mixture import parse_unique_tokens
@@ -50,16 +65,22 @@ def optimal_cmd(
 
     unique = parse_unique_tokens(unique_tokens) if unique_tokens is not None else None
     budget = optimal_allocations(
-        flops, gpu_hours, hardware, mfu, law, inference_tokens, unique, vocab_size, seq_len, out_config, serving
+        flops, gpu_hours, hardware, mfu, law, inference_tokens, unique, vocab_size, seq_len, out_config, serving, gpus
     )
-    allocs = budget.allocations
     if budget.lifetimes:
         _print_lifetimes(budget, as_json)
-        return
-    if as_json:
-        rows = [a.to_json() for a in allocs]
+    elif as_json:
+        rows = [a.to_json() for a in budget.allocations]
         typer.echo(json.dumps(rows[0] if len(rows) == 1 else rows, indent=1))
-        return
+    else:
+        _print_allocations(budget)
+    if budget.written and not as_json:
+        stdout.print(budget.written, highlight=False)
+
+
+def _print_allocations(budget) -> None:
+    """One row per law: N, D, shape, batch, LR, and the notes."""
+    allocs = budget.allocations
     columns = ("law", "N", "D", "D/N", "pred. loss", "shape L×d (heads, ffn)", "batch tok", "lr")
     table = new_table(f"compute-optimal allocation for C = {budget.flops:.3g} FLOPs", columns, columns, no_wrap=True)
     for a in allocs:
@@ -127,10 +148,28 @@ def fit_cmd(
     out: Path | None = typer.Option(None, "--out", help="write the fitted law (JSON) for --law fitted:FILE"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Fit L(N, D) = E + A/N^α + B/D^β (Approach 3, with bootstrap CIs), IsoFLOP parabolas, Kaplan's form."""
+    """Fit L(N, D) = E + A/N^α + B/D^β (Approach 3, with bootstrap CIs), IsoFLOP parabolas, Kaplan's form.
+
+    Then judge the fit: points or budgets too few, minima not bracketed, parameters at a bound,
+    intervals without width or across zero, curves that miss their points; each a warning line
+    naming the fix (--json: "warnings")."""
+    from rich.console import Console
+    from rich.progress import Progress
+
     from flopwise.scale.fit import fit_runs
 
-    fit = fit_runs(runs, bootstrap, drop_highest, plots, out)
+    bar = Progress(console=Console(stderr=True), transient=True)
+    task = bar.add_task(f"bootstrap ({bootstrap} refits)", total=bootstrap)
+
+    def progress(done: int, total: int) -> None:
+        if done == 1:
+            bar.start()
+        bar.update(task, completed=done)
+
+    try:
+        fit = fit_runs(runs, bootstrap, drop_highest, plots, out, progress)
+    finally:
+        bar.stop()
     result = fit.to_json()
     if as_json:
         typer.echo(json.dumps(result, indent=1))
@@ -147,6 +186,8 @@ def fit_cmd(
     stdout.print(f"Kaplan L(N, D): α_N={kap.alpha_n:.3f} α_D={kap.alpha_d:.3f} N_c={kap.n_c:.3g} D_c={kap.d_c:.3g}")
     for p in fit.plots:
         stdout.print(f"plot: {p}")
+    for line in fit.warnings:
+        stdout.print(f"[yellow]warning[/]: {escape(line)}", highlight=False)
 
 
 @app.command("predict-task")
@@ -180,20 +221,58 @@ def predict_task_cmd(
 @app.command("sweep")
 def sweep_cmd(
     args: list[str] | None = typer.Argument(None, help=ARGS_HELP + " (the base config)"),
-    budgets: str = typer.Option("3e12,1e13,3e13", "--budgets", help="comma-separated FLOP budgets"),
-    sizes: int = typer.Option(5, "--sizes", min=1, help="model sizes per budget"),
-    spread: float = typer.Option(8.0, "--spread", min=1.0, help="largest / smallest size within a budget"),
-    law: str = typer.Option("chinchilla-3", "--law", help="law that centres each budget's sizes"),
+    preset: str | None = typer.Option(
+        None,
+        "--preset",
+        help="a ladder chosen whole (data, shapes, budgets, law; the flags below override it): cpu-tiny, "
+        "3 budgets x 5 sizes of 13K-640K parameters, 822 s of CPU (docs/scaling-laws.md)",
+    ),
+    budgets: str | None = typer.Option(
+        None, "--budgets", help="comma-separated FLOP budgets (default: 3e12,1e13,3e13)"
+    ),
+    sizes: int | None = typer.Option(None, "--sizes", min=1, help="model sizes per budget (default: 5)"),
+    spread: float | None = typer.Option(
+        None, "--spread", min=1.0, help="largest / smallest size within a budget (default: 8)"
+    ),
+    law: str | None = typer.Option(
+        None, "--law", help="law that centres each budget's sizes: a built-in or fitted:FILE (default: chinchilla-3)"
+    ),
     out: Path = typer.Option(Path("runs/ladder"), "--out"),
     emit: bool = typer.Option(False, "--emit", help="write configs and print torchrun commands instead of running"),
     nproc: int = typer.Option(1, "--nproc", min=1, help="processes per run in the emitted commands"),
     jobs: int = typer.Option(1, "--jobs", min=1, help="runs trained at once here, sharing the CPU's threads"),
 ) -> None:
-    """An IsoFLOP ladder: configs for K budgets × M sizes, run here (resumable) or emitted for a cluster."""
-    from flopwise.train.ladder import sweep_ladder
+    """An IsoFLOP ladder: configs for K budgets × M sizes, run here (resumable) or emitted for a cluster.
 
-    done = sweep_ladder(config_from(args), budgets, sizes, spread, law, out, emit, nproc, jobs, note)
+    Raw data is prepared once into a cache named by its content (FLOPWISE_CACHE_DIR, else
+    ~/.cache/flopwise), shared by every ladder over the same corpus and tokenizer."""
+    from flopwise.config.schema import split_cli_args
+    from flopwise.train.ladder import ladder_preset, sweep_ladder
+
+    p = ladder_preset(preset)
+    path, given = split_cli_args(args)
+    base = config_from([*([path] if path else []), *p.overrides, *given])
+    done = sweep_ladder(
+        base,
+        budgets or p.budgets,
+        sizes or p.sizes,
+        spread or p.spread,
+        law or p.law,
+        out,
+        emit,
+        nproc,
+        jobs,
+        note,
+    )
     for cmd in done.commands or []:
         typer.echo(cmd)
     if done.table:
-        stdout.print(f"collected {done.table}; fit it with: flopwise scale fit {done.table}")
+        stdout.print(f"collected {done.table}; fit it with: flopwise scale fit {done.table}", highlight=False)
+        if p.heldout and not budgets:  # the preset's own ladder, not its held-out run
+            law_file = out / "law.json"
+            stdout.print(
+                f"then predict and train the held-out budget: flopwise scale fit {done.table} --out {law_file}; "
+                f"flopwise scale sweep --preset {preset} --budgets {p.heldout:g} --sizes 1 "
+                f"--law fitted:{law_file} --out {out}-heldout",
+                highlight=False,
+            )

@@ -21,6 +21,7 @@ HOMES = {
     "prepare_steps": ["Whitespace"],
     "shards": [
         "DATA_MANIFEST",
+        "input_digest",
         "iter_documents",
         "open_split",
         "read_index",

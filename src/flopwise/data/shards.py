@@ -233,6 +233,20 @@ def data_fingerprint(data_dir: str | Path) -> str:
     return hashlib.sha256((Path(data_dir) / "index.json").read_bytes()).hexdigest()
 
 
+def input_digest(spec: str) -> str:
+    """What identifies a raw input by content before it is prepared: the sha256 over its files'
+    names (relative to the input) and bytes, in the order prepare reads them."""
+    root = resolve_input(spec)
+    h = hashlib.sha256()
+    for f in input_files(spec):
+        h.update(os.fsencode(f.relative_to(root) if root.is_dir() else f.name) + b"\0")
+        with f.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
 def val_documents(n_docs: int, val_fraction: float, seed: int) -> set[int]:
     """Indices of the documents `prepare` puts in the val split (tasks built from held-out text use it)."""
     order = np.random.default_rng(seed).permutation(n_docs)

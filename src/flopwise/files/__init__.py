@@ -5,6 +5,7 @@ from flopwise import public_api
 
 HOMES = {
     "outputs": [
+        "cache_dir",
         "check_folder",
         "check_space",
         "check_writable",

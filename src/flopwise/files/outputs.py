@@ -89,6 +89,15 @@ def _try_writing(folder: Path, option: str, named: Path) -> None:
         raise cannot_write(option, named, OSError(e.errno, e.strerror, str(above))) from None
 
 
+def cache_dir() -> Path:
+    """Where flopwise keeps what it may compute again but would rather not: FLOPWISE_CACHE_DIR, else
+    $XDG_CACHE_HOME/flopwise, else ~/.cache/flopwise."""
+    base = os.environ.get("FLOPWISE_CACHE_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "flopwise"
+    )
+    return Path(base)
+
+
 def check_folder(path: str | Path, option: str) -> Path:
     """`path`, if a command can create it as a folder or write into it (tried: `_try_writing`)."""
     path = real_path(path)

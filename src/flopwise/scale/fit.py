@@ -12,6 +12,8 @@ import csv
 import itertools
 import json
 import math
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +39,7 @@ class Points:
     params: np.ndarray
     tokens: np.ndarray
     loss: np.ndarray
+    embeddings: bool = True  # params count the embeddings; False: a sweep's non-embedding N
 
     def __len__(self) -> int:
         return len(self.loss)
@@ -46,7 +49,7 @@ class Points:
         return scaling_flops(self.params, self.tokens)
 
     def subset(self, idx: np.ndarray) -> Points:
-        return Points(params=self.params[idx], tokens=self.tokens[idx], loss=self.loss[idx])
+        return Points(self.params[idx], self.tokens[idx], self.loss[idx], self.embeddings)
 
 
 def read_csv_rows(path: Path, what: str) -> list[dict[str, str]]:
@@ -82,7 +85,8 @@ def read_points(path: str | Path) -> Points:
         )
     except (TypeError, ValueError) as e:
         raise DataError(f"scale fit input {p}: non-numeric value ({e})") from None
-    return _checked(Points(params=n, tokens=d, loss=loss), f"scale fit input {p}: row", 2)
+    sweep = {"name", "budget"} <= set(rows[0])  # `scale sweep`'s runs.csv: non-embedding N
+    return _checked(Points(n, d, loss, embeddings=not sweep), f"scale fit input {p}: row", 2)
 
 
 def _checked(pts: Points, where: str, first: int) -> Points:
@@ -116,7 +120,7 @@ def _points_from_runs(root: Path) -> Points:
     if len(rows) < 3:
         raise DataError(f"scale fit input {root}: found {len(rows)} finished flopwise runs; need at least 3")
     n, d, loss = (np.array(c, dtype=float) for c in zip(*rows, strict=True))
-    return _checked(Points(params=n, tokens=d, loss=loss), f"scale fit input {root}: run", 1)
+    return _checked(Points(n, d, loss, embeddings=False), f"scale fit input {root}: run", 1)
 
 
 def _huber(r: np.ndarray, delta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -162,7 +166,7 @@ def _fit_from(starts, pts: Points, delta: float) -> tuple[np.ndarray, float]:
     return best_theta, best_value
 
 
-def _law(theta: np.ndarray, name: str) -> ParametricLaw:
+def _law(theta: np.ndarray, name: str, embeddings: bool = True) -> ParametricLaw:
     a, b, e, alpha, beta = theta
     return ParametricLaw(
         name=name,
@@ -172,6 +176,7 @@ def _law(theta: np.ndarray, name: str) -> ParametricLaw:
         alpha=float(alpha),
         beta=float(beta),
         source="fitted by flopwise (Approach 3, summed Huber δ=1e-3, L-BFGS)",
+        embeddings=embeddings,
     )
 
 
@@ -201,6 +206,7 @@ class Approach3Fit:
             "beta": L.beta,
             "a": L.a,
             "b": 1 - L.a,
+            "embeddings": L.embeddings,
             "objective": self.objective,
             "n_points": self.n_points,
             "bootstrap": self.bootstrap,
@@ -219,15 +225,21 @@ def _best_starts(pts: Points, delta: float, grid: dict, keep: int) -> np.ndarray
 
 
 def fit_approach3(
-    pts: Points, delta: float = 1e-3, bootstrap: int = 0, seed: int = 0, grid: dict | None = None, keep_starts: int = 64
+    pts: Points,
+    delta: float = 1e-3,
+    bootstrap: int = 0,
+    seed: int = 0,
+    grid: dict | None = None,
+    keep_starts: int = 64,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Approach3Fit:
     """Point estimate by L-BFGS from the `keep_starts` best points of Hoffmann's grid (on the
     Chinchilla data this finds the same optimum as all 4,500 starts, tested); bootstrap refits start
-    from the point estimate."""
+    from the point estimate; `progress(done, total)` hears each refit."""
     if len(pts) < 5:
         raise DataError(f"scale fit: {len(pts)} points; Approach 3 has 5 parameters and needs at least 5")
     theta, value = _fit_from(_best_starts(pts, delta, grid or _GRID, keep_starts), pts, delta)
-    fit = Approach3Fit(law=_law(theta, "fitted"), objective=value, n_points=len(pts))
+    fit = Approach3Fit(law=_law(theta, "fitted", pts.embeddings), objective=value, n_points=len(pts))
     if bootstrap:
         rng = np.random.default_rng(seed)
         samples = []
@@ -237,6 +249,8 @@ def fit_approach3(
             law = _law(t, "boot")
             fit.samples.append(law)
             samples.append((law.E, law.A, law.B, law.alpha, law.beta, law.a))
+            if progress:
+                progress(len(samples), bootstrap)
         arr = np.array(samples)
         for k, name in enumerate(("E", "A", "B", "alpha", "beta", "a")):
             fit.ci[name] = (float(np.percentile(arr[:, k], 2.5)), float(np.percentile(arr[:, k], 97.5)))
@@ -251,14 +265,14 @@ class IsoFlopFit:
     parabolas: list[tuple[float, float, float]]  # loss = c0 + c1·x + c2·x², x = log10 N
     a: float  # N_opt ∝ C^a
     k: float  # N_opt = k·C^a
+    groups: list[list[int]] = field(default_factory=list)  # each parabola's points, smallest first
 
     def to_json(self) -> dict:
         return {"budgets": self.budgets, "n_opt": self.n_opt, "a": self.a, "b": 1 - self.a, "k": self.k}
 
 
-def fit_approach2(pts: Points, rel_tol: float = 0.1) -> IsoFlopFit:
-    """IsoFLOP profiles: group points whose 6ND agree within rel_tol, fit a parabola of loss in log N
-    per group, take its minimum, then fit log N_opt against log C."""
+def isoflop_groups(pts: Points, rel_tol: float = 0.1) -> list[list[int]]:
+    """The points' budgets: indices of points whose 6ND agree within rel_tol, each group by size."""
     order = np.argsort(pts.flops)
     groups: list[list[int]] = []
     for i in order:
@@ -266,8 +280,14 @@ def fit_approach2(pts: Points, rel_tol: float = 0.1) -> IsoFlopFit:
             groups[-1].append(int(i))
         else:
             groups.append([int(i)])
-    budgets, n_opt, parabolas = [], [], []
-    for grp in groups:
+    return [sorted(g, key=lambda i: pts.params[i]) for g in groups]
+
+
+def fit_approach2(pts: Points, rel_tol: float = 0.1) -> IsoFlopFit:
+    """IsoFLOP profiles: group points whose 6ND agree within rel_tol, fit a parabola of loss in log N
+    per group, take its minimum, then fit log N_opt against log C."""
+    budgets, n_opt, parabolas, groups = [], [], [], []
+    for grp in isoflop_groups(pts, rel_tol):
         if len(grp) < 3:
             continue
         x = np.log10(pts.params[grp])
@@ -277,10 +297,13 @@ def fit_approach2(pts: Points, rel_tol: float = 0.1) -> IsoFlopFit:
         budgets.append(float(np.exp(np.log(pts.flops[grp]).mean())))
         n_opt.append(float(10 ** (-c1 / (2 * c2))))
         parabolas.append((float(c0), float(c1), float(c2)))
+        groups.append(grp)
     if len(budgets) < 2:
         raise DataError("scale fit: Approach 2 needs at least 2 budgets with 3+ sizes that bracket the optimum")
     a, log_k = np.polyfit(np.log(budgets), np.log(n_opt), 1)
-    return IsoFlopFit(budgets=budgets, n_opt=n_opt, parabolas=parabolas, a=float(a), k=float(math.exp(log_k)))
+    return IsoFlopFit(
+        budgets=budgets, n_opt=n_opt, parabolas=parabolas, a=float(a), k=float(math.exp(log_k)), groups=groups
+    )
 
 
 @dataclass(kw_only=True)
@@ -339,6 +362,7 @@ def _load_law(path: str | Path) -> ParametricLaw:
             alpha=float(d["alpha"]),
             beta=float(d["beta"]),
             source=str(p),
+            embeddings=bool(d.get("embeddings", True)),
         )
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(f"fitted law {p}: cannot read E, A, B, alpha, beta ({e})") from None
@@ -359,10 +383,12 @@ def plot_fits(pts: Points, fit3: Approach3Fit | None, iso: IsoFlopFit | None, ou
         fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=110)
         order = np.argsort(pts.flops)
         sc = ax.scatter(pts.params[order], pts.loss[order], c=np.log10(pts.flops[order]), s=14, cmap="viridis")
-        for (c0, c1, c2), n in zip(iso.parabolas, iso.n_opt, strict=True):
-            x = np.linspace(math.log10(n) - 1, math.log10(n) + 1, 50)
+        for (c0, c1, c2), n, grp in zip(iso.parabolas, iso.n_opt, iso.groups, strict=True):
+            sizes = np.log10(pts.params[grp])  # drawn over its own points, not around a far-off minimum
+            x = np.linspace(sizes.min() - 0.1, sizes.max() + 0.1, 50)
             ax.plot(10**x, c0 + c1 * x + c2 * x**2, lw=1, color="gray")
-            ax.axvline(n, lw=0.5, ls=":", color="gray")
+            if sizes.min() <= math.log10(n) <= sizes.max():
+                ax.axvline(n, lw=0.5, ls=":", color="gray")
         ax.set_xscale("log")
         ax.set(xlabel="parameters N", ylabel="loss", title="IsoFLOP profiles (Approach 2)")
         fig.colorbar(sc, label="log10 C")
@@ -396,6 +422,133 @@ def plot_fits(pts: Points, fit3: Approach3Fit | None, iso: IsoFlopFit | None, ou
     return written
 
 
+# What a fit is judged by (fit_warnings)
+_POINTS_PER_PARAM = 3  # Approach 3 fits 5 parameters: fewer than 15 points leave them loose
+_MIN_BUDGETS = 3  # an exponent through 2 IsoFLOP minima has no check and no error
+_MISS = 0.02  # a curve whose points sit further than this share of the loss from it misses them
+_EXPONENT = (0.05, 2.0)  # α and β of real language models: Hoffmann's grid spans 0-2; at its edge, a bound
+
+
+def fit_warnings(pts: Points, fit3: Approach3Fit, iso: IsoFlopFit | None) -> list[str]:
+    """What makes a fit untrustworthy, one line each naming the fix: too few points or budgets,
+    minima not bracketed, parameters at a bound, degenerate or sign-spanning intervals, curves that
+    miss their points."""
+    lines = _ladder_warnings(pts, iso) + _approach3_warnings(pts, fit3) + _approach2_warnings(pts, iso)
+    return _summarised(lines, _MAX_PER_KIND)
+
+
+_MAX_PER_KIND = 3  # budget lines of one kind beyond this are one line: a scatter of budgets (Epoch's
+# extraction of Chinchilla's points groups into 33) would otherwise bury the other warnings
+
+
+def _summarised(lines: list[str], most: int) -> list[str]:
+    """`lines`, with each kind of per-budget line ("budget C: ...") beyond `most` folded into one."""
+
+    def kind(line: str) -> str:  # the line without its budget and numbers
+        return re.sub(r"\([^)]*\)|[\d.,%+]+", "", line.split(": ", 1)[1])
+
+    kinds: dict[str, list[str]] = {}
+    for line in lines:
+        if line.startswith("budget "):
+            kinds.setdefault(kind(line), []).append(line)
+    out = []
+    for line in lines:
+        same = kinds.get(kind(line), []) if line.startswith("budget ") else []
+        if len(same) <= most:
+            out.append(line)
+        elif line is same[0]:
+            out.append(f"{len(same)} budgets alike, the first: {line}")
+    return out
+
+
+def _ladder_warnings(pts: Points, iso: IsoFlopFit | None) -> list[str]:
+    """The points themselves: how many, how many budgets, and whether each budget brackets its minimum."""
+    lines = []
+    if len(pts) < 5 * _POINTS_PER_PARAM:
+        lines.append(
+            f"{len(pts)} points for Approach 3's 5 parameters: they are loosely pinned; "
+            f"train more sizes or budgets ({5 * _POINTS_PER_PARAM}+ points)"
+        )
+    groups = [g for g in isoflop_groups(pts) if len(g) >= 3]
+    if len(groups) < _MIN_BUDGETS:
+        lines.append(
+            f"{len(groups)} budget(s) with 3+ sizes: an IsoFLOP exponent needs {_MIN_BUDGETS}+ to be checked; "
+            "add budgets"
+        )
+    for g in groups:
+        best = min(g, key=lambda i: pts.loss[i])
+        if best in (g[0], g[-1]):
+            end, fix = ("smallest", "smaller") if best == g[0] else ("largest", "larger")
+            lines.append(
+                f"budget {pts.flops[g].mean():.2g}: the {end} size ({pts.params[best]:,.0f}) has the lowest "
+                f"loss, so the optimum is not bracketed; add {fix} sizes (or widen --spread)"
+            )
+    return lines
+
+
+def _approach3_warnings(pts: Points, fit3: Approach3Fit) -> list[str]:
+    """Approach 3's parameters at a bound, its bootstrap intervals, and how far its curve is from the points."""
+    law, lines = fit3.law, []
+    if law.E < 1e-3 * pts.loss.min():
+        lines.append(
+            f"E = {law.E:.3g}: the irreducible loss went to zero (a bound), the points do not pin it; "
+            "train wider sizes and more budgets"
+        )
+    for name in ("alpha", "beta"):
+        value = getattr(law, name)
+        if not _EXPONENT[0] <= value <= _EXPONENT[1]:
+            lines.append(
+                f"{name} = {value:.3g}: at the edge of what language models show ({_EXPONENT[0]}-{_EXPONENT[1]}); "
+                "train wider sizes (a decade or more within a budget)"
+            )
+    pred = np.array([law.loss(n, d) for n, d in zip(pts.params, pts.tokens, strict=True)])
+    miss = float(np.sqrt(np.mean(((pred - pts.loss) / pts.loss) ** 2)))
+    flat = [k for k, (lo, hi) in fit3.ci.items() if hi - lo <= 1e-6 * max(abs(getattr(law, k)), 1e-12)]
+    if flat and miss > 1e-6:  # points on the law exactly resample to the same fit: no fault
+        lines.append(
+            f"{', '.join(flat)}: bootstrap intervals of no width (every resample lands on the same "
+            "fit, a bound); train more sizes"
+        )
+    across = [
+        f"{k} [{lo:.3g}, {hi:.3g}]" for k, (lo, hi) in fit3.ci.items() if k in ("alpha", "beta", "a") and lo < 0 < hi
+    ]
+    if across:
+        lines.append(f"{', '.join(across)}: intervals that span zero; train more sizes and budgets")
+    if miss > _MISS:
+        lines.append(
+            f"Approach 3's curve misses its points by {miss:.1%} (rms); the law's form does not hold "
+            "over them: check for unfinished or diverged runs, or drop the highest losses (--drop-highest)"
+        )
+    return lines
+
+
+def _approach2_warnings(pts: Points, iso: IsoFlopFit | None) -> list[str]:
+    """Approach 2's exponent, minima outside their sizes, and parabolas that miss their points."""
+    if iso is None:
+        return ["Approach 2: no budget's parabola has a minimum (no IsoFLOP fit); add sizes either side"]
+    lines = []
+    if not 0 < iso.a < 1:
+        lines.append(
+            f"Approach 2: N_opt ∝ C^{iso.a:.2f} is outside (0, 1), not a compute-optimal frontier; "
+            "bracket each budget's minimum and add budgets"
+        )
+    for (c0, c1, c2), n, grp in zip(iso.parabolas, iso.n_opt, iso.groups, strict=True):
+        x = np.log10(pts.params[grp])
+        if not x.min() <= math.log10(n) <= x.max():
+            lines.append(
+                f"budget {pts.flops[grp].mean():.2g}: its parabola's minimum ({n:,.0f}) lies outside the "
+                f"sizes trained ({pts.params[grp].min():,.0f}-{pts.params[grp].max():,.0f}), extrapolated; "
+                "add sizes on that side"
+            )
+        off = np.abs(c0 + c1 * x + c2 * x**2 - pts.loss[grp]) / pts.loss[grp]
+        if off.max() > _MISS:
+            lines.append(
+                f"budget {pts.flops[grp].mean():.2g}: its parabola misses a point by {off.max():.1%}; "
+                "add sizes nearer the minimum"
+            )
+    return lines
+
+
 @dataclass
 class FitReport:
     points: Points
@@ -403,27 +556,35 @@ class FitReport:
     approach2: IsoFlopFit | None  # None: the points hold no IsoFLOP profile to fit
     kaplan: KaplanFit
     plots: list[Path]  # the figures written
+    warnings: list[str] = field(default_factory=list)  # fit_warnings: why not to trust it, and the fix
 
     def to_json(self) -> dict:
         return {
             **self.approach3.to_json(),
             "approach2": self.approach2.to_json() if self.approach2 else None,
             "kaplan": self.kaplan.to_json(),
+            "warnings": self.warnings,
         }
 
 
 def fit_runs(
-    runs: str | Path, bootstrap: int = 200, drop_highest: int = 0, plots: Path | None = None, out: Path | None = None
+    runs: str | Path,
+    bootstrap: int = 200,
+    drop_highest: int = 0,
+    plots: Path | None = None,
+    out: Path | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> FitReport:
     """`flopwise scale fit`: Approach 3 (with bootstrap CIs), IsoFLOP parabolas where the points
-    allow, and Kaplan's form, on the points of `runs` less its `drop_highest` highest losses; the
-    fitted law saved to `out` and the figures to `plots`, every output checked writable first."""
+    allow, and Kaplan's form, on the points of `runs` less its `drop_highest` highest losses, judged
+    (`fit_warnings`); the fitted law saved to `out` and the figures to `plots`, every output checked
+    writable first; `progress(done, total)` hears each bootstrap refit."""
     for path in ([out] if out else []) + ([plots / n for n in PLOT_NAMES] if plots else []):
         check_writable(path, "--out" if path == out else "--plots")
     pts = read_points(runs)
     if drop_highest:
         pts = pts.subset(np.argsort(pts.loss)[:-drop_highest])
-    fit3 = fit_approach3(pts, bootstrap=bootstrap)
+    fit3 = fit_approach3(pts, bootstrap=bootstrap, progress=progress)
     try:
         iso: IsoFlopFit | None = fit_approach2(pts)
     except FlopwiseError:
@@ -432,4 +593,4 @@ def fit_runs(
     if out:
         save_law(fit3, out, "--out")
     written = plot_fits(pts, fit3, iso, plots) if plots else []
-    return FitReport(pts, fit3, iso, kaplan, written)
+    return FitReport(pts, fit3, iso, kaplan, written, fit_warnings(pts, fit3, iso))

@@ -32,6 +32,7 @@ class ParametricLaw:
     alpha: float
     beta: float
     source: str = ""
+    embeddings: bool = True  # N counts the embeddings (Hoffmann); False: a law fitted to a sweep's non-embedding N
 
     def loss(self, n: float, d: float) -> float:
         return self.E + self.A / n**self.alpha + self.B / d**self.beta
@@ -289,11 +290,13 @@ def choose_shape(
     closest), and among those the one whose d_model/n_layers is nearest ASPECT_CENTRE (the closest
     count alone picks extremes of the range for large targets: 130 × 6656 for 70B).
 
-    d_model is a multiple of 128 (of 32 below 512 for tiny CPU models), head_dim 128 (64 below
-    d_model 1024, 32 below 256), ffn 8/3·d rounded up to 256 (to 32 below d_model 1024) for
-    SwiGLU (4·d otherwise), and
-    d_model/n_layers inside `aspect`, the range Kaplan §3.1 found flat and Chinchilla's Table A9
-    models use (64-110).
+    Heads divide the width: head_dim 128 with d_model a multiple of 1024 from 1024 up (n_heads a
+    multiple of 8, so tensor parallelism within a node of 8 splits them; a prime count such as 59
+    allows no tensor parallelism at all), head_dim 64 with d_model a multiple of 128 from 512, 32
+    with a multiple of 32 from 128, 16 with a multiple of 16 below (the ladder's tiny CPU models,
+    tens of thousands of parameters, in steps fine enough to bracket an optimum). The SwiGLU ffn is
+    8/3·d rounded up to 256 (to 32 below d_model 1024; 4·d otherwise), and d_model/n_layers stays
+    inside `aspect`, the range Kaplan §3.1 found flat and Chinchilla's Table A9 models use (64-110).
     """
     from flopwise.config.schema import ModelConfig
     from flopwise.flops import count_params
@@ -302,13 +305,11 @@ def choose_shape(
     for n_layers in range(1, 513):
         # only the d_model the aspect range allows (the rest were skipped one by one)
         for d in range(
-            32 * max(1, math.ceil(aspect[0] * n_layers / 32)), min(131072, int(aspect[1] * n_layers)) + 1, 32
+            16 * max(1, math.ceil(aspect[0] * n_layers / 16)), min(131072, int(aspect[1] * n_layers)) + 1, 16
         ):
-            if d >= 512 and d % 128:
+            head_dim = _head_dim(d)
+            if head_dim is None or not aspect[0] <= d / n_layers <= aspect[1]:
                 continue
-            if not aspect[0] <= d / n_layers <= aspect[1]:
-                continue
-            head_dim = 128 if d >= 1024 else 64 if d >= 256 else 32
             unit = 256 if d >= 1024 else 32
             ffn = unit * math.ceil(8 * d / 3 / unit) if mlp == "swiglu" else 4 * d
             approx = n_layers * (4 * d * d + (3 if mlp == "swiglu" else 2) * d * ffn)
@@ -347,6 +348,14 @@ def choose_shape(
         non_embedding_params=c.non_embedding,
         model=m,
     )
+
+
+def _head_dim(d: int) -> int | None:
+    """The head size of width `d` (see choose_shape), or None for a width the shapes skip."""
+    for floor, step, head in ((1024, 1024, 128), (512, 128, 64), (128, 32, 32), (0, 16, 16)):
+        if d >= floor:
+            return head if d % step == 0 else None
+    return None
 
 
 def batch_and_lr(flops: float) -> tuple[float, float, str]:
@@ -446,8 +455,9 @@ def allocate(
             notes.append("over 4 epochs: returns from repeated data fall off quickly; consider more unique data")
     loss, loss_name = predicted_loss(law, n, effective_tokens(d, unique_tokens) if unique_tokens else d)
     is_kaplan = isinstance(law, PowerLawAllocation) and law.name == "kaplan"
-    shape = choose_shape(n, vocab_size, count_embeddings=not is_kaplan)
-    shape_n = shape.non_embedding_params if is_kaplan else shape.params
+    embeddings = not is_kaplan and (law.embeddings if isinstance(law, ParametricLaw) else True)
+    shape = choose_shape(n, vocab_size, count_embeddings=embeddings)
+    shape_n = shape.params if embeddings else shape.non_embedding_params
     if abs(shape_n / n - 1) > 0.1:
         notes.append(f"nearest allowed shape has {shape_n:.3g} parameters ({100 * (shape_n / n - 1):+.0f}%)")
     batch, lr, rule = batch_and_lr(flops)
@@ -466,16 +476,31 @@ def allocate(
     )
 
 
-def allocation_config(a: Allocation, seq_len: int, vocab_size: int | None = None) -> str:
-    """A training TOML for the allocation that `flopwise train` (and the planner) accept."""
-    from flopwise.config.schema import to_toml, validate
+def round_batch(sequences: float) -> int:
+    """A global batch near `sequences` with many divisors: a multiple of the largest power of two
+    that leaves 4-8 of it (within 12.5% of the rule's value), so data-parallel degrees up to that
+    power divide it (5,672 = 8 x 709, a prime, admits no data parallelism beyond 8)."""
+    if sequences < 8:
+        return max(1, round(sequences))
+    unit = 2 ** (math.floor(math.log2(sequences)) - 2)
+    return unit * round(sequences / unit)
 
-    global_batch = max(1, round(a.global_batch_tokens / seq_len))
+
+def allocation_config(a: Allocation, seq_len: int, vocab_size: int, hardware: str, gpus: int) -> str:
+    """A training TOML for the allocation that `flopwise plan` searches and `flopwise train` runs:
+    the shape, `plan.tokens` (the allocation's D), `gpus` devices of `hardware`, a global batch near
+    the rule's with many divisors, and the layout left to the search (parallel.layout=auto, no
+    parallel.* or train.micro_batch given); a tokenizer trained to the model's vocabulary."""
+    import tomli_w
+
+    from flopwise.config.schema import validate
+
+    global_batch = round_batch(a.global_batch_tokens / seq_len)
     steps = max(1, round(a.tokens / (global_batch * seq_len)))
-    micro = next(m for m in (8, 4, 2, 1) if global_batch % m == 0)
     s = a.shape
+    name = f"{a.law.replace(':', '-')}-{s.params / 1e9:.2f}B"
     tree = {
-        "run": {"name": f"{a.law}-{s.params / 1e9:.2f}B", "dir": f"runs/{a.law}-{s.params / 1e9:.2f}B"},
+        "run": {"name": name, "dir": f"runs/{name}"},
         "model": {
             "arch": "llama",
             "n_layers": s.n_layers,
@@ -483,26 +508,28 @@ def allocation_config(a: Allocation, seq_len: int, vocab_size: int | None = None
             "n_heads": s.n_heads,
             "head_dim": s.head_dim,
             "ffn_dim": s.ffn_dim,
-            "vocab_size": vocab_size or 32000,
+            "vocab_size": vocab_size,
             "max_seq_len": seq_len,
         },
-        "data": {"seq_len": seq_len},
-        "train": {
-            "steps": steps,
-            "global_batch": global_batch,
-            "micro_batch": micro,
-            "eval_every": max(1, steps // 20),
-        },
+        "data": {"seq_len": seq_len, "tokenizer": f"bpe:{vocab_size}"},
+        "train": {"steps": steps, "global_batch": global_batch, "eval_every": max(1, steps // 20)},
         "optim": {
             "lr": a.lr,
             "min_lr": 0.1 * a.lr,
             "warmup_steps": min(2000, max(1, steps // 100)),
             "schedule": "cosine",
         },
+        "parallel": {"layout": "auto"},
         "checkpoint": {"interval": max(1, steps // 50)},
+        "cluster": {"hardware": hardware, "gpus": gpus},
+        "plan": {"tokens": float(round(a.tokens))},
     }
+    validate(tree)
     header = (
         f"# {a.law}: N = {a.params:.4g} (shape {s.params:.4g}), D = {a.tokens:.4g} tokens, C = {a.flops:.4g} "
         f"FLOPs, predicted loss {a.predicted_loss:.3f} ({a.loss_law}); batch/LR: {a.batch_rule}\n"
+        f"# the layout is the planner's (`flopwise plan` this file; parallel.layout=auto when it trains); "
+        f"data.path: the shipped sample until you point it at your corpus (data.tokenizer trains a "
+        f"{vocab_size:,}-token BPE on it)\n"
     )
-    return header + to_toml(validate(tree))
+    return header + tomli_w.dumps(tree)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import json
 import logging
 import math
@@ -30,13 +31,14 @@ from typing import IO, TYPE_CHECKING, Self, cast
 from rich.console import Console
 
 from flopwise.config.schema import Config, to_toml, validate
+from flopwise.data.shards import SHARDS_FORMAT, input_digest
 from flopwise.errors import ConfigError, TrainingStopped
-from flopwise.files.outputs import check_folder, check_writable, read_records, write_csv, write_text
+from flopwise.files.outputs import cache_dir, check_folder, check_writable, read_records, write_csv, write_text
 from flopwise.files.ownership import folder_lock
 from flopwise.flops import scaling_flops, scaling_tokens
 from flopwise.log import printing_to
 from flopwise.scale.fit import fitted_law
-from flopwise.scale.laws import ChosenShape, choose_shape, get_law
+from flopwise.scale.laws import ChosenShape, ParametricLaw, choose_shape, get_law
 
 if TYPE_CHECKING:
     from flopwise.train.trainer import TrainResult
@@ -54,6 +56,57 @@ class LadderRun:
     config: Config
 
 
+@dataclass(frozen=True)
+class LadderPreset:
+    """A ladder with its data, shapes and budgets chosen together: `scale sweep --preset NAME`."""
+
+    about: str
+    overrides: tuple[str, ...]  # on top of the base config, before the user's own key=value
+    budgets: str
+    sizes: int
+    spread: float
+    law: str
+    heldout: float  # the budget docs/scaling-laws.md predicts with the fitted law, then trains
+
+
+LADDER_PRESETS = {
+    # Measured once on 2 shared cores (docs/scaling-laws.md): 57 min of wall-clock at a load of 13-16
+    # (822 s of CPU: about 7 min on a quiet machine), 15 runs of 13K-640K non-embedding parameters.
+    # Centred on chinchilla-1 it brackets 3e12's minimum (80K) but not 3e11's or 1e12's, which fall at
+    # their smallest sizes: this setting's optimum is about a quarter of chinchilla-1's N, and 13K is
+    # the smallest shape the aspect range allows, so 3e11 cannot be bracketed (docs: what to change)
+    "cpu-tiny": LadderPreset(
+        about="3 budgets x 5 sizes of 13K-640K parameters on Shakespeare (bpe:512, seq 128)",
+        overrides=(
+            'data.tokenizer="bpe:512"',
+            "model.vocab_size=512",
+            "data.seq_len=128",
+            "model.max_seq_len=128",
+            "train.global_batch=16",
+            "train.micro_batch=16",
+            "train.eval_batches=32",
+        ),
+        budgets="3e11,1e12,3e12",
+        sizes=5,
+        spread=16.0,
+        law="chinchilla-1",
+        heldout=6e11,
+    ),
+}
+
+
+_NO_PRESET = LadderPreset("the flags' defaults", (), "3e12,1e13,3e13", 5, 8.0, "chinchilla-3", 0.0)
+
+
+def ladder_preset(name: str | None) -> LadderPreset:
+    """A named preset, or (None) the flags' own defaults."""
+    if name is None:
+        return _NO_PRESET
+    if name not in LADDER_PRESETS:
+        raise ConfigError(f"--preset {name!r}: unknown (known: {', '.join(LADDER_PRESETS)})")
+    return LADDER_PRESETS[name]
+
+
 def plan_ladder(
     base: Config,
     budgets: list[float],
@@ -69,6 +122,7 @@ def plan_ladder(
         raise ConfigError("--sizes must be >= 1 and --spread >= 1")
     law = get_law(law_name, fitted_law(law_name))
     out = Path(out)
+    data_dir = _data_dir(base, out)
     tokens_per_step = base.train.global_batch * base.data.seq_len
     shapes = {budget: _shapes(law, budget, sizes, spread, base.model.vocab_size) for budget in budgets}
     for budget in budgets:
@@ -89,7 +143,7 @@ def plan_ladder(
             name = f"C{budget:.0e}-N{n / 1e6:.3f}M".replace("+", "")
             tree = json.loads(base.model_dump_json(exclude_none=True))
             tree["run"].update(name=name, dir=str(out / name))
-            tree["data"]["path"] = str(_data_dir(base, out))
+            tree["data"]["path"] = str(data_dir)
             tree["model"] = {
                 "arch": "llama",
                 "n_layers": shape.n_layers,
@@ -149,9 +203,46 @@ def _smallest_budget(law, budget: float, sizes: int, spread: float, vocab: int, 
 
 
 def _data_dir(base: Config, out: Path) -> Path:
-    """The ladder shares one prepared copy of the data: the given dir, or <out>/data."""
+    """The ladder's one prepared copy of the data: the given folder; for one raw input, an entry of
+    the data cache named by content (`_cache_entry`), so every ladder over the same corpus and
+    tokenizer shares it and a second --out prepares nothing; for a mixture, <out>/data."""
     given = Path(base.data.path)
-    return given if (given / "index.json").exists() else out / "data"
+    if (given / "index.json").exists():
+        return given
+    return out / "data" if base.data.sources else _cache_entry(base) / "data"
+
+
+def _cache_entry(base: Config) -> Path:
+    """The data cache's folder for `base`'s raw input as `flopwise train` would prepare it: named by
+    the sha256 of the input's bytes and the recipe (tokenizer, held-out share, seed, shard format)."""
+    tok = base.data.tokenizer
+    tok_file = Path(tok)
+    recipe = {
+        "input": input_digest(base.data.path),
+        "tokenizer": hashlib.sha256(tok_file.read_bytes()).hexdigest() if tok_file.is_file() else tok,
+        "val_fraction": base.data.val_fraction,
+        "seed": base.run.seed,
+        "format": SHARDS_FORMAT,
+    }
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / "data" / key
+
+
+def _ensure_data(base: Config, runs: list[LadderRun], out: Path) -> None:
+    """Prepare the data the runs read, once: in its cache entry (locked: one preparer at a time), or
+    in <out> for a mixture; a prepared folder given is read where it is."""
+    from flopwise.train.build import ensure_data
+
+    data = Path(runs[0].config.data.path) if runs else out / "data"
+    if data == Path(base.data.path):
+        return
+    if data.parent == out:
+        ensure_data(base, out, "--out")
+        return
+    with folder_lock(data.parent, "the data cache (FLOPWISE_CACHE_DIR)") as entry:
+        if (data / "index.json").is_file():
+            logger.info(f"data: {data} (prepared before, shared by content)")
+        ensure_data(base, entry, "the data cache (FLOPWISE_CACHE_DIR)")
 
 
 def _is_finished(run: LadderRun) -> bool:
@@ -225,10 +316,8 @@ def run_ladder(base: Config, runs: list[LadderRun], out: Path, jobs: int = 1) ->
     """
     import torch
 
-    from flopwise.train.build import ensure_data
-
     _check_outputs(runs, out, table=True)  # before hours of training, not after
-    ensure_data(base, out, "--out")
+    _ensure_data(base, runs, out)
     write_configs(runs, out)
     todo = []
     for i, r in enumerate(runs, 1):
@@ -384,6 +473,27 @@ def budgets_from(text: str) -> list[float]:
     return values
 
 
+def _law_notes(law, runs: list[LadderRun], sizes: int) -> list[str]:
+    """One line for each run of a one-size ladder whose shape is not the size the law asked (and
+    why), and, under a parametric law (a fitted one), the loss it predicts for each run, before training."""
+    lines = []
+    for r in runs:
+        n_opt = law.frontier(r.budget)[0]
+        m = r.config.model
+        if sizes == 1 and abs(r.params / n_opt - 1) > 0.1:
+            lines.append(
+                f"{r.name}: {law.name} asks N = {n_opt:,.0f}; trains {r.params:,} non-embedding parameters, "
+                f"the nearest shape ({m.n_layers} layer(s) × d_model {m.d_model}: shapes come in whole "
+                "layers and d_model steps of 16 to 1024), for the tokens that keep C = 6ND"
+            )
+        if isinstance(law, ParametricLaw):
+            lines.append(
+                f"{r.name}: {law.name} predicts loss {law.loss(r.params, r.tokens):.4f} at N = {r.params:,}, "
+                f"D = {r.tokens:,} (before training; compare runs.csv)"
+            )
+    return lines
+
+
 @dataclass(frozen=True)
 class Sweep:
     runs: list[LadderRun]
@@ -414,6 +524,8 @@ def sweep_ladder(
             "them round to a shape already in their budget (small models) and are trained once; widen --spread "
             "for more distinct sizes"
         )
+    for line in _law_notes(get_law(law, fitted_law(law)), runs, sizes):
+        note(line)
     with folder_lock(out, "--out"):  # one sweep writes a ladder folder (each run locks its own)
         if emit:
             return Sweep(runs, commands=launch_commands(write_configs(runs, out), nproc))
