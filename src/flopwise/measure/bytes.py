@@ -169,7 +169,7 @@ class SavedBytes(saved_tensors_hooks):
 
 
 class CommCounter(TorchDispatchMode):
-    """Counts collectives by kind: calls and elements of the full (unsharded) buffer each moves.
+    """Counts collectives by kind: calls, elements and bytes of the full (unsharded) buffer each moves.
 
     all_reduce: the buffer; all_gather: the gathered output; reduce_scatter: the input; broadcast,
     send, recv: the tensor."""
@@ -180,6 +180,7 @@ class CommCounter(TorchDispatchMode):
         super().__init__()
         self.calls: dict[str, int] = defaultdict(int)
         self.elements: dict[str, int] = defaultdict(int)
+        self.bytes: dict[str, int] = defaultdict(int)
         self.sizes: dict[str, list[int]] = defaultdict(list)
 
     def volumes(self) -> dict[str, int]:
@@ -205,6 +206,8 @@ class CommCounter(TorchDispatchMode):
                 n = _elements(kind, args, out, inplace=ns == "c10d" and name.startswith("_reduce_scatter_base"))
                 self.calls[kind] += 1
                 self.elements[kind] += n
+                if n > 1:  # the model's traffic (as `volumes`)
+                    self.bytes[kind] += n * next((t.element_size() for t in _tensors(args)), 0)
                 self.sizes[kind].append(n)
         return out
 
