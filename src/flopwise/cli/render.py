@@ -306,7 +306,7 @@ def print_rehearsal(r: dict) -> None:
     table = new_table(
         f"{r['layout']}: one step of each rank below as rank r of {r['world']:,} (fake process group, "
         f"fake tensors), beside the planner",
-        ("rank", "stage", "quantity", "planned GiB", "rehearsed GiB", "difference"),
+        ("rank", "stage", "quantity", "planned", "rehearsed", "difference"),
         left=("quantity",),
     )
     for rank in r["ranks"]:
@@ -323,7 +323,7 @@ def print_rehearsal(r: dict) -> None:
             )
             diff = f"{(got - want) / want:+.1%}" if want else "–"
             cells = head if i == 0 else ["", ""]
-            table.add_row(*cells, q, f"{want / gib:.2f}", f"{got / gib:.2f}", diff, end_section=i == len(names) - 1)
+            table.add_row(*cells, q, size(want), size(got), diff, end_section=i == len(names) - 1)
     stdout.print(table)
     for rank in r["ranks"]:
         if "error" in rank:

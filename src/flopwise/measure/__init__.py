@@ -1,5 +1,6 @@
 """Measurements on this machine that feed or check the planner: hardware calibration,
-`plan measure` (the engine beside the planner), measured bytes, restart costs, the Hopper tables."""
+`plan measure` (the engine beside the planner), measured bytes, restart costs, the Hopper tables,
+`plan --rehearse` (one rank of the full world on fake tensors, beside the planner)."""
 
 from flopwise import public_api
 
@@ -15,6 +16,7 @@ HOMES = {
         "sweep",
     ],
     "hopper_tables": ["derive", "predict", "run_config", "SHAPE_1B"],
+    "rehearse": ["CATEGORIES", "distinct_ranks", "rehearse_plan", "rehearse_rank"],
     "step": ["gather", "measure_plan", "measure_rank", "predicted_time", "QUANTITIES"],
 }
 __all__ = [name for names in HOMES.values() for name in names]

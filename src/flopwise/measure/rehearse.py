@@ -162,22 +162,33 @@ def _coordinates(lo: Layout, rank: int) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def _fake_world(hidden: torch.Tensor):
-    """torch's pieces that compute layout metadata (a mesh's coordinates, a shard's box) run on
-    real tensors, outside the fake mode: their values decide shapes (the fake mode refuses
-    data-dependent ops). DTensor's sharding propagation gets a fake mode of its own, so the memory
-    tracker does not count its whole-tensor stand-ins (MemTracker skips other fake modes). Initial
-    values are not drawn: a fake tensor holds none. A pipeline stage's neighbours are not there
-    to answer: its warm-up vote settles on inferring shapes, the previous stage's output is
-    `hidden` (the residual stream every stage boundary carries) and the next stage's gradient has
-    this stage's output's shape."""
+def _fake_world(hidden: torch.Tensor, comm: Any, tracker: Any):
+    """torch and flopwise as a rank of a world that is not there: `_metadata_patches` and
+    `_pipeline_patches` in force, undone after."""
+    patches = {**_metadata_patches(), **_pipeline_patches(hidden, comm, tracker)}
+    saved = {(owner, name): getattr(owner, name) for owner, name in patches}
+    for (owner, name), value in patches.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for (owner, name), value in saved.items():
+            setattr(owner, name, value)
+
+
+def _metadata_patches() -> dict[tuple[Any, str], Any]:
+    """The model is made on the real meta device (a fake meta parameter cannot be swapped for its
+    fake allocation), and the pieces that compute layout metadata (a mesh's coordinates, a shard's
+    box) run on real tensors, outside the fake mode: their values decide shapes (the fake mode
+    refuses data-dependent ops). DTensor's sharding propagation gets a fake mode of its own, so the
+    memory tracker does not count its whole-tensor stand-ins (MemTracker skips other fake modes).
+    Initial values are not drawn: a fake tensor holds none."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed import device_mesh
-    from torch.distributed.pipelining import _utils as pp_utils
-    from torch.distributed.pipelining.stage import PipelineStage
     from torch.distributed.tensor import _sharding_prop
 
     from flopwise.model import init
+    from flopwise.model.transformer import Transformer
 
     def real(fn):
         def wrapped(*args, **kwargs):
@@ -186,51 +197,67 @@ def _fake_world(hidden: torch.Tensor):
 
         return wrapped
 
+    return {
+        (Transformer, "__init__"): real(Transformer.__init__),
+        (device_mesh.DeviceMesh, "__init__"): real(device_mesh.DeviceMesh.__init__),
+        (init, "compute_local_shape_and_global_offset"): real(init.compute_local_shape_and_global_offset),
+        (init, "normal_box"): lambda seed, name, full, offset, shape: torch.empty(shape),
+        (_sharding_prop, "detect_fake_mode"): lambda *args: None,
+    }
+
+
+def _pipeline_patches(hidden: torch.Tensor, comm: Any, tracker: Any) -> dict[tuple[Any, str], Any]:
+    """A pipeline stage's neighbours are not there to answer: its warm-up vote settles on
+    inferring shapes, the previous stage's output is `hidden` (the residual stream every stage
+    boundary carries) and a gradient has its tensor's shape (torch runs autograd.grad to learn so,
+    which the memory tracker's module hooks refuse; the inference's graph is freed by a backward
+    of its own, whose gradients are dropped). `comm` counts none of the collectives of that one-off
+    inference (torch runs it before a pipeline's first step only), and `tracker`'s peak starts
+    after it."""
+    from torch.distributed.pipelining import _utils as pp_utils
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    infer_forward = PipelineStage._forward_metadata_inference
+    boundary = pp_utils._StageForwardMeta(forward_metas=pp_utils.extract_tensor_metas((hidden,)) or ())
+
     def vote(*args, **kwargs) -> SimpleNamespace:
         return SimpleNamespace(item=lambda: 0)  # the vote's outcome, read on the host: infer the shapes
 
-    def recv_meta(stage: PipelineStage, src_stage: int):
-        return pp_utils._StageForwardMeta(forward_metas=pp_utils.extract_tensor_metas((hidden,)))
+    def forward_meta(stage: PipelineStage, *args, **kwargs):
+        comm.paused = True
+        try:
+            return infer_forward(stage, *args, **kwargs)
+        finally:
+            comm.paused = False
 
     def backward_meta(stage: PipelineStage, *args, **kwargs):
-        """A gradient has its tensor's shape (torch runs autograd.grad to learn so, which the
-        memory tracker's module hooks refuse)."""
-        inputs = stage._fwd_inputs_for_bwd_meta
+        inputs, outputs = stage._fwd_inputs_for_bwd_meta, stage._fwd_outputs_for_bwd_meta or ()
         stage._fwd_outputs_for_bwd_meta = stage._fwd_inputs_for_bwd_meta = None
         stage._fwd_kwargs_tensors_for_bwd_meta = None
-        outputs = stage._stage_meta.outputs
-        stage._stage_meta.output_grads = None if stage.is_last or outputs is None else pp_utils._derive_grad_metas(outputs)
+        comm.paused = True
+        try:
+            live = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+            torch.autograd.backward(live, [torch.ones_like(o) for o in live])
+        finally:
+            comm.paused = False
+        for p in stage.submod.parameters():
+            p.grad = None
+        tracker.restart_peak()
+        metas = stage._stage_meta.outputs
+        stage._stage_meta.output_grads = None if stage.is_last or metas is None else pp_utils._derive_grad_metas(metas)
         metas = pp_utils.extract_tensor_metas(inputs)
         stage._stage_meta.input_grads = pp_utils._derive_grad_metas(metas) if metas is not None else None
         meta = pp_utils._StageBackwardMeta(backward_metas=stage._stage_meta.input_grads or ())
         return meta if stage.is_first or stage._is_same_rank(stage.stage_index - 1) else None
 
-    saved = [
-        (device_mesh.DeviceMesh, "__init__"),
-        (init, "compute_local_shape_and_global_offset"),
-        (init, "normal_box"),
-        (_sharding_prop, "detect_fake_mode"),
-        (PipelineStage, "_warmup_forward_vote"),
-        (PipelineStage, "_warmup_backward_result"),
-        (PipelineStage, "_recv_meta"),
-        (PipelineStage, "_backward_metadata_inference"),
-        (PipelineStage, "_send_meta"),
-    ]
-    saved_values = [(owner, name, getattr(owner, name)) for owner, name in saved]
-    device_mesh.DeviceMesh.__init__ = real(device_mesh.DeviceMesh.__init__)  # type: ignore[method-assign]
-    init.compute_local_shape_and_global_offset = real(init.compute_local_shape_and_global_offset)
-    init.normal_box = lambda seed, name, full, offset, shape: torch.empty(shape)
-    _sharding_prop.detect_fake_mode = lambda *args: None
-    PipelineStage._warmup_forward_vote = vote  # type: ignore[method-assign]
-    PipelineStage._warmup_backward_result = vote  # type: ignore[method-assign]
-    PipelineStage._recv_meta = recv_meta  # type: ignore[method-assign]
-    PipelineStage._backward_metadata_inference = backward_meta  # type: ignore[method-assign]
-    PipelineStage._send_meta = lambda stage, meta, dst: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        for owner, name, value in saved_values:
-            setattr(owner, name, value)
+    return {
+        (PipelineStage, "_warmup_forward_vote"): vote,
+        (PipelineStage, "_warmup_backward_result"): vote,
+        (PipelineStage, "_recv_meta"): lambda stage, src: boundary,
+        (PipelineStage, "_send_meta"): lambda stage, meta, dst: None,
+        (PipelineStage, "_forward_metadata_inference"): forward_meta,
+        (PipelineStage, "_backward_metadata_inference"): backward_meta,
+    }
 
 
 def _hidden(cfg: Config, lo: Layout) -> torch.Tensor:
@@ -263,7 +290,11 @@ def _tracker():
             for snap in self._curr_mem_snap.values():
                 live = snap[_TOTAL_KEY] - snap[_MemRefType.OPT]
                 if live > self.peak:
-                    self.peak, self.at_peak = live, {str(k.value if k != _TOTAL_KEY else k): v for k, v in snap.items()}
+                    self.peak, self.at_peak = live, {getattr(k, "value", k): v for k, v in snap.items()}
+
+        def restart_peak(self) -> None:
+            self.peak, self.at_peak = 0, {}
+            self._update_peak_stats(None)
 
         def live(self) -> int:
             return sum(s[_TOTAL_KEY] - s[_MemRefType.OPT] for s in self._curr_mem_snap.values())
@@ -294,15 +325,15 @@ def rehearse_rank(cfg: Config, rank: int, world: int) -> dict[str, Any]:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         par = Parallel(lo, make_mesh(lo, device), device, [0] * world)  # real: its coordinates are values
-        with _fake_world(_hidden(cfg, lo)), FakeTensorMode(allow_non_fake_inputs=True):
+        comm, (tracker, ref) = acc.CommCounter(), _tracker()
+        with _fake_world(_hidden(cfg, lo), comm, tracker), FakeTensorMode(allow_non_fake_inputs=True):
             engine, opt = build_engine(cfg, par)
             out: dict[str, Any] = {"parameters": acc.param_bytes(engine.parts)}
             run = _Rehearsal(cfg, engine, opt, cfg.train.global_batch // lo.dp)
-            tracker, ref = _tracker()
             tracker.track_external(*engine.parts)
             grads: list[int] = []
             hook = local_optimizer(opt).register_step_pre_hook(lambda *_: grads.append(acc.grad_bytes(engine.parts)))
-            with acc.CommCounter() as comm, tracker:
+            with comm, tracker, acc.SavedBytes(*engine.parts, fake=True) as saved:
                 out["buffers"] = tracker.category(ref.BUFFER)
                 before = tracker.live()
                 train_step(run, 0, Faults())  # type: ignore[arg-type]  # the step reads cfg, engine, optimizer, loader
@@ -310,7 +341,7 @@ def rehearse_rank(cfg: Config, rank: int, world: int) -> dict[str, Any]:
             out |= {
                 "gradients": grads[-1],
                 "optimizer": acc.optimizer_bytes(local_optimizer(opt)),
-                "activations": tracker.at_peak.get(ref.ACT.value, 0),
+                "activations": saved.bytes,
                 "peak": tracker.peak - before,
                 "at_peak": tracker.at_peak,
                 "collectives": {k: {"elements": n, "bytes": comm.bytes[k]} for k, n in comm.volumes().items()},
