@@ -71,7 +71,7 @@ def rehearsed_config(path: str | None, overrides: list[str]) -> tuple[Config, La
 def rehearse_plan(path: str | None, overrides: list[str], ranks: list[int] | None = None) -> dict[str, Any]:
     """Rehearse each of `ranks` (default: `distinct_ranks`) in a process of its own, and set the
     planner's account of the same rank beside what it holds. A rank whose rehearsal fails is
-    reported with torch's error; the others still run."""
+    reported with torch's error; the others still run (and `fits` is false: not shown to fit)."""
     start = time.perf_counter()
     cfg, lo = rehearsed_config(path, overrides)
     chosen = distinct_ranks(lo) if ranks is None else ranks
@@ -146,11 +146,9 @@ def _rank_row(cfg: Config, lo: Layout, rank: int, got: dict[str, Any]) -> dict[s
 def _coordinates(lo: Layout, rank: int) -> dict[str, int]:
     """A global rank's pp, shard (dp_shard × cp) and dp_cp coordinates in the mesh's order."""
     pp, rep, shard, cp, tp = (lo.pp, lo.dp_replicate, lo.dp_shard, lo.cp, lo.tp)
-    r_tp = rank % tp
     r_cp = rank // tp % cp
     r_shard = rank // (tp * cp) % shard
     r_rep = rank // (tp * cp * shard) % rep
-    del r_tp
     return {
         "pp_rank": rank // (tp * cp * shard * rep) % pp,
         "shard_rank": r_shard * cp + r_cp,
