@@ -18,6 +18,7 @@ from flopwise.cli.render import (
     print_max_micro_batch,
     print_measured,
     print_plan,
+    print_rehearsal,
     print_serve,
     print_serve_measured,
 )
@@ -25,6 +26,7 @@ from flopwise.errors import ConfigError
 
 DEFAULT = "search"
 OLD_FLAGS = {"--measure": "measure", "--max-micro-batch": "max-micro-batch"}  # flags until the next release
+REHEARSE = "--rehearse"  # `plan KEY=VALUE... --rehearse` is `plan rehearse KEY=VALUE...`
 ARGS_HELP = escape("[CONFIG] [key=value ...]: model.*, data.seq_len, train.global_batch, cluster.*, parallel.*")
 
 
@@ -37,6 +39,10 @@ def route(args: list[str], commands: Collection[str]) -> list[str]:
     old = [flag for flag in OLD_FLAGS if flag in args]
     if len(old) > 1:
         raise ConfigError("--measure and --max-micro-batch: choose one")
+    if REHEARSE in args:
+        if old:
+            raise ConfigError(f"{old[0]} and --rehearse: choose one")
+        return ["rehearse", *(a for a in args if a != REHEARSE)]
     if old:
         flag, command = old[0], OLD_FLAGS[old[0]]
         note(f"`plan {flag}` is now `plan {command}`; the flag goes in the next release")
@@ -124,6 +130,29 @@ def measure_cmd(
         typer.echo(json.dumps(measured, indent=1))
     else:
         print_measured(measured)
+
+
+@app.command("rehearse")
+def rehearse_cmd(
+    args: list[str] | None = typer.Argument(
+        None, help="[CONFIG] [key=value ...]: the config whose layout (parallel.*) is rehearsed at its full size"
+    ),
+    ranks: list[int] | None = typer.Option(
+        None, "--rank", help="rehearse this rank (repeat; default: the first, a middle and the last pipeline stage)"
+    ),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Rehearse the config's layout at its full world on this CPU: each distinct rank built as `train`
+    builds it and stepped once on fake tensors, its bytes beside the planner's (`plan KEY=VALUE... --rehearse`)."""
+    from flopwise.config.schema import split_cli_args
+    from flopwise.measure.rehearse import rehearse_plan
+
+    path, overrides = split_cli_args(args)
+    report = rehearse_plan(path, overrides, ranks or None)
+    if as_json:
+        typer.echo(json.dumps(report, indent=1))
+    else:
+        print_rehearsal(report)
 
 
 @app.command("max-micro-batch")

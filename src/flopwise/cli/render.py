@@ -312,3 +312,50 @@ def print_serve_measured(layout, measured: dict) -> None:
         planned, got = getattr(layout, key), measured[key]
         t.add_row(f"{label} ({unit})", f"{planned * scale:.3g}", f"{got * scale:.3g}", f"{got / planned:.2f}")
     stdout.print(t)
+
+
+def print_rehearsal(r: dict) -> None:
+    """Per rehearsed rank: the bytes it held (fake tensors, one step) beside the planner's, and
+    its collectives; a rank torch could not rehearse, with torch's error."""
+    gib = 2**30
+    table = new_table(
+        f"{r['layout']}: one step of each rank below as rank r of {r['world']:,} (fake process group, "
+        f"fake tensors), beside the planner",
+        ("rank", "stage", "quantity", "planned", "rehearsed", "difference"),
+        left=("quantity",),
+    )
+    for rank in r["ranks"]:
+        head = [str(rank["rank"]), str(rank["stage"])]
+        if "error" in rank:
+            table.add_row(*head, "[red]not rehearsed[/]", "", escape(rank["error"][:120]), "", end_section=True)
+            continue
+        names = [*rank["rehearsed"], "total"]
+        for i, q in enumerate(names):
+            want, got = (
+                (rank["total"]["planned"], rank["total"]["rehearsed"])
+                if q == "total"
+                else (rank["planned"][q], rank["rehearsed"][q])
+            )
+            diff = f"{(got - want) / want:+.1%}" if want else "–"
+            cells = head if i == 0 else ["", ""]
+            table.add_row(*cells, q, size(want), size(got), diff, end_section=i == len(names) - 1)
+    stdout.print(table)
+    for rank in r["ranks"]:
+        if "error" in rank:
+            continue
+        kinds = ", ".join(
+            f"{k} {size(v['rehearsed_bytes'])} ({human(v['rehearsed_elements'])} elements, planned "
+            f"{human(v['planned_elements'])})"
+            for k, v in rank["collectives"].items()
+        )
+        stdout.print(
+            f"rank {rank['rank']}: collectives per step: {kinds}; rehearsed in {rank['seconds']:.0f} s, "
+            f"{size(rank['max_rss_bytes'])} RSS"
+        )
+    verdict = "[green]fits[/]" if r["fits"] else "[red]does not fit[/]"
+    stdout.print(
+        f"{verdict} {r['hardware']} ({r['usable_bytes'] / gib:.1f} GiB usable); rehearsed in {r['seconds']:.0f} s. "
+        "[dim]peak: the step's high-water mark above the resident states; total: parameters, optimizer, "
+        "buffers, the runtime's reserve and the peak; the planner's account is of the CPU engine, eager "
+        "(what is rehearsed)[/]"
+    )

@@ -65,7 +65,16 @@ _WEIGHT_PATH = (
 )
 
 
-def _from_parameter(t: torch.Tensor, params: set[int]) -> bool:
+def _address(st: torch.UntypedStorage) -> int:
+    return st.data_ptr()
+
+
+def _fake_address(st: torch.UntypedStorage) -> int:
+    """A fake tensor's storage has no data: its C++ object tells storages apart (views share it)."""
+    return st._cdata
+
+
+def _from_parameter(t: torch.Tensor, params: set[int], address=_address) -> bool:
     node = t.grad_fn
     while node is not None and type(node).__name__ in _WEIGHT_PATH:
         nxt = [n for n, _ in node.next_functions if n is not None]
@@ -73,7 +82,7 @@ def _from_parameter(t: torch.Tensor, params: set[int]) -> bool:
             return False
         node = nxt[0]
     # an AccumulateGrad node holds its leaf in .variable, which torch's Node stub does not declare
-    return type(node).__name__ == "AccumulateGrad" and _storage(node.variable).data_ptr() in params  # type: ignore[union-attr]
+    return type(node).__name__ == "AccumulateGrad" and address(_storage(node.variable)) in params  # type: ignore[union-attr]
 
 
 class _Held:
@@ -103,10 +112,14 @@ class SavedBytes(saved_tensors_hooks):
         with SavedBytes(model) as s:
             loss = model(x).sum()
         s.bytes
+
+    `fake`: the tensors are FakeTensorMode's (a rehearsal): their storages, all on the meta
+    device with no data, are told apart by object rather than by address.
     """
 
-    def __init__(self, *modules: nn.Module):
+    def __init__(self, *modules: nn.Module, fake: bool = False):
         self.modules = modules
+        self._address, self._fake = (_fake_address if fake else _address), fake
         self.bytes = self.total = self.weight_copies = self.gathered = 0
         self._fsdp_groups = [
             g
@@ -136,19 +149,20 @@ class SavedBytes(saved_tensors_hooks):
             state = getattr(g.comm_ctx, "all_gather_state", None)  # set at the first forward
             flat = [g._all_gather_result, state.all_gather_result if state is not None else None]
             buffers += [r.all_gather_output for r in flat if r is not None]
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in buffers}
+        storages = {self._address(t.untyped_storage()): t.untyped_storage().nbytes() for t in buffers}
         return sum(storages.values())
 
     def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, _Held | None]:
         st = _storage(t)
-        ptr = st.data_ptr()
-        params = {_storage(p).data_ptr() for m in self.modules for p in m.parameters()}
-        if ptr in params or st.nbytes() == 0 or st.device.type == "meta" or ptr in self._copies:
+        ptr = self._address(st)
+        params = {self._address(_storage(p)) for m in self.modules for p in m.parameters()}
+        meta = st.device.type == "meta" and not self._fake
+        if ptr in params or st.nbytes() == 0 or meta or ptr in self._copies:
             return t, None
         if ptr in self._live:
             self._live[ptr][1] += 1
             return t, _Held(self, ptr)
-        if _from_parameter(t, params):
+        if _from_parameter(t, params, self._address):
             self._copies.add(ptr)
             self.weight_copies += st.nbytes()
             return t, None
@@ -169,7 +183,7 @@ class SavedBytes(saved_tensors_hooks):
 
 
 class CommCounter(TorchDispatchMode):
-    """Counts collectives by kind: calls and elements of the full (unsharded) buffer each moves.
+    """Counts collectives by kind: calls, elements and bytes of the full (unsharded) buffer each moves.
 
     all_reduce: the buffer; all_gather: the gathered output; reduce_scatter: the input; broadcast,
     send, recv: the tensor."""
@@ -180,7 +194,9 @@ class CommCounter(TorchDispatchMode):
         super().__init__()
         self.calls: dict[str, int] = defaultdict(int)
         self.elements: dict[str, int] = defaultdict(int)
+        self.bytes: dict[str, int] = defaultdict(int)
         self.sizes: dict[str, list[int]] = defaultdict(list)
+        self.paused = False  # while set, nothing is counted (a first step's one-off shape inference)
 
     def volumes(self) -> dict[str, int]:
         """Elements moved by kind, leaving out single-element collectives (the loss, the gradient
@@ -198,13 +214,15 @@ class CommCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         ns = func.namespace
-        if ns in ("c10d", "_c10d_functional", "c10d_functional"):
+        if ns in ("c10d", "_c10d_functional", "c10d_functional") and not self.paused:
             name = func._schema.name.split("::")[-1]
             kind = self._kind(name)
             if kind is not None and "wait" not in name:
                 n = _elements(kind, args, out, inplace=ns == "c10d" and name.startswith("_reduce_scatter_base"))
                 self.calls[kind] += 1
                 self.elements[kind] += n
+                if n > 1:  # the model's traffic (as `volumes`)
+                    self.bytes[kind] += n * next((t.element_size() for t in _tensors(args)), 0)
                 self.sizes[kind].append(n)
         return out
 
