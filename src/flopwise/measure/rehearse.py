@@ -35,8 +35,7 @@ import torch
 from flopwise.config.schema import Config, load_config, load_tree, to_toml, validate
 from flopwise.errors import ConfigError
 from flopwise.hardware.catalogue import cluster_hardware
-from flopwise.layout.rules import Layout
-from flopwise.parallel.mesh import layout_of
+from flopwise.layout.rules import Layout, layout_of
 from flopwise.plan.planner import resolve_layout
 from flopwise.plan.rank import predict_rank
 from flopwise.plan.rank_memory import FIT_MARGIN, RUNTIME_RESERVE
