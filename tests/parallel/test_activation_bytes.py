@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from flopwise.config.schema import ModelConfig
-from flopwise.measure.bytes import SavedBytes
+from flopwise.measure.bytes import PeakMemory, SavedBytes
 from flopwise.model.transformer import build_model
 from flopwise.parallel.apply import apply_compile, apply_recompute
 from flopwise.plan.memory import activation_bytes_per_layer, autocast_weight_copy_bytes, engine_precision
-from flopwise.train.engine import autocast
+from flopwise.train.engine import autocast, lm_loss
 from tests.conftest import run_jobs, tiny_overrides
 
 SEQ, BATCH = 64, 2
@@ -294,3 +294,57 @@ def test_compiled_run_measures_what_the_planner_predicts(tiny_data, tmp_path):
         cpu=True,
     ).activations
     assert got == pytest.approx(want, rel=0.02) and want < eager
+
+
+def held_per_layer(family: str, dtype: str, recompute: str, every: int = 1) -> float:
+    """What a forward leaves allocated per layer (PeakMemory.held, 4 layers − 2), less autocast's
+    cached copies of the linears' weights (as SavedBytes measures them) and biases: per-operator
+    recompute keeps its saved ops' outputs in the checkpoint's own storage, which saved-tensor
+    hooks (SavedBytes) do not see."""
+    held = []
+    for n in (2, 4):
+        model = build_model(model_config(family, n), seed=0)
+        apply_recompute(model, recompute, every)
+        x = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+        with autocast(torch.device("cpu"), dtype), PeakMemory(torch.device("cpu")) as p:
+            out = model(x)  # its graph holds what backward needs
+        del out
+        biases = sum(m.bias.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None)
+        held.append(p.held - measure(family, n, dtype, "none").weight_copies - 2 * biases * (dtype == "bf16"))
+    return (held[1] - held[0]) / 2
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_planner_books_what_per_operator_recompute_keeps(family, dtype):
+    """recompute=op: the block's input, its matmuls' and attention kernel's outputs, byte for byte."""
+    got = held_per_layer(family, dtype, "op")
+    precision = engine_precision(dtype, fsdp=False, cpu=True)
+    assert got == activation_bytes_per_layer(model_config(family, 4), SEQ, BATCH, recompute="op", precision=precision)
+    assert got < 0.8 * measured_per_layer(family, dtype, "none")  # and it keeps less than no recompute
+
+
+def test_recompute_every_second_block():
+    """recompute_every=2: of 2 (4) blocks the first (first and third) are checkpointed, the others keep all."""
+    got = held_per_layer("llama", "fp32", "full", every=2)
+    layer = {rc: held_per_layer("llama", "fp32", rc) for rc in ("none", "full")}
+    assert got == (layer["none"] + layer["full"]) / 2
+
+
+@pytest.mark.parametrize("recompute, every", [("op", 1), ("full", 2), ("op", 2)])
+def test_recompute_policies_train_the_same(recompute, every):
+    """The loss and every gradient equal the run without recompute (bf16 autocast, a CPU)."""
+
+    def loss_and_grads(rc: str, n: int):
+        model = build_model(model_config("llama", 3), seed=0)
+        apply_recompute(model, rc, n)
+        batch = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+        loss = lm_loss(model, batch, torch.device("cpu"), "bf16")
+        loss.backward()
+        return loss.item(), {k.replace("._checkpoint_wrapped_module", ""): p.grad for k, p in model.named_parameters()}
+
+    want, want_grads = loss_and_grads("none", 1)
+    got, grads = loss_and_grads(recompute, every)
+    assert got == pytest.approx(want, abs=1e-6)
+    for k, g in grads.items():
+        torch.testing.assert_close(g, want_grads[k], rtol=0, atol=1e-6)

@@ -296,8 +296,14 @@ class ParallelConfig(Section):
         None, description="layers per pipeline stage (pp·virtual_stages entries); default: balanced by parameter count"
     )
     sequence_parallel: bool = Field(False, description="with tp: norms and dropout on a sequence shard")
-    recompute: Literal["none", "selective", "full"] = Field(
-        "none", description="activation checkpointing: selective = the attention core, full = every block"
+    recompute: Literal["none", "selective", "op", "full", "auto"] = Field(
+        "none",
+        description="activation checkpointing: selective = the attention core; op = per operator, each block keeps "
+        "its matmul and attention outputs and recomputes the rest; full = whole blocks; auto = the cheapest "
+        "that fits the device, by the planner",
+    )
+    recompute_every: int = Field(
+        1, ge=1, description="with recompute=op or full: checkpoint every Nth block of a stage (the others keep all)"
     )
     layout: Literal["manual", "auto"] = Field(
         "manual", description="auto: the planner picks the unset degrees for cluster.hardware and the world size"

@@ -34,6 +34,7 @@ class Layout:
     virtual_stages: int = 1
     micro_batch: int = 1
     recompute: str = "none"
+    recompute_every: int = 1  # op and full: every Nth block of a stage
     sequence_parallel: bool = False
 
     @property
@@ -86,7 +87,12 @@ class Layout:
         more = ["sp"] if self.sequence_parallel else []
         if self.pp > 1:
             more.append(self.pp_schedule + (f"×{self.virtual_stages}" if self.virtual_stages > 1 else ""))
-        return out + "\n" + " ".join(more + [f"mb{self.micro_batch}", self.recompute])
+        return out + "\n" + " ".join(more + [f"mb{self.micro_batch}", self.policy])
+
+    @property
+    def policy(self) -> str:
+        """The recompute policy as tables show it: "op", "full/2" (every second block)."""
+        return self.recompute + (f"/{self.recompute_every}" if self.recompute_every > 1 else "")
 
 
 @lru_cache(maxsize=4096)
@@ -208,6 +214,8 @@ def check_layout(
             f"parallel degrees pp={lo.pp} × dp={lo.dp} × cp={lo.cp} × tp={lo.tp} = {lo.world} "
             f"but the world size is {world}; make their product equal the number of processes"
         )
+    if lo.recompute_every > 1 and lo.recompute not in ("op", "full", "auto"):
+        return f"parallel.recompute_every={lo.recompute_every} applies to parallel.recompute=op or full"
     if lo.dp % lo.dp_replicate:
         return f"parallel.dp_replicate={lo.dp_replicate} does not divide parallel.dp={lo.dp}"
     if why := head_split(m, lo.tp):
@@ -341,6 +349,7 @@ def config_layout(cfg: Config, world: int) -> Layout:
         virtual_stages=p.virtual_stages,
         micro_batch=cfg.train.micro_batch,
         recompute=p.recompute,
+        recompute_every=p.recompute_every,
         sequence_parallel=p.sequence_parallel,
     )
 

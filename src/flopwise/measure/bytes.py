@@ -384,6 +384,7 @@ class PeakMemory:
 
     def __init__(self, device: torch.device):
         self.device, self.bytes = device, 0
+        self.held = 0  # allocated while active and still allocated at the end (what a forward keeps)
 
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
@@ -401,6 +402,7 @@ class PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.bytes = torch.cuda.max_memory_allocated(self.device) - self._start
+            self.held = torch.cuda.memory_allocated(self.device) - self._start
             return
         self._prof.__exit__(*exc)
         from torch._C._profiler import _EventType, _ExtraFields_Allocation
@@ -417,7 +419,14 @@ class PeakMemory:
                 and isinstance(alloc, _ExtraFields_Allocation)
                 and alloc.device.type == "cpu"
             ):
-                events.append((n.start_time_ns, alloc.alloc_size, alloc.total_allocated))
+                events.append((n.start_time_ns, alloc.alloc_size, alloc.total_allocated, alloc.ptr))
         if events:  # the running total is the process's since it first profiled: start from the block's own
-            _, size, total = min(events)
-            self.bytes = max(t for _, _, t in events) - (total - size)
+            _, size, total, _ = min(events)
+            self.bytes = max(t for _, _, t, _ in events) - (total - size)
+            live: dict[int, int] = {}  # what was allocated here and is not freed yet
+            for _, size, _, ptr in sorted(events):
+                if size > 0:
+                    live[ptr] = size
+                else:
+                    live.pop(ptr, None)
+            self.held = sum(live.values())

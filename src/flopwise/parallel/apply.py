@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from flopwise.config.schema import Config
 from flopwise.layout.rules import Layout, compiles
@@ -23,18 +25,58 @@ from flopwise.parallel.float8 import apply_float8
 from flopwise.parallel.mesh import Parallel
 from flopwise.parallel.tensor import apply_tp, keep_embedding_grad_sharded
 
+# The ops whose outputs per-operator recompute keeps (everything else in a block is recomputed in
+# backward): the matmuls and the attention kernels, costly to redo, and the collectives that end
+# a tensor-parallel block's row-parallel linears, costly to resend.
+_OP_SAVED = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten._scaled_mm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_reduce.default,
+}
 
-def apply_recompute(model: Transformer, mode: str) -> None:
-    """full: recompute each block in backward. selective: recompute only the attention core
-    (QKᵀ, softmax, ·V), whose activations grow with s² while its FLOPs are a small share."""
+
+def _op_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """Save `_OP_SAVED`'s outputs, except a row-parallel matmul's (its input sharded along the
+    contracted dim): that partial sum is tp times the size of the collective's output that is
+    kept instead, so the matmul is rerun."""
+    if func not in _OP_SAVED or _partial_matmul(func, args):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE
+
+
+def _partial_matmul(func, args) -> bool:
+    x = args[1] if func is torch.ops.aten.addmm.default else args[0]
+    return isinstance(x, DTensor) and any(p.is_shard(x.ndim - 1) for p in x.placements)
+
+
+def _op_contexts():
+    return create_selective_checkpoint_contexts(_op_policy)
+
+
+def apply_recompute(model: Transformer, mode: str, every: int = 1) -> None:
+    """full: recompute whole blocks in backward. op: per operator, each block keeps its matmul and
+    attention outputs and recomputes the cheap rest (norms, RoPE, activations, casts), which under
+    tensor parallel also re-gathers instead of keeping the gathered inputs. selective: only the
+    attention core (QKᵀ, softmax, ·V), whose activations grow with s² while its FLOPs are a small
+    share. full and op apply to every `every`-th block of this stage (its first, then every Nth):
+    `plan.memory.checkpointed_layers` books the same count."""
     if mode == "none":
         return
-    for key, block in model.layers.items():
-        if mode == "full":
-            model.layers[key] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-        else:
+    if mode == "auto":
+        raise ValueError("parallel.recompute=auto is resolved before the build (train.preflight.resolve_recompute)")
+    for i, (key, block) in enumerate(model.layers.items()):
+        if mode == "selective":
             attn = block.get_submodule("attention")
             attn.core = checkpoint_wrapper(attn.get_submodule("core"), checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        elif i % every == 0:
+            ctx = {"context_fn": _op_contexts} if mode == "op" else {}
+            model.layers[key] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **ctx)
 
 
 def config_compiles(cfg: Config, lo: Layout) -> bool:
@@ -58,7 +100,7 @@ def parallelize(model: Transformer, cfg: Config, par: Parallel) -> nn.Module:
     apply_float8(model, cfg, par.layout, par.device)
     if par.mesh is not None and par.size("tp") > 1:
         apply_tp(model, par.mesh["tp"], cfg.parallel.sequence_parallel)
-    apply_recompute(model, cfg.parallel.recompute)
+    apply_recompute(model, par.layout.recompute, par.layout.recompute_every)
     if config_compiles(cfg, par.layout):
         apply_compile(model)
     fsdp = par.distributed and par.layout.zero >= 2

@@ -43,7 +43,7 @@ HOMES = {
         "resolve_layout",
     ],
     "plot": ["plot_memory"],
-    "rank": ["predict_rank", "rank_layers"],
+    "rank": ["predict_rank", "rank_layers", "rank_stages"],
     "rank_memory": ["engine_memory", "EngineRun", "FIT_MARGIN", "RUNTIME_RESERVE"],
     "reliability": [
         "Account",

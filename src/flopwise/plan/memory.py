@@ -145,6 +145,8 @@ def activation_bytes_per_layer(
     docs/activation-memory.md."""
     drop = (m.dropout > 0) if dropout is None else dropout
     rep_div = tp if sequence_parallel else 1
+    if recompute == "op":
+        return _op_layer(m, seq, micro_batch, tp, sequence_parallel, flash, precision)
     if recompute == "full":
         rng = CHECKPOINT_RNG_STATE_BYTES if precision.engine and precision.compiled and precision.cpu else 0
         return precision.residual * seq * micro_batch * m.d_model / rep_div + rng
@@ -159,6 +161,32 @@ def activation_bytes_per_layer(
         scores = (2 + (3 if drop else 0)) * m.n_heads * seq * seq * micro_batch
     mask = a * seq * micro_batch * mask_keys if recompute == "none" else 0  # SDPA's copy, one for all heads
     return replicated / rep_div + linear + (split + scores) / tp + mask + extra
+
+
+def _op_layer(
+    m: ModelConfig, s: int, b: int, tp: int, sequence_parallel: bool, flash: bool, precision: SavedPrecision
+) -> float:
+    """Per-operator recompute (parallel.apply's op policy): the block's input (the checkpoint's),
+    and the outputs of its matmuls and attention kernel; the rest is recomputed in backward. The
+    column-parallel outputs (Q, K, V, the MLP's up projections) and the core's are split over tp;
+    under tensor parallel the row-parallel ones (attention output, MLP down) are kept after their
+    collective (a sequence shard under sequence parallel) and their matmuls rerun. Measured with
+    PeakMemory (what a forward leaves allocated): exact on a CPU, fp32 and bf16."""
+    sb, sbh = s * b, s * b * m.d_model
+    e, r = precision.compute, precision.residual
+    a = precision.attention or e
+    hq, hkv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    up = (2 if m.mlp == "swiglu" else 1) * e * sb * m.ffn_dim
+    split = e * sb * (hq + 2 * hkv) + a * sb * hq + (4 * m.n_heads * sb if flash else 0) + up
+    rep_div = tp if sequence_parallel else 1
+    rng = CHECKPOINT_RNG_STATE_BYTES if precision.engine and precision.cpu else 0
+    return (r + 2 * e) * sbh / rep_div + split / tp + rng
+
+
+def checkpointed_layers(stages: tuple[int, ...], every: int) -> int:
+    """Blocks a rank checkpoints under recompute_every=N: of each of its stages, the first and then
+    every Nth (parallel.apply.apply_recompute)."""
+    return sum(-(-k // every) for k in stages)
 
 
 # Each regime returns (replicated: kept whole on every tensor-parallel rank unless sequence
@@ -289,25 +317,32 @@ def rank_activation_bytes(
     precision: SavedPrecision = KORTHIKANTI,
     pp_rank: int = 0,
     cache: dict | None = None,
+    stages: tuple[int, ...] = (),
 ) -> float:
     """Saved activations a rank holding `layers` layers keeps at its peak: the micro-batches in
-    flight on pipeline rank `pp_rank` × its layers × one layer's bytes, plus, under full recompute,
-    the one layer whose activations the backward rebuilds. `lo` is a layout.rules.Layout; `cache`
-    (one per model, seq and document mask) keeps the per-layer bytes."""
+    flight on pipeline rank `pp_rank` × its layers × one layer's bytes (under recompute_every=N
+    the blocks not checkpointed at the bytes of none; `stages`: the rank's stage sizes, by default
+    one stage of all its layers), plus, under full recompute, the one layer whose activations the
+    backward rebuilds (under op, what it recomputes beside what it kept). `lo` is a
+    layout.rules.Layout; `cache` (one per model, seq and document mask) keeps the per-layer bytes."""
 
-    def per_layer() -> tuple[float, float]:
+    def per_layer() -> tuple[float, float, float]:
         args = (m, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel)
         kw = dict(flash=flash, mask_keys=seq if document_mask else 0, precision=precision, cp=lo.cp)
-        rebuilt = activation_bytes_per_layer(*args, "none", **kw) if lo.recompute == "full" else 0.0
-        return activation_bytes_per_layer(*args, lo.recompute, **kw), rebuilt
+        whole = activation_bytes_per_layer(*args, "none", **kw)
+        one = activation_bytes_per_layer(*args, lo.recompute, **kw)
+        return one, whole, {"full": whole, "op": max(whole - one, 0.0)}.get(lo.recompute, 0.0)
 
-    one, rebuilt = memo(
+    one, whole, rebuilt = memo(
         cache, ("layer", lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel, lo.recompute, flash, precision), per_layer
     )
     in_flight = in_flight_microbatches(
         lo.pp_schedule, lo.pp, lo.microbatches(global_batch), lo.virtual_stages if lo.pp > 1 else 1, pp_rank
     )
-    return one * layers * in_flight + rebuilt
+    kept = layers
+    if lo.recompute in ("op", "full") and lo.recompute_every > 1:
+        kept = checkpointed_layers(stages or (layers,), lo.recompute_every)
+    return (one * kept + whole * (layers - kept)) * in_flight + rebuilt
 
 
 def end_activation_bytes(

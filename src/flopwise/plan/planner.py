@@ -40,6 +40,7 @@ _PARALLEL_KEYS = (
     "virtual_stages",
     "sequence_parallel",
     "recompute",
+    "recompute_every",
 )
 _DEFAULT_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022's rule of thumb, when plan.tokens is not given
 
@@ -90,6 +91,8 @@ def _fixed_keys(tree: dict[str, Any]) -> dict[str, Any]:
     """The layout keys the user set (config file or overrides), which the search must not change."""
     par = tree.get("parallel", {}) or {}
     fixed = {k: par[k] for k in _PARALLEL_KEYS if k in par}
+    if fixed.get("recompute") == "auto":  # the search's own choice: the cheapest that fits
+        del fixed["recompute"]
     mb = (tree.get("train", {}) or {}).get("micro_batch")
     if mb is not None:
         fixed["micro_batch"] = mb

@@ -41,6 +41,12 @@ def rank_layers(cfg: Config, lo: Layout, pp_rank: int) -> tuple[list[int], bool,
     return layers, 0 in ids, lo.n_stages - 1 in ids
 
 
+def rank_stages(cfg: Config, lo: Layout, pp_rank: int) -> tuple[int, ...]:
+    """Layers of each stage pipeline rank `pp_rank` runs (this engine's split)."""
+    sizes = stage_sizes(cfg.model, lo, pp_layers=cfg.parallel.pp_layers)
+    return tuple(sizes[s] for s in stage_ids(pp_rank, lo))
+
+
 def predict_rank(
     cfg: Config, lo: Layout, pp_rank: int, shard_rank: int, dp_rank: int, cpu: bool = False
 ) -> RankPrediction:
@@ -58,6 +64,7 @@ def predict_rank(
         shard_rank=shard_rank,
         dp_rank=dp_rank,
         flash=STACKS["flopwise"].flash_attention,
+        stages=rank_stages(cfg, lo, pp_rank),
     )
     psi = rank_param_count(cfg.model, lo, len(layers), emb, head)
     n_micro = lo.microbatches(cfg.train.global_batch)

@@ -100,11 +100,13 @@ def rank_memory(
     dp_rank: int = 0,
     flash: bool = True,
     cache: dict | None = None,
+    stages: tuple[int, ...] = (),
 ) -> RankMemory:
     """What the rank at these mesh coordinates holds: `layers` blocks (its pipeline stages), the
     embedding and/or the head; `pp_rank` sets its micro-batches in flight, `shard_rank` its FSDP2
     shard, `dp_rank` its ZeRO-1 share. `cache`: one dict per run (a search shares it across
-    layouts): the tensor walks are memoised by what they depend on."""
+    layouts): the tensor walks are memoised by what they depend on. `stages`: the layers of each
+    of its stages (recompute_every counts per stage; by default one stage)."""
     m, fsdp2 = run.model, lo.fsdp2
     compiled, float8 = compiles(run.compile, run.steps, lo), run.float8 != "none"
     precision = memo(
@@ -129,7 +131,7 @@ def rank_memory(
         ),
         lambda: rank_model_states(m, lo, layers, embedding, head, shard_rank=shard_rank, dp_rank=dp_rank, cache=cache),
     )
-    acts = _saved_activations(run, lo, layers, embedding, head, pp_rank, flash, precision, cache)
+    acts = _saved_activations(run, lo, layers, embedding, head, pp_rank, flash, precision, cache, stages)
     gathered = _gathered_params(run, lo, layers, embedding, head, cache)
     other = gathered + _autocast_copies(run, lo, layers, head, compiled, cache)
     work = _working_set(run, lo, head, precision, cache)
@@ -157,13 +159,14 @@ def _saved_activations(
     flash: bool,
     precision: SavedPrecision,
     cache: dict | None,
+    stages: tuple[int, ...] = (),
 ) -> float:
     """The blocks' saved activations at the rank's peak and, for each micro-batch in flight, what
     the embedding and head ends keep."""
     m, n_micro = run.model, lo.microbatches(run.global_batch)
     in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, n_micro, lo.virtual_stages if lo.pp > 1 else 1, pp_rank)
     blocks = rank_activation_bytes(
-        m, lo, run.seq, run.global_batch, layers, flash, run.document_mask, precision, pp_rank, cache
+        m, lo, run.seq, run.global_batch, layers, flash, run.document_mask, precision, pp_rank, cache, stages
     )
     return blocks + in_flight * memo(
         cache,
@@ -283,6 +286,7 @@ def engine_memory(
             dp_rank=dp_rank,
             flash=stack.flash_attention,
             cache=cache,
+            stages=load.stages,
         )
         opt_elements = max(opt_elements, r.optimizer / stack.optimizer_state_bytes)
         mem = {
@@ -324,7 +328,15 @@ def _published_memory(
         )
         opt_elements = max(opt_elements, load.params / (shard if lo.zero >= 1 else 1))
         activations = rank_activation_bytes(
-            sh.config, lo, seq, global_batch, load.layers, stack.flash_attention, sh.document_mask, KORTHIKANTI
+            sh.config,
+            lo,
+            seq,
+            global_batch,
+            load.layers,
+            stack.flash_attention,
+            sh.document_mask,
+            KORTHIKANTI,
+            stages=load.stages,
         )
         work = loss_work if load.head else zero3_live
         peak = step_peak_bytes(st.grads, True, activations, work)

@@ -8,8 +8,9 @@ virtual-stage count for pp > 1, micro-batches dividing the per-rank batch, and r
 parallelism is on whenever tp > 1 (it never costs time, Korthikanti et al. 2022 Table 4) unless
 given; on the megatron stacks the model's backward re-gather of it can cost a small layer more in
 latency than it saves in norm and dropout traffic, which this rule does not look for. For one
-(layout minus recompute), recompute is tried none → selective → full and the first that fits is
-kept: a heavier recompute with everything else equal is never faster. ZeRO-0
+(layout minus recompute), recompute is tried none → selective → op → full and the first that fits
+is kept: a heavier recompute with everything else equal is never faster (parallel.recompute=auto
+is this choice, for the config's own layout in the engine). ZeRO-0
 is searched only when dp = 1: with dp > 1 stage 1 moves the same bytes (reduce-scatter +
 16-bit all-gather instead of an all-reduce) and shards the optimizer, so it is never slower and
 always smaller. Under pipelining only micro-batches that leave at least pp micro-batches are
@@ -32,7 +33,7 @@ from flopwise.plan.shape import Shape
 from flopwise.plan.stack import Stack
 from flopwise.plan.step import Estimate, estimate
 
-RECOMPUTE_ORDER = ("none", "selective", "full")
+RECOMPUTE_ORDER = ("none", "selective", "op", "full")
 _MAX_MICRO_BATCH = 64
 
 
@@ -115,6 +116,7 @@ def candidates(sh: Shape, hw: Hardware, world: int, seq: int, global_batch: int,
                                         micro_batch=mb,
                                         sequence_parallel=sp,
                                         recompute=fixed.get("recompute", "none"),
+                                        recompute_every=fixed.get("recompute_every", 1),
                                     )
 
 

@@ -73,6 +73,7 @@ class RankLoad:
     params: float
     head: bool
     embedding: bool = False
+    stages: tuple[int, ...] = ()  # layers of each of its stages (recompute_every counts per stage)
 
 
 def rank_loads(sh: Shape, lo: Layout, balanced: bool) -> list[RankLoad]:
@@ -90,7 +91,8 @@ def rank_loads(sh: Shape, lo: Layout, balanced: bool) -> list[RankLoad]:
             + (sh.embed_params if 0 in ids else 0)
             + (head_side if head else 0)
         )
-        out.append(RankLoad(layers=sum(sizes[i] for i in ids), params=psi / lo.tp, head=head, embedding=0 in ids))
+        stages = tuple(sizes[i] for i in ids)
+        out.append(RankLoad(layers=sum(stages), params=psi / lo.tp, head=head, embedding=0 in ids, stages=stages))
     return out
 
 

@@ -64,10 +64,10 @@ from dataclasses import dataclass
 
 from flopwise.config.schema import ModelConfig
 from flopwise.errors import ConfigError
-from flopwise.flops import mfu
+from flopwise.flops import count_params, mfu
 from flopwise.hardware.catalogue import Hardware
 from flopwise.layout.linears import float8_all_gather, float8_eligible, float8_weight_elements
-from flopwise.layout.rules import Layout, compiles
+from flopwise.layout.rules import Layout, compiles, stage_sizes
 from flopwise.plan.comm import (
     Collective,
     dp_collectives,
@@ -78,7 +78,7 @@ from flopwise.plan.comm import (
     tied_embedding_elements,
 )
 from flopwise.plan.float8 import cast_bytes, scaled_mm_speed
-from flopwise.plan.memory import autocast_weight_copy_bytes, engine_precision, memo
+from flopwise.plan.memory import autocast_weight_copy_bytes, checkpointed_layers, engine_precision, memo
 from flopwise.plan.rank_memory import FIT_MARGIN, layout_memory
 from flopwise.plan.shape import RankLoad, Shape, first_ranks, model_shape, rank_loads
 from flopwise.plan.stack import STACKS, Stack
@@ -470,7 +470,8 @@ def estimate(
     tokens = global_batch * seq
     gpus, peak = lo.world, planning_peak(hw)
     model_f = sh.model_flops_token["none"] * tokens
-    hw_f = sh.model_flops_token[lo.recompute] * tokens
+    hw_token = hardware_flops_token(sh, lo, stack.balanced_stages)
+    hw_f = hw_token * tokens
     return Estimate(
         layout=lo,
         fits=fits,
@@ -481,11 +482,31 @@ def estimate(
         model_tflops=model_f / step / gpus / 1e12,
         hardware_tflops=hw_f / step / gpus / 1e12,
         mfu=mfu(tokens / step, sh.model_flops_token["none"], peak, gpus),
-        hfu=mfu(tokens / step, sh.model_flops_token[lo.recompute], peak, gpus),
+        hfu=mfu(tokens / step, hw_token, peak, gpus),
         usable_memory=usable,
         reason="" if fits else f"needs {memory['total'] / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable",
         float8=float8,
     )
+
+
+def _row_parallel_share(m: ModelConfig) -> float:
+    """The share of a block's matmul FLOPs in its row-parallel linears (attention output, MLP
+    down): what per-operator recompute reruns under tensor parallel (parallel.apply's op policy)."""
+    hq = m.n_heads * m.head_dim
+    return (hq + m.ffn_dim) * m.d_model / (count_params(m).layer_matmul / m.n_layers)
+
+
+def hardware_flops_token(sh: Shape, lo: Layout, balanced: bool = True) -> float:
+    """FLOPs per token the devices run (HFU's numerator): the model's, plus the forward work full
+    or selective recompute reruns, full only over the blocks it checkpoints (recompute_every);
+    op reruns no matmul nor attention kernel (flops.flops_per_token books neither)."""
+    none = sh.model_flops_token["none"]
+    if lo.recompute not in sh.model_flops_token:
+        return none
+    share = 1.0
+    if lo.recompute == "full" and lo.recompute_every > 1:
+        share = checkpointed_layers(stage_sizes(sh.config, lo, balanced), lo.recompute_every) / sh.config.n_layers
+    return none + (sh.model_flops_token[lo.recompute] - none) * share
 
 
 def planning_peak(hw: Hardware) -> float:
@@ -521,22 +542,31 @@ def step_times(
         ),
     )
     recompute = lo.recompute
-    recompute_tp = lt.tp_fwd if recompute == "full" else 0.0
-    recompute_cp = lt.cp_fwd if recompute == "full" else 0.0
+    # what a checkpointed block re-sends in backward: full, all of its forward's; op, the gathers
+    # (it keeps the reduce-scatters' outputs, not an all-reduce's)
+    recompute_tp = {"full": lt.tp_fwd, "op": lt.tp_fwd / 2 if lo.sequence_parallel else lt.tp_fwd}.get(recompute, 0.0)
+    recompute_cp = lt.cp_fwd if recompute in ("full", "op") else 0.0
     # the output layer: fwd + bwd GEMMs, and the fp32 cross-entropy's traffic
     logits_mm = sum(gemm_fwd_bwd([(tokens_mb, sh.d_model, sh.vocab / lo.tp)], hw, planning_peak(hw)))
     # at the streaming rate of this micro-batch's activations, as the layers' element-wise work
     logits_other = stream_time(loss_bytes(sh, tokens_mb, lo.tp, eager), hw, ACT_BYTES * tokens_mb * sh.d_model, lo.tp)
 
     def micro_batch_times(load: RankLoad) -> dict[str, float]:
-        n, full = load.layers, recompute == "full"
+        n = load.layers
+        # the blocks that rerun their forward: op reruns all but the matmuls and attention kernel
+        k = checkpointed_layers(load.stages or (n,), lo.recompute_every) if recompute in ("op", "full") else 0
+        full = k if recompute == "full" else 0
+        attn_rerun = n if recompute == "selective" else full
+        mm_rerun = full + (k * _row_parallel_share(sh.config) if recompute == "op" and lo.tp > 1 else 0)
         return {
-            "matmul": n * (lt.gemm_fwd * (1 + full) + lt.gemm_bwd) + (logits_mm if load.head else 0.0),
-            "attention": n * (lt.attn_fwd * (1 + (recompute != "none")) + lt.attn_bwd),
-            "other_compute": n * (lt.other_fwd * (1 + full) + lt.other_bwd) + (logits_other if load.head else 0.0),
+            "matmul": n * (lt.gemm_fwd + lt.gemm_bwd) + mm_rerun * lt.gemm_fwd + (logits_mm if load.head else 0.0),
+            "attention": n * (lt.attn_fwd + lt.attn_bwd) + attn_rerun * lt.attn_fwd,
+            "other_compute": n * (lt.other_fwd + lt.other_bwd)
+            + k * lt.other_fwd
+            + (logits_other if load.head else 0.0),
             # + the vocab-parallel embedding's output all-reduce and the head's input-gradient all-reduce
-            "tp_comm": n * (lt.tp_fwd + lt.tp_bwd + recompute_tp) + lt.tp_fwd,
-            "cp_comm": n * (lt.cp_fwd + lt.cp_bwd + recompute_cp),
+            "tp_comm": n * (lt.tp_fwd + lt.tp_bwd) + k * recompute_tp + lt.tp_fwd,
+            "cp_comm": n * (lt.cp_fwd + lt.cp_bwd) + k * recompute_cp,
         }
 
     slowest = max(loads, key=lambda load: sum(micro_batch_times(load).values()))

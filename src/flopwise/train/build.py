@@ -46,7 +46,7 @@ from flopwise.train.engine import Engine
 from flopwise.train.guard import Guard
 from flopwise.train.metrics import check_tensorboard
 from flopwise.train.optim import build_optimizer
-from flopwise.train.preflight import oom_names, record_history, run_preflight, slow_bf16_note
+from flopwise.train.preflight import oom_names, record_history, resolve_recompute, run_preflight, slow_bf16_note
 from flopwise.train.run import Finished, Run, check_data, check_same_job, flat, last_step, resume, resume_state
 
 logger = logging.getLogger(__name__)
@@ -306,6 +306,7 @@ def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run | F
     if par.is_main and (note := slow_bf16_note(cfg, par.device)):
         logger.warning(note, extra={"highlighter": None})
     check_tensorboard(cfg.log.tensorboard)
+    cfg = resolve_recompute(cfg, par)
     if (fits := run_preflight(cfg, par)) is not None:
         logger.info(fits, extra={"highlighter": None})
     record_history(cfg, par.device)

@@ -35,7 +35,7 @@ from flopwise.hardware.catalogue import GiB, Hardware, cluster_catalogue, cpu_mu
 from flopwise.layout.rules import Layout
 from flopwise.parallel.mesh import Parallel, is_rank0
 from flopwise.plan.memory import rank_param_count
-from flopwise.plan.rank import rank_layers
+from flopwise.plan.rank import rank_layers, rank_stages
 from flopwise.plan.rank_memory import FIT_MARGIN, RUNTIME_RESERVE, EngineRun, engine_memory
 from flopwise.plan.search import RECOMPUTE_ORDER, search_layouts
 from flopwise.plan.shape import RankLoad, model_shape
@@ -76,7 +76,11 @@ def rank_memory_total(cfg: Config, lo: Layout, pp_rank: int, cpu: bool) -> dict:
     attention core."""
     layers, emb, head = rank_layers(cfg, lo, pp_rank)
     load = RankLoad(
-        layers=len(layers), params=rank_param_count(cfg.model, lo, len(layers), emb, head), head=head, embedding=emb
+        layers=len(layers),
+        params=rank_param_count(cfg.model, lo, len(layers), emb, head),
+        head=head,
+        embedding=emb,
+        stages=rank_stages(cfg, lo, pp_rank),
     )
     memory, _ = engine_memory(EngineRun.of(cfg, cpu), lo, STACKS["flopwise"], [(load, pp_rank)], {})
     return memory
@@ -193,6 +197,32 @@ def _describe_change(cfg: Config, user: Layout, hw_name: str, found: tuple[Layou
         f"nearest change that fits ({n} change{'s' * (n > 1)}: {', '.join(keys)}): {' '.join(sets)} "
         f"(predicted {gib(total)})"
     )
+
+
+def cheapest_recompute(cfg: Config, lo: Layout, budget: float | None, cpu: bool) -> str:
+    """parallel.recompute=auto: the first policy of the search's order (none, selective, op, full:
+    each never faster than the one before) whose worst rank the planner books within `budget`
+    bytes (None: memory cannot be read, so none); full if none does (the pre-flight then says so)."""
+    for rc in RECOMPUTE_ORDER:
+        if budget is None or _worst_rank_total(cfg, replace(lo, recompute=rc), cpu) <= budget:
+            return rc
+    return RECOMPUTE_ORDER[-1]
+
+
+def resolve_recompute(cfg: Config, par: Parallel) -> Config:
+    """The config with parallel.recompute=auto replaced by `cheapest_recompute` for the tightest
+    rank's device (every rank decides the same); `par.layout` follows."""
+    if cfg.parallel.recompute != "auto":
+        return cfg
+    available, _ = device_memory(par.device)
+    if dist.is_initialized():
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, available)
+        available = None if None in every else min(every)
+    budget = None if available is None else available * (1 - FIT_MARGIN)
+    rc = cheapest_recompute(cfg, par.layout, budget, par.device.type != "cuda")
+    par.layout = replace(par.layout, recompute=rc)
+    return cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"recompute": rc})})
 
 
 def run_preflight(cfg: Config, par: Parallel) -> str | None:
