@@ -540,6 +540,25 @@ def test_a_lock_removed_under_its_holder_is_noticed_and_nothing_else_deleted(tmp
     assert (run / "notes.json").read_bytes() == b"{}"
 
 
+def test_a_run_folder_moved_under_its_holder_is_named_as_moved(tmp_path):
+    """Before: a run folder moved while training stopped with "metrics.jsonl was not claimed" (and
+    its next write made an empty folder at the old path). Now one line says the folder moved, and
+    nothing is made at the old path."""
+    from flopwise.errors import ConfigError
+    from flopwise.files import claim, folder_lock, replace
+
+    run, moved = tmp_path / "run", tmp_path / "moved"
+    with folder_lock(run, "run.dir"):
+        claim(run, ["metrics.jsonl"])
+        replace(run, "metrics.jsonl", b"{}\n")
+        run.rename(moved)
+        with pytest.raises(ConfigError, match="was moved or renamed while this process wrote it") as e:
+            replace(run, "metrics.jsonl", b'{"step": 1}\n')
+        assert "\n" not in str(e.value)
+        assert not run.exists()
+    assert (moved / "metrics.jsonl").read_bytes() == b"{}\n"
+
+
 @pytest.mark.slow
 def test_two_trains_started_a_second_apart(tiny_data, tmp_path):
     """The reported case, as two processes: the second stops in one line naming the first's PID; the

@@ -107,6 +107,30 @@ def test_shard_that_disagrees_with_index(tiny_data, tmp_path):
         open_split(d, "train")
 
 
+def test_a_shard_missing_not_a_file_or_unreadable_is_said_as_such(tiny_data, tmp_path, monkeypatch):
+    """An unreadable shard was reported as missing: each case now has its own words."""
+    d = _copy(tiny_data, tmp_path / "d")
+    shard = _first_shard(d)
+    data, whole = shard.read_bytes(), len(open_split(d, "train"))
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    with monkeypatch.context() as m:  # root reads any file: the kernel's answer to anyone else
+        m.setattr(np, "memmap", denied)
+        with pytest.raises(DataError, match=r"unreadable \(Permission denied\)"):
+            open_split(d, "train")
+    shard.unlink()
+    with pytest.raises(DataError, match="missing"):
+        open_split(d, "train")
+    shard.mkdir()
+    with pytest.raises(DataError, match="not a file"):
+        open_split(d, "train")
+    shard.rmdir()
+    shard.write_bytes(data)
+    assert len(open_split(d, "train")) == whole
+
+
 def test_token_ids_beyond_vocab_and_vocab_beyond_dtype(tiny_data, tmp_path):
     d = _copy(tiny_data, tmp_path / "d")
     shard = _first_shard(d)

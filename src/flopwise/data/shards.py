@@ -23,6 +23,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -315,6 +316,19 @@ class ShardedTokens:
         return np.asarray(whole, dtype=dtype)
 
 
+def _check_shard_file(path: Path) -> None:
+    """A shard the index lists is a readable file: said as missing, not a file, or unreadable."""
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise DataError(f"data shard {path}: not a file; re-run data prepare")
+    except FileNotFoundError:
+        raise DataError(f"data shard {path}: missing; re-run data prepare") from None
+    except OSError as e:
+        raise DataError(f"data shard {path}: unreadable ({e.strerror}); check its permissions and disk") from None
+    if not os.access(path, os.R_OK):
+        raise DataError(f"data shard {path}: unreadable (permission denied); check its permissions")
+
+
 def open_split(data_dir: str | Path, split: str) -> ShardedTokens:
     """Memory-map one split's shard files after checking each against the index (size, token ids
     below vocab_size, plain file names inside the data dir)."""
@@ -325,8 +339,7 @@ def open_split(data_dir: str | Path, split: str) -> ShardedTokens:
     parts = []
     for shard in entry["files"]:
         path = _member(d, shard.get("file") if isinstance(shard, dict) else None)
-        if not path.is_file():
-            raise DataError(f"data shard {path}: missing")
+        _check_shard_file(path)
         if not isinstance(shard.get("tokens"), int) or shard["tokens"] < 0:
             raise DataError(f"data index {d / 'index.json'}: shard {path.name} needs a token count >= 0")
         expected = shard["tokens"] * dtype.itemsize
@@ -337,7 +350,10 @@ def open_split(data_dir: str | Path, split: str) -> ShardedTokens:
             )
         if not expected:
             continue
-        tokens = np.memmap(path, dtype=dtype, mode="r")
+        try:
+            tokens = np.memmap(path, dtype=dtype, mode="r")
+        except OSError as e:
+            raise DataError(f"data shard {path}: unreadable ({e.strerror}); check its permissions and disk") from None
         step = 1 << 24
         top = max(int(tokens[i : i + step].max()) for i in range(0, len(tokens), step))
         if top >= meta["vocab_size"]:

@@ -236,6 +236,11 @@ def lock_lost(folder: str | Path) -> str | None:
     held = _held.get(str(real_path(folder)))
     if held is None or _at_path(held[0], real_path(folder) / LOCK):
         return None
+    if os.fstat(held[0]).st_nlink:  # the lock file still exists, elsewhere: the folder (or it) was moved
+        return (
+            f"{real_path(folder)} was moved or renamed while this process wrote it (its lock file is no longer "
+            "there); stopped here, nothing written at the old path: resume from where the folder is now"
+        )
     return (
         f"{real_path(folder) / LOCK} was removed while this process held it, so another flopwise process "
         "may be writing the folder now; stopped here: check the folder, then run again"

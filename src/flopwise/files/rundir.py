@@ -118,7 +118,10 @@ def check_claim(run_dir: str | Path, names: Iterable[str], option: str = "run.di
 def _updating(run_dir: Path, option: str = "run.dir") -> Iterator[dict]:
     """The run record to change in place, written back (no symlink followed) when the block ends;
     one process at a time (flock on the folder itself). Every write to the folder passes here, so
-    a holder whose folder lock was removed stops at its next write (`lock_lost`)."""
+    a holder whose folder lock was removed, or whose folder was moved, stops at its next write
+    (`lock_lost`), before a folder is made again at the old path."""
+    if lost := lock_lost(run_dir):
+        raise ConfigError(f"{option} {run_dir}: {lost}")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
