@@ -184,7 +184,7 @@ def test_max_micro_batch_is_the_search_boundary(tiny_device, cli):
     got = json.loads(r.stdout)
     assert got["valid_micro_batches"] == [1, 2, 4, 8, 16, 32, 64]  # the divisors of the per-rank batch
     limits = {lim["recompute"]: lim for lim in got["limits"]}
-    assert list(limits) == ["none", "selective", "full"]
+    assert list(limits) == ["none", "selective", "op", "full"]
     for rc, lim in limits.items():
         mb, nxt = lim["micro_batch"], lim["next_micro_batch"]
         assert mb is not None and nxt is not None, lim  # the device's memory, not the batch, is the limit here
@@ -194,6 +194,7 @@ def test_max_micro_batch_is_the_search_boundary(tiny_device, cli):
         assert lim["next_memory_bytes"] > got["usable_memory_bytes"] >= lim["memory_bytes"]
     # recompute only ever frees memory
     assert limits["none"]["micro_batch"] <= limits["selective"]["micro_batch"] <= limits["full"]["micro_batch"]
+    assert limits["none"]["micro_batch"] <= limits["op"]["micro_batch"] <= limits["full"]["micro_batch"]
     assert limits["none"]["micro_batch"] < limits["full"]["micro_batch"]
 
 
