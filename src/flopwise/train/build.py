@@ -134,12 +134,7 @@ def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, setting: str, r
             f"({'; '.join(changes)}): nothing was written; "
             "give the same data settings to resume, or start fresh in another run.dir"
         )
-    if (n := tokenizer.removeprefix("bpe:")).isdigit() and int(n) > cfg.model.vocab_size:  # before, not after, it
-        raise ConfigError(
-            f"data.tokenizer={tokenizer} would train a {n}-token vocabulary for model.vocab_size="
-            f"{cfg.model.vocab_size} embedding rows; set data.tokenizer=bpe:{cfg.model.vocab_size} or raise "
-            "model.vocab_size"
-        )
+    _refuse_before_preparing(cfg, tokenizer)
     logger.info(f"[bold]preparing data[/] {path} -> {out} (tokenizer {tokenizer})")
     stats = prepare_data(
         [path], out, tokenizer=tokenizer, val_fraction=cfg.data.val_fraction, seed=cfg.run.seed, setting=setting
@@ -158,6 +153,30 @@ def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, setting: str, r
             extra={"highlighter": None},
         )
     return out
+
+
+def _refuse_before_preparing(cfg: Config, tokenizer: str) -> None:
+    """What the prepared data would be refused for, said from the tokenizer before it is prepared:
+    a vocabulary larger than model.vocab_size, or (a tokenizer file) not model.init_from's."""
+    if (n := tokenizer.removeprefix("bpe:")).isdigit():
+        if int(n) > cfg.model.vocab_size:
+            raise ConfigError(
+                f"data.tokenizer={tokenizer} would train a {n}-token vocabulary for model.vocab_size="
+                f"{cfg.model.vocab_size} embedding rows; set data.tokenizer=bpe:{cfg.model.vocab_size} or raise "
+                "model.vocab_size"
+            )
+        return
+    tok = load_tokenizer(tokenizer)
+    _check_vocab(cfg, tok.get_vocab_size())
+    _check_init_tokenizer(cfg, tok, f"data.tokenizer={tokenizer}")
+
+
+def _check_vocab(cfg: Config, vocab: int) -> None:
+    if vocab > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab}; set "
+            f"model.vocab_size>={vocab}"
+        )
 
 
 def ensure_data(cfg: Config, run_dir: Path, setting: str = "run.dir", resumes: Path | None = None) -> list[Source]:
@@ -190,7 +209,7 @@ def planned_draws(cfg: Config, tokens: float | None = None) -> tuple[float, list
         return planned, draws(ensure_data(cfg, run_dir), planned)
 
 
-def _check_init_tokenizer(cfg: Config, data_dir: Path) -> GuardedTokenizer | None:
+def _check_init_tokenizer(cfg: Config, data_tok: GuardedTokenizer, what: str) -> GuardedTokenizer | None:
     """model.init_from=hf:PATH pins the model's tokenizer: data tokenized with another one (its own
     bpe:VOCAB, another model's) is refused in one line, before step 1, by vocabulary and special
     tokens (its ids would mean other tokens to the embeddings: the first loss would be about
@@ -199,9 +218,9 @@ def _check_init_tokenizer(cfg: Config, data_dir: Path) -> GuardedTokenizer | Non
     if hf is None or not (hf / "tokenizer.json").is_file():
         return None
     model_tok = load_tokenizer(hf / "tokenizer.json")
-    if diff := tokenizer_difference(tokenizer_of(data_dir), model_tok):
+    if diff := tokenizer_difference(data_tok, model_tok):
         raise DataError(
-            f"data {data_dir} was tokenized with another tokenizer than "
+            f"{what} is another tokenizer than "
             f"model.init_from={cfg.model.init_from} "
             f"({diff}): its token ids mean other tokens to the model; prepare the data with "
             f"`flopwise data prepare INPUTS --tokenizer {hf} --out DIR`, or give data.path raw text "
@@ -325,12 +344,10 @@ def build_run(cfg: Config, lock: Callable[[], object] = lambda: None) -> Run | F
     if not par.is_main:
         sources = ensure_data(cfg, run_dir)  # prepared by rank 0 by now
     index = read_index(sources[0].data_dir)
-    model_tok = _check_init_tokenizer(cfg, sources[0].data_dir)
-    if index["vocab_size"] > cfg.model.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-            f"{index['vocab_size']}; set model.vocab_size>={index['vocab_size']}"
-        )
+    model_tok = _check_init_tokenizer(
+        cfg, tokenizer_of(sources[0].data_dir), f"the tokenizer of data {sources[0].data_dir}"
+    )
+    _check_vocab(cfg, index["vocab_size"])
     data_fp = mixture_fingerprint(sources)
     check_same_job({"data fingerprint": data_fp})
     if resume_from is not None:  # decided from its state.json: a finished run builds and loads nothing
