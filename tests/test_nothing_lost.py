@@ -421,3 +421,69 @@ def test_no_mix_of_user_files_links_and_copies_loses_a_byte_to_train_and_resume(
             placed |= _place(rng, run, free, outside)
             before = {str(t): hashlib.sha256(t.read_bytes()).hexdigest() for _, t in placed.values()}
         assert not _intact(placed, before), (_intact(placed, before), r.stderr[-1500:])
+
+
+_EXPORT_NAMES = [
+    "notes.txt",
+    ".flopwise.lock",
+    "flopwise-run.json",
+    "flopwise-manifest.json",
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    ".model.safetensors.abc123.flopwise-tmp",
+    "checkpoints/step-00000002/my-eval.json",
+    "checkpoints/notes.txt",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(2))
+def test_no_mix_of_user_files_loses_a_byte_to_exports_or_a_killed_train(seed, tiny_data, tmp_path, cli):
+    """The property's other folders and moments: a user's files, links and temporary names in the
+    folders `checkpoint export` and `convert to-hf` write (each exports, or refuses in one line), and
+    in a run folder while a train is killed (SIGKILL after its first new checkpoint) and resumed."""
+    import hashlib
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    rng = random.Random(seed)
+    outside, run = tmp_path / "home", tmp_path / "run"
+    outside.mkdir()
+    over = {"train.steps": 2, "checkpoint.interval": 1, "checkpoint.keep": 2, "train.eval_every": 0}
+    assert cli("train", *tiny_overrides(run, tiny_data, **over)).returncode == 0
+    placed: dict[Path, tuple[str, object]] = {}
+    for name in ("export", "hf"):
+        (tmp_path / name).mkdir()
+        placed |= _place(rng, tmp_path / name, _EXPORT_NAMES, outside)
+    free = [n for n in _NAMES if n != ".flopwise.lock" and not (run / n).exists() and not (run / n).is_symlink()]
+    placed |= _place(rng, run, free, outside)
+    before = {str(t): hashlib.sha256(t.read_bytes()).hexdigest() for _, t in placed.values()}
+    for argv in (
+        ("checkpoint", "export", run, "--out", tmp_path / "export"),
+        ("convert", "to-hf", run, tmp_path / "hf"),
+    ):
+        r = cli(*map(str, argv))
+        assert "Traceback" not in r.stderr, r.stderr[-3000:]
+        if r.returncode:
+            one_line(r, 2)
+        assert not _intact(placed, before), (argv, _intact(placed, before), r.stderr[-1500:])
+    over["train.steps"] = 40
+    cmd = [sys.executable, "-m", "flopwise", "train", *tiny_overrides(run, tiny_data, **over)]
+    train = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    deadline = time.monotonic() + 120
+    while train.poll() is None and not (run / "checkpoints" / "step-00000004").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    train.send_signal(signal.SIGKILL)
+    train.wait()
+    assert not _intact(placed, before), (_intact(placed, before), train.stderr.read()[-1500:] if train.stderr else "")
+    r = cli("train", *tiny_overrides(run, tiny_data, **over))
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    if r.returncode:
+        one_line(r, 2)
+    assert not _intact(placed, before), (_intact(placed, before), r.stderr[-1500:])
