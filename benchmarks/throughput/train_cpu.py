@@ -3,6 +3,7 @@
     python benchmarks/throughput/train_cpu.py                                  # reference shape, fp32 + bf16, 3 rounds
     python benchmarks/throughput/train_cpu.py --nanogpt ~/src/nanoGPT/model.py # add nanoGPT's model (a local checkout)
     python benchmarks/throughput/train_cpu.py --shape holdout --peers flopwise # a scaling-ladder shape, flopwise alone
+    python benchmarks/throughput/train_cpu.py --shape gpt2 --peers flopwise --nanogpt PATH  # GPT-2 against nanoGPT
     python benchmarks/throughput/train_cpu.py --flopwise train.compile=false   # flopwise eager (default: compiled, as a
                                                                     # run of >= 1000 steps is)
 
@@ -46,15 +47,57 @@ from flopwise.train.faults import Faults
 from flopwise.train.metrics import measure_matmul_peak
 from flopwise.train.trainer import train_step
 
-SHAPES = {  # the reference shape, and the scaling ladder's smallest and held-out (2e13) shapes
+SHAPES = {  # the reference shapes (Llama: against transformers; GPT-2: against nanoGPT), and the
+    # scaling ladder's smallest and held-out (2e13) shapes
     "ref": dict(
-        n_layers=6, d_model=384, n_heads=6, n_kv_heads=6, head_dim=64, ffn_dim=1024, vocab_size=4096, seq=256, batch=8
+        arch="llama",
+        n_layers=6,
+        d_model=384,
+        n_heads=6,
+        n_kv_heads=6,
+        head_dim=64,
+        ffn_dim=1024,
+        vocab_size=4096,
+        seq=256,
+        batch=8,
+    ),
+    "gpt2": dict(
+        arch="gpt2",
+        n_layers=6,
+        d_model=384,
+        n_heads=6,
+        n_kv_heads=6,
+        head_dim=64,
+        ffn_dim=1536,
+        vocab_size=4096,
+        tie_embeddings=True,
+        bias=False,
+        seq=256,
+        batch=8,
     ),
     "small": dict(
-        n_layers=1, d_model=64, n_heads=2, n_kv_heads=2, head_dim=32, ffn_dim=192, vocab_size=512, seq=128, batch=16
+        arch="llama",
+        n_layers=1,
+        d_model=64,
+        n_heads=2,
+        n_kv_heads=2,
+        head_dim=32,
+        ffn_dim=192,
+        vocab_size=512,
+        seq=128,
+        batch=16,
     ),
     "holdout": dict(
-        n_layers=3, d_model=96, n_heads=3, n_kv_heads=3, head_dim=32, ffn_dim=256, vocab_size=512, seq=128, batch=16
+        arch="llama",
+        n_layers=3,
+        d_model=96,
+        n_heads=3,
+        n_kv_heads=3,
+        head_dim=32,
+        ffn_dim=256,
+        vocab_size=512,
+        seq=128,
+        batch=16,
     ),
 }
 LR, BETAS, WD, EPS, CLIP = 3e-4, (0.9, 0.95), 0.1, 1e-8, 1.0
@@ -62,11 +105,10 @@ LR, BETAS, WD, EPS, CLIP = 3e-4, (0.9, 0.95), 0.1, 1e-8, 1.0
 
 def flopwise_config(shape: dict, dtype: str, overrides: list[str]) -> Config:
     s = shape
-    model = [f"model.{k}={v}" for k, v in s.items() if k not in ("seq", "batch")]
+    model = [f"model.{k}={json.dumps(v)}" for k, v in s.items() if k not in ("seq", "batch")]
     return load_config(
         "demo",
         [
-            'model.arch="llama"',
             *model,
             f"model.max_seq_len={s['seq']}",
             f"data.seq_len={s['seq']}",
