@@ -16,18 +16,10 @@ from pathlib import Path
 
 from flopwise.config.schema import load_config
 from flopwise.scale.fit import fit_approach2, fit_approach3, fit_kaplan, plot_fits, read_points, save_law
-from flopwise.train.ladder import final_val_loss, plan_ladder, run_ladder
+from flopwise.train.ladder import LADDER_PRESETS, final_val_loss, plan_ladder, run_ladder
 
 OUT = Path("benchmarks/scaling/ladder")
-BASE = [
-    'data.tokenizer="bpe:512"',
-    "model.vocab_size=512",
-    "data.seq_len=128",
-    "model.max_seq_len=128",
-    "train.global_batch=16",
-    "train.micro_batch=16",
-    "train.eval_batches=32",
-]
+BASE = list(LADDER_PRESETS["cpu-tiny"].overrides)  # the ladder setting `scale sweep --preset cpu-tiny` uses
 
 
 def main() -> None:

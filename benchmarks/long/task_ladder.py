@@ -24,19 +24,11 @@ from flopwise.eval.load import load_for_inference
 from flopwise.eval.tasks import evaluate_task
 from flopwise.flops import scaling_flops
 from flopwise.scale.tasks import jaggedness, plot_tasks, predict_task, read_task_table
-from flopwise.train.ladder import plan_ladder, run_ladder
+from flopwise.train.ladder import LADDER_PRESETS, plan_ladder, run_ladder
 
 OUT = Path("benchmarks/scaling/tasks")
 TASKS = ["shakespeare-cloze", "shakespeare-nextline", "shakespeare-speaker"]
-BASE = [
-    'data.tokenizer="bpe:512"',
-    "model.vocab_size=512",
-    "data.seq_len=128",
-    "model.max_seq_len=128",
-    "train.global_batch=16",
-    "train.micro_batch=16",
-    "train.eval_batches=32",
-]
+BASE = list(LADDER_PRESETS["cpu-tiny"].overrides)  # the ladder setting `scale sweep --preset cpu-tiny` uses
 
 
 def evaluate_run(run_dir: Path, flops: float) -> list[dict]:

@@ -23,17 +23,9 @@ import time
 from pathlib import Path
 
 from flopwise.config.schema import load_config
-from flopwise.train.ladder import final_val_loss, plan_ladder, run_ladder
+from flopwise.train.ladder import LADDER_PRESETS, final_val_loss, plan_ladder, run_ladder
 
-BASE = [
-    'data.tokenizer="bpe:512"',
-    "model.vocab_size=512",
-    "data.seq_len=128",
-    "model.max_seq_len=128",
-    "train.global_batch=16",
-    "train.micro_batch=16",
-    "train.eval_batches=32",
-]
+BASE = list(LADDER_PRESETS["cpu-tiny"].overrides)  # the ladder setting `scale sweep --preset cpu-tiny` uses
 LAW = "benchmarks/scaling/ladder/law.json"
 
 
