@@ -187,7 +187,7 @@ def test_bf16_on_a_cpu_without_bf16_instructions_is_said_before_the_run(native, 
         r = cli(
             "train",
             "model.preset=demo-tiny",
-            "data.tokenizer=\"bpe:512\"",
+            'data.tokenizer="bpe:512"',
             "data.seq_len=64",
             'data.path="missing"',
             f"run.dir={dtype}",
