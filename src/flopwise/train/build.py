@@ -158,8 +158,9 @@ def _prepared(path: str, out: Path, tokenizer: str, cfg: Config, setting: str, r
 def _refuse_before_preparing(cfg: Config, tokenizer: str) -> None:
     """What the prepared data would be refused for, said from the tokenizer before it is prepared:
     a vocabulary larger than model.vocab_size, or (a tokenizer file) not model.init_from's."""
-    if (n := tokenizer.removeprefix("bpe:")).isdigit():
-        if int(n) > cfg.model.vocab_size:
+    if tokenizer.startswith("bpe:") or not Path(tokenizer).exists():  # prepare_data says what is wrong with it
+        n = tokenizer.removeprefix("bpe:")
+        if n.isdigit() and int(n) > cfg.model.vocab_size:
             raise ConfigError(
                 f"data.tokenizer={tokenizer} would train a {n}-token vocabulary for model.vocab_size="
                 f"{cfg.model.vocab_size} embedding rows; set data.tokenizer=bpe:{cfg.model.vocab_size} or raise "
