@@ -128,16 +128,24 @@ def cli(*args: str, code: int = 0):
     return r
 
 
-def test_data_of_another_tokenizer_is_refused_before_step_1(instruct, user_text, tmp_path):
+@pytest.mark.parametrize("given", ["prepared data", "raw text and a tokenizer file"])
+def test_data_of_another_tokenizer_is_refused_before_step_1(given, instruct, user_text, tmp_path):
     """Trap 1: data prepared with its own BPE of the model's very vocabulary size (512): the same
-    size, other tokens. Refused in one line before anything trains."""
+    size, other tokens. Refused in one line before anything trains; given as raw text with that
+    tokenizer file, said from the file before `run.dir/data` is prepared (every refusal before the
+    command's first write of data)."""
     data = tmp_path / "data"
     cli("data", "prepare", str(user_text / "train"), "--out", str(data), "--train-tokenizer", "512", "--workers", "1")
     run = tmp_path / "run"
+    source = (
+        [f'data.path="{data}"']
+        if given == "prepared data"
+        else [f'data.path="{user_text / "train"}"', f'data.tokenizer="{data / "tokenizer.json"}"']
+    )
     r = cli(
         "train",
         f'model.init_from="hf:{instruct}"',
-        f'data.path="{data}"',
+        *source,
         f'run.dir="{run}"',
         "train.steps=2",
         "data.seq_len=64",
@@ -148,27 +156,7 @@ def test_data_of_another_tokenizer_is_refused_before_step_1(instruct, user_text,
     assert isinstance(r.exception, DataError), r.output
     msg = str(r.exception)
     assert "another tokenizer" in msg and "differ" in msg and f"--tokenizer {instruct}" in msg and "\n" not in msg
-    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
-
-
-def test_raw_text_with_another_tokenizer_file_is_refused_before_it_is_prepared(instruct, user_text, tmp_path):
-    """The same refusal for raw text and a tokenizer file of its own: said from the file, before
-    `run.dir/data` is prepared (every refusal before the command's first write of data)."""
-    data = tmp_path / "data"
-    cli("data", "prepare", str(user_text / "train"), "--out", str(data), "--train-tokenizer", "512", "--workers", "1")
-    run = tmp_path / "run"
-    r = cli(
-        "train",
-        f'model.init_from="hf:{instruct}"',
-        f'data.path="{user_text / "train"}"',
-        f'data.tokenizer="{data / "tokenizer.json"}"',
-        f'run.dir="{run}"',
-        "train.steps=2",
-        "data.seq_len=64",
-        code=2,
-    )
-    assert isinstance(r.exception, DataError) and "another tokenizer" in str(r.exception), r.output
-    assert not (run / "data").exists()
+    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists() and not (run / "data").exists()
 
 
 def test_prepare_takes_an_hf_folder_and_refuses_two_tokenizer_options(instruct, user_text, prepared, tmp_path):
