@@ -241,6 +241,12 @@ class TrainConfig(Section):
         description="torch.compile each block and the loss; auto: "
         "for runs of >= 1000 steps on one process or plain data parallel",
     )
+    loss_chunk_tokens: int | Literal["auto"] = Field(
+        "auto",
+        ge=0,
+        description="tokens per checkpointed chunk of the head and loss (0: the whole micro-batch at once); "
+        "auto: chunks of 256 MiB of fp32 logits where a micro-batch's exceed that",
+    )
     eval_every: int = Field(100, ge=0, description="0 = only at the end")
     eval_batches: int = Field(8, ge=1, description="validation batches per evaluation (a fixed set)")
     sample_tokens: int = Field(120, ge=0, description="tokens of sample text generated at the end")

@@ -24,6 +24,8 @@ HOMES = {
         "FIXED_VIRTUAL_STAGES",
         "head_split",
         "Layout",
+        "LOSS_CHUNK_BYTES",
+        "loss_chunk_tokens",
         "SCHEDULES",
         "stage_ids",
         "stage_sizes",
