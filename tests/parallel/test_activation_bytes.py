@@ -348,3 +348,65 @@ def test_recompute_policies_train_the_same(recompute, every):
     assert got == pytest.approx(want, abs=1e-6)
     for k, g in grads.items():
         torch.testing.assert_close(g, want_grads[k], rtol=0, atol=1e-6)
+
+
+def _chunked_forward(model, x: torch.Tensor, chunk: int) -> torch.Tensor:
+    return model(x[:, :-1], targets=x[:, 1:], loss_chunk=chunk).squeeze(0)
+
+
+@pytest.mark.parametrize("chunk", [5, 37, 128])
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunked_loss_equals_the_whole_vocabulary_loss(chunk, tied):
+    """Transformer.head_loss, in chunks of 5, 37 (uneven) and all 128 tokens: the loss and every
+    gradient equal train.engine.lm_loss's (the whole micro-batch's logits at once) within 1e-6, fp32."""
+    m = model_config("llama", 2).model_copy(update={"tie_embeddings": tied})
+    batch = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(2))
+
+    def loss_and_grads(chunk: int | None):
+        model = build_model(m, seed=0)
+        if chunk is None:
+            loss = lm_loss(model, batch, torch.device("cpu"), "fp32")
+        else:
+            loss = _chunked_forward(model, batch, chunk)
+        loss.backward()
+        return loss.item(), {k: p.grad for k, p in model.named_parameters()}
+
+    (want, want_grads), (got, grads) = loss_and_grads(None), loss_and_grads(chunk)
+    assert got == pytest.approx(want, abs=1e-6)
+    for k, g in grads.items():
+        torch.testing.assert_close(g, want_grads[k], rtol=0, atol=1e-6)
+
+
+# a vocabulary large beside the model (as a real LLM's head beside one block), so the loss's bytes show
+LOSS_MODEL = dict(arch="llama", d_model=32, n_heads=4, n_kv_heads=2, vocab_size=8192, max_seq_len=128)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_planner_books_what_a_chunked_loss_holds(dtype):
+    """A chunked loss's bytes, against plan.memory: what a forward keeps outside the layers
+    (SavedBytes, 2·(1 layer) − (2 layers)) and what the backward allocates above it with the
+    gradients already there (PeakMemory; an accumulating micro-batch): one chunk's log-softmax and
+    gradients and the head's weight gradient of that chunk."""
+    from flopwise.plan.memory import end_activation_bytes, loss_working_bytes
+
+    seq, chunk, cpu = 128, 64, torch.device("cpu")
+    x = torch.randint(0, 8192, (BATCH, seq + 1), generator=torch.Generator().manual_seed(0))
+    saved, backward = [], 0
+    for n in (1, 2):
+        model = build_model(ModelConfig(**LOSS_MODEL, n_layers=n), seed=0)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        with autocast(cpu, dtype):
+            with SavedBytes(model) as s:
+                loss = _chunked_forward(model, x, chunk)
+            with PeakMemory(cpu) as b:
+                loss.backward()
+        saved.append(s.bytes)
+        backward = b.bytes
+    m = ModelConfig(**LOSS_MODEL, n_layers=1)
+    precision = engine_precision(dtype, fsdp=False, cpu=True)
+    want = end_activation_bytes(m, seq, BATCH, 1, True, True, precision, loss_chunk=chunk)
+    assert 2 * saved[0] - saved[1] == pytest.approx(want, rel=0.01)
+    unchunked = end_activation_bytes(m, seq, BATCH, 1, True, True, precision)
+    assert want < unchunked / 4  # no fp32 log-softmax of the micro-batch kept
+    assert backward == pytest.approx(loss_working_bytes(m, seq, BATCH, 1, precision, loss_chunk=chunk), rel=0.01)

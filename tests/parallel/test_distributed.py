@@ -68,6 +68,15 @@ LAYOUTS = {
         },
         "pp2-1f1b-recompute-full": {"parallel.pp": 2, "parallel.recompute": '"full"'},
         "dp2-zero3-compile": {"parallel.zero": 3, "train.compile": "true"},  # per-block compile under FSDP2
+        # the chunked head + loss (Transformer.head_loss) under FSDP2, vocab-parallel and a pipeline's last stage
+        "dp2-zero3-loss-chunks": {"parallel.zero": 3, "train.loss_chunk_tokens": 24},
+        "tp2-sp-loss-chunks": {"parallel.tp": 2, "parallel.sequence_parallel": "true", "train.loss_chunk_tokens": 24},
+        "pp2-interleaved-loss-chunks": {
+            "parallel.pp": 2,
+            "parallel.pp_schedule": '"interleaved-1f1b"',
+            "parallel.virtual_stages": 2,
+            "train.loss_chunk_tokens": 24,
+        },
     },
     4: {
         "hsdp2x2": {"parallel.zero": 3, "parallel.dp_replicate": 2},
@@ -77,6 +86,12 @@ LAYOUTS = {
         # the engine hands a later stage its span: 1/tp of the sequence arrives, or a cp shard
         "pp2xtp2-sp": {"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": "true"},
         "pp2xcp2": {"parallel.pp": 2, "parallel.cp": 2},
+        "pp2xtp2-sp-loss-chunks": {
+            "parallel.pp": 2,
+            "parallel.tp": 2,
+            "parallel.sequence_parallel": "true",
+            "train.loss_chunk_tokens": 24,
+        },
     },
     8: {
         "pp2xtp2xdp2": {"parallel.pp": 2, "parallel.tp": 2, "parallel.zero": 3},

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from flopwise.config.hf_mapping import check_layers, model_fields, read_hf_config, refuse
 from flopwise.config.presets import ARCH_DEFAULTS, PRESETS
@@ -243,6 +243,19 @@ class TrainConfig(Section):
         description="torch.compile each block and the loss; auto: "
         "for runs of >= 1000 steps on one process or plain data parallel",
     )
+    loss_chunk_tokens: int | Literal["auto"] = Field(
+        "auto",
+        description="tokens per checkpointed chunk of the head and loss (0: the whole micro-batch at once); "
+        "auto: chunks of 256 MiB of fp32 logits where a micro-batch's exceed that",
+    )
+
+    @field_validator("loss_chunk_tokens")
+    @classmethod
+    def _chunk_not_negative(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 0:
+            raise ValueError(f"must be >= 0 tokens (0: no chunks) or auto, not {v}")
+        return v
+
     eval_every: int = Field(100, ge=0, description="0 = only at the end")
     eval_batches: int = Field(8, ge=1, description="validation batches per evaluation (a fixed set)")
     sample_tokens: int = Field(120, ge=0, description="tokens of sample text generated at the end")

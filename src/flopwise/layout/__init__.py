@@ -25,6 +25,8 @@ HOMES = {
         "head_split",
         "Layout",
         "layout_of",
+        "LOSS_CHUNK_BYTES",
+        "loss_chunk_tokens",
         "SCHEDULES",
         "stage_ids",
         "stage_sizes",

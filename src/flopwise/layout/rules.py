@@ -333,6 +333,26 @@ def compiles(setting: bool | str, steps: float, lo: Layout) -> bool:
     return steps >= COMPILE_MIN_STEPS and lo.tp == lo.pp == lo.cp == 1
 
 
+# train.loss_chunk_tokens=auto chunks the head and loss of a micro-batch whose fp32 logits (this
+# rank's vocabulary shard) exceed this, into chunks of at most this: beyond it the loss's fp32
+# log-softmax, kept per micro-batch in flight, and its backward's working set set a large-vocabulary
+# rank's peak (Llama 3 405B's last pipeline rank, an 8B Llama under FSDP); below it recomputing the
+# head's forward would cost time for bytes that do not matter.
+LOSS_CHUNK_BYTES = 2**28
+
+
+def loss_chunk_tokens(setting: int | str, tokens: int, vocab: int, tp: int = 1) -> int:
+    """Tokens per chunk of the checkpointed head + cross-entropy of a micro-batch of `tokens`
+    tokens (this engine's Transformer.forward given targets; the planner books the same), or 0:
+    the whole micro-batch's logits at once. `setting`: train.loss_chunk_tokens (0: never chunk)."""
+    if setting != "auto":
+        return min(int(setting), tokens)
+    per_token = 4 * vocab / tp
+    if tokens * per_token <= LOSS_CHUNK_BYTES:
+        return 0
+    return max(1, int(LOSS_CHUNK_BYTES // per_token))
+
+
 def config_layout(cfg: Config, world: int) -> Layout:
     """The layout the config's parallel.* and train.micro_batch give on `world` devices (dp: what
     the other degrees leave), unchecked (layout_of checks it)."""

@@ -13,8 +13,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils.checkpoint import checkpoint
 
 from flopwise.config.schema import ModelConfig
 from flopwise.model.init import canonical_name, fill_constant, fill_normal, global_box
@@ -105,9 +107,14 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         span: Span | None = None,
         last_only: bool = False,
+        targets: torch.Tensor | None = None,
+        loss_chunk: int = 0,
     ) -> torch.Tensor:
-        """tokens (b, t) -> logits (b, t, vocab). A pipeline stage without the embedding takes the
-        previous stage's hidden states (b, t, d) instead, and one without the head returns them.
+        """tokens (b, t) -> logits (b, t, vocab), or with `targets` (b, t) the mean next-token loss
+        (`head_loss`, `loss_chunk` tokens at a time) as a (1,) tensor: a pipeline schedule
+        concatenates its last stage's outputs, which a 0-d tensor cannot be. A pipeline stage
+        without the embedding takes the previous stage's hidden states (b, t, d) instead, and one
+        without the head returns them.
 
         `span`: the positions these tokens hold in their sequence and the keys they attend to (a
         context-parallel shard's, flopwise.parallel.context); by default a whole sequence from
@@ -130,7 +137,30 @@ class Transformer(nn.Module):
             cache.pos += span.q_pos.shape[0]
         if self.output is None:
             return h
+        if targets is not None:
+            return self.head_loss(h, targets, loss_chunk).reshape(1)
         return self.output(self.norm(h[:, -1:] if last_only else h))
+
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        """Mean next-token cross-entropy (fp32) of the last block's output h (b, t, d): the norm,
+        then the head and the loss `chunk` tokens at a time (0: all at once), each chunk under
+        activation checkpointing, so one chunk's logits and log-softmax exist at a time, in forward
+        and in backward (which reruns that chunk's head). Under tensor parallel the head's logits are
+        vocabulary shards (the engine's loss_parallel); sequence-parallel states are gathered once.
+        The head and loss draw no random numbers: no RNG state is kept per chunk."""
+        h = self.norm(h)
+        if isinstance(h, DTensor):
+            h = h.redistribute(h.device_mesh, [Replicate()] * h.device_mesh.ndim)
+        h, targets = h.flatten(0, 1), targets.flatten()
+        chunk = chunk or targets.numel()
+        sums = [
+            checkpoint(self._chunk_loss, hc, yc, use_reentrant=False, preserve_rng_state=False)
+            for hc, yc in zip(h.split(chunk), targets.split(chunk), strict=True)
+        ]
+        return sum(sums[1:], sums[0]) / targets.numel()
+
+    def _chunk_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.output(h).float(), targets, reduction="sum")
 
     def embed(self, tokens: torch.Tensor, pos_ids: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)

@@ -346,7 +346,14 @@ def rank_activation_bytes(
 
 
 def end_activation_bytes(
-    m: ModelConfig, seq: int, micro_batch: int, tp: int, has_embedding: bool, has_head: bool, precision: SavedPrecision
+    m: ModelConfig,
+    seq: int,
+    micro_batch: int,
+    tp: int,
+    has_embedding: bool,
+    has_head: bool,
+    precision: SavedPrecision,
+    loss_chunk: int = 0,
 ) -> float:
     """What one micro-batch keeps for backward outside the layers, in this engine (measured with
     SavedBytes, 2·L1 − L2 layers): on the first stage the token ids (int64); on every stage the
@@ -354,7 +361,9 @@ def end_activation_bytes(
     input and internals (as a layer's norm), the head's input (compute dtype), the targets (int64)
     and what the loss keeps: the eager loss its fp32 log-softmax over the vocabulary (split over
     tp); the compiled one (`precision.compiled`, without tensor parallel) the logits themselves in
-    the compute dtype and two fp32 per-token statistics (max and log-sum-exp), never an fp32 copy."""
+    the compute dtype and two fp32 per-token statistics (max and log-sum-exp), never an fp32 copy.
+    A chunked loss (`loss_chunk` tokens, layout.rules.loss_chunk_tokens) keeps nothing vocabulary-
+    wide: its checkpoints keep the final norm's output (the residual dtype) and the targets."""
     s, b = seq, micro_batch
     sb, sbh = s * b, s * b * m.d_model
     e, r = precision.compute, precision.residual
@@ -364,7 +373,8 @@ def end_activation_bytes(
         norm = _norm_internals(m, sb, sbh, r, precision)
         compiled_loss = precision.compiled and tp == 1  # the engine's loss (train.engine.Engine.loss)
         loss = e * sb * m.vocab_size + 2 * 4 * sb if compiled_loss else 4 * sb * m.vocab_size / tp
-        out += r * sbh + norm + e * sbh + loss + 8 * sb
+        head_input, loss = (r * sbh, 0.0) if loss_chunk else (e * sbh, loss)
+        out += r * sbh + norm + head_input + loss + 8 * sb
     return out
 
 
@@ -379,14 +389,22 @@ def buffer_bytes(m: ModelConfig, layers: int, tp: int = 1) -> float:
     return 4.0 * rows
 
 
-def loss_working_bytes(m: ModelConfig, seq: int, micro_batch: int, tp: int, precision: SavedPrecision) -> float:
+def loss_working_bytes(
+    m: ModelConfig, seq: int, micro_batch: int, tp: int, precision: SavedPrecision, loss_chunk: int = 0
+) -> float:
     """What the last stage holds at the step's high-water mark beyond the saved tensors: the head's
     logits (compute dtype), kept from the forward until the loss's backward has used them, and the
     fp32 vocabulary-wide tensors the eager cross-entropy's backward holds at once: two (the
     gradients of its log-softmax's output and input), three for the vocab-parallel loss under
     tensor parallel (which recomputes the softmax's exp), each split over tp. The compiled loss
     keeps the logits among its saved tensors and its fused backward writes only their gradient, in
-    the compute dtype. Measured with PeakMemory."""
+    the compute dtype. A chunked loss (`loss_chunk` tokens) holds one chunk's: the log-softmax its
+    backward recomputes and the two fp32 gradients (12 bytes a logit, fp32 or bf16; under tensor
+    parallel one more for the recomputed exp), and the head's weight gradient of that chunk (compute
+    dtype) beside the one accumulated so far. Measured with PeakMemory."""
+    if loss_chunk:
+        fp32 = 3 if tp == 1 else 4
+        return (4 * fp32 * loss_chunk * m.vocab_size + precision.compute * m.vocab_size * m.d_model) / tp
     if precision.compiled and tp == 1:
         return precision.compute * seq * micro_batch * m.vocab_size
     fp32 = 2 if tp == 1 else 3

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from flopwise.config.schema import Config, ModelConfig
 from flopwise.layout.linears import float8_all_gather
-from flopwise.layout.rules import Layout, compiles
+from flopwise.layout.rules import Layout, compiles, loss_chunk_tokens
 from flopwise.plan.memory import (
     KORTHIKANTI,
     SavedPrecision,
@@ -59,6 +59,7 @@ class EngineRun:
     document_mask: bool = False  # data.document_mask
     cpu: bool = False  # the engine on CPUs: its attention core computes in fp32, RMSNorm is composite ops
     float8: str = "none"  # train.float8: the recipe of the blocks' float8 linears
+    loss_chunk_tokens: int | str = "auto"  # train.loss_chunk_tokens (layout.rules.loss_chunk_tokens)
 
     @classmethod
     def of(cls, cfg: Config, cpu: bool = False) -> EngineRun:
@@ -72,6 +73,13 @@ class EngineRun:
             document_mask=cfg.data.document_mask,
             cpu=cpu,
             float8=cfg.train.float8,
+            loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+        )
+
+    def loss_chunk(self, lo: Layout) -> int:
+        """Tokens per chunk of the engine's head and loss under `lo` (0: unchunked)."""
+        return loss_chunk_tokens(
+            self.loss_chunk_tokens, lo.micro_batch * self.seq // lo.cp, self.model.vocab_size, lo.tp
         )
 
 
@@ -168,10 +176,11 @@ def _saved_activations(
     blocks = rank_activation_bytes(
         m, lo, run.seq, run.global_batch, layers, flash, run.document_mask, precision, pp_rank, cache, stages
     )
+    chunk = run.loss_chunk(lo)
     return blocks + in_flight * memo(
         cache,
-        ("end", lo.fsdp2, precision.compiled, lo.cp, lo.micro_batch, lo.tp, embedding, head),
-        lambda: end_activation_bytes(m, run.seq // lo.cp, lo.micro_batch, lo.tp, embedding, head, precision),
+        ("end", lo.fsdp2, precision.compiled, lo.cp, lo.micro_batch, lo.tp, embedding, head, chunk),
+        lambda: end_activation_bytes(m, run.seq // lo.cp, lo.micro_batch, lo.tp, embedding, head, precision, chunk),
     )
 
 
@@ -203,12 +212,12 @@ def _autocast_copies(run: EngineRun, lo: Layout, layers: int, head: bool, compil
 def _working_set(run: EngineRun, lo: Layout, head: bool, precision: SavedPrecision, cache: dict | None) -> float:
     """The loss's working set and ZeRO-3's re-gathered blocks: they come one after the other in
     backward, so the larger counts."""
-    m = run.model
+    m, chunk = run.model, run.loss_chunk(lo)
     return memo(
         cache,
-        ("work", lo.fsdp2, precision.compiled, lo.cp, lo.micro_batch, lo.tp, lo.reshards_params, head),
+        ("work", lo.fsdp2, precision.compiled, lo.cp, lo.micro_batch, lo.tp, lo.reshards_params, head, chunk),
         lambda: max(
-            loss_working_bytes(m, run.seq // lo.cp, lo.micro_batch, lo.tp, precision) if head else 0.0,
+            loss_working_bytes(m, run.seq // lo.cp, lo.micro_batch, lo.tp, precision, chunk) if head else 0.0,
             regathered_bytes(rank_param_count(m, lo, 1, False, False, cache), lo, precision.compute),
         ),
     )

@@ -67,7 +67,7 @@ from flopwise.errors import ConfigError
 from flopwise.flops import count_params, mfu
 from flopwise.hardware.catalogue import Hardware
 from flopwise.layout.linears import float8_all_gather, float8_eligible, float8_weight_elements
-from flopwise.layout.rules import Layout, compiles, stage_sizes
+from flopwise.layout.rules import Layout, compiles, loss_chunk_tokens, stage_sizes
 from flopwise.plan.comm import (
     Collective,
     dp_collectives,
@@ -546,8 +546,11 @@ def step_times(
     # (it keeps the reduce-scatters' outputs, not an all-reduce's)
     recompute_tp = {"full": lt.tp_fwd, "op": lt.tp_fwd / 2 if lo.sequence_parallel else lt.tp_fwd}.get(recompute, 0.0)
     recompute_cp = lt.cp_fwd if recompute in ("full", "op") else 0.0
-    # the output layer: fwd + bwd GEMMs, and the fp32 cross-entropy's traffic
-    logits_mm = sum(gemm_fwd_bwd([(tokens_mb, sh.d_model, sh.vocab / lo.tp)], hw, planning_peak(hw)))
+    # the output layer: fwd + bwd GEMMs (this engine's chunked loss reruns the forward in backward:
+    # layout.rules.loss_chunk_tokens at train.loss_chunk_tokens=auto), and the fp32 cross-entropy's traffic
+    head_fwd, head_bwd = gemm_fwd_bwd([(tokens_mb, sh.d_model, sh.vocab / lo.tp)], hw, planning_peak(hw))
+    chunked = stack.engine_activations and loss_chunk_tokens("auto", int(tokens_mb), sh.vocab, lo.tp) > 0
+    logits_mm = head_fwd * (2 if chunked else 1) + head_bwd
     # at the streaming rate of this micro-batch's activations, as the layers' element-wise work
     logits_other = stream_time(loss_bytes(sh, tokens_mb, lo.tp, eager), hw, ACT_BYTES * tokens_mb * sh.d_model, lo.tp)
 

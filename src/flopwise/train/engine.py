@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
 from flopwise.config.schema import Config
+from flopwise.layout.rules import loss_chunk_tokens
 from flopwise.model.layers import Span
 from flopwise.model.transformer import document_ids, document_positions
 from flopwise.parallel.apply import config_compiles
@@ -69,6 +70,10 @@ class Engine:
         # log-softmax pass (at vocab 512 eager log_softmax forward + backward was 22% of a ladder
         # step). Vocab-sharded DTensor logits (tensor parallel) keep the eager loss_parallel path.
         self.loss = torch.compile(token_loss) if config_compiles(cfg, lo) and lo.tp == 1 else token_loss
+        # Or the model's own head and loss, chunk by chunk (Transformer.head_loss): never the fp32
+        # logits of the whole micro-batch (the rule the planner books: layout.rules.loss_chunk_tokens)
+        tokens = cfg.train.micro_batch * cfg.data.seq_len // lo.cp
+        self.loss_chunk = loss_chunk_tokens(cfg.train.loss_chunk_tokens, tokens, cfg.model.vocab_size, lo.tp)
         self.schedule = None
         self.first = self.last = True
         if lo.pp > 1:
@@ -90,8 +95,15 @@ class Engine:
     def _loss_ctx(self):
         return loss_parallel() if self.par.size("tp") > 1 else contextlib.nullcontext()
 
-    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.loss(logits, targets)
+    def _loss_fn(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss: its output already is, where the stage chunks its head and loss."""
+        return out.squeeze(0) if self.loss_chunk else self.loss(out, targets)
+
+    def _model_loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, extra: dict[str, Any]) -> torch.Tensor:
+        """Mean loss of one micro-batch through a whole (unpipelined) model."""
+        if self.loss_chunk:
+            return model(x, targets=y, loss_chunk=self.loss_chunk, **extra).squeeze(0)
+        return self.loss(model(x, **extra), y)
 
     def model_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """Whole (b, s) input sequences -> this rank's tokens (its context shard) and the model's
@@ -139,8 +151,9 @@ class Engine:
                         if isinstance(model, DistributedDataParallel) and not last
                         else contextlib.nullcontext()
                     ):
-                        logits = model(xm, **_rows(extra, i, i + mb))
-                        loss = self.loss(logits, ym) * (xm.shape[0] / self.local_batch)
+                        loss = self._model_loss(model, xm, ym, _rows(extra, i, i + mb)) * (
+                            xm.shape[0] / self.local_batch
+                        )
                         loss.backward()
                     local += _local(loss.detach())
         return all_mean(local, self.par)
@@ -153,7 +166,9 @@ class Engine:
         assert self.schedule is not None  # built whenever pp > 1, the only case that runs a schedule
         run = self.schedule.step if train else self.schedule.eval
         args = (x,) if self.first else ()
-        kwargs = {"target": y, "losses": losses} if self.last else {}
+        kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.last else {}
+        if self.last and self.loss_chunk:  # the last stage's module computes its loss (Transformer.head_loss)
+            kwargs |= {"targets": y, "loss_chunk": self.loss_chunk}
         run(*args, **kwargs, **extra)
         local = (
             torch.stack([_local(v.detach()) for v in losses]).mean()
@@ -179,7 +194,7 @@ class Engine:
             if self.schedule is not None:
                 local = self._pipeline(x, y, extra, train=False)
             else:
-                local = _local(self.loss(self.parts[0](x, **extra), y))
+                local = _local(self._model_loss(self.parts[0], x, y, extra))
         for m in self.parts:
             m.train()
         return float(all_mean(local, self.par, "cp"))
