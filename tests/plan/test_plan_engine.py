@@ -257,12 +257,16 @@ def test_planner_books_what_the_engine_held_on_an_h200(compile_):
     hundred bytes of scalars, its high-water mark within 1%."""
     path = FIXTURES / "h200" / f"gpu_measure_llama1b_compile_{compile_}.json"
     measured = json.loads(path.read_text())["ranks"][0]
-    cfg = load_config(None, [*H200_1B, f"train.compile={compile_}"])
+    # the recorded engine computed its head and loss whole (train.loss_chunk_tokens came later), and
+    # eager, it held the bf16 logits (8 x 2048 x 32000) through the backward by a local variable,
+    # which the engine since drops after the loss's forward (the eager loss saves its log-softmax)
+    cfg = load_config(None, [*H200_1B, f"train.compile={compile_}", "train.loss_chunk_tokens=0"])
+    held_logits = 0 if compile_ == "true" else 2 * 8 * 2048 * 32000
     want = predict_rank(cfg, layout_of(cfg, 1), 0, 0, 0, cpu=False)
     for q in ("params", "grads", "optimizer"):
         assert measured[q]["measured"] == getattr(want, q)
     assert measured["activations"]["measured"] == pytest.approx(want.activations, abs=1024)
-    assert measured["peak"]["measured"] == pytest.approx(want.peak, rel=0.01)
+    assert measured["peak"]["measured"] == pytest.approx(want.peak + held_logits, rel=0.01)
 
 
 # `flopwise plan --json` (the numbers the layout search ranks by) against `flopwise plan measure

@@ -208,7 +208,8 @@ def _elementwise_row(cfg: Config, partial: Hardware, tp: int, seconds: float) ->
     m, seq, mb = cfg.model, cfg.data.seq_len, cfg.train.micro_batch or 1
     sh = model_shape(m, seq)
     lo, stack = Layout(tp=tp, micro_batch=mb), STACKS["flopwise"]
-    t = estimate(sh, partial, lo, seq, mb, stack, compile=False, dtype=cfg.train.dtype).time
+    # _model_seconds times train.engine.lm_loss, whose head and loss run whole (no loss chunks)
+    t = estimate(sh, partial, lo, seq, mb, stack, compile=False, dtype=cfg.train.dtype, loss_chunk=0).time
     other = max(seconds - t["matmul"] - t["attention"] - t["tp_comm"], 0.05 * seconds)
     eager = eager_precision(stack, False, math.inf, lo, cfg.train.dtype)  # model_seconds runs the blocks eager
     fwd, bwd, tensor = layer_elementwise_bytes(sh, mb * seq, tp, False, eager)
@@ -284,6 +285,7 @@ def workload(cfg: Config, hw: Hardware, room: float, device: torch.device) -> Co
             STACKS["flopwise"],
             compile=False,
             dtype=cfg.train.dtype,
+            loss_chunk=0,  # as _model_seconds runs it
         )
         seconds = sum(t for k, t in e.time.items() if k != "optimizer")
         need = e.memory["total"] - e.memory["optimizer"] - RUNTIME_RESERVE  # no optimizer, no CUDA context

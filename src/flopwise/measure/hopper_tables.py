@@ -147,7 +147,10 @@ def derive(run: dict) -> Calibration:
     cfg = run_config(run["batch"], 3, True)
     unit = replace(get_hardware("h200"), calibration=None, matmul_efficiency=1.0)
     lo = _one_rank(cfg)
-    at_unit = evaluate_layout(cfg.model, unit, lo, cfg.data.seq_len, cfg.train.global_batch, compile=True).time
+    # the recorded run's engine computed its head and loss whole (no loss chunks)
+    at_unit = evaluate_layout(
+        cfg.model, unit, lo, cfg.data.seq_len, cfg.train.global_batch, compile=True, loss_chunk=0
+    ).time
     # GEMMs at the full peak; element-wise at MEM_EFFICIENCY x HBM
     sh = model_shape(cfg.model, cfg.data.seq_len)
     lt = layer_times(sh, unit, STACKS["flopwise"], cfg.data.seq_len, run["batch"], 1, 1, False)

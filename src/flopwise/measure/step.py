@@ -277,6 +277,7 @@ def predicted_time(cfg: Config, lo: Layout) -> tuple[Estimate | None, str | None
         steps=cfg.train.steps,
         dtype=cfg.train.dtype,
         float8=cfg.train.float8,
+        loss_chunk=cfg.train.loss_chunk_tokens,
     ), None
 
 

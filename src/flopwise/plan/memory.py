@@ -390,10 +390,18 @@ def buffer_bytes(m: ModelConfig, layers: int, tp: int = 1) -> float:
 
 
 def loss_working_bytes(
-    m: ModelConfig, seq: int, micro_batch: int, tp: int, precision: SavedPrecision, loss_chunk: int = 0
+    m: ModelConfig,
+    seq: int,
+    micro_batch: int,
+    tp: int,
+    precision: SavedPrecision,
+    loss_chunk: int = 0,
+    staged: bool = False,
 ) -> float:
-    """What the last stage holds at the step's high-water mark beyond the saved tensors: the head's
-    logits (compute dtype), kept from the forward until the loss's backward has used them, and the
+    """What the last stage holds at the step's high-water mark beyond the saved tensors: under a
+    pipeline schedule (`staged`) the head's logits (compute dtype), the stage's output, which the
+    schedule keeps until the step ends (without one nothing refers to them after the loss's
+    forward: the eager loss saves its fp32 log-softmax, not its input); and the
     fp32 vocabulary-wide tensors the eager cross-entropy's backward holds at once: two (the
     gradients of its log-softmax's output and input), three for the vocab-parallel loss under
     tensor parallel (which recomputes the softmax's exp), each split over tp. The compiled loss
@@ -408,7 +416,8 @@ def loss_working_bytes(
     if precision.compiled and tp == 1:
         return precision.compute * seq * micro_batch * m.vocab_size
     fp32 = 2 if tp == 1 else 3
-    return (precision.compute + 4 * fp32) * seq * micro_batch * m.vocab_size / tp
+    kept = precision.compute if staged else 0
+    return (kept + 4 * fp32) * seq * micro_batch * m.vocab_size / tp
 
 
 def regathered_bytes(block_params: float, lo, compute_bytes: int = 2) -> float:

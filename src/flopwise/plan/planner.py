@@ -267,6 +267,7 @@ def plan(
         steps=tokens / (seq * batch),
         dtype=cfg.train.dtype,
         float8=_float8_choices(cfg, hw),
+        loss_chunk=cfg.train.loss_chunk_tokens,
     )
     if not result.ranked:
         why = (
@@ -288,6 +289,7 @@ def plan(
             compile=cfg.train.compile,
             steps=tokens / (seq * batch),
             dtype=cfg.train.dtype,
+            loss_chunk=cfg.train.loss_chunk_tokens,
         )
     rel = None
     if best.fits:
@@ -470,6 +472,7 @@ def max_micro_batch(cfg: Config) -> MicroBatchReport:
             steps=_planned_tokens(cfg, sh) / (seq * gb),
             dtype=cfg.train.dtype,
             float8=cfg.train.float8,
+            loss_chunk=cfg.train.loss_chunk_tokens,
         )
 
     def fits(mb: int, rc: str, per_step: int) -> bool:  # per_step micro-batches per step, as the batch grows

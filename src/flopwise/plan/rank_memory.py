@@ -212,12 +212,12 @@ def _autocast_copies(run: EngineRun, lo: Layout, layers: int, head: bool, compil
 def _working_set(run: EngineRun, lo: Layout, head: bool, precision: SavedPrecision, cache: dict | None) -> float:
     """The loss's working set and ZeRO-3's re-gathered blocks: they come one after the other in
     backward, so the larger counts."""
-    m, chunk = run.model, run.loss_chunk(lo)
+    m, chunk, staged = run.model, run.loss_chunk(lo), lo.pp > 1
     return memo(
         cache,
-        ("work", lo.fsdp2, precision.compiled, lo.cp, lo.micro_batch, lo.tp, lo.reshards_params, head, chunk),
+        ("work", lo.fsdp2, precision.compiled, lo.cp, lo.micro_batch, lo.tp, lo.reshards_params, head, chunk, staged),
         lambda: max(
-            loss_working_bytes(m, run.seq // lo.cp, lo.micro_batch, lo.tp, precision, chunk) if head else 0.0,
+            loss_working_bytes(m, run.seq // lo.cp, lo.micro_batch, lo.tp, precision, chunk, staged) if head else 0.0,
             regathered_bytes(rank_param_count(m, lo, 1, False, False, cache), lo, precision.compute),
         ),
     )
@@ -249,6 +249,7 @@ def layout_memory(
     dtype: str,
     float8: str,
     cpu: bool,
+    loss_chunk: int | str = "auto",
 ) -> tuple[dict[str, float], float]:
     """The worst rank's bytes by the stack's account (this engine's, or a published stack's), and
     the optimizer elements the busiest rank steps. `loads`: each distinct pipeline rank's load with
@@ -257,7 +258,7 @@ def layout_memory(
         return _published_memory(sh, lo, seq, global_batch, stack, loads)
     run = memo(
         cache,
-        ("run", seq, global_batch, compile, steps, dtype, float8),
+        ("run", seq, global_batch, compile, steps, dtype, float8, loss_chunk),
         lambda: EngineRun(
             model=sh.config,
             seq=seq,
@@ -268,6 +269,7 @@ def layout_memory(
             document_mask=sh.document_mask,
             float8=float8,
             cpu=cpu,
+            loss_chunk_tokens=loss_chunk,
         ),
     )
     return engine_memory(run, lo, stack, loads, cache)

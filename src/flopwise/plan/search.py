@@ -166,9 +166,10 @@ def search_layouts(
     steps: float = math.inf,
     dtype: str = "bf16",
     float8: tuple[str, ...] = ("none",),
+    loss_chunk: int | str = "auto",
 ) -> SearchResult:
     """Every valid layout's estimate under each float8 recipe of `float8`, the fitting ones fastest
-    first (`compile`, `steps`, `dtype`: the run's, as plan.step.estimate)."""
+    first (`compile`, `steps`, `dtype`, `loss_chunk`: the run's, as plan.step.estimate)."""
     fixed = dict(fixed or {})
     cache: dict = {}
     fits: list[Estimate] = []
@@ -206,6 +207,7 @@ def search_layouts(
                     steps=steps,
                     dtype=dtype,
                     float8=f8,
+                    loss_chunk=loss_chunk,
                 )
                 evaluated += 1
                 if est.fits:

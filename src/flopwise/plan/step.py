@@ -421,6 +421,7 @@ def estimate(
     steps: float = math.inf,
     dtype: str = "bf16",
     float8: str = "none",
+    loss_chunk: int | str = "auto",
 ) -> Estimate:
     """Memory and time of one optimizer step (global_batch sequences of seq tokens), with the
     blocks' linears in float8 under `float8` (train.float8's recipe).
@@ -430,7 +431,8 @@ def estimate(
     (train.compile, the run's length, by default a long one, and train.dtype) are the run's: they
     say what this engine keeps (layout.rules.compiles; fp32 or bf16 autocast); the step time does not
     model compilation. The published stacks keep 16-bit parameters whatever `dtype` says. The `cpu`
-    entry books what this engine keeps on a CPU (EngineRun.cpu)."""
+    entry books what this engine keeps on a CPU (EngineRun.cpu). `loss_chunk`: train.loss_chunk_tokens
+    (layout.rules.loss_chunk_tokens), for the head's memory and its rerun forward."""
     loads = memo(
         cache,
         ("loads", lo.pp, lo.pp_schedule, lo.virtual_stages, lo.tp),
@@ -449,6 +451,7 @@ def estimate(
         dtype=dtype,
         float8=float8,
         cpu=hw.name == "cpu",
+        loss_chunk=loss_chunk,
     )
     usable = hw.memory_bytes * (1 - FIT_MARGIN)
     fits = memory["total"] <= usable
@@ -465,6 +468,7 @@ def estimate(
         float8,
         eager_precision(stack, compile, steps, lo, dtype),
         dtype,
+        loss_chunk,
     )
     step = sum(time.values())
     tokens = global_batch * seq
@@ -529,6 +533,7 @@ def step_times(
     float8: str = "none",
     eager: tuple[int, int] | None = None,
     dtype: str = "bf16",
+    loss_chunk: int | str = "auto",
 ) -> dict[str, float]:
     """Seconds per step by term; the slowest pipeline rank sets the pace. `eager`: layer_times'."""
     n_micro = lo.microbatches(global_batch)
@@ -547,9 +552,9 @@ def step_times(
     recompute_tp = {"full": lt.tp_fwd, "op": lt.tp_fwd / 2 if lo.sequence_parallel else lt.tp_fwd}.get(recompute, 0.0)
     recompute_cp = lt.cp_fwd if recompute in ("full", "op") else 0.0
     # the output layer: fwd + bwd GEMMs (this engine's chunked loss reruns the forward in backward:
-    # layout.rules.loss_chunk_tokens at train.loss_chunk_tokens=auto), and the fp32 cross-entropy's traffic
+    # layout.rules.loss_chunk_tokens at train.loss_chunk_tokens), and the fp32 cross-entropy's traffic
     head_fwd, head_bwd = gemm_fwd_bwd([(tokens_mb, sh.d_model, sh.vocab / lo.tp)], hw, planning_peak(hw))
-    chunked = stack.engine_activations and loss_chunk_tokens("auto", int(tokens_mb), sh.vocab, lo.tp) > 0
+    chunked = stack.engine_activations and loss_chunk_tokens(loss_chunk, int(tokens_mb), sh.vocab, lo.tp) > 0
     logits_mm = head_fwd * (2 if chunked else 1) + head_bwd
     # at the streaming rate of this micro-batch's activations, as the layers' element-wise work
     logits_other = stream_time(loss_bytes(sh, tokens_mb, lo.tp, eager), hw, ACT_BYTES * tokens_mb * sh.d_model, lo.tp)
@@ -758,8 +763,19 @@ def evaluate_layout(
     steps: float = math.inf,
     dtype: str = "bf16",
     float8: str = "none",
+    loss_chunk: int | str = "auto",
 ) -> Estimate:
     st = STACKS[stack] if isinstance(stack, str) else stack
     return estimate(
-        model_shape(m, seq), hw, lo, seq, global_batch, st, compile=compile, steps=steps, dtype=dtype, float8=float8
+        model_shape(m, seq),
+        hw,
+        lo,
+        seq,
+        global_batch,
+        st,
+        compile=compile,
+        steps=steps,
+        dtype=dtype,
+        float8=float8,
+        loss_chunk=loss_chunk,
     )
