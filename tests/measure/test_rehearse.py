@@ -95,3 +95,25 @@ def test_rehearse_flag_routes_to_its_command():
     commands = {"search", "measure", "rehearse"}
     assert route(["a=1", "--rehearse", "--json"], commands) == ["rehearse", "a=1", "--json"]
     assert route(["a=1"], commands) == ["search", "a=1"]
+
+
+@pytest.mark.slow
+def test_train_rehearse_rehearses_and_trains_nothing(cli, tmp_path):
+    """`flopwise train KEY=VALUE... --rehearse` is the plan's rehearsal of the same run: the table,
+    the rank's states beside the planner's, and no run folder, data or checkpoint made."""
+    run_dir = tmp_path / "run"
+    r = cli(
+        "train",
+        "model.preset=demo-tiny",
+        "parallel.dp=64",
+        "parallel.zero=3",
+        "train.global_batch=64",
+        "train.micro_batch=1",
+        "data.seq_len=128",
+        f'run.dir="{run_dir}"',
+        "--rehearse",
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "one step of each rank below as rank r of 64" in r.stdout
+    assert "parameters" in r.stdout and "+0.0%" in r.stdout  # FSDP2 shards: planned = rehearsed
+    assert not run_dir.exists()

@@ -15,10 +15,22 @@ from flopwise.cli.common import ARGS_HELP, config_from, logger, names, note, std
 from flopwise.errors import FlopwiseError
 
 
-def train_cmd(args: list[str] | None = typer.Argument(None, help=ARGS_HELP)) -> None:
+def train_cmd(
+    args: list[str] | None = typer.Argument(None, help=ARGS_HELP),
+    rehearse: bool = typer.Option(
+        False,
+        "--rehearse",
+        help="train nothing: rehearse this run at its full world (cluster.gpus) on this CPU, "
+        "as `flopwise plan ... --rehearse`",
+    ),
+) -> None:
     """Train a model (default: a small Llama-style model on the embedded Shakespeare corpus).
 
     Every key and its default: `flopwise config docs` (docs/config.md)."""
+    if rehearse:  # the same build path, one step of each distinct rank on fake tensors
+        from flopwise.cli.plan import rehearse_cmd
+
+        return rehearse_cmd(args, None, as_json=False)
     applied: list[str] = []
     try:
         cfg = config_from(args, applied)  # a typo is answered before torch is imported (seconds on a busy machine)
