@@ -302,26 +302,32 @@ def print_serve(plan, top: int, name: str) -> None:
 
 def print_serve_measured(layout, measured: dict) -> None:
     """The one-device layout's planned prefill and decode beside what `--measure` timed here."""
-    load = measured["load_average"]
     t = new_table(
-        f"measured here: {measured['device']}, {measured['dtype']}, batch {measured['batch']}, median of "
-        f"{measured['rounds']} rounds" + (f", load average {load:.1f}" if load is not None else ""),
+        f"measured here: {measured['device']}, {measured['dtype']}, batch {measured['batch']}",
         ("", "planned", "measured", "measured / planned"),
         left=("",),
     )
     rows = [
-        ("prefill", "prefill_s", "prefill_s", 1, "s"),
-        ("decode", "decode_s_per_token", "decode_s_per_token", 1e3, "ms/token"),
+        ("prefill (s)", "prefill_s", "prefill_s", 1),
+        ("decode (ms/token)", "decode_s_per_token", "decode_s_per_token", 1e3),
     ]
-    if measured["device"] == "cpu":  # the process's CPU seconds: what the work cost, whatever else runs
+    cpu = measured["device"] == "cpu"
+    if cpu:
         rows += [
-            ("prefill, CPU", "prefill_s", "prefill_cpu_s", 1, "s"),
-            ("decode, CPU", "decode_s_per_token", "decode_cpu_s_per_token", 1e3, "ms/token"),
+            ("prefill CPU (s)", "prefill_s", "prefill_cpu_s", 1),
+            ("decode CPU (ms)", "decode_s_per_token", "decode_cpu_s_per_token", 1e3),
         ]
-    for label, key, got_key, scale, unit in rows:
+    for label, key, got_key, scale in rows:
         planned, got = getattr(layout, key), measured[got_key]
-        t.add_row(f"{label} ({unit})", f"{planned * scale:.3g}", f"{got * scale:.3g}", f"{got / planned:.2f}")
+        t.add_row(label, f"{planned * scale:.3g}", f"{got * scale:.3g}", f"{got / planned:.2f}")
     stdout.print(t)
+    load = measured["load_average"]
+    stdout.print(
+        f"[dim]measured: the median of {measured['rounds']} rounds of the workload"
+        + ("; CPU: the process's CPU seconds of the same spans (what the work cost, whatever else runs)" if cpu else "")
+        + (f"; load average {load:.1f}" if load is not None else "")
+        + "[/]"
+    )
 
 
 def print_rehearsal(r: dict) -> None:
