@@ -119,6 +119,10 @@ LOW_LATENCY = [
 #    chip), below the 76% MFU Pope et al. reached end to end; and the planner books element-wise
 #    work and tensor-parallel all-reduces after the matmuls, where XLA fuses the one into them and
 #    Pope et al. overlap the other with them (their looped collective einsums).
+# The gaps (2026-12-07): decode 41.0 ms against 28.4 (tp 16 x pp 4); prefill MFU 60.5% against 76%
+# (tp 2 x pp 32: 118 layers 4 to the busiest of 32 stages, -8%; the pipeline's 543 slots for 512
+# requests, -6%; element-wise, all-reduces and scores after the products, -5%); the chat turn 2.43 s
+# against 1.9 (tp 16 x pp 2). docs/planning.md says what would close each and why it is not built.
 MISSES = "flopwise's layouts cannot express Pope et al.'s 2D partitions (see the comment above)"
 
 

@@ -307,11 +307,27 @@ def print_serve_measured(layout, measured: dict) -> None:
         ("", "planned", "measured", "measured / planned"),
         left=("",),
     )
-    rows = (("prefill", "prefill_s", 1, "s"), ("decode", "decode_s_per_token", 1e3, "ms/token"))
-    for label, key, scale, unit in rows:
-        planned, got = getattr(layout, key), measured[key]
-        t.add_row(f"{label} ({unit})", f"{planned * scale:.3g}", f"{got * scale:.3g}", f"{got / planned:.2f}")
+    rows = [
+        ("prefill (s)", "prefill_s", "prefill_s", 1),
+        ("decode (ms/token)", "decode_s_per_token", "decode_s_per_token", 1e3),
+    ]
+    cpu = measured["device"] == "cpu"
+    if cpu:
+        rows += [
+            ("prefill CPU (s)", "prefill_s", "prefill_cpu_s", 1),
+            ("decode CPU (ms)", "decode_s_per_token", "decode_cpu_s_per_token", 1e3),
+        ]
+    for label, key, got_key, scale in rows:
+        planned, got = getattr(layout, key), measured[got_key]
+        t.add_row(label, f"{planned * scale:.3g}", f"{got * scale:.3g}", f"{got / planned:.2f}")
     stdout.print(t)
+    load = measured["load_average"]
+    stdout.print(
+        f"[dim]measured: the median of {measured['rounds']} rounds of the workload"
+        + ("; CPU: the process's CPU seconds of the same spans (what the work cost, whatever else runs)" if cpu else "")
+        + (f"; load average {load:.1f}" if load is not None else "")
+        + "[/]"
+    )
 
 
 def print_rehearsal(r: dict) -> None:

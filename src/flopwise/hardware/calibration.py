@@ -19,7 +19,10 @@ link rates):
 - collectives: per kind, (ranks, bytes, seconds); the planner fits latency and bandwidth of the
   ring model (`plan.comm.ring_time`) to them;
 - overlap: the share of an all-reduce that hides behind matmuls on the same device, which scales
-  the stack's overlap of data-parallel traffic with backward.
+  the stack's overlap of data-parallel traffic with backward;
+- layer_overhead: seconds per layer of a decode step of the calibrated architecture at width 64
+  (measure.serve.layer_overhead): the eager engine's fixed work per layer, which the byte-priced
+  element-wise table cannot show at a decode step's tiny tensors (0: not measured).
 On a CPU a device is one rank of `--nproc` on the machine: the compute tables are measured with
 `threads` = cores / nproc, and `plan measure` gives each rank that many.
 """
@@ -48,6 +51,7 @@ class Calibration:
     source: str = ""
     threads: int = 0  # CPU: the threads one device (one rank) had; `plan measure` runs its ranks so
     overlap: float = 1.0  # share of a collective that hides behind compute on the same device
+    layer_overhead: float = 0.0  # seconds per layer of a decode step beyond its FLOPs and bytes
     _fits: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def gemm_efficiency(self, m: float, n: float, k: float) -> float:
@@ -174,7 +178,18 @@ def parse_calibration(where: str, data) -> Calibration:
     """A calibration table from a hardware TOML's `[NAME.calibration]`, every field checked."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: a table is needed")
-    known = {"dtype", "gemm", "attention", "elementwise", "optimizer", "collectives", "source", "threads", "overlap"}
+    known = {
+        "dtype",
+        "gemm",
+        "attention",
+        "elementwise",
+        "optimizer",
+        "collectives",
+        "source",
+        "threads",
+        "overlap",
+        "layer_overhead",
+    }
     missing = [k for k in ("dtype", "gemm", "attention", "elementwise", "optimizer") if k not in data]
     if missing:
         raise ConfigError(
@@ -196,7 +211,14 @@ def parse_calibration(where: str, data) -> Calibration:
         source=str(data.get("source", "")),
         threads=_threads(where, data.get("threads", 0)),
         overlap=share(f"{where}.overlap", data.get("overlap", 1.0)),
+        layer_overhead=_seconds(f"{where}.layer_overhead", data.get("layer_overhead", 0.0)),
     )
+
+
+def _seconds(where: str, value) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+        raise ConfigError(f"{where}: seconds >= 0 are needed, got {value!r}")
+    return float(value)
 
 
 def _threads(where: str, value) -> int:
@@ -212,6 +234,7 @@ def calibration_toml(c: Calibration) -> dict:
         "source": c.source,
         "threads": c.threads,
         "overlap": c.overlap,
+        "layer_overhead": c.layer_overhead,
         "gemm": [list(r) for r in c.gemm],
         "attention": [list(r) for r in c.attention],
         "elementwise": [list(r) for r in c.elementwise],

@@ -57,6 +57,7 @@ from flopwise.hardware.calibration import COLLECTIVES, Calibration
 from flopwise.hardware.catalogue import CATALOGUE, Hardware, cpu_multiplies_bf16, hardware_toml, identify_gpu
 from flopwise.layout.rules import Layout, check_layout, config_layout
 from flopwise.measure.restart import measure_recovery
+from flopwise.measure.serve import layer_overhead
 from flopwise.model.layers import CoreAttention
 from flopwise.model.transformer import build_model
 from flopwise.plan.rank_memory import RUNTIME_RESERVE
@@ -621,6 +622,7 @@ def _calibrate(
         source=f"{cfg.model.preset or 'model'} shapes, seq {cfg.data.seq_len}",
         threads=threads,
         overlap=round(measured["overlap"], 3),
+        layer_overhead=layer_overhead(cfg.model, device, dtype),
     )
     return replace(hw, calibration=cal)
 

@@ -9,6 +9,12 @@ logits of its last token only), the requests' caches joined into one batch, then
 steps of every request together, each timed. Reported: the batch's prefill seconds (the sum of
 its requests') and the mean seconds of a decode step (the plan's mean over the steps' contexts).
 
+A shared machine moves wall time between one moment and the next, so the whole workload (prefill
+then decode) runs `rounds` times, back to back, and each figure is the median over the rounds: a
+row's prefill and decode are timed together, under the same load. Beside the wall seconds, the
+process's CPU seconds of the same spans (`*_cpu_*`): with one thread on a CPU they are what the
+work cost whatever else runs, and the load average at the end says how busy the machine was.
+
 Weights run in the dtype the plan's hardware entry computes in (its calibration's, else
 train.dtype=auto's choice for it); fp8 and int8 weights are not run here. A warm-up request and
 step come first (the first products of a CPU process pay one-off kernel set-up).
@@ -17,12 +23,13 @@ step come first (the first products of a CPU process pay one-off kernel set-up).
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
-from flopwise.config.schema import Config
+from flopwise.config.schema import Config, ModelConfig
 from flopwise.errors import ConfigError
 from flopwise.hardware.catalogue import Hardware, auto_dtype, identify_gpu
 from flopwise.model.layers import KVCache
@@ -31,6 +38,8 @@ from flopwise.plan.serve import ServeLayout
 from flopwise.train.metrics import DTYPES
 
 _WARMUP_STEPS = 2  # decode steps of the warm-up request
+_NARROW = 64  # width, head size and vocabulary of the model whose decode step is all per-op cost
+_OVERHEAD_STEPS = 32  # decode steps timed for it
 
 
 def serve_device(hw: Hardware) -> torch.device:
@@ -53,9 +62,10 @@ def measure_dtype(hw: Hardware) -> str:
     return hw.calibration.dtype if hw.calibration else auto_dtype(hw)
 
 
-def measure_serve(cfg: Config, hw: Hardware, layout: ServeLayout) -> dict:
+def measure_serve(cfg: Config, hw: Hardware, layout: ServeLayout, rounds: int = 3) -> dict:
     """Measured prefill and decode of the planned one-device `layout` (its batch of the serve.*
-    regime) on this machine (module docstring): {"prefill_s", "decode_s_per_token", ...how it ran}."""
+    regime) on this machine, the median of `rounds` (module docstring): {"prefill_s",
+    "decode_s_per_token", their CPU seconds, ...how it ran}."""
     s, batch = cfg.serve, layout.batch
     if s.batch is None:
         raise ConfigError(f"serve.batch: --measure runs a stated batch; set it (the plan's largest here: {batch})")
@@ -75,10 +85,11 @@ def measure_serve(cfg: Config, hw: Hardware, layout: ServeLayout) -> dict:
         model = build_model(cfg.model, device, seed=cfg.run.seed).to(DTYPES[dtype]).eval()
         clock = _clock(device)
         _generate(model, cfg, 1, _WARMUP_STEPS + 1, clock)
-        prefill, steps = _generate(model, cfg, batch, s.output_tokens, clock)
+        runs = [_generate(model, cfg, batch, s.output_tokens, clock) for _ in range(rounds)]
+        median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
         return {
-            "prefill_s": prefill,
-            "decode_s_per_token": sum(steps) / len(steps),
+            **median,
+            "rounds": rounds,
             "batch": batch,
             "device": str(device),
             "dtype": dtype,
@@ -89,41 +100,77 @@ def measure_serve(cfg: Config, hw: Hardware, layout: ServeLayout) -> dict:
         torch.set_num_threads(threads)
 
 
-def _clock(device: torch.device) -> Callable[[], float]:
-    """Wall seconds with the device drained first."""
+def _clock(device: torch.device) -> Callable[[], tuple[float, float]]:
+    """(wall, process CPU) seconds with the device drained first."""
 
-    def now() -> float:
+    def now() -> tuple[float, float]:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return time.perf_counter()
+        return time.perf_counter(), time.process_time()
 
     return now
 
 
 @torch.no_grad()
 def _generate(
-    model: Transformer, cfg: Config, batch: int, new_tokens: int, clock: Callable[[], float]
-) -> tuple[float, list[float]]:
-    """`batch` requests prefilled one by one, then decoded together for new_tokens − 1 steps:
-    (the prefills' seconds, each decode step's seconds)."""
+    model: Transformer, cfg: Config, batch: int, new_tokens: int, clock: Callable[[], tuple[float, float]]
+) -> dict[str, float]:
+    """`batch` requests prefilled one by one, then decoded together for new_tokens − 1 steps: the
+    prefills' seconds and the mean decode step's, wall and CPU."""
     m, s = cfg.model, cfg.serve
     device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
     gen = torch.Generator().manual_seed(cfg.run.seed)
     requests = torch.randint(m.vocab_size, (batch, s.cached_tokens + s.prompt_tokens), generator=gen).to(device)
     length = s.cached_tokens + s.prompt_tokens + new_tokens
-    caches, first, prefill = [], [], 0.0
+    caches, first, prefill = [], [], [0.0, 0.0]
     for row in requests:
         cache = KVCache(m, 1, length, device, dtype)
         if s.cached_tokens:
             model(row[None, : s.cached_tokens], cache, last_only=True)
         start = clock()
         first.append(model(row[None, s.cached_tokens :], cache, last_only=True)[:, -1].argmax(-1))
-        prefill += clock() - start
+        prefill = [total + end - begin for total, end, begin in zip(prefill, clock(), start, strict=True)]
         caches.append(cache)
     cache, step = KVCache.join(caches), torch.stack(first, dim=0)
-    steps = []
+    start = clock()
     for _ in range(new_tokens - 1):
-        start = clock()
         step = model(step, cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
-        steps.append(clock() - start)
-    return prefill, steps
+    decode = [(end - begin) / (new_tokens - 1) for end, begin in zip(clock(), start, strict=True)]
+    return {
+        "prefill_s": prefill[0],
+        "prefill_cpu_s": prefill[1],
+        "decode_s_per_token": decode[0],
+        "decode_cpu_s_per_token": decode[1],
+    }
+
+
+@torch.no_grad()
+def layer_overhead(m: ModelConfig, device: torch.device, dtype: torch.dtype) -> float:
+    """Seconds a decode step of this engine costs per layer beyond its FLOPs and bytes: a step of
+    `m`'s architecture and depth at width, head size and vocabulary 64 (one head, one request, a
+    64-token cache), whose products and reads are too small to take time, over its layers. It is
+    the eager engine's fixed work per layer (Python, dispatch, a few dozen tiny kernels), which a
+    decode step of a small model pays as much as its products."""
+    narrow = ModelConfig(
+        **{
+            **m.model_dump(exclude={"preset", "init_from"}),
+            "d_model": _NARROW,
+            "n_heads": 1,
+            "n_kv_heads": 1,
+            "head_dim": _NARROW,
+            "ffn_dim": 2 * _NARROW,
+            "vocab_size": _NARROW,
+            "max_seq_len": 2 * _NARROW + _OVERHEAD_STEPS,
+            "rope_scaling": None,
+            "sliding_window": None,
+        }
+    )
+    model = build_model(narrow, device, seed=0).to(dtype).eval()
+    cache = KVCache(narrow, 1, narrow.max_seq_len, device, dtype)
+    step = model(torch.zeros(1, _NARROW, dtype=torch.long, device=device), cache, last_only=True)[:, -1].argmax(-1)
+    clock, times = _clock(device), []
+    for _ in range(_OVERHEAD_STEPS):
+        start = clock()
+        step = model(step[:, None], cache, last_only=True)[:, -1].argmax(-1)
+        times.append(clock()[0] - start[0])
+    return statistics.median(times[_WARMUP_STEPS:]) / m.n_layers

@@ -25,7 +25,10 @@ devices; cluster.gpus holds gpus / (tp·pp) of them) decodes `batch` requests to
   stage's weights and its requests' KV cache read once per step, at the streaming rate; on the
   `cpu` entry the cache's fp32 copy too, which the engine's attention core makes there),
   communication (the all-reduces of b·h per layer on the intra-node link: plan.step.comm_time's
-  ring, and the stage boundary's send).
+  ring, and the stage boundary's send). On a calibrated entry the engine's fixed work per layer
+  (`Calibration.layer_overhead`, measured: a decode step at width 64) comes on top: on a CPU
+  after the bound (one core issues and runs every op in turn), on a GPU as a fourth bound (the
+  host launches the next kernels while the device runs these).
 - Weight-only quantisation: fp8 and int8 weights halve the bytes stored and read; the products
   still run at the 16-bit peak, against which MFU is stated (as Pope et al. state theirs).
 - FLOPs: flops.forward_flops_per_token (2N plus the attention scores over the full context, PaLM's
@@ -85,7 +88,7 @@ class ServeLayout:
     prefill_s: float  # one batch's prompts
     prefill_mfu: float
     decode_s_per_token: float
-    decode_bound: str  # compute, memory or communication
+    decode_bound: str  # compute, memory, communication or (a GPU's) overhead
     decode_terms: dict  # seconds per token of each bound
     tokens_per_s: float  # served (generated) tokens of the whole cluster
     gpu_hours_per_million: float
@@ -203,7 +206,19 @@ def decode_terms(sh: Shape, hw: Hardware, s: ServeConfig, tp: int, pp: int, batc
     read = WEIGHT_BYTES[s.weights_dtype] * (st.layers * sh.layer_params + st.head * sh.vocab * sh.d_model) / tp
     read += micro * context * st.layers * 2 * kv_width(sh, tp) * (ACT_BYTES + (CPU_KV_CAST if hw.name == "cpu" else 0))
     comm = st.layers * _layer_comm(sh, hw, tp, micro) + _boundary(sh, hw, tp, pp, micro)
-    return {"compute": pp * compute, "memory": pp * stream_time(read, hw), "communication": pp * comm}
+    terms = {"compute": pp * compute, "memory": pp * stream_time(read, hw), "communication": pp * comm}
+    overhead = pp * st.layers * hw.calibration.layer_overhead if hw.calibration else 0.0
+    return {**terms, "overhead": overhead}
+
+
+def decode_step(terms: dict[str, float], hw: Hardware) -> tuple[float, str]:
+    """A decode step's seconds and its bound from `decode_terms`: the slowest of the bounds, the
+    engine's per-layer overhead added after it on a CPU and one more bound on a GPU (module docstring)."""
+    bounds = {k: v for k, v in terms.items() if k != "overhead"}
+    if hw.name != "cpu":
+        bounds["overhead"] = terms["overhead"]
+    bound = max(bounds, key=lambda k: bounds[k])
+    return bounds[bound] + (terms["overhead"] if hw.name == "cpu" else 0.0), bound
 
 
 def _evaluate(cfg: Config, sh: Shape, hw: Hardware, tp: int, pp: int, batch: int, limit: int) -> ServeLayout:
@@ -211,7 +226,7 @@ def _evaluate(cfg: Config, sh: Shape, hw: Hardware, tp: int, pp: int, batch: int
     s, gpus = cfg.serve, cfg.cluster.gpus
     memory = serve_memory(sh, s, tp, pp, batch)
     terms = decode_terms(sh, hw, s, tp, pp, batch)
-    decode = max(terms.values())
+    decode, bound = decode_step(terms, hw)
     prefill = prefill_time(sh, hw, s, tp, pp, batch)
     replicas = gpus // (tp * pp)
     tokens_per_s = replicas * batch * s.output_tokens / (prefill + s.output_tokens * decode)
@@ -232,7 +247,7 @@ def _evaluate(cfg: Config, sh: Shape, hw: Hardware, tp: int, pp: int, batch: int
         prefill_s=prefill,
         prefill_mfu=prefill_flops / (prefill * tp * pp * planning_peak(hw)),
         decode_s_per_token=decode,
-        decode_bound=max(terms, key=lambda k: terms[k]),
+        decode_bound=bound,
         decode_terms=terms,
         tokens_per_s=tokens_per_s,
         gpu_hours_per_million=gpu_hours,
@@ -258,7 +273,7 @@ def largest_batch(cfg: Config, sh: Shape, hw: Hardware, tp: int, pp: int) -> int
     def ok(b: int) -> bool:
         if serve_memory(sh, cfg.serve, tp, pp, b)["total"] > usable:
             return False
-        return not latency or max(decode_terms(sh, hw, cfg.serve, tp, pp, b).values()) * 1e3 <= latency
+        return not latency or decode_step(decode_terms(sh, hw, cfg.serve, tp, pp, b), hw)[0] * 1e3 <= latency
 
     if not ok(1):
         return 0
