@@ -215,11 +215,14 @@ class Engine:
 
     def weights_nonfinite(self, agreed: bool = False) -> torch.Tensor:
         """1.0 where any of this rank's weights is NaN or infinite, else 0.0, on the device (no host
-        sync): one fused max-abs over its local shards (a finite maximum means every weight is
-        finite); `agreed`: the flag of every rank (an all-reduce)."""
+        sync): the largest magnitude over its local shards (a finite maximum means every weight is
+        finite), from each tensor's min and max (NaN propagates): torch's max-abs norm reduces without
+        vectors on CPU, 37 ms against 3 ms a step at the GPT-2 reference shape on one thread;
+        `agreed`: the flag of every rank (an all-reduce)."""
         params = [p.detach() for m in self.parts for p in m.parameters()]
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
-        peak = torch.nn.utils.get_total_norm(local, norm_type=math.inf, foreach=True) if local else torch.zeros(())
+        local = [t for p in params if (t := p.to_local() if isinstance(p, DTensor) else p).numel()]
+        ends = [e for t in local for e in torch.aminmax(t)]
+        peak = torch.stack(ends).abs().max() if ends else torch.zeros(())
         flag = (~torch.isfinite(peak)).float().to(self.par.device)
         if agreed and dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
