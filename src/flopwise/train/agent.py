@@ -8,7 +8,8 @@ ChildFailedError report when a rank exits non-zero, also when the job was refuse
 (exit 2: rank 0 said why, the others left quietly or were stopped by torchrun). Here those two end
 with their exit code and no report; any other failure is torchrun's report, as ever. And a
 refusal found once the ranks run (a checkpoint, the data's tokenizer, a setting the device lacks)
-is deterministic: `--max-restarts` would only say it again, so it ends the job at once.
+is deterministic: `--max-restarts` would only say it again, so it ends the job at once. A job
+that succeeded on several nodes ends without a TCPStore stack (`_Agent.run`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
+from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -33,8 +34,19 @@ def refused(codes: set[int]) -> bool:
 
 
 class _Agent(LocalElasticAgent):
-    """torchrun's agent, except that a worker group that failed with a refusal is not restarted:
-    torch's loop (SimpleElasticAgent._invoke_run) restarts a failed group while restarts remain."""
+    """torchrun's agent, except that a worker group that failed with a refusal is not restarted
+    (torch's loop, SimpleElasticAgent._invoke_run, restarts a failed group while restarts remain),
+    and a successful job does not close its rendezvous."""
+
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        """torch's run; after a success, the rendezvous is left as it is: every node has passed the
+        exit barrier, and closing it (launch_agent's next step) reaches a store whose host, another
+        node's agent, may have exited already: a 28-frame TCPStore stack on a successful job's stderr."""
+        result = super().run(role)
+        if not result.is_failed():  # only its heartbeats stop (c10d's handler; the others have none)
+            handler = self._worker_group.spec.rdzv_handler
+            handler.shutdown = getattr(handler, "_stop_heartbeats", lambda: True)  # type: ignore[method-assign]
+        return result
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
