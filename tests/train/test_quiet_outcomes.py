@@ -5,6 +5,7 @@ arguments, as examples/train.sbatch starts it)."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -72,6 +73,24 @@ def test_a_refusal_every_rank_finds_while_building_is_said_once_and_not_restarte
         "set train.float8=none (or train.float8_emulate=true to emulate)"
     ], err[-3000:]
     assert "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
+
+
+def test_a_two_node_job_that_succeeds_prints_nothing_on_stderr(tmp_path, tiny_data):
+    """Two agents on this machine as two nodes (c10d rendezvous, one rank each): both exit 0 with an
+    empty stderr; torchrun closed the rendezvous through a store whose host agent had often exited
+    already, a 28-frame TCPStore stack on one node (2 of 2 tries before)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+    rdzv += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"job{port}"]
+    over = tiny_overrides(tmp_path, tiny_data, **{"train.steps": 3, "train.eval_every": 0, "checkpoint.interval": 0})
+    cmd = [sys.executable, "-m", "flopwise.train.agent", *rdzv, "-m", "flopwise", "train", *over]
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV) for _ in "ab"]
+    ends = [p.communicate(timeout=300) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], [err[-3000:] for _, err in ends]
+    assert "run summary" in ends[0][0] + ends[1][0]
+    assert [err for _, err in ends] == ["", ""]
 
 
 def test_a_signalled_launcher_stops_cleanly_without_a_traceback(tmp_path, tiny_data):
