@@ -14,6 +14,7 @@ that succeeded on several nodes ends without a TCPStore stack (`_Agent.run`).
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 
@@ -55,7 +56,17 @@ class _Agent(LocalElasticAgent):
         return result
 
 
+def _not_a_refusal(record: logging.LogRecord) -> bool:
+    """torchrun's own line for a rank that exited 2 is left out: that rank said why, in one line."""
+    said = record.msg == _FAILED and isinstance(record.args, tuple) and record.args[0] == REFUSED
+    return not said
+
+
+_FAILED = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"  # torch 2.13's multiprocessing/api.py
+
+
 def main(argv: list[str] | None = None) -> int:
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_a_refusal)
     launcher.LocalElasticAgent = _Agent  # type: ignore[misc]  # the class torch's launch_agent builds, in this process
     try:
         run(parse_args(argv))
