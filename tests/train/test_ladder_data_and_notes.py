@@ -53,3 +53,19 @@ def test_a_sweep_says_what_it_trains_against_what_the_law_asked(tmp_path):
         assert bool(asks) == (abs(n / n_opt - 1) > 0.1), (n, n_opt, lines)
         assert not asks or f"trains {n:,} non-embedding parameters" in asks[0]
         assert [ln for ln in lines if "predicts loss" in ln and "before training" in ln]
+
+
+def test_cpu_tiny_puts_its_laws_optimum_between_two_sizes_at_every_budget(tmp_path):
+    """The preset is chosen so every budget can be bracketed: the optimum its law predicts (Hoffmann
+    eq. 4 on the cpu-tiny constants, worked out here by hand) has a trained size on either side."""
+    from flopwise.train.ladder import ladder_preset
+
+    p = ladder_preset("cpu-tiny")
+    base = load_config(None, [*p.overrides, f'data.path="{tmp_path}"'])
+    (tmp_path / "index.json").write_text("{}")  # a prepared folder: nothing to hash or prepare
+    runs = plan_ladder(base, [1e12, 2e12, 4e12], p.sizes, p.spread, p.law, tmp_path / "out")
+    g = (0.23 * 6.63 / (0.52 * 841)) ** (1 / 0.75)
+    for budget in (1e12, 2e12, 4e12):
+        n_opt = g * (budget / 6) ** (0.52 / 0.75)
+        sizes = sorted(r.params for r in runs if r.budget == budget)
+        assert sizes[0] < n_opt < sizes[-1] and len(sizes) >= 4, (budget, n_opt, sizes)

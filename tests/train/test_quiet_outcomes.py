@@ -1,9 +1,11 @@
 """Outcomes that are not crashes print no traceback (issue 54): a job refused on rank 0 alone, a
-config error every rank finds, and a job preempted by a signal to its launcher, each under
-`python -m flopwise.train.agent` (torchrun's arguments, as examples/train.sbatch starts it)."""
+config error and a build-time refusal every rank finds (said once, never restarted), and a job
+preempted by a signal to its launcher, each under `python -m flopwise.train.agent` (torchrun's
+arguments, as examples/train.sbatch starts it)."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,9 +19,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "400"}
 
 
-def agent(*args: str, faults: str = "") -> subprocess.Popen:
-    """flopwise train on 2 ranks under the agent, no restarts (a restart repeats what the first try said)."""
+def agent(*args: str, faults: str = "", restarts: int = 0) -> subprocess.Popen:
+    """flopwise train on 2 ranks under the agent, `restarts` allowed (torchrun's --max-restarts)."""
     cmd = [sys.executable, "-m", "flopwise.train.agent", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["--max-restarts", str(restarts)]
     cmd += ["-m", "flopwise", "train", *args]
     env = {**ENV, "FLOPWISE_FAULTS": faults}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -57,6 +60,39 @@ def test_a_config_error_is_said_once_by_rank_0(tmp_path, tiny_data):
     assert "Traceback" not in err, err[-3000:]
 
 
+def test_a_refusal_every_rank_finds_while_building_is_said_once_and_not_restarted(tmp_path, tiny_data):
+    """train.float8 on CPU: every rank refuses it once the process group exists (the device is known
+    then). With --max-restarts 3 the job ends after its one attempt, exit 2, with rank 0's line alone
+    (before: each of the 4 attempts printed it once per rank)."""
+    p = agent(*tiny_overrides(tmp_path, tiny_data, **{"train.float8": '"tensorwise"'}), restarts=3)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 2, err[-3000:]
+    lines = [ln for ln in err.splitlines() if "error" in ln.lower()]
+    assert lines == [
+        "rank 0: error: train.float8 needs a CUDA GPU of compute capability >= 8.9; found cpu; "
+        "set train.float8=none (or train.float8_emulate=true to emulate)"
+    ], err[-3000:]
+    assert "Traceback" not in err and "ChildFailedError" not in err and "exitcode" not in err, err[-3000:]
+
+
+def test_a_two_node_job_that_succeeds_prints_nothing_on_stderr(tmp_path, tiny_data):
+    """Two agents on this machine as two nodes (c10d rendezvous, one rank each): both exit 0 with an
+    empty stderr; torchrun closed the rendezvous through a store whose host agent had often exited
+    already, a 28-frame TCPStore stack on one node (2 of 2 tries before)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+    rdzv += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"job{port}"]
+    over = tiny_overrides(tmp_path, tiny_data, **{"train.steps": 3, "train.eval_every": 0, "checkpoint.interval": 0})
+    cmd = [sys.executable, "-m", "flopwise.train.agent", *rdzv, "-m", "flopwise", "train", *over]
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV) for _ in "ab"]
+    ends = [p.communicate(timeout=300) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], [err[-3000:] for _, err in ends]
+    assert "run summary" in ends[0][0] + ends[1][0]
+    assert [err for _, err in ends] == ["", ""]
+
+
 def test_a_signalled_launcher_stops_cleanly_without_a_traceback(tmp_path, tiny_data):
     """SIGTERM to the launcher (SLURM's warning, scancel --signal=TERM) during step 3 (slowed by 10 s):
     torchrun passes it on, the ranks checkpoint and exit 0, and the launcher exits 143 without the
@@ -77,9 +113,10 @@ def test_a_signalled_launcher_stops_cleanly_without_a_traceback(tmp_path, tiny_d
 
 
 @pytest.mark.skip(
-    reason="open (issue 54): in the full suite at load ~4 the run died of the SIGTERM itself (exit -15): a "
-    "signal outside the trainer's handlers while inductor compiles; passes alone (98 s); the InductorError "
-    "path is covered by the monkeypatched test above"
+    reason="open (issue 54): died of the SIGTERM itself (exit -15) once in the full suite at load ~4; passes alone "
+    "(98 s; 69 s at load 13-20, 2026-12-07). Not a warm inductor cache ending the compile before the signal (a "
+    "warm rerun still compiled 73 s, cold 77 s), and the trainer's handler is in place ms after the 'compiling' "
+    "line; cause not found. The InductorError path is covered by the monkeypatched test below"
 )
 def test_a_stop_signal_during_compile_is_a_clean_stop(tmp_path, tiny_data):
     """SIGTERM to the whole process group (as scancel and Ctrl-C send it) while the first step

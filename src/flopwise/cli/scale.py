@@ -30,7 +30,7 @@ def optimal_cmd(
         0.40, "--mfu", min=0.01, max=1.0, help="training's model FLOP utilisation (--gpu-hours, --inference-tokens)"
     ),
     law: list[str] = typer.Option(
-        ["chinchilla-3"], "--law", help="kaplan, chinchilla-1/2/3, epoch, fitted:FILE; repeat to compare"
+        ["chinchilla-3"], "--law", help="kaplan, chinchilla-1/2/3, epoch, cpu-tiny, fitted:FILE; repeat to compare"
     ),
     inference_tokens: list[float] = typer.Option(
         [],
@@ -225,7 +225,7 @@ def sweep_cmd(
         None,
         "--preset",
         help="a ladder chosen whole (data, shapes, budgets, law; the flags below override it): cpu-tiny, "
-        "3 budgets x 5 sizes of 13K-640K parameters, 822 s of CPU (docs/scaling-laws.md)",
+        "3 budgets x 5 sizes of 13K-332K parameters (docs/scaling-laws.md)",
     ),
     budgets: str | None = typer.Option(
         None, "--budgets", help="comma-separated FLOP budgets (default: 3e12,1e13,3e13)"

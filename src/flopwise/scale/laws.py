@@ -149,6 +149,19 @@ LAWS: dict[str, ParametricLaw | PowerLawAllocation] = {
     ),
     "chinchilla-3": HOFFMANN,
     "epoch": EPOCH,
+    # Not a published law: this setting's own optimum sits near a third of chinchilla-1's N (a 512-token
+    # vocabulary, 128-token context), so `scale sweep --preset cpu-tiny` centres its sizes on this fit.
+    "cpu-tiny": ParametricLaw(
+        name="cpu-tiny",
+        E=2.20,
+        A=6.63,
+        B=841.0,
+        alpha=0.23,
+        beta=0.52,
+        embeddings=False,
+        source="scale fit of the first cpu-tiny ladder (3e11-3e12 FLOPs, 15 runs; docs/scaling-laws.md), "
+        "non-embedding N, Shakespeare with a 512-token BPE at seq 128",
+    ),
 }
 
 

@@ -8,12 +8,13 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
 from flopwise.config.schema import Config
-from flopwise.errors import TrainingStopped
+from flopwise.errors import FlopwiseError, TrainingStopped
 from flopwise.files.ownership import folder_lock, real_path
 from flopwise.train.build import build_run, subnormals_flushed
 from flopwise.train.preflight import WillNotFit
@@ -61,8 +62,35 @@ def _train(cfg: Config, started: float, lock: Callable[[], object]) -> TrainResu
         dist.barrier()
         sys.stdout.flush()
         os._exit(2)  # all at once: a rank still shutting down when another has exited is stopped by torchrun
+    except FlopwiseError as e:
+        _say_once(e)
+        raise
     except RuntimeError as e:  # rank 0 refused alone (its data, its run folder) and left: it said why
         if _is_main_process() or not peer_lost(e):
             raise
         raise TrainingStopped("rank 0 stopped while the run was built", quiet=True) from None
     return train_loop(built, started) if isinstance(built, Run) else finished(built, started)
+
+
+_REFUSAL_KEY = "flopwise/refusal"
+_SAME_REFUSAL_S = 30  # how long another rank waits for rank 0's refusal (the ranks build the run abreast)
+
+
+def _say_once(e: FlopwiseError) -> None:
+    """A refusal found while building a job's run, said once when every rank finds it (a checkpoint,
+    the data's tokenizer, a setting the device lacks): before the process group exists it comes from
+    the config and world every rank shares, so rank 0 says it; after, rank 0 posts it in the job's
+    store before it leaves, and another rank stays quiet if rank 0 posts the same line in time (else
+    it says its own)."""
+    if not dist.is_initialized():
+        e.quiet = not _is_main_process()
+        return
+    store = dist.distributed_c10d._get_default_store()
+    if _is_main_process():
+        store.set(_REFUSAL_KEY, str(e))
+        return
+    try:
+        store.wait([_REFUSAL_KEY], timedelta(seconds=_SAME_REFUSAL_S))
+        e.quiet = store.get(_REFUSAL_KEY).decode() == str(e)
+    except RuntimeError:  # rank 0 refused nothing in time, or left with its store: say this rank's own
+        pass
