@@ -30,7 +30,8 @@ def train_cmd(
     if rehearse:  # the same build path, one step of each distinct rank on fake tensors
         from flopwise.cli.plan import rehearse_cmd
 
-        return rehearse_cmd(args, None, as_json=False)
+        rehearse_cmd(args, None, as_json=False)
+        return
     applied: list[str] = []
     try:
         cfg = config_from(args, applied)  # a typo is answered before torch is imported (seconds on a busy machine)
