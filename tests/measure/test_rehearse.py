@@ -38,10 +38,11 @@ KNOWN = {
     ("fsdp2-tp", "peak"): "rehearsed 336 MB vs planned 283 MB (+19%); the referee, a real 2-rank FSDP2 run "
     "of the same model (plan measure), peaked at 806 MB against 759 MB planned and 700 MB rehearsed at "
     "world 2: both sides miss part of FSDP2's backward working set",
-    ("pp-fsdp2-tp", "peak"): "under a pipeline the rehearsed peak is 2.4-2.7x the planned one; on a real "
-    "pp2 run (plan measure) the rehearsal's first stage was within 1.7% of the measured peak and its last "
-    "stage 21% above it (the planner: -4.3% and +4.5%), so the rehearsal keeps something a real last "
-    "stage frees",
+    ("pp-fsdp2-tp", "peak"): "under 1F1B the rehearsed first-step peak is 1.7-2.3x the planned one "
+    "(317/187, 205/91, 245/105 MB) although the planner now books the receive buffers a first step "
+    "allocates; under interleaved 1F1B at Llama 3 405B's layout the two agree within 2.5% (docs/"
+    "planning.md), and on a real pp2 run (plan measure) the planner is within 1.3% of both ranks' "
+    "measured peaks, so the rehearsal keeps something a real 1F1B stage frees",
 }
 
 

@@ -1,6 +1,7 @@
 """The engine's layout checks and pure helpers (no process group needed)."""
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -202,3 +203,36 @@ def test_context_parallel_shards_equal_the_whole_sequence(arch, documents):
         torch.testing.assert_close(
             out[rank], whole[:, ContextParallel(rank, size, None).positions(24)], rtol=1e-5, atol=1e-5
         )
+
+
+def test_releasing_sends_drops_finished_sends_and_keeps_the_rest():
+    """While a step runs, a send whose Work is finished is emptied out of the list the schedule
+    keeps (so its tensor can go), an unfinished one is kept for the schedule's own wait, receives
+    are never touched, and torch's function is back when the step ends."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    from flopwise.parallel.pipeline import releasing_sends
+
+    class Work:
+        def __init__(self):
+            self.done = False
+
+        def is_completed(self):
+            return self.done
+
+    def fake_batch_p2p(ops, desc=None):
+        return [Work() for _ in ops]
+
+    send, recv = SimpleNamespace(op=dist.isend), SimpleNamespace(op=dist.irecv)
+    saved = schedules._batch_p2p
+    schedules._batch_p2p = fake_batch_p2p
+    try:
+        with releasing_sends():
+            first, second, received = (schedules._batch_p2p([op]) for op in (send, send, recv))
+            first[0].done = received[0].done = True
+            schedules._batch_p2p([send])
+            assert first == [] and len(second) == 1 and len(received) == 1
+        assert schedules._batch_p2p is fake_batch_p2p
+    finally:
+        schedules._batch_p2p = saved

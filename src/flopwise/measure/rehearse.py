@@ -116,7 +116,8 @@ def _rank_row(cfg: Config, lo: Layout, rank: int, got: dict[str, Any]) -> dict[s
     account), and its collectives' elements, both sides."""
     coords = _coordinates(lo, rank)
     want = predict_rank(cfg, lo, coords["pp_rank"], coords["shard_rank"], coords["dp_rank"], cpu=True)
-    planned = {c: int(getattr(want, _PLANNED[c])) for c in _PLANNED} | {"peak": int(want.peak)}
+    first_step = want.peak + want.received  # a rehearsal is a first step: it allocates the receive buffers
+    planned = {c: int(getattr(want, _PLANNED[c])) for c in _PLANNED} | {"peak": int(first_step)}
     row: dict[str, Any] = {"rank": rank, "stage": coords["pp_rank"], "layers": want.layers, "planned": planned}
     if "error" in got:
         return {**row, "error": got["error"]}
@@ -127,7 +128,7 @@ def _rank_row(cfg: Config, lo: Layout, rank: int, got: dict[str, Any]) -> dict[s
         "rehearsed": {c: got[c] for c in CATEGORIES},
         "total": {
             "rehearsed": int(resident + got["peak"]),
-            "planned": int(want.params + want.optimizer + got["buffers"] + RUNTIME_RESERVE + want.peak),
+            "planned": int(want.params + want.optimizer + want.buffers + RUNTIME_RESERVE + first_step),
         },
         "collectives": {
             k: {

@@ -21,7 +21,7 @@ HOMES = {
         "torchrun",
         "world_size",
     ],
-    "pipeline": ["build_schedule", "SCHEDULE_CLASSES", "split_stages", "V_SHAPED"],
+    "pipeline": ["build_schedule", "releasing_sends", "SCHEDULE_CLASSES", "split_stages", "V_SHAPED"],
 }
 __all__ = [name for names in HOMES.values() for name in names]
 __getattr__, __dir__ = public_api(__name__, HOMES)

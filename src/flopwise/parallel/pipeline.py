@@ -11,11 +11,13 @@ and 2·pp−1−r (V-shape: zero-bubble ZB-V and DualPipeV).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
     ScheduleDualPipeV,
@@ -74,3 +76,37 @@ def build_schedule(
     if cls in (ScheduleGPipe, Schedule1F1B):
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+
+
+@contextmanager
+def releasing_sends() -> Iterator[None]:
+    """Free each pipeline send's tensor once the send is done, not when the step ends.
+
+    torch 2.13's runtime schedules (_PipelineScheduleRuntime: interleaved 1F1B, ZB-V, DualPipeV)
+    wait on their sends only as the step ends ("there isn't an obvious time when to wait for
+    them", schedules.py), GPipe on its forward sends as the forwards end, and each send's Work
+    keeps its tensor until then: a rank holds every activation it sent forward and every gradient
+    it sent back, up to 2·m·v stage-boundary tensors (measured: `plan measure` of an interleaved
+    pp 2 run held them at both ranks' high-water marks; the Llama 3 405B layout would hold 13.6 GiB
+    more). While the schedule runs, each new batch of P2P ops first empties the Work lists of
+    finished sends (`is_completed`: the peer has the data), which drops their tensors; the
+    schedule's own wait at the end waits on what is left. torch offers no hook for this, so its
+    module's `_batch_p2p` is wrapped for the step's duration."""
+    original = schedules._batch_p2p
+    sent: list[list[dist.Work]] = []
+
+    def batch_p2p(p2p_ops: list[dist.P2POp], desc: str | None = None) -> list[dist.Work]:
+        for works in sent:
+            if all(w.is_completed() for w in works):
+                works.clear()  # the schedule keeps this same list, now empty
+        sent[:] = [w for w in sent if w]
+        works = original(p2p_ops, desc=desc)
+        if works and all(op.op is dist.isend for op in p2p_ops):
+            sent.append(works)
+        return works
+
+    schedules._batch_p2p = batch_p2p
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = original

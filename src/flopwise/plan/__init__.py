@@ -24,6 +24,7 @@ HOMES = {
         "buffer_bytes",
         "end_activation_bytes",
         "engine_precision",
+        "held_forwards_bytes",
         "in_flight_microbatches",
         "model_state_bytes",
         "rank_param_count",

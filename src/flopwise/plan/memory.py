@@ -286,24 +286,77 @@ def _norm_internals(m: ModelConfig, sb: float, sbh: float, r: int, precision: Sa
     return 2 * r * sb
 
 
-def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1, rank: int = 0) -> float:
-    """Micro-batches whose activations pipeline rank `rank` (by default the first, the fullest)
-    holds at its peak. Under 1F1B rank r holds p − r (measured, `flopwise plan --measure`); for the
-    other schedules the first rank's figure is used for every rank (an upper bound).
-
-    GPipe: all m (Huang et al. 2019). 1F1B: min(p, m) (Narayanan et al. 2021). Interleaved 1F1B:
-    p·(1 + (p−1)/(p·v)) (Korthikanti et al. 2022 §4.2.3). ZB-V keeps 1F1B's p (Qi et al. 2024);
-    DualPipeV one more (DeepSeek-V3 report: p + 1 in flight).
-    """
+def in_flight_microbatches(schedule: str, pp: int, microbatches: int, rank: int = 0) -> int:
+    """Micro-batches whose forwards pipeline rank `rank` holds at its peak, for the schedules that
+    run each micro-batch through the rank's stages together. GPipe: all m (Huang et al. 2019).
+    1F1B: min(p − r, m) (Narayanan et al. 2021; measured, `flopwise plan --measure`). ZB-V keeps
+    1F1B's p on every rank (Qi et al. 2024), DualPipeV one more (DeepSeek-V3 report: p + 1)."""
     if pp == 1:
         return 1
     if schedule == "gpipe":
         return microbatches
-    if schedule == "interleaved-1f1b":
-        return min(microbatches, pp) * (1 + (pp - 1) / (pp * virtual_stages))
     if schedule == "dualpipev":
         return min(microbatches, pp + 1)
     return min(microbatches, pp - rank if schedule == "1f1b" else pp)
+
+
+def held_forwards_bytes(
+    schedule: str,
+    pp: int,
+    microbatches: int,
+    weights: tuple[float, ...],
+    rank: int = 0,
+    send: float = 0.0,
+    spent: tuple[float, ...] = (),
+) -> float:
+    """The most pipeline rank `rank` holds at once of its forwards' saved bytes, `weights[c]` being
+    what one micro-batch's forward through its c-th stage (r, r + p, ...) keeps until its backward,
+    and of its sends, `send` bytes a stage-boundary tensor: torch 2.13's runtime schedules
+    (_PipelineScheduleRuntime, which runs Interleaved 1F1B) wait on their sends only when the step
+    ends, so every activation sent forward and gradient sent back is held until then; GPipe
+    (ScheduleGPipe) waits on its forward sends when the forwards end. `spent[c]`: what the backward
+    through stage c holds when it ends, having freed that forward's `weights[c]` (the embedding's
+    dense gradient; autocast's compute-dtype weight gradients, whose shared casts run last).
+
+    Interleaved 1F1B is followed op by op in torch's order (ScheduleInterleaved1F1B): a round of
+    r_m = m / max(1, ⌊m/p⌋) micro-batches, (v−1)·r_m + 2(p−1−rank) warm-up forwards (at most m·v),
+    then a forward and a backward per step, forward k through stage ⌊k/r_m⌋ mod v and backward k
+    through stage v−1 − (⌊k/r_m⌋ mod v). With even stages and no sends rank 0 holds Korthikanti et
+    al.'s p(1 + (p−1)/(pv)) stages' worth (2022, §4.2.3); later ranks hold fewer, the head's stage
+    (rank p−1's last) one micro-batch. The held bytes repeat every r_m·v steps but for the sends,
+    which only grow, so the peak lies in the first step or the last r_m·v (a backward frees more
+    than it sends). The other schedules hold `in_flight_microbatches` of every stage (1F1B waits on
+    each send before the next; ZB-V's and DualPipeV's held sends are not booked)."""
+    v = len(weights)
+    over = [(spent[c] - weights[c]) if spent else 0.0 for c in range(v)]  # a backward's end beyond its start
+    if schedule == "gpipe" and pp > 1:
+        return microbatches * (sum(weights) + (send if rank < pp - 1 else 0.0)) + max(0.0, *over)
+    if schedule != "interleaved-1f1b" or pp == 1:
+        return in_flight_microbatches(schedule, pp, microbatches, rank) * sum(weights) + max(0.0, *over)
+    per_round = microbatches // max(1, microbatches // pp)
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), microbatches * v)
+
+    def forward(k: int) -> float:
+        c = (k // per_round) % v
+        return weights[c] + (send if c * pp + rank < v * pp - 1 else 0.0)
+
+    def backward(k: int) -> float:
+        c = v - 1 - (k // per_round) % v
+        return (send if c * pp + rank > 0 else 0.0) - weights[c]
+
+    held = peak = sum(forward(k) for k in range(warmup))
+    steady, period = microbatches * v - warmup, per_round * v
+    tops, grown = [], 0.0  # after each forward of the steady phase's first period, from its start
+    for k in range(min(steady, period)):
+        grown += forward(warmup + k)
+        tops.append(grown + max(0.0, over[v - 1 - (k // per_round) % v]))
+        grown += backward(k)
+    whole, rest = divmod(steady, period)
+    if whole:
+        peak = max(peak, held + (whole - 1) * grown + max(tops))
+    if rest:
+        peak = max(peak, held + whole * grown + max(tops[:rest]))
+    return peak
 
 
 def rank_activation_bytes(
@@ -318,13 +371,19 @@ def rank_activation_bytes(
     pp_rank: int = 0,
     cache: dict | None = None,
     stages: tuple[int, ...] = (),
+    ends: tuple[float, ...] = (),
+    send: float = 0.0,
+    spent: tuple[float, ...] = (),
 ) -> float:
-    """Saved activations a rank holding `layers` layers keeps at its peak: the micro-batches in
-    flight on pipeline rank `pp_rank` × its layers × one layer's bytes (under recompute_every=N
-    the blocks not checkpointed at the bytes of none; `stages`: the rank's stage sizes, by default
-    one stage of all its layers), plus, under full recompute, the one layer whose activations the
-    backward rebuilds (under op, what it recomputes beside what it kept). `lo` is a
-    layout.rules.Layout; `cache` (one per model, seq and document mask) keeps the per-layer bytes."""
+    """Saved activations a rank holding `layers` layers keeps at its peak: its forwards held at
+    once (`held_forwards_bytes` on pipeline rank `pp_rank`), each stage's forward keeping its
+    layers' bytes (under recompute_every=N the blocks not checkpointed at the bytes of none;
+    `stages`: the rank's stage sizes, by default one stage of all its layers) and `ends[c]`, what
+    the c-th stage keeps outside its layers; plus, under full recompute, the one layer whose
+    activations the backward rebuilds (under op, what it recomputes beside what it kept). `lo` is
+    a layout.rules.Layout; `cache` (one per model, seq and document mask) keeps the per-layer bytes;
+    `send`, `spent`: a stage-boundary tensor's bytes and what each stage's backward holds at its end,
+    to count the sends the schedule holds and the backward's end too (`held_forwards_bytes`)."""
 
     def per_layer() -> tuple[float, float, float]:
         args = (m, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel)
@@ -336,13 +395,13 @@ def rank_activation_bytes(
     one, whole, rebuilt = memo(
         cache, ("layer", lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel, lo.recompute, flash, precision), per_layer
     )
-    in_flight = in_flight_microbatches(
-        lo.pp_schedule, lo.pp, lo.microbatches(global_batch), lo.virtual_stages if lo.pp > 1 else 1, pp_rank
-    )
-    kept = layers
-    if lo.recompute in ("op", "full") and lo.recompute_every > 1:
-        kept = checkpointed_layers(stages or (layers,), lo.recompute_every)
-    return (one * kept + whole * (layers - kept)) * in_flight + rebuilt
+    every = lo.recompute_every if lo.recompute in ("op", "full") and lo.recompute_every > 1 else 1
+    weights = []
+    for c, n in enumerate(stages or (layers,)):
+        kept = checkpointed_layers((n,), every)
+        weights.append(one * kept + whole * (n - kept) + (ends[c] if ends else 0.0))
+    n_micro = lo.microbatches(global_batch)
+    return held_forwards_bytes(lo.pp_schedule, lo.pp, n_micro, tuple(weights), pp_rank, send, spent) + rebuilt
 
 
 def end_activation_bytes(
@@ -378,14 +437,29 @@ def end_activation_bytes(
     return out
 
 
-def buffer_bytes(m: ModelConfig, layers: int, tp: int = 1) -> float:
+def embedding_grad_bytes(m: ModelConfig, tp: int, precision: SavedPrecision) -> float:
+    """What the embedding's backward holds as it ends, before autograd adds its gradient to the one
+    accumulated: the dense gradient (the table's shape, the weight's dtype) and, under tensor
+    parallel, the whole table's (DTensor computes the vocab-sharded table's backward replicated)
+    with two copies of this rank's shard (its redistribution and the accumulation's clone). Under a
+    pipeline schedule this comes while the rank holds its other micro-batches' forwards (measured:
+    aten::embedding_dense_backward's output, and at tp 2 the AccumulateGrad clones, live at the
+    first pipeline rank's high-water mark in `plan measure`)."""
+    table = precision.residual * m.vocab_size * m.d_model
+    return table * (1 + 2 / tp) if tp > 1 else table
+
+
+def buffer_bytes(m: ModelConfig, layers: int, tp: int = 1, stages: int = 1) -> float:
     """The engine's computed buffers (fp32, resident from the build on): RoPE's cos and sin tables
     and Transformer-XL's distance embeddings (one table per block) hold a row per position up to
-    model.max_seq_len on every rank; ALiBi's slopes, this rank's heads. A large max_seq_len makes
-    these, not the parameters, the bytes that do not fit (1e8 positions: 51 GB of RoPE tables)."""
+    model.max_seq_len on every rank; ALiBi's slopes, this rank's heads. RoPE's and ALiBi's are the
+    model's, so a rank running `stages` pipeline stages (each its own module) holds them that many
+    times (measured: the 405B rehearsal's six stages per rank, 805 MB of tables). A large
+    max_seq_len makes these, not the parameters, the bytes that do not fit (1e8 positions: 51 GB)."""
     rows = 2 * m.max_seq_len * m.rotary_dim if m.pos == "rope" else 0
-    rows += layers * m.max_seq_len * m.d_model if m.pos == "relative" else 0
     rows += m.n_heads // tp if m.pos == "alibi" else 0
+    rows *= stages
+    rows += layers * m.max_seq_len * m.d_model if m.pos == "relative" else 0
     return 4.0 * rows
 
 
@@ -400,7 +474,7 @@ def loss_working_bytes(
 ) -> float:
     """What the last stage holds at the step's high-water mark beyond the saved tensors: under a
     pipeline schedule (`staged`) the head's logits (compute dtype), the stage's output, which the
-    schedule keeps until the step ends (without one nothing refers to them after the loss's
+    schedule keeps until the micro-batch's backward (without one nothing refers to them after the loss's
     forward: the eager loss saves its fp32 log-softmax, not its input); and the
     fp32 vocabulary-wide tensors the eager cross-entropy's backward holds at once: two (the
     gradients of its log-softmax's output and input), three for the vocab-parallel loss under

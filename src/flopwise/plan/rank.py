@@ -27,6 +27,8 @@ class RankPrediction:
     activations: float  # saved for backward, at the rank's peak (as this engine keeps them)
     gathered: float  # FSDP2's all-gathered parameters when the activations peak
     peak: float  # allocated at the step's high-water mark, above the resident model states
+    buffers: float  # computed buffers (RoPE tables, one per pipeline stage module)
+    received: float  # the pipeline's receive buffers: allocated in the first step, then resident
     collectives: dict[str, float]  # kind -> elements per step
     fsdp_copies: float  # bytes FSDP2's copy kernels move per step (plan.comm.fsdp_copy_bytes)
 
@@ -77,6 +79,8 @@ def predict_rank(
         activations=mem.activations,
         gathered=mem.gathered,
         peak=mem.peak,
+        buffers=mem.buffers,
+        received=mem.received,
         collectives=_step_collectives(cfg, lo, pp_rank, psi, len(layers)),
         fsdp_copies=n_micro * copies["micro"] + copies["step"],
     )
@@ -110,7 +114,7 @@ def _step_collectives(cfg: Config, lo: Layout, pp_rank: int, psi: int, n_layers:
         add("all_reduce", n_micro * (tp_allreduce_elements(seq, mb, d, n_layers) + 2 * seq * mb * d))
     if lo.pp > 1:
         owner = {s: r for r in range(lo.pp) for s in stage_ids(r, lo)}
-        boundary = n_micro * pp_boundary_elements(seq, mb, d, scatter_gather=False)
+        boundary = n_micro * pp_boundary_elements(seq, mb, d, lo.tp, lo.sequence_parallel)  # SP: a sequence shard
         for s in stage_ids(pp_rank, lo):
             for neighbour in (s - 1, s + 1):
                 if 0 <= neighbour < lo.n_stages and owner[neighbour] != pp_rank:

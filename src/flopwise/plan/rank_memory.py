@@ -18,16 +18,17 @@ from dataclasses import dataclass
 
 from flopwise.config.schema import Config, ModelConfig
 from flopwise.layout.linears import float8_all_gather
-from flopwise.layout.rules import Layout, compiles, loss_chunk_tokens
+from flopwise.layout.rules import Layout, compiles, loss_chunk_tokens, stage_ids
+from flopwise.plan.comm import pp_boundary_elements
 from flopwise.plan.memory import (
     KORTHIKANTI,
     SavedPrecision,
     autocast_weight_copy_bytes,
     buffer_bytes,
+    embedding_grad_bytes,
     end_activation_bytes,
     engine_precision,
     gathered_param_bytes,
-    in_flight_microbatches,
     loss_working_bytes,
     memo,
     model_state_bytes,
@@ -92,6 +93,7 @@ class RankMemory:
     gathered: float  # FSDP2's all-gathered parameters when the activations peak
     other: float  # gathered copies, autocast's weight copies, the loss's or ZeRO-3's working set
     buffers: float  # computed buffers held from the build on (RoPE tables: grow with model.max_seq_len)
+    received: float  # the pipeline's receive buffers, allocated in the first step and kept
     step_grads: float  # gradient bytes the step allocates (DDP's bucket views: none)
     peak: float  # allocated at the step's high-water mark, above the resident model states
 
@@ -140,10 +142,16 @@ def rank_memory(
         lambda: rank_model_states(m, lo, layers, embedding, head, shard_rank=shard_rank, dp_rank=dp_rank, cache=cache),
     )
     acts = _saved_activations(run, lo, layers, embedding, head, pp_rank, flash, precision, cache, stages)
+    held, received = acts, 0.0
+    if lo.pp > 1:  # with the sends the schedule holds and what each stage's backward holds at its end
+        held = _saved_activations(
+            run, lo, layers, embedding, head, pp_rank, flash, precision, cache, stages, staged=compiled
+        )
+        received = pipeline_recv_bytes(run, lo, pp_rank, precision)
     gathered = _gathered_params(run, lo, layers, embedding, head, cache)
     other = gathered + _autocast_copies(run, lo, layers, head, compiled, cache)
     work = _working_set(run, lo, head, precision, cache)
-    grads, held = step_grads(lo, lo.microbatches(run.global_batch), states.grads)
+    grads, grads_held = step_grads(lo, lo.microbatches(run.global_batch), states.grads)
     return RankMemory(
         params=states.params,
         grads=states.grads,
@@ -151,9 +159,10 @@ def rank_memory(
         activations=acts,
         gathered=gathered,
         other=other + work,
-        buffers=buffer_bytes(m, layers, lo.tp),
+        buffers=buffer_bytes(m, layers, lo.tp, len(stages) or 1),
+        received=received,
         step_grads=grads,
-        peak=step_peak_bytes(grads, held, acts, other + work),
+        peak=step_peak_bytes(grads, grads_held, held, other + work),
     )
 
 
@@ -168,20 +177,99 @@ def _saved_activations(
     precision: SavedPrecision,
     cache: dict | None,
     stages: tuple[int, ...] = (),
+    staged: bool | None = None,
 ) -> float:
-    """The blocks' saved activations at the rank's peak and, for each micro-batch in flight, what
-    the embedding and head ends keep."""
-    m, n_micro = run.model, lo.microbatches(run.global_batch)
-    in_flight = in_flight_microbatches(lo.pp_schedule, lo.pp, n_micro, lo.virtual_stages if lo.pp > 1 else 1, pp_rank)
-    blocks = rank_activation_bytes(
-        m, lo, run.seq, run.global_batch, layers, flash, run.document_mask, precision, pp_rank, cache, stages
-    )
-    chunk = run.loss_chunk(lo)
-    return blocks + in_flight * memo(
+    """The blocks' saved activations at the rank's peak with what each stage's forward keeps
+    outside its blocks: the embedding's end on the rank's first stage, the head's on its last.
+    `staged` (whether the blocks are compiled): beside them, the sends the pipeline schedule holds
+    and what each stage's backward holds at its end (`plan.memory.held_forwards_bytes`)."""
+    m, chunk, n = run.model, run.loss_chunk(lo), len(stages) or 1
+
+    def end(emb: bool, hd: bool) -> float:
+        return memo(
+            cache,
+            ("end", lo.fsdp2, precision.compiled, lo.cp, lo.micro_batch, lo.tp, emb, hd, chunk),
+            lambda: end_activation_bytes(m, run.seq // lo.cp, lo.micro_batch, lo.tp, emb, hd, precision, chunk),
+        )
+
+    ends = tuple(end(embedding and c == 0, head and c == n - 1) for c in range(n))
+    send, spent, in_flight = 0.0, (), 0.0
+    if staged is not None:
+        send, in_flight = pipeline_send_bytes(run, lo, precision)
+        spent = _backward_ends(run, lo, stages or (layers,), embedding, head, precision, staged)
+        boundary = _boundary_bytes(run, lo, precision)  # a received input is its recv buffer, resident
+        ends = tuple(e - (boundary if g > 0 else 0.0) for e, g in zip(ends, stage_ids(pp_rank, lo), strict=True))
+    return in_flight + rank_activation_bytes(
+        m,
+        lo,
+        run.seq,
+        run.global_batch,
+        layers,
+        flash,
+        run.document_mask,
+        precision,
+        pp_rank,
         cache,
-        ("end", lo.fsdp2, precision.compiled, lo.cp, lo.micro_batch, lo.tp, embedding, head, chunk),
-        lambda: end_activation_bytes(m, run.seq // lo.cp, lo.micro_batch, lo.tp, embedding, head, precision, chunk),
+        stages,
+        ends,
+        send,
+        spent,
     )
+
+
+def _backward_ends(
+    run: EngineRun,
+    lo: Layout,
+    stages: tuple[int, ...],
+    embedding: bool,
+    head: bool,
+    precision: SavedPrecision,
+    compiled: bool,
+) -> tuple[float, ...]:
+    """What the backward through each of a pipeline rank's stages holds when it ends: the
+    embedding's dense gradient on the first stage; under eager autocast (fp32 weights, no FSDP2)
+    the compute-dtype gradient of every weight the stage cast, waiting for the casts' backward,
+    which autograd runs last (autocast caches one cast per step, made before the stage's other
+    nodes). Measured on `plan measure` of an interleaved pp 2 run (aten::embedding_dense_backward,
+    MmBackward0's outputs live at the first rank's high-water mark)."""
+    n, casts = len(stages), run.dtype == "bf16" and not lo.fsdp2 and not compiled
+    out = []
+    for c, k in enumerate(stages):
+        grads = autocast_weight_copy_bytes(run.model, k, head and c == n - 1, lo.tp, run.float8 != "none")
+        emb = embedding_grad_bytes(run.model, lo.tp, precision) if embedding and c == 0 else 0.0
+        out.append((grads if casts else 0.0) + emb)
+    return tuple(out)
+
+
+def _boundary_bytes(run: EngineRun, lo: Layout, precision: SavedPrecision) -> float:
+    """One stage-boundary tensor of this engine (activations forward, their gradients back): the
+    micro-batch's residual stream, its sequence shard under sequence parallel, in its dtype
+    (plan.rank books the same elements)."""
+    seq, d = run.seq // lo.cp, run.model.d_model
+    return precision.residual * pp_boundary_elements(seq, lo.micro_batch, d, lo.tp, lo.sequence_parallel)
+
+
+def pipeline_send_bytes(run: EngineRun, lo: Layout, precision: SavedPrecision) -> tuple[float, float]:
+    """(held until the step ends, in flight) bytes of the stage-boundary tensors this engine sends.
+    torch's interleaved and GPipe schedules wait on their sends late and each send's Work keeps
+    its tensor; `parallel.pipeline.releasing_sends` drops a send's Work once `is_completed`, which
+    NCCL reports when the transfer ends (then one each way is in flight), gloo and the rehearsal's
+    fake backend only after the wait: on a CPU every send is held (measured: `plan measure` and
+    `plan rehearse` of an interleaved pp 2 run)."""
+    if lo.pp == 1 or lo.pp_schedule not in ("interleaved-1f1b", "gpipe"):
+        return 0.0, 0.0
+    one = _boundary_bytes(run, lo, precision)
+    return (one, 0.0) if run.cpu else (0.0, 2 * one)
+
+
+def pipeline_recv_bytes(run: EngineRun, lo: Layout, pp_rank: int, precision: SavedPrecision) -> float:
+    """The receive buffers torch's PipelineStage allocates in its first step and keeps: one
+    stage-boundary tensor per micro-batch for each of the rank's stages that receives activations
+    (all but the first) and one for each that receives gradients (all but the last)
+    (stage.py: `_setup_forward_recv_info`, `_setup_backward_recv_info`)."""
+    last = lo.n_stages - 1
+    ends = sum((g > 0) + (g < last) for g in stage_ids(pp_rank, lo))
+    return ends * lo.microbatches(run.global_batch) * _boundary_bytes(run, lo, precision)
 
 
 def _gathered_params(run: EngineRun, lo: Layout, layers: int, embedding: bool, head: bool, cache: dict | None) -> float:
@@ -305,9 +393,16 @@ def engine_memory(
             "grads": r.grads,
             "optimizer": r.optimizer,
             "activations": r.activations,
-            "other": r.other + r.buffers + RUNTIME_RESERVE,
+            "other": r.other + r.buffers + r.received + RUNTIME_RESERVE,
             "step_peak": r.peak,
-            "total": r.params + r.optimizer + r.grads - r.step_grads + r.peak + r.buffers + RUNTIME_RESERVE,
+            "total": r.params
+            + r.optimizer
+            + r.grads
+            - r.step_grads
+            + r.peak
+            + r.buffers
+            + r.received
+            + RUNTIME_RESERVE,
         }
         if not worst or mem["total"] > worst["total"]:
             worst = mem

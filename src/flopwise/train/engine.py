@@ -27,7 +27,7 @@ from flopwise.model.transformer import document_ids, document_positions
 from flopwise.parallel.apply import config_compiles
 from flopwise.parallel.context import ContextParallel
 from flopwise.parallel.mesh import Parallel, all_mean
-from flopwise.parallel.pipeline import V_SHAPED, build_schedule
+from flopwise.parallel.pipeline import V_SHAPED, build_schedule, releasing_sends
 
 
 def autocast(device: torch.device, dtype: str):
@@ -169,7 +169,8 @@ class Engine:
         kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.last else {}
         if self.last and self.loss_chunk:  # the last stage's module computes its loss (Transformer.head_loss)
             kwargs |= {"targets": y, "loss_chunk": self.loss_chunk}
-        run(*args, **kwargs, **extra)
+        with releasing_sends():  # torch keeps every micro-batch's output unless return_outputs=False
+            run(*args, **kwargs, **extra, return_outputs=False)
         local = (
             torch.stack([_local(v.detach()) for v in losses]).mean()
             if self.last
