@@ -21,6 +21,7 @@ put together in plan.rank_memory.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -335,27 +336,32 @@ def held_forwards_bytes(
         return in_flight_microbatches(schedule, pp, microbatches, rank) * sum(weights) + max(0.0, *over)
     per_round = microbatches // max(1, microbatches // pp)
     warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), microbatches * v)
-
-    def forward(k: int) -> float:
-        c = (k // per_round) % v
-        return weights[c] + (send if c * pp + rank < v * pp - 1 else 0.0)
-
-    def backward(k: int) -> float:
-        c = v - 1 - (k // per_round) % v
-        return (send if c * pp + rank > 0 else 0.0) - weights[c]
-
-    held = peak = sum(forward(k) for k in range(warmup))
+    if not send and not spent and min(weights) == max(weights):  # even stages: the first steady step's
+        return weights[0] * min(warmup + 1, microbatches * v)
+    fwd = [weights[c] + (send if c * pp + rank < v * pp - 1 else 0.0) for c in range(v)]  # by stage
+    bwd = [(send if c * pp + rank > 0 else 0.0) - weights[c] for c in range(v)]
+    rounds, part = divmod(warmup, per_round)  # the warm-up: whole rounds of one stage each, then part of one
+    held = peak = per_round * (rounds // v * sum(fwd) + sum(fwd[: rounds % v])) + part * fwd[rounds % v]
     steady, period = microbatches * v - warmup, per_round * v
-    tops, grown = [], 0.0  # after each forward of the steady phase's first period, from its start
-    for k in range(min(steady, period)):
-        grown += forward(warmup + k)
-        tops.append(grown + max(0.0, over[v - 1 - (k // per_round) % v]))
-        grown += backward(k)
+    # The steady phase's first period, in spans where forward k's and backward k's stages both stay put:
+    # in a span the held bytes move by the same amount each step, so a span's most is at one of its ends.
+    n = min(steady, period)
+    cuts = sorted({0, n, *range(0, n, per_round), *range(-warmup % per_round, n, per_round)})
+    spans, grown = [], 0.0  # (first step, last step, held after the first step's forward, per step)
+    for a, e in itertools.pairwise(cuts):
+        f, b = fwd[((warmup + a) // per_round) % v], (a // per_round) % v
+        top = grown + f + max(0.0, over[v - 1 - b])
+        spans.append((a, e - 1, top, f + bwd[v - 1 - b]))
+        grown += (e - a) * (f + bwd[v - 1 - b])
+
+    def most(limit: int) -> float:  # the most held after a forward among the period's first `limit` steps
+        return max(top + max(0.0, (min(last, limit - 1) - a) * step) for a, last, top, step in spans if a < limit)
+
     whole, rest = divmod(steady, period)
     if whole:
-        peak = max(peak, held + (whole - 1) * grown + max(tops))
+        peak = max(peak, held + (whole - 1) * grown + most(n))
     if rest:
-        peak = max(peak, held + whole * grown + max(tops[:rest]))
+        peak = max(peak, held + whole * grown + most(rest))
     return peak
 
 
@@ -396,12 +402,14 @@ def rank_activation_bytes(
         cache, ("layer", lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel, lo.recompute, flash, precision), per_layer
     )
     every = lo.recompute_every if lo.recompute in ("op", "full") and lo.recompute_every > 1 else 1
-    weights = []
-    for c, n in enumerate(stages or (layers,)):
-        kept = checkpointed_layers((n,), every)
-        weights.append(one * kept + whole * (n - kept) + (ends[c] if ends else 0.0))
-    n_micro = lo.microbatches(global_batch)
-    return held_forwards_bytes(lo.pp_schedule, lo.pp, n_micro, tuple(weights), pp_rank, send, spent) + rebuilt
+    sizes, ends = stages or (layers,), ends or (0.0,) * len(stages or (layers,))
+    if every == 1:
+        weights = [one * n + e for n, e in zip(sizes, ends, strict=True)]
+    else:
+        kept = [checkpointed_layers((n,), every) for n in sizes]
+        weights = [one * k + whole * (n - k) + e for n, k, e in zip(sizes, kept, ends, strict=True)]
+    key = (lo.pp_schedule, lo.pp, lo.microbatches(global_batch), tuple(weights), pp_rank, send, spent)
+    return memo(cache, ("held", *key), lambda: held_forwards_bytes(*key)) + rebuilt
 
 
 def end_activation_bytes(

@@ -141,13 +141,15 @@ def rank_memory(
         ),
         lambda: rank_model_states(m, lo, layers, embedding, head, shard_rank=shard_rank, dp_rank=dp_rank, cache=cache),
     )
-    acts = _saved_activations(run, lo, layers, embedding, head, pp_rank, flash, precision, cache, stages)
-    held, received = acts, 0.0
-    if lo.pp > 1:  # with the sends the schedule holds and what each stage's backward holds at its end
-        held = _saved_activations(
-            run, lo, layers, embedding, head, pp_rank, flash, precision, cache, stages, staged=compiled
-        )
-        received = pipeline_recv_bytes(run, lo, pp_rank, precision)
+    where = (layers, embedding, head, pp_rank, stages, lo.pp_schedule, lo.pp, lo.n_stages, lo.cp, lo.micro_batch)
+    how = (lo.tp, lo.sequence_parallel, lo.recompute, lo.recompute_every, lo.microbatches(run.global_batch))
+    acts, held, received = memo(
+        cache,
+        ("saved", *where, *how, flash, precision, compiled),
+        lambda: _saved_activations(
+            run, lo, layers, embedding, head, pp_rank, flash, precision, cache, stages, compiled
+        ),
+    )
     gathered = _gathered_params(run, lo, layers, embedding, head, cache)
     other = gathered + _autocast_copies(run, lo, layers, head, compiled, cache)
     work = _working_set(run, lo, head, precision, cache)
@@ -176,13 +178,14 @@ def _saved_activations(
     flash: bool,
     precision: SavedPrecision,
     cache: dict | None,
-    stages: tuple[int, ...] = (),
-    staged: bool | None = None,
-) -> float:
-    """The blocks' saved activations at the rank's peak with what each stage's forward keeps
-    outside its blocks: the embedding's end on the rank's first stage, the head's on its last.
-    `staged` (whether the blocks are compiled): beside them, the sends the pipeline schedule holds
-    and what each stage's backward holds at its end (`plan.memory.held_forwards_bytes`)."""
+    stages: tuple[int, ...],
+    compiled: bool,
+) -> tuple[float, float, float]:
+    """(saved, held, received): the blocks' saved activations at the rank's peak with what each
+    stage's forward keeps outside its blocks (the embedding's end on the rank's first stage, the
+    head's on its last); under a pipeline schedule what it holds with them at its high-water mark
+    (the sends the schedule holds, what each stage's backward holds at its end: `plan.memory.
+    held_forwards_bytes`; a received input is its receive buffer, resident), and those buffers."""
     m, chunk, n = run.model, run.loss_chunk(lo), len(stages) or 1
 
     def end(emb: bool, hd: bool) -> float:
@@ -193,28 +196,16 @@ def _saved_activations(
         )
 
     ends = tuple(end(embedding and c == 0, head and c == n - 1) for c in range(n))
-    send, spent, in_flight = 0.0, (), 0.0
-    if staged is not None:
-        send, in_flight = pipeline_send_bytes(run, lo, precision)
-        spent = _backward_ends(run, lo, stages or (layers,), embedding, head, precision, staged)
-        boundary = _boundary_bytes(run, lo, precision)  # a received input is its recv buffer, resident
-        ends = tuple(e - (boundary if g > 0 else 0.0) for e, g in zip(ends, stage_ids(pp_rank, lo), strict=True))
-    return in_flight + rank_activation_bytes(
-        m,
-        lo,
-        run.seq,
-        run.global_batch,
-        layers,
-        flash,
-        run.document_mask,
-        precision,
-        pp_rank,
-        cache,
-        stages,
-        ends,
-        send,
-        spent,
-    )
+    rank = (m, lo, run.seq, run.global_batch, layers, flash, run.document_mask, precision, pp_rank, cache, stages)
+    saved = rank_activation_bytes(*rank, ends)
+    if lo.pp == 1:
+        return saved, saved, 0.0
+    send, in_flight = pipeline_send_bytes(run, lo, precision)
+    spent = _backward_ends(run, lo, stages or (layers,), embedding, head, precision, compiled, cache)
+    boundary = _boundary_bytes(run, lo, precision)
+    ends = tuple(e - (boundary if g > 0 else 0.0) for e, g in zip(ends, stage_ids(pp_rank, lo), strict=True))
+    held = in_flight + rank_activation_bytes(*rank, ends, send, spent)
+    return saved, held, pipeline_recv_bytes(run, lo, pp_rank, precision)
 
 
 def _backward_ends(
@@ -225,6 +216,7 @@ def _backward_ends(
     head: bool,
     precision: SavedPrecision,
     compiled: bool,
+    cache: dict | None,
 ) -> tuple[float, ...]:
     """What the backward through each of a pipeline rank's stages holds when it ends: the
     embedding's dense gradient on the first stage; under eager autocast (fp32 weights, no FSDP2)
@@ -232,12 +224,19 @@ def _backward_ends(
     which autograd runs last (autocast caches one cast per step, made before the stage's other
     nodes). Measured on `plan measure` of an interleaved pp 2 run (aten::embedding_dense_backward,
     MmBackward0's outputs live at the first rank's high-water mark)."""
-    n, casts = len(stages), run.dtype == "bf16" and not lo.fsdp2 and not compiled
+    n, casts, float8 = len(stages), run.dtype == "bf16" and not lo.fsdp2 and not compiled, run.float8 != "none"
     out = []
     for c, k in enumerate(stages):
-        grads = autocast_weight_copy_bytes(run.model, k, head and c == n - 1, lo.tp, run.float8 != "none")
+        hd = head and c == n - 1
+        grads = 0.0
+        if casts:  # the same bytes as the casts themselves (`_autocast_copies`' key)
+            grads = memo(
+                cache,
+                ("copies", k, hd, lo.tp, float8),
+                lambda k=k, hd=hd: autocast_weight_copy_bytes(run.model, k, hd, lo.tp, float8),
+            )
         emb = embedding_grad_bytes(run.model, lo.tp, precision) if embedding and c == 0 else 0.0
-        out.append((grads if casts else 0.0) + emb)
+        out.append(grads + emb)
     return tuple(out)
 
 
@@ -343,7 +342,7 @@ def layout_memory(
     the optimizer elements the busiest rank steps. `loads`: each distinct pipeline rank's load with
     the first rank that has it (plan.shape.first_ranks)."""
     if not stack.engine_activations:
-        return _published_memory(sh, lo, seq, global_batch, stack, loads)
+        return _published_memory(sh, lo, seq, global_batch, stack, loads, cache)
     run = memo(
         cache,
         ("run", seq, global_batch, compile, steps, dtype, float8, loss_chunk),
@@ -410,7 +409,13 @@ def engine_memory(
 
 
 def _published_memory(
-    sh: Shape, lo: Layout, seq: int, global_batch: int, stack: Stack, loads: list[tuple[RankLoad, int]]
+    sh: Shape,
+    lo: Layout,
+    seq: int,
+    global_batch: int,
+    stack: Stack,
+    loads: list[tuple[RankLoad, int]],
+    cache: dict | None,
 ) -> tuple[dict[str, float], float]:
     """The worst pipeline rank's bytes by a published stack's account, and the optimizer elements a
     rank steps: ZeRO's Ψ formulas with the stack's bytes per parameter (Megatron's distributed
@@ -442,6 +447,7 @@ def _published_memory(
             stack.flash_attention,
             sh.document_mask,
             KORTHIKANTI,
+            cache=cache,
             stages=load.stages,
         )
         work = loss_work if load.head else zero3_live
