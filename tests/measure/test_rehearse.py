@@ -36,8 +36,10 @@ LAYOUTS = {
 # (layout, category): why rehearsal and plan still part (the report of issue 52 has the figures)
 KNOWN = {
     ("fsdp2-tp", "peak"): "rehearsed 336 MB vs planned 283 MB (+19%); the referee, a real 2-rank FSDP2 run "
-    "of the same model (plan measure), peaked at 806 MB against 759 MB planned and 700 MB rehearsed at "
-    "world 2: both sides miss part of FSDP2's backward working set",
+    "of the same model at train.global_batch=8 (plan measure), peaked at 1,171 MB against 873 MB planned: "
+    "at the last block's post-backward reduce FSDP2 holds its bf16 gradients, the fp32 reduce-scatter "
+    "input and gloo's clone of it (75.5 + 151 + 151 MB) beside the other blocks' activations, which "
+    "the planner does not book",
     ("pp-fsdp2-tp", "peak"): "under 1F1B the rehearsed first-step peak is 1.7-2.3x the planned one "
     "(317/187, 205/91, 245/105 MB) although the planner now books the receive buffers a first step "
     "allocates; under interleaved 1F1B at Llama 3 405B's layout the two agree within 2.5% (docs/"
