@@ -43,6 +43,7 @@ from flopwise.plan.memory import (
 from flopwise.plan.shape import RankLoad, Shape
 from flopwise.plan.stack import Stack
 
+Loads = list[tuple[RankLoad, int]]  # each distinct pipeline rank's load with the first rank that has it
 FIT_MARGIN = 0.10  # share of device memory left free for fragmentation and allocator slack
 RUNTIME_RESERVE = 1.0 * 2**30  # CUDA context, NCCL and cuBLAS workspaces per device
 
@@ -409,13 +410,7 @@ def engine_memory(
 
 
 def _published_memory(
-    sh: Shape,
-    lo: Layout,
-    seq: int,
-    global_batch: int,
-    stack: Stack,
-    loads: list[tuple[RankLoad, int]],
-    cache: dict | None,
+    sh: Shape, lo: Layout, seq: int, global_batch: int, stack: Stack, loads: Loads, cache: dict | None
 ) -> tuple[dict[str, float], float]:
     """The worst pipeline rank's bytes by a published stack's account, and the optimizer elements a
     rank steps: ZeRO's Ψ formulas with the stack's bytes per parameter (Megatron's distributed
