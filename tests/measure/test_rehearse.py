@@ -35,13 +35,8 @@ LAYOUTS = {
 }
 # (layout, category): why rehearsal and plan still part (the report of issue 52 has the figures)
 KNOWN = {
-    ("fsdp2-tp", "peak"): "rehearsed 336 MB vs planned 283 MB (+19%); the referee, a real 2-rank FSDP2 run "
-    "of the same model at train.global_batch=8 (plan measure), peaked at 1,171 MB against 873 MB planned: "
-    "at the last block's post-backward reduce FSDP2 holds its bf16 gradients, the fp32 reduce-scatter "
-    "input and gloo's clone of it (75.5 + 151 + 151 MB) beside the other blocks' activations, which "
-    "the planner does not book",
-    ("pp-fsdp2-tp", "peak"): "under 1F1B the rehearsed first-step peak is 1.7-2.3x the planned one "
-    "(317/187, 205/91, 245/105 MB) although the planner now books the receive buffers a first step "
+    ("pp-fsdp2-tp", "peak"): "under 1F1B the rehearsed first-step peak is 1.6-1.8x the planned one "
+    "(317/187, 205/131, 245/140 MB) although the planner now books the receive buffers a first step "
     "allocates; under interleaved 1F1B at Llama 3 405B's layout the two agree within 2.5% (docs/"
     "planning.md), and on a real pp2 run (plan measure) the planner is within 1.3% of both ranks' "
     "measured peaks, so the rehearsal keeps something a real 1F1B stage frees",

@@ -115,7 +115,7 @@ def _rank_row(cfg: Config, lo: Layout, rank: int, got: dict[str, Any]) -> dict[s
     """A rank's rehearsed bytes beside the planner's (plan.rank.predict_rank, the CPU engine's
     account), and its collectives' elements, both sides."""
     coords = _coordinates(lo, rank)
-    want = predict_rank(cfg, lo, coords["pp_rank"], coords["shard_rank"], coords["dp_rank"], cpu=True)
+    want = predict_rank(cfg, lo, coords["pp_rank"], coords["shard_rank"], coords["dp_rank"], cpu=True, fake=True)
     first_step = want.peak + want.received  # a rehearsal is a first step: it allocates the receive buffers
     planned = {c: int(getattr(want, _PLANNED[c])) for c in _PLANNED} | {"peak": int(first_step)}
     row: dict[str, Any] = {"rank": rank, "stage": coords["pp_rank"], "layers": want.layers, "planned": planned}

@@ -50,14 +50,14 @@ def rank_stages(cfg: Config, lo: Layout, pp_rank: int) -> tuple[int, ...]:
 
 
 def predict_rank(
-    cfg: Config, lo: Layout, pp_rank: int, shard_rank: int, dp_rank: int, cpu: bool = False
+    cfg: Config, lo: Layout, pp_rank: int, shard_rank: int, dp_rank: int, cpu: bool = False, fake: bool = False
 ) -> RankPrediction:
     """What the rank at these mesh coordinates holds (exact for model states; plan.rank_memory, the
     account the layout search ranks by) and sends per step (`cpu`: the engine runs on CPUs, where
-    its attention core computes in fp32)."""
+    its attention core computes in fp32, over gloo or, `fake`, a rehearsal's fake process group)."""
     layers, emb, head = rank_layers(cfg, lo, pp_rank)
     mem = rank_memory(
-        EngineRun.of(cfg, cpu),
+        EngineRun.of(cfg, cpu, fake),
         lo,
         layers=len(layers),
         embedding=emb,

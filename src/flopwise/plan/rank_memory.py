@@ -35,6 +35,7 @@ from flopwise.plan.memory import (
     rank_activation_bytes,
     rank_model_states,
     rank_param_count,
+    reduce_working_bytes,
     regathered_bytes,
     step_grads,
     step_peak_bytes,
@@ -62,9 +63,10 @@ class EngineRun:
     cpu: bool = False  # the engine on CPUs: its attention core computes in fp32, RMSNorm is composite ops
     float8: str = "none"  # train.float8: the recipe of the blocks' float8 linears
     loss_chunk_tokens: int | str = "auto"  # train.loss_chunk_tokens (layout.rules.loss_chunk_tokens)
+    fake: bool = False  # a rehearsal's fake process group (on CPUs): its collectives copy nothing
 
     @classmethod
-    def of(cls, cfg: Config, cpu: bool = False) -> EngineRun:
+    def of(cls, cfg: Config, cpu: bool = False, fake: bool = False) -> EngineRun:
         return cls(
             model=cfg.model,
             seq=cfg.data.seq_len,
@@ -76,6 +78,7 @@ class EngineRun:
             cpu=cpu,
             float8=cfg.train.float8,
             loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+            fake=fake,
         )
 
     def loss_chunk(self, lo: Layout) -> int:
@@ -165,8 +168,35 @@ def rank_memory(
         buffers=buffer_bytes(m, layers, lo.tp, len(stages) or 1),
         received=received,
         step_grads=grads,
-        peak=step_peak_bytes(grads, grads_held, held, other + work),
+        peak=max(
+            step_peak_bytes(grads, grads_held, held, other + work),
+            _reduce_peak(run, lo, layers, precision, grads, grads_held, other, held, cache),
+        ),
     )
+
+
+def _reduce_peak(
+    run: EngineRun,
+    lo: Layout,
+    layers: int,
+    precision: SavedPrecision,
+    grads: float,
+    grads_held: bool,
+    other: float,
+    held: float,
+    cache: dict | None,
+) -> float:
+    """The step's bytes at ZeRO-2's first reduce (FSDP2 keeps the blocks gathered): the backward of
+    the last block has freed its activations and its gathered copy, and its reduce's working set
+    (`plan.memory.reduce_working_bytes`) comes beside everything else. None but under FSDP2's
+    ZeRO-2 on more than one shard without a pipeline (ZeRO-3's re-gathered blocks book theirs in
+    the working set)."""
+    if not lo.fsdp2 or lo.reshards_params or lo.dp_shard * lo.cp == 1 or lo.pp > 1 or not layers:
+        return 0.0  # a pipeline stage reduces after its last micro-batch's backward, its forwards freed
+    block = rank_param_count(run.model, lo, 1, False, False, cache)
+    work = reduce_working_bytes(block, lo, precision.compute, gloo=run.cpu and not run.fake)
+    kept = held * (layers - 1) / layers + (grads if grads_held else 0.0)
+    return other - precision.compute * block + kept + work
 
 
 def _saved_activations(
