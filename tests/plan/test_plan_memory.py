@@ -97,11 +97,12 @@ def test_in_flight_microbatches():
     assert in_flight_microbatches("1f1b", 1, 32) == 1
 
 
-def _torch_interleaved_peak(pp, v, m, rank, weights, send, spent):
+def _torch_interleaved_peak(pp, v, m, rank, weights, send, spent, grads):
     """Walk torch 2.13's own action list for one rank of ScheduleInterleaved1F1B (its
     _calculate_single_rank_operations, given the attributes its constructor sets) and return the
     most held at once: each forward keeps its stage's weight and its send, each backward frees the
-    weight, keeps its send and, as it ends, holds its stage's `spent`."""
+    weight, keeps its send and, as it ends, holds its stage's `spent`; a stage's first backward
+    leaves its `grads` until the end."""
     from types import SimpleNamespace
 
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
@@ -109,6 +110,7 @@ def _torch_interleaved_peak(pp, v, m, rank, weights, send, spent):
     rounds = max(1, m // pp)
     fake = SimpleNamespace(n_local_stages=v, microbatches_per_round=m // rounds, pp_group_size=pp, _n_microbatches=m)
     held = peak = 0.0
+    seen = set()
     for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, rank):
         if a is None:
             continue
@@ -116,23 +118,41 @@ def _torch_interleaved_peak(pp, v, m, rank, weights, send, spent):
         if a.computation_type == _ComputationType.FORWARD:
             held += weights[c] + (send if a.stage_index < pp * v - 1 else 0)
         else:
-            peak = max(peak, held - weights[c] + spent[c])
-            held += (send if a.stage_index > 0 else 0) - weights[c]
+            g = 0.0 if c in seen else grads[c]
+            seen.add(c)
+            peak = max(peak, held - weights[c] + spent[c] + g)
+            held += (send if a.stage_index > 0 else 0) - weights[c] + g
         peak = max(peak, held)
     return peak
 
 
-@pytest.mark.parametrize("pp,v,m", [(2, 2, 8), (4, 2, 8), (4, 3, 12), (4, 2, 10), (4, 2, 3), (8, 4, 32), (16, 6, 16)])
+@pytest.mark.parametrize(
+    "pp,v,m",
+    [
+        (2, 2, 8),
+        (2, 2, 32),
+        (3, 2, 9),
+        (4, 2, 8),
+        (4, 3, 12),
+        (4, 3, 48),
+        (4, 2, 10),
+        (4, 2, 3),
+        (8, 4, 32),
+        (16, 6, 16),
+    ],
+)
 def test_interleaved_held_bytes_follow_torchs_schedule(pp, v, m):
-    """The planner's interleaved account (a closed walk of one period) holds at each rank's peak
-    exactly what torch's own Interleaved1F1B action list holds, with uneven stages, sends and
-    backward ends; with even stages on rank 0 it is Korthikanti et al.'s p(1 + (p−1)/(pv))."""
+    """The planner's interleaved account (a walk of spans, one period of each phase) holds at each
+    rank's peak exactly what torch's own Interleaved1F1B action list holds, with uneven stages,
+    sends, backward ends and gradients left by each stage's first backward; with even stages on
+    rank 0 it is Korthikanti et al.'s p(1 + (p−1)/(pv))."""
     weights = tuple(float(3 + 2 * c + (c == v - 1)) for c in range(v))
     spent = tuple(7.0 if c == 0 else 1.0 for c in range(v))
-    for rank in range(pp):
-        want = _torch_interleaved_peak(pp, v, m, rank, weights, 0.25, spent)
-        got = held_forwards_bytes("interleaved-1f1b", pp, m, weights, rank, 0.25, spent)
-        assert got == pytest.approx(want), rank
+    for grads in ((0.0,) * v, tuple(float(4 + 3 * c) for c in range(v)), (40.0,) * v):
+        for rank in range(pp):
+            want = _torch_interleaved_peak(pp, v, m, rank, weights, 0.25, spent, grads)
+            got = held_forwards_bytes("interleaved-1f1b", pp, m, weights, rank, 0.25, spent, grads)
+            assert got == pytest.approx(want), (rank, grads)
     if m % pp == 0 and m >= 2 * pp:  # rounds of p micro-batches, warm-up within them, as Korthikanti counts
         even = held_forwards_bytes("interleaved-1f1b", pp, m, (1.0,) * v)
         assert even == pytest.approx(v * pp * (1 + (pp - 1) / (pp * v)))

@@ -309,6 +309,7 @@ def held_forwards_bytes(
     rank: int = 0,
     send: float = 0.0,
     spent: tuple[float, ...] = (),
+    grads: tuple[float, ...] = (),
 ) -> float:
     """The most pipeline rank `rank` holds at once of its forwards' saved bytes, `weights[c]` being
     what one micro-batch's forward through its c-th stage (r, r + p, ...) keeps until its backward,
@@ -318,50 +319,70 @@ def held_forwards_bytes(
     (ScheduleGPipe) waits on its forward sends when the forwards end. `spent[c]`: what the backward
     through stage c holds when it ends, having freed that forward's `weights[c]` (the embedding's
     dense gradient; autocast's compute-dtype weight gradients, whose shared casts run last).
+    `grads[c]`: what stage c's first backward leaves until the step ends (FSDP2's unsharded
+    gradients, which torch's stages reduce after their last micro-batch).
 
     Interleaved 1F1B is followed op by op in torch's order (ScheduleInterleaved1F1B): a round of
     r_m = m / max(1, ⌊m/p⌋) micro-batches, (v−1)·r_m + 2(p−1−rank) warm-up forwards (at most m·v),
     then a forward and a backward per step, forward k through stage ⌊k/r_m⌋ mod v and backward k
-    through stage v−1 − (⌊k/r_m⌋ mod v). With even stages and no sends rank 0 holds Korthikanti et
-    al.'s p(1 + (p−1)/(pv)) stages' worth (2022, §4.2.3); later ranks hold fewer, the head's stage
-    (rank p−1's last) one micro-batch. The held bytes repeat every r_m·v steps but for the sends,
-    which only grow, so the peak lies in the first step or the last r_m·v (a backward frees more
-    than it sends). The other schedules hold `in_flight_microbatches` of every stage (1F1B waits on
-    each send before the next; ZB-V's and DualPipeV's held sends are not booked)."""
+    through stage v−1 − (⌊k/r_m⌋ mod v), then the backwards left. With even stages and no sends rank
+    0 holds Korthikanti et al.'s p(1 + (p−1)/(pv)) stages' worth (2022, §4.2.3); later ranks hold
+    fewer, the head's stage (rank p−1's last) one micro-batch. Every stage's first backward comes
+    within the first r_m·v steps; after them the held bytes repeat every r_m·v steps but for the
+    sends, which only grow, and the backwards left only free. The other schedules hold
+    `in_flight_microbatches` of every stage and all of `grads` (1F1B waits on each send before the
+    next; ZB-V's and DualPipeV's held sends are not booked)."""
     v = len(weights)
     over = [(spent[c] - weights[c]) if spent else 0.0 for c in range(v)]  # a backward's end beyond its start
+    every = sum(grads)
     if schedule == "gpipe" and pp > 1:
-        return microbatches * (sum(weights) + (send if rank < pp - 1 else 0.0)) + max(0.0, *over)
+        return microbatches * (sum(weights) + (send if rank < pp - 1 else 0.0)) + max(0.0, *over) + every
     if schedule != "interleaved-1f1b" or pp == 1:
-        return in_flight_microbatches(schedule, pp, microbatches, rank) * sum(weights) + max(0.0, *over)
+        return in_flight_microbatches(schedule, pp, microbatches, rank) * sum(weights) + max(0.0, *over) + every
     per_round = microbatches // max(1, microbatches // pp)
-    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), microbatches * v)
-    if not send and not spent and min(weights) == max(weights):  # even stages: the first steady step's
-        return weights[0] * min(warmup + 1, microbatches * v)
+    total, period = microbatches * v, per_round * v
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), total)
+    steady = total - warmup  # backward k has a forward before it while k < steady
+    if not (send or spent or grads) and min(weights) == max(weights):  # even stages: the first steady step's
+        return weights[0] * min(warmup + 1, total)
     fwd = [weights[c] + (send if c * pp + rank < v * pp - 1 else 0.0) for c in range(v)]  # by stage
     bwd = [(send if c * pp + rank > 0 else 0.0) - weights[c] for c in range(v)]
+    first = grads or (0.0,) * v
+
+    def walk(held: float, k0: int, k1: int) -> tuple[float, float]:
+        """(held after, most held) over backwards k0..k1-1, in spans where neither stage moves."""
+        cuts = {k0, k1, *range(k0 - k0 % per_round + per_round, k1, per_round)}
+        cuts |= {k for k in range(k0 - (warmup + k0) % per_round + per_round, min(k1, steady), per_round)}
+        cuts |= {steady} if k0 < steady < k1 else set()
+        most = 0.0
+        for a, e in itertools.pairwise(sorted(cuts)):
+            b = v - 1 - (a // per_round) % v
+            f = fwd[((warmup + a) // per_round) % v] if a < steady else 0.0
+            g = first[b] if a < period and a % per_round == 0 else 0.0  # stage b's first backward
+            step = f + bwd[b]
+            most = max(most, held + f, held + f + over[b] + g)
+            if e - a > 1:
+                top = f + max(0.0, over[b])
+                most = max(most, held + g + step + top, held + g + (e - 1 - a) * step + top)
+            held += g + (e - a) * step
+        return held, max(most, held)
+
     rounds, part = divmod(warmup, per_round)  # the warm-up: whole rounds of one stage each, then part of one
     held = peak = per_round * (rounds // v * sum(fwd) + sum(fwd[: rounds % v])) + part * fwd[rounds % v]
-    steady, period = microbatches * v - warmup, per_round * v
-    # The steady phase's first period, in spans where forward k's and backward k's stages both stay put:
-    # in a span the held bytes move by the same amount each step, so a span's most is at one of its ends.
-    n = min(steady, period)
-    cuts = sorted({0, n, *range(0, n, per_round), *range(-warmup % per_round, n, per_round)})
-    spans, grown = [], 0.0  # (first step, last step, held after the first step's forward, per step)
-    for a, e in itertools.pairwise(cuts):
-        f, b = fwd[((warmup + a) // per_round) % v], (a // per_round) % v
-        top = grown + f + max(0.0, over[v - 1 - b])
-        spans.append((a, e - 1, top, f + bwd[v - 1 - b]))
-        grown += (e - a) * (f + bwd[v - 1 - b])
-
-    def most(limit: int) -> float:  # the most held after a forward among the period's first `limit` steps
-        return max(top + max(0.0, (min(last, limit - 1) - a) * step) for a, last, top, step in spans if a < limit)
-
-    whole, rest = divmod(steady, period)
-    if whole:
-        peak = max(peak, held + (whole - 1) * grown + most(n))
-    if rest:
-        peak = max(peak, held + whole * grown + most(rest))
+    held, most = walk(held, 0, period)
+    peak = max(peak, most)
+    if steady > period:  # periodic but for the sends: the last whole period and what is left of one
+        grown = walk(0.0, period, 2 * period)[0]
+        whole, rest = divmod(steady - period, period)
+        if whole:
+            peak = max(peak, walk(held + (whole - 1) * grown, period, 2 * period)[1])
+        held += whole * grown
+        if rest:
+            held, most = walk(held, period, period + rest)
+            peak = max(peak, most)
+    start = max(steady, period)
+    if start < total:  # the backwards left, from their first period on only freeing
+        peak = max(peak, walk(held, start, min(total, start + period))[1])
     return peak
 
 
@@ -380,6 +401,7 @@ def rank_activation_bytes(
     ends: tuple[float, ...] = (),
     send: float = 0.0,
     spent: tuple[float, ...] = (),
+    grads: tuple[float, ...] = (),
 ) -> float:
     """Saved activations a rank holding `layers` layers keeps at its peak: its forwards held at
     once (`held_forwards_bytes` on pipeline rank `pp_rank`), each stage's forward keeping its
@@ -388,8 +410,9 @@ def rank_activation_bytes(
     the c-th stage keeps outside its layers; plus, under full recompute, the one layer whose
     activations the backward rebuilds (under op, what it recomputes beside what it kept). `lo` is
     a layout.rules.Layout; `cache` (one per model, seq and document mask) keeps the per-layer bytes;
-    `send`, `spent`: a stage-boundary tensor's bytes and what each stage's backward holds at its end,
-    to count the sends the schedule holds and the backward's end too (`held_forwards_bytes`)."""
+    `send`, `spent`, `grads`: a stage-boundary tensor's bytes, what each stage's backward holds at
+    its end and what its first backward leaves, to count the sends the schedule holds, the
+    backward's end and the gradients too (`held_forwards_bytes`)."""
 
     def per_layer() -> tuple[float, float, float]:
         args = (m, seq // lo.cp, lo.micro_batch, lo.tp, lo.sequence_parallel)
@@ -408,7 +431,7 @@ def rank_activation_bytes(
     else:
         kept = [checkpointed_layers((n,), every) for n in sizes]
         weights = [one * k + whole * (n - k) + e for n, k, e in zip(sizes, kept, ends, strict=True)]
-    key = (lo.pp_schedule, lo.pp, lo.microbatches(global_batch), tuple(weights), pp_rank, send, spent)
+    key = (lo.pp_schedule, lo.pp, lo.microbatches(global_batch), tuple(weights), pp_rank, send, spent, grads)
     return memo(cache, ("held", *key), lambda: held_forwards_bytes(*key)) + rebuilt
 
 

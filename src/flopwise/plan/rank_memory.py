@@ -158,6 +158,8 @@ def rank_memory(
     other = gathered + _autocast_copies(run, lo, layers, head, compiled, cache)
     work = _working_set(run, lo, head, precision, cache)
     grads, grads_held = step_grads(lo, lo.microbatches(run.global_batch), states.grads)
+    if fsdp2 and lo.pp > 1:  # the held bytes carry the unsharded gradients; the shards come at the end
+        grads_held = False
     return RankMemory(
         params=states.params,
         grads=states.grads,
@@ -235,8 +237,26 @@ def _saved_activations(
     spent = _backward_ends(run, lo, stages or (layers,), embedding, head, precision, compiled, cache)
     boundary = _boundary_bytes(run, lo, precision)
     ends = tuple(e - (boundary if g > 0 else 0.0) for e, g in zip(ends, stage_ids(pp_rank, lo), strict=True))
-    held = in_flight + rank_activation_bytes(*rank, ends, send, spent)
+    grads = _unsharded_grads(run, lo, stages or (layers,), embedding, head, cache)
+    held = in_flight + rank_activation_bytes(*rank, ends, send, spent, grads)
     return saved, held, pipeline_recv_bytes(run, lo, pp_rank, precision)
+
+
+def _unsharded_grads(
+    run: EngineRun, lo: Layout, stages: tuple[int, ...], embedding: bool, head: bool, cache: dict | None
+) -> tuple[float, ...]:
+    """Under FSDP2, the gradients each of a pipeline rank's stages accumulates from its first
+    backward to the step's end: torch's stages turn FSDP2's gradient sync off until their last
+    micro-batch (PipelineStage.backward_maybe_with_nosync, perform_reduce_grad), so FSDP2 keeps
+    them unsharded, in its fp32 reduce dtype (measured: `plan measure` of an interleaved pp 2 ×
+    dp 2 ZeRO-2 run, FSDP::post_backward_reshard's fp32 copies live at both ranks' high-water marks)."""
+    if not lo.fsdp2:
+        return ()
+    n = len(stages)
+    return tuple(
+        4.0 * rank_param_count(run.model, lo, k, embedding and c == 0, head and c == n - 1, cache)
+        for c, k in enumerate(stages)
+    )
 
 
 def _backward_ends(
