@@ -42,6 +42,12 @@ def test_dp_defaults_to_what_is_left():
         ({"parallel.tp": 4}, 4, "exceeds model.n_kv_heads=2"),
         ({"parallel.tp": 2, "parallel.zero": 1}, 4, "use parallel.zero=0, 2 or 3"),
         ({"parallel.pp": 2, "parallel.pp_layers": "[1, 2]"}, 2, "pp_layers"),
+        # torch's DDP reducer asserts in the first backward of a rank running two stages
+        (
+            {"parallel.pp": 2, "parallel.pp_schedule": '"interleaved-1f1b"', "parallel.virtual_stages": 2},
+            4,
+            r"runs 2 stages per rank, which torch's DDP \(parallel.zero=0\) cannot; use parallel.zero=2 or 3",
+        ),
         # the tester's DualPipeV run: torch refused it on every rank after the process groups were up
         (
             {

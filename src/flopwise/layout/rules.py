@@ -283,7 +283,12 @@ def engine_limits(lo: Layout, m: ModelConfig, pp_layers: tuple[int, ...] | list[
       parameters: `_localize_dtensor` then finds none, gradient clipping sees no gradients (norm
       0: the third step's loss leaves one process's, 6.18398 vs 6.18408) and DCP's
       get_model_state_dict raises "model state_dict is empty" at the first checkpoint.
-    ZeRO-0 with tensor parallel runs on FSDP2's replicate (parallel/data.py)."""
+    ZeRO-0 with tensor parallel runs on FSDP2's replicate (parallel/data.py).
+
+    Two stages or more per pipeline rank (interleaved 1F1B, ZB-V, DualPipeV) under DDP (ZeRO 0 or
+    1 without tensor parallel) are refused: torch 2.13's reducer fails in the first backward
+    (checked 2026-12-08, 4 gloo ranks, pp2 × dp2, zero 0 and 1, interleaved and ZB-V: "params_.size()
+    == rebuilt_param_indices_.size() INTERNAL ASSERT FAILED", reducer.cpp:2003); FSDP2 runs them."""
     if lo.pp > 1 and m.tie_embeddings:
         return (
             "model.tie_embeddings=true puts the embedding and the head on different pipeline stages; "
@@ -313,6 +318,11 @@ def engine_limits(lo: Layout, m: ModelConfig, pp_layers: tuple[int, ...] | list[
         return (
             f"parallel.zero=1 with parallel.tp={lo.tp}: torch's ZeroRedundancyOptimizer cannot broadcast "
             "tensor-parallel (DTensor) parameters; use parallel.zero=0, 2 or 3"
+        )
+    if lo.n_stages > lo.pp > 1 and not lo.fsdp2 and lo.dp * lo.cp > 1:
+        return (
+            f"parallel.pp_schedule={lo.pp_schedule} runs {lo.n_stages // lo.pp} stages per rank, which torch's "
+            f"DDP (parallel.zero={lo.zero}) cannot; use parallel.zero=2 or 3, or parallel.dp=1"
         )
     return None
 
