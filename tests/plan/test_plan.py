@@ -713,9 +713,12 @@ def test_plan_measure_nproc_below_one_is_refused(cli):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["llama3-405b/16384", "llama3-70b/1024", "megatron-1t/3072"])
 def test_every_layout_the_search_returns_passes_the_engines_validation(case):
-    """The README's worked searches under the `flopwise` stack: every fitting layout they return
-    is accepted by the engine's own check (`layout.rules.layout_of`, what `flopwise train` runs
-    before building anything), called on the config the planner would write."""
+    """The README's worked searches under the `flopwise` stack: every layout they return is
+    accepted by the engine's own check (`layout.rules.layout_of`, what `flopwise train` runs
+    before building anything), called on the config the planner would write. Megatron's 1T on
+    3,072 A100s fits no layout of this engine: its pipelines would hold torch's receive buffers
+    for every micro-batch and, under FSDP2, each stage's fp32 gradients unsharded (31 GB a rank at
+    pp 128); the best needs 74.0 GiB of 72.0."""
     from flopwise.config.schema import load_config
     from flopwise.layout.rules import layout_of
     from flopwise.plan.planner import layout_config
@@ -743,7 +746,8 @@ def test_every_layout_the_search_returns_passes_the_engines_validation(case):
     res = search_layouts(
         model_shape(cfg.model, seq), get_hardware(hw), int(gpus), seq, batch, STACKS["flopwise"], keep=10**6
     )
-    assert res.fitting > 0 and res.best.fits
+    fits = preset != "megatron-1t"
+    assert res.ranked and (res.fitting > 0) == fits and res.best.fits == fits
     for est in res.ranked[:: max(1, len(res.ranked) // 700)]:
         assert layout_of(layout_config(cfg, est.layout), int(gpus)) == est.layout
 

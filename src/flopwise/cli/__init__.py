@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import logging
 import sys
+import time
 
 import typer
 import typer.core
@@ -61,6 +62,12 @@ app.add_typer(checkpoint.checkpoint_app, name="checkpoint")
 app.add_typer(hardware.app, name="hardware")
 
 # paths no command can use, whatever it does with them: the OS's reason and the fix
+# A rank whose refusal another rank says waits this long before it exits: torchrun stops a job's
+# other ranks as soon as one exits, so a quiet rank leaving first could stop rank 0 before it says
+# why (seen in CI at load: exit 2, nothing said). Rank 0 says it and exits at once; torchrun then
+# stops this rank (SIGTERM, still a refusal to train.agent).
+QUIET_RANK_WAIT_S = 10
+
 BAD_PATHS = {
     errno.ENAMETOOLONG: "choose a shorter name (at most 255 bytes per part of a path)",
     errno.ELOOP: "a symbolic link there points back round to itself: fix or remove the link",
@@ -72,7 +79,8 @@ def main() -> None:
     try:
         app()
     except FlopwiseError as e:
-        if e.quiet:  # already said, by the rank that saw it
+        if e.quiet:  # said by another rank (rank 0): let it say so before this one's exit stops the job
+            time.sleep(QUIET_RANK_WAIT_S)
             sys.exit(2)
         refuse(str(e))
     except OSError as e:  # a path the OS refused that no command turned into its option's error: still one line
