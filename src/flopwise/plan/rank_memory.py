@@ -146,7 +146,7 @@ def rank_memory(
         lambda: rank_model_states(m, lo, layers, embedding, head, shard_rank=shard_rank, dp_rank=dp_rank, cache=cache),
     )
     where = (layers, embedding, head, pp_rank, stages, lo.pp_schedule, lo.pp, lo.n_stages, lo.cp, lo.micro_batch)
-    how = (lo.tp, lo.sequence_parallel, lo.recompute, lo.recompute_every, lo.microbatches(run.global_batch))
+    how = (lo.tp, lo.sequence_parallel, lo.recompute, lo.recompute_every, lo.microbatches(run.global_batch), fsdp2)
     acts, held, received = memo(
         cache,
         ("saved", *where, *how, flash, precision, compiled),
@@ -233,13 +233,13 @@ def _saved_activations(
     saved = rank_activation_bytes(*rank, ends)
     if lo.pp == 1:
         return saved, saved, 0.0
-    send, in_flight = pipeline_send_bytes(run, lo, precision)
+    send, in_flight = _send_bytes(run, lo, precision)
     spent = _backward_ends(run, lo, stages or (layers,), embedding, head, precision, compiled, cache)
     boundary = _boundary_bytes(run, lo, precision)
     ends = tuple(e - (boundary if g > 0 else 0.0) for e, g in zip(ends, stage_ids(pp_rank, lo), strict=True))
     grads = _unsharded_grads(run, lo, stages or (layers,), embedding, head, cache)
     held = in_flight + rank_activation_bytes(*rank, ends, send, spent, grads)
-    return saved, held, pipeline_recv_bytes(run, lo, pp_rank, precision)
+    return saved, held, _recv_bytes(run, lo, pp_rank, precision)
 
 
 def _unsharded_grads(
@@ -299,7 +299,7 @@ def _boundary_bytes(run: EngineRun, lo: Layout, precision: SavedPrecision) -> fl
     return precision.residual * pp_boundary_elements(seq, lo.micro_batch, d, lo.tp, lo.sequence_parallel)
 
 
-def pipeline_send_bytes(run: EngineRun, lo: Layout, precision: SavedPrecision) -> tuple[float, float]:
+def _send_bytes(run: EngineRun, lo: Layout, precision: SavedPrecision) -> tuple[float, float]:
     """(held until the step ends, in flight) bytes of the stage-boundary tensors this engine sends.
     torch's interleaved and GPipe schedules wait on their sends late and each send's Work keeps
     its tensor; `parallel.pipeline.releasing_sends` drops a send's Work once `is_completed`, which
@@ -312,7 +312,7 @@ def pipeline_send_bytes(run: EngineRun, lo: Layout, precision: SavedPrecision) -
     return (one, 0.0) if run.cpu else (0.0, 2 * one)
 
 
-def pipeline_recv_bytes(run: EngineRun, lo: Layout, pp_rank: int, precision: SavedPrecision) -> float:
+def _recv_bytes(run: EngineRun, lo: Layout, pp_rank: int, precision: SavedPrecision) -> float:
     """The receive buffers torch's PipelineStage allocates in its first step and keeps: one
     stage-boundary tensor per micro-batch for each of the rank's stages that receives activations
     (all but the first) and one for each that receives gradients (all but the last)
@@ -438,21 +438,15 @@ def engine_memory(
             stages=load.stages,
         )
         opt_elements = max(opt_elements, r.optimizer / stack.optimizer_state_bytes)
+        resident = r.buffers + r.received + RUNTIME_RESERVE
         mem = {
             "params": r.params,
             "grads": r.grads,
             "optimizer": r.optimizer,
             "activations": r.activations,
-            "other": r.other + r.buffers + r.received + RUNTIME_RESERVE,
+            "other": r.other + resident,
             "step_peak": r.peak,
-            "total": r.params
-            + r.optimizer
-            + r.grads
-            - r.step_grads
-            + r.peak
-            + r.buffers
-            + r.received
-            + RUNTIME_RESERVE,
+            "total": r.params + r.optimizer + r.grads - r.step_grads + r.peak + resident,
         }
         if not worst or mem["total"] > worst["total"]:
             worst = mem
